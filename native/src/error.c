@@ -1,0 +1,20 @@
+/* Per-thread last-error text behind pp_last_error(). */
+#include "pyllama_paged.h"
+#include "pp_internal.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+static _Thread_local char last_error[512];
+
+int pp_fail(int status, const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, args);
+    va_end(args);
+    return status;
+}
+
+const char *pp_last_error(void) { return last_error; }
+
+const char *pp_version(void) { return "0.1.0"; }

@@ -1,0 +1,64 @@
+"""cffi binding of the native library: the one C header is the whole contract."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import cffi
+
+from .errors import NativeError, OutOfBlocksError
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+HEADER_PATH = _PACKAGE_DIR / "include" / "pyllama_paged.h"
+LIBRARY_PATH = _PACKAGE_DIR / "libpyllama_paged.so"
+
+PP_OK = 0
+PP_ERR_INVALID = 1
+PP_ERR_OUT_OF_BLOCKS = 2
+PP_ERR_NO_MEMORY = 3
+PP_ERR_CAPACITY = 4
+
+
+def _cdef_source(header: str) -> str:
+    """The header's declarations, minus comments, preprocessor lines and the C++ guard."""
+    header = re.sub(r"/\*.*?\*/", "", header, flags=re.S)
+    # The C++ guard is the only `extern "C" {` line and the only bare `}` line
+    # (struct and enum bodies close with `} name;` or `};`).
+    keep = [
+        line
+        for line in header.splitlines()
+        if not line.lstrip().startswith("#") and line.strip() not in ('extern "C" {', "}")
+    ]
+    return "\n".join(keep)
+
+
+def _load():
+    if not LIBRARY_PATH.exists():
+        raise ImportError(
+            f"pyllama-paged's native library is missing at {LIBRARY_PATH}: "
+            "install the package with `pip install .` rather than importing the source tree"
+        )
+    ffi = cffi.FFI()
+    ffi.cdef(_cdef_source(HEADER_PATH.read_text()))
+    return ffi, ffi.dlopen(str(LIBRARY_PATH))
+
+
+ffi, lib = _load()
+
+
+def last_error() -> str:
+    """The calling thread's last error text from the native library."""
+    return ffi.string(lib.pp_last_error()).decode("utf-8", "replace")
+
+
+def check(status: int, what: str) -> None:
+    """Raise the exception matching a native status code, with the C error text."""
+    if status == PP_OK:
+        return
+    message = f"{what}: {last_error()}"
+    if status == PP_ERR_OUT_OF_BLOCKS:
+        raise OutOfBlocksError(message)
+    if status == PP_ERR_NO_MEMORY:
+        raise MemoryError(message)
+    raise NativeError(message, status)

@@ -1,0 +1,17 @@
+"""Exceptions raised by pyllama-paged."""
+
+
+class PagedError(Exception):
+    """Base class of every pyllama-paged error."""
+
+
+class NativeError(PagedError):
+    """A native call failed; the message carries the C library's error text."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
+
+
+class OutOfBlocksError(PagedError):
+    """The KV block pool cannot satisfy a request right now (recoverable)."""

@@ -1,0 +1,186 @@
+"""Unit tests of the native block pool, one operation at a time."""
+
+import pytest
+
+from pyllama_paged import BlockPool, BlockState, NativeError, OutOfBlocksError
+
+
+def test_create_rejects_bad_sizes():
+    with pytest.raises(NativeError, match="num_blocks must be >= 1"):
+        BlockPool(0, 16)
+    with pytest.raises(NativeError, match="block_size must be >= 1"):
+        BlockPool(4, 0)
+
+
+def test_create_allocates_whole_blocks_and_slot_mapping():
+    with BlockPool(8, 4) as pool:
+        seq, cached = pool.create_sequence([1, 2, 3, 4, 5, 6])
+        assert cached == 0
+        assert pool.length(seq) == 6
+        table = pool.block_table(seq)
+        assert len(table) == 2
+        assert list(pool.tokens(seq)) == [1, 2, 3, 4, 5, 6]
+        slots = pool.slot_mapping(seq, 0, 6)
+        assert list(slots) == [table[0] * 4 + i for i in range(4)] + [table[1] * 4, table[1] * 4 + 1]
+        s = pool.stats()
+        assert (s.num_used, s.num_free, s.tokens_stored, s.slots_held) == (2, 6, 6, 8)
+
+
+def test_append_allocates_only_when_last_block_full():
+    with BlockPool(8, 4) as pool:
+        seq, _ = pool.create_sequence([1, 2, 3])
+        assert pool.blocks_needed(seq, 1) == 0
+        pool.append(seq, [4])
+        assert len(pool.block_table(seq)) == 1
+        assert pool.blocks_needed(seq, 1) == 1
+        pool.append(seq, [5])
+        assert len(pool.block_table(seq)) == 2
+
+
+def test_fork_shares_blocks_and_cow_copies_last_block():
+    with BlockPool(8, 4) as pool:
+        parent, _ = pool.create_sequence([1, 2, 3, 4, 5, 6])
+        child = pool.fork(parent)
+        assert list(pool.block_table(child)) == list(pool.block_table(parent))
+        assert all(pool.block_info(b).ref_count == 2 for b in pool.block_table(parent))
+        assert pool.stats().num_shared == 2
+        shared_last = pool.block_table(parent)[1]
+        assert pool.blocks_needed(child, 1) == 1
+        copies = pool.append(child, [7])
+        new_last = pool.block_table(child)[1]
+        assert copies == [(shared_last, new_last)]
+        assert new_last != shared_last
+        assert pool.block_info(shared_last).ref_count == 1
+        assert pool.block_table(child)[0] == pool.block_table(parent)[0]
+        # The parent's own append into its now-private last block copies nothing.
+        assert pool.append(parent, [8]) == []
+        assert list(pool.tokens(child)) == [1, 2, 3, 4, 5, 6, 7]
+        assert list(pool.tokens(parent)) == [1, 2, 3, 4, 5, 6, 8]
+        assert pool.stats().num_cow_copies == 1
+
+
+def test_fork_of_full_last_block_needs_no_copy():
+    with BlockPool(8, 4) as pool:
+        parent, _ = pool.create_sequence([1, 2, 3, 4])
+        child = pool.fork(parent)
+        assert pool.append(child, [5]) == []
+        assert pool.block_info(pool.block_table(parent)[0]).ref_count == 2
+
+
+def test_out_of_blocks_is_recoverable_and_changes_nothing():
+    with BlockPool(2, 4) as pool:
+        seq, _ = pool.create_sequence([1, 2, 3, 4, 5])
+        before = pool.stats()
+        with pytest.raises(OutOfBlocksError, match="out of KV blocks"):
+            pool.append(seq, list(range(10)))
+        with pytest.raises(OutOfBlocksError):
+            pool.create_sequence(list(range(9)))
+        assert pool.stats() == before
+        assert pool.length(seq) == 5
+        pool.append(seq, [6, 7, 8])  # still usable afterwards
+        pool.free(seq)
+        assert pool.num_allocatable == 2
+
+
+def test_unknown_sequence_names_the_id():
+    with BlockPool(2, 4) as pool:
+        with pytest.raises(NativeError, match="unknown sequence id 7"):
+            pool.append(7, [1])
+        seq, _ = pool.create_sequence([1])
+        pool.free(seq)
+        with pytest.raises(NativeError, match=f"unknown sequence id {seq}"):
+            pool.free(seq)
+
+
+def test_prefix_cache_reuses_full_blocks_after_free():
+    with BlockPool(8, 4) as pool:
+        prompt = [10, 11, 12, 13, 14, 15, 16, 17, 18]
+        a, cached = pool.create_sequence(prompt)
+        assert cached == 0
+        table_a = list(pool.block_table(a))
+        pool.free(a)
+        s = pool.stats()
+        assert s.num_cached == 2 and s.num_used == 0
+        assert pool.block_info(table_a[0]).state == BlockState.CACHED
+        b, cached = pool.create_sequence(prompt)
+        assert cached == 8
+        assert list(pool.block_table(b))[:2] == table_a[:2]
+        s = pool.stats()
+        assert s.num_hits == 2 and s.num_misses == 2 and s.num_cached == 0
+
+
+def test_prefix_cache_shares_blocks_between_live_sequences():
+    with BlockPool(8, 4) as pool:
+        system = [1, 2, 3, 4, 5, 6, 7, 8]
+        a, _ = pool.create_sequence(system + [9])
+        b, cached = pool.create_sequence(system + [20, 21])
+        assert cached == 8
+        assert list(pool.block_table(a))[:2] == list(pool.block_table(b))[:2]
+        assert pool.stats().num_shared == 2
+        assert pool.stats().tokens_logical == 9 + 10
+        assert pool.stats().tokens_stored == 8 + 1 + 2
+
+
+def test_prefix_cache_misses_on_a_different_earlier_block():
+    with BlockPool(8, 4) as pool:
+        a, _ = pool.create_sequence([1, 2, 3, 4, 5, 6, 7, 8])
+        b, cached = pool.create_sequence([9, 2, 3, 4, 5, 6, 7, 8])
+        assert cached == 0  # the second block's hash chains through the first
+        assert not set(pool.block_table(a)) & set(pool.block_table(b))
+
+
+def test_cached_blocks_are_evicted_lru_when_memory_is_needed():
+    with BlockPool(4, 2) as pool:
+        a, _ = pool.create_sequence([1, 2])
+        b, _ = pool.create_sequence([3, 4])
+        block_a, block_b = pool.block_table(a)[0], pool.block_table(b)[0]
+        pool.free(a)
+        pool.free(b)
+        assert pool.num_allocatable == 4
+        c, _ = pool.create_sequence([5, 6, 7, 8, 9, 10])  # 3 blocks: 2 free + evict oldest
+        assert pool.stats().num_evictions == 1
+        assert pool.block_info(block_a).state == BlockState.USED  # a was older: evicted, reused
+        assert pool.block_info(block_b).state == BlockState.CACHED
+        _, cached = pool.create_sequence([3, 4])
+        assert cached == 2
+
+
+def test_explicit_evict_and_reset():
+    with BlockPool(4, 2) as pool:
+        a, _ = pool.create_sequence([1, 2, 3, 4])
+        pool.free(a)
+        assert pool.evict(1) == 1
+        assert pool.stats().num_cached == 1
+        pool.reset_prefix_cache()
+        s = pool.stats()
+        assert s.num_cached == 0 and s.num_free == 4
+        _, cached = pool.create_sequence([1, 2, 3, 4])
+        assert cached == 0
+
+
+def test_hash_chain_is_deterministic_and_parent_sensitive():
+    h1 = BlockPool.hash_block(0, [1, 2, 3])
+    assert h1 == BlockPool.hash_block(0, [1, 2, 3])
+    assert h1 != BlockPool.hash_block(0, [1, 2, 4])
+    assert BlockPool.hash_block(h1, [5]) != BlockPool.hash_block(0, [5])
+    with BlockPool(4, 3) as pool:
+        seq, _ = pool.create_sequence([1, 2, 3, 5, 6, 7])
+        t = pool.block_table(seq)
+        assert pool.block_info(t[0]).hash == h1
+        assert pool.block_info(t[1]).hash == BlockPool.hash_block(h1, [5, 6, 7])
+
+
+def test_empty_sequence_and_many_sequences():
+    with BlockPool(64, 1) as pool:
+        ids = [pool.create_sequence([])[0] for _ in range(100)]
+        assert len(set(ids)) == 100
+        for i in ids:
+            pool.free(i)
+        assert pool.stats().num_seqs == 0
+
+
+def test_closed_pool_raises():
+    pool = BlockPool(2, 2)
+    pool.close()
+    with pytest.raises(Exception, match="closed"):
+        pool.stats()
