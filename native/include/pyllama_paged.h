@@ -166,6 +166,130 @@ int pp_seq_tokens(const pp_block_pool *pool, int32_t seq_id, int32_t *out,
 int pp_seq_slot_mapping(const pp_block_pool *pool, int32_t seq_id, int32_t start,
                         int32_t count, int32_t *out);
 
+/* ---- model -------------------------------------------------------------- */
+
+/* Architectures the graph builder knows. */
+enum pp_arch {
+    PP_ARCH_LLAMA  = 0,   /* Llama 2/3, Mistral, TinyLlama, SmolLM */
+    PP_ARCH_QWEN2  = 1,   /* q/k/v biases */
+    PP_ARCH_QWEN3  = 2,   /* per-head q/k RMS norm */
+    PP_ARCH_GEMMA3 = 3    /* q/k norm, post norms, sliding-window layers, GELU, scaled embeddings */
+};
+
+/* Hyper-parameters, read from the GGUF metadata by the caller. */
+typedef struct pp_model_hparams {
+    int32_t arch;                /* enum pp_arch */
+    int32_t n_layer;
+    int32_t n_embd;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t head_dim;            /* key (and value) head size */
+    int32_t n_ff;
+    int32_t n_vocab;
+    int32_t n_ctx_train;
+    int32_t rope_type;           /* 0 = NORMAL (adjacent pairs), 2 = NEOX (halves) */
+    float   rope_freq_base;      /* global-attention layers */
+    float   rope_freq_scale;     /* 1 / linear scaling factor */
+    float   rope_freq_base_swa;  /* sliding-window layers */
+    float   rms_eps;
+    float   attn_scale;          /* multiplies q.k before softmax */
+    float   embd_scale;          /* multiplies token embeddings (1 unless gemma) */
+    float   final_logit_softcap; /* 0 = none */
+    const int32_t *layer_window; /* n_layer entries: 0 = full attention, else window in tokens;
+                                    copied at pp_model_create */
+} pp_model_hparams;
+
+typedef struct pp_model pp_model;
+
+/* Create an empty model for these hyper-parameters; weights are attached
+ * with pp_model_set_tensor. PP_ERR_INVALID names the bad field. */
+int pp_model_create(const pp_model_hparams *hparams, pp_model **out);
+
+/* Destroy a model. NULL is accepted. Contexts and caches using it must be
+ * destroyed first. */
+void pp_model_destroy(pp_model *model);
+
+/* Attach one weight tensor by its GGUF name. type is a ggml_type value,
+ * ne the GGML shape (ne[0] = row length), data the tensor's bytes. data is
+ * borrowed for the model's whole life (the caller keeps the file mapped).
+ * Unknown names are ignored (*used = 0); a known name with the wrong shape
+ * or an unsupported type fails with a message naming the tensor. */
+int pp_model_set_tensor(pp_model *model, const char *name, int32_t type,
+                        const int64_t *ne, int32_t n_dims, const void *data, int32_t *used);
+
+/* Check that every tensor the architecture needs is attached; the error
+ * names the first missing one. Must succeed before a context is created. */
+int pp_model_finalize(pp_model *model);
+
+/* ---- KV cache ----------------------------------------------------------- */
+
+typedef struct pp_kv_cache pp_kv_cache;
+
+/* K and V pools of num_blocks * block_size token rows per layer, of
+ * kv_type (a ggml_type: F16, Q8_0 or Q4_0). For paged=0 each block is one
+ * sequence's contiguous slab (block_size = n_ctx) and attention uses GGML's
+ * own flash-attention op instead of the paged kernel. Fails with
+ * PP_ERR_INVALID naming the problem (e.g. a head size that is not whole
+ * quantization groups), PP_ERR_NO_MEMORY if the pools cannot be allocated. */
+int pp_kv_cache_create(const pp_model *model, int32_t kv_type, int32_t num_blocks,
+                       int32_t block_size, int32_t paged, pp_kv_cache **out);
+
+void pp_kv_cache_destroy(pp_kv_cache *cache);
+
+/* Bytes of K plus V one token occupies across all layers. */
+int64_t pp_kv_cache_bytes_per_token(const pp_kv_cache *cache);
+
+/* Copy whole blocks (all layers, K and V): the copy-on-write pairs the
+ * block pool reported. Pairs are validated before any copy is made. */
+int pp_kv_cache_copy_blocks(pp_kv_cache *cache, const pp_block_copy *copies, int32_t n_copies);
+
+/* Copy one block's K and V rows (all layers) out to host memory `dst` of
+ * pp_kv_cache_bytes_per_token * block_size bytes, or back in. */
+int pp_kv_cache_read_block(const pp_kv_cache *cache, int32_t block_id, void *dst);
+int pp_kv_cache_write_block(pp_kv_cache *cache, int32_t block_id, const void *src);
+
+/* ---- forward step ------------------------------------------------------- */
+
+/* One batched forward step over any mix of sequences. Token i belongs to
+ * sequence seq_index[i] (a row of block_tables), sits at position
+ * positions[i] and its K/V go to slot_mapping[i]. Tokens of one sequence
+ * are contiguous and in position order; every earlier position of each
+ * sequence is already in the cache. block_tables is n_seqs rows of
+ * max_blocks_per_seq block ids (unused entries -1). Logits are returned
+ * for the token indices in logit_rows. */
+typedef struct pp_batch {
+    int32_t        n_tokens;
+    const int32_t *token_ids;
+    const int32_t *positions;
+    const int32_t *slot_mapping;
+    const int32_t *seq_index;
+    int32_t        n_seqs;
+    const int32_t *block_tables;
+    int32_t        max_blocks_per_seq;
+    int32_t        n_logits;
+    const int32_t *logit_rows;
+} pp_batch;
+
+typedef struct pp_context pp_context;
+
+/* A compute context: n_threads worker threads, room for max_batch_tokens
+ * tokens per step. model and cache are borrowed and must outlive it. */
+int pp_context_create(pp_model *model, pp_kv_cache *cache, int32_t n_threads,
+                      int32_t max_batch_tokens, pp_context **out);
+
+void pp_context_destroy(pp_context *ctx);
+
+/* Change the number of worker threads. */
+int pp_context_set_threads(pp_context *ctx, int32_t n_threads);
+
+/* Run one step; logits receives n_logits * n_vocab floats (row-major).
+ * PP_ERR_INVALID (nothing computed, cache untouched) for a malformed batch:
+ * out-of-range ids, slots, positions or sequence indices. */
+int pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);
+
+/* Description of the GGML build this library runs on (CPU features). */
+const char *pp_ggml_build_info(void);
+
 #ifdef __cplusplus
 }
 #endif

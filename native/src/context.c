@@ -1,0 +1,202 @@
+/* One compute context: the CPU backend (GGML's thread pool), the graph
+ * allocator reused across steps, and the per-step input upload. */
+#include "engine_internal.h"
+#include "pp_internal.h"
+#include "ggml-cpu.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct pp_context {
+    pp_model            *model;
+    pp_kv_cache         *cache;
+    ggml_backend_t       backend;
+    ggml_gallocr_t       galloc;
+    void                *meta_buf;     /* graph metadata arena, reused each step */
+    size_t               meta_size;
+    int32_t              max_batch_tokens;
+    pp_attention_params *layer_params;
+};
+
+int pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
+                      int32_t max_batch_tokens, pp_context **out) {
+    if (!m || !cache || !out) return pp_fail(PP_ERR_INVALID, "pp_context_create: NULL argument");
+    *out = NULL;
+    if (!m->finalized) return pp_fail(PP_ERR_INVALID, "model not finalized (missing tensors?)");
+    if (cache->model != m) return pp_fail(PP_ERR_INVALID, "KV cache was made for another model");
+    if (n_threads < 1 || max_batch_tokens < 1)
+        return pp_fail(PP_ERR_INVALID, "n_threads and max_batch_tokens must be >= 1 (got %d, %d)",
+                       n_threads, max_batch_tokens);
+    pp_context *c = calloc(1, sizeof *c);
+    if (!c) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate a context");
+    c->model = m;
+    c->cache = cache;
+    c->max_batch_tokens = max_batch_tokens;
+    c->meta_size = ggml_tensor_overhead() * PP_MAX_GRAPH_NODES +
+                   ggml_graph_overhead_custom(PP_MAX_GRAPH_NODES, false);
+    c->meta_buf = malloc(c->meta_size);
+    c->layer_params = calloc((size_t)m->hp.n_layer, sizeof *c->layer_params);
+    c->backend = ggml_backend_cpu_init();
+    c->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
+    if (!c->meta_buf || !c->layer_params || !c->backend || !c->galloc) {
+        pp_context_destroy(c);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute context");
+    }
+    ggml_backend_cpu_set_n_threads(c->backend, n_threads);
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        pp_attention_params *ap = &c->layer_params[il];
+        ap->block_size = cache->block_size;
+        ap->window = m->layer_window[il];
+        ap->scale = m->hp.attn_scale;
+        ap->n_head = m->hp.n_head;
+        ap->n_head_kv = m->hp.n_head_kv;
+        ap->head_dim = m->hp.head_dim;
+    }
+    *out = c;
+    return PP_OK;
+}
+
+void pp_context_destroy(pp_context *c) {
+    if (!c) return;
+    if (c->galloc) ggml_gallocr_free(c->galloc);
+    if (c->backend) ggml_backend_free(c->backend);
+    free(c->meta_buf);
+    free(c->layer_params);
+    free(c);
+}
+
+int pp_context_set_threads(pp_context *c, int32_t n_threads) {
+    if (!c || n_threads < 1) return pp_fail(PP_ERR_INVALID, "n_threads must be >= 1");
+    ggml_backend_cpu_set_n_threads(c->backend, n_threads);
+    return PP_OK;
+}
+
+int pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *b) {
+    if (!b || b->n_tokens < 1 || !b->token_ids || !b->positions || !b->slot_mapping ||
+        !b->seq_index || !b->block_tables || b->n_seqs < 1 || b->max_blocks_per_seq < 1 ||
+        b->n_logits < 0 || (b->n_logits > 0 && !b->logit_rows))
+        return pp_fail(PP_ERR_INVALID, "malformed batch (empty or missing arrays)");
+    for (int i = 0; i < b->n_seqs * b->max_blocks_per_seq; i++)
+        if (b->block_tables[i] < -1 || b->block_tables[i] >= cache->num_blocks)
+            return pp_fail(PP_ERR_INVALID, "block table entry %d = %d outside the pool of %d blocks",
+                           i, b->block_tables[i], cache->num_blocks);
+    const int64_t bs = cache->block_size;
+    for (int i = 0; i < b->n_tokens; i++) {
+        const int s = b->seq_index[i], pos = b->positions[i];
+        if (b->token_ids[i] < 0 || b->token_ids[i] >= m->hp.n_vocab)
+            return pp_fail(PP_ERR_INVALID, "token %d: id %d outside the vocabulary of %d", i,
+                           b->token_ids[i], m->hp.n_vocab);
+        if (s < 0 || s >= b->n_seqs)
+            return pp_fail(PP_ERR_INVALID, "token %d: sequence index %d outside [0, %d)", i, s, b->n_seqs);
+        if (i > 0 && s != b->seq_index[i - 1]) {
+            for (int j = 0; j < i; j++)
+                if (b->seq_index[j] == s)
+                    return pp_fail(PP_ERR_INVALID, "tokens of sequence %d are not contiguous", s);
+        } else if (i > 0 && pos <= b->positions[i - 1]) {
+            return pp_fail(PP_ERR_INVALID, "token %d: positions of a sequence must increase", i);
+        }
+        if (pos < 0 || pos / bs >= b->max_blocks_per_seq)
+            return pp_fail(PP_ERR_INVALID, "token %d: position %d beyond the block table", i, pos);
+        const int32_t *table = b->block_tables + (size_t)s * b->max_blocks_per_seq;
+        if (cache->paged) {
+            for (int blk = 0; blk <= pos / bs; blk++)
+                if (table[blk] < 0)
+                    return pp_fail(PP_ERR_INVALID, "token %d: no block for position %d", i, blk * (int)bs);
+            if (b->slot_mapping[i] != table[pos / bs] * bs + pos % bs)
+                return pp_fail(PP_ERR_INVALID, "token %d: slot %d does not match the block table", i,
+                               b->slot_mapping[i]);
+        } else {
+            if (table[0] < 0 || pos >= bs)
+                return pp_fail(PP_ERR_INVALID, "token %d: position %d outside its slab of %d", i, pos, (int)bs);
+            if (b->slot_mapping[i] != table[0] * bs + pos)
+                return pp_fail(PP_ERR_INVALID, "token %d: slot %d does not match its slab", i,
+                               b->slot_mapping[i]);
+        }
+    }
+    for (int i = 0; i < b->n_logits; i++)
+        if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tokens)
+            return pp_fail(PP_ERR_INVALID, "logit row %d outside the batch of %d tokens",
+                           b->logit_rows[i], b->n_tokens);
+    return PP_OK;
+}
+
+/* Fill the slab path's masks: "mask.<first token>.<windowed>" per sequence
+ * run; windowed layers of one model share a single window size. */
+static void fill_masks(struct ggml_cgraph *gf, const pp_batch *b, int swa_window) {
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg = ggml_fp32_to_fp16(-INFINITY);
+    for (int t0 = 0; t0 < b->n_tokens;) {
+        int t1 = t0;
+        while (t1 < b->n_tokens && b->seq_index[t1] == b->seq_index[t0]) t1++;
+        for (int windowed = 0; windowed < 2; windowed++) {
+            char name[32];
+            snprintf(name, sizeof name, "mask.%d.%d", t0, windowed);
+            struct ggml_tensor *mask = ggml_graph_get_tensor(gf, name);
+            if (!mask) continue;
+            const int window = windowed ? swa_window : 0;
+            ggml_fp16_t *data = mask->data;
+            const int64_t n_kv = mask->ne[0];
+            for (int i = t0; i < t1; i++) {
+                const int pos = b->positions[i];
+                for (int64_t k = 0; k < n_kv; k++) {
+                    const int visible = k <= pos && (window <= 0 || pos - k < window);
+                    data[(i - t0) * n_kv + k] = visible ? zero : neg;
+                }
+            }
+        }
+        t0 = t1;
+    }
+}
+
+int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
+    if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_decode: context is NULL");
+    int st = pp_check_batch(c->model, c->cache, b);
+    if (st != PP_OK) return st;
+    if (b->n_tokens > c->max_batch_tokens)
+        return pp_fail(PP_ERR_INVALID, "batch of %d tokens exceeds max_batch_tokens %d", b->n_tokens,
+                       c->max_batch_tokens);
+    if (b->n_logits > 0 && !logits) return pp_fail(PP_ERR_INVALID, "logits buffer is NULL");
+    const pp_model *m = c->model;
+    int swa_window = 0;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        c->layer_params[il].batch = b;
+        if (m->layer_window[il] > swa_window) swa_window = m->layer_window[il];
+    }
+
+    struct ggml_init_params params = {.mem_size = c->meta_size, .mem_buffer = c->meta_buf, .no_alloc = true};
+    struct ggml_context *ctx = ggml_init(params);
+    if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
+    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params);
+    if (!ggml_gallocr_alloc_graph(c->galloc, gf)) {
+        ggml_free(ctx);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the compute buffer for %d tokens", b->n_tokens);
+    }
+    memcpy(ggml_graph_get_tensor(gf, "tokens")->data, b->token_ids, sizeof(int32_t) * b->n_tokens);
+    memcpy(ggml_graph_get_tensor(gf, "positions")->data, b->positions, sizeof(int32_t) * b->n_tokens);
+    int64_t *slots = ggml_graph_get_tensor(gf, "slots")->data;
+    for (int i = 0; i < b->n_tokens; i++) slots[i] = b->slot_mapping[i];
+    if (b->n_logits > 0)
+        memcpy(ggml_graph_get_tensor(gf, "logit_rows")->data, b->logit_rows, sizeof(int32_t) * b->n_logits);
+    if (!c->cache->paged) fill_masks(gf, b, swa_window);
+
+    enum ggml_status status = ggml_backend_graph_compute(c->backend, gf);
+    if (status != GGML_STATUS_SUCCESS) {
+        ggml_free(ctx);
+        return pp_fail(PP_ERR_INVALID, "graph compute failed with GGML status %d", (int)status);
+    }
+    if (b->n_logits > 0) {
+        struct ggml_tensor *out = ggml_graph_get_tensor(gf, "logits");
+        memcpy(logits, out->data, sizeof(float) * (size_t)b->n_logits * m->hp.n_vocab);
+    }
+    ggml_free(ctx);
+    return PP_OK;
+}
+
+const char *pp_ggml_build_info(void) {
+    static char info[256];
+    snprintf(info, sizeof info, "ggml %s; cpu: avx=%d avx2=%d f16c=%d fma=%d avx512=%d avx512_vnni=%d",
+             ggml_version(), ggml_cpu_has_avx(), ggml_cpu_has_avx2(), ggml_cpu_has_f16c(),
+             ggml_cpu_has_fma(), ggml_cpu_has_avx512(), ggml_cpu_has_avx512_vnni());
+    return info;
+}

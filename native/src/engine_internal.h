@@ -1,0 +1,73 @@
+/* Structures shared by the model, KV cache, graph and kernel sources. */
+#ifndef PP_ENGINE_INTERNAL_H
+#define PP_ENGINE_INTERNAL_H
+
+#include "pyllama_paged.h"
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+
+typedef struct pp_layer {
+    struct ggml_tensor *attn_norm;
+    struct ggml_tensor *wq, *wk, *wv, *wo;
+    struct ggml_tensor *bq, *bk, *bv;
+    struct ggml_tensor *q_norm, *k_norm;
+    struct ggml_tensor *post_attn_norm;
+    struct ggml_tensor *ffn_norm;
+    struct ggml_tensor *ffn_gate, *ffn_up, *ffn_down;
+    struct ggml_tensor *post_ffw_norm;
+} pp_layer;
+
+struct pp_model {
+    pp_model_hparams    hp;
+    int32_t            *layer_window;
+    struct ggml_context *weights;   /* tensor metadata only; data is borrowed */
+    struct ggml_tensor *tok_embd;
+    struct ggml_tensor *output_norm;
+    struct ggml_tensor *output;     /* NULL: tied to tok_embd */
+    pp_layer           *layers;
+    int                 finalized;
+};
+
+struct pp_kv_cache {
+    const pp_model      *model;
+    enum ggml_type       type;
+    int32_t              num_blocks;
+    int32_t              block_size;
+    int32_t              paged;
+    int64_t              num_slots;
+    struct ggml_context *meta;
+    ggml_backend_buffer_t buffer;
+    struct ggml_tensor **k;         /* per layer: [n_embd_kv, num_slots] */
+    struct ggml_tensor **v;
+};
+
+/* What the paged-attention operator of one layer needs besides its tensors.
+ * Points at the step's host-side batch, valid while the graph computes. */
+typedef struct pp_attention_params {
+    const pp_batch *batch;
+    int32_t block_size;
+    int32_t window;        /* 0: full causal attention */
+    float   scale;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t head_dim;
+} pp_attention_params;
+
+/* The CPU paged-attention operator (ggml_custom_4d callback).
+ * dst: [head_dim, n_head, n_tokens] f32; src[0] q with the same shape;
+ * src[1], src[2]: the layer's K and V pools after this step's writes. */
+void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
+
+int pp_check_batch(const pp_model *model, const pp_kv_cache *cache, const pp_batch *batch);
+
+/* Build the forward graph of one step. Inputs are created with
+ * ggml_set_input and named "tokens", "positions", "slots", "logit_rows",
+ * and "mask.<s>" (non-paged only); the output is named "logits". */
+struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *model,
+                                   const pp_kv_cache *cache, const pp_batch *batch,
+                                   pp_attention_params *layer_params);
+
+#define PP_MAX_GRAPH_NODES 8192
+
+#endif

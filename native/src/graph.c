@@ -1,0 +1,143 @@
+/* The forward graph of one step for the supported architectures: plain
+ * GGML ops for everything but attention, which is either our paged
+ * operator (paged caches) or GGML's flash attention over a sequence's
+ * contiguous slab (the paged=False baseline). */
+#include "engine_internal.h"
+
+#include <math.h>
+#include <stdio.h>
+
+static struct ggml_tensor *norm(struct ggml_context *ctx, struct ggml_tensor *x,
+                                struct ggml_tensor *weight, float eps) {
+    return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), weight);
+}
+
+static struct ggml_tensor *input(struct ggml_context *ctx, enum ggml_type type, int64_t n,
+                                 const char *name) {
+    struct ggml_tensor *t = ggml_new_tensor_1d(ctx, type, n);
+    ggml_set_name(t, name);
+    ggml_set_input(t);
+    return t;
+}
+
+/* GGML flash attention of each sequence's queries over its slab. */
+static struct ggml_tensor *slab_attention(struct ggml_context *ctx, const pp_kv_cache *cache,
+                                          const pp_batch *batch, struct ggml_tensor *q,
+                                          struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
+                                          const pp_attention_params *ap) {
+    struct ggml_tensor *out = NULL;
+    const size_t head_bytes = ggml_row_size(cache->type, ap->head_dim);
+    for (int t0 = 0; t0 < batch->n_tokens;) {
+        const int s = batch->seq_index[t0];
+        int t1 = t0;
+        while (t1 < batch->n_tokens && batch->seq_index[t1] == s) t1++;
+        const int n_q = t1 - t0;
+        const int n_kv = batch->positions[t1 - 1] + 1;
+        const int64_t slab = batch->block_tables[(size_t)s * batch->max_blocks_per_seq];
+        const size_t offset = (size_t)slab * cache->block_size * k_pool->nb[1];
+        struct ggml_tensor *qs = ggml_view_3d(ctx, q, ap->head_dim, ap->n_head, n_q, q->nb[1],
+                                              q->nb[2], (size_t)t0 * q->nb[2]);
+        qs = ggml_permute(ctx, qs, 0, 2, 1, 3);  /* [head_dim, n_q, n_head] */
+        struct ggml_tensor *ks = ggml_view_3d(ctx, k_pool, ap->head_dim, n_kv, ap->n_head_kv,
+                                              k_pool->nb[1], head_bytes, offset);
+        struct ggml_tensor *vs = ggml_view_3d(ctx, v_pool, ap->head_dim, n_kv, ap->n_head_kv,
+                                              v_pool->nb[1], head_bytes, offset);
+        /* Layers share masks: one per sequence run and window kind. */
+        char name[32];
+        snprintf(name, sizeof name, "mask.%d.%d", t0, ap->window > 0);
+        struct ggml_tensor *mask = ggml_get_tensor(ctx, name);
+        if (!mask) {
+            mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_q);
+            ggml_set_name(mask, name);
+            ggml_set_input(mask);
+        }
+        struct ggml_tensor *o = ggml_flash_attn_ext(ctx, qs, ks, vs, mask, ap->scale, 0.0f, 0.0f);
+        ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
+        out = out ? ggml_concat(ctx, out, o, 2) : o;  /* [head_dim, n_head, tokens] */
+        t0 = t1;
+    }
+    return out;
+}
+
+struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
+                                   const pp_kv_cache *cache, const pp_batch *batch,
+                                   pp_attention_params *layer_params) {
+    const pp_model_hparams *hp = &m->hp;
+    const int n_tokens = batch->n_tokens;
+    const int head_dim = hp->head_dim;
+    struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, PP_MAX_GRAPH_NODES, false);
+
+    struct ggml_tensor *tokens = input(ctx, GGML_TYPE_I32, n_tokens, "tokens");
+    struct ggml_tensor *positions = input(ctx, GGML_TYPE_I32, n_tokens, "positions");
+    struct ggml_tensor *slots = input(ctx, GGML_TYPE_I64, n_tokens, "slots");
+    struct ggml_tensor *logit_rows = input(ctx, GGML_TYPE_I32, batch->n_logits, "logit_rows");
+
+    struct ggml_tensor *x = ggml_get_rows(ctx, m->tok_embd, tokens);
+    if (hp->embd_scale != 1.0f) x = ggml_scale(ctx, x, hp->embd_scale);
+
+    for (int il = 0; il < hp->n_layer; il++) {
+        const pp_layer *L = &m->layers[il];
+        pp_attention_params *ap = &layer_params[il];
+        struct ggml_tensor *cur = norm(ctx, x, L->attn_norm, hp->rms_eps);
+
+        struct ggml_tensor *q = ggml_mul_mat(ctx, L->wq, cur);
+        struct ggml_tensor *k = ggml_mul_mat(ctx, L->wk, cur);
+        struct ggml_tensor *v = ggml_mul_mat(ctx, L->wv, cur);
+        if (L->bq) q = ggml_add(ctx, q, L->bq);
+        if (L->bk) k = ggml_add(ctx, k, L->bk);
+        if (L->bv) v = ggml_add(ctx, v, L->bv);
+        q = ggml_reshape_3d(ctx, q, head_dim, hp->n_head, n_tokens);
+        k = ggml_reshape_3d(ctx, k, head_dim, hp->n_head_kv, n_tokens);
+        if (L->q_norm) q = norm(ctx, q, L->q_norm, hp->rms_eps);
+        if (L->k_norm) k = norm(ctx, k, L->k_norm, hp->rms_eps);
+        const float base = m->layer_window[il] > 0 ? hp->rope_freq_base_swa : hp->rope_freq_base;
+        const float freq_scale = m->layer_window[il] > 0 ? 1.0f : hp->rope_freq_scale;
+        q = ggml_rope_ext(ctx, q, positions, NULL, head_dim, hp->rope_type, hp->n_ctx_train,
+                          base, freq_scale, 0.0f, 1.0f, 0.0f, 0.0f);
+        k = ggml_rope_ext(ctx, k, positions, NULL, head_dim, hp->rope_type, hp->n_ctx_train,
+                          base, freq_scale, 0.0f, 1.0f, 0.0f, 0.0f);
+
+        /* Write this step's K/V rows to their slots before attention reads them. */
+        struct ggml_tensor *k_rows = ggml_reshape_2d(ctx, k, head_dim * hp->n_head_kv, n_tokens);
+        struct ggml_tensor *v_rows = ggml_reshape_2d(ctx, ggml_cont(ctx, v), head_dim * hp->n_head_kv,
+                                                     n_tokens);
+        struct ggml_tensor *k_pool = ggml_set_rows(ctx, cache->k[il], k_rows, slots);
+        struct ggml_tensor *v_pool = ggml_set_rows(ctx, cache->v[il], v_rows, slots);
+        ggml_build_forward_expand(gf, k_pool);
+        ggml_build_forward_expand(gf, v_pool);
+
+        struct ggml_tensor *attn;
+        if (cache->paged) {
+            struct ggml_tensor *args[3] = {q, k_pool, v_pool};
+            attn = ggml_custom_4d(ctx, GGML_TYPE_F32, head_dim, hp->n_head, n_tokens, 1, args, 3,
+                                  pp_paged_attention_cpu, GGML_N_TASKS_MAX, ap);
+        } else {
+            attn = slab_attention(ctx, cache, batch, q, k_pool, v_pool, ap);
+        }
+        cur = ggml_mul_mat(ctx, L->wo, ggml_reshape_2d(ctx, attn, head_dim * hp->n_head, n_tokens));
+        if (L->post_attn_norm) cur = norm(ctx, cur, L->post_attn_norm, hp->rms_eps);
+        x = ggml_add(ctx, cur, x);
+
+        cur = norm(ctx, x, L->ffn_norm, hp->rms_eps);
+        struct ggml_tensor *gate = ggml_mul_mat(ctx, L->ffn_gate, cur);
+        struct ggml_tensor *up = ggml_mul_mat(ctx, L->ffn_up, cur);
+        cur = hp->arch == PP_ARCH_GEMMA3 ? ggml_geglu_split(ctx, gate, up) : ggml_swiglu_split(ctx, gate, up);
+        cur = ggml_mul_mat(ctx, L->ffn_down, cur);
+        if (L->post_ffw_norm) cur = norm(ctx, cur, L->post_ffw_norm, hp->rms_eps);
+        x = ggml_add(ctx, cur, x);
+    }
+
+    /* Only the rows whose logits were asked for go through the output head. */
+    x = ggml_get_rows(ctx, x, logit_rows);
+    x = norm(ctx, x, m->output_norm, hp->rms_eps);
+    struct ggml_tensor *logits = ggml_mul_mat(ctx, m->output ? m->output : m->tok_embd, x);
+    if (hp->final_logit_softcap > 0.0f) {
+        logits = ggml_scale(ctx, logits, 1.0f / hp->final_logit_softcap);
+        logits = ggml_tanh(ctx, logits);
+        logits = ggml_scale(ctx, logits, hp->final_logit_softcap);
+    }
+    ggml_set_name(logits, "logits");
+    ggml_set_output(logits);
+    ggml_build_forward_expand(gf, logits);
+    return gf;
+}

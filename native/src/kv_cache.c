@@ -1,0 +1,125 @@
+/* KV pools: per layer one K and one V tensor of token rows, indexed by slot
+ * (physical block id * block_size + offset). Each token row holds all KV
+ * heads, so a quantized row is whole quantization groups along the head
+ * dimension and a page never shares a group with another page. */
+#include "engine_internal.h"
+#include "pp_internal.h"
+#include "ggml-cpu.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+int pp_kv_cache_create(const pp_model *m, int32_t kv_type, int32_t num_blocks,
+                       int32_t block_size, int32_t paged, pp_kv_cache **out) {
+    if (!m || !out) return pp_fail(PP_ERR_INVALID, "pp_kv_cache_create: NULL argument");
+    *out = NULL;
+    enum ggml_type type = (enum ggml_type)kv_type;
+    if (type != GGML_TYPE_F16 && type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q4_0)
+        return pp_fail(PP_ERR_INVALID, "KV cache type %d unsupported: use f16, q8_0 or q4_0", kv_type);
+    if (num_blocks < 1 || block_size < 1)
+        return pp_fail(PP_ERR_INVALID, "KV cache needs num_blocks >= 1 and block_size >= 1 (got %d, %d)",
+                       num_blocks, block_size);
+    const int64_t head_dim = m->hp.head_dim;
+    if (head_dim % ggml_blck_size(type) != 0)
+        return pp_fail(PP_ERR_INVALID, "KV cache type %s quantizes groups of %lld values; head size %lld "
+                       "is not a whole number of groups", ggml_type_name(type),
+                       (long long)ggml_blck_size(type), (long long)head_dim);
+    const int n_layer = m->hp.n_layer;
+    pp_kv_cache *c = calloc(1, sizeof *c);
+    if (!c) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the KV cache");
+    c->model = m;
+    c->type = type;
+    c->num_blocks = num_blocks;
+    c->block_size = block_size;
+    c->paged = paged;
+    c->num_slots = (int64_t)num_blocks * block_size;
+    c->k = calloc((size_t)n_layer, sizeof *c->k);
+    c->v = calloc((size_t)n_layer, sizeof *c->v);
+    struct ggml_init_params params = {
+        .mem_size = (size_t)(2 * n_layer + 1) * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
+    c->meta = ggml_init(params);
+    if (!c->k || !c->v || !c->meta) {
+        pp_kv_cache_destroy(c);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the KV cache tables");
+    }
+    const int64_t n_embd_kv = head_dim * m->hp.n_head_kv;
+    for (int il = 0; il < n_layer; il++) {
+        c->k[il] = ggml_new_tensor_2d(c->meta, type, n_embd_kv, c->num_slots);
+        c->v[il] = ggml_new_tensor_2d(c->meta, type, n_embd_kv, c->num_slots);
+        ggml_format_name(c->k[il], "cache_k_l%d", il);
+        ggml_format_name(c->v[il], "cache_v_l%d", il);
+    }
+    c->buffer = ggml_backend_alloc_ctx_tensors_from_buft(c->meta, ggml_backend_cpu_buffer_type());
+    if (!c->buffer) {
+        pp_kv_cache_destroy(c);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate KV pools of %lld tokens x %lld bytes",
+                       (long long)num_blocks * block_size,
+                       (long long)(2 * n_layer * ggml_row_size(type, n_embd_kv)));
+    }
+    /* Zeroed pools keep never-written slots finite if a bug ever reads them. */
+    ggml_backend_buffer_clear(c->buffer, 0);
+    *out = c;
+    return PP_OK;
+}
+
+void pp_kv_cache_destroy(pp_kv_cache *c) {
+    if (!c) return;
+    if (c->buffer) ggml_backend_buffer_free(c->buffer);
+    if (c->meta) ggml_free(c->meta);
+    free(c->k);
+    free(c->v);
+    free(c);
+}
+
+int64_t pp_kv_cache_bytes_per_token(const pp_kv_cache *c) {
+    if (!c) return 0;
+    return 2 * (int64_t)c->model->hp.n_layer * (int64_t)c->k[0]->nb[1];
+}
+
+static size_t block_bytes(const pp_kv_cache *c) { return c->k[0]->nb[1] * (size_t)c->block_size; }
+
+int pp_kv_cache_copy_blocks(pp_kv_cache *c, const pp_block_copy *copies, int32_t n) {
+    if (!c || (n > 0 && !copies)) return pp_fail(PP_ERR_INVALID, "pp_kv_cache_copy_blocks: NULL argument");
+    for (int32_t i = 0; i < n; i++)
+        if (copies[i].src < 0 || copies[i].src >= c->num_blocks || copies[i].dst < 0 ||
+            copies[i].dst >= c->num_blocks || copies[i].src == copies[i].dst)
+            return pp_fail(PP_ERR_INVALID, "block copy %d -> %d invalid for %d blocks",
+                           copies[i].src, copies[i].dst, c->num_blocks);
+    const size_t bytes = block_bytes(c);
+    for (int il = 0; il < c->model->hp.n_layer; il++) {
+        char *k = c->k[il]->data, *v = c->v[il]->data;
+        for (int32_t i = 0; i < n; i++) {
+            memcpy(k + copies[i].dst * bytes, k + copies[i].src * bytes, bytes);
+            memcpy(v + copies[i].dst * bytes, v + copies[i].src * bytes, bytes);
+        }
+    }
+    return PP_OK;
+}
+
+static int transfer_block(pp_kv_cache *c, int32_t block_id, char *host, int to_host) {
+    if (!c || !host) return pp_fail(PP_ERR_INVALID, "KV block transfer: NULL argument");
+    if (block_id < 0 || block_id >= c->num_blocks)
+        return pp_fail(PP_ERR_INVALID, "block id %d out of range [0, %d)", block_id, c->num_blocks);
+    const size_t bytes = block_bytes(c);
+    for (int il = 0; il < c->model->hp.n_layer; il++) {
+        char *k = (char *)c->k[il]->data + block_id * bytes;
+        char *v = (char *)c->v[il]->data + block_id * bytes;
+        if (to_host) {
+            memcpy(host, k, bytes);
+            memcpy(host + bytes, v, bytes);
+        } else {
+            memcpy(k, host, bytes);
+            memcpy(v, host + bytes, bytes);
+        }
+        host += 2 * bytes;
+    }
+    return PP_OK;
+}
+
+int pp_kv_cache_read_block(const pp_kv_cache *c, int32_t block_id, void *dst) {
+    return transfer_block((pp_kv_cache *)c, block_id, dst, 1);
+}
+
+int pp_kv_cache_write_block(pp_kv_cache *c, int32_t block_id, const void *src) {
+    return transfer_block(c, block_id, (char *)src, 0);
+}

@@ -1,0 +1,166 @@
+/* Model weights: hyper-parameter checks and the tensor registry. The bytes
+ * stay in the caller's mapping of the GGUF file; we only describe them. */
+#include "engine_internal.h"
+#include "pp_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int pp_model_create(const pp_model_hparams *hp, pp_model **out) {
+    if (!hp || !out) return pp_fail(PP_ERR_INVALID, "pp_model_create: NULL argument");
+    *out = NULL;
+#define REQUIRE(cond, ...) do { if (!(cond)) return pp_fail(PP_ERR_INVALID, __VA_ARGS__); } while (0)
+    REQUIRE(hp->arch >= PP_ARCH_LLAMA && hp->arch <= PP_ARCH_GEMMA3, "unknown architecture id %d", hp->arch);
+    REQUIRE(hp->n_layer > 0 && hp->n_layer <= 512, "block_count %d out of range", hp->n_layer);
+    REQUIRE(hp->n_embd > 0, "embedding_length %d must be positive", hp->n_embd);
+    REQUIRE(hp->n_head > 0 && hp->n_head_kv > 0 && hp->n_head % hp->n_head_kv == 0,
+            "head_count %d must be a positive multiple of head_count_kv %d", hp->n_head, hp->n_head_kv);
+    REQUIRE(hp->n_head / hp->n_head_kv <= 32, "GQA ratio %d above the supported 32", hp->n_head / hp->n_head_kv);
+    REQUIRE(hp->head_dim > 0 && hp->head_dim <= 512 && hp->head_dim % 2 == 0,
+            "key_length %d must be even and at most 512", hp->head_dim);
+    REQUIRE(hp->n_ff > 0, "feed_forward_length %d must be positive", hp->n_ff);
+    REQUIRE(hp->n_vocab > 0, "vocabulary size %d must be positive", hp->n_vocab);
+    REQUIRE(hp->rope_type == 0 || hp->rope_type == 2, "rope type %d unsupported", hp->rope_type);
+    REQUIRE(hp->rms_eps > 0, "layer_norm_rms_epsilon must be positive");
+#undef REQUIRE
+    pp_model *m = calloc(1, sizeof *m);
+    if (!m) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the model");
+    m->hp = *hp;
+    m->layer_window = calloc((size_t)hp->n_layer, sizeof(int32_t));
+    m->layers = calloc((size_t)hp->n_layer, sizeof(pp_layer));
+    size_t n_tensors = 4 + (size_t)hp->n_layer * 20;
+    struct ggml_init_params params = {
+        .mem_size = n_tensors * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
+    m->weights = ggml_init(params);
+    if (!m->layer_window || !m->layers || !m->weights) {
+        pp_model_destroy(m);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the model's tables");
+    }
+    if (hp->layer_window) memcpy(m->layer_window, hp->layer_window, sizeof(int32_t) * hp->n_layer);
+    m->hp.layer_window = m->layer_window;
+    *out = m;
+    return PP_OK;
+}
+
+void pp_model_destroy(pp_model *m) {
+    if (!m) return;
+    if (m->weights) ggml_free(m->weights);
+    free(m->layer_window);
+    free(m->layers);
+    free(m);
+}
+
+/* Where a named tensor goes and the 2-D shape it must have (ne1 = 0: 1-D). */
+typedef struct slot_spec {
+    struct ggml_tensor **slot;
+    int64_t ne0, ne1;
+} slot_spec;
+
+static int resolve(pp_model *m, const char *name, slot_spec *spec) {
+    const pp_model_hparams *hp = &m->hp;
+    const int64_t n_embd = hp->n_embd, q_dim = (int64_t)hp->n_head * hp->head_dim,
+                  kv_dim = (int64_t)hp->n_head_kv * hp->head_dim;
+    if (!strcmp(name, "token_embd.weight")) { *spec = (slot_spec){&m->tok_embd, n_embd, hp->n_vocab}; return 1; }
+    if (!strcmp(name, "output_norm.weight")) { *spec = (slot_spec){&m->output_norm, n_embd, 0}; return 1; }
+    if (!strcmp(name, "output.weight")) { *spec = (slot_spec){&m->output, n_embd, hp->n_vocab}; return 1; }
+    int il, consumed = 0;
+    if (sscanf(name, "blk.%d.%n", &il, &consumed) != 1 || consumed == 0) return 0;
+    if (il < 0 || il >= hp->n_layer) return 0;
+    pp_layer *L = &m->layers[il];
+    const char *rest = name + consumed;
+    const struct { const char *suffix; struct ggml_tensor **slot; int64_t ne0, ne1; } table[] = {
+        {"attn_norm.weight", &L->attn_norm, n_embd, 0},
+        {"attn_q.weight", &L->wq, n_embd, q_dim},
+        {"attn_k.weight", &L->wk, n_embd, kv_dim},
+        {"attn_v.weight", &L->wv, n_embd, kv_dim},
+        {"attn_output.weight", &L->wo, q_dim, n_embd},
+        {"attn_q.bias", &L->bq, q_dim, 0},
+        {"attn_k.bias", &L->bk, kv_dim, 0},
+        {"attn_v.bias", &L->bv, kv_dim, 0},
+        {"attn_q_norm.weight", &L->q_norm, hp->head_dim, 0},
+        {"attn_k_norm.weight", &L->k_norm, hp->head_dim, 0},
+        {"post_attention_norm.weight", &L->post_attn_norm, n_embd, 0},
+        {"ffn_norm.weight", &L->ffn_norm, n_embd, 0},
+        {"ffn_gate.weight", &L->ffn_gate, n_embd, hp->n_ff},
+        {"ffn_up.weight", &L->ffn_up, n_embd, hp->n_ff},
+        {"ffn_down.weight", &L->ffn_down, hp->n_ff, n_embd},
+        {"post_ffw_norm.weight", &L->post_ffw_norm, n_embd, 0},
+    };
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
+        if (!strcmp(rest, table[i].suffix)) {
+            *spec = (slot_spec){table[i].slot, table[i].ne0, table[i].ne1};
+            return 1;
+        }
+    }
+    return 0;
+}
+
+int pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const int64_t *ne,
+                        int32_t n_dims, const void *data, int32_t *used) {
+    if (!m || !name || !ne || !data) return pp_fail(PP_ERR_INVALID, "pp_model_set_tensor: NULL argument");
+    if (used) *used = 0;
+    slot_spec spec;
+    if (!resolve(m, name, &spec)) return PP_OK;
+    if (type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size((enum ggml_type)type) == 0 ||
+        ggml_type_size((enum ggml_type)type) == 0)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': unsupported ggml type %d", name, type);
+    int64_t ne1 = n_dims > 1 ? ne[1] : 0;
+    for (int d = 2; d < n_dims; d++)
+        if (ne[d] != 1)
+            return pp_fail(PP_ERR_INVALID, "tensor '%s': expected at most 2 dimensions", name);
+    if (ne[0] != spec.ne0 || ne1 != spec.ne1)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': shape [%lld, %lld] but the hyper-parameters "
+                       "need [%lld, %lld]", name, (long long)ne[0], (long long)ne1,
+                       (long long)spec.ne0, (long long)spec.ne1);
+    if (ne[0] % ggml_blck_size((enum ggml_type)type) != 0)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': row of %lld is not whole %s blocks", name,
+                       (long long)ne[0], ggml_type_name((enum ggml_type)type));
+    if (*spec.slot) return pp_fail(PP_ERR_INVALID, "tensor '%s' given twice", name);
+    struct ggml_tensor *t = spec.ne1
+        ? ggml_new_tensor_2d(m->weights, (enum ggml_type)type, spec.ne0, spec.ne1)
+        : ggml_new_tensor_1d(m->weights, (enum ggml_type)type, spec.ne0);
+    if (!t) return pp_fail(PP_ERR_NO_MEMORY, "tensor '%s': no room for metadata", name);
+    ggml_set_name(t, name);
+    t->data = (void *)data;
+    *spec.slot = t;
+    if (used) *used = 1;
+    return PP_OK;
+}
+
+int pp_model_finalize(pp_model *m) {
+    if (!m) return pp_fail(PP_ERR_INVALID, "pp_model_finalize: model is NULL");
+    const int arch = m->hp.arch;
+    if (!m->tok_embd) return pp_fail(PP_ERR_INVALID, "missing tensor 'token_embd.weight'");
+    if (!m->output_norm) return pp_fail(PP_ERR_INVALID, "missing tensor 'output_norm.weight'");
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        pp_layer *L = &m->layers[il];
+#define NEED(field, suffix) \
+        if (!L->field) return pp_fail(PP_ERR_INVALID, "missing tensor 'blk.%d.%s'", il, suffix)
+        NEED(attn_norm, "attn_norm.weight");
+        NEED(wq, "attn_q.weight");
+        NEED(wk, "attn_k.weight");
+        NEED(wv, "attn_v.weight");
+        NEED(wo, "attn_output.weight");
+        NEED(ffn_norm, "ffn_norm.weight");
+        NEED(ffn_gate, "ffn_gate.weight");
+        NEED(ffn_up, "ffn_up.weight");
+        NEED(ffn_down, "ffn_down.weight");
+        if (arch == PP_ARCH_QWEN2) {
+            NEED(bq, "attn_q.bias");
+            NEED(bk, "attn_k.bias");
+            NEED(bv, "attn_v.bias");
+        }
+        if (arch == PP_ARCH_QWEN3 || arch == PP_ARCH_GEMMA3) {
+            NEED(q_norm, "attn_q_norm.weight");
+            NEED(k_norm, "attn_k_norm.weight");
+        }
+        if (arch == PP_ARCH_GEMMA3) {
+            NEED(post_attn_norm, "post_attention_norm.weight");
+            NEED(post_ffw_norm, "post_ffw_norm.weight");
+        }
+#undef NEED
+    }
+    m->finalized = 1;
+    return PP_OK;
+}

@@ -1,0 +1,98 @@
+"""Where a sequence's KV rows live: paged (the C block pool) or one
+contiguous slab of n_ctx tokens per sequence (the paged=False baseline).
+Both answer the same questions the engine asks: slots and block tables."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .block_pool import BlockPool
+from .errors import OutOfBlocksError, PagedError
+
+
+class PagedKV:
+    """KV placement through the block pool: pages, sharing, prefix cache."""
+
+    paged = True
+
+    def __init__(self, num_blocks: int, block_size: int, max_seq_len: int):
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_blocks_per_seq = -(-max_seq_len // block_size)
+
+    def create(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """A sequence holding token_ids; returns (handle, tokens already cached)."""
+        return self.pool.create_sequence(token_ids)
+
+    def append(self, handle: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        return self.pool.append(handle, token_ids)
+
+    def fork(self, handle: int) -> int:
+        return self.pool.fork(handle)
+
+    def free(self, handle: int) -> None:
+        self.pool.free(handle)
+
+    def discard(self, handle: int) -> None:
+        """Free a sequence whose KV was never computed: its hashes must not be reused."""
+        self.pool.free(handle)
+        self.pool.reset_prefix_cache()
+
+    def slot_mapping(self, handle: int, start: int, count: int) -> np.ndarray:
+        return self.pool.slot_mapping(handle, start, count)
+
+    def block_table(self, handle: int) -> np.ndarray:
+        return self.pool.block_table(handle)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class SlabKV:
+    """One max_seq_len slab per sequence, reserved whole (the naive allocator)."""
+
+    paged = False
+
+    def __init__(self, num_slabs: int, max_seq_len: int):
+        self.block_size = max_seq_len
+        self.num_blocks = num_slabs
+        self.max_blocks_per_seq = 1
+        self._free = list(range(num_slabs - 1, -1, -1))
+        self._lengths: dict[int, int] = {}   # handle (= slab id) -> tokens held
+
+    def create(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        if len(token_ids) > self.block_size:
+            raise PagedError(f"sequence of {len(token_ids)} tokens exceeds n_ctx {self.block_size}")
+        if not self._free:
+            raise OutOfBlocksError(f"out of KV slabs: all {self.num_blocks} are in use")
+        slab = self._free.pop()
+        self._lengths[slab] = len(token_ids)
+        return slab, 0
+
+    def append(self, handle: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        n = self._lengths[handle] + len(token_ids)
+        if n > self.block_size:
+            raise OutOfBlocksError(f"sequence would grow to {n} tokens, past its slab of {self.block_size}")
+        self._lengths[handle] = n
+        return []
+
+    def fork(self, handle: int) -> int:
+        raise PagedError("paged=False cannot share a sequence's KV (no fork)")
+
+    def free(self, handle: int) -> None:
+        del self._lengths[handle]
+        self._free.append(handle)
+
+    discard = free
+
+    def slot_mapping(self, handle: int, start: int, count: int) -> np.ndarray:
+        return np.arange(start, start + count, dtype=np.int32) + handle * self.block_size
+
+    def block_table(self, handle: int) -> np.ndarray:
+        return np.array([handle], dtype=np.int32)
+
+    def close(self) -> None:
+        self._free.clear()

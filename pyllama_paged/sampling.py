@@ -1,0 +1,113 @@
+"""Sampling parameters and the per-sequence sampler (NumPy over one logits row)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import PagedError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+
+    def validate(self) -> None:
+        """Raise PagedError naming the first invalid field."""
+        checks = [
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "must be >= 0"),
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 = disabled)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("repeat_penalty", self.repeat_penalty > 0, "must be > 0"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise PagedError(f"sampling parameter '{name}' = {getattr(self, name)!r} {why}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Numerically stable log-softmax of a 1-D array (float64)."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+class Sampler:
+    """Picks the next token of one sequence; owns its RNG so seeds reproduce."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def apply_penalties(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
+        """Repetition (llama.cpp style), presence and frequency penalties over the last n tokens."""
+        p = self.params
+        if not history or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0
+                           and p.frequency_penalty == 0.0):
+            return logits
+        recent = history[-p.penalty_last_n:] if p.penalty_last_n > 0 else history
+        ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
+        out = logits.copy()
+        vals = out[ids]
+        if p.repeat_penalty != 1.0:
+            vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        vals = vals - counts * p.frequency_penalty - (counts > 0) * p.presence_penalty
+        out[ids] = vals
+        return out
+
+    def sample(self, logits: np.ndarray, history: list[int]) -> int:
+        """The next token id from one row of logits."""
+        p = self.params
+        logits = self.apply_penalties(logits, history)
+        if p.greedy:
+            return int(np.argmax(logits))
+        n = logits.shape[0]
+        k = p.top_k if 0 < p.top_k < n else n
+        # top-k first: partition is O(n) and shrinks everything after it
+        if k < n:
+            cand = np.argpartition(-logits, k - 1)[:k]
+        else:
+            cand = np.arange(n)
+        cand = cand[np.argsort(-logits[cand], kind="stable")]
+        scaled = logits[cand].astype(np.float64) / p.temperature
+        probs = np.exp(scaled - scaled[0])
+        probs /= probs.sum()
+        keep = len(cand)
+        if p.min_p > 0:
+            keep = min(keep, int(np.searchsorted(-probs, -probs[0] * p.min_p, side="right")))
+        if p.top_p < 1.0:
+            cum = np.cumsum(probs[:keep])
+            keep = min(keep, int(np.searchsorted(cum, p.top_p, side="left")) + 1)
+        keep = max(keep, 1)
+        probs = probs[:keep] / probs[:keep].sum()
+        return int(cand[self.rng.choice(keep, p=probs)])
+
+
+def top_logprobs(logits: np.ndarray, chosen: int, n: int) -> tuple[float, dict[int, float]]:
+    """Log-probability of the chosen token and the n most likely alternatives."""
+    lp = log_softmax(logits)
+    top = {}
+    if n:
+        idx = np.argpartition(-lp, n - 1)[:n]
+        idx = idx[np.argsort(-lp[idx])]
+        top = {int(i): float(lp[i]) for i in idx}
+    return float(lp[chosen]), top

@@ -1,0 +1,507 @@
+"""Tokenizer built from GGUF metadata; agrees token for token with llama.cpp.
+
+Two vocabulary kinds are supported, chosen by ``tokenizer.ggml.model``:
+
+* ``"llama"``: SentencePiece style (Llama 2, Mistral, TinyLlama, Gemma). Spaces become ``▁``,
+  pieces merge by score, unknown characters fall back to ``<0xXX>`` byte tokens. A space is put
+  in front of the text (and after every special token) when ``tokenizer.ggml.add_space_prefix``
+  says so; that flag defaults to true, as in llama.cpp (Gemma 3 sets it to false).
+  See ``tokenizer_spm``.
+* ``"gpt2"``: byte-level BPE (Llama 3, Qwen 2, SmolLM, GPT-2), with the pre-tokenizer regexes
+  named by ``tokenizer.ggml.pre``. See ``tokenizer_bpe``.
+
+Encoding follows llama.cpp: first, special-token texts are cut out of the text (user-defined
+tokens always; control tokens such as ``<start_of_turn>`` only with ``parse_special=True``),
+longest token first; then each remaining text fragment is encoded on its own; BOS/EOS are added
+per ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` when ``add_special`` is true.
+
+Decoding choices (llama.cpp leaves these to the caller):
+
+* ``decode`` joins ``token_to_piece`` bytes and decodes UTF-8 with replacement characters; it
+  does not apply llama.cpp's optional "clean up tokenization spaces" pass, so
+  ``decode(encode(text, add_special=False)) == text``.
+* With ``add_space_prefix`` (SPM), the one space that encoding puts in front of the text and
+  after each special token is removed again.
+* Control and unknown tokens decode to their text unless ``skip_special=True``; unused tokens
+  decode to nothing.
+
+``Tokenizer.from_gguf`` accepts a path (metadata is read by a small parser here, which takes a
+fraction of a second where ``gguf.GGUFReader`` needs many seconds for a 262k vocabulary), a
+``gguf.GGUFReader``, or a ``{key: value}`` metadata dict.
+"""
+
+from __future__ import annotations
+
+import codecs
+import mmap
+import os
+import re
+import struct
+from enum import IntEnum
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from .tokenizer_bpe import BpeEncoder, bpe_text_to_bytes, pre_tokenizer_family, pre_tokenizer_flags
+from .tokenizer_spm import SPACE_MARK, SpmEncoder
+
+__all__ = ["TokenType", "Tokenizer", "IncrementalDecoder", "read_gguf_metadata"]
+
+
+class TokenType(IntEnum):
+    """Values of ``tokenizer.ggml.token_type``."""
+
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+# Token texts that end a turn (llama.cpp marks these as end-of-generation and as control tokens).
+_END_OF_TURN_TEXTS = frozenset({
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+    "<|end_of_text|>", "<EOT>", "<end_of_utterance>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
+})
+
+# --- GGUF metadata ----------------------------------------------------------------------------
+
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_NUMPY = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+               10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+def _tokenizer_key(key: str) -> bool:
+    return key.startswith("tokenizer.") or key == "general.architecture"
+
+
+def read_gguf_metadata(path: Union[str, os.PathLike], want=_tokenizer_key) -> dict[str, Any]:
+    """Read a GGUF file's key/value metadata (little-endian GGUF v2/v3), keeping keys for which
+    ``want(key)`` is true. Strings are ``str`` (invalid UTF-8 kept as surrogate escapes), numeric
+    arrays numpy arrays, string arrays lists."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        if mm[:4] != b"GGUF":
+            raise ValueError(f"{os.fspath(path)!r} is not a GGUF file")
+        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
+        if version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {version} (or big-endian file)")
+        pos = 24
+        out = {}
+        for _ in range(n_kv):
+            (n,) = struct.unpack_from("<Q", mm, pos)
+            key = mm[pos + 8:pos + 8 + n].decode("utf-8", "replace")
+            (vtype,) = struct.unpack_from("<I", mm, pos + 8 + n)
+            keep = want(key)
+            value, pos = _read_gguf_value(mm, pos + 12 + n, vtype, keep)
+            if keep:
+                out[key] = value
+        return out
+
+
+def _read_gguf_value(mm, pos: int, vtype: int, keep: bool):
+    unpack = struct.unpack_from
+    if vtype == _GGUF_STRING:
+        (n,) = unpack("<Q", mm, pos)
+        pos += 8
+        return (mm[pos:pos + n].decode("utf-8", "surrogateescape") if keep else None), pos + n
+    if vtype == _GGUF_ARRAY:
+        etype, count = unpack("<IQ", mm, pos)
+        pos += 12
+        if etype == _GGUF_STRING:
+            items = []
+            for _ in range(count):
+                (n,) = unpack("<Q", mm, pos)
+                pos += 8
+                if keep:
+                    items.append(mm[pos:pos + n].decode("utf-8", "surrogateescape"))
+                pos += n
+            return (items if keep else None), pos
+        if etype == _GGUF_ARRAY:
+            items = []
+            for _ in range(count):
+                item, pos = _read_gguf_value(mm, pos, _GGUF_ARRAY, keep)
+                items.append(item)
+            return (items if keep else None), pos
+        size = struct.calcsize(_GGUF_SCALAR[etype]) * count
+        arr = np.frombuffer(mm[pos:pos + size], dtype=_GGUF_NUMPY[etype]) if keep else None
+        return arr, pos + size
+    fmt = _GGUF_SCALAR.get(vtype)
+    if fmt is None:
+        raise ValueError(f"unknown GGUF value type {vtype}")
+    return unpack(fmt, mm, pos)[0], pos + struct.calcsize(fmt)
+
+
+def _metadata_from_reader(reader) -> dict[str, Any]:
+    """Tokenizer metadata from a ``gguf.GGUFReader``."""
+    out = {}
+    for key, field in reader.fields.items():
+        if not _tokenizer_key(key):
+            continue
+        types = list(field.types)
+        if types[0] == _GGUF_ARRAY:
+            if len(types) > 1 and types[1] == _GGUF_STRING:
+                out[key] = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
+            elif field.data:
+                out[key] = np.concatenate([np.asarray(field.parts[i]).reshape(-1) for i in field.data])
+            else:
+                out[key] = np.zeros(0)
+        elif types[0] == _GGUF_STRING:
+            out[key] = bytes(field.parts[field.data[0]]).decode("utf-8", "surrogateescape")
+        else:
+            out[key] = field.parts[field.data[0]][0].item()
+    return out
+
+
+# --- the tokenizer ----------------------------------------------------------------------------
+
+def _as_text(token: Union[str, bytes]) -> str:
+    return token.decode("utf-8", "surrogateescape") if isinstance(token, bytes) else token
+
+
+class Tokenizer:
+    """Text <-> token ids for one vocabulary.
+
+    Build it with ``from_gguf`` or directly from lists (handy for tests)::
+
+        Tokenizer(tokens, scores=..., token_types=..., model="llama", bos_id=1, eos_id=2)
+        Tokenizer(tokens, merges=["a b", ...], model="gpt2", pre="llama-bpe")
+
+    ``model`` is "llama" (SentencePiece style) or "gpt2" (byte-level BPE). Special ids that are
+    None (or out of range) are absent. ``add_bos``/``add_eos``/``add_space_prefix``/
+    ``ignore_merges`` left as None take llama.cpp's default for the model and pre-tokenizer.
+    """
+
+    def __init__(
+        self,
+        tokens: Sequence[Union[str, bytes]],
+        scores: Optional[Sequence[float]] = None,
+        token_types: Optional[Sequence[int]] = None,
+        merges: Optional[Sequence[str]] = None,
+        *,
+        model: str = "llama",
+        pre: Optional[str] = None,
+        bos_id: Optional[int] = None,
+        eos_id: Optional[int] = None,
+        unk_id: Optional[int] = None,
+        eot_id: Optional[int] = None,
+        eom_id: Optional[int] = None,
+        pad_id: Optional[int] = None,
+        add_bos: Optional[bool] = None,
+        add_eos: Optional[bool] = None,
+        add_space_prefix: Optional[bool] = None,
+        ignore_merges: Optional[bool] = None,
+    ):
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("empty vocabulary")
+        self.tokens: list[str] = [_as_text(t) for t in tokens]
+        self.scores: list[float] = [0.0] * n if scores is None else [float(s) for s in scores]
+        if token_types is None:
+            types = [int(TokenType.NORMAL)] * n
+        else:
+            types = [int(t) if int(t) in TokenType._value2member_map_ else 0 for t in token_types]
+        if len(self.scores) != n or len(types) != n:
+            raise ValueError("tokens, scores and token_types must have the same length")
+        self._vocab: dict[str, int] = {text: i for i, text in enumerate(self.tokens)}
+
+        def valid(tid):
+            return int(tid) if tid is not None and 0 <= int(tid) < n else None
+
+        self.bos_id, self.eos_id, self.unk_id = valid(bos_id), valid(eos_id), valid(unk_id)
+        self.eot_id, self.eom_id, self.pad_id = valid(eot_id), valid(eom_id), valid(pad_id)
+
+        # End-of-turn tokens found by their text are treated as control tokens, like llama.cpp.
+        eot = {t for t in (self.eos_id, self.eot_id, self.eom_id) if t is not None}
+        for text in _END_OF_TURN_TEXTS:
+            tid = self._vocab.get(text)
+            if tid is not None:
+                eot.add(tid)
+                types[tid] = int(TokenType.CONTROL)
+                if self.eot_id is None and text != "<|eom_id|>":
+                    self.eot_id = tid
+        self.token_types: list[int] = types
+        self._eot_ids = frozenset(eot)
+
+        if model == "llama":
+            self.model = "llama"
+            self.pre = pre
+            self.add_bos = True if add_bos is None else bool(add_bos)
+            self.add_eos = False if add_eos is None else bool(add_eos)
+            self.add_space_prefix = True if add_space_prefix is None else bool(add_space_prefix)
+            self._encoder = SpmEncoder(self._vocab, self.scores, self.unk_id)
+        elif model == "gpt2":
+            self.model = "gpt2"
+            family = pre_tokenizer_family(pre)
+            flags = pre_tokenizer_flags(family)
+            self.pre = pre
+            self.add_bos = flags.get("add_bos", False) if add_bos is None else bool(add_bos)
+            self.add_eos = False if add_eos is None else bool(add_eos)
+            self.add_space_prefix = False if add_space_prefix is None else bool(add_space_prefix)
+            if ignore_merges is None:
+                ignore_merges = flags.get("ignore_merges", False)
+            self._encoder = BpeEncoder(self._vocab, merges or [], family, ignore_merges)
+        else:
+            raise NotImplementedError(f"tokenizer model {model!r} is not supported (only 'llama' and 'gpt2')")
+
+        self._tries: dict[bool, Optional[tuple[dict, re.Pattern]]] = {}
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+
+    # -- construction from GGUF -----------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, source) -> "Tokenizer":
+        """From a GGUF path, a ``gguf.GGUFReader`` or a metadata dict."""
+        if isinstance(source, Mapping):
+            return cls.from_metadata(source)
+        if hasattr(source, "fields"):
+            return cls.from_metadata(_metadata_from_reader(source))
+        return cls.from_metadata(read_gguf_metadata(source))
+
+    @classmethod
+    def from_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
+        model = md.get("tokenizer.ggml.model")
+        if model is None:
+            raise ValueError("GGUF metadata has no tokenizer.ggml.model")
+        if "tokenizer.ggml.tokens" not in md:
+            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
+
+        def get_id(name: str, default: Optional[int] = None) -> Optional[int]:
+            value = md.get(f"tokenizer.ggml.{name}")
+            return default if value is None else int(value)
+
+        def get_flag(name: str) -> Optional[bool]:
+            value = md.get(f"tokenizer.ggml.{name}")
+            return None if value is None else bool(value)
+
+        spm = model == "llama"  # llama.cpp's defaults for SentencePiece vocabularies
+        scores = md.get("tokenizer.ggml.scores")
+        types = md.get("tokenizer.ggml.token_type")
+        return cls(
+            md["tokenizer.ggml.tokens"],
+            scores=None if scores is None else np.asarray(scores, dtype=np.float32).tolist(),
+            token_types=None if types is None else np.asarray(types).tolist(),
+            merges=md.get("tokenizer.ggml.merges"),
+            model=model,
+            pre=md.get("tokenizer.ggml.pre"),
+            bos_id=get_id("bos_token_id", 1 if spm else None),
+            eos_id=get_id("eos_token_id", 2 if spm else None),
+            unk_id=get_id("unknown_token_id", 0 if spm else None),
+            eot_id=get_id("eot_token_id"),
+            eom_id=get_id("eom_token_id"),
+            pad_id=get_id("padding_token_id"),
+            add_bos=get_flag("add_bos_token"),
+            add_eos=get_flag("add_eos_token"),
+            add_space_prefix=get_flag("add_space_prefix"),
+        )
+
+    # -- properties -------------------------------------------------------------------------------
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def eot_ids(self) -> frozenset:
+        """Ids that end generation: EOS, EOT/EOM and known end-of-turn tokens (``<end_of_turn>``...)."""
+        return self._eot_ids
+
+    def token_type(self, token_id: int) -> TokenType:
+        return TokenType(self.token_types[token_id])
+
+    def is_special(self, token_id: int) -> bool:
+        """True for control, unknown and unused tokens (those ``decode(skip_special=True)`` drops)."""
+        return self.token_types[token_id] in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.UNUSED)
+
+    def token_to_id(self, text: str) -> Optional[int]:
+        return self._vocab.get(text)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(model={self.model!r}, pre={self.pre!r}, n_vocab={self.n_vocab}, "
+                f"bos={self.bos_id}, eos={self.eos_id}, add_bos={self.add_bos})")
+
+    # -- encoding ---------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text``. ``add_special`` adds BOS/EOS as the model asks; ``parse_special``
+        turns control-token texts in ``text`` (e.g. ``<start_of_turn>``) into those tokens."""
+        out: list[int] = []
+        if add_special and self.add_bos and self.bos_id is not None:
+            out.append(self.bos_id)
+        spm = self.model == "llama"
+        after_special = True
+        for frag in self._partition(text, parse_special):
+            if isinstance(frag, int):
+                out.append(frag)
+                after_special = True
+                continue
+            if spm:
+                if self.add_space_prefix and after_special:
+                    frag = " " + frag
+                frag = frag.replace(" ", SPACE_MARK)
+            out.extend(self._encoder.encode(frag))
+            after_special = False
+        if add_special and self.add_eos and self.eos_id is not None:
+            out.append(self.eos_id)
+        return out
+
+    def _special_trie(self, parse_special: bool):
+        """A character trie of the special-token texts matched in this mode, and a regex for the
+        characters they can start with. Terminal nodes hold the id under the key ``""``."""
+        if parse_special not in self._tries:
+            wanted = (TokenType.USER_DEFINED, TokenType.CONTROL, TokenType.UNKNOWN) if parse_special \
+                else (TokenType.USER_DEFINED,)
+            root: dict = {}
+            for tid, (text, ttype) in enumerate(zip(self.tokens, self.token_types)):
+                if ttype in wanted and text:
+                    node = root
+                    for ch in text:
+                        node = node.setdefault(ch, {})
+                    node.setdefault("", tid)
+            first = re.compile("[" + "".join(re.escape(c) for c in root) + "]") if root else None
+            self._tries[parse_special] = (root, first) if root else None
+        return self._tries[parse_special]
+
+    def _partition(self, text: str, parse_special: bool) -> list[Union[str, int]]:
+        """Cut special tokens out of ``text``, as llama.cpp does: special tokens are taken
+        longest (in bytes) first, each at every non-overlapping place, leftmost first, where it
+        lies wholly in text not already taken by a longer one."""
+        if not text:
+            return []
+        trie = self._special_trie(parse_special)
+        if trie is None:
+            return [text]
+        root, first = trie
+        n = len(text)
+        found: dict[int, list[tuple[int, int]]] = {}
+        for m in first.finditer(text):
+            start = m.start()
+            node = root[text[start]]
+            end = start + 1
+            while True:
+                tid = node.get("")
+                if tid is not None:
+                    found.setdefault(tid, []).append((start, end))
+                if end >= n:
+                    break
+                node = node.get(text[end])
+                if node is None:
+                    break
+                end += 1
+        if not found:
+            return [text]
+
+        def longest_first(tid: int):
+            return (-len(self.tokens[tid].encode("utf-8", "surrogateescape")), tid)
+
+        taken = bytearray(n)
+        chosen = []
+        for tid in sorted(found, key=longest_first):
+            last_end = 0
+            for start, end in found[tid]:
+                if start < last_end or taken.find(1, start, end) >= 0:
+                    continue
+                taken[start:end] = b"\x01" * (end - start)
+                chosen.append((start, end, tid))
+                last_end = end
+        chosen.sort()
+        out: list[Union[str, int]] = []
+        pos = 0
+        for start, end, tid in chosen:
+            if start > pos:
+                out.append(text[pos:start])
+            out.append(tid)
+            pos = end
+        if pos < n:
+            out.append(text[pos:])
+        return out
+
+    # -- decoding ---------------------------------------------------------------------------------
+
+    def token_to_piece(self, token_id: int, special: bool = True) -> bytes:
+        """The bytes a token stands for (may be part of a UTF-8 character). Control and unknown
+        tokens give their text when ``special`` is true and nothing otherwise."""
+        key = (token_id, special)
+        piece = self._pieces.get(key)
+        if piece is None:
+            piece = self._make_piece(token_id, special)
+            self._pieces[key] = piece
+        return piece
+
+    def _make_piece(self, token_id: int, special: bool) -> bytes:
+        if not 0 <= token_id < len(self.tokens):
+            raise ValueError(f"token id {token_id} out of range (n_vocab={len(self.tokens)})")
+        text = self.tokens[token_id]
+        ttype = self.token_types[token_id]
+        if ttype in (TokenType.CONTROL, TokenType.UNKNOWN):
+            return text.encode("utf-8", "surrogateescape") if special else b""
+        if ttype == TokenType.USER_DEFINED:
+            return text.encode("utf-8", "surrogateescape")
+        if ttype == TokenType.NORMAL:
+            if self.model == "llama":
+                return text.replace(SPACE_MARK, " ").encode("utf-8", "surrogateescape")
+            return bpe_text_to_bytes(text)
+        if ttype == TokenType.BYTE:
+            if self.model == "llama":
+                return bytes([int(text[3:5], 16)])
+            return bpe_text_to_bytes(text)
+        return b""  # unused / undefined
+
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
+        """Concatenated pieces (see ``decode`` for the space-prefix rule)."""
+        strip = self.model == "llama" and self.add_space_prefix
+        out = bytearray()
+        after_special = True
+        for tid in ids:
+            tid = int(tid)
+            piece = self.token_to_piece(tid, special=not skip_special)
+            if self.token_types[tid] in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
+                out += piece
+                after_special = True
+                continue
+            if strip and after_special and piece.startswith(b" "):
+                piece = piece[1:]
+            if piece:
+                after_special = False
+            out += piece
+        return bytes(out)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of ``ids``; invalid UTF-8 becomes U+FFFD."""
+        return self.decode_bytes(ids, skip_special).decode("utf-8", "replace")
+
+
+class IncrementalDecoder:
+    """Streams text from token ids, holding back bytes of a UTF-8 character until it is whole::
+
+        dec = IncrementalDecoder(tok)
+        for tid in generated:
+            print(dec.add(tid), end="")
+        print(dec.flush())
+
+    No space-prefix stripping is done (the tokens continue a prompt).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
+        """Text that became complete with this token (possibly "")."""
+        return self.add_bytes(self.tokenizer.token_to_piece(int(token_id), special=not self.skip_special))
+
+    def add_bytes(self, data: bytes) -> str:
+        return self._utf8.decode(data)
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character becomes U+FFFD)."""
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
+
+    def reset(self) -> None:
+        self._utf8.reset()
