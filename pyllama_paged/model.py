@@ -22,11 +22,12 @@ class Model:
     """Weights of one GGUF model, described to the native core (data stays mapped)."""
 
     def __init__(self, model_path: str | None = None):
+        self._native = None
+        self.gguf = None
         self.path = str(model_path) if model_path else default_model_path()
         self.gguf = GGUFFile(self.path)
         self.metadata = self.gguf.metadata
         self.config: ModelConfig = config_from_metadata(self.metadata, self._vocab_size(), self.path)
-        self._native = None
         self._create_native()
 
     def _vocab_size(self) -> int:

@@ -27,7 +27,7 @@ Decoding choices (llama.cpp leaves these to the caller):
 
 ``Tokenizer.from_gguf`` accepts a path (metadata is read by a small parser here, which takes a
 fraction of a second where ``gguf.GGUFReader`` needs many seconds for a 262k vocabulary), a
-``gguf.GGUFReader``, or a ``{key: value}`` metadata dict.
+``gguf.GGUFReader``, an object with a ``metadata`` dict, or a ``{key: value}`` metadata dict.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import codecs
 import mmap
 import os
-import re
 import struct
 from enum import IntEnum
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
@@ -247,16 +246,19 @@ class Tokenizer:
         else:
             raise NotImplementedError(f"tokenizer model {model!r} is not supported (only 'llama' and 'gpt2')")
 
-        self._tries: dict[bool, Optional[tuple[dict, re.Pattern]]] = {}
+        self._special_groups: dict[bool, list] = {}
         self._pieces: dict[tuple[int, bool], bytes] = {}
 
     # -- construction from GGUF -----------------------------------------------------------------
 
     @classmethod
     def from_gguf(cls, source) -> "Tokenizer":
-        """From a GGUF path, a ``gguf.GGUFReader`` or a metadata dict."""
+        """From a GGUF path, a ``gguf.GGUFReader``, an object with a ``metadata`` dict (our
+        ``gguf_reader.GGUFFile``) or a metadata dict."""
         if isinstance(source, Mapping):
             return cls.from_metadata(source)
+        if isinstance(getattr(source, "metadata", None), Mapping):
+            return cls.from_metadata(source.metadata)
         if hasattr(source, "fields"):
             return cls.from_metadata(_metadata_from_reader(source))
         return cls.from_metadata(read_gguf_metadata(source))
@@ -348,22 +350,32 @@ class Tokenizer:
             out.append(self.eos_id)
         return out
 
-    def _special_trie(self, parse_special: bool):
-        """A character trie of the special-token texts matched in this mode, and a regex for the
-        characters they can start with. Terminal nodes hold the id under the key ``""``."""
-        if parse_special not in self._tries:
+    def _special_index(self, parse_special: bool) -> list[tuple[str, Any]]:
+        """The special-token texts matched in this mode, grouped by first character: a small
+        group is a list of ``(text, id)`` (each looked for with ``str.find``), a big one (e.g.
+        Gemma's 6000 ``<unused..>`` tokens) a character trie whose terminal nodes hold the id
+        under the key ``""``."""
+        if parse_special not in self._special_groups:
             wanted = (TokenType.USER_DEFINED, TokenType.CONTROL, TokenType.UNKNOWN) if parse_special \
                 else (TokenType.USER_DEFINED,)
-            root: dict = {}
+            by_first: dict[str, list[tuple[str, int]]] = {}
             for tid, (text, ttype) in enumerate(zip(self.tokens, self.token_types)):
                 if ttype in wanted and text:
-                    node = root
-                    for ch in text:
-                        node = node.setdefault(ch, {})
+                    by_first.setdefault(text[0], []).append((text, tid))
+            groups = []
+            for ch, members in by_first.items():
+                if len(members) <= 64:
+                    groups.append((ch, members))
+                    continue
+                trie: dict = {}
+                for text, tid in members:
+                    node = trie
+                    for c in text[1:]:
+                        node = node.setdefault(c, {})
                     node.setdefault("", tid)
-            first = re.compile("[" + "".join(re.escape(c) for c in root) + "]") if root else None
-            self._tries[parse_special] = (root, first) if root else None
-        return self._tries[parse_special]
+                groups.append((ch, trie))
+            self._special_groups[parse_special] = groups
+        return self._special_groups[parse_special]
 
     def _partition(self, text: str, parse_special: bool) -> list[Union[str, int]]:
         """Cut special tokens out of ``text``, as llama.cpp does: special tokens are taken
@@ -371,27 +383,27 @@ class Tokenizer:
         lies wholly in text not already taken by a longer one."""
         if not text:
             return []
-        trie = self._special_trie(parse_special)
-        if trie is None:
-            return [text]
-        root, first = trie
         n = len(text)
-        found: dict[int, list[tuple[int, int]]] = {}
-        for m in first.finditer(text):
-            start = m.start()
-            node = root[text[start]]
-            end = start + 1
-            while True:
-                tid = node.get("")
-                if tid is not None:
-                    found.setdefault(tid, []).append((start, end))
-                if end >= n:
-                    break
-                node = node.get(text[end])
-                if node is None:
-                    break
-                end += 1
-        if not found:
+        present = set()  # special tokens that occur somewhere in the text
+        for ch, group in self._special_index(parse_special):
+            pos = text.find(ch)
+            if pos < 0:
+                continue
+            if isinstance(group, list):
+                present.update(tid for special, tid in group if special in text)
+                continue
+            while pos >= 0:  # walk the trie from every place the first character occurs
+                node, end = group, pos + 1
+                while node is not None:
+                    tid = node.get("")
+                    if tid is not None:
+                        present.add(tid)
+                    if end >= n:
+                        break
+                    node = node.get(text[end])
+                    end += 1
+                pos = text.find(ch, pos + 1)
+        if not present:
             return [text]
 
         def longest_first(tid: int):
@@ -399,22 +411,27 @@ class Tokenizer:
 
         taken = bytearray(n)
         chosen = []
-        for tid in sorted(found, key=longest_first):
-            last_end = 0
-            for start, end in found[tid]:
-                if start < last_end or taken.find(1, start, end) >= 0:
-                    continue
-                taken[start:end] = b"\x01" * (end - start)
-                chosen.append((start, end, tid))
-                last_end = end
+        for tid in sorted(present, key=longest_first):
+            special = self.tokens[tid]
+            size = len(special)
+            pos = text.find(special)
+            while pos >= 0:
+                blocked = taken.find(1, pos, pos + size)
+                if blocked < 0:
+                    taken[pos:pos + size] = b"\x01" * size
+                    chosen.append((pos, tid))
+                    pos = text.find(special, pos + size)
+                else:  # overlaps a longer token: resume after that token
+                    free = taken.find(0, blocked)
+                    pos = -1 if free < 0 else text.find(special, free)
         chosen.sort()
         out: list[Union[str, int]] = []
         pos = 0
-        for start, end, tid in chosen:
+        for start, tid in chosen:
             if start > pos:
                 out.append(text[pos:start])
             out.append(tid)
-            pos = end
+            pos = start + len(self.tokens[tid])
         if pos < n:
             out.append(text[pos:])
         return out

@@ -180,17 +180,14 @@ class BpeEncoder:
 
     def __init__(self, vocab: dict[str, int], merges: Iterable[str], family: str, ignore_merges: bool):
         self._vocab = vocab
-        self._ranks: dict[tuple[str, str], int] = {}
+        # "left right" -> rank (byte-level texts never contain a plain space)
+        self._ranks: dict[str, int] = {}
         for rank, merge in enumerate(merges):
-            cut = merge.find(" ", 1)
-            if cut > 0:
-                self._ranks.setdefault((merge[:cut], merge[cut + 1:]), rank)
+            if merge.find(" ", 1) > 0:
+                self._ranks.setdefault(merge, rank)
         self._pre = PreTokenizer(family)
         self._ignore_merges = ignore_merges
         self._cache: dict[str, tuple[int, ...]] = {}
-
-    def _pair_key(self, left: str, right: str) -> Optional[int]:
-        return self._ranks.get((left, right))
 
     def _encode_word(self, word: str) -> tuple[int, ...]:
         vocab_get = self._vocab.get
@@ -200,7 +197,7 @@ class BpeEncoder:
             if tid is not None:
                 return (tid,)
         out = []
-        for piece in bigram_merge(mapped, self._pair_key):
+        for piece in bigram_merge(mapped, self._ranks, " "):
             tid = vocab_get(piece)
             if tid is not None:
                 out.append(tid)

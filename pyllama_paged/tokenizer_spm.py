@@ -20,21 +20,20 @@ from __future__ import annotations
 
 import heapq
 import re
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 SPACE_MARK = "\u2581"  # "▁", SentencePiece's visible space
 
 _WORD_CACHE_LIMIT = 200_000
 
 
-def bigram_merge(symbols: Sequence[str], pair_key: Callable[[str, str], Optional[Hashable]]) -> list[str]:
+def bigram_merge(symbols: Sequence[str], priority: Mapping[str, Any], sep: str = "") -> list[str]:
     """Merge adjacent symbols greedily; return the final pieces in order.
 
-    ``pair_key(left, right)`` gives the priority of merging two neighbours (smaller merges
-    first) or ``None`` when they cannot merge. Among equal priorities the leftmost pair merges
-    first. Uses a heap of candidates with lazy invalidation: a candidate is stale once either
-    of its symbols has changed length (symbols only ever grow by absorbing their right
-    neighbour, or become empty when absorbed).
+    Two neighbours ``a`` and ``b`` may merge when ``a + sep + b`` is a key of ``priority``; its
+    value orders the merges (smaller first) and the leftmost pair wins ties. A heap holds the
+    candidates, invalidated lazily: a candidate is stale once either of its symbols has changed
+    length (symbols only grow, by absorbing their right neighbour, or become empty when absorbed).
     """
     n = len(symbols)
     if n < 2:
@@ -43,11 +42,14 @@ def bigram_merge(symbols: Sequence[str], pair_key: Callable[[str, str], Optional
     nxt = list(range(1, n + 1))
     nxt[-1] = -1
     prv = list(range(-1, n - 1))
+    prio = priority.get
     heap = []
     for i in range(n - 1):
-        key = pair_key(syms[i], syms[i + 1])
+        key = prio(syms[i] + sep + syms[i + 1])
         if key is not None:
             heap.append((key, i, i + 1, len(syms[i]) + len(syms[i + 1])))
+    if not heap:
+        return syms
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
     while heap:
@@ -62,15 +64,16 @@ def bigram_merge(symbols: Sequence[str], pair_key: Callable[[str, str], Optional
         nxt[left] = after
         if after >= 0:
             prv[after] = left
+            c = syms[after]
+            key = prio(merged + sep + c)
+            if key is not None:
+                push(heap, (key, left, after, len(merged) + len(c)))
         before = prv[left]
         if before >= 0:
-            key = pair_key(syms[before], merged)
+            c = syms[before]
+            key = prio(c + sep + merged)
             if key is not None:
-                push(heap, (key, before, left, len(syms[before]) + len(merged)))
-        if after >= 0:
-            key = pair_key(merged, syms[after])
-            if key is not None:
-                push(heap, (key, left, after, len(merged) + len(syms[after])))
+                push(heap, (key, before, left, len(c) + len(merged)))
     return [s for s in syms if s]
 
 
@@ -79,7 +82,8 @@ class SpmEncoder:
 
     def __init__(self, vocab: dict[str, int], scores: Sequence[float], unk_id: Optional[int]):
         self._vocab = vocab
-        self._scores = scores
+        # merge priority of every vocabulary text: higher score merges first
+        self._priority = {text: -scores[tid] for text, tid in vocab.items()}
         self._unk_id = unk_id
         self._byte_ids = [self._find_byte_token(b) for b in range(256)]
         self._cache: dict[str, tuple[int, ...]] = {}
@@ -103,14 +107,10 @@ class SpmEncoder:
             tid = self._vocab.get(chr(byte) if byte < 0x80 else chr(0xDC00 + byte))
         return tid if tid is not None else self._unk_id
 
-    def _pair_key(self, left: str, right: str) -> Optional[float]:
-        tid = self._vocab.get(left + right)
-        return None if tid is None else -self._scores[tid]
-
     def _encode_word(self, word: str) -> tuple[int, ...]:
         out = []
         vocab_get = self._vocab.get
-        for piece in bigram_merge(word, self._pair_key):
+        for piece in bigram_merge(word, self._priority):
             tid = vocab_get(piece)
             if tid is not None:
                 out.append(tid)

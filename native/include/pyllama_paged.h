@@ -287,6 +287,40 @@ int pp_context_set_threads(pp_context *ctx, int32_t n_threads);
  * out-of-range ids, slots, positions or sequence indices. */
 int pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);
 
+/* ---- attention harness (tests and benchmarks) ---------------------------- */
+
+/* The attention operators alone, on a KV pool of num_slots token rows of
+ * kv_type, outside any model: for checking the paged kernel against a plain
+ * softmax(QK^T)V and timing it against GGML's contiguous flash attention. */
+typedef struct pp_attention_harness pp_attention_harness;
+
+int pp_attention_harness_create(int32_t kv_type, int32_t num_slots, int32_t n_head,
+                                int32_t n_head_kv, int32_t head_dim, int32_t n_threads,
+                                pp_attention_harness **out);
+
+void pp_attention_harness_destroy(pp_attention_harness *h);
+
+/* Store n token rows of K and V (f32, [n][n_head_kv * head_dim]) at the
+ * given slots, converted to the pool's type. */
+int pp_attention_harness_write(pp_attention_harness *h, const int32_t *slots, int32_t n,
+                               const float *k, const float *v);
+
+/* The pool's K or V rows at slots, converted back to f32 (what the kernel sees). */
+int pp_attention_harness_read(const pp_attention_harness *h, const int32_t *slots, int32_t n,
+                              float *k, float *v);
+
+/* Paged attention for the batch's tokens (token_ids and slot_mapping are
+ * ignored; positions, seq_index and block tables are used) with pages of
+ * block_size slots. q and out: [n_tokens][n_head][head_dim] f32. */
+int pp_attention_harness_paged(pp_attention_harness *h, const pp_batch *batch, int32_t block_size,
+                               int32_t window, float scale, const float *q, float *out);
+
+/* GGML's flash attention of n_q queries at positions over the contiguous
+ * slots [first_slot, first_slot + n_kv), with a causal (and window) mask. */
+int pp_attention_harness_contiguous(pp_attention_harness *h, int32_t first_slot, int32_t n_kv,
+                                    int32_t n_q, const int32_t *positions, int32_t window,
+                                    float scale, const float *q, float *out);
+
 /* Description of the GGML build this library runs on (CPU features). */
 const char *pp_ggml_build_info(void);
 

@@ -1,0 +1,89 @@
+"""Command line: `pyllama-paged run|info`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .errors import PagedError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None, help="GGUF file (default: the embedded Gemma 3 270M)")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads")
+    p.add_argument("--ctx", type=int, default=4096, help="context length in tokens")
+    p.add_argument("--block-size", type=int, default=32, help="KV page size in tokens")
+    p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"], help="KV cache type")
+    p.add_argument("--no-paged", action="store_true", help="contiguous KV slab instead of pages")
+
+
+def cmd_run(args) -> int:
+    from .llama import Llama
+
+    with Llama(args.model, paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads,
+               block_size=args.block_size, kv_cache_type=args.kv_type) as llm:
+        start = time.perf_counter()
+        n = 0
+        for chunk in llm.create_completion(args.prompt, max_tokens=args.max_tokens,
+                                           temperature=args.temperature, top_k=args.top_k,
+                                           top_p=args.top_p, seed=args.seed, stream=True):
+            sys.stdout.write(chunk["choices"][0]["text"])
+            sys.stdout.flush()
+            if "usage" in chunk:
+                n = chunk["usage"]["completion_tokens"]
+        elapsed = time.perf_counter() - start
+        sys.stdout.write("\n")
+        print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .model import Model
+    from .runner import KV_TYPES
+
+    model = Model(args.path)
+    cfg = model.config
+    print(f"file: {model.path}")
+    for key, value in model.metadata.items():
+        if key.startswith("tokenizer.ggml.") and isinstance(value, (list, tuple)) or hasattr(value, "shape"):
+            value = f"[{len(value)} entries]"
+        print(f"  {key} = {value}")
+    print(f"config: {cfg}")
+    per_elem = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+    for kv_type in KV_TYPES:
+        bytes_per_token = 2 * cfg.n_layer * cfg.n_embd_kv * per_elem[kv_type]
+        print(f"KV bytes per token ({kv_type}): {int(bytes_per_token)}")
+    model.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `pyllama-paged` console script."""
+    parser = argparse.ArgumentParser(prog="pyllama-paged", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="stream a completion of PROMPT")
+    _add_engine_args(run)
+    run.add_argument("prompt")
+    run.add_argument("--max-tokens", "-n", type=int, default=128)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--top-k", type=int, default=40)
+    run.add_argument("--top-p", type=float, default=0.95)
+    run.add_argument("--seed", type=int, default=None)
+    run.set_defaults(func=cmd_run)
+    info = sub.add_parser("info", help="print a model's metadata and KV bytes per token")
+    info.add_argument("path", nargs="?", default=None)
+    info.set_defaults(func=cmd_info)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (PagedError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The paged attention kernel against a plain softmax(QK^T)V over K/V gathered
+through the block table, and against GGML's own flash attention."""
+
+import numpy as np
+import pytest
+
+from pyllama_paged.attention_harness import AttentionHarness
+
+
+def gathered_attention(q, k_rows, v_rows, positions, n_head_kv, window, scale):
+    """Reference: q [T, H, D]; k_rows/v_rows [L, n_head_kv*D] in logical order."""
+    T, H, D = q.shape
+    group = H // n_head_kv
+    k = k_rows.reshape(len(k_rows), n_head_kv, D).astype(np.float64)
+    v = v_rows.reshape(len(v_rows), n_head_kv, D).astype(np.float64)
+    out = np.zeros((T, H, D))
+    for t, pos in enumerate(positions):
+        lo = max(0, pos - window + 1) if window else 0
+        for h in range(H):
+            kv = h // group
+            s = k[lo:pos + 1, kv] @ q[t, h].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ v[lo:pos + 1, kv]
+    return out
+
+
+def scatter_sequence(rng, harness, n_tokens, block_size, num_blocks, n_embd_kv, used):
+    """Random K/V for one sequence written into randomly chosen free blocks."""
+    n_blocks = -(-n_tokens // block_size)
+    free = [b for b in rng.permutation(num_blocks) if b not in used][:n_blocks]
+    used.update(free)
+    k = rng.standard_normal((n_tokens, n_embd_kv)).astype(np.float32)
+    v = rng.standard_normal((n_tokens, n_embd_kv)).astype(np.float32)
+    slots = [free[i // block_size] * block_size + i % block_size for i in range(n_tokens)]
+    harness.write(slots, k, v)
+    kq, vq = harness.read(slots)   # what the kernel reads (after KV quantization)
+    return np.array(free, np.int32), kq, vq
+
+
+CASES = [
+    # kv type, block size, head_dim, n_head, n_head_kv, lengths, window
+    ("f16", 16, 64, 4, 4, [1, 16, 37], 0),
+    ("f16", 32, 128, 8, 2, [100, 64], 0),
+    ("f16", 7, 256, 4, 1, [50], 0),
+    ("f16", 64, 64, 16, 1, [200], 48),
+    ("q8_0", 32, 128, 4, 2, [70, 33], 0),
+    ("q8_0", 128, 64, 6, 3, [300], 100),
+    ("q4_0", 32, 64, 2, 1, [45], 0),
+]
+
+
+@pytest.mark.parametrize("kv_type,block_size,head_dim,n_head,n_head_kv,lengths,window", CASES)
+def test_paged_kernel_matches_gathered_softmax(kv_type, block_size, head_dim, n_head, n_head_kv,
+                                               lengths, window):
+    rng = np.random.default_rng(hash((kv_type, block_size, head_dim)) % 2**32)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 5
+    n_embd_kv = n_head_kv * head_dim
+    h = AttentionHarness(kv_type, num_blocks * block_size, n_head, n_head_kv, head_dim, n_threads=2)
+    used: set = set()
+    max_blocks = max(-(-n // block_size) for n in lengths)
+    tables = np.full((len(lengths), max_blocks), -1, np.int32)
+    seqs = []
+    for s, n in enumerate(lengths):
+        blocks, k, v = scatter_sequence(rng, h, n, block_size, num_blocks, n_embd_kv, used)
+        tables[s, :len(blocks)] = blocks
+        seqs.append((k, v))
+    # query every sequence at its last position plus a prefill chunk of the first
+    positions, seq_index = [], []
+    first = lengths[0]
+    chunk = list(range(max(0, first - 9), first))
+    positions += chunk
+    seq_index += [0] * len(chunk)
+    for s, n in enumerate(lengths[1:], start=1):
+        positions.append(n - 1)
+        seq_index.append(s)
+    q = rng.standard_normal((len(positions), n_head, head_dim)).astype(np.float32)
+    scale = head_dim ** -0.5
+    got = h.paged(q, positions, seq_index, tables, block_size, window, scale)
+    want = np.zeros_like(got, dtype=np.float64)
+    for t, (pos, s) in enumerate(zip(positions, seq_index)):
+        k, v = seqs[s]
+        want[t:t + 1] = gathered_attention(q[t:t + 1], k, v, [pos], n_head_kv, window, scale)
+    # Only the query's conversion to the cache's dot type separates the two.
+    tol = {"f16": 2e-3, "q8_0": 2e-2, "q4_0": 5e-2}[kv_type]
+    assert np.abs(got - want).max() < tol
+    h.close()
+
+
+def test_shared_blocks_serve_two_sequences():
+    """Two sequences whose tables point at the same prefix blocks (as after a fork)."""
+    rng = np.random.default_rng(7)
+    bs, D = 16, 64
+    h = AttentionHarness("f16", 8 * bs, 2, 1, D)
+    k = rng.standard_normal((8 * bs, D)).astype(np.float32)
+    v = rng.standard_normal((8 * bs, D)).astype(np.float32)
+    h.write(range(8 * bs), k, v)
+    kq, vq = h.read(range(8 * bs))
+    tables = np.array([[0, 1, 2], [0, 1, 5]], np.int32)   # shared blocks 0, 1; own last block
+    q = rng.standard_normal((2, 2, D)).astype(np.float32)
+    got = h.paged(q, [40, 40], [0, 1], tables, bs)
+    for s, table in enumerate(tables):
+        rows = np.concatenate([np.arange(b * bs, b * bs + bs) for b in table])[:41]
+        want = gathered_attention(q[s:s + 1], kq[rows], vq[rows], [40], 1, 0, D ** -0.5)
+        assert np.abs(got[s] - want[0]).max() < 2e-3
+    assert np.abs(got[0] - got[1]).max() > 1e-3  # the different last block matters
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_paged_matches_ggml_flash_attention(kv_type):
+    rng = np.random.default_rng(3)
+    bs, D, n = 32, 128, 150
+    h = AttentionHarness(kv_type, 8 * bs, 4, 2, D, n_threads=2)
+    h.write(range(n), rng.standard_normal((n, 2 * D)), rng.standard_normal((n, 2 * D)))
+    positions = [n - 5, n - 4, n - 3, n - 2, n - 1]
+    q = rng.standard_normal((5, 4, D)).astype(np.float32)
+    table = np.arange(8, dtype=np.int32)[None, :]
+    paged = h.paged(q, positions, [0] * 5, table, bs, window=64)
+    contiguous = h.contiguous(q, 0, n, positions, window=64)
+    assert np.abs(paged - contiguous).max() < 2e-2
