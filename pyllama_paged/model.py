@@ -30,14 +30,14 @@ class Model:
         self.config: ModelConfig = config_from_metadata(self.metadata, self._vocab_size(), self.path)
         self._create_native()
 
-    def _vocab_size(self) -> int:
+    def _vocab_size(self) -> int | None:
         tokens = self.metadata.get("tokenizer.ggml.tokens")
         if tokens is not None:
             return len(tokens)
         for t in self.gguf.tensors:
             if t.name == "token_embd.weight" and len(t.shape) == 2:
                 return int(t.shape[1])
-        raise ModelLoadError(f"{self.path}: missing tensor 'token_embd.weight'")
+        return None
 
     def _create_native(self) -> None:
         cfg = self.config

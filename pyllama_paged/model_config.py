@@ -41,7 +41,7 @@ class ModelConfig:
         return self.n_head_kv * self.head_dim
 
 
-def config_from_metadata(meta: dict, n_vocab: int, path: str) -> ModelConfig:
+def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelConfig:
     """Build a ModelConfig from GGUF key/values; errors name the file and key."""
     arch = meta.get("general.architecture")
     if arch is None:
@@ -49,6 +49,10 @@ def config_from_metadata(meta: dict, n_vocab: int, path: str) -> ModelConfig:
     if arch not in ARCH_IDS:
         raise ModelLoadError(
             f"{path}: architecture '{arch}' is not supported (supported: {', '.join(ARCH_IDS)})")
+
+    if not n_vocab:
+        raise ModelLoadError(f"{path}: no vocabulary: neither 'tokenizer.ggml.tokens' nor "
+                             "tensor 'token_embd.weight' is present")
 
     def need(key: str):
         full = f"{arch}.{key}"

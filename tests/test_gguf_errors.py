@@ -1,0 +1,116 @@
+"""Bad model files raise ModelLoadError naming the file and the field or
+tensor at fault; nothing crashes and the next load still works."""
+
+import struct
+
+import pytest
+
+from pyllama_paged.model import Model
+from pyllama_paged.model_config import ModelLoadError
+from reference.tiny_gguf import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("gguf") / "llama.gguf", "llama", weight_type="q8_0")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such file"):
+        Model(str(tmp_path / "nope.gguf"))
+
+
+def test_not_gguf(tmp_path):
+    p = tmp_path / "text.gguf"
+    p.write_bytes(b"this is not a model at all, just text" * 4)
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        Model(str(p))
+
+
+@pytest.mark.parametrize("keep", [0.001, 0.05, 0.5, 0.999])
+def test_truncated_file_names_what_is_cut(good_file, tmp_path, keep):
+    data = open(good_file, "rb").read()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[:max(24, int(len(data) * keep))])
+    with pytest.raises(ModelLoadError, match="truncated") as e:
+        Model(str(p))
+    assert str(p) in str(e.value)
+
+
+def test_bad_version(good_file, tmp_path):
+    data = bytearray(open(good_file, "rb").read())
+    data[4:8] = struct.pack("<I", 99)
+    p = tmp_path / "v99.gguf"
+    p.write_bytes(data)
+    with pytest.raises(ModelLoadError, match="version 99"):
+        Model(str(p))
+
+
+def test_unsupported_architecture(tmp_path):
+    import gguf
+    p = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(p), "mamba")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="architecture 'mamba' is not supported"):
+        Model(str(p))
+
+
+def test_missing_field_and_tensor(good_file, tmp_path):
+    import gguf
+    import numpy as np
+    p = tmp_path / "bare.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_head_count(2)
+    w.add_token_list(["a", "b"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="llama.feed_forward_length"):
+        Model(str(p))
+    p2 = tmp_path / "notensors.gguf"
+    w = gguf.GGUFWriter(str(p2), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_head_count(2)
+    w.add_feed_forward_length(128)
+    w.add_token_list(["a", "b"])
+    w.add_tensor("token_embd.weight", np.zeros((2, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="missing tensor 'output_norm.weight'"):
+        Model(str(p2))
+
+
+def test_wrong_tensor_shape_names_the_tensor(tmp_path):
+    import gguf
+    import numpy as np
+    p = tmp_path / "shape.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_head_count(2)
+    w.add_feed_forward_length(128)
+    w.add_token_list(["a", "b"])
+    w.add_tensor("token_embd.weight", np.zeros((2, 64), np.float32))
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((32, 64), np.float32))  # needs 64 x 64
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk.0.attn_q.weight': shape \[64, 32\]"):
+        Model(str(p))
+
+
+def test_good_file_still_loads_after_failures(good_file):
+    m = Model(good_file)
+    assert m.config.arch == "llama"
+    m.close()
