@@ -117,3 +117,18 @@ def test_paged_matches_ggml_flash_attention(kv_type):
     paged = h.paged(q, positions, [0] * 5, table, bs, window=64)
     contiguous = h.contiguous(q, 0, n, positions, window=64)
     assert np.abs(paged - contiguous).max() < 2e-2
+
+
+@pytest.mark.parametrize("n_threads,length,window", [(2, 1500, 0), (4, 3000, 0), (3, 2000, 700)])
+def test_split_k_decode_matches_gathered_softmax(n_threads, length, window):
+    """One long sequence, one query: the key range is split across threads
+    and merged by log-sum-exp."""
+    rng = np.random.default_rng(length)
+    bs, D = 32, 128
+    num_blocks = -(-length // bs) + 3
+    h = AttentionHarness("f16", num_blocks * bs, 4, 1, D, n_threads=n_threads)
+    blocks, k, v = scatter_sequence(rng, h, length, bs, num_blocks, D, set())
+    q = rng.standard_normal((1, 4, D)).astype(np.float32)
+    got = h.paged(q, [length - 1], [0], blocks[None, :], bs, window)
+    want = gathered_attention(q, k, v, [length - 1], 1, window, D ** -0.5)
+    assert np.abs(got - want).max() < 2e-3

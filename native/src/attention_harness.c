@@ -9,7 +9,7 @@
 
 struct pp_attention_harness {
     enum ggml_type        type;
-    int32_t               num_slots, n_head, n_head_kv, head_dim;
+    int32_t               num_slots, n_head, n_head_kv, head_dim, n_threads;
     struct ggml_context  *meta;
     ggml_backend_buffer_t buffer;
     struct ggml_tensor   *k, *v;
@@ -55,6 +55,7 @@ int pp_attention_harness_create(int32_t kv_type, int32_t num_slots, int32_t n_he
     }
     ggml_backend_buffer_clear(h->buffer, 0);
     ggml_backend_cpu_set_n_threads(h->backend, n_threads);
+    h->n_threads = n_threads;
     *out = h;
     return PP_OK;
 }
@@ -140,9 +141,7 @@ int pp_attention_harness_paged(pp_attention_harness *h, const pp_batch *b, int32
     struct ggml_context *ctx = ggml_init(params);
     struct ggml_tensor *qt = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, h->head_dim, h->n_head, b->n_tokens);
     ggml_set_input(qt);
-    struct ggml_tensor *args[3] = {qt, h->k, h->v};
-    struct ggml_tensor *o = ggml_custom_4d(ctx, GGML_TYPE_F32, h->head_dim, h->n_head, b->n_tokens, 1,
-                                           args, 3, pp_paged_attention_cpu, GGML_N_TASKS_MAX, &ap);
+    struct ggml_tensor *o = pp_paged_attention(ctx, qt, h->k, h->v, &ap, h->n_threads);
     int st = run_graph(h, ctx, qt, NULL, NULL, o, q, out);
     ggml_free(ctx);
     return st;

@@ -17,6 +17,7 @@ struct pp_context {
     void                *meta_buf;     /* graph metadata arena, reused each step */
     size_t               meta_size;
     int32_t              max_batch_tokens;
+    int32_t              n_threads;
     pp_attention_params *layer_params;
 };
 
@@ -45,6 +46,7 @@ int pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute context");
     }
     ggml_backend_cpu_set_n_threads(c->backend, n_threads);
+    c->n_threads = n_threads;
     for (int il = 0; il < m->hp.n_layer; il++) {
         pp_attention_params *ap = &c->layer_params[il];
         ap->block_size = cache->block_size;
@@ -70,6 +72,7 @@ void pp_context_destroy(pp_context *c) {
 int pp_context_set_threads(pp_context *c, int32_t n_threads) {
     if (!c || n_threads < 1) return pp_fail(PP_ERR_INVALID, "n_threads must be >= 1");
     ggml_backend_cpu_set_n_threads(c->backend, n_threads);
+    c->n_threads = n_threads;
     return PP_OK;
 }
 
@@ -167,7 +170,7 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     struct ggml_init_params params = {.mem_size = c->meta_size, .mem_buffer = c->meta_buf, .no_alloc = true};
     struct ggml_context *ctx = ggml_init(params);
     if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
-    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params);
+    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params, c->n_threads);
     if (!ggml_gallocr_alloc_graph(c->galloc, gf)) {
         ggml_free(ctx);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the compute buffer for %d tokens", b->n_tokens);

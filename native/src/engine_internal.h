@@ -54,10 +54,24 @@ typedef struct pp_attention_params {
     int32_t head_dim;
 } pp_attention_params;
 
+#define PP_ATTN_MIN_SPLIT_KEYS 256   /* keys per slice below which splitting is not worth it */
+
 /* The CPU paged-attention operator (ggml_custom_4d callback).
  * dst: [head_dim, n_head, n_tokens] f32; src[0] q with the same shape;
  * src[1], src[2]: the layer's K and V pools after this step's writes. */
 void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
+
+/* Split-K variant for few long sequences: a partial pass over slices of
+ * each key range, then a log-sum-exp merge (see paged_attention.c). */
+void pp_paged_attention_partial_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
+void pp_paged_attention_merge_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
+
+/* The paged attention of one layer as graph nodes: one custom op, or the
+ * split-K pair when there are fewer work items than threads and long
+ * key ranges. Returns [head_dim, n_head, n_tokens] f32. */
+struct ggml_tensor *pp_paged_attention(struct ggml_context *ctx, struct ggml_tensor *q,
+                                       struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
+                                       pp_attention_params *ap, int n_threads);
 
 int pp_check_batch(const pp_model *model, const pp_kv_cache *cache, const pp_batch *batch);
 
@@ -66,7 +80,7 @@ int pp_check_batch(const pp_model *model, const pp_kv_cache *cache, const pp_bat
  * and "mask.<s>" (non-paged only); the output is named "logits". */
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *model,
                                    const pp_kv_cache *cache, const pp_batch *batch,
-                                   pp_attention_params *layer_params);
+                                   pp_attention_params *layer_params, int n_threads);
 
 #define PP_MAX_GRAPH_NODES 8192
 

@@ -61,7 +61,7 @@ static struct ggml_tensor *slab_attention(struct ggml_context *ctx, const pp_kv_
 
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
                                    const pp_kv_cache *cache, const pp_batch *batch,
-                                   pp_attention_params *layer_params) {
+                                   pp_attention_params *layer_params, int n_threads) {
     const pp_model_hparams *hp = &m->hp;
     const int n_tokens = batch->n_tokens;
     const int head_dim = hp->head_dim;
@@ -108,9 +108,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
 
         struct ggml_tensor *attn;
         if (cache->paged) {
-            struct ggml_tensor *args[3] = {q, k_pool, v_pool};
-            attn = ggml_custom_4d(ctx, GGML_TYPE_F32, head_dim, hp->n_head, n_tokens, 1, args, 3,
-                                  pp_paged_attention_cpu, GGML_N_TASKS_MAX, ap);
+            attn = pp_paged_attention(ctx, q, k_pool, v_pool, ap, n_threads);
         } else {
             attn = slab_attention(ctx, cache, batch, q, k_pool, v_pool, ap);
         }
