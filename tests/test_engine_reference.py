@@ -73,3 +73,13 @@ def test_block_size_does_not_change_logits(tiny_models, reference_logits, block_
                         block_size=block_size)
     want = ref["gemma3"]
     assert np.abs(got - want).max() / (want.max() - want.min()) < TOLERANCE["f16"]
+
+
+@pytest.mark.parametrize("weight_type", ["f32", "f16", "bf16", "q4_0", "q5_0", "q8_0", "q4_k", "q6_k"])
+def test_every_weight_type_matches_reference(tmp_path, reference_logits, weight_type):
+    prompt, _ = reference_logits
+    path = write_tiny_model(tmp_path / f"llama-{weight_type}.gguf", "llama", weight_type=weight_type,
+                            n_layer=1, strict=True)
+    want = ReferenceModel.from_gguf(path).forward(prompt)
+    got = engine_logits(path, prompt, paged=True, kv_cache_type="f16")
+    assert np.abs(got - want).max() / (want.max() - want.min()) < TOLERANCE["f16"]
