@@ -54,6 +54,7 @@ class BlockInfo:
     ref_count: int
     num_tokens: int
     hash: int | None
+    is_computed: bool
 
 
 def _token_array(token_ids: Sequence[int]):
@@ -110,7 +111,7 @@ class BlockPool:
         out = ffi.new("pp_block_info *")
         check(lib.pp_pool_block_info(self._handle, block_id, out), "block_info")
         return BlockInfo(BlockState(out.state), out.ref_count, out.num_tokens,
-                         out.hash if out.has_hash else None)
+                         out.hash if out.has_hash else None, bool(out.is_computed))
 
     @property
     def num_allocatable(self) -> int:
@@ -154,6 +155,10 @@ class BlockPool:
         check(lib.pp_seq_blocks_needed(self._handle, seq_id, num_tokens, self._i32),
               "blocks_needed")
         return self._i32[0]
+
+    def mark_computed(self, seq_id: int, num_tokens: int) -> None:
+        """Record that the KV of the first num_tokens tokens is written (cacheable)."""
+        check(lib.pp_seq_mark_computed(self._handle, seq_id, num_tokens), "mark_computed")
 
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every block of seq_id; returns its id."""

@@ -69,11 +69,8 @@ class Engine:
         return SeqState(self.kv.fork(seq.handle), seq.num_computed, list(seq.token_ids))
 
     def free(self, seq: SeqState) -> None:
-        """Release a sequence's KV; pages it never computed are not kept in the prefix cache."""
-        if seq.num_computed < len(seq.token_ids):
-            self.kv.discard(seq.handle)
-        else:
-            self.kv.free(seq.handle)
+        """Release a sequence's KV (computed full pages stay in the prefix cache)."""
+        self.kv.free(seq.handle)
 
     def step(self, work: Sequence[tuple[SeqState, int]]) -> np.ndarray:
         """Compute the next n tokens of each (seq, n); returns each one's last logits row."""
@@ -96,6 +93,7 @@ class Engine:
         logits = self.runner.forward(tok, pos, np.concatenate(slots), seq_index, tables, rows)
         for seq, n in work:
             seq.num_computed += n
+            self.kv.mark_computed(seq.handle, seq.num_computed)
         return logits
 
     def prefill(self, seq: SeqState) -> np.ndarray:

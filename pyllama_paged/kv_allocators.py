@@ -36,10 +36,8 @@ class PagedKV:
     def free(self, handle: int) -> None:
         self.pool.free(handle)
 
-    def discard(self, handle: int) -> None:
-        """Free a sequence whose KV was never computed: its hashes must not be reused."""
-        self.pool.free(handle)
-        self.pool.reset_prefix_cache()
+    def mark_computed(self, handle: int, num_tokens: int) -> None:
+        self.pool.mark_computed(handle, num_tokens)
 
     def slot_mapping(self, handle: int, start: int, count: int) -> np.ndarray:
         return self.pool.slot_mapping(handle, start, count)
@@ -86,7 +84,8 @@ class SlabKV:
         del self._lengths[handle]
         self._free.append(handle)
 
-    discard = free
+    def mark_computed(self, handle: int, num_tokens: int) -> None:
+        pass  # slabs are never shared
 
     def slot_mapping(self, handle: int, start: int, count: int) -> np.ndarray:
         return np.arange(start, start + count, dtype=np.int32) + handle * self.block_size

@@ -20,8 +20,9 @@ Decoding choices (llama.cpp leaves these to the caller):
 * ``decode`` joins ``token_to_piece`` bytes and decodes UTF-8 with replacement characters; it
   does not apply llama.cpp's optional "clean up tokenization spaces" pass, so
   ``decode(encode(text, add_special=False)) == text``.
-* With ``add_space_prefix`` (SPM), the one space that encoding puts in front of the text and
-  after each special token is removed again.
+* With ``add_space_prefix`` (SPM), the space that encoding puts in front of the text is removed
+  again: one leading space of the first token after any leading control tokens (BOS). The
+  spaces put after special tokens inside the text stay, as in llama.cpp.
 * Control and unknown tokens decode to their text unless ``skip_special=True``; unused tokens
   decode to nothing.
 
@@ -59,11 +60,19 @@ class TokenType(IntEnum):
     BYTE = 6
 
 
-# Token texts that end a turn (llama.cpp marks these as end-of-generation and as control tokens).
-_END_OF_TURN_TEXTS = frozenset({
-    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-    "<|end_of_text|>", "<EOT>", "<end_of_utterance>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
-})
+# Token texts that llama.cpp treats as end of generation (and then as control tokens, so they
+# are only parsed with parse_special) -- even "</s>", which Gemma 3 has as an HTML tag.
+_END_OF_GENERATION_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+)
+# Of those, the ones that may serve as the EOT id when the GGUF names none.
+_END_OF_TURN_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<EOT>", "_<EOT>", "[EOT]", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>",
+)
 
 # --- GGUF metadata ----------------------------------------------------------------------------
 
@@ -202,7 +211,8 @@ class Tokenizer:
         if token_types is None:
             types = [int(TokenType.NORMAL)] * n
         else:
-            types = [int(t) if int(t) in TokenType._value2member_map_ else 0 for t in token_types]
+            known = {int(t) for t in TokenType}
+            types = [int(t) if int(t) in known else int(TokenType.UNDEFINED) for t in token_types]
         if len(self.scores) != n or len(types) != n:
             raise ValueError("tokens, scores and token_types must have the same length")
         self._vocab: dict[str, int] = {text: i for i, text in enumerate(self.tokens)}
@@ -213,17 +223,8 @@ class Tokenizer:
         self.bos_id, self.eos_id, self.unk_id = valid(bos_id), valid(eos_id), valid(unk_id)
         self.eot_id, self.eom_id, self.pad_id = valid(eot_id), valid(eom_id), valid(pad_id)
 
-        # End-of-turn tokens found by their text are treated as control tokens, like llama.cpp.
-        eot = {t for t in (self.eos_id, self.eot_id, self.eom_id) if t is not None}
-        for text in _END_OF_TURN_TEXTS:
-            tid = self._vocab.get(text)
-            if tid is not None:
-                eot.add(tid)
-                types[tid] = int(TokenType.CONTROL)
-                if self.eot_id is None and text != "<|eom_id|>":
-                    self.eot_id = tid
+        self._find_end_of_generation(types)
         self.token_types: list[int] = types
-        self._eot_ids = frozenset(eot)
 
         if model == "llama":
             self.model = "llama"
@@ -248,6 +249,28 @@ class Tokenizer:
 
         self._special_groups: dict[bool, list] = {}
         self._pieces: dict[tuple[int, bool], bytes] = {}
+
+    def _find_end_of_generation(self, types: list[int]) -> None:
+        """Set ``eot_id`` (if the GGUF names none) and the end-of-generation ids the way
+        llama.cpp does, marking the tokens found by text as control tokens."""
+        vocab = self._vocab
+        if self.eot_id is None:
+            self.eot_id = next((vocab[t] for t in _END_OF_TURN_TEXTS if t in vocab), None)
+        if self.eom_id is None:
+            self.eom_id = vocab.get("<|eom_id|>")
+        found = {t: vocab[t] for t in _END_OF_GENERATION_TEXTS if t in vocab}
+        for tid in found.values():
+            types[tid] = int(TokenType.CONTROL)
+        # llama.cpp's exceptions: with <|return|>+<|call|> (or <|calls|>+<|flush|>), <|end|> is
+        # plain text; next to <|tool_response>, </s> is a normal token.
+        if "<|end|>" in found and (("<|return|>" in found and "<|call|>" in found)
+                                   or ("<|calls|>" in found and "<|flush|>" in found)):
+            types[found.pop("<|end|>")] = int(TokenType.USER_DEFINED)
+        if "</s>" in found and "<|tool_response>" in found:
+            types[found.pop("</s>")] = int(TokenType.NORMAL)
+        eog = set(found.values())
+        eog.update(t for t in (self.eos_id, self.eot_id, self.eom_id) if t is not None)
+        self._eot_ids = frozenset(eog)
 
     # -- construction from GGUF -----------------------------------------------------------------
 
@@ -327,9 +350,12 @@ class Tokenizer:
 
     # -- encoding ---------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def encode(self, text: Union[str, bytes], add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids of ``text``. ``add_special`` adds BOS/EOS as the model asks; ``parse_special``
-        turns control-token texts in ``text`` (e.g. ``<start_of_turn>``) into those tokens."""
+        turns control-token texts in ``text`` (e.g. ``<start_of_turn>``) into those tokens.
+        ``bytes`` are read as UTF-8; bytes that are not valid UTF-8 become byte tokens."""
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("utf-8", "surrogateescape")
         out: list[int] = []
         if add_special and self.add_bos and self.bos_id is not None:
             out.append(self.bos_id)
@@ -471,18 +497,13 @@ class Tokenizer:
         """Concatenated pieces (see ``decode`` for the space-prefix rule)."""
         strip = self.model == "llama" and self.add_space_prefix
         out = bytearray()
-        after_special = True
         for tid in ids:
             tid = int(tid)
             piece = self.token_to_piece(tid, special=not skip_special)
-            if self.token_types[tid] in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
-                out += piece
-                after_special = True
-                continue
-            if strip and after_special and piece.startswith(b" "):
-                piece = piece[1:]
-            if piece:
-                after_special = False
+            if strip and self.token_types[tid] not in (TokenType.CONTROL, TokenType.UNKNOWN):
+                if piece.startswith(b" "):
+                    piece = piece[1:]
+                strip = False
             out += piece
         return bytes(out)
 

@@ -156,23 +156,35 @@ class PreTokenizer:
         if not text:
             return []
         cats = text.translate(_CATEGORY_TABLE)
-        spans = [(0, len(text))]
-        for rx in self._regexes:
-            cut = []
-            for start, end in spans:
-                pos = start
-                for m in rx.finditer(cats, start, end):
-                    s, e = m.span()
-                    if s == e:
-                        continue
-                    if s > pos:
-                        cut.append((pos, s))
-                    cut.append((s, e))
-                    pos = e
-                if pos < end:
-                    cut.append((pos, end))
-            spans = cut
+        spans = self._cut(self._regexes[0], cats, [(0, len(text))])
+        for rx in self._regexes[1:]:
+            spans = self._cut(rx, cats, spans)
         return [text[s:e] for s, e in spans]
+
+    @staticmethod
+    def _cut(rx: "re.Pattern[str]", cats: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Cut each span into the regex's matches and the gaps between them."""
+        out = []
+        append, search = out.append, rx.search
+        for start, end in spans:
+            m = search(cats, start, end)
+            if m is None:  # common for the later, narrower regexes
+                append((start, end))
+                continue
+            pos = start
+            while m is not None:
+                s, e = m.span()
+                if s < e:
+                    if s > pos:
+                        append((pos, s))
+                    append((s, e))
+                    pos = e
+                    m = search(cats, e, end)
+                else:  # an empty match: look further on
+                    m = search(cats, s + 1, end) if s < end else None
+            if pos < end:
+                append((pos, end))
+        return out
 
 
 class BpeEncoder:
@@ -191,7 +203,7 @@ class BpeEncoder:
 
     def _encode_word(self, word: str) -> tuple[int, ...]:
         vocab_get = self._vocab.get
-        mapped = bytes_to_bpe_text(word.encode("utf-8", "surrogatepass"))
+        mapped = bytes_to_bpe_text(word.encode("utf-8", "surrogateescape"))
         if self._ignore_merges:
             tid = vocab_get(mapped)
             if tid is not None:

@@ -115,7 +115,7 @@ class SpmEncoder:
             if tid is not None:
                 out.append(tid)
                 continue
-            for byte in piece.encode("utf-8", "surrogatepass"):
+            for byte in piece.encode("utf-8", "surrogateescape"):
                 bid = self._byte_ids[byte]
                 if bid is None:
                     raise ValueError(f"cannot encode byte 0x{byte:02X}: no byte token and no <unk> token")

@@ -70,6 +70,7 @@ def test_fork_of_full_last_block_needs_no_copy():
 def test_out_of_blocks_is_recoverable_and_changes_nothing():
     with BlockPool(2, 4) as pool:
         seq, _ = pool.create_sequence([1, 2, 3, 4, 5])
+        pool.mark_computed(seq, 5)
         before = pool.stats()
         with pytest.raises(OutOfBlocksError, match="out of KV blocks"):
             pool.append(seq, list(range(10)))
@@ -78,6 +79,7 @@ def test_out_of_blocks_is_recoverable_and_changes_nothing():
         assert pool.stats() == before
         assert pool.length(seq) == 5
         pool.append(seq, [6, 7, 8])  # still usable afterwards
+        pool.mark_computed(seq, 8)
         pool.free(seq)
         assert pool.num_allocatable == 2
 
@@ -97,6 +99,7 @@ def test_prefix_cache_reuses_full_blocks_after_free():
         prompt = [10, 11, 12, 13, 14, 15, 16, 17, 18]
         a, cached = pool.create_sequence(prompt)
         assert cached == 0
+        pool.mark_computed(a, len(prompt))
         table_a = list(pool.block_table(a))
         pool.free(a)
         s = pool.stats()
@@ -113,6 +116,7 @@ def test_prefix_cache_shares_blocks_between_live_sequences():
     with BlockPool(8, 4) as pool:
         system = [1, 2, 3, 4, 5, 6, 7, 8]
         a, _ = pool.create_sequence(system + [9])
+        pool.mark_computed(a, 9)
         b, cached = pool.create_sequence(system + [20, 21])
         assert cached == 8
         assert list(pool.block_table(a))[:2] == list(pool.block_table(b))[:2]
@@ -133,6 +137,8 @@ def test_cached_blocks_are_evicted_lru_when_memory_is_needed():
     with BlockPool(4, 2) as pool:
         a, _ = pool.create_sequence([1, 2])
         b, _ = pool.create_sequence([3, 4])
+        pool.mark_computed(a, 2)
+        pool.mark_computed(b, 2)
         block_a, block_b = pool.block_table(a)[0], pool.block_table(b)[0]
         pool.free(a)
         pool.free(b)
@@ -148,6 +154,7 @@ def test_cached_blocks_are_evicted_lru_when_memory_is_needed():
 def test_explicit_evict_and_reset():
     with BlockPool(4, 2) as pool:
         a, _ = pool.create_sequence([1, 2, 3, 4])
+        pool.mark_computed(a, 4)
         pool.free(a)
         assert pool.evict(1) == 1
         assert pool.stats().num_cached == 1
@@ -184,3 +191,20 @@ def test_closed_pool_raises():
     pool.close()
     with pytest.raises(Exception, match="closed"):
         pool.stats()
+
+
+def test_blocks_not_yet_computed_are_never_reused_or_cached():
+    with BlockPool(8, 4) as pool:
+        prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+        a, _ = pool.create_sequence(prompt)
+        b, cached = pool.create_sequence(prompt)   # a's KV is still being prefilled
+        assert cached == 0
+        assert not set(pool.block_table(a)) & set(pool.block_table(b))
+        pool.mark_computed(a, 4)                   # only the first block is written
+        c, cached = pool.create_sequence(prompt)
+        assert cached == 4
+        assert pool.block_info(pool.block_table(a)[0]).is_computed
+        for seq in (a, b, c):
+            pool.free(seq)
+        s = pool.stats()
+        assert s.num_cached == 1 and s.num_free == 7   # only the computed block stays cached

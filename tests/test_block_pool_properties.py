@@ -63,6 +63,13 @@ class PoolMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
+    def mark_computed(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.model)))
+        n = data.draw(st.integers(0, len(self.model[seq])))
+        self.pool.mark_computed(seq, n)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from(sorted(self.model)))
         child = self.pool.fork(parent)
@@ -102,10 +109,10 @@ class PoolMachine(RuleBasedStateMachine):
             if info.state == BlockState.USED:
                 assert info.ref_count > 0
             elif info.state == BlockState.CACHED:
-                assert info.ref_count == 0 and info.hash is not None
+                assert info.ref_count == 0 and info.hash is not None and info.is_computed
                 assert info.num_tokens == self.block_size
             else:
-                assert info.ref_count == 0 and info.hash is None
+                assert info.ref_count == 0 and info.hash is None and not info.is_computed
         s = self.pool.stats()
         assert (counts[BlockState.FREE], counts[BlockState.USED], counts[BlockState.CACHED]) == (
             s.num_free, s.num_used, s.num_cached)

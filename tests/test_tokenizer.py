@@ -8,7 +8,7 @@
 
       python tests/test_tokenizer.py --regenerate-fixture
 
-  (that environment also needs pytest and numpy; it does not need this package).
+  (that environment also needs pytest; it does not need this package).
 
 * Hand-checked cases on tiny vocabularies, round trips, streaming decode, GGUF loading.
 """
@@ -22,12 +22,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 try:
     from pyllama_paged.tokenizer import IncrementalDecoder, Tokenizer, TokenType, read_gguf_metadata
-    from pyllama_paged.tokenizer_bpe import BYTE_TO_CHAR, PreTokenizer
+    from pyllama_paged.tokenizer_bpe import BYTE_TO_CHAR, PreTokenizer, pre_tokenizer_family
 except ImportError:
     if __name__ != "__main__":  # the fixture generator runs without our package
         raise
@@ -60,14 +59,18 @@ def gemma():
 
 
 def _mismatches(tok: Tokenizer, texts, expected_plain, expected_special):
+    """(text, mode, expected, got) for each disagreement, cut short for readable failures."""
     bad = []
     for text, plain, special in zip(texts, expected_plain, expected_special):
-        got = tok.encode(text, add_special=True, parse_special=False)
-        if got != plain:
-            bad.append((text, "add_special", plain, got))
-        got = tok.encode(text, add_special=False, parse_special=True)
-        if got != special:
-            bad.append((text, "parse_special", special, got))
+        for mode, expected, got in [
+            ("add_special", plain, tok.encode(text, add_special=True, parse_special=False)),
+            ("parse_special", special, tok.encode(text, add_special=False, parse_special=True)),
+        ]:
+            if got != expected:
+                first = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b),
+                             min(len(expected), len(got)))
+                lo = max(0, first - 3)
+                bad.append((text[:60], mode, f"at {first}", expected[lo:first + 5], got[lo:first + 5]))
     return bad
 
 
@@ -96,7 +99,8 @@ def test_gemma3_metadata(gemma):
     assert gemma.bos_id == 2 and gemma.eos_id == 1
     assert gemma.add_bos and not gemma.add_eos and not gemma.add_space_prefix
     end_of_turn = gemma.token_to_id("<end_of_turn>")
-    assert gemma.eot_ids == {1, end_of_turn}
+    # llama.cpp also ends generation on "</s>" (an HTML tag in Gemma 3's vocabulary)
+    assert gemma.eot_ids == {1, end_of_turn, gemma.token_to_id("</s>")}
     assert gemma.is_special(end_of_turn) and gemma.is_special(2)
     assert not gemma.is_special(gemma.token_to_id("\n"))  # user-defined, real text
     assert gemma.token_type(gemma.token_to_id("<0x41>")) == TokenType.BYTE
@@ -118,7 +122,7 @@ def test_synthetic_vocab_matches_llamacpp(fixture_data, index):
     ref = vocabs[index]
     tok = Tokenizer.from_metadata(ref["metadata"])
     texts = fixture_data["texts"][:ref["n_texts"]]
-    assert len(texts) == len(ref["ids_plain"]) > 200
+    assert len(texts) == len(ref["ids_plain"]) > 150
     bad = _mismatches(tok, texts, ref["ids_plain"], ref["ids_special"])
     assert not bad, f"{ref['name']}: {len(bad)} mismatches; first: {bad[:3]}"
     for tid, (with_special, plain) in enumerate(zip(ref["pieces_special"], ref["pieces_plain"])):
@@ -145,8 +149,11 @@ def test_gemma3_round_trip(gemma, fixture_data):
 def test_synthetic_round_trip(fixture_data, index):
     tok = Tokenizer.from_metadata(fixture_data["synthetic"][index]["metadata"])
     for text in _round_trip_texts(fixture_data):
+        if tok.add_space_prefix and len(tok._partition(text, False)) > 1:
+            continue  # a space follows each special token (see Tokenizer.decode)
         assert tok.decode(tok.encode(text, add_special=False)) == text
-        assert tok.decode(tok.encode(text, add_special=False, parse_special=True)) == text
+        if not tok.add_space_prefix:
+            assert tok.decode(tok.encode(text, add_special=False, parse_special=True)) == text
 
 
 def test_incremental_decoder_matches_decode(gemma, fixture_data):
@@ -223,10 +230,11 @@ def test_spm_space_prefix_and_special_tokens():
     # control tokens only with parse_special
     assert _pieces(tok, "<ctl>", add_special=False, parse_special=True) == ["<ctl>"]
     assert "<ctl>" not in _pieces(tok, "<ctl>", add_special=False)
-    # the prefix spaces come off again on decode
+    # the prefix space comes off again on decode; those after special tokens stay (as in llama.cpp)
+    assert tok.decode(tok.encode(" a b")) == "<s> a b"
     ids = tok.encode("a<tag>a<ctl>b", parse_special=True)
-    assert tok.decode(ids) == "<s>a<tag>a<ctl>b"
-    assert tok.decode(ids, skip_special=True) == "a<tag>ab"
+    assert tok.decode(ids) == "<s>a<tag> a<ctl> b"
+    assert tok.decode(ids, skip_special=True) == "a<tag> a b"
 
 
 def test_spm_special_tokens_longest_first():
@@ -309,8 +317,7 @@ def test_bpe_special_tokens():
     ("default", "Hello, world!! 12345", ["Hello", ",", " world", "!!", " ", "123", "45"]),
 ])
 def test_pre_tokenizers(pre, text, words):
-    tok = _tiny_bpe(pre)
-    assert tok._encoder._pre.split(text) == words
+    assert PreTokenizer(pre_tokenizer_family(pre)).split(text) == words
 
 
 # =============================================================================================

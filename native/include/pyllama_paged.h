@@ -82,6 +82,7 @@ typedef struct pp_block_info {
     int32_t ref_count;
     int32_t num_tokens;        /* filled token slots, 0..block_size */
     int32_t has_hash;          /* 1 if the block is full and hashed */
+    int32_t is_computed;       /* 1 once marked computed (its KV is written) */
     uint64_t hash;             /* hash of (parent block's hash, token ids) */
 } pp_block_info;
 
@@ -119,7 +120,7 @@ uint64_t pp_hash_block(uint64_t parent_hash, const int32_t *token_ids, int32_t n
 /* ---- sequences --------------------------------------------------------- */
 
 /* Create a sequence holding token_ids[0..num_tokens). Its longest prefix of
- * full blocks found in the prefix cache is reused (ref++, counted as hits);
+ * full, computed blocks found in the prefix cache is reused (ref++, counted as hits);
  * the rest is written to new blocks. *seq_id gets the new sequence's id and
  * *num_cached_tokens (may be NULL) the number of leading tokens whose KV is
  * already in the reused blocks. PP_ERR_OUT_OF_BLOCKS if the pool is short;
@@ -140,6 +141,11 @@ int pp_seq_append(pp_block_pool *pool, int32_t seq_id, const int32_t *token_ids,
  * (including a copy-on-write block). */
 int pp_seq_blocks_needed(const pp_block_pool *pool, int32_t seq_id, int32_t num_tokens,
                          int32_t *num_blocks);
+
+/* Record that the KV of a sequence's first num_tokens tokens is written:
+ * its full blocks in that range become reusable by prefix lookups. Blocks
+ * never marked are not cached when freed. */
+int pp_seq_mark_computed(pp_block_pool *pool, int32_t seq_id, int32_t num_tokens);
 
 /* Fork: the new sequence *child_id shares every block of parent_id (ref++). */
 int pp_seq_fork(pp_block_pool *pool, int32_t parent_id, int32_t *child_id);

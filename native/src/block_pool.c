@@ -26,6 +26,7 @@ struct pp_block_pool {
     int32_t  *num_filled;      /* token slots written in each block */
     uint8_t  *state;           /* enum pp_block_state */
     uint8_t  *has_hash;
+    uint8_t  *computed;        /* KV of the block's tokens has been written */
     uint64_t *hash;
     int32_t  *block_tokens;    /* num_blocks * block_size token ids, for hit checks */
 
@@ -92,6 +93,7 @@ static void lru_push_newest(pp_block_pool *p, int32_t b) {
 static void make_free(pp_block_pool *p, int32_t b) {
     p->state[b] = PP_BLOCK_FREE;
     p->has_hash[b] = 0;
+    p->computed[b] = 0;
     p->hash[b] = 0;
     p->num_filled[b] = 0;
     p->free_stack[p->num_free++] = b;
@@ -116,6 +118,7 @@ static int32_t take_block(pp_block_pool *p) {
         p->num_filled[b] = 0;
         p->num_evictions++;
     }
+    p->computed[b] = 0;
     p->state[b] = PP_BLOCK_USED;
     p->ref_count[b] = 1;
     return b;
@@ -135,12 +138,14 @@ static void ref_dec(pp_block_pool *p, int32_t b) {
     if (r == 1) p->num_shared--;
     if (r > 0) return;
     p->tokens_stored -= p->num_filled[b];
-    if (is_registered(p, b)) {
+    if (is_registered(p, b) && p->computed[b]) {
         p->state[b] = PP_BLOCK_CACHED;
         lru_push_newest(p, b);
-    } else {
-        make_free(p, b);
+        return;
     }
+    /* A block whose KV was never written must not be found by a later lookup. */
+    if (is_registered(p, b)) pp_hash_map_remove(&p->prefix_map, p->hash[b]);
+    make_free(p, b);
 }
 
 /* ---- pool --------------------------------------------------------------- */
@@ -163,12 +168,13 @@ int pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out) 
     p->num_filled = calloc(n, sizeof(int32_t));
     p->state = calloc(n, 1);
     p->has_hash = calloc(n, 1);
+    p->computed = calloc(n, 1);
     p->hash = calloc(n, sizeof(uint64_t));
     p->block_tokens = malloc(n * (size_t)block_size * sizeof(int32_t));
     p->free_stack = malloc(n * sizeof(int32_t));
     p->lru_prev = malloc(n * sizeof(int32_t));
     p->lru_next = malloc(n * sizeof(int32_t));
-    if (!p->ref_count || !p->num_filled || !p->state || !p->has_hash || !p->hash ||
+    if (!p->ref_count || !p->num_filled || !p->state || !p->has_hash || !p->computed || !p->hash ||
         !p->block_tokens || !p->free_stack || !p->lru_prev || !p->lru_next ||
         pp_hash_map_init(&p->prefix_map, num_blocks) != PP_OK) {
         pp_pool_destroy(p);
@@ -196,6 +202,7 @@ void pp_pool_destroy(pp_block_pool *p) {
     free(p->num_filled);
     free(p->state);
     free(p->has_hash);
+    free(p->computed);
     free(p->hash);
     free(p->block_tokens);
     free(p->free_stack);
@@ -231,6 +238,7 @@ int pp_pool_block_info(const pp_block_pool *p, int32_t b, pp_block_info *out) {
     out->ref_count = p->ref_count[b];
     out->num_tokens = p->num_filled[b];
     out->has_hash = p->has_hash[b];
+    out->is_computed = p->computed[b];
     out->hash = p->hash[b];
     return PP_OK;
 }
@@ -355,10 +363,11 @@ static void write_tokens(pp_block_pool *p, pp_sequence *s, const int32_t *token_
     }
 }
 
-/* The registered block holding exactly these bs tokens after parent, or -1. */
+/* The registered, computed block holding exactly these bs tokens after
+ * parent, or -1. Blocks still waiting for their KV are never reused. */
 static int32_t lookup_block(const pp_block_pool *p, uint64_t h, const int32_t *token_ids) {
     int32_t b = pp_hash_map_get(&p->prefix_map, h);
-    if (b < 0) return -1;
+    if (b < 0 || !p->computed[b]) return -1;
     /* Guard against hash collisions: a hit must hold the same tokens. */
     if (memcmp(&p->block_tokens[(size_t)b * p->block_size], token_ids,
                (size_t)p->block_size * sizeof(int32_t)) != 0)
@@ -559,5 +568,14 @@ int pp_seq_slot_mapping(const pp_block_pool *p, int32_t seq_id, int32_t start,
         int32_t pos = start + i;
         out[i] = s->block_table[pos / bs] * bs + pos % bs;
     }
+    return PP_OK;
+}
+
+int pp_seq_mark_computed(pp_block_pool *p, int32_t seq_id, int32_t num_tokens) {
+    SEQ_OR_FAIL(s, p, seq_id);
+    if (num_tokens < 0 || num_tokens > s->num_tokens)
+        return pp_fail(PP_ERR_INVALID, "cannot mark %d tokens computed in sequence %d of %d tokens",
+                       num_tokens, seq_id, s->num_tokens);
+    for (int32_t i = 0; i < num_tokens / p->block_size; i++) p->computed[s->block_table[i]] = 1;
     return PP_OK;
 }
