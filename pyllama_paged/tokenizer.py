@@ -19,7 +19,8 @@ Decoding choices (llama.cpp leaves these to the caller):
 
 * ``decode`` joins ``token_to_piece`` bytes and decodes UTF-8 with replacement characters; it
   does not apply llama.cpp's optional "clean up tokenization spaces" pass, so
-  ``decode(encode(text, add_special=False)) == text``.
+  ``decode(encode(text, add_special=False)) == text`` (for SPM: unless the text holds a literal
+  ``▁``, or special tokens while ``add_space_prefix`` is set).
 * With ``add_space_prefix`` (SPM), the space that encoding puts in front of the text is removed
   again: one leading space of the first token after any leading control tokens (BOS). The
   spaces put after special tokens inside the text stay, as in llama.cpp.

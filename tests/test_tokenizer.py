@@ -217,6 +217,9 @@ def test_spm_byte_fallback_and_unknown():
     tok = _tiny_spm(add_space_prefix=False)
     assert _pieces(tok, "xé", add_special=False) == ["<0x78>", "<0xC3>", "<0xA9>"]
     assert tok.decode(tok.encode("xé", add_special=False)) == "xé"
+    # bytes are read as UTF-8; invalid bytes become byte tokens
+    assert _pieces(tok, b"a\xff", add_special=False) == ["a", "<0xFF>"]
+    assert tok.decode_bytes(tok.encode(b"a\xff\xc3", add_special=False)) == b"a\xff\xc3"
 
 
 def test_spm_space_prefix_and_special_tokens():
