@@ -39,6 +39,17 @@ class PagedKV:
     def mark_computed(self, handle: int, num_tokens: int) -> None:
         self.pool.mark_computed(handle, num_tokens)
 
+    def can_create(self, num_tokens: int, reserve: int = 0) -> bool:
+        """Whether a new sequence of num_tokens fits, keeping `reserve` blocks free."""
+        return -(-num_tokens // self.block_size) + reserve <= self.pool.num_allocatable
+
+    def can_append(self, handle: int, num_tokens: int) -> bool:
+        return self.pool.blocks_needed(handle, num_tokens) <= self.pool.num_allocatable
+
+    def capacity_tokens(self) -> int:
+        """The most tokens one sequence could ever hold here."""
+        return min(self.num_blocks, self.max_blocks_per_seq) * self.block_size
+
     def slot_mapping(self, handle: int, start: int, count: int) -> np.ndarray:
         return self.pool.slot_mapping(handle, start, count)
 
@@ -86,6 +97,19 @@ class SlabKV:
 
     def mark_computed(self, handle: int, num_tokens: int) -> None:
         pass  # slabs are never shared
+
+    def can_create(self, num_tokens: int, reserve: int = 0) -> bool:
+        return num_tokens <= self.block_size and len(self._free) > 0
+
+    def can_append(self, handle: int, num_tokens: int) -> bool:
+        return self._lengths[handle] + num_tokens <= self.block_size
+
+    def capacity_tokens(self) -> int:
+        return self.block_size
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_blocks - len(self._free)
 
     def slot_mapping(self, handle: int, start: int, count: int) -> np.ndarray:
         return np.arange(start, start + count, dtype=np.int32) + handle * self.block_size

@@ -85,6 +85,21 @@ class ModelRunner:
         arr = ffi.new("pp_block_copy[]", [{"src": s, "dst": d} for s, d in copies])
         check(lib.pp_kv_cache_copy_blocks(self._cache, arr, len(copies)), "copy_blocks")
 
+    @property
+    def block_bytes(self) -> int:
+        """Host bytes one block's K and V take across all layers."""
+        return self.kv_bytes_per_token * self.block_size
+
+    def read_block(self, block_id: int) -> np.ndarray:
+        """A host copy of one block's K and V (all layers): the swap-out copy."""
+        out = np.empty(self.block_bytes, dtype=np.uint8)
+        check(lib.pp_kv_cache_read_block(self._cache, block_id, ffi.from_buffer(out)), "read_block")
+        return out
+
+    def write_block(self, block_id: int, data: np.ndarray) -> None:
+        """Restore one block's K and V from a host copy (swap-in)."""
+        check(lib.pp_kv_cache_write_block(self._cache, block_id, ffi.from_buffer(data)), "write_block")
+
     def close(self) -> None:
         """Free the context and the KV pools."""
         if self._ctx is not None:

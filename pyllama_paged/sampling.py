@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -23,6 +23,10 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
+    n: int = 1
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = True
 
     def validate(self) -> None:
         """Raise PagedError naming the first invalid field."""
@@ -34,10 +38,18 @@ class SamplingParams:
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("repeat_penalty", self.repeat_penalty > 0, "must be > 0"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("n", 1 <= self.n <= 64, "must be in [1, 64]"),
+            ("beam_width", 1 <= self.beam_width <= 16, "must be in [1, 16]"),
         ]
         for name, ok, why in checks:
             if not ok:
                 raise PagedError(f"sampling parameter '{name}' = {getattr(self, name)!r} {why}")
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """Parameters of the index-th of n samples: its own seed so samples differ."""
+        if index == 0:
+            return self
+        return replace(self, seed=None if self.seed is None else self.seed + index)
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,243 @@
+"""LLMEngine: one step = schedule, run the batched forward, then sample,
+fork (n>1, beams) and finish sequences. Single-threaded; EngineLoop runs it
+for many callers."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .engine import Engine
+from .sampling import Sampler, SamplingParams, log_softmax, top_logprobs
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Request, RequestStatus, Sequence
+
+
+@dataclass
+class TokenEvent:
+    seq_index: int
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    events: list[TokenEvent] = field(default_factory=list)
+    finished: bool = False
+    finish_reasons: list[str | None] = field(default_factory=list)
+    error: str | None = None
+    beams: list[tuple[list[int], float]] | None = None   # (output ids, score), best first
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class LLMEngine:
+    """Requests in, token events out, one step at a time."""
+
+    def __init__(self, engine: Engine, eot_ids, config: SchedulerConfig | None = None):
+        self.engine = engine
+        self.eot_ids = frozenset(eot_ids)
+        self.scheduler = Scheduler(engine, config)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_computed_tokens = 0          # tokens run through the model
+        self.num_generated_tokens = 0
+        self.limit = min(engine.n_ctx, engine.kv.capacity_tokens())
+
+    # ---- requests ----------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        """Queue a request; a request that can never fit is returned already finished."""
+        params.validate()
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = Request(request_id, list(prompt_ids), params)
+        request.seqs = [Sequence(list(prompt_ids), len(prompt_ids), Sampler(params))]
+        self.scheduler.add(request)
+        if request.status != RequestStatus.FINISHED:
+            self.requests[request_id] = request
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its pages; False if unknown or finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.remove(request)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the outputs of the requests that moved."""
+        work = self.scheduler.schedule()
+        outputs: dict[str, RequestOutput] = {}
+        for request in self.scheduler.failed:
+            self.requests.pop(request.request_id, None)
+            outputs[request.request_id] = self._output(request, finished=True)
+        self.scheduler.failed.clear()
+        if not work:
+            return list(outputs.values())
+        logits = self.engine.step([(seq.kv, n) for seq, n in work])
+        self.num_computed_tokens += sum(n for _, n in work)
+        ready: dict[str, list[tuple[Sequence, np.ndarray]]] = {}
+        for (seq, _), row in zip(work, logits):
+            if seq.kv.num_computed == len(seq.token_ids):   # its last token is computed
+                ready.setdefault(self._owner(seq).request_id, []).append((seq, row))
+        for request_id, items in ready.items():
+            request = self.requests[request_id]
+            out = outputs.setdefault(request_id, self._output(request))
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            if request.is_beam:
+                self._beam_step(request, items, out)
+            else:
+                self._sample_step(request, items, out)
+            if not request.live_seqs:
+                self._finish(request, out)
+        return list(outputs.values())
+
+    def _owner(self, seq: Sequence) -> Request:
+        return self._seq_owner[seq.seq_id]
+
+    @property
+    def _seq_owner(self) -> dict[int, Request]:
+        return {s.seq_id: r for r in self.requests.values() for s in r.seqs}
+
+    def _output(self, request: Request, finished: bool = False) -> RequestOutput:
+        return RequestOutput(request.request_id, finished=finished, error=request.error,
+                             num_prompt_tokens=len(request.prompt_ids),
+                             finish_reasons=[s.finish_reason for s in request.seqs])
+
+    def _finish(self, request: Request, out: RequestOutput) -> None:
+        self.scheduler.remove(request)
+        self.requests.pop(request.request_id, None)
+        out.finished = True
+        out.finish_reasons = [s.finish_reason for s in request.seqs]
+        if request.is_beam:
+            penalty = request.params.length_penalty
+            scored = [(s.output_ids, s.cumulative_logprob / max(len(s.output_ids), 1) ** penalty)
+                      for s in request.finished_beams]
+            out.beams = sorted(scored, key=lambda b: -b[1])[:request.params.beam_width]
+
+    def _accept(self, request: Request, seq: Sequence, token: int, out: RequestOutput,
+                logits: np.ndarray | None) -> None:
+        """Append a sampled token, report it, and finish the sequence if it ended."""
+        event = TokenEvent(request.seqs.index(seq), token)
+        if request.params.logprobs is not None and logits is not None:
+            event.logprob, event.top_logprobs = top_logprobs(logits, token, request.params.logprobs)
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        out.events.append(event)
+        if token in self.eot_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= (request.params.max_tokens or self.limit) or \
+                len(seq.token_ids) >= self.limit:
+            seq.finish_reason = "length"
+        if seq.is_finished and seq.kv is not None:
+            self.engine.free(seq.kv)   # finished sequences give their pages back at once
+            seq.kv = None
+
+    def _sample_step(self, request: Request, items, out: RequestOutput) -> None:
+        params = request.params
+        for seq, row in items:
+            if not request.is_forked and params.n > 1:
+                # n samples share the prompt's pages: fork before anyone appends
+                request.is_forked = True
+                for i in range(1, params.n):
+                    child = Sequence(list(seq.token_ids), seq.num_prompt, Sampler(params.for_sample(i)),
+                                     kv=self.engine.fork(seq.kv))
+                    request.seqs.append(child)
+                    token = child.sampler.sample(row, child.token_ids)
+                    self._accept(request, child, token, out, row)
+            token = seq.sampler.sample(row, seq.token_ids)
+            self._accept(request, seq, token, out, row)
+
+    def _beam_step(self, request: Request, items, out: RequestOutput) -> None:
+        """Keep the beam_width best continuations; forked beams share pages."""
+        width = request.params.beam_width
+        candidates = []
+        for seq, row in items:
+            lp = log_softmax(row)
+            top = np.argpartition(-lp, 2 * width)[:2 * width]
+            for tok in top:
+                candidates.append((seq.cumulative_logprob + float(lp[tok]), seq, int(tok)))
+        candidates.sort(key=lambda c: -c[0])
+        chosen = []
+        for score, parent, tok in candidates:
+            if len(chosen) == width:
+                break
+            if tok in self.eot_ids:
+                done = Sequence(parent.token_ids + [tok], parent.num_prompt, parent.sampler,
+                                cumulative_logprob=score, finish_reason="stop")
+                request.finished_beams.append(done)
+                continue
+            chosen.append((score, parent, tok))
+        # assign: a parent's first continuation reuses it, the others fork it
+        used: set[int] = set()
+        new_seqs = []
+        for score, parent, tok in chosen:
+            if parent.seq_id in used:
+                seq = Sequence(list(parent.token_ids), parent.num_prompt, parent.sampler,
+                               kv=self.engine.fork(parent.kv))
+            else:
+                seq = parent
+                used.add(parent.seq_id)
+            new_seqs.append((seq, score, tok))
+        # parents are forked before any of them grows, so copies see the old tokens
+        for seq, score, tok in new_seqs:
+            seq.token_ids.append(tok)
+            seq.cumulative_logprob = score
+        for seq, _ in items:
+            if seq.seq_id not in used and seq.kv is not None:
+                self.engine.free(seq.kv)
+                seq.kv = None
+                seq.finish_reason = "pruned"
+        live = [s for s, _, _ in new_seqs]
+        request.seqs = live + [s for s in request.seqs if s.is_finished and s not in live]
+        out.events.extend(TokenEvent(i, s.token_ids[-1]) for i, s in enumerate(live))
+        max_tokens = request.params.max_tokens or self.limit
+        length_done = live and (len(live[0].output_ids) >= max_tokens or len(live[0].token_ids) >= self.limit)
+        penalty = request.params.length_penalty
+        best_live = max((s.cumulative_logprob / len(s.output_ids) ** penalty for s in live), default=None)
+        enough = len(request.finished_beams) >= width and request.params.early_stopping
+        if best_live is not None and len(request.finished_beams) >= width and not enough:
+            worst_kept = sorted((b.cumulative_logprob / len(b.output_ids) ** penalty
+                                 for b in request.finished_beams), reverse=True)[width - 1]
+            enough = best_live < worst_kept
+        if length_done or enough or not live:
+            for s in live:
+                if length_done:
+                    request.finished_beams.append(s)
+                s.finish_reason = s.finish_reason or "length"
+                if s.kv is not None:
+                    self.engine.free(s.kv)
+                    s.kv = None
+
+    # ---- statistics --------------------------------------------------------
+    def stats(self) -> dict:
+        """Pool and scheduler figures for /stats, metrics and benchmarks."""
+        kv = self.engine.kv
+        s = {"running_requests": len(self.scheduler.running), "waiting_requests": len(self.scheduler.waiting),
+             "swapped_requests": len(self.scheduler.swapped),
+             "running_seqs": self.scheduler.num_running_seqs(),
+             "preemptions": self.scheduler.num_preemptions,
+             "computed_tokens": self.num_computed_tokens, "generated_tokens": self.num_generated_tokens}
+        if kv.paged:
+            ps = kv.pool.stats()
+            s.update(blocks_total=ps.num_blocks, blocks_free=ps.num_free, blocks_used=ps.num_used,
+                     blocks_cached=ps.num_cached, blocks_shared=ps.num_shared,
+                     utilization=ps.utilization, prefix_hit_rate=ps.hit_rate,
+                     prefix_hits=ps.num_hits, cow_copies=ps.num_cow_copies)
+        else:
+            s.update(blocks_total=kv.num_blocks, blocks_used=kv.num_in_use,
+                     blocks_free=kv.num_blocks - kv.num_in_use)
+        return s

@@ -1,0 +1,208 @@
+"""Continuous-batching scheduler: waiting / running / swapped queues, FCFS
+admission under a block watermark, chunked prefill under a per-step token
+budget, and whole-request preemption by recompute or swap. Policy only:
+the KV placement lives in the engine's allocator."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from .engine import Engine, SeqState
+from .errors import OutOfBlocksError
+from .sequence import Request, RequestStatus, Sequence
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512   # tokens computed per step (decodes + prefill chunks)
+    max_num_seqs: int = 64              # running sequences at once
+    watermark: float = 0.01             # fraction of blocks admission leaves free
+    preemption_mode: str = "recompute"  # recompute: cheaper on CPU (no copy traffic); swap: keeps work
+
+
+class Scheduler:
+    """Decides which sequences compute how many tokens in the next step."""
+
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None):
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        if self.config.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        kv = engine.kv
+        self.reserve_blocks = math.ceil(self.config.watermark * kv.num_blocks) if kv.paged else 0
+        self.num_preemptions = 0
+        self.failed: list[Request] = []   # ended by the scheduler; the engine reports them
+
+    # ---- queue management ------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request, or finish it at once with an error if it can never fit."""
+        n = len(request.prompt_ids)
+        limit = min(self.engine.n_ctx, self.engine.kv.capacity_tokens())
+        if n == 0:
+            request.error = "the prompt is empty"
+        elif n >= limit:
+            request.error = (f"prompt of {n} tokens does not fit: the context holds {self.engine.n_ctx} "
+                             f"tokens and the KV pool {self.engine.kv.capacity_tokens()}")
+        if request.error:
+            request.status = RequestStatus.FINISHED
+            return
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def num_running_seqs(self) -> int:
+        return sum(len(r.live_seqs) for r in self.running)
+
+    def remove(self, request: Request) -> None:
+        """Drop a request from every queue and free its KV (abort or finish)."""
+        for queue in (self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        for seq in request.seqs + request.finished_beams:
+            self._release(seq)
+        request.status = RequestStatus.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.kv is not None:
+            self.engine.free(seq.kv)
+            seq.kv = None
+        seq.swapped_blocks = None
+
+    # ---- preemption --------------------------------------------------------
+    def _preempt(self, request: Request) -> None:
+        """Take every block of a running request at once (recompute or swap)."""
+        self.running.remove(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap":
+            for seq in request.live_seqs:
+                self._swap_out(seq)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(request)
+        else:
+            for seq in request.seqs:
+                self._release(seq)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+
+    def _swap_out(self, seq: Sequence) -> None:
+        runner = self.engine.runner
+        seq.swapped_blocks = [runner.read_block(int(b)) for b in self.engine.kv.block_table(seq.kv.handle)]
+        seq.swapped_num_computed = seq.kv.num_computed
+        seq.swapped_tokens = list(seq.kv.token_ids)
+        self.engine.free(seq.kv)
+        seq.kv = None
+
+    def _swap_in(self, seq: Sequence) -> None:
+        kv = self.engine.kv
+        handle, cached = kv.create(seq.swapped_tokens)
+        table = kv.block_table(handle)
+        for i, block in enumerate(table):
+            if i * kv.block_size >= cached:   # cached prefix blocks already hold this data
+                self.engine.runner.write_block(int(block), seq.swapped_blocks[i])
+        kv.mark_computed(handle, seq.swapped_num_computed)
+        seq.kv = SeqState(handle, seq.swapped_num_computed, list(seq.swapped_tokens))
+        seq.swapped_blocks = None
+
+    def _blocks_for(self, seqs: list[Sequence], tokens_of) -> bool:
+        kv = self.engine.kv
+        if not kv.paged:
+            return kv.num_blocks - kv.num_in_use >= len(seqs)
+        need = sum(-(-len(tokens_of(s)) // kv.block_size) for s in seqs)
+        return need + self.reserve_blocks <= kv.pool.num_allocatable
+
+    # ---- one step ----------------------------------------------------------
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The (sequence, tokens to compute) pairs of the next step."""
+        budget = self.config.max_num_batched_tokens
+        work: list[tuple[Sequence, int]] = []
+        preempted = False
+
+        # decodes first: every running sequence whose prefill is done gets its
+        # newest token's slot, preempting the latest arrival when blocks run out
+        self.running.sort(key=lambda r: r.arrival)
+        for request in list(self.running):
+            if request not in self.running:
+                continue   # preempted while making room for an earlier request
+            for seq in request.live_seqs:
+                if seq.kv is None or seq.kv.num_computed < len(seq.kv.token_ids) or budget == 0:
+                    continue
+                new = seq.token_ids[len(seq.kv.token_ids):]
+                if not new:
+                    continue
+                while not self.engine.kv.can_append(seq.kv.handle, len(new)):
+                    victim = self.running[-1]
+                    if len(self.running) == 1:
+                        # nothing left to take blocks from: the pool cannot hold it
+                        request.error = ("out of KV blocks: the request alone needs more pages "
+                                         "than the pool holds")
+                        self.remove(request)
+                        self.failed.append(request)
+                        break
+                    preempted = True
+                    self._preempt(victim)
+                    if victim is request:
+                        break
+                if request not in self.running:
+                    break
+                self.engine.append_tokens(seq.kv, new)
+                work.append((seq, len(new)))
+                budget -= len(new)
+
+        # prefill chunks of running requests still prefilling
+        for request in self.running:
+            for seq in request.live_seqs:
+                pending = len(seq.kv.token_ids) - seq.kv.num_computed if seq.kv else 0
+                if pending > 0 and budget > 0 and not any(s is seq for s, _ in work):
+                    n = min(pending, budget)
+                    work.append((seq, n))
+                    budget -= n
+
+        # swapped requests come back before new ones (FCFS), unless we just preempted
+        while self.swapped and not preempted:
+            request = self.swapped[0]
+            seqs = request.live_seqs
+            if not self._blocks_for(seqs, lambda s: s.swapped_tokens):
+                break
+            self.swapped.popleft()
+            for seq in seqs:
+                self._swap_in(seq)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+        # admit waiting requests first-come-first-served while blocks allow
+        while self.waiting and budget > 0 and not preempted:
+            request = self.waiting[0]
+            seqs = request.live_seqs or request.seqs
+            if self.num_running_seqs() + len(seqs) > self.config.max_num_seqs:
+                break
+            if not self._blocks_for(seqs, lambda s: s.token_ids):
+                break
+            self.waiting.popleft()
+            for seq in seqs:
+                try:
+                    seq.kv = self.engine.add_sequence(seq.token_ids)
+                except OutOfBlocksError:   # raced the watermark estimate: undo, retry later
+                    for s in seqs:
+                        self._release(s)
+                    self.waiting.appendleft(request)
+                    return work
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            for seq in seqs:
+                pending = len(seq.kv.token_ids) - seq.kv.num_computed
+                if pending > 0 and budget > 0:
+                    n = min(pending, budget)
+                    work.append((seq, n))
+                    budget -= n
+        return work

@@ -1,0 +1,76 @@
+"""Requests and their sequences as the scheduler sees them."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .engine import SeqState
+from .sampling import Sampler, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    """One generated sample (or beam) of a request."""
+
+    token_ids: list[int]                 # prompt + generated so far
+    num_prompt: int
+    sampler: Sampler
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    kv: SeqState | None = None           # None while waiting / preempted
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    swapped_blocks: list[np.ndarray] | None = None   # host copies while swapped out
+    swapped_num_computed: int = 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV still has to be computed."""
+        return len(self.token_ids) - (self.kv.num_computed if self.kv else 0)
+
+
+@dataclass
+class Request:
+    """A prompt with its sampling parameters; holds n samples or beam_width beams."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    seqs: list[Sequence] = field(default_factory=list)
+    finished_beams: list[Sequence] = field(default_factory=list)
+    error: str | None = None
+    num_preemptions: int = 0
+    is_forked: bool = False              # n>1 / beams created from the prompt sequence
+    first_token_time: float | None = None
+
+    @property
+    def is_beam(self) -> bool:
+        return self.params.beam_width > 1
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
