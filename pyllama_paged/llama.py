@@ -7,10 +7,13 @@ import time
 import uuid
 from typing import Iterator, Sequence
 
+from .chat_template import ChatTemplate
 from .engine import Engine
 from .errors import PagedError
+from .llm_engine import LLMEngine
 from .model import Model
 from .sampling import Sampler, SamplingParams, top_logprobs
+from .scheduler import SchedulerConfig
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -67,6 +70,9 @@ class Llama:
                              n_threads=self.n_threads, n_batch=n_batch, block_size=block_size,
                              kv_cache_type=kv_cache_type)
         self.paged = paged
+        self.chat_template = ChatTemplate.for_model(self._model.metadata, self._model.config.arch)
+        self.llm_engine = LLMEngine(self.engine, self.tokenizer.eot_ids,
+                                    SchedulerConfig(max_num_batched_tokens=n_batch))
 
     # ---- basics -------------------------------------------------------------
     def n_ctx(self) -> int:
@@ -88,6 +94,10 @@ class Llama:
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
         """UTF-8 bytes of token ids."""
         return self.tokenizer.decode_bytes(tokens, skip_special=not special)
+
+    def stats(self) -> dict:
+        """KV pool and scheduler figures (pages used/free/shared/cached, hit rate, ...)."""
+        return self.llm_engine.stats()
 
     def close(self) -> None:
         """Free the engine and the model."""
@@ -221,3 +231,151 @@ class Llama:
                               "finish_reason": last["choices"][0]["finish_reason"]}]
         result["usage"] = last["usage"]
         return result
+
+    # ---- scheduled generation: many prompts, n samples, beams, chat ---------
+    def _params(self, max_tokens, temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty,
+                frequency_penalty, stop, seed, logprobs, n=1, beam_width=1, length_penalty=1.0,
+                early_stopping=True) -> SamplingParams:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        params = SamplingParams(max_tokens=max_tokens or 0, temperature=temperature, top_p=top_p,
+                                top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                seed=seed if seed is not None else self.seed, stop=stops,
+                                logprobs=logprobs, n=n, beam_width=beam_width,
+                                length_penalty=length_penalty, early_stopping=early_stopping)
+        params.validate()
+        return params
+
+    def stream_texts(self, prompts_ids: Sequence[Sequence[int]], params: SamplingParams):
+        """Run prompts together through the scheduler; yield (prompt index, sample index,
+        text delta, finish reason or None, usage tokens) as text becomes available."""
+        if self.engine is None:
+            raise PagedError("this Llama is closed")
+        llm = self.llm_engine
+        requests = [llm.add_request(list(ids), params) for ids in prompts_ids]
+        for i, r in enumerate(requests):
+            if r.error:
+                for rr in requests:
+                    llm.abort(rr.request_id)
+                raise PagedError(f"prompt {i}: {r.error}")
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        decoders: dict = {}
+        stoppers: dict = {}
+        stopped: dict = {}
+        try:
+            while any(r.request_id in llm.requests for r in requests):
+                for out in llm.step():
+                    i = index.get(out.request_id)
+                    if i is None:
+                        continue
+                    if out.error:
+                        raise PagedError(out.error)
+                    if params.beam_width > 1:
+                        if out.finished:
+                            for j, (ids, _) in enumerate(out.beams or []):
+                                text = self.tokenizer.decode([t for t in ids if t not in self.tokenizer.eot_ids],
+                                                             skip_special=True)
+                                yield i, j, text, "stop" if ids and ids[-1] in self.tokenizer.eot_ids else "length", None
+                        continue
+                    for ev in out.events:
+                        key = (i, ev.seq_index)
+                        if stopped.get(key):
+                            continue
+                        dec = decoders.setdefault(key, IncrementalDecoder(self.tokenizer, skip_special=True))
+                        stop = stoppers.setdefault(key, StopMatcher(params.stop))
+                        text, hit = stop.feed("" if ev.token_id in self.tokenizer.eot_ids else dec.add(ev.token_id))
+                        if text:
+                            yield i, ev.seq_index, text, None, ev
+                        if hit:
+                            stopped[key] = True
+                            yield i, ev.seq_index, "", "stop", None
+                    if out.finished:
+                        for j, reason in enumerate(out.finish_reasons):
+                            key = (i, j)
+                            if stopped.get(key):
+                                continue
+                            tail = decoders[key].flush() if key in decoders else ""
+                            stop = stoppers.get(key) or StopMatcher(params.stop)
+                            text, hit = stop.feed(tail)
+                            text += "" if hit else stop.flush()
+                            stopped[key] = True
+                            yield i, j, text, "stop" if hit else (reason or "length"), None
+                    elif params.stop and out.request_id in llm.requests:
+                        n_seqs = len(llm.requests[out.request_id].seqs)
+                        if all(stopped.get((i, j)) for j in range(n_seqs)):
+                            llm.abort(out.request_id)   # every sample hit a stop string
+        finally:
+            for r in requests:
+                llm.abort(r.request_id)
+
+    def create_chat_completion(self, messages: list[dict], max_tokens: int | None = None,
+                               temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
+                               min_p: float = 0.05, repeat_penalty: float = 1.0,
+                               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                               stop: str | Sequence[str] | None = None, stream: bool = False,
+                               seed: int | None = None, n: int = 1):
+        """OpenAI-shaped chat completion over the model's chat template."""
+        params = self._params(max_tokens, temperature, top_p, top_k, min_p, repeat_penalty,
+                              presence_penalty, frequency_penalty, stop, seed, None, n=n)
+        prompt = self.chat_template.render(messages, add_generation_prompt=True)
+        prompt_ids = self.tokenize(prompt, add_bos=True, special=True)
+        chunks = self._chat_chunks(prompt_ids, params)
+        return chunks if stream else self._collect_chat(chunks, n)
+
+    def _chat_chunks(self, prompt_ids, params):
+        cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
+        started: set = set()
+        counts: dict = {}
+
+        def chunk(j, delta, finish=None):
+            return {"id": cid, "object": "chat.completion.chunk", "created": created,
+                    "model": self.model_path,
+                    "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        for _, j, text, finish, ev in self.stream_texts([prompt_ids], params):
+            if j not in started:
+                started.add(j)
+                yield chunk(j, {"role": "assistant"})
+            counts[j] = counts.get(j, 0) + (1 if ev is not None else 0)
+            if text:
+                yield chunk(j, {"content": text})
+            if finish:
+                yield chunk(j, {}, finish)
+        completion = self.llm_engine.num_generated_tokens
+        yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_path,
+               "choices": [], "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": sum(counts.values()),
+                                        "total_tokens": len(prompt_ids) + sum(counts.values())}}
+
+    @staticmethod
+    def _collect_chat(chunks, n: int) -> dict:
+        texts = [""] * n
+        finish = [None] * n
+        head = usage = None
+        for c in chunks:
+            head = head or c
+            if "usage" in c:
+                usage = c["usage"]
+            for ch in c["choices"]:
+                texts[ch["index"]] += ch["delta"].get("content", "")
+                finish[ch["index"]] = ch["finish_reason"] or finish[ch["index"]]
+        return {"id": head["id"], "object": "chat.completion", "created": head["created"],
+                "model": head["model"],
+                "choices": [{"index": j, "message": {"role": "assistant", "content": texts[j]},
+                             "logprobs": None, "finish_reason": finish[j]} for j in range(n)],
+                "usage": usage}
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 64,
+                       temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
+                       min_p: float = 0.05, stop=None, seed: int | None = None, n: int = 1,
+                       beam_width: int = 1, length_penalty: float = 1.0,
+                       early_stopping: bool = True) -> list[list[str]]:
+        """Many prompts at once through the scheduler; returns each prompt's n (or beam_width) texts."""
+        params = self._params(max_tokens, temperature, top_p, top_k, min_p, 1.0, 0.0, 0.0, stop, seed,
+                              None, n=n, beam_width=beam_width, length_penalty=length_penalty,
+                              early_stopping=early_stopping)
+        ids = [self.tokenize(p, special=True) if isinstance(p, str) else list(p) for p in prompts]
+        width = beam_width if beam_width > 1 else n
+        out = [[""] * width for _ in prompts]
+        for i, j, text, _, _ in self.stream_texts(ids, params):
+            out[i][j] += text
+        return out
