@@ -38,6 +38,74 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _print_stats(llm, last_rate: float | None) -> None:
+    s = llm.stats()
+    if "blocks_cached" in s:
+        print(f"[pages: {s['blocks_used']} used, {s['blocks_free']} free, {s['blocks_shared']} shared, "
+              f"{s['blocks_cached']} cached of {s['blocks_total']} x {llm.engine.kv.block_size} tokens; "
+              f"utilization {s['utilization']:.1%}; prefix-cache hit rate {s['prefix_hit_rate']:.1%}]")
+    else:
+        print(f"[slabs: {s['blocks_used']} used, {s['blocks_free']} free of {s['blocks_total']}]")
+    rate = f"{last_rate:.1f} tokens/s" if last_rate else "n/a"
+    print(f"[generated {s['generated_tokens']} tokens, computed {s['computed_tokens']}; last answer {rate}]")
+
+
+def cmd_chat(args) -> int:
+    from .llama import Llama
+
+    with Llama(args.model, paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads,
+               block_size=args.block_size, kv_cache_type=args.kv_type) as llm:
+        history: list[dict] = []
+        if args.system:
+            history.append({"role": "system", "content": args.system})
+        last_rate = None
+        print("pyllama-paged chat: /reset clears the history, /stats shows the KV pool, "
+              "/exit quits; Ctrl-C stops an answer.", flush=True)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print()
+                return 0
+            except KeyboardInterrupt:
+                print()
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                return 0
+            if text == "/reset":
+                history = history[:1] if args.system else []
+                print("[history cleared]", flush=True)
+                continue
+            if text == "/stats":
+                _print_stats(llm, last_rate)
+                continue
+            history.append({"role": "user", "content": text})
+            answer, n_tokens = [], 0
+            start = time.perf_counter()
+            stream = llm.create_chat_completion(history, max_tokens=args.max_tokens,
+                                                temperature=args.temperature, seed=args.seed, stream=True)
+            try:
+                for chunk in stream:
+                    for choice in chunk["choices"]:
+                        piece = choice["delta"].get("content", "")
+                        answer.append(piece)
+                        sys.stdout.write(piece)
+                        sys.stdout.flush()
+                    if "usage" in chunk:
+                        n_tokens = chunk["usage"]["completion_tokens"]
+            except KeyboardInterrupt:
+                stream.close()   # aborts the request: its pages go back to the pool
+                print("\n[stopped]", flush=True)
+            else:
+                print(flush=True)
+            elapsed = time.perf_counter() - start
+            last_rate = n_tokens / elapsed if n_tokens and elapsed > 0 else None
+            history.append({"role": "assistant", "content": "".join(answer)})
+
+
 def cmd_info(args) -> int:
     from .model import Model
     from .runner import KV_TYPES
@@ -71,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--top-p", type=float, default=0.95)
     run.add_argument("--seed", type=int, default=None)
     run.set_defaults(func=cmd_run)
+    chat = sub.add_parser("chat", help="interactive multi-turn chat")
+    _add_engine_args(chat)
+    chat.add_argument("--max-tokens", "-n", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.set_defaults(func=cmd_chat)
     info = sub.add_parser("info", help="print a model's metadata and KV bytes per token")
     info.add_argument("path", nargs="?", default=None)
     info.set_defaults(func=cmd_info)
