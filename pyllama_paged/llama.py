@@ -14,41 +14,12 @@ from .llm_engine import LLMEngine
 from .model import Model
 from .sampling import Sampler, SamplingParams, top_logprobs
 from .scheduler import SchedulerConfig
+from .text_stream import StopMatcher, TextAssembler
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 
 def _default_threads() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
-
-
-class StopMatcher:
-    """Cuts generated text at the first stop string, holding back a possible partial match."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, stopped)."""
-        self.pending += text
-        for s in self.stops:
-            i = self.pending.find(s)
-            if i >= 0:
-                out, self.pending = self.pending[:i], ""
-                return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 class Llama:
@@ -259,9 +230,8 @@ class Llama:
                     llm.abort(rr.request_id)
                 raise PagedError(f"prompt {i}: {r.error}")
         index = {r.request_id: i for i, r in enumerate(requests)}
-        decoders: dict = {}
-        stoppers: dict = {}
-        stopped: dict = {}
+        assemblers = [TextAssembler(self.tokenizer, params.stop) for _ in requests]
+        width = params.beam_width if params.beam_width > 1 else params.n
         try:
             while any(r.request_id in llm.requests for r in requests):
                 for out in llm.step():
@@ -270,40 +240,11 @@ class Llama:
                         continue
                     if out.error:
                         raise PagedError(out.error)
-                    if params.beam_width > 1:
-                        if out.finished:
-                            for j, (ids, _) in enumerate(out.beams or []):
-                                text = self.tokenizer.decode([t for t in ids if t not in self.tokenizer.eot_ids],
-                                                             skip_special=True)
-                                yield i, j, text, "stop" if ids and ids[-1] in self.tokenizer.eot_ids else "length", None
-                        continue
-                    for ev in out.events:
-                        key = (i, ev.seq_index)
-                        if stopped.get(key):
-                            continue
-                        dec = decoders.setdefault(key, IncrementalDecoder(self.tokenizer, skip_special=True))
-                        stop = stoppers.setdefault(key, StopMatcher(params.stop))
-                        text, hit = stop.feed("" if ev.token_id in self.tokenizer.eot_ids else dec.add(ev.token_id))
-                        if text:
-                            yield i, ev.seq_index, text, None, ev
-                        if hit:
-                            stopped[key] = True
-                            yield i, ev.seq_index, "", "stop", None
-                    if out.finished:
-                        for j, reason in enumerate(out.finish_reasons):
-                            key = (i, j)
-                            if stopped.get(key):
-                                continue
-                            tail = decoders[key].flush() if key in decoders else ""
-                            stop = stoppers.get(key) or StopMatcher(params.stop)
-                            text, hit = stop.feed(tail)
-                            text += "" if hit else stop.flush()
-                            stopped[key] = True
-                            yield i, j, text, "stop" if hit else (reason or "length"), None
-                    elif params.stop and out.request_id in llm.requests:
-                        n_seqs = len(llm.requests[out.request_id].seqs)
-                        if all(stopped.get((i, j)) for j in range(n_seqs)):
-                            llm.abort(out.request_id)   # every sample hit a stop string
+                    assembler = assemblers[i]
+                    for d in assembler.feed(out):
+                        yield i, d.index, d.text, d.finish_reason, d.event
+                    if not out.finished and params.stop and assembler.all_stopped(width):
+                        llm.abort(out.request_id)   # every sample hit a stop string
         finally:
             for r in requests:
                 llm.abort(r.request_id)
