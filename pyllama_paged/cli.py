@@ -106,6 +106,24 @@ def cmd_chat(args) -> int:
             history.append({"role": "assistant", "content": "".join(answer)})
 
 
+def cmd_serve(args) -> int:
+    import os
+
+    from .server.app import serve
+    from .server.generation import Limits
+    from .server.registry import EngineOptions
+
+    options = EngineOptions(paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads or 2,
+                            block_size=args.block_size, kv_cache_type=args.kv_type,
+                            kv_budget_tokens=args.kv_budget, max_num_seqs=args.max_seqs,
+                            preemption_mode=args.preemption)
+    limits = Limits(max_body_bytes=args.max_body, max_tokens=args.max_tokens, max_n=args.max_n,
+                    max_queue=args.max_queue)
+    api_key = args.api_key or os.environ.get("PYLLAMA_API_KEY") or None
+    serve(args.model, args.host, args.port, api_key, options, limits)
+    return 0
+
+
 def cmd_info(args) -> int:
     from .model import Model
     from .runner import KV_TYPES
@@ -146,6 +164,25 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
+    srv = sub.add_parser("serve", help="Ollama- and OpenAI-compatible HTTP server")
+    srv.add_argument("--model", "-m", action="append", default=None,
+                     help="GGUF file to serve (repeatable; default: the embedded Gemma 3 270M)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=11434)
+    srv.add_argument("--api-key", default=None, help="require this key (or set PYLLAMA_API_KEY)")
+    srv.add_argument("--threads", "-t", type=int, default=None)
+    srv.add_argument("--ctx", type=int, default=4096, help="context length per sequence")
+    srv.add_argument("--block-size", type=int, default=32)
+    srv.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"])
+    srv.add_argument("--kv-budget", type=int, default=32768, help="KV pool size in tokens")
+    srv.add_argument("--no-paged", action="store_true")
+    srv.add_argument("--max-seqs", type=int, default=64)
+    srv.add_argument("--preemption", default="recompute", choices=["recompute", "swap"])
+    srv.add_argument("--max-body", type=int, default=1 << 20, help="request body limit in bytes")
+    srv.add_argument("--max-tokens", type=int, default=4096, help="cap on max_tokens / num_predict")
+    srv.add_argument("--max-n", type=int, default=8)
+    srv.add_argument("--max-queue", type=int, default=256)
+    srv.set_defaults(func=cmd_serve)
     info = sub.add_parser("info", help="print a model's metadata and KV bytes per token")
     info.add_argument("path", nargs="?", default=None)
     info.set_defaults(func=cmd_info)

@@ -1,0 +1,1 @@
+"""HTTP server: Ollama- and OpenAI-compatible APIs on the paged engine."""

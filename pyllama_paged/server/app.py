@@ -1,0 +1,175 @@
+"""The HTTP server: app factory, API-key and body-size guards, error shapes,
+metrics, the live block-pool dashboard, and `serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+
+from .dashboard import DASHBOARD_HTML
+from .generation import APIError, Limits
+from .metrics import Metrics
+from .registry import EngineOptions, ModelRegistry
+from . import ollama_api, openai_api
+
+
+@dataclass
+class ServerState:
+    registry: ModelRegistry
+    limits: Limits
+    metrics: Metrics
+    api_key: str | None = None
+
+
+def _is_openai(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def error_response(path: str, status: int, message: str, param: str | None = None,
+                   error_type: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    """OpenAI's error shape under /v1, Ollama's {"error": ...} elsewhere."""
+    if _is_openai(path):
+        body = {"error": {"message": message, "type": error_type, "param": param, "code": None}}
+    else:
+        body = {"error": message}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class GuardMiddleware:
+    """API key on every route (when set) and a cap on request body size."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        if self.state.api_key:
+            auth = headers.get("authorization", "")
+            given = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+            if not given:
+                query = scope.get("query_string", b"").decode()
+                given = next((p[4:] for p in query.split("&") if p.startswith("key=")), "")
+            if not hmac.compare_digest(given.encode(), self.state.api_key.encode()):
+                resp = error_response(path, 401, "invalid or missing API key", None, "authentication_error")
+                return await resp(scope, receive, send)
+        if scope["method"] == "POST" and "json" not in headers.get("content-type", ""):
+            # Ollama's own examples post JSON with curl -d (form content type): parse it as JSON
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope["headers"].append((b"content-type", b"application/json"))
+        limit = self.state.limits.max_body_bytes
+        if int(headers.get("content-length", "0") or 0) > limit:
+            resp = error_response(path, 413, f"request body larger than {limit} bytes")
+            return await resp(scope, receive, send)
+        seen = 0
+
+        async def capped_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise APIError(413, f"request body larger than {limit} bytes")
+            return message
+
+        return await self.app(scope, capped_receive, send)
+
+
+def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: str | None = None) -> FastAPI:
+    """The ASGI app serving the registry's models."""
+    state = ServerState(registry, limits or Limits(), Metrics(), api_key)
+    app = FastAPI(title="pyllama-paged", version="0.1.0")
+    app.state.pp = state
+    app.add_middleware(GuardMiddleware, state=state)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        state.metrics.count_request(request.url.path, exc.status)
+        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.type, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message = f"malformed JSON: {first.get('msg', '')}"
+        else:
+            message = f"{field or 'body'}: {first.get('msg', 'invalid')}"
+        state.metrics.count_request(request.url.path, 400)
+        return error_response(request.url.path, 400, message, field)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        if response.status_code < 400:
+            state.metrics.count_request(request.url.path, response.status_code)
+        return response
+
+    app.include_router(ollama_api.build_router(state))
+    app.include_router(openai_api.build_router(state))
+
+    @app.get("/")
+    async def root():
+        return PlainTextResponse("Ollama is running (pyllama-paged)")
+
+    @app.head("/")
+    async def root_head():
+        return Response()
+
+    async def all_stats() -> dict[str, dict]:
+        return {name: await asyncio.to_thread(m.loop.call, lambda llm: llm.stats())
+                for name, m in registry.models.items()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(await all_stats()),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/api/pool")
+    async def pool(model: str | None = None):
+        served = registry.get(model)
+        if served is None:
+            raise APIError(404, f"model '{model}' not found", "model")
+
+        def snapshot(llm):
+            kv = llm.engine.kv
+            states = []
+            if kv.paged:
+                for b in range(kv.num_blocks):
+                    info = kv.pool.block_info(b)
+                    states.append("shared" if info.ref_count > 1 else info.state.name.lower())
+            else:
+                states = ["used"] * kv.num_in_use + ["free"] * (kv.num_blocks - kv.num_in_use)
+            return {"model": served.name, "paged": kv.paged, "block_size": kv.block_size,
+                    "blocks": states, "stats": llm.stats()}
+
+        return await asyncio.to_thread(served.loop.call, snapshot)
+
+    @app.get("/dashboard")
+    async def dashboard():
+        return HTMLResponse(DASHBOARD_HTML)
+
+    return app
+
+
+def serve(model_paths: list[str] | None, host: str, port: int, api_key: str | None,
+          options: EngineOptions, limits: Limits) -> None:
+    """Load the models and run uvicorn until interrupted."""
+    import uvicorn
+
+    registry = ModelRegistry(model_paths, options)
+    app = create_app(registry, limits, api_key)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        registry.close()

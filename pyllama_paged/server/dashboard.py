@@ -1,0 +1,40 @@
+"""The built-in /dashboard page: the block pool drawn live, one cell per block."""
+
+DASHBOARD_HTML = """<!doctype html>
+<html><head><meta charset="utf-8"><title>pyllama-paged: KV block pool</title>
+<style>
+ body { font: 14px system-ui, sans-serif; margin: 1.5em; background: #fafafa; }
+ #grid { display: flex; flex-wrap: wrap; gap: 2px; max-width: 1100px; }
+ .b { width: 12px; height: 12px; border-radius: 2px; }
+ .free { background: #e0e0e0; } .used { background: #2e7d32; }
+ .shared { background: #1565c0; } .cached { background: #f9a825; }
+ .legend span { display: inline-block; margin-right: 1em; }
+ .legend i { display: inline-block; width: 12px; height: 12px; margin-right: 4px; vertical-align: middle; }
+ pre { background: #fff; padding: .6em; border: 1px solid #ddd; }
+</style></head><body>
+<h2>KV block pool <small id="model"></small></h2>
+<div class="legend"><span><i class="free"></i>free</span><span><i class="used"></i>used</span>
+<span><i class="shared"></i>shared</span><span><i class="cached"></i>cached (evictable)</span></div>
+<p id="summary"></p><div id="grid"></div><pre id="stats"></pre>
+<script>
+const key = new URLSearchParams(location.search).get("key");
+const query = key ? "?key=" + encodeURIComponent(key) : "";
+async function refresh() {
+  try {
+    const r = await fetch("/api/pool" + query);
+    const d = await r.json();
+    document.getElementById("model").textContent = d.model + (d.paged ? " (paged, " + d.block_size + " tokens/block)" : " (slabs)");
+    const grid = document.getElementById("grid");
+    if (grid.children.length !== d.blocks.length) {
+      grid.innerHTML = "";
+      for (let i = 0; i < d.blocks.length; i++) { const c = document.createElement("div"); grid.appendChild(c); }
+    }
+    const counts = {};
+    d.blocks.forEach((s, i) => { grid.children[i].className = "b " + s; counts[s] = (counts[s] || 0) + 1; });
+    document.getElementById("summary").textContent = Object.entries(counts).map(([k, v]) => k + ": " + v).join("  ");
+    document.getElementById("stats").textContent = JSON.stringify(d.stats, null, 1);
+  } catch (e) { document.getElementById("summary").textContent = "error: " + e; }
+}
+refresh(); setInterval(refresh, 500);
+</script></body></html>
+"""

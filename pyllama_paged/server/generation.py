@@ -1,0 +1,116 @@
+"""One generation as the HTTP handlers run it: limits, submission to the
+model's engine loop, text assembly, timing, and abort on disconnect."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingParams
+from ..text_stream import TextAssembler, TextDelta
+from .metrics import Metrics
+from .registry import ServedModel
+
+
+class APIError(Exception):
+    """An HTTP error with the field it concerns (if any)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 error_type: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, error_type
+        self.headers = headers or {}
+
+
+@dataclass
+class Limits:
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None    # None: the model's context
+    max_tokens: int = 4096
+    max_n: int = 8
+    max_queue: int = 256                    # requests waiting beyond those running
+
+
+@dataclass
+class Generation:
+    served: ServedModel
+    prompt_ids: list[int]
+    params: SamplingParams
+    metrics: Metrics
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_generated: int = 0
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+    async def deltas(self):
+        """Async iterator of TextDelta; aborts the request if the consumer goes away."""
+        served = self.served
+        self.metrics.inflight[served.name] += 1
+        stream = served.loop.submit(self.prompt_ids, self.params)
+        assembler = TextAssembler(served.tokenizer, self.params.stop)
+        width = self.params.beam_width if self.params.beam_width > 1 else self.params.n
+        try:
+            async for out in stream:
+                if out.error:
+                    raise APIError(400, out.error, "prompt")
+                now = time.perf_counter()
+                if out.events:
+                    if self.first_token_at is None:
+                        self.first_token_at = now
+                        self.metrics.observe_ttft(now - self.started)
+                    elif self.last_token_at is not None:
+                        self.metrics.observe_itl(now - self.last_token_at)
+                    self.last_token_at = now
+                    self.num_generated += len(out.events)
+                for d in assembler.feed(out):
+                    if d.finish_reason:
+                        self.finish_reasons[d.index] = d.finish_reason
+                    yield d
+                if not out.finished and self.params.stop and assembler.all_stopped(width):
+                    stream.abort()
+        finally:
+            # normal end, stop string, error or client gone: the pages go back now
+            stream.abort()
+            self.metrics.inflight[served.name] -= 1
+            self.metrics.add_tokens(len(self.prompt_ids), self.num_generated)
+
+    def durations_ns(self) -> dict:
+        """Ollama's timing fields, in nanoseconds."""
+        end = time.perf_counter()
+        first = self.first_token_at or end
+        return {"total_duration": int((end - self.started) * 1e9), "load_duration": 0,
+                "prompt_eval_count": len(self.prompt_ids),
+                "prompt_eval_duration": int((first - self.started) * 1e9),
+                "eval_count": self.num_generated, "eval_duration": int((end - first) * 1e9)}
+
+
+def start_generation(served: ServedModel, prompt_ids: list[int], params: SamplingParams,
+                     limits: Limits, metrics: Metrics) -> Generation:
+    """Check the limits that need the model, then a Generation ready to iterate."""
+    try:
+        params.validate()
+    except Exception as e:
+        raise APIError(400, str(e), str(e).split("'")[1] if "'" in str(e) else None) from None
+    max_prompt = min(limits.max_prompt_tokens or served.n_ctx, served.n_ctx - 1)
+    if len(prompt_ids) > max_prompt:
+        raise APIError(400, f"prompt is {len(prompt_ids)} tokens; the limit is {max_prompt}", "prompt")
+    if not prompt_ids:
+        raise APIError(400, "prompt is empty", "prompt")
+    if params.max_tokens > limits.max_tokens:
+        raise APIError(400, f"max_tokens {params.max_tokens} exceeds the limit {limits.max_tokens}",
+                       "max_tokens")
+    if params.n > limits.max_n or params.beam_width > limits.max_n:
+        raise APIError(400, f"n {max(params.n, params.beam_width)} exceeds the limit {limits.max_n}", "n")
+    if metrics.inflight[served.name] >= limits.max_queue + served.loop.llm.scheduler.config.max_num_seqs:
+        raise APIError(503, "server busy: the request queue is full, retry shortly", None,
+                       "server_busy", {"Retry-After": "1"})
+    return Generation(served, prompt_ids, params, metrics)
+
+
+def final_text(deltas: list[TextDelta], n: int) -> list[str]:
+    texts = [""] * n
+    for d in deltas:
+        if d.index < n:
+            texts[d.index] += d.text
+    return texts

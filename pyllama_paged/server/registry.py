@@ -1,0 +1,126 @@
+"""The models a server offers: each a GGUF file with its tokenizer, chat
+template and its own engine loop, found by a user-facing name."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..chat_template import ChatTemplate
+from ..engine import Engine
+from ..engine_loop import EngineLoop
+from ..llm_engine import LLMEngine
+from ..model import Model, default_model_path
+from ..scheduler import SchedulerConfig
+from ..tokenizer import Tokenizer
+
+DEFAULT_MODEL_NAME = "gemma3:270m"
+
+
+@dataclass
+class EngineOptions:
+    paged: bool = True
+    n_ctx: int = 4096
+    n_threads: int = 2
+    n_batch: int = 512
+    block_size: int = 32
+    kv_cache_type: str = "f16"
+    kv_budget_tokens: int = 32768       # the KV pool, in tokens, shared by all users
+    max_num_seqs: int = 64
+    preemption_mode: str = "recompute"
+
+
+@dataclass
+class ServedModel:
+    name: str
+    path: str
+    model: Model
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    engine: Engine
+    loop: EngineLoop
+    loaded_at: float = field(default_factory=time.time)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.n_ctx
+
+    @property
+    def size(self) -> int:
+        return os.path.getsize(self.path)
+
+    @property
+    def digest(self) -> str:
+        st = os.stat(self.path)
+        return hashlib.sha256(f"{self.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+
+    def details(self) -> dict:
+        cfg = self.model.config
+        file_type = self.model.metadata.get("general.file_type")
+        return {"format": "gguf", "family": cfg.arch, "families": [cfg.arch],
+                "parameter_size": str(self.model.metadata.get("general.size_label", "")),
+                "quantization_level": _FILE_TYPES.get(file_type, str(file_type))}
+
+    def close(self) -> None:
+        self.loop.stop()
+        self.engine.close()
+        self.model.close()
+
+
+_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 7: "Q8_0", 8: "Q5_0", 15: "Q4_K_M", 17: "Q5_K_M",
+               18: "Q6_K", 32: "BF16"}
+
+
+def model_name_for(path: str) -> str:
+    """The name a user types for a file: its stem, lower-cased."""
+    return Path(path).stem.lower()
+
+
+class ModelRegistry:
+    """Name -> ServedModel; names also match with an Ollama-style ':latest' suffix."""
+
+    def __init__(self, paths: list[str] | None, options: EngineOptions):
+        self.options = options
+        self.models: dict[str, ServedModel] = {}
+        if not paths:
+            self._load(DEFAULT_MODEL_NAME, default_model_path())
+        for path in paths or []:
+            self._load(model_name_for(path), path)
+
+    def _load(self, name: str, path: str) -> None:
+        o = self.options
+        model = Model(path)
+        n_ctx = min(o.n_ctx, model.config.n_ctx_train)
+        if o.paged:
+            engine = Engine(model, paged=True, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
+                            block_size=o.block_size, kv_cache_type=o.kv_cache_type,
+                            num_blocks=max(1, o.kv_budget_tokens // o.block_size))
+        else:
+            engine = Engine(model, paged=False, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
+                            kv_cache_type=o.kv_cache_type, n_seq_max=max(1, o.kv_budget_tokens // n_ctx))
+        tokenizer = Tokenizer.from_metadata(model.metadata)
+        loop = EngineLoop(LLMEngine(engine, tokenizer.eot_ids, SchedulerConfig(
+            max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs, preemption_mode=o.preemption_mode)))
+        self.models[name] = ServedModel(name, str(path), model, tokenizer,
+                                        ChatTemplate.for_model(model.metadata, model.config.arch), engine, loop)
+
+    def get(self, name: str | None) -> ServedModel | None:
+        """The model for a requested name (None or '' means the first one)."""
+        if not name:
+            return next(iter(self.models.values()))
+        name = name.lower()
+        if name in self.models:
+            return self.models[name]
+        if name.endswith(":latest") and name[:-7] in self.models:
+            return self.models[name[:-7]]
+        return None
+
+    def names(self) -> list[str]:
+        return list(self.models)
+
+    def close(self) -> None:
+        for m in self.models.values():
+            m.close()

@@ -1,0 +1,248 @@
+"""The HTTP server on a loopback port, driven by the unmodified `ollama` and
+`openai` client packages and by raw HTTP for the error cases."""
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+
+import httpx
+import ollama
+import openai
+import pytest
+import uvicorn
+
+from pyllama_paged.server.app import create_app
+from pyllama_paged.server.generation import Limits
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+
+KEY = "sekrit-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A uvicorn server on a thread; stopped by close()."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def registry():
+    reg = ModelRegistry(None, EngineOptions(n_ctx=512, n_threads=2, n_batch=256, block_size=32,
+                                            kv_budget_tokens=8192, max_num_seqs=64))
+    yield reg
+    reg.close()
+
+
+@pytest.fixture(scope="module")
+def server(registry):
+    s = Running(create_app(registry, Limits(max_body_bytes=64 * 1024, max_tokens=256, max_n=4)))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(registry):
+    s = Running(create_app(registry, Limits(), api_key=KEY))
+    yield s
+    s.close()
+
+
+def pool_used(url) -> int:
+    return httpx.get(f"{url}/api/pool").json()["stats"]["blocks_used"]
+
+
+def wait_pool_empty(url, timeout=30):
+    end = time.time() + timeout
+    while time.time() < end:
+        if pool_used(url) == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+GREEDY = {"num_predict": 10, "temperature": 0}
+
+
+# ---- the ollama client ------------------------------------------------------
+def test_ollama_generate_chat_and_listing(server):
+    client = ollama.Client(host=server.url)
+    r = client.generate(model=DEFAULT_MODEL_NAME, prompt="Why is the sky blue?", options=GREEDY, stream=False)
+    assert r.done and r.done_reason == "length" and r.eval_count == 10 and r.response
+    assert r.total_duration > 0 and r.prompt_eval_count > 0
+    parts = list(client.generate(model=DEFAULT_MODEL_NAME, prompt="Why is the sky blue?", options=GREEDY,
+                                 stream=True))
+    assert "".join(p.response for p in parts) == r.response and parts[-1].done
+    c = client.chat(model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Hello!"}], options=GREEDY)
+    assert c.message.role == "assistant" and c.message.content
+    streamed = list(client.chat(model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Hello!"}],
+                                options=GREEDY, stream=True))
+    assert "".join(p.message.content for p in streamed) == c.message.content
+    names = [m.model for m in client.list().models]
+    assert names == [DEFAULT_MODEL_NAME]
+    assert client.show(DEFAULT_MODEL_NAME).details.family == "gemma3"
+    ps = client.ps()
+    assert ps.models[0].model == DEFAULT_MODEL_NAME
+    raw = httpx.get(f"{server.url}/api/ps").json()["models"][0]["kv_cache"]
+    assert raw["paged"] and raw["blocks_total"] == 256
+    assert httpx.get(f"{server.url}/api/version").json()["version"]
+
+
+def test_ollama_unknown_model_is_404_with_the_list(server):
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=server.url).generate(model="llama9:900b", prompt="hi")
+    assert e.value.status_code == 404 and DEFAULT_MODEL_NAME in str(e.value)
+
+
+# ---- the openai client ------------------------------------------------------
+def test_openai_completions_chat_models(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
+    c = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="The capital of France is", max_tokens=8,
+                                  temperature=0)
+    assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 8
+    chat = client.chat.completions.create(model=DEFAULT_MODEL_NAME, max_tokens=8, temperature=0,
+                                          messages=[{"role": "user", "content": "Say hi"}])
+    text = chat.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=DEFAULT_MODEL_NAME, max_tokens=8, temperature=0,
+                                                 messages=[{"role": "user", "content": "Say hi"}], stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert chunks[-1].usage.completion_tokens == 8
+    many = client.chat.completions.create(model=DEFAULT_MODEL_NAME, max_tokens=6, temperature=1.0, seed=5, n=3,
+                                          messages=[{"role": "user", "content": "Name a fruit"}])
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    stopped = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="The capital of France is",
+                                        max_tokens=8, temperature=0, stop=[c.choices[0].text.split()[1]])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert wait_pool_empty(server.url)
+
+
+def test_openai_errors_have_openai_shape(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt="x")
+    assert e.value.body["type"] == "model_not_found" and DEFAULT_MODEL_NAME in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEFAULT_MODEL_NAME, prompt="x", n=50)
+    assert e.value.body["param"] == "n"
+
+
+# ---- raw HTTP error cases ---------------------------------------------------
+@pytest.mark.parametrize("path,body,status,needle", [
+    ("/api/generate", b'{"model": "gemma3:270m", "prompt": ', 400, "malformed JSON"),
+    ("/v1/completions", b'{not json', 400, "malformed JSON"),
+    ("/api/generate", json.dumps({"model": "gemma3:270m", "prompt": 5}).encode(), 400, "prompt"),
+    ("/api/chat", json.dumps({"model": "gemma3:270m", "messages": [{"role": "wizard", "content": "x"}]}).encode(),
+     400, "messages.0.role"),
+    ("/v1/chat/completions", json.dumps({"model": "gemma3:270m", "messages": [], "max_tokens": 2}).encode(),
+     400, "messages"),
+    ("/v1/completions", json.dumps({"model": "gemma3:270m", "prompt": "x", "temperature": "hot"}).encode(),
+     400, "temperature"),
+    ("/v1/completions", json.dumps({"model": "gemma3:270m", "prompt": "x", "max_tokens": 100000}).encode(),
+     400, "max_tokens"),
+    ("/api/generate", json.dumps({"model": "gemma3:270m", "prompt": "word " * 600}).encode(), 400, "limit"),
+    ("/api/generate", json.dumps({"model": "zzz", "prompt": "x"}).encode(), 404, "gemma3:270m"),
+    ("/api/generate", json.dumps({"model": "gemma3:270m", "prompt": "x" * 70000}).encode(), 413, "larger than"),
+])
+def test_bad_requests_get_clear_4xx(server, path, body, status, needle):
+    r = httpx.post(server.url + path, content=body)
+    assert r.status_code == status, r.text
+    assert needle in r.text
+    # and the server keeps serving
+    ok = httpx.post(server.url + "/api/generate", json={"model": DEFAULT_MODEL_NAME, "prompt": "hi",
+                                                        "stream": False, "options": {"num_predict": 1}})
+    assert ok.status_code == 200
+
+
+def test_api_key_checked_on_every_route(keyed_server):
+    for method, path in (("GET", "/api/tags"), ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/dashboard"),
+                         ("POST", "/api/generate")):
+        r = httpx.request(method, keyed_server.url + path, json={"model": DEFAULT_MODEL_NAME, "prompt": "x"})
+        assert r.status_code == 401, path
+    client = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    good = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=KEY)
+    assert good.models.list().data[0].id == DEFAULT_MODEL_NAME
+    ok = ollama.Client(host=keyed_server.url, headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.list().models
+
+
+def test_client_hanging_up_mid_stream_returns_its_pages(server):
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", server.url + "/api/generate",
+                           json={"model": DEFAULT_MODEL_NAME, "prompt": "Write a long essay about rivers.",
+                                 "options": {"num_predict": 200, "temperature": 0}}) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+            assert pool_used(server.url) > 0
+    assert wait_pool_empty(server.url)
+
+
+def test_many_concurrent_clients_match_single_user(server):
+    prompts = [f"Tell me fact number {i} about the ocean." for i in range(16)]
+
+    def ask(p):
+        r = httpx.post(server.url + "/api/generate", timeout=300,
+                       json={"model": DEFAULT_MODEL_NAME, "prompt": p, "stream": False,
+                             "options": {"num_predict": 12, "temperature": 0}})
+        r.raise_for_status()
+        return r.json()["response"]
+
+    single = [ask(p) for p in prompts[:4]]
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        together = list(ex.map(ask, prompts))
+    assert together[:4] == single
+    assert all(together)
+    assert wait_pool_empty(server.url)
+    stats = httpx.get(server.url + "/api/pool").json()["stats"]
+    assert stats["blocks_free"] + stats["blocks_cached"] == stats["blocks_total"]
+
+
+def test_metrics_and_dashboard(server):
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("pyllama_requests_total", "pyllama_queue_depth", "pyllama_running_sequences",
+                 "pyllama_kv_blocks_free", "pyllama_kv_blocks_shared", "pyllama_kv_blocks_cached",
+                 "pyllama_kv_utilization", "pyllama_prefix_cache_hit_rate",
+                 "pyllama_time_to_first_token_seconds_bucket", "pyllama_inter_token_latency_seconds_count"):
+        assert name in text
+    page = httpx.get(server.url + "/dashboard")
+    assert page.status_code == 200 and "/api/pool" in page.text
+    pool = httpx.get(server.url + "/api/pool").json()
+    assert len(pool["blocks"]) == 256 and set(pool["blocks"]) <= {"free", "used", "shared", "cached"}
+
+
+def test_queue_full_is_503_with_retry_hint(registry):
+    # 64 may run; a queue limit of -64 leaves no room at all, so the next request is refused
+    s = Running(create_app(registry, Limits(max_queue=-64)))
+    try:
+        body = {"model": DEFAULT_MODEL_NAME, "prompt": "hi", "options": {"num_predict": 4}}
+        r = httpx.post(s.url + "/api/generate", json=body)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert "retry" in r.json()["error"]
+        r = httpx.post(s.url + "/v1/completions", json={"model": DEFAULT_MODEL_NAME, "prompt": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_busy"
+    finally:
+        s.close()
