@@ -194,3 +194,17 @@ def test_request_that_can_never_fit_fails_fast(model):
     assert finals and (finals[0].error or finals[0].finish_reasons == ["length"])
     assert llm.stats()["blocks_used"] == 0
     llm.engine.close()
+
+
+def test_max_num_seqs_counts_the_samples_a_request_will_fork(model):
+    engine = Engine(model, n_ctx=256, n_threads=1, n_batch=64, block_size=16, num_blocks=200)
+    llm = LLMEngine(engine, EOT, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=1, n=4)
+    for i in range(4):
+        llm.add_request(list(range(10 + i, 30 + i)), params)
+    peak = 0
+    while llm.has_work():
+        llm.step()
+        peak = max(peak, sum(len(r.live_seqs) for r in llm.scheduler.running))
+    assert peak == 4
+    engine.close()
