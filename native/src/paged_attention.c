@@ -12,10 +12,30 @@
 
 #include <math.h>
 #include <string.h>
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #define PP_ATTN_MAX_HEAD_DIM 512
 #define PP_ATTN_MAX_GROUP    32
 #define PP_ATTN_PAGE_CHUNK   64   /* keys scored before each softmax update */
+
+/* f16 -> f32 of one V row. GGML's exported row converter is scalar in
+ * ggml-base, and V conversion is the kernel's hot loop for f16 caches. */
+static void v_row_to_f32(const ggml_to_float_t generic, enum ggml_type type, const void *src,
+                         float *restrict dst, int n) {
+#if defined(__F16C__) && defined(__AVX__)
+    if (type == GGML_TYPE_F16) {
+        const uint16_t *h = src;
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+        for (; i < n; i++) dst[i] = ggml_fp16_to_fp32(h[i]);
+        return;
+    }
+#endif
+    generic(src, dst, n);
+}
 
 static void axpy(float *restrict y, const float *restrict x, float a, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
@@ -94,7 +114,7 @@ static void attend_range(const pp_attention_params *ap, const struct ggml_tensor
             if (correction != 1.0f) scale_row(st->acc + g * head_dim, correction, head_dim);
         }
         for (int j = 0; j < n; j++) {
-            v_to_float(vrows + j * vc->nb[1], st->v_row, head_dim);
+            v_row_to_f32(v_to_float, vc->type, vrows + j * vc->nb[1], st->v_row, head_dim);
             for (int g = 0; g < group; g++)
                 axpy(st->acc + g * head_dim, st->v_row, st->scores[g * PP_ATTN_PAGE_CHUNK + j], head_dim);
         }
