@@ -232,7 +232,9 @@ def rows_of(run: dict) -> list[dict]:
 
 def write_combined(out_dir: Path) -> None:
     runs = []
-    for p in sorted(out_dir.glob("decode_*.json")):
+    order = {"wheel": 0, "native": 1}
+    for p in sorted(out_dir.glob("decode_*.json"),
+                    key=lambda p: (order.get(p.stem[len("decode_"):], 2), p.stem)):
         try:
             runs.append(json.loads(p.read_text()))
         except (OSError, json.JSONDecodeError):
@@ -256,7 +258,9 @@ the repeats, wall time measured in Python on both sides (Python's per-token work
 included). Same token ids on every side (our tokenizer). llama.cpp runs through
 llama-cpp-python in a subprocess; "fa" = its flash attention on/off. "ggml build" = the
 CPU features the GGML in use was compiled for (ours: `pp_ggml_build_info()`; llama.cpp:
-`llama_print_system_info()`).
+`llama_print_system_info()`). "run" = the --label of the run, i.e. which GGML build our
+engine used (llama.cpp is the same llama-cpp-python build in every run). The load average
+includes the benchmark's own 2 threads.
 """
 
 
