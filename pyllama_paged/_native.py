@@ -46,6 +46,10 @@ def _load():
 
 ffi, lib = _load()
 
+GGML_LOG_DEBUG, GGML_LOG_INFO, GGML_LOG_WARN = 1, 2, 3
+# GGML's default logger prints debug lines (one per repacked weight) to stderr.
+lib.pp_set_ggml_log_level(GGML_LOG_WARN)
+
 
 def last_error() -> str:
     """The calling thread's last error text from the native library."""

@@ -7,6 +7,7 @@ import time
 import uuid
 from typing import Iterator, Sequence
 
+from ._native import GGML_LOG_DEBUG, lib
 from .chat_template import ChatTemplate
 from .engine import Engine
 from .errors import PagedError
@@ -28,10 +29,12 @@ class Llama:
     def __init__(self, model_path: str | None = None, *, paged: bool = True, n_ctx: int = 4096,
                  n_threads: int | None = None, n_batch: int = 512, block_size: int = 32,
                  kv_cache_type: str = "f16", seed: int | None = None, verbose: bool = False,
-                 n_seq_max: int = 1):
+                 n_seq_max: int = 1, repack_weights: bool = True):
         self.verbose = verbose
         self.seed = seed
-        self._model = Model(model_path)
+        if verbose:
+            lib.pp_set_ggml_log_level(GGML_LOG_DEBUG)
+        self._model = Model(model_path, repack_weights=repack_weights)
         self.model_path = self._model.path
         self.tokenizer = Tokenizer.from_metadata(self._model.metadata)
         self.n_threads = n_threads or _default_threads()

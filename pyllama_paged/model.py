@@ -21,14 +21,17 @@ def default_model_path() -> str:
 class Model:
     """Weights of one GGUF model, described to the native core (data stays mapped)."""
 
-    def __init__(self, model_path: str | None = None):
+    def __init__(self, model_path: str | None = None, *, repack_weights: bool = True):
         self._native = None
+        self.n_repacked = 0
         self.gguf = None
         self.path = str(model_path) if model_path else default_model_path()
         self.gguf = GGUFFile(self.path)
         self.metadata = self.gguf.metadata
         self.config: ModelConfig = config_from_metadata(self.metadata, self._vocab_size(), self.path)
         self._create_native()
+        if repack_weights:
+            self._repack()
 
     def _vocab_size(self) -> int | None:
         tokens = self.metadata.get("tokenizer.ggml.tokens")
@@ -63,6 +66,13 @@ class Model:
             self._wrap(lib.pp_model_set_tensor(self._native, t.name.encode(), t.type, ne,
                                                len(t.shape), data, used), f"tensor '{t.name}'")
         self._wrap(lib.pp_model_finalize(self._native), "weights")
+
+    def _repack(self) -> None:
+        # GGML's CPU GEMM kernels want some types (Q4_0, Q4_K, IQ4_NL on AVX2)
+        # interleaved; this copies those weights out of the mapping once.
+        n = ffi.new("int32_t *")
+        self._wrap(lib.pp_model_repack_weights(self._native, n), "repacking weights")
+        self.n_repacked = int(n[0])
 
     def _wrap(self, status: int, what: str) -> None:
         try:

@@ -227,6 +227,18 @@ int pp_model_set_tensor(pp_model *model, const char *name, int32_t type,
  * names the first missing one. Must succeed before a context is created. */
 int pp_model_finalize(pp_model *model);
 
+/* Move the weights that only feed matrix multiplications (attention and
+ * FFN projections, an untied output head) into GGML's CPU "extra" buffer
+ * types when one supports the tensor (e.g. Q4_0/Q4_K/IQ4_NL repacked into
+ * interleaved rows for AVX2 GEMM). Those tensors' bytes are copied into
+ * buffers the model owns, so the mapping is no longer read for them; the
+ * rest stay borrowed. Call once, after pp_model_finalize and before any
+ * context is created. *n_repacked (may be NULL) receives the number of
+ * tensors moved; a GGML without extra buffer types moves none and succeeds.
+ * PP_ERR_NO_MEMORY if a buffer cannot be allocated (the model is unchanged
+ * for tensors not yet moved and remains usable). */
+int pp_model_repack_weights(pp_model *model, int32_t *n_repacked);
+
 /* ---- KV cache ----------------------------------------------------------- */
 
 typedef struct pp_kv_cache pp_kv_cache;
@@ -326,6 +338,12 @@ int pp_attention_harness_paged(pp_attention_harness *h, const pp_batch *batch, i
 int pp_attention_harness_contiguous(pp_attention_harness *h, int32_t first_slot, int32_t n_kv,
                                     int32_t n_q, const int32_t *positions, int32_t window,
                                     float scale, const float *q, float *out);
+
+/* Route GGML's log messages through a filter that prints to stderr only
+ * those at or above level (a ggml_log_level: 1 debug, 2 info, 3 warn,
+ * 4 error; 5 = none). Until this is first called GGML's own logger prints
+ * everything; the Python package calls it at import with 3. Thread-safe. */
+void pp_set_ggml_log_level(int32_t level);
 
 /* Description of the GGML build this library runs on (CPU features). */
 const char *pp_ggml_build_info(void);

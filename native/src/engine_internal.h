@@ -7,6 +7,8 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 
+#define PP_MAX_REPACK_BUFTS 8
+
 typedef struct pp_layer {
     struct ggml_tensor *attn_norm;
     struct ggml_tensor *wq, *wk, *wv, *wo;
@@ -27,6 +29,12 @@ struct pp_model {
     struct ggml_tensor *output;     /* NULL: tied to tok_embd */
     pp_layer           *layers;
     int                 finalized;
+    /* Weights moved out of the mapping into GGML's CPU extra buffer types
+     * (repacked layouts); the buffers own those tensors' bytes. */
+    ggml_backend_buffer_t repack_buffers[PP_MAX_REPACK_BUFTS];
+    int                 n_repack_buffers;
+    int32_t             n_repacked;
+    int                 repack_done;
 };
 
 struct pp_kv_cache {

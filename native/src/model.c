@@ -45,6 +45,7 @@ int pp_model_create(const pp_model_hparams *hp, pp_model **out) {
 
 void pp_model_destroy(pp_model *m) {
     if (!m) return;
+    for (int i = 0; i < m->n_repack_buffers; i++) ggml_backend_buffer_free(m->repack_buffers[i]);
     if (m->weights) ggml_free(m->weights);
     free(m->layer_window);
     free(m->layers);

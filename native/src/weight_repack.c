@@ -1,0 +1,131 @@
+/* Weight repacking. GGML's CPU backend offers "extra" buffer types whose
+ * tensors are stored in the layout its GEMM kernels want (rows of several
+ * output channels interleaved, e.g. Q4_K as 8x8 tiles for AVX2); the
+ * layout is made when the bytes are uploaded. A tensor may only go there if
+ * its every consumer is a ggml_mul_mat, so the token embedding (read by
+ * ggml_get_rows) never does, even when the output head is tied to it. */
+#include "engine_internal.h"
+#include "pp_internal.h"
+#include "ggml-cpu.h"
+
+#include <stdbool.h>
+#include <stdlib.h>
+
+/* The weights whose only consumer in graph.c is ggml_mul_mat. */
+static int matmul_weights(const pp_model *m, struct ggml_tensor **out) {
+    int n = 0;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        const pp_layer *L = &m->layers[il];
+        struct ggml_tensor *w[] = {L->wq, L->wk, L->wv, L->wo, L->ffn_gate, L->ffn_up, L->ffn_down};
+        for (size_t i = 0; i < sizeof w / sizeof w[0]; i++)
+            if (w[i]) out[n++] = w[i];
+    }
+    if (m->output) out[n++] = m->output;
+    return n;
+}
+
+/* Whether the CPU device would run a mul_mat with weight w held in a buffer
+ * of probe's type: asked of a throwaway op whose weight copy points at the
+ * zero-size probe buffer (the check reads only type, shape and buffer). */
+static bool buffer_takes(ggml_backend_dev_t dev, ggml_backend_buffer_t probe, const struct ggml_tensor *w) {
+    struct ggml_init_params params = {.mem_size = 4 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
+    struct ggml_context *ctx = ggml_init(params);
+    if (!ctx) return false;
+    struct ggml_tensor *wc = ggml_new_tensor_2d(ctx, w->type, w->ne[0], w->ne[1]);
+    struct ggml_tensor *x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[0], 8);
+    wc->buffer = probe;
+    const bool ok = ggml_backend_dev_supports_op(dev, ggml_mul_mat(ctx, wc, x));
+    ggml_free(ctx);
+    return ok;
+}
+
+/* Allocate one buffer of buft for the tensors chosen for it and upload them
+ * (the upload repacks). Returns the number moved or -1 (error recorded). */
+static int move_into(pp_model *m, ggml_backend_buffer_type_t buft, struct ggml_tensor **w, const int *choice,
+                     int n, int which) {
+    const size_t align = ggml_backend_buft_get_alignment(buft);
+    size_t total = 0;
+    int count = 0;
+    for (int i = 0; i < n; i++)
+        if (choice[i] == which) {
+            total += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, w[i]), align);
+            count++;
+        }
+    if (count == 0) return 0;
+    if (m->n_repack_buffers == PP_MAX_REPACK_BUFTS) return 0;
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, total);
+    if (!buf) {
+        pp_fail(PP_ERR_NO_MEMORY, "cannot allocate %zu bytes of %s weight buffer", total,
+                ggml_backend_buft_name(buft));
+        return -1;
+    }
+    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    m->repack_buffers[m->n_repack_buffers++] = buf;
+    char *addr = ggml_backend_buffer_get_base(buf);
+    int moved = 0;
+    for (int i = 0; i < n; i++) {
+        if (choice[i] != which) continue;
+        void *mapped = w[i]->data;
+        w[i]->data = NULL;
+        if (ggml_backend_tensor_alloc(buf, w[i], addr) != GGML_STATUS_SUCCESS) {
+            w[i]->data = mapped;
+            w[i]->buffer = NULL;
+            pp_fail(PP_ERR_NO_MEMORY, "cannot place tensor '%s' in the %s buffer", w[i]->name,
+                    ggml_backend_buft_name(buft));
+            return -1;
+        }
+        ggml_backend_tensor_set(w[i], mapped, 0, ggml_nbytes(w[i]));
+        addr += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, w[i]), align);
+        moved++;
+    }
+    return moved;
+}
+
+int pp_model_repack_weights(pp_model *m, int32_t *n_repacked) {
+    if (n_repacked) *n_repacked = 0;
+    if (!m || !m->finalized) return pp_fail(PP_ERR_INVALID, "pp_model_repack_weights: model missing or not finalized");
+    if (m->repack_done) return pp_fail(PP_ERR_INVALID, "the model's weights are already repacked");
+    m->repack_done = 1;
+    ggml_backend_reg_t reg = ggml_backend_cpu_reg();
+    ggml_backend_dev_t dev = reg ? ggml_backend_reg_dev_get(reg, 0) : NULL;
+    ggml_backend_dev_get_extra_bufts_t get_extra = reg
+        ? (ggml_backend_dev_get_extra_bufts_t)ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts")
+        : NULL;
+    ggml_backend_buffer_type_t *bufts = get_extra && dev ? get_extra(dev) : NULL;
+    if (!bufts || !bufts[0]) return PP_OK;
+
+    const int max_weights = m->hp.n_layer * 7 + 1;
+    struct ggml_tensor **w = malloc(sizeof *w * (size_t)max_weights);
+    int *choice = malloc(sizeof *choice * (size_t)max_weights);
+    if (!w || !choice) {
+        free(w);
+        free(choice);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the repack tables");
+    }
+    const int n = matmul_weights(m, w);
+    for (int i = 0; i < n; i++) choice[i] = -1;
+    int n_bufts = 0;
+    while (bufts[n_bufts] && n_bufts < PP_MAX_REPACK_BUFTS) n_bufts++;
+    /* The first extra type that takes a tensor gets it, as in GGML's own order. */
+    for (int b = 0; b < n_bufts; b++) {
+        ggml_backend_buffer_t probe = ggml_backend_buft_alloc_buffer(bufts[b], 0);
+        if (!probe) continue;
+        for (int i = 0; i < n; i++)
+            if (choice[i] < 0 && buffer_takes(dev, probe, w[i])) choice[i] = b;
+        ggml_backend_buffer_free(probe);
+    }
+    int status = PP_OK, total = 0;
+    for (int b = 0; b < n_bufts; b++) {
+        const int moved = move_into(m, bufts[b], w, choice, n, b);
+        if (moved < 0) {
+            status = PP_ERR_NO_MEMORY;
+            break;
+        }
+        total += moved;
+    }
+    m->n_repacked = total;
+    if (n_repacked) *n_repacked = total;
+    free(w);
+    free(choice);
+    return status;
+}
