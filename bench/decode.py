@@ -272,6 +272,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M Q4_K_M)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=1.0,
+                    help="seconds of idle before each timed round (other sides' spinning threads)")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--n-ctx", type=int, default=1024)
@@ -332,6 +334,9 @@ def main() -> None:
     loads = [load()]
     for r in range(args.repeats):
         for name, *_, obj in sides_objs:
+            # GGML's workers (ours and llama.cpp's) spin a while after each
+            # graph before they sleep; let the previous side's settle first.
+            time.sleep(args.settle)
             rounds[name].append(obj.one_round(args.gen_tokens))
         loads.append(load())
         print(f"round {r + 1}/{args.repeats}: " + ", ".join(

@@ -1,124 +1,163 @@
 /* Paged attention on the CPU, run by GGML's thread pool as a custom op.
  *
- * For each (token, KV head) work item the kernel walks the token's sequence
- * through its block table, one page at a time, scoring every query head of
- * the GQA group against each key row (the row is read once for the whole
- * group) and folding the page into an online softmax (running max, running
- * sum, rescaled accumulator), so no score matrix is ever materialized.
- * Dot products use GGML's own per-ISA vec_dot for the cache type after the
- * query is converted to that type's vec_dot_type: SIMD comes from GGML. */
+ * Work is split into (query tile, KV head) items. A tile is up to a few
+ * consecutive tokens of one sequence; with the query heads of the KV head's
+ * GQA group it forms at most PP_ATTN_MAX_ROWS query rows. The kernel walks
+ * the tile's key range through the sequence's block table in chunks that
+ * never cross a page, converts each chunk's K and V rows to f32 once for all
+ * rows of the tile (prefill reuses every key across the tile's tokens,
+ * decode across the group's heads), scores them, masks per row (causal and
+ * sliding window), and folds the chunk into an online softmax (running max,
+ * running sum, rescaled accumulator): no score matrix is ever materialized
+ * beyond one chunk. AVX2/FMA paths for the dot products, exp and the
+ * P.V accumulation; a scalar path elsewhere. */
 #include "engine_internal.h"
 #include "ggml-cpu.h"
 
 #include <math.h>
 #include <string.h>
-#if defined(__F16C__) && defined(__AVX__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PP_ATTN_AVX2 1
 #include <immintrin.h>
 #endif
 
-#define PP_ATTN_MAX_HEAD_DIM 512
-#define PP_ATTN_MAX_GROUP    32
-#define PP_ATTN_PAGE_CHUNK   64   /* keys scored before each softmax update */
+#define PP_ATTN_MAX_ROWS  32   /* query rows of one tile: tokens x group heads */
+#define PP_ATTN_KEY_CHUNK 32   /* keys converted and scored together */
+#define PP_QK8_0          32   /* q8_0 block: one f16 scale and 32 int8 */
 
-/* f16 -> f32 of one V row. GGML's exported row converter is scalar in
- * ggml-base, and V conversion is the kernel's hot loop for f16 caches. */
-static void v_row_to_f32(const ggml_to_float_t generic, enum ggml_type type, const void *src,
-                         float *restrict dst, int n) {
-#if defined(__F16C__) && defined(__AVX__)
-    if (type == GGML_TYPE_F16) {
+/* One K or V row of the cache to f32. f16 and q8_0 have SIMD paths: GGML's
+ * exported row converters (ggml-base) are scalar. */
+static void row_to_f32(const struct ggml_tensor *cache, const void *src, float *restrict dst, int n) {
+#ifdef PP_ATTN_AVX2
+    if (cache->type == GGML_TYPE_F16 && n % 8 == 0) {
         const uint16_t *h = src;
-        int i = 0;
-        for (; i + 8 <= n; i += 8)
+        for (int i = 0; i < n; i += 8)
             _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-        for (; i < n; i++) dst[i] = ggml_fp16_to_fp32(h[i]);
+        return;
+    }
+    if (cache->type == GGML_TYPE_Q8_0) {
+        const uint8_t *blk = src;
+        for (int b = 0; b < n / PP_QK8_0; b++, blk += 2 + PP_QK8_0) {
+            uint16_t d16;
+            memcpy(&d16, blk, sizeof d16);
+            const __m256 d = _mm256_set1_ps(ggml_fp16_to_fp32(d16));
+            for (int i = 0; i < PP_QK8_0; i += 8) {
+                const __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + i));
+                _mm256_storeu_ps(dst + b * PP_QK8_0 + i,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+            }
+        }
         return;
     }
 #endif
-    generic(src, dst, n);
+    ggml_get_type_traits(cache->type)->to_float(src, dst, n);
 }
 
-static void axpy(float *restrict y, const float *restrict x, float a, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
-}
-
-static void scale_row(float *restrict y, float a, int n) {
-    for (int i = 0; i < n; i++) y[i] *= a;
-}
-
-/* Per-thread state of one (token, KV head) work item over a key range. */
-typedef struct attn_state {
-    char  q_conv[PP_ATTN_MAX_GROUP * (PP_ATTN_MAX_HEAD_DIM * 4)];
-    float acc[PP_ATTN_MAX_GROUP * PP_ATTN_MAX_HEAD_DIM];
-    float scores[PP_ATTN_MAX_GROUP * PP_ATTN_PAGE_CHUNK];
-    float v_row[PP_ATTN_MAX_HEAD_DIM];
-    float run_max[PP_ATTN_MAX_GROUP];
-    float run_sum[PP_ATTN_MAX_GROUP];
-} attn_state;
-
-/* Fold keys [k_begin, k_end) of token t's sequence into st for KV head kvh:
- * st->acc holds the unnormalized sum, run_max/run_sum the softmax state. */
-static void attend_range(const pp_attention_params *ap, const struct ggml_tensor *q,
-                         const struct ggml_tensor *kc, const struct ggml_tensor *vc, int t, int kvh,
-                         int k_begin, int k_end, attn_state *st) {
-    const pp_batch *batch = ap->batch;
-    const int head_dim = ap->head_dim;
-    const int group = ap->n_head / ap->n_head_kv;
-    const int bs = ap->block_size;
-    const struct ggml_type_traits_cpu *k_traits = ggml_get_type_traits_cpu(kc->type);
-    const enum ggml_type q_type = k_traits->vec_dot_type;
-    const ggml_from_float_t q_convert = ggml_get_type_traits_cpu(q_type)->from_float;
-    const ggml_to_float_t v_to_float = ggml_get_type_traits(vc->type)->to_float;
-    const size_t q_row_bytes = ggml_row_size(q_type, head_dim);
-    const size_t kv_head_bytes = ggml_row_size(kc->type, head_dim);
-    const int32_t *table = batch->block_tables + (size_t)batch->seq_index[t] * batch->max_blocks_per_seq;
-
-    for (int g = 0; g < group; g++) {
-        const float *qrow = (const float *)((const char *)q->data + t * q->nb[2] +
-                                            (size_t)(kvh * group + g) * q->nb[1]);
-        q_convert(qrow, st->q_conv + g * q_row_bytes, head_dim);
-        st->run_max[g] = -INFINITY;
-        st->run_sum[g] = 0.0f;
+/* s[j] = q . k_j for j < n (k rows are head_dim apart). */
+static void dot_rows(const float *restrict q, const float *restrict k, int n, int hd, float *restrict s) {
+    int j = 0;
+#ifdef PP_ATTN_AVX2
+    if (hd % 8 == 0) {
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + (size_t)j * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int d = 0; d < hd; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+            }
+            /* Two horizontal adds leave each accumulator's half-sums per lane. */
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+        }
     }
-    memset(st->acc, 0, sizeof(float) * (size_t)group * head_dim);
+#endif
+    for (; j < n; j++) {
+        const float *kj = k + (size_t)j * hd;
+        float acc = 0.0f;
+        for (int d = 0; d < hd; d++) acc += q[d] * kj[d];
+        s[j] = acc;
+    }
+}
 
-    /* Walk the range in chunks that never cross a page boundary. */
-    for (int k0 = k_begin; k0 < k_end;) {
-        const int page_end = (k0 / bs + 1) * bs;
-        int k1 = page_end < k_end ? page_end : k_end;
-        if (k1 - k0 > PP_ATTN_PAGE_CHUNK) k1 = k0 + PP_ATTN_PAGE_CHUNK;
-        const int n = k1 - k0;
-        const int64_t slot0 = (int64_t)table[k0 / bs] * bs + k0 % bs;
-        const char *krows = (const char *)kc->data + slot0 * kc->nb[1] + kvh * kv_head_bytes;
-        const char *vrows = (const char *)vc->data + slot0 * vc->nb[1] + kvh * kv_head_bytes;
+#ifdef PP_ATTN_AVX2
+/* e^x for x <= 0 (scores minus their running max); -inf gives 0. 2^n by
+ * exponent bits times a degree-6 Taylor polynomial on |r| <= ln2/2
+ * (relative error below 4e-7, about 3 ulp). */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(masked, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+#endif
 
+/* p[j] = e^(p[j] - m) in place for j < n; returns their sum. */
+static float exp_shifted(float *p, int n, float m) {
+    int j = 0;
+    float sum = 0.0f;
+#ifdef PP_ATTN_AVX2
+    __m256 vsum = _mm256_setzero_ps();
+    const __m256 vm = _mm256_set1_ps(m);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), vm));
+        _mm256_storeu_ps(p + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vsum);
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+#endif
+    for (; j < n; j++) {
+        p[j] = expf(p[j] - m);
+        sum += p[j];
+    }
+    return sum;
+}
+
+/* acc = acc * correction + sum_j p[j] v_j (v rows head_dim apart). */
+static void accumulate_pv(float *restrict acc, float correction, const float *restrict p,
+                          const float *restrict v, int n, int hd) {
+    int d = 0;
+#ifdef PP_ATTN_AVX2
+    const __m256 c = _mm256_set1_ps(correction);
+    for (; d + 32 <= hd; d += 32) {
+        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + d), c);
+        __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8), c);
+        __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 16), c);
+        __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 24), c);
         for (int j = 0; j < n; j++) {
-            for (int g = 0; g < group; g++) {
-                float dot;
-                k_traits->vec_dot(head_dim, &dot, 0, krows + j * kc->nb[1], 0,
-                                  st->q_conv + g * q_row_bytes, 0, 1);
-                st->scores[g * PP_ATTN_PAGE_CHUNK + j] = dot * ap->scale;
-            }
+            if (p[j] == 0.0f) continue;   /* masked key */
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const float *vj = v + (size_t)j * hd + d;
+            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), a0);
+            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), a1);
+            a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 16), a2);
+            a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 24), a3);
         }
-        for (int g = 0; g < group; g++) {
-            float *sg = st->scores + g * PP_ATTN_PAGE_CHUNK;
-            float m = st->run_max[g];
-            for (int j = 0; j < n; j++) m = sg[j] > m ? sg[j] : m;
-            const float correction = expf(st->run_max[g] - m);
-            float sum = 0.0f;
-            for (int j = 0; j < n; j++) {
-                sg[j] = expf(sg[j] - m);
-                sum += sg[j];
-            }
-            st->run_sum[g] = st->run_sum[g] * correction + sum;
-            st->run_max[g] = m;
-            if (correction != 1.0f) scale_row(st->acc + g * head_dim, correction, head_dim);
-        }
-        for (int j = 0; j < n; j++) {
-            v_row_to_f32(v_to_float, vc->type, vrows + j * vc->nb[1], st->v_row, head_dim);
-            for (int g = 0; g < group; g++)
-                axpy(st->acc + g * head_dim, st->v_row, st->scores[g * PP_ATTN_PAGE_CHUNK + j], head_dim);
-        }
-        k0 = k1;
+        _mm256_storeu_ps(acc + d, a0);
+        _mm256_storeu_ps(acc + d + 8, a1);
+        _mm256_storeu_ps(acc + d + 16, a2);
+        _mm256_storeu_ps(acc + d + 24, a3);
+    }
+#endif
+    for (; d < hd; d++) {
+        float a = acc[d] * correction;
+        for (int j = 0; j < n; j++) a += p[j] * v[(size_t)j * hd + d];
+        acc[d] = a;
     }
 }
 
@@ -126,39 +165,133 @@ static int key_begin(const pp_attention_params *ap, int pos) {
     return ap->window > 0 && pos - ap->window + 1 > 0 ? pos - ap->window + 1 : 0;
 }
 
-void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    const pp_attention_params *ap = userdata;
-    const pp_batch *batch = ap->batch;
-    const int head_dim = ap->head_dim;
-    const int n_kv = ap->n_head_kv;
-    const int group = ap->n_head / ap->n_head_kv;
-    attn_state st;
+/* Working memory of one tile, sized by the caller for rows x head_dim. */
+typedef struct tile_state {
+    float *q;        /* [rows][head_dim] queries, pre-scaled */
+    float *acc;      /* [rows][head_dim] unnormalized outputs */
+    float *k, *v;    /* [KEY_CHUNK][head_dim] the chunk's rows in f32 */
+    float *p;        /* [rows][KEY_CHUNK] scores, then probabilities */
+    float run_max[PP_ATTN_MAX_ROWS];
+    float run_sum[PP_ATTN_MAX_ROWS];
+} tile_state;
 
-    const int n_items = batch->n_tokens * n_kv;
-    for (int item = ith; item < n_items; item += nth) {
-        const int t = item / n_kv, kvh = item % n_kv;
-        const int pos = batch->positions[t];
-        attend_range(ap, dst->src[0], dst->src[1], dst->src[2], t, kvh, key_begin(ap, pos), pos + 1, &st);
-        for (int g = 0; g < group; g++) {
-            float *out = (float *)((char *)dst->data + t * dst->nb[2] +
-                                   (size_t)(kvh * group + g) * dst->nb[1]);
-            const float inv = st.run_sum[g] > 0.0f ? 1.0f / st.run_sum[g] : 0.0f;
-            for (int d = 0; d < head_dim; d++) out[d] = st.acc[g * head_dim + d] * inv;
+/* Fold keys [k_lo, k_hi) of the sequence of tokens [t0, t1) into st for KV
+ * head kvh; row r is token t0 + r / group, query head kvh * group + r % group.
+ * Each row still sees only its own causal (and window) range. */
+static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor *q,
+                        const struct ggml_tensor *kc, const struct ggml_tensor *vc, int t0, int t1,
+                        int kvh, int k_lo, int k_hi, tile_state *st) {
+    const pp_batch *batch = ap->batch;
+    const int hd = ap->head_dim;
+    const int group = ap->n_head / ap->n_head_kv;
+    const int rows = (t1 - t0) * group;
+    const int bs = ap->block_size;
+    const size_t kv_head_bytes = ggml_row_size(kc->type, hd);
+    const int32_t *table = batch->block_tables + (size_t)batch->seq_index[t0] * batch->max_blocks_per_seq;
+
+    for (int r = 0; r < rows; r++) {
+        const float *qrow = (const float *)((const char *)q->data + (t0 + r / group) * q->nb[2] +
+                                            (size_t)(kvh * group + r % group) * q->nb[1]);
+        for (int d = 0; d < hd; d++) st->q[(size_t)r * hd + d] = qrow[d] * ap->scale;
+        st->run_max[r] = -INFINITY;
+        st->run_sum[r] = 0.0f;
+    }
+    memset(st->acc, 0, sizeof(float) * (size_t)rows * hd);
+
+    for (int k0 = k_lo; k0 < k_hi;) {
+        const int page_end = (k0 / bs + 1) * bs;
+        int k1 = page_end < k_hi ? page_end : k_hi;
+        if (k1 - k0 > PP_ATTN_KEY_CHUNK) k1 = k0 + PP_ATTN_KEY_CHUNK;
+        const int n = k1 - k0;
+        const int64_t slot0 = (int64_t)table[k0 / bs] * bs + k0 % bs;
+        const char *krows = (const char *)kc->data + slot0 * kc->nb[1] + kvh * kv_head_bytes;
+        const char *vrows = (const char *)vc->data + slot0 * vc->nb[1] + kvh * kv_head_bytes;
+        for (int j = 0; j < n; j++) {
+            row_to_f32(kc, krows + j * kc->nb[1], st->k + (size_t)j * hd, hd);
+            row_to_f32(vc, vrows + j * vc->nb[1], st->v + (size_t)j * hd, hd);
         }
+        for (int r = 0; r < rows; r++) {
+            float *p = st->p + (size_t)r * PP_ATTN_KEY_CHUNK;
+            const int pos = batch->positions[t0 + r / group];
+            /* This row's visible keys within the chunk: [j_lo, j_hi). */
+            int j_lo = key_begin(ap, pos) - k0, j_hi = pos + 1 - k0;
+            if (j_lo < 0) j_lo = 0;
+            if (j_hi > n) j_hi = n;
+            if (j_lo >= j_hi) {
+                memset(p, 0, sizeof(float) * n);
+                continue;
+            }
+            dot_rows(st->q + (size_t)r * hd, st->k + (size_t)j_lo * hd, j_hi - j_lo, hd, p + j_lo);
+            float m = st->run_max[r];
+            for (int j = j_lo; j < j_hi; j++) m = p[j] > m ? p[j] : m;
+            const float correction = expf(st->run_max[r] - m);
+            const float sum = exp_shifted(p + j_lo, j_hi - j_lo, m);
+            for (int j = 0; j < j_lo; j++) p[j] = 0.0f;
+            for (int j = j_hi; j < n; j++) p[j] = 0.0f;
+            st->run_sum[r] = st->run_sum[r] * correction + sum;
+            st->run_max[r] = m;
+            accumulate_pv(st->acc + (size_t)r * hd, correction, p, st->v, n, hd);
+        }
+        k0 = k1;
     }
 }
 
-/* Split-K: work unit (item, split) folds one slice of the key range and
- * stores its unnormalized accumulator plus (max, sum) in dst, laid out as
- * [head_dim + 2, group, n_splits, n_items]. */
+/* Tokens per tile: as many as fit PP_ATTN_MAX_ROWS rows, but small enough
+ * that every thread gets about two items. */
+static int tile_tokens(const pp_attention_params *ap, int nth) {
+    const int group = ap->n_head / ap->n_head_kv;
+    int tq = PP_ATTN_MAX_ROWS / group;
+    const int by_threads = ap->batch->n_tokens * ap->n_head_kv / (2 * nth);
+    if (tq > by_threads) tq = by_threads;
+    return tq > 0 ? tq : 1;
+}
+
+#define TILE_STATE(st, rows_max, hd)                                                  \
+    float st##_q[(rows_max) * (hd)], st##_acc[(rows_max) * (hd)];                     \
+    float st##_k[PP_ATTN_KEY_CHUNK * (hd)], st##_v[PP_ATTN_KEY_CHUNK * (hd)];         \
+    float st##_p[(rows_max) * PP_ATTN_KEY_CHUNK];                                     \
+    tile_state st = {.q = st##_q, .acc = st##_acc, .k = st##_k, .v = st##_v, .p = st##_p}
+
+void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    const pp_attention_params *ap = userdata;
+    const pp_batch *batch = ap->batch;
+    const int hd = ap->head_dim;
+    const int n_kv = ap->n_head_kv;
+    const int group = ap->n_head / ap->n_head_kv;
+    const int tq = tile_tokens(ap, nth);
+    TILE_STATE(st, tq * group, hd);
+
+    /* Tiles are cut the same way by every thread; item i goes to thread i % nth. */
+    int item = 0;
+    for (int t0 = 0; t0 < batch->n_tokens;) {
+        int t1 = t0 + 1;
+        while (t1 < batch->n_tokens && t1 - t0 < tq && batch->seq_index[t1] == batch->seq_index[t0]) t1++;
+        for (int kvh = 0; kvh < n_kv; kvh++, item++) {
+            if (item % nth != ith) continue;
+            const int k_lo = key_begin(ap, batch->positions[t0]), k_hi = batch->positions[t1 - 1] + 1;
+            attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t0, t1, kvh, k_lo, k_hi, &st);
+            for (int r = 0; r < (t1 - t0) * group; r++) {
+                float *out = (float *)((char *)dst->data + (t0 + r / group) * dst->nb[2] +
+                                       (size_t)(kvh * group + r % group) * dst->nb[1]);
+                const float inv = st.run_sum[r] > 0.0f ? 1.0f / st.run_sum[r] : 0.0f;
+                for (int d = 0; d < hd; d++) out[d] = st.acc[(size_t)r * hd + d] * inv;
+            }
+        }
+        t0 = t1;
+    }
+}
+
+/* Split-K: work unit (token, KV head, split) folds one slice of the token's
+ * key range and stores its unnormalized accumulator plus (max, sum) in dst,
+ * laid out as [head_dim + 2, group, n_splits, n_tokens * n_kv]. */
 void pp_paged_attention_partial_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     const pp_attention_params *ap = userdata;
     const pp_batch *batch = ap->batch;
-    const int head_dim = ap->head_dim;
+    const int hd = ap->head_dim;
     const int n_kv = ap->n_head_kv;
     const int group = ap->n_head / ap->n_head_kv;
     const int n_splits = (int)dst->ne[2];
-    attn_state st;
+    TILE_STATE(st, group, hd);
 
     const int n_units = batch->n_tokens * n_kv * n_splits;
     for (int unit = ith; unit < n_units; unit += nth) {
@@ -168,14 +301,22 @@ void pp_paged_attention_partial_cpu(struct ggml_tensor *dst, int ith, int nth, v
         const int lo = key_begin(ap, pos), len = pos + 1 - lo;
         const int k_begin = lo + (int)((int64_t)len * split / n_splits);
         const int k_end = lo + (int)((int64_t)len * (split + 1) / n_splits);
-        attend_range(ap, dst->src[0], dst->src[1], dst->src[2], t, kvh, k_begin, k_end, &st);
+        attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t, t + 1, kvh, k_begin, k_end, &st);
         for (int g = 0; g < group; g++) {
             float *out = (float *)((char *)dst->data + item * dst->nb[3] + split * dst->nb[2] + g * dst->nb[1]);
-            memcpy(out, st.acc + g * head_dim, sizeof(float) * head_dim);
-            out[head_dim] = st.run_max[g];
-            out[head_dim + 1] = st.run_sum[g];
+            memcpy(out, st.acc + (size_t)g * hd, sizeof(float) * hd);
+            out[hd] = st.run_max[g];
+            out[hd + 1] = st.run_sum[g];
         }
     }
+}
+
+static void axpy(float *restrict y, const float *restrict x, float a, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+static void scale_row(float *restrict y, float a, int n) {
+    for (int i = 0; i < n; i++) y[i] *= a;
 }
 
 /* Merge the splits of each item by log-sum-exp into [head_dim, n_head, n_tokens]. */
