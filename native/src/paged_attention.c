@@ -82,6 +82,43 @@ static void dot_rows(const float *restrict q, const float *restrict k, int n, in
     }
 }
 
+/* The same for two query rows at once (each key row is loaded once for
+ * both, and eight independent FMA chains keep both FMA ports busy). */
+static void dot_rows2(const float *restrict q0, const float *restrict q1, const float *restrict k, int n,
+                      int hd, float *restrict s0, float *restrict s1) {
+    int j = 0;
+#ifdef PP_ATTN_AVX2
+    if (hd % 8 == 0) {
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + (size_t)j * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int d = 0; d < hd; d += 8) {
+                const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
+                const __m256 v0 = _mm256_loadu_ps(k0 + d), v1 = _mm256_loadu_ps(k1 + d);
+                const __m256 v2 = _mm256_loadu_ps(k2 + d), v3 = _mm256_loadu_ps(k3 + d);
+                a0 = _mm256_fmadd_ps(x0, v0, a0);
+                a1 = _mm256_fmadd_ps(x0, v1, a1);
+                a2 = _mm256_fmadd_ps(x0, v2, a2);
+                a3 = _mm256_fmadd_ps(x0, v3, a3);
+                b0 = _mm256_fmadd_ps(x1, v0, b0);
+                b1 = _mm256_fmadd_ps(x1, v1, b1);
+                b2 = _mm256_fmadd_ps(x1, v2, b2);
+                b3 = _mm256_fmadd_ps(x1, v3, b3);
+            }
+            const __m256 ha = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            const __m256 hb = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+            _mm_storeu_ps(s0 + j, _mm_add_ps(_mm256_castps256_ps128(ha), _mm256_extractf128_ps(ha, 1)));
+            _mm_storeu_ps(s1 + j, _mm_add_ps(_mm256_castps256_ps128(hb), _mm256_extractf128_ps(hb, 1)));
+        }
+    }
+#endif
+    if (j < n) {
+        dot_rows(q0, k + (size_t)j * hd, n - j, hd, s0 + j);
+        dot_rows(q1, k + (size_t)j * hd, n - j, hd, s1 + j);
+    }
+}
+
 #ifdef PP_ATTN_AVX2
 /* e^x for x <= 0 (scores minus their running max); -inf gives 0. 2^n by
  * exponent bits times a degree-6 Taylor polynomial on |r| <= ln2/2
@@ -165,6 +202,53 @@ static int key_begin(const pp_attention_params *ap, int pos) {
     return ap->window > 0 && pos - ap->window + 1 > 0 ? pos - ap->window + 1 : 0;
 }
 
+/* accumulate_pv for two rows sharing the chunk's V rows. */
+static void accumulate_pv2(float *restrict acc0, float *restrict acc1, float c0, float c1,
+                           const float *restrict p0, const float *restrict p1, const float *restrict v,
+                           int n, int hd) {
+#ifdef PP_ATTN_AVX2
+    if (hd % 32 == 0) {
+        const __m256 vc0 = _mm256_set1_ps(c0), vc1 = _mm256_set1_ps(c1);
+        for (int d = 0; d < hd; d += 32) {
+            __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + d), vc0);
+            __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + d + 8), vc0);
+            __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + d + 16), vc0);
+            __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + d + 24), vc0);
+            __m256 b0 = _mm256_mul_ps(_mm256_loadu_ps(acc1 + d), vc1);
+            __m256 b1 = _mm256_mul_ps(_mm256_loadu_ps(acc1 + d + 8), vc1);
+            __m256 b2 = _mm256_mul_ps(_mm256_loadu_ps(acc1 + d + 16), vc1);
+            __m256 b3 = _mm256_mul_ps(_mm256_loadu_ps(acc1 + d + 24), vc1);
+            for (int j = 0; j < n; j++) {
+                if (p0[j] == 0.0f && p1[j] == 0.0f) continue;   /* masked for both */
+                const __m256 x0 = _mm256_set1_ps(p0[j]), x1 = _mm256_set1_ps(p1[j]);
+                const float *vj = v + (size_t)j * hd + d;
+                const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+                const __m256 v2 = _mm256_loadu_ps(vj + 16), v3 = _mm256_loadu_ps(vj + 24);
+                a0 = _mm256_fmadd_ps(x0, v0, a0);
+                a1 = _mm256_fmadd_ps(x0, v1, a1);
+                a2 = _mm256_fmadd_ps(x0, v2, a2);
+                a3 = _mm256_fmadd_ps(x0, v3, a3);
+                b0 = _mm256_fmadd_ps(x1, v0, b0);
+                b1 = _mm256_fmadd_ps(x1, v1, b1);
+                b2 = _mm256_fmadd_ps(x1, v2, b2);
+                b3 = _mm256_fmadd_ps(x1, v3, b3);
+            }
+            _mm256_storeu_ps(acc0 + d, a0);
+            _mm256_storeu_ps(acc0 + d + 8, a1);
+            _mm256_storeu_ps(acc0 + d + 16, a2);
+            _mm256_storeu_ps(acc0 + d + 24, a3);
+            _mm256_storeu_ps(acc1 + d, b0);
+            _mm256_storeu_ps(acc1 + d + 8, b1);
+            _mm256_storeu_ps(acc1 + d + 16, b2);
+            _mm256_storeu_ps(acc1 + d + 24, b3);
+        }
+        return;
+    }
+#endif
+    accumulate_pv(acc0, c0, p0, v, n, hd);
+    accumulate_pv(acc1, c1, p1, v, n, hd);
+}
+
 /* Working memory of one tile, sized by the caller for rows x head_dim. */
 typedef struct tile_state {
     float *q;        /* [rows][head_dim] queries, pre-scaled */
@@ -173,7 +257,17 @@ typedef struct tile_state {
     float *p;        /* [rows][KEY_CHUNK] scores, then probabilities */
     float run_max[PP_ATTN_MAX_ROWS];
     float run_sum[PP_ATTN_MAX_ROWS];
+    float correction[PP_ATTN_MAX_ROWS];   /* this chunk's rescale of each row's acc */
 } tile_state;
+
+/* Keys [*lo, *hi) of the chunk starting at key k0 (n keys) that a query at
+ * pos sees: causal, and within the window if the layer has one. */
+static void visible_keys(const pp_attention_params *ap, int pos, int k0, int n, int *lo, int *hi) {
+    *lo = key_begin(ap, pos) - k0;
+    *hi = pos + 1 - k0;
+    if (*lo < 0) *lo = 0;
+    if (*hi > n) *hi = n;
+}
 
 /* Fold keys [k_lo, k_hi) of the sequence of tokens [t0, t1) into st for KV
  * head kvh; row r is token t0 + r / group, query head kvh * group + r % group.
@@ -210,18 +304,32 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
             row_to_f32(kc, krows + j * kc->nb[1], st->k + (size_t)j * hd, hd);
             row_to_f32(vc, vrows + j * vc->nb[1], st->v + (size_t)j * hd, hd);
         }
+        /* Scores, two rows at a time over the union of their visible keys. */
+        for (int r = 0; r < rows; r += 2) {
+            const int r1 = r + 1 < rows ? r + 1 : r;
+            int lo0, hi0, lo1, hi1;
+            visible_keys(ap, batch->positions[t0 + r / group], k0, n, &lo0, &hi0);
+            visible_keys(ap, batch->positions[t0 + r1 / group], k0, n, &lo1, &hi1);
+            const int lo = lo0 < lo1 ? lo0 : lo1, hi = hi0 > hi1 ? hi0 : hi1;
+            if (lo >= hi) continue;
+            float *p0 = st->p + (size_t)r * PP_ATTN_KEY_CHUNK + lo;
+            const float *kl = st->k + (size_t)lo * hd;
+            if (r1 != r)
+                dot_rows2(st->q + (size_t)r * hd, st->q + (size_t)r1 * hd, kl, hi - lo, hd, p0,
+                          st->p + (size_t)r1 * PP_ATTN_KEY_CHUNK + lo);
+            else
+                dot_rows(st->q + (size_t)r * hd, kl, hi - lo, hd, p0);
+        }
+        /* Online softmax per row; masked keys get probability 0. */
         for (int r = 0; r < rows; r++) {
             float *p = st->p + (size_t)r * PP_ATTN_KEY_CHUNK;
-            const int pos = batch->positions[t0 + r / group];
-            /* This row's visible keys within the chunk: [j_lo, j_hi). */
-            int j_lo = key_begin(ap, pos) - k0, j_hi = pos + 1 - k0;
-            if (j_lo < 0) j_lo = 0;
-            if (j_hi > n) j_hi = n;
+            int j_lo, j_hi;
+            visible_keys(ap, batch->positions[t0 + r / group], k0, n, &j_lo, &j_hi);
+            st->correction[r] = 1.0f;
             if (j_lo >= j_hi) {
                 memset(p, 0, sizeof(float) * n);
                 continue;
             }
-            dot_rows(st->q + (size_t)r * hd, st->k + (size_t)j_lo * hd, j_hi - j_lo, hd, p + j_lo);
             float m = st->run_max[r];
             for (int j = j_lo; j < j_hi; j++) m = p[j] > m ? p[j] : m;
             const float correction = expf(st->run_max[r] - m);
@@ -230,7 +338,16 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
             for (int j = j_hi; j < n; j++) p[j] = 0.0f;
             st->run_sum[r] = st->run_sum[r] * correction + sum;
             st->run_max[r] = m;
-            accumulate_pv(st->acc + (size_t)r * hd, correction, p, st->v, n, hd);
+            st->correction[r] = correction;
+        }
+        for (int r = 0; r < rows; r += 2) {
+            float *acc = st->acc + (size_t)r * hd;
+            const float *p = st->p + (size_t)r * PP_ATTN_KEY_CHUNK;
+            if (r + 1 < rows)
+                accumulate_pv2(acc, acc + hd, st->correction[r], st->correction[r + 1], p,
+                               p + PP_ATTN_KEY_CHUNK, st->v, n, hd);
+            else
+                accumulate_pv(acc, st->correction[r], p, st->v, n, hd);
         }
         k0 = k1;
     }
