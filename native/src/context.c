@@ -13,6 +13,7 @@ struct pp_context {
     pp_model            *model;
     pp_kv_cache         *cache;
     ggml_backend_t       backend;
+    ggml_threadpool_t    threadpool;   /* persistent workers (GGML would spawn them per graph) */
     ggml_gallocr_t       galloc;
     void                *meta_buf;     /* graph metadata arena, reused each step */
     size_t               meta_size;
@@ -45,8 +46,11 @@ int pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         pp_context_destroy(c);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute context");
     }
-    ggml_backend_cpu_set_n_threads(c->backend, n_threads);
-    c->n_threads = n_threads;
+    int st = pp_context_set_threads(c, n_threads);
+    if (st != PP_OK) {
+        pp_context_destroy(c);
+        return st;
+    }
     for (int il = 0; il < m->hp.n_layer; il++) {
         pp_attention_params *ap = &c->layer_params[il];
         ap->block_size = cache->block_size;
@@ -64,6 +68,7 @@ void pp_context_destroy(pp_context *c) {
     if (!c) return;
     if (c->galloc) ggml_gallocr_free(c->galloc);
     if (c->backend) ggml_backend_free(c->backend);
+    if (c->threadpool) ggml_threadpool_free(c->threadpool);
     free(c->meta_buf);
     free(c->layer_params);
     free(c);
@@ -71,7 +76,16 @@ void pp_context_destroy(pp_context *c) {
 
 int pp_context_set_threads(pp_context *c, int32_t n_threads) {
     if (!c || n_threads < 1) return pp_fail(PP_ERR_INVALID, "n_threads must be >= 1");
+    if (c->threadpool && c->n_threads == n_threads) return PP_OK;
+    /* Without a pool of its own GGML creates and joins its worker threads
+     * on every graph, i.e. every step. */
+    struct ggml_threadpool_params tpp = ggml_threadpool_params_default(n_threads);
+    ggml_threadpool_t pool = ggml_threadpool_new(&tpp);
+    if (!pool) return pp_fail(PP_ERR_NO_MEMORY, "cannot start a pool of %d threads", n_threads);
     ggml_backend_cpu_set_n_threads(c->backend, n_threads);
+    ggml_backend_cpu_set_threadpool(c->backend, pool);   /* pauses the previous pool */
+    if (c->threadpool) ggml_threadpool_free(c->threadpool);
+    c->threadpool = pool;
     c->n_threads = n_threads;
     return PP_OK;
 }
