@@ -202,13 +202,14 @@ def llamacpp_python(args) -> str | None:
 
 def llamacpp_isa(system_info: str) -> str:
     """The CPU flags llama.cpp was built with, e.g. 'AVX2 AVX512'."""
-    keep = ("AVX", "AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI", "FMA", "F16C", "AMX_INT8")
+    keep = ("AVX", "AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI", "FMA", "F16C", "AMX_INT8",
+            "LLAMAFILE")
     flags = [p.split("=")[0].strip() for p in system_info.split("|") if p.strip().endswith("= 1")]
     return " ".join(f for f in flags if f in keep)
 
 
 def ours_isa(build_info: str) -> str:
-    # "ggml 0.20.2; cpu: avx=1 avx2=1 f16c=1 fma=1 avx512=0 avx512_vnni=0"
+    # "ggml 0.20.2; cpu: avx=1 avx2=1 f16c=1 fma=1 avx512=0 avx512_vnni=0 llamafile=0"
     cpu = build_info.split("cpu:", 1)[-1]
     return " ".join(k.upper() for k, _, v in (p.partition("=") for p in cpu.split()) if v == "1")
 

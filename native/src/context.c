@@ -212,8 +212,9 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
 
 const char *pp_ggml_build_info(void) {
     static char info[256];
-    snprintf(info, sizeof info, "ggml %s; cpu: avx=%d avx2=%d f16c=%d fma=%d avx512=%d avx512_vnni=%d",
-             ggml_version(), ggml_cpu_has_avx(), ggml_cpu_has_avx2(), ggml_cpu_has_f16c(),
-             ggml_cpu_has_fma(), ggml_cpu_has_avx512(), ggml_cpu_has_avx512_vnni());
+    /* llamafile = GGML's tinyBLAS GEMM for prompt processing (GGML_LLAMAFILE). */
+    snprintf(info, sizeof info, "ggml %s; cpu: avx=%d avx2=%d f16c=%d fma=%d avx512=%d avx512_vnni=%d "
+             "llamafile=%d", ggml_version(), ggml_cpu_has_avx(), ggml_cpu_has_avx2(), ggml_cpu_has_f16c(),
+             ggml_cpu_has_fma(), ggml_cpu_has_avx512(), ggml_cpu_has_avx512_vnni(), ggml_cpu_has_llamafile());
     return info;
 }
