@@ -140,6 +140,9 @@ def cmd_info(args) -> int:
     for kv_type in KV_TYPES:
         bytes_per_token = 2 * cfg.n_layer * cfg.n_embd_kv * per_elem[kv_type]
         print(f"KV bytes per token ({kv_type}): {int(bytes_per_token)}")
+    from ._native import ffi, lib
+    print(f"GGML: {ffi.string(lib.pp_ggml_build_info()).decode()}")
+    print(f"weights repacked for GGML's CPU GEMM: {model.n_repacked}")
     model.close()
     return 0
 

@@ -121,3 +121,22 @@ def test_repack_twice_is_refused(tiny_models):
             model._repack()
     finally:
         model.close()
+
+
+def test_engines_release_their_worker_threads(tiny_models):
+    """Each context owns a persistent GGML thread pool; closing it joins the workers."""
+    import os
+
+    def n_threads_now():
+        return len(os.listdir("/proc/self/task"))
+
+    model = Model(tiny_models["llama"])
+    before = n_threads_now()
+    for _ in range(5):
+        engine = Engine(model, paged=True, n_ctx=64, n_threads=3, n_batch=16, block_size=16)
+        seq = engine.add_sequence([5, 6, 7])
+        engine.prefill(seq)
+        assert n_threads_now() >= before + 2   # the pool's two workers
+        engine.close()
+    assert n_threads_now() == before
+    model.close()

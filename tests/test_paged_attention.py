@@ -86,6 +86,43 @@ def test_paged_kernel_matches_gathered_softmax(kv_type, block_size, head_dim, n_
     h.close()
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("head_dim,n_head,n_head_kv,window", [
+    (64, 8, 2, 0),     # SIMD paths, group 4: tiles of several tokens
+    (64, 8, 2, 40),    # a window shorter than the prompt: tiles straddle its edge
+    (96, 3, 1, 0),     # group 3: an odd number of rows per tile; 96 % 32 != 0
+    (32, 2, 2, 25),    # MHA: up to 32 tokens per tile
+])
+def test_whole_prompt_prefill_matches_gathered_softmax(kv_type, head_dim, n_head, n_head_kv, window):
+    """Every position of a 150-token prompt queried in one batch (query tiles)."""
+    rng = np.random.default_rng(head_dim * 1000 + n_head + window)
+    block_size, n = 16, 150
+    num_blocks = -(-n // block_size) + 3
+    h = AttentionHarness(kv_type, num_blocks * block_size, n_head, n_head_kv, head_dim, n_threads=2)
+    blocks, k, v = scatter_sequence(rng, h, n, block_size, num_blocks, n_head_kv * head_dim, set())
+    tables = blocks.reshape(1, -1)
+    positions = list(range(n))
+    q = rng.standard_normal((n, n_head, head_dim)).astype(np.float32)
+    scale = head_dim ** -0.5
+    got = h.paged(q, positions, [0] * n, tables, block_size, window, scale)
+    want = gathered_attention(q, k, v, positions, n_head_kv, window, scale)
+    assert np.abs(got - want).max() < {"f16": 2e-3, "q8_0": 2e-2}[kv_type]
+    h.close()
+
+
+def test_head_size_without_simd_lanes_matches_gathered_softmax():
+    """A head size that is not a multiple of 8 takes the scalar paths."""
+    rng = np.random.default_rng(7)
+    head_dim, n_head, n_head_kv, block_size, n = 6, 4, 2, 8, 40
+    h = AttentionHarness("f16", 8 * block_size, n_head, n_head_kv, head_dim, n_threads=2)
+    blocks, k, v = scatter_sequence(rng, h, n, block_size, 8, n_head_kv * head_dim, set())
+    q = rng.standard_normal((n, n_head, head_dim)).astype(np.float32)
+    got = h.paged(q, list(range(n)), [0] * n, blocks.reshape(1, -1), block_size, 0, 0.4)
+    want = gathered_attention(q, k, v, list(range(n)), n_head_kv, 0, 0.4)
+    assert np.abs(got - want).max() < 2e-3
+    h.close()
+
+
 def test_shared_blocks_serve_two_sequences():
     """Two sequences whose tables point at the same prefix blocks (as after a fork)."""
     rng = np.random.default_rng(7)
