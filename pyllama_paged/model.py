@@ -53,6 +53,7 @@ class Model:
             "rope_freq_scale": cfg.rope_freq_scale, "rope_freq_base_swa": cfg.rope_freq_base_swa,
             "rms_eps": cfg.rms_eps, "attn_scale": cfg.attn_scale, "embd_scale": cfg.embd_scale,
             "final_logit_softcap": cfg.final_logit_softcap, "layer_window": windows,
+            "n_rot": cfg.n_rot,
         })
         out = ffi.new("pp_model **")
         self._wrap(lib.pp_model_create(hp, out), "model")

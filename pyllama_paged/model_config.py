@@ -35,6 +35,7 @@ class ModelConfig:
     embd_scale: float
     final_logit_softcap: float
     layer_window: list[int] = field(default_factory=list)
+    n_rot: int = 0            # rotated dims per head (rope.dimension_count); 0 = head_dim
 
     @property
     def n_embd_kv(self) -> int:
@@ -70,6 +71,10 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
     if int(opt("attention.value_length", head_dim)) != head_dim:
         raise ModelLoadError(f"{path}: value_length != key_length is not supported")
     n_layer = int(need("block_count"))
+    n_rot = int(opt("rope.dimension_count", head_dim))
+    if n_rot <= 0 or n_rot > head_dim or n_rot % 2:
+        raise ModelLoadError(f"{path}: rope.dimension_count {n_rot} must be even and at most "
+                             f"key_length {head_dim}")
     scaling_type = opt("rope.scaling.type", "none")
     scaling_factor = float(opt("rope.scaling.factor", 1.0) or 1.0)
     if scaling_type not in ("none", "linear") and scaling_factor != 1.0:
@@ -93,6 +98,7 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
         embd_scale=1.0,
         final_logit_softcap=float(opt("final_logit_softcapping", 0.0) or 0.0),
         layer_window=[0] * n_layer,
+        n_rot=n_rot,
     )
     if arch == "gemma3":
         # Gemma 3 scales embeddings by sqrt(n_embd); five of every six layers

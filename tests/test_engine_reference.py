@@ -140,3 +140,20 @@ def test_engines_release_their_worker_threads(tiny_models):
         engine.close()
     assert n_threads_now() == before
     model.close()
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_rope_frequency_factors_and_partial_rotary_match_reference(tmp_path, reference_logits, paged):
+    """Llama 3.1-style rope_freqs.weight and rope.dimension_count < head size are honoured."""
+    prompt, _ = reference_logits
+    plain = write_tiny_model(tmp_path / "plain.gguf", "llama", weight_type="f16", n_rot=32)
+    scaled = write_tiny_model(tmp_path / "scaled.gguf", "llama", weight_type="f16", n_rot=32,
+                              rope_freqs=True)
+    want = ReferenceModel.from_gguf(scaled).forward(prompt)
+    # The factors matter: without them the same weights give other logits.
+    unscaled = ReferenceModel.from_gguf(plain).forward(prompt)
+    assert np.abs(unscaled - want).max() / (want.max() - want.min()) > 5 * TOLERANCE["f16"]
+    got = engine_logits(scaled, prompt, paged=paged, kv_cache_type="f16")
+    assert np.abs(got - want).max() / (want.max() - want.min()) < TOLERANCE["f16"]
+    got_plain = engine_logits(plain, prompt, paged=paged, kv_cache_type="f16")
+    assert np.abs(got_plain - unscaled).max() / (unscaled.max() - unscaled.min()) < TOLERANCE["f16"]

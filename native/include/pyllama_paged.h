@@ -203,6 +203,8 @@ typedef struct pp_model_hparams {
     float   final_logit_softcap; /* 0 = none */
     const int32_t *layer_window; /* n_layer entries: 0 = full attention, else window in tokens;
                                     copied at pp_model_create */
+    int32_t n_rot;               /* rotated dims of each head (rope.dimension_count), even,
+                                    <= head_dim; 0 = head_dim */
 } pp_model_hparams;
 
 typedef struct pp_model pp_model;
@@ -219,7 +221,9 @@ void pp_model_destroy(pp_model *model);
  * ne the GGML shape (ne[0] = row length), data the tensor's bytes. data is
  * borrowed for the model's whole life (the caller keeps the file mapped).
  * Unknown names are ignored (*used = 0); a known name with the wrong shape
- * or an unsupported type fails with a message naming the tensor. */
+ * or an unsupported type fails with a message naming the tensor. The
+ * optional "rope_freqs.weight" ([n_rot / 2] f32 divisors of each rotary
+ * pair's frequency, Llama 3.1's rope scaling) applies to every layer. */
 int pp_model_set_tensor(pp_model *model, const char *name, int32_t type,
                         const int64_t *ne, int32_t n_dims, const void *data, int32_t *used);
 

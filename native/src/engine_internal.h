@@ -27,6 +27,7 @@ struct pp_model {
     struct ggml_tensor *tok_embd;
     struct ggml_tensor *output_norm;
     struct ggml_tensor *output;     /* NULL: tied to tok_embd */
+    struct ggml_tensor *rope_freqs; /* NULL: none; else [n_rot / 2] f32 frequency divisors */
     pp_layer           *layers;
     int                 finalized;
     /* Weights moved out of the mapping into GGML's CPU extra buffer types

@@ -93,9 +93,9 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         if (L->k_norm) k = norm(ctx, k, L->k_norm, hp->rms_eps);
         const float base = m->layer_window[il] > 0 ? hp->rope_freq_base_swa : hp->rope_freq_base;
         const float freq_scale = m->layer_window[il] > 0 ? 1.0f : hp->rope_freq_scale;
-        q = ggml_rope_ext(ctx, q, positions, NULL, head_dim, hp->rope_type, hp->n_ctx_train,
+        q = ggml_rope_ext(ctx, q, positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_train,
                           base, freq_scale, 0.0f, 1.0f, 0.0f, 0.0f);
-        k = ggml_rope_ext(ctx, k, positions, NULL, head_dim, hp->rope_type, hp->n_ctx_train,
+        k = ggml_rope_ext(ctx, k, positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_train,
                           base, freq_scale, 0.0f, 1.0f, 0.0f, 0.0f);
 
         /* Write this step's K/V rows to their slots before attention reads them. */

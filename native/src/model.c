@@ -22,11 +22,14 @@ int pp_model_create(const pp_model_hparams *hp, pp_model **out) {
     REQUIRE(hp->n_ff > 0, "feed_forward_length %d must be positive", hp->n_ff);
     REQUIRE(hp->n_vocab > 0, "vocabulary size %d must be positive", hp->n_vocab);
     REQUIRE(hp->rope_type == 0 || hp->rope_type == 2, "rope type %d unsupported", hp->rope_type);
+    REQUIRE(hp->n_rot >= 0 && hp->n_rot <= hp->head_dim && hp->n_rot % 2 == 0,
+            "rope.dimension_count %d must be even and at most key_length %d", hp->n_rot, hp->head_dim);
     REQUIRE(hp->rms_eps > 0, "layer_norm_rms_epsilon must be positive");
 #undef REQUIRE
     pp_model *m = calloc(1, sizeof *m);
     if (!m) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the model");
     m->hp = *hp;
+    if (m->hp.n_rot == 0) m->hp.n_rot = hp->head_dim;
     m->layer_window = calloc((size_t)hp->n_layer, sizeof(int32_t));
     m->layers = calloc((size_t)hp->n_layer, sizeof(pp_layer));
     size_t n_tensors = 4 + (size_t)hp->n_layer * 20;
@@ -65,6 +68,7 @@ static int resolve(pp_model *m, const char *name, slot_spec *spec) {
     if (!strcmp(name, "token_embd.weight")) { *spec = (slot_spec){&m->tok_embd, n_embd, hp->n_vocab}; return 1; }
     if (!strcmp(name, "output_norm.weight")) { *spec = (slot_spec){&m->output_norm, n_embd, 0}; return 1; }
     if (!strcmp(name, "output.weight")) { *spec = (slot_spec){&m->output, n_embd, hp->n_vocab}; return 1; }
+    if (!strcmp(name, "rope_freqs.weight")) { *spec = (slot_spec){&m->rope_freqs, hp->n_rot / 2, 0}; return 1; }
     int il, consumed = 0;
     if (sscanf(name, "blk.%d.%n", &il, &consumed) != 1 || consumed == 0) return 0;
     if (il < 0 || il >= hp->n_layer) return 0;
@@ -118,6 +122,9 @@ int pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const int64
         return pp_fail(PP_ERR_INVALID, "tensor '%s': row of %lld is not whole %s blocks", name,
                        (long long)ne[0], ggml_type_name((enum ggml_type)type));
     if (*spec.slot) return pp_fail(PP_ERR_INVALID, "tensor '%s' given twice", name);
+    if (spec.slot == &m->rope_freqs && type != GGML_TYPE_F32)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s, but GGML's RoPE takes f32 frequency factors",
+                       name, ggml_type_name((enum ggml_type)type));
     struct ggml_tensor *t = spec.ne1
         ? ggml_new_tensor_2d(m->weights, (enum ggml_type)type, spec.ne0, spec.ne1)
         : ggml_new_tensor_1d(m->weights, (enum ggml_type)type, spec.ne0);

@@ -272,6 +272,8 @@ def write_tiny_model(
     sliding_window: int | None | str = "default",
     rope_freq_base: float | None = None,
     rope_scaling_factor: float | None = None,
+    n_rot: int | None = None,
+    rope_freqs: bool = False,
     rms_eps: float | None = None,
     final_logit_softcapping: float | None = None,
     tie_embeddings: bool | None = None,
@@ -290,6 +292,9 @@ def write_tiny_model(
     ``rope.scaling.type=linear`` + ``rope.scaling.factor`` (for gemma3 it applies to the
     global layers only, as in Gemma 3 4B+).  ``embd_type`` sets token_embd's type
     (default: ``weight_type``; note llama.cpp files often keep it at q8_0/q6_k).
+    ``n_rot`` writes ``rope.dimension_count`` (partial rotary when below head_dim);
+    ``rope_freqs`` adds a ``rope_freqs.weight`` tensor of per-pair frequency divisors
+    (Llama 3.1's rope scaling is stored that way).
     """
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported arch {arch!r}; choose from {SUPPORTED_ARCHS}")
@@ -346,7 +351,8 @@ def write_tiny_model(
         w.add_value_length(head_dim)
     if arch == "llama":
         w.add_vocab_size(n_vocab)
-        w.add_rope_dimension_count(head_dim)
+    if arch == "llama" or n_rot is not None:
+        w.add_rope_dimension_count(head_dim if n_rot is None else n_rot)
     w.add_rope_freq_base(rope_freq_base)
     if sliding_window is not None:
         w.add_sliding_window(int(sliding_window))
@@ -398,6 +404,10 @@ def write_tiny_model(
     post_center = 2.0
     add_weight("token_embd.weight", n_vocab, n_embd, embd_std)
     add_norm("output_norm.weight", n_embd, 4.0 if arch == "gemma3" else 1.0)
+    if rope_freqs:
+        half = (head_dim if n_rot is None else n_rot) // 2
+        # Divisors from 1 (high frequencies untouched) to 8 (the lowest), as in Llama 3.1.
+        w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, half).astype(np.float32))
     if not tie:
         add_weight("output.weight", n_vocab, n_embd, 2.0 / np.sqrt(n_embd))
     for il in range(n_layer):
