@@ -239,6 +239,8 @@ int pp_model_finalize(pp_model *model);
  * rest stay borrowed. Call once, after pp_model_finalize and before any
  * context is created. *n_repacked (may be NULL) receives the number of
  * tensors moved; a GGML without extra buffer types moves none and succeeds.
+ * The moved tensors' borrowed bytes are advised MADV_PAGEOUT (contents kept),
+ * so a file mapping's pages for them leave the resident set.
  * PP_ERR_NO_MEMORY if a buffer cannot be allocated (the model is unchanged
  * for tensors not yet moved and remains usable). */
 int pp_model_repack_weights(pp_model *model, int32_t *n_repacked);

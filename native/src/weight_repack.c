@@ -9,7 +9,26 @@
 #include "ggml-cpu.h"
 
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+/* The borrowed bytes of a moved tensor are never read again: ask the kernel
+ * to reclaim the whole pages inside them. MADV_PAGEOUT keeps the contents
+ * (a file page faults back in from the file, an anonymous one from swap),
+ * unlike MADV_DONTNEED, which would zero a caller's anonymous memory. */
+static void release_mapped(const void *data, size_t size) {
+#ifdef MADV_PAGEOUT
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t begin = ((uintptr_t)data + page - 1) & ~(page - 1);
+    const uintptr_t end = ((uintptr_t)data + size) & ~(page - 1);
+    if (end > begin) madvise((void *)begin, end - begin, MADV_PAGEOUT);
+#else
+    (void)data;
+    (void)size;
+#endif
+}
 
 /* The weights whose only consumer in graph.c is ggml_mul_mat. */
 static int matmul_weights(const pp_model *m, struct ggml_tensor **out) {
@@ -75,6 +94,7 @@ static int move_into(pp_model *m, ggml_backend_buffer_type_t buft, struct ggml_t
             return -1;
         }
         ggml_backend_tensor_set(w[i], mapped, 0, ggml_nbytes(w[i]));
+        release_mapped(mapped, ggml_nbytes(w[i]));
         addr += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, w[i]), align);
         moved++;
     }
