@@ -53,24 +53,55 @@ static void row_to_f32(const struct ggml_tensor *cache, const void *src, float *
     ggml_get_type_traits(cache->type)->to_float(src, dst, n);
 }
 
+#ifdef PP_ATTN_AVX2
+/* Four 8-float vectors: the register block of the dot and P.V loops. Two
+ * blocks at once give eight independent FMA chains, enough to keep both FMA
+ * ports busy despite the 4-cycle latency. */
+typedef struct vec4 { __m256 v[4]; } vec4;
+
+static inline vec4 zero4(void) {
+    const __m256 z = _mm256_setzero_ps();
+    return (vec4){{z, z, z, z}};
+}
+
+/* Vectors at p, p + stride, p + 2 stride, p + 3 stride (stride 8: 32 contiguous floats). */
+static inline vec4 load4(const float *p, size_t stride) {
+    return (vec4){{_mm256_loadu_ps(p), _mm256_loadu_ps(p + stride), _mm256_loadu_ps(p + 2 * stride),
+                   _mm256_loadu_ps(p + 3 * stride)}};
+}
+
+static inline void store4(float *p, vec4 x) {
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(p + 8 * i, x.v[i]);
+}
+
+static inline vec4 scale4(vec4 x, float c) {
+    const __m256 vc = _mm256_set1_ps(c);
+    for (int i = 0; i < 4; i++) x.v[i] = _mm256_mul_ps(x.v[i], vc);
+    return x;
+}
+
+/* acc.v[i] += x * y.v[i] */
+static inline void fma4(vec4 *acc, __m256 x, vec4 y) {
+    for (int i = 0; i < 4; i++) acc->v[i] = _mm256_fmadd_ps(x, y.v[i], acc->v[i]);
+}
+
+/* The four horizontal sums: two hadds leave each vector's half-sums per lane. */
+static inline void hsum4(float *out, vec4 a) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a.v[0], a.v[1]), _mm256_hadd_ps(a.v[2], a.v[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+#endif
+
 /* s[j] = q . k_j for j < n (k rows are head_dim apart). */
 static void dot_rows(const float *restrict q, const float *restrict k, int n, int hd, float *restrict s) {
     int j = 0;
 #ifdef PP_ATTN_AVX2
     if (hd % 8 == 0) {
         for (; j + 4 <= n; j += 4) {
-            const float *k0 = k + (size_t)j * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int d = 0; d < hd; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + d);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
-            }
-            /* Two horizontal adds leave each accumulator's half-sums per lane. */
-            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-            _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+            vec4 a = zero4();
+            for (int d = 0; d < hd; d += 8)
+                fma4(&a, _mm256_loadu_ps(q + d), load4(k + (size_t)j * hd + d, (size_t)hd));
+            hsum4(s + j, a);
         }
     }
 #endif
@@ -82,34 +113,21 @@ static void dot_rows(const float *restrict q, const float *restrict k, int n, in
     }
 }
 
-/* The same for two query rows at once (each key row is loaded once for
- * both, and eight independent FMA chains keep both FMA ports busy). */
+/* The same for two query rows at once: each key row is loaded once for both. */
 static void dot_rows2(const float *restrict q0, const float *restrict q1, const float *restrict k, int n,
                       int hd, float *restrict s0, float *restrict s1) {
     int j = 0;
 #ifdef PP_ATTN_AVX2
     if (hd % 8 == 0) {
         for (; j + 4 <= n; j += 4) {
-            const float *k0 = k + (size_t)j * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            vec4 a = zero4(), b = zero4();
             for (int d = 0; d < hd; d += 8) {
-                const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
-                const __m256 v0 = _mm256_loadu_ps(k0 + d), v1 = _mm256_loadu_ps(k1 + d);
-                const __m256 v2 = _mm256_loadu_ps(k2 + d), v3 = _mm256_loadu_ps(k3 + d);
-                a0 = _mm256_fmadd_ps(x0, v0, a0);
-                a1 = _mm256_fmadd_ps(x0, v1, a1);
-                a2 = _mm256_fmadd_ps(x0, v2, a2);
-                a3 = _mm256_fmadd_ps(x0, v3, a3);
-                b0 = _mm256_fmadd_ps(x1, v0, b0);
-                b1 = _mm256_fmadd_ps(x1, v1, b1);
-                b2 = _mm256_fmadd_ps(x1, v2, b2);
-                b3 = _mm256_fmadd_ps(x1, v3, b3);
+                const vec4 kv = load4(k + (size_t)j * hd + d, (size_t)hd);
+                fma4(&a, _mm256_loadu_ps(q0 + d), kv);
+                fma4(&b, _mm256_loadu_ps(q1 + d), kv);
             }
-            const __m256 ha = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-            const __m256 hb = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
-            _mm_storeu_ps(s0 + j, _mm_add_ps(_mm256_castps256_ps128(ha), _mm256_extractf128_ps(ha, 1)));
-            _mm_storeu_ps(s1 + j, _mm_add_ps(_mm256_castps256_ps128(hb), _mm256_extractf128_ps(hb, 1)));
+            hsum4(s0 + j, a);
+            hsum4(s1 + j, b);
         }
     }
 #endif
@@ -170,36 +188,18 @@ static void accumulate_pv(float *restrict acc, float correction, const float *re
                           const float *restrict v, int n, int hd) {
     int d = 0;
 #ifdef PP_ATTN_AVX2
-    const __m256 c = _mm256_set1_ps(correction);
     for (; d + 32 <= hd; d += 32) {
-        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + d), c);
-        __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8), c);
-        __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 16), c);
-        __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 24), c);
-        for (int j = 0; j < n; j++) {
-            if (p[j] == 0.0f) continue;   /* masked key */
-            const __m256 pj = _mm256_set1_ps(p[j]);
-            const float *vj = v + (size_t)j * hd + d;
-            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), a0);
-            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), a1);
-            a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 16), a2);
-            a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 24), a3);
-        }
-        _mm256_storeu_ps(acc + d, a0);
-        _mm256_storeu_ps(acc + d + 8, a1);
-        _mm256_storeu_ps(acc + d + 16, a2);
-        _mm256_storeu_ps(acc + d + 24, a3);
+        vec4 a = scale4(load4(acc + d, 8), correction);
+        for (int j = 0; j < n; j++)
+            if (p[j] != 0.0f) fma4(&a, _mm256_set1_ps(p[j]), load4(v + (size_t)j * hd + d, 8));
+        store4(acc + d, a);
     }
 #endif
     for (; d < hd; d++) {
-        float a = acc[d] * correction;
-        for (int j = 0; j < n; j++) a += p[j] * v[(size_t)j * hd + d];
-        acc[d] = a;
+        float x = acc[d] * correction;
+        for (int j = 0; j < n; j++) x += p[j] * v[(size_t)j * hd + d];
+        acc[d] = x;
     }
-}
-
-static int key_begin(const pp_attention_params *ap, int pos) {
-    return ap->window > 0 && pos - ap->window + 1 > 0 ? pos - ap->window + 1 : 0;
 }
 
 /* accumulate_pv for two rows sharing the chunk's V rows. */
@@ -208,45 +208,26 @@ static void accumulate_pv2(float *restrict acc0, float *restrict acc1, float c0,
                            int n, int hd) {
 #ifdef PP_ATTN_AVX2
     if (hd % 32 == 0) {
-        const __m256 vc0 = _mm256_set1_ps(c0), vc1 = _mm256_set1_ps(c1);
         for (int d = 0; d < hd; d += 32) {
-            __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + d), vc0);
-            __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + d + 8), vc0);
-            __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + d + 16), vc0);
-            __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + d + 24), vc0);
-            __m256 b0 = _mm256_mul_ps(_mm256_loadu_ps(acc1 + d), vc1);
-            __m256 b1 = _mm256_mul_ps(_mm256_loadu_ps(acc1 + d + 8), vc1);
-            __m256 b2 = _mm256_mul_ps(_mm256_loadu_ps(acc1 + d + 16), vc1);
-            __m256 b3 = _mm256_mul_ps(_mm256_loadu_ps(acc1 + d + 24), vc1);
+            vec4 a = scale4(load4(acc0 + d, 8), c0), b = scale4(load4(acc1 + d, 8), c1);
             for (int j = 0; j < n; j++) {
                 if (p0[j] == 0.0f && p1[j] == 0.0f) continue;   /* masked for both */
-                const __m256 x0 = _mm256_set1_ps(p0[j]), x1 = _mm256_set1_ps(p1[j]);
-                const float *vj = v + (size_t)j * hd + d;
-                const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
-                const __m256 v2 = _mm256_loadu_ps(vj + 16), v3 = _mm256_loadu_ps(vj + 24);
-                a0 = _mm256_fmadd_ps(x0, v0, a0);
-                a1 = _mm256_fmadd_ps(x0, v1, a1);
-                a2 = _mm256_fmadd_ps(x0, v2, a2);
-                a3 = _mm256_fmadd_ps(x0, v3, a3);
-                b0 = _mm256_fmadd_ps(x1, v0, b0);
-                b1 = _mm256_fmadd_ps(x1, v1, b1);
-                b2 = _mm256_fmadd_ps(x1, v2, b2);
-                b3 = _mm256_fmadd_ps(x1, v3, b3);
+                const vec4 vj = load4(v + (size_t)j * hd + d, 8);
+                fma4(&a, _mm256_set1_ps(p0[j]), vj);
+                fma4(&b, _mm256_set1_ps(p1[j]), vj);
             }
-            _mm256_storeu_ps(acc0 + d, a0);
-            _mm256_storeu_ps(acc0 + d + 8, a1);
-            _mm256_storeu_ps(acc0 + d + 16, a2);
-            _mm256_storeu_ps(acc0 + d + 24, a3);
-            _mm256_storeu_ps(acc1 + d, b0);
-            _mm256_storeu_ps(acc1 + d + 8, b1);
-            _mm256_storeu_ps(acc1 + d + 16, b2);
-            _mm256_storeu_ps(acc1 + d + 24, b3);
+            store4(acc0 + d, a);
+            store4(acc1 + d, b);
         }
         return;
     }
 #endif
     accumulate_pv(acc0, c0, p0, v, n, hd);
     accumulate_pv(acc1, c1, p1, v, n, hd);
+}
+
+static int key_begin(const pp_attention_params *ap, int pos) {
+    return ap->window > 0 && pos - ap->window + 1 > 0 ? pos - ap->window + 1 : 0;
 }
 
 /* Working memory of one tile, sized by the caller for rows x head_dim. */
