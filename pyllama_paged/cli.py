@@ -141,7 +141,11 @@ def cmd_info(args) -> int:
         bytes_per_token = 2 * cfg.n_layer * cfg.n_embd_kv * per_elem[kv_type]
         print(f"KV bytes per token ({kv_type}): {int(bytes_per_token)}")
     from ._native import ffi, lib
-    print(f"GGML: {ffi.string(lib.pp_ggml_build_info()).decode()}")
+    build = ffi.string(lib.pp_ggml_build_info()).decode()
+    print(f"GGML: {build}")
+    if "llamafile=0" in build:
+        print("  (this GGML lacks its tinyBLAS prompt GEMM: rebuilding it with -DGGML_LLAMAFILE=ON "
+              "makes prompt processing ~1.6x faster; see vendor/README.md)")
     print(f"weights repacked for GGML's CPU GEMM: {model.n_repacked}")
     model.close()
     return 0
