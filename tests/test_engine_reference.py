@@ -157,3 +157,37 @@ def test_rope_frequency_factors_and_partial_rotary_match_reference(tmp_path, ref
     assert np.abs(got - want).max() / (want.max() - want.min()) < TOLERANCE["f16"]
     got_plain = engine_logits(plain, prompt, paged=paged, kv_cache_type="f16")
     assert np.abs(got_plain - unscaled).max() / (unscaled.max() - unscaled.min()) < TOLERANCE["f16"]
+
+
+def test_forked_child_computes_with_its_own_workers(tiny_models):
+    """A fork after the engine started (multiprocessing's fork, gunicorn --preload) must not hang."""
+    import os
+    import signal
+
+    model = Model(tiny_models["llama"])
+    engine = Engine(model, paged=True, n_ctx=64, n_threads=2, n_batch=16, block_size=16)
+    want = engine.prefill(engine.add_sequence([5, 6, 7]))
+    pid = os.fork()
+    if pid == 0:  # child: a hang is killed by the alarm, any failure exits non-zero
+        code = 1
+        try:
+            signal.alarm(60)
+            got = engine.prefill(engine.add_sequence([5, 6, 7, 8]))
+            code = 0 if np.isfinite(got).all() else 2
+            engine.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    again = engine.prefill(engine.add_sequence([5, 6, 7]))   # the parent's pool still works
+    assert np.allclose(again, want)
+    engine.close()
+    model.close()
+
+
+def test_thread_count_above_ggml_limit_is_an_error(tiny_models):
+    from pyllama_paged.errors import NativeError
+    model = Model(tiny_models["llama"])
+    with pytest.raises(NativeError, match="limit of 512"):
+        Engine(model, paged=True, n_ctx=64, n_threads=10_000, n_batch=16, block_size=16)
+    model.close()

@@ -169,3 +169,15 @@ def test_split_k_decode_matches_gathered_softmax(n_threads, length, window):
     got = h.paged(q, [length - 1], [0], blocks[None, :], bs, window)
     want = gathered_attention(q, k, v, [length - 1], 1, window, D ** -0.5)
     assert np.abs(got - want).max() < 2e-3
+
+
+def test_harness_refuses_batches_the_kernel_cannot_take():
+    """Empty batches and positions that go backwards within a sequence are errors, not crashes."""
+    from pyllama_paged.errors import NativeError
+    h = AttentionHarness("f16", 4 * 16, 2, 1, 64, n_threads=2)
+    tables = np.array([[0, 1]], np.int32)
+    with pytest.raises(NativeError, match="empty batch"):
+        h.paged(np.zeros((0, 2, 64), np.float32), [], [], tables, 16, 0, 0.125)
+    with pytest.raises(NativeError, match="must increase"):
+        h.paged(np.zeros((2, 2, 64), np.float32), [5, 3], [0, 0], tables, 16, 0, 0.125)
+    h.close()

@@ -239,6 +239,8 @@ int pp_model_finalize(pp_model *model);
  * rest stay borrowed. Call once, after pp_model_finalize and before any
  * context is created. *n_repacked (may be NULL) receives the number of
  * tensors moved; a GGML without extra buffer types moves none and succeeds.
+ * Unlike other calls, a failure part way leaves the tensors moved so far
+ * moved (the model stays usable) and a second call is refused.
  * The moved tensors' borrowed bytes are advised MADV_PAGEOUT (contents kept),
  * so a file mapping's pages for them leave the resident set.
  * PP_ERR_NO_MEMORY if a buffer cannot be allocated (the model is unchanged
@@ -296,14 +298,18 @@ typedef struct pp_batch {
 
 typedef struct pp_context pp_context;
 
-/* A compute context: n_threads worker threads, room for max_batch_tokens
- * tokens per step. model and cache are borrowed and must outlive it. */
+/* A compute context: a pool of n_threads worker threads (at most 512; idle
+ * workers sleep), room for max_batch_tokens tokens per step. model and
+ * cache are borrowed and must outlive it. A context is used by one thread
+ * at a time. After fork() the child's first call gives the context a new
+ * pool (the parent's workers do not exist there). */
 int pp_context_create(pp_model *model, pp_kv_cache *cache, int32_t n_threads,
                       int32_t max_batch_tokens, pp_context **out);
 
 void pp_context_destroy(pp_context *ctx);
 
-/* Change the number of worker threads. */
+/* Change the number of worker threads (starts a new pool and joins the
+ * old one; no decode may be running on the context). */
 int pp_context_set_threads(pp_context *ctx, int32_t n_threads);
 
 /* Run one step; logits receives n_logits * n_vocab floats (row-major).
@@ -347,8 +353,11 @@ int pp_attention_harness_contiguous(pp_attention_harness *h, int32_t first_slot,
 
 /* Route GGML's log messages through a filter that prints to stderr only
  * those at or above level (a ggml_log_level: 1 debug, 2 info, 3 warn,
- * 4 error; 5 = none). Until this is first called GGML's own logger prints
- * everything; the Python package calls it at import with 3. Thread-safe. */
+ * 4 error; continuation lines take their first line's level; 5 or more
+ * prints nothing, 0 everything). Until this is first called GGML's own
+ * logger prints everything; the Python package calls it at import with 3.
+ * The level may be changed from any thread; installing the filter (the
+ * first call) should happen before other threads use GGML. */
 void pp_set_ggml_log_level(int32_t level);
 
 /* Description of the GGML build this library runs on (CPU features). */

@@ -123,10 +123,16 @@ static int run_graph(pp_attention_harness *h, struct ggml_context *ctx, struct g
 
 int pp_attention_harness_paged(pp_attention_harness *h, const pp_batch *b, int32_t block_size,
                                int32_t window, float scale, const float *q, float *out) {
-    if (!h || !b || !q || !out || block_size < 1)
-        return pp_fail(PP_ERR_INVALID, "harness paged: invalid argument");
+    if (!h || !b || !q || !out || block_size < 1 || b->n_tokens < 1)
+        return pp_fail(PP_ERR_INVALID, "harness paged: invalid argument (or an empty batch)");
     for (int i = 0; i < b->n_tokens; i++) {
         const int s = b->seq_index[i], pos = b->positions[i];
+        /* The kernel's query tiles rely on what pp_check_batch guarantees for decode. */
+        if (i > 0 && s == b->seq_index[i - 1] && pos <= b->positions[i - 1])
+            return pp_fail(PP_ERR_INVALID, "harness paged: token %d: positions of a sequence must increase", i);
+        for (int j = 0; i > 0 && s != b->seq_index[i - 1] && j < i; j++)
+            if (b->seq_index[j] == s)
+                return pp_fail(PP_ERR_INVALID, "harness paged: tokens of sequence %d are not contiguous", s);
         if (s < 0 || s >= b->n_seqs || pos < 0 || pos / block_size >= b->max_blocks_per_seq)
             return pp_fail(PP_ERR_INVALID, "harness paged: token %d out of range", i);
         for (int blk = 0; blk <= pos / block_size; blk++) {

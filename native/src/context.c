@@ -6,6 +6,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,6 +15,7 @@ struct pp_context {
     pp_kv_cache         *cache;
     ggml_backend_t       backend;
     ggml_threadpool_t    threadpool;   /* persistent workers (GGML would spawn them per graph) */
+    pid_t                pool_pid;     /* the process whose threads those are (see fork below) */
     ggml_gallocr_t       galloc;
     void                *meta_buf;     /* graph metadata arena, reused each step */
     size_t               meta_size;
@@ -68,14 +70,33 @@ void pp_context_destroy(pp_context *c) {
     if (!c) return;
     if (c->galloc) ggml_gallocr_free(c->galloc);
     if (c->backend) ggml_backend_free(c->backend);
-    if (c->threadpool) ggml_threadpool_free(c->threadpool);
+    /* A forked child must not join its parent's workers. */
+    if (c->threadpool && c->pool_pid == getpid()) ggml_threadpool_free(c->threadpool);
     free(c->meta_buf);
     free(c->layer_params);
     free(c);
 }
 
+/* After fork() the child has the pool's memory but none of its threads:
+ * joining or even pausing it could hang. The child gets a fresh backend
+ * (freeing the old one touches only its own buffers) and leaves the
+ * parent's pool struct alone. */
+static int forget_parent_pool(pp_context *c) {
+    if (!c->threadpool || c->pool_pid == getpid()) return PP_OK;
+    ggml_backend_t backend = ggml_backend_cpu_init();
+    if (!backend) return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute backend after fork");
+    ggml_backend_free(c->backend);
+    c->backend = backend;
+    c->threadpool = NULL;
+    return PP_OK;
+}
+
 int pp_context_set_threads(pp_context *c, int32_t n_threads) {
     if (!c || n_threads < 1) return pp_fail(PP_ERR_INVALID, "n_threads must be >= 1");
+    if (n_threads > GGML_MAX_N_THREADS)
+        return pp_fail(PP_ERR_INVALID, "n_threads %d above GGML's limit of %d", n_threads, GGML_MAX_N_THREADS);
+    int st = forget_parent_pool(c);
+    if (st != PP_OK) return st;
     if (c->threadpool && c->n_threads == n_threads) return PP_OK;
     /* Without a pool of its own GGML creates and joins its worker threads
      * on every graph, i.e. every step. */
@@ -90,6 +111,7 @@ int pp_context_set_threads(pp_context *c, int32_t n_threads) {
     ggml_backend_cpu_set_threadpool(c->backend, pool);   /* pauses the previous pool */
     if (c->threadpool) ggml_threadpool_free(c->threadpool);
     c->threadpool = pool;
+    c->pool_pid = getpid();
     c->n_threads = n_threads;
     return PP_OK;
 }
@@ -178,6 +200,8 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
         return pp_fail(PP_ERR_INVALID, "batch of %d tokens exceeds max_batch_tokens %d", b->n_tokens,
                        c->max_batch_tokens);
     if (b->n_logits > 0 && !logits) return pp_fail(PP_ERR_INVALID, "logits buffer is NULL");
+    st = pp_context_set_threads(c, c->n_threads);   /* a no-op unless this is a forked child */
+    if (st != PP_OK) return st;
     const pp_model *m = c->model;
     int swa_window = 0;
     for (int il = 0; il < m->hp.n_layer; il++) {

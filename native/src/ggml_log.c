@@ -14,7 +14,7 @@ static void filtered_log(enum ggml_log_level level, const char *text, void *user
     (void)user_data;
     if (level == GGML_LOG_LEVEL_CONT) level = last_level;
     else last_level = level;
-    if (level >= atomic_load(&min_level)) {
+    if ((int)level >= atomic_load(&min_level)) {
         fputs(text, stderr);
         fflush(stderr);
     }

@@ -15,6 +15,8 @@
 #include "ggml-cpu.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PP_ATTN_AVX2 1
@@ -143,7 +145,7 @@ static void dot_rows2(const float *restrict q0, const float *restrict q1, const 
  * (relative error below 4e-7, about 3 ulp). */
 static inline __m256 exp_nonpositive(__m256 x) {
     const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);   /* this operand order lets a NaN through */
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
@@ -344,11 +346,40 @@ static int tile_tokens(const pp_attention_params *ap, int nth) {
     return tq > 0 ? tq : 1;
 }
 
-#define TILE_STATE(st, rows_max, hd)                                                  \
-    float st##_q[(rows_max) * (hd)], st##_acc[(rows_max) * (hd)];                     \
-    float st##_k[PP_ATTN_KEY_CHUNK * (hd)], st##_v[PP_ATTN_KEY_CHUNK * (hd)];         \
-    float st##_p[(rows_max) * PP_ATTN_KEY_CHUNK];                                     \
-    tile_state st = {.q = st##_q, .acc = st##_acc, .k = st##_k, .v = st##_v, .p = st##_p}
+/* Tile state lives in a per-thread heap buffer, grown on demand and freed
+ * when the thread exits: up to ~260 KB (32 rows x head size 512) would not
+ * fit the stacks of every threading runtime (musl's default is 128 KB). */
+static pthread_key_t tile_key;
+static pthread_once_t tile_key_once = PTHREAD_ONCE_INIT;
+
+typedef struct tile_buffer {
+    size_t n_floats;
+    float  data[];
+} tile_buffer;
+
+static void make_tile_key(void) { pthread_key_create(&tile_key, free); }
+
+/* st's arrays for rows x hd, or 0 if the memory cannot be had. */
+static int tile_state_init(tile_state *st, int rows, int hd) {
+    pthread_once(&tile_key_once, make_tile_key);
+    const size_t need = (size_t)2 * rows * hd + (size_t)2 * PP_ATTN_KEY_CHUNK * hd +
+                        (size_t)rows * PP_ATTN_KEY_CHUNK;
+    tile_buffer *buf = pthread_getspecific(tile_key);
+    if (!buf || buf->n_floats < need) {
+        tile_buffer *grown = realloc(buf, sizeof *buf + sizeof(float) * need);
+        if (!grown) return 0;
+        grown->n_floats = need;
+        buf = grown;
+        pthread_setspecific(tile_key, buf);
+    }
+    float *f = buf->data;
+    st->q = f;
+    st->acc = st->q + (size_t)rows * hd;
+    st->k = st->acc + (size_t)rows * hd;
+    st->v = st->k + (size_t)PP_ATTN_KEY_CHUNK * hd;
+    st->p = st->v + (size_t)PP_ATTN_KEY_CHUNK * hd;
+    return 1;
+}
 
 void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     const pp_attention_params *ap = userdata;
@@ -357,7 +388,9 @@ void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *use
     const int n_kv = ap->n_head_kv;
     const int group = ap->n_head / ap->n_head_kv;
     const int tq = tile_tokens(ap, nth);
-    TILE_STATE(st, tq * group, hd);
+    GGML_ASSERT(group <= PP_ATTN_MAX_ROWS);
+    tile_state st;
+    if (!tile_state_init(&st, tq * group, hd)) GGML_ABORT("paged attention: no memory for a query tile");
 
     /* Tiles are cut the same way by every thread; item i goes to thread i % nth. */
     int item = 0;
@@ -389,7 +422,9 @@ void pp_paged_attention_partial_cpu(struct ggml_tensor *dst, int ith, int nth, v
     const int n_kv = ap->n_head_kv;
     const int group = ap->n_head / ap->n_head_kv;
     const int n_splits = (int)dst->ne[2];
-    TILE_STATE(st, group, hd);
+    GGML_ASSERT(group <= PP_ATTN_MAX_ROWS);
+    tile_state st;
+    if (!tile_state_init(&st, group, hd)) GGML_ABORT("paged attention: no memory for a query tile");
 
     const int n_units = batch->n_tokens * n_kv * n_splits;
     for (int unit = ith; unit < n_units; unit += nth) {
@@ -463,7 +498,7 @@ struct ggml_tensor *pp_paged_attention(struct ggml_context *ctx, struct ggml_ten
         if (keys > max_keys) max_keys = keys;
     }
     int n_splits = 1;
-    if (n_items < n_threads) {
+    if (n_items > 0 && n_items < n_threads) {
         n_splits = (n_threads + n_items - 1) / n_items;
         const int by_length = max_keys / PP_ATTN_MIN_SPLIT_KEYS;
         if (n_splits > by_length) n_splits = by_length > 1 ? by_length : 1;

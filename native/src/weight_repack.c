@@ -125,7 +125,7 @@ int pp_model_repack_weights(pp_model *m, int32_t *n_repacked) {
     const int n = matmul_weights(m, w);
     for (int i = 0; i < n; i++) choice[i] = -1;
     int n_bufts = 0;
-    while (bufts[n_bufts] && n_bufts < PP_MAX_REPACK_BUFTS) n_bufts++;
+    while (n_bufts < PP_MAX_REPACK_BUFTS && bufts[n_bufts]) n_bufts++;
     /* The first extra type that takes a tensor gets it, as in GGML's own order. */
     for (int b = 0; b < n_bufts; b++) {
         ggml_backend_buffer_t probe = ggml_backend_buft_alloc_buffer(bufts[b], 0);
