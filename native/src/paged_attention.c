@@ -9,224 +9,18 @@
  * decode across the group's heads), scores them, masks per row (causal and
  * sliding window), and folds the chunk into an online softmax (running max,
  * running sum, rescaled accumulator): no score matrix is ever materialized
- * beyond one chunk. AVX2/FMA paths for the dot products, exp and the
- * P.V accumulation; a scalar path elsewhere. */
+ * beyond one chunk. The row arithmetic (conversion, dots, exp, P.V) is in
+ * attention_math.c. */
+#include "attention_math.h"
 #include "engine_internal.h"
-#include "ggml-cpu.h"
 
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define PP_ATTN_AVX2 1
-#include <immintrin.h>
-#endif
 
 #define PP_ATTN_MAX_ROWS  32   /* query rows of one tile: tokens x group heads */
 #define PP_ATTN_KEY_CHUNK 32   /* keys converted and scored together */
-#define PP_QK8_0          32   /* q8_0 block: one f16 scale and 32 int8 */
-
-/* One K or V row of the cache to f32. f16 and q8_0 have SIMD paths: GGML's
- * exported row converters (ggml-base) are scalar. */
-static void row_to_f32(const struct ggml_tensor *cache, const void *src, float *restrict dst, int n) {
-#ifdef PP_ATTN_AVX2
-    if (cache->type == GGML_TYPE_F16 && n % 8 == 0) {
-        const uint16_t *h = src;
-        for (int i = 0; i < n; i += 8)
-            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-        return;
-    }
-    if (cache->type == GGML_TYPE_Q8_0) {
-        const uint8_t *blk = src;
-        for (int b = 0; b < n / PP_QK8_0; b++, blk += 2 + PP_QK8_0) {
-            uint16_t d16;
-            memcpy(&d16, blk, sizeof d16);
-            const __m256 d = _mm256_set1_ps(ggml_fp16_to_fp32(d16));
-            for (int i = 0; i < PP_QK8_0; i += 8) {
-                const __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + i));
-                _mm256_storeu_ps(dst + b * PP_QK8_0 + i,
-                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
-            }
-        }
-        return;
-    }
-#endif
-    ggml_get_type_traits(cache->type)->to_float(src, dst, n);
-}
-
-#ifdef PP_ATTN_AVX2
-/* Four 8-float vectors: the register block of the dot and P.V loops. Two
- * blocks at once give eight independent FMA chains, enough to keep both FMA
- * ports busy despite the 4-cycle latency. */
-typedef struct vec4 { __m256 v[4]; } vec4;
-
-static inline vec4 zero4(void) {
-    const __m256 z = _mm256_setzero_ps();
-    return (vec4){{z, z, z, z}};
-}
-
-/* Vectors at p, p + stride, p + 2 stride, p + 3 stride (stride 8: 32 contiguous floats). */
-static inline vec4 load4(const float *p, size_t stride) {
-    return (vec4){{_mm256_loadu_ps(p), _mm256_loadu_ps(p + stride), _mm256_loadu_ps(p + 2 * stride),
-                   _mm256_loadu_ps(p + 3 * stride)}};
-}
-
-static inline void store4(float *p, vec4 x) {
-    for (int i = 0; i < 4; i++) _mm256_storeu_ps(p + 8 * i, x.v[i]);
-}
-
-static inline vec4 scale4(vec4 x, float c) {
-    const __m256 vc = _mm256_set1_ps(c);
-    for (int i = 0; i < 4; i++) x.v[i] = _mm256_mul_ps(x.v[i], vc);
-    return x;
-}
-
-/* acc.v[i] += x * y.v[i] */
-static inline void fma4(vec4 *acc, __m256 x, vec4 y) {
-    for (int i = 0; i < 4; i++) acc->v[i] = _mm256_fmadd_ps(x, y.v[i], acc->v[i]);
-}
-
-/* The four horizontal sums: two hadds leave each vector's half-sums per lane. */
-static inline void hsum4(float *out, vec4 a) {
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a.v[0], a.v[1]), _mm256_hadd_ps(a.v[2], a.v[3]));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
-#endif
-
-/* s[j] = q . k_j for j < n (k rows are head_dim apart). */
-static void dot_rows(const float *restrict q, const float *restrict k, int n, int hd, float *restrict s) {
-    int j = 0;
-#ifdef PP_ATTN_AVX2
-    if (hd % 8 == 0) {
-        for (; j + 4 <= n; j += 4) {
-            vec4 a = zero4();
-            for (int d = 0; d < hd; d += 8)
-                fma4(&a, _mm256_loadu_ps(q + d), load4(k + (size_t)j * hd + d, (size_t)hd));
-            hsum4(s + j, a);
-        }
-    }
-#endif
-    for (; j < n; j++) {
-        const float *kj = k + (size_t)j * hd;
-        float acc = 0.0f;
-        for (int d = 0; d < hd; d++) acc += q[d] * kj[d];
-        s[j] = acc;
-    }
-}
-
-/* The same for two query rows at once: each key row is loaded once for both. */
-static void dot_rows2(const float *restrict q0, const float *restrict q1, const float *restrict k, int n,
-                      int hd, float *restrict s0, float *restrict s1) {
-    int j = 0;
-#ifdef PP_ATTN_AVX2
-    if (hd % 8 == 0) {
-        for (; j + 4 <= n; j += 4) {
-            vec4 a = zero4(), b = zero4();
-            for (int d = 0; d < hd; d += 8) {
-                const vec4 kv = load4(k + (size_t)j * hd + d, (size_t)hd);
-                fma4(&a, _mm256_loadu_ps(q0 + d), kv);
-                fma4(&b, _mm256_loadu_ps(q1 + d), kv);
-            }
-            hsum4(s0 + j, a);
-            hsum4(s1 + j, b);
-        }
-    }
-#endif
-    if (j < n) {
-        dot_rows(q0, k + (size_t)j * hd, n - j, hd, s0 + j);
-        dot_rows(q1, k + (size_t)j * hd, n - j, hd, s1 + j);
-    }
-}
-
-#ifdef PP_ATTN_AVX2
-/* e^x for x <= 0 (scores minus their running max); -inf gives 0. 2^n by
- * exponent bits times a degree-6 Taylor polynomial on |r| <= ln2/2
- * (relative error below 4e-7, about 3 ulp). */
-static inline __m256 exp_nonpositive(__m256 x) {
-    const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);   /* this operand order lets a NaN through */
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(masked, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-#endif
-
-/* p[j] = e^(p[j] - m) in place for j < n; returns their sum. */
-static float exp_shifted(float *p, int n, float m) {
-    int j = 0;
-    float sum = 0.0f;
-#ifdef PP_ATTN_AVX2
-    __m256 vsum = _mm256_setzero_ps();
-    const __m256 vm = _mm256_set1_ps(m);
-    for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), vm));
-        _mm256_storeu_ps(p + j, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, vsum);
-    for (int i = 0; i < 8; i++) sum += lanes[i];
-#endif
-    for (; j < n; j++) {
-        p[j] = expf(p[j] - m);
-        sum += p[j];
-    }
-    return sum;
-}
-
-/* acc = acc * correction + sum_j p[j] v_j (v rows head_dim apart). */
-static void accumulate_pv(float *restrict acc, float correction, const float *restrict p,
-                          const float *restrict v, int n, int hd) {
-    int d = 0;
-#ifdef PP_ATTN_AVX2
-    for (; d + 32 <= hd; d += 32) {
-        vec4 a = scale4(load4(acc + d, 8), correction);
-        for (int j = 0; j < n; j++)
-            if (p[j] != 0.0f) fma4(&a, _mm256_set1_ps(p[j]), load4(v + (size_t)j * hd + d, 8));
-        store4(acc + d, a);
-    }
-#endif
-    for (; d < hd; d++) {
-        float x = acc[d] * correction;
-        for (int j = 0; j < n; j++) x += p[j] * v[(size_t)j * hd + d];
-        acc[d] = x;
-    }
-}
-
-/* accumulate_pv for two rows sharing the chunk's V rows. */
-static void accumulate_pv2(float *restrict acc0, float *restrict acc1, float c0, float c1,
-                           const float *restrict p0, const float *restrict p1, const float *restrict v,
-                           int n, int hd) {
-#ifdef PP_ATTN_AVX2
-    if (hd % 32 == 0) {
-        for (int d = 0; d < hd; d += 32) {
-            vec4 a = scale4(load4(acc0 + d, 8), c0), b = scale4(load4(acc1 + d, 8), c1);
-            for (int j = 0; j < n; j++) {
-                if (p0[j] == 0.0f && p1[j] == 0.0f) continue;   /* masked for both */
-                const vec4 vj = load4(v + (size_t)j * hd + d, 8);
-                fma4(&a, _mm256_set1_ps(p0[j]), vj);
-                fma4(&b, _mm256_set1_ps(p1[j]), vj);
-            }
-            store4(acc0 + d, a);
-            store4(acc1 + d, b);
-        }
-        return;
-    }
-#endif
-    accumulate_pv(acc0, c0, p0, v, n, hd);
-    accumulate_pv(acc1, c1, p1, v, n, hd);
-}
 
 static int key_begin(const pp_attention_params *ap, int pos) {
     return ap->window > 0 && pos - ap->window + 1 > 0 ? pos - ap->window + 1 : 0;
@@ -284,8 +78,8 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
         const char *krows = (const char *)kc->data + slot0 * kc->nb[1] + kvh * kv_head_bytes;
         const char *vrows = (const char *)vc->data + slot0 * vc->nb[1] + kvh * kv_head_bytes;
         for (int j = 0; j < n; j++) {
-            row_to_f32(kc, krows + j * kc->nb[1], st->k + (size_t)j * hd, hd);
-            row_to_f32(vc, vrows + j * vc->nb[1], st->v + (size_t)j * hd, hd);
+            pp_row_to_f32(kc, krows + j * kc->nb[1], st->k + (size_t)j * hd, hd);
+            pp_row_to_f32(vc, vrows + j * vc->nb[1], st->v + (size_t)j * hd, hd);
         }
         /* Scores, two rows at a time over the union of their visible keys. */
         for (int r = 0; r < rows; r += 2) {
@@ -298,10 +92,10 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
             float *p0 = st->p + (size_t)r * PP_ATTN_KEY_CHUNK + lo;
             const float *kl = st->k + (size_t)lo * hd;
             if (r1 != r)
-                dot_rows2(st->q + (size_t)r * hd, st->q + (size_t)r1 * hd, kl, hi - lo, hd, p0,
+                pp_dot_rows2(st->q + (size_t)r * hd, st->q + (size_t)r1 * hd, kl, hi - lo, hd, p0,
                           st->p + (size_t)r1 * PP_ATTN_KEY_CHUNK + lo);
             else
-                dot_rows(st->q + (size_t)r * hd, kl, hi - lo, hd, p0);
+                pp_dot_rows(st->q + (size_t)r * hd, kl, hi - lo, hd, p0);
         }
         /* Online softmax per row; masked keys get probability 0. */
         for (int r = 0; r < rows; r++) {
@@ -316,7 +110,7 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
             float m = st->run_max[r];
             for (int j = j_lo; j < j_hi; j++) m = p[j] > m ? p[j] : m;
             const float correction = expf(st->run_max[r] - m);
-            const float sum = exp_shifted(p + j_lo, j_hi - j_lo, m);
+            const float sum = pp_exp_shifted(p + j_lo, j_hi - j_lo, m);
             for (int j = 0; j < j_lo; j++) p[j] = 0.0f;
             for (int j = j_hi; j < n; j++) p[j] = 0.0f;
             st->run_sum[r] = st->run_sum[r] * correction + sum;
@@ -327,10 +121,10 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
             float *acc = st->acc + (size_t)r * hd;
             const float *p = st->p + (size_t)r * PP_ATTN_KEY_CHUNK;
             if (r + 1 < rows)
-                accumulate_pv2(acc, acc + hd, st->correction[r], st->correction[r + 1], p,
+                pp_accumulate_pv2(acc, acc + hd, st->correction[r], st->correction[r + 1], p,
                                p + PP_ATTN_KEY_CHUNK, st->v, n, hd);
             else
-                accumulate_pv(acc, st->correction[r], p, st->v, n, hd);
+                pp_accumulate_pv(acc, st->correction[r], p, st->v, n, hd);
         }
         k0 = k1;
     }
