@@ -13,6 +13,7 @@
  * attention_math.c. */
 #include "attention_math.h"
 #include "engine_internal.h"
+#include "ggml-cpu.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -32,6 +33,7 @@ typedef struct tile_state {
     float *acc;      /* [rows][head_dim] unnormalized outputs */
     float *k, *v;    /* [KEY_CHUNK][head_dim] the chunk's rows in f32 */
     float *p;        /* [rows][KEY_CHUNK] scores, then probabilities */
+    char  *q8;       /* [rows][q8_row] the queries as q8_0 (q8_0 caches only) */
     float run_max[PP_ATTN_MAX_ROWS];
     float run_sum[PP_ATTN_MAX_ROWS];
     float correction[PP_ATTN_MAX_ROWS];   /* this chunk's rescale of each row's acc */
@@ -60,10 +62,14 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
     const size_t kv_head_bytes = ggml_row_size(kc->type, hd);
     const int32_t *table = batch->block_tables + (size_t)batch->seq_index[t0] * batch->max_blocks_per_seq;
 
+    const struct ggml_type_traits_cpu *k_traits = kc->type == GGML_TYPE_Q8_0 ? ggml_get_type_traits_cpu(kc->type) : NULL;
+    const size_t q8_row = ggml_row_size(GGML_TYPE_Q8_0, hd);
     for (int r = 0; r < rows; r++) {
         const float *qrow = (const float *)((const char *)q->data + (t0 + r / group) * q->nb[2] +
                                             (size_t)(kvh * group + r % group) * q->nb[1]);
         for (int d = 0; d < hd; d++) st->q[(size_t)r * hd + d] = qrow[d] * ap->scale;
+        if (k_traits) ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float(st->q + (size_t)r * hd,
+                                                                           st->q8 + (size_t)r * q8_row, hd);
         st->run_max[r] = -INFINITY;
         st->run_sum[r] = 0.0f;
     }
@@ -78,11 +84,20 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
         const char *krows = (const char *)kc->data + slot0 * kc->nb[1] + kvh * kv_head_bytes;
         const char *vrows = (const char *)vc->data + slot0 * vc->nb[1] + kvh * kv_head_bytes;
         for (int j = 0; j < n; j++) {
-            pp_row_to_f32(kc, krows + j * kc->nb[1], st->k + (size_t)j * hd, hd);
+            if (!k_traits) pp_row_to_f32(kc, krows + j * kc->nb[1], st->k + (size_t)j * hd, hd);
             pp_row_to_f32(vc, vrows + j * vc->nb[1], st->v + (size_t)j * hd, hd);
         }
-        /* Scores, two rows at a time over the union of their visible keys. */
-        for (int r = 0; r < rows; r += 2) {
+        /* q8_0 keys: integer dots straight from the cache against the
+         * quantized queries (GGML's vec_dot), no f32 copy of K. */
+        for (int r = 0; k_traits && r < rows; r++) {
+            int lo, hi;
+            visible_keys(ap, batch->positions[t0 + r / group], k0, n, &lo, &hi);
+            for (int j = lo; j < hi; j++)
+                k_traits->vec_dot(hd, st->p + (size_t)r * PP_ATTN_KEY_CHUNK + j, 0, krows + j * kc->nb[1], 0,
+                                  st->q8 + (size_t)r * q8_row, 0, 1);
+        }
+        /* f32 keys: scores two rows at a time over the union of their visible keys. */
+        for (int r = 0; !k_traits && r < rows; r += 2) {
             const int r1 = r + 1 < rows ? r + 1 : r;
             int lo0, hi0, lo1, hi1;
             visible_keys(ap, batch->positions[t0 + r / group], k0, n, &lo0, &hi0);
@@ -156,8 +171,9 @@ static void make_tile_key(void) { pthread_key_create(&tile_key, free); }
 /* st's arrays for rows x hd, or 0 if the memory cannot be had. */
 static int tile_state_init(tile_state *st, int rows, int hd) {
     pthread_once(&tile_key_once, make_tile_key);
+    const size_t q8_floats = (rows * ggml_row_size(GGML_TYPE_Q8_0, hd) + sizeof(float) - 1) / sizeof(float);
     const size_t need = (size_t)2 * rows * hd + (size_t)2 * PP_ATTN_KEY_CHUNK * hd +
-                        (size_t)rows * PP_ATTN_KEY_CHUNK;
+                        (size_t)rows * PP_ATTN_KEY_CHUNK + q8_floats;
     tile_buffer *buf = pthread_getspecific(tile_key);
     if (!buf || buf->n_floats < need) {
         tile_buffer *grown = realloc(buf, sizeof *buf + sizeof(float) * need);
@@ -172,6 +188,7 @@ static int tile_state_init(tile_state *st, int rows, int hd) {
     st->k = st->acc + (size_t)rows * hd;
     st->v = st->k + (size_t)PP_ATTN_KEY_CHUNK * hd;
     st->p = st->v + (size_t)PP_ATTN_KEY_CHUNK * hd;
+    st->q8 = (char *)(st->p + (size_t)rows * PP_ATTN_KEY_CHUNK);
     return 1;
 }
 
