@@ -386,8 +386,12 @@ class Tokenizer:
             wanted = (TokenType.USER_DEFINED, TokenType.CONTROL, TokenType.UNKNOWN) if parse_special \
                 else (TokenType.USER_DEFINED,)
             by_first: dict[str, list[tuple[str, int]]] = {}
-            for tid, (text, ttype) in enumerate(zip(self.tokens, self.token_types)):
-                if ttype in wanted and text:
+            # Select by type in NumPy: a Python loop over a 262k vocabulary made
+            # the first request of a process ~0.4 s slower.
+            special_ids = np.flatnonzero(np.isin(np.asarray(self.token_types), [int(t) for t in wanted]))
+            for tid in special_ids.tolist():
+                text = self.tokens[tid]
+                if text:
                     by_first.setdefault(text[0], []).append((text, tid))
             groups = []
             for ch, members in by_first.items():
