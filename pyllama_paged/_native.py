@@ -46,7 +46,7 @@ def _load():
 
 ffi, lib = _load()
 
-GGML_LOG_DEBUG, GGML_LOG_INFO, GGML_LOG_WARN = 1, 2, 3
+GGML_LOG_DEBUG, GGML_LOG_WARN = 1, 3   # ggml_log_level values
 # GGML's default logger prints debug lines (one per repacked weight) to stderr.
 lib.pp_set_ggml_log_level(GGML_LOG_WARN)
 

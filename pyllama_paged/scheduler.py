@@ -58,10 +58,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    @staticmethod
+    def _width(request: Request, seqs) -> int:
+        """Sequences of a request holding seqs now: an n>1 or beam request that has not
+        forked yet counts at the width it forks to right after its prefill."""
+        return max(len(seqs), 1 if request.is_forked else max(request.params.n, request.params.beam_width))
+
     def num_running_seqs(self) -> int:
         """Running sequences, counting a request that will still fork at its full width."""
-        return sum(max(len(r.live_seqs), 1 if r.is_forked else max(r.params.n, r.params.beam_width))
-                   for r in self.running)
+        return sum(self._width(r, r.live_seqs) for r in self.running)
 
     def remove(self, request: Request) -> None:
         """Drop a request from every queue and free its KV (abort or finish)."""
@@ -186,9 +191,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
             seqs = request.live_seqs or request.seqs
-            # an n>1 or beam request will fork to its full width right after its prefill
-            width = max(len(seqs), 1 if request.is_forked else max(request.params.n, request.params.beam_width))
-            if self.num_running_seqs() + width > self.config.max_num_seqs and self.running:
+            if self.num_running_seqs() + self._width(request, seqs) > self.config.max_num_seqs and self.running:
                 break
             if not self._blocks_for(seqs, lambda s: s.token_ids):
                 break

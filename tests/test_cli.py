@@ -26,6 +26,7 @@ def test_info_and_bad_model():
     p = subprocess.run(CLI + ["info"], capture_output=True, text=True, timeout=120, env=ENV, cwd="/")
     assert p.returncode == 0 and "KV bytes per token (f16): 18432" in p.stdout
     assert "weights repacked for GGML's CPU GEMM:" in p.stdout
+    assert ("llamafile=0" in p.stdout) == ("-DGGML_LLAMAFILE=ON" in p.stdout)   # the rebuild hint
     assert "repack tensor" not in p.stderr   # GGML's per-tensor debug lines are filtered out
     p = subprocess.run(CLI + ["run", "--model", "/nonexistent.gguf", "hi"], capture_output=True,
                        text=True, timeout=120, env=ENV, cwd="/")

@@ -183,3 +183,19 @@ def test_harness_refuses_batches_the_kernel_cannot_take():
     with pytest.raises(NativeError, match="must increase"):
         h.paged(np.zeros((2, 2, 64), np.float32), [5, 3], [0, 0], tables, 16, 0, 0.125)
     h.close()
+
+
+def test_a_nan_key_poisons_its_queries_as_in_plain_softmax():
+    """A NaN score is not silently dropped by the vector exp (it was clamped to ~0 there)."""
+    rng = np.random.default_rng(11)
+    head_dim, block_size, n = 64, 16, 16
+    h = AttentionHarness("f16", 2 * block_size, 2, 1, head_dim, n_threads=1)
+    k = rng.standard_normal((n, head_dim)).astype(np.float32)
+    v = rng.standard_normal((n, head_dim)).astype(np.float32)
+    k[3] = np.nan   # inside the first 8 keys of the chunk: the AVX2 lanes
+    h.write(list(range(n)), k, v)
+    q = rng.standard_normal((1, 2, head_dim)).astype(np.float32)
+    got = h.paged(q, [n - 1], [0], np.array([[0]], np.int32), block_size, 0, 0.125)
+    want = gathered_attention(q, k, v, [n - 1], 1, 0, 0.125)
+    assert np.isnan(want).all() and np.isnan(got).all()
+    h.close()

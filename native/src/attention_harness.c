@@ -126,14 +126,10 @@ int pp_attention_harness_paged(pp_attention_harness *h, const pp_batch *b, int32
     if (!h || !b || !q || !out || block_size < 1 || b->n_tokens < 1)
         return pp_fail(PP_ERR_INVALID, "harness paged: invalid argument (or an empty batch)");
     for (int i = 0; i < b->n_tokens; i++) {
+        const int order = pp_check_token_order(b, i);
+        if (order != PP_OK) return order;
         const int s = b->seq_index[i], pos = b->positions[i];
-        /* The kernel's query tiles rely on what pp_check_batch guarantees for decode. */
-        if (i > 0 && s == b->seq_index[i - 1] && pos <= b->positions[i - 1])
-            return pp_fail(PP_ERR_INVALID, "harness paged: token %d: positions of a sequence must increase", i);
-        for (int j = 0; i > 0 && s != b->seq_index[i - 1] && j < i; j++)
-            if (b->seq_index[j] == s)
-                return pp_fail(PP_ERR_INVALID, "harness paged: tokens of sequence %d are not contiguous", s);
-        if (s < 0 || s >= b->n_seqs || pos < 0 || pos / block_size >= b->max_blocks_per_seq)
+        if (pos < 0 || pos / block_size >= b->max_blocks_per_seq)
             return pp_fail(PP_ERR_INVALID, "harness paged: token %d out of range", i);
         for (int blk = 0; blk <= pos / block_size; blk++) {
             int32_t id = b->block_tables[(size_t)s * b->max_blocks_per_seq + blk];

@@ -104,7 +104,7 @@ void pp_dot_rows(const float *restrict q, const float *restrict k, int n, int hd
 
 /* The same for two query rows at once: each key row is loaded once for both. */
 void pp_dot_rows2(const float *restrict q0, const float *restrict q1, const float *restrict k, int n,
-                      int hd, float *restrict s0, float *restrict s1) {
+                  int hd, float *restrict s0, float *restrict s1) {
     int j = 0;
 #ifdef PP_ATTN_AVX2
     if (hd % 8 == 0) {
@@ -174,7 +174,7 @@ float pp_exp_shifted(float *p, int n, float m) {
 
 /* acc = acc * correction + sum_j p[j] v_j (v rows head_dim apart). */
 void pp_accumulate_pv(float *restrict acc, float correction, const float *restrict p,
-                          const float *restrict v, int n, int hd) {
+                      const float *restrict v, int n, int hd) {
     int d = 0;
 #ifdef PP_ATTN_AVX2
     for (; d + 32 <= hd; d += 32) {
@@ -191,10 +191,10 @@ void pp_accumulate_pv(float *restrict acc, float correction, const float *restri
     }
 }
 
-/* accumulate_pv for two rows sharing the chunk's V rows. */
+/* pp_accumulate_pv for two rows sharing the chunk's V rows. */
 void pp_accumulate_pv2(float *restrict acc0, float *restrict acc1, float c0, float c1,
-                           const float *restrict p0, const float *restrict p1, const float *restrict v,
-                           int n, int hd) {
+                       const float *restrict p0, const float *restrict p1, const float *restrict v,
+                       int n, int hd) {
 #ifdef PP_ATTN_AVX2
     if (hd % 32 == 0) {
         for (int d = 0; d < hd; d += 32) {

@@ -6,9 +6,9 @@
 
 #include <math.h>
 #include <stdio.h>
-#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 struct pp_context {
     pp_model            *model;
@@ -116,6 +116,20 @@ int pp_context_set_threads(pp_context *c, int32_t n_threads) {
     return PP_OK;
 }
 
+int pp_check_token_order(const pp_batch *b, int i) {
+    const int s = b->seq_index[i];
+    if (s < 0 || s >= b->n_seqs)
+        return pp_fail(PP_ERR_INVALID, "token %d: sequence index %d outside [0, %d)", i, s, b->n_seqs);
+    if (i > 0 && s != b->seq_index[i - 1]) {
+        for (int j = 0; j < i; j++)
+            if (b->seq_index[j] == s)
+                return pp_fail(PP_ERR_INVALID, "tokens of sequence %d are not contiguous", s);
+    } else if (i > 0 && b->positions[i] <= b->positions[i - 1]) {
+        return pp_fail(PP_ERR_INVALID, "token %d: positions of a sequence must increase", i);
+    }
+    return PP_OK;
+}
+
 int pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *b) {
     if (!b || b->n_tokens < 1 || !b->token_ids || !b->positions || !b->slot_mapping ||
         !b->seq_index || !b->block_tables || b->n_seqs < 1 || b->max_blocks_per_seq < 1 ||
@@ -131,15 +145,8 @@ int pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *
         if (b->token_ids[i] < 0 || b->token_ids[i] >= m->hp.n_vocab)
             return pp_fail(PP_ERR_INVALID, "token %d: id %d outside the vocabulary of %d", i,
                            b->token_ids[i], m->hp.n_vocab);
-        if (s < 0 || s >= b->n_seqs)
-            return pp_fail(PP_ERR_INVALID, "token %d: sequence index %d outside [0, %d)", i, s, b->n_seqs);
-        if (i > 0 && s != b->seq_index[i - 1]) {
-            for (int j = 0; j < i; j++)
-                if (b->seq_index[j] == s)
-                    return pp_fail(PP_ERR_INVALID, "tokens of sequence %d are not contiguous", s);
-        } else if (i > 0 && pos <= b->positions[i - 1]) {
-            return pp_fail(PP_ERR_INVALID, "token %d: positions of a sequence must increase", i);
-        }
+        const int order = pp_check_token_order(b, i);
+        if (order != PP_OK) return order;
         if (pos < 0 || pos / bs >= b->max_blocks_per_seq)
             return pp_fail(PP_ERR_INVALID, "token %d: position %d beyond the block table", i, pos);
         const int32_t *table = b->block_tables + (size_t)s * b->max_blocks_per_seq;

@@ -33,8 +33,7 @@ struct pp_model {
     /* Weights moved out of the mapping into GGML's CPU extra buffer types
      * (repacked layouts); the buffers own those tensors' bytes. */
     ggml_backend_buffer_t repack_buffers[PP_MAX_REPACK_BUFTS];
-    int                 n_repack_buffers;
-    int32_t             n_repacked;
+    int                 n_repack_buffers;   /* at most one per extra type, <= PP_MAX_REPACK_BUFTS */
     int                 repack_done;
 };
 
@@ -83,6 +82,10 @@ struct ggml_tensor *pp_paged_attention(struct ggml_context *ctx, struct ggml_ten
                                        pp_attention_params *ap, int n_threads);
 
 int pp_check_batch(const pp_model *model, const pp_kv_cache *cache, const pp_batch *batch);
+
+/* Token i's sequence index is in range, its sequence's tokens are contiguous
+ * and their positions increase: what the kernel's query tiles rely on. */
+int pp_check_token_order(const pp_batch *batch, int i);
 
 /* Build the forward graph of one step. Inputs are created with
  * ggml_set_input and named "tokens", "positions", "slots", "logit_rows",

@@ -75,7 +75,6 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
     struct ggml_tensor *x = ggml_get_rows(ctx, m->tok_embd, tokens);
     if (hp->embd_scale != 1.0f) x = ggml_scale(ctx, x, hp->embd_scale);
 
-    int pruned = 0;
     for (int il = 0; il < hp->n_layer; il++) {
         const pp_layer *L = &m->layers[il];
         pp_attention_params *ap = &layer_params[il];
@@ -114,12 +113,12 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
             attn = slab_attention(ctx, cache, batch, q, k_pool, v_pool, ap);
         }
         attn = ggml_reshape_2d(ctx, attn, head_dim * hp->n_head, n_tokens);
-        if (il == hp->n_layer - 1 && batch->n_logits < n_tokens) {
+        if (il == hp->n_layer - 1) {
             /* After the last attention only the rows whose logits were asked
-             * for matter: the rest of the layer runs on those alone. */
+             * for matter: the rest of the layer and the output head run on
+             * those alone. */
             attn = ggml_get_rows(ctx, attn, logit_rows);
             x = ggml_get_rows(ctx, x, logit_rows);
-            pruned = 1;
         }
         cur = ggml_mul_mat(ctx, L->wo, attn);
         if (L->post_attn_norm) cur = norm(ctx, cur, L->post_attn_norm, hp->rms_eps);
@@ -134,8 +133,6 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         x = ggml_add(ctx, cur, x);
     }
 
-    /* Only the rows whose logits were asked for go through the output head. */
-    if (!pruned) x = ggml_get_rows(ctx, x, logit_rows);
     x = norm(ctx, x, m->output_norm, hp->rms_eps);
     struct ggml_tensor *logits = ggml_mul_mat(ctx, m->output ? m->output : m->tok_embd, x);
     if (hp->final_logit_softcap > 0.0f) {

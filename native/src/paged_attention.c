@@ -62,14 +62,15 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
     const size_t kv_head_bytes = ggml_row_size(kc->type, hd);
     const int32_t *table = batch->block_tables + (size_t)batch->seq_index[t0] * batch->max_blocks_per_seq;
 
+    /* q8_0 keys are dotted in int8 against queries quantized to q8_0 (their vec_dot_type). */
     const struct ggml_type_traits_cpu *k_traits = kc->type == GGML_TYPE_Q8_0 ? ggml_get_type_traits_cpu(kc->type) : NULL;
+    const ggml_from_float_t quantize_q = k_traits ? ggml_get_type_traits_cpu(k_traits->vec_dot_type)->from_float : NULL;
     const size_t q8_row = ggml_row_size(GGML_TYPE_Q8_0, hd);
     for (int r = 0; r < rows; r++) {
         const float *qrow = (const float *)((const char *)q->data + (t0 + r / group) * q->nb[2] +
                                             (size_t)(kvh * group + r % group) * q->nb[1]);
         for (int d = 0; d < hd; d++) st->q[(size_t)r * hd + d] = qrow[d] * ap->scale;
-        if (k_traits) ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float(st->q + (size_t)r * hd,
-                                                                           st->q8 + (size_t)r * q8_row, hd);
+        if (quantize_q) quantize_q(st->q + (size_t)r * hd, st->q8 + (size_t)r * q8_row, hd);
         st->run_max[r] = -INFINITY;
         st->run_sum[r] = 0.0f;
     }
@@ -108,7 +109,7 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
             const float *kl = st->k + (size_t)lo * hd;
             if (r1 != r)
                 pp_dot_rows2(st->q + (size_t)r * hd, st->q + (size_t)r1 * hd, kl, hi - lo, hd, p0,
-                          st->p + (size_t)r1 * PP_ATTN_KEY_CHUNK + lo);
+                             st->p + (size_t)r1 * PP_ATTN_KEY_CHUNK + lo);
             else
                 pp_dot_rows(st->q + (size_t)r * hd, kl, hi - lo, hd, p0);
         }
@@ -137,7 +138,7 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
             const float *p = st->p + (size_t)r * PP_ATTN_KEY_CHUNK;
             if (r + 1 < rows)
                 pp_accumulate_pv2(acc, acc + hd, st->correction[r], st->correction[r + 1], p,
-                               p + PP_ATTN_KEY_CHUNK, st->v, n, hd);
+                                  p + PP_ATTN_KEY_CHUNK, st->v, n, hd);
             else
                 pp_accumulate_pv(acc, st->correction[r], p, st->v, n, hd);
         }

@@ -64,14 +64,9 @@ static int move_into(pp_model *m, ggml_backend_buffer_type_t buft, struct ggml_t
                      int n, int which) {
     const size_t align = ggml_backend_buft_get_alignment(buft);
     size_t total = 0;
-    int count = 0;
     for (int i = 0; i < n; i++)
-        if (choice[i] == which) {
-            total += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, w[i]), align);
-            count++;
-        }
-    if (count == 0) return 0;
-    if (m->n_repack_buffers == PP_MAX_REPACK_BUFTS) return 0;
+        if (choice[i] == which) total += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, w[i]), align);
+    if (total == 0) return 0;
     ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, total);
     if (!buf) {
         pp_fail(PP_ERR_NO_MEMORY, "cannot allocate %zu bytes of %s weight buffer", total,
@@ -143,7 +138,6 @@ int pp_model_repack_weights(pp_model *m, int32_t *n_repacked) {
         }
         total += moved;
     }
-    m->n_repacked = total;
     if (n_repacked) *n_repacked = total;
     free(w);
     free(choice);
