@@ -127,6 +127,11 @@ class BlockPool:
         """Forget every prefix-cache entry."""
         check(lib.pp_pool_reset_prefix_cache(self._handle), "reset_prefix_cache")
 
+    def weaken_hash(self, bits: int) -> None:
+        """Keep only `bits` bits of every block hash, to provoke collisions in tests
+        (only while the pool is empty)."""
+        check(lib.pp_pool_weaken_hash(self._handle, bits), "weaken_hash")
+
     @staticmethod
     def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
         """The chained hash of one full block of token ids."""

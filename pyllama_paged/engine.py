@@ -54,8 +54,8 @@ class Engine:
         if len(token_ids) > self.n_ctx:
             raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
         handle, cached = self.kv.create(token_ids)
-        # At least the last token is recomputed: its logits start generation.
-        return SeqState(handle, min(cached, max(len(token_ids) - 1, 0)), list(token_ids))
+        # The pool never counts the last token as cached: its logits start generation.
+        return SeqState(handle, cached, list(token_ids))
 
     def append_tokens(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         """Reserve KV room for new tokens (copy-on-write done here)."""

@@ -147,7 +147,8 @@ def test_cached_blocks_are_evicted_lru_when_memory_is_needed():
         assert pool.stats().num_evictions == 1
         assert pool.block_info(block_a).state == BlockState.USED  # a was older: evicted, reused
         assert pool.block_info(block_b).state == BlockState.CACHED
-        _, cached = pool.create_sequence([3, 4])
+        pool.free(c)
+        _, cached = pool.create_sequence([3, 4, 11])   # the last token's block is never a hit
         assert cached == 2
 
 
@@ -208,3 +209,61 @@ def test_blocks_not_yet_computed_are_never_reused_or_cached():
             pool.free(seq)
         s = pool.stats()
         assert s.num_cached == 1 and s.num_free == 7   # only the computed block stays cached
+
+
+def test_a_fully_cached_block_aligned_prompt_never_writes_a_cached_block():
+    # The last token is always computed again; writing its KV into the cached
+    # block would change a block other sequences may share. The pool stops the
+    # hits before the block holding the last token, so it gets a fresh block.
+    with BlockPool(8, 4) as pool:
+        prompt = list(range(10, 18))                       # two full blocks
+        a, cached = pool.create_sequence(prompt)
+        assert cached == 0
+        pool.mark_computed(a, 8)
+        first = list(pool.block_table(a))
+        b, cached = pool.create_sequence(prompt)
+        assert cached == 4                                 # not 8: the second block is recomputed
+        table = list(pool.block_table(b))
+        assert table[0] == first[0] and table[1] != first[1]
+        assert pool.block_info(first[1]).ref_count == 1    # the cached block is not shared with b
+        _, cached = pool.create_sequence(prompt + [99])    # one more token: both blocks are hits
+        assert cached == 8
+
+
+def test_a_hash_collision_never_attaches_a_block_to_another_prefix():
+    # With 10-bit hashes, find a block t and a first block x2 such that t
+    # hashes after x2 exactly as after x1 although x1 and x2 hash apart.
+    # Without comparing the stored parent hash, a prompt x2 + t would reuse
+    # the KV computed after x1. (The hash is deterministic: so is the search.)
+    bits = 10
+    mask = (1 << bits) - 1
+
+    def h(parent, tokens):
+        return BlockPool.hash_block(parent, tokens) & mask or 1
+
+    x1 = [1, 2, 3, 4]
+    h1 = h(0, x1)
+    for k in range(1000):
+        tail = [7, 7, 7, k]
+        target = h(h1, tail)
+        parents = [p for p in range(1, mask + 1) if p != h1 and h(p, tail) == target]
+        if parents:
+            break
+    x2 = next([5, 6, 8, i] for i in range(1 << 20) if h(0, [5, 6, 8, i]) == parents[0])
+    with BlockPool(16, 4) as pool:
+        pool.weaken_hash(bits)
+        a, _ = pool.create_sequence(x1 + tail + [0])
+        b, _ = pool.create_sequence(x2 + [0])
+        pool.mark_computed(a, 8)
+        pool.mark_computed(b, 4)
+        pool.free(a)
+        pool.free(b)
+        _, cached = pool.create_sequence(x2 + tail + [0])
+        assert cached == 4                                 # x2's own block only
+
+
+def test_weaken_hash_is_refused_once_the_pool_holds_data():
+    with BlockPool(4, 2) as pool:
+        pool.create_sequence([1, 2])
+        with pytest.raises(NativeError, match="empty"):
+            pool.weaken_hash(8)

@@ -28,6 +28,7 @@ struct pp_block_pool {
     uint8_t  *has_hash;
     uint8_t  *computed;        /* KV of the block's tokens has been written */
     uint64_t *hash;
+    uint64_t *parent_hash;     /* hash of the block before it when it was hashed (0: first) */
     int32_t  *block_tokens;    /* num_blocks * block_size token ids, for hit checks */
 
     int32_t *free_stack;       /* PP_BLOCK_FREE blocks, LIFO */
@@ -46,6 +47,8 @@ struct pp_block_pool {
     int32_t      seqs_capacity;
     int32_t      free_seq_slot;
     int32_t      num_seqs;
+
+    uint64_t hash_mask;        /* all ones, unless a test weakens the hash */
 
     int32_t num_shared;
     int64_t num_hits, num_misses, num_evictions, num_cow_copies;
@@ -73,6 +76,13 @@ uint64_t pp_hash_block(uint64_t parent_hash, const int32_t *token_ids, int32_t n
     return h ? h : 1;
 }
 
+/* The pool's chained hash of one full block: pp_hash_block, narrowed only
+ * when a test asks for collisions. */
+static uint64_t chain_hash(const pp_block_pool *p, uint64_t parent, const int32_t *token_ids) {
+    uint64_t h = pp_hash_block(parent, token_ids, p->block_size) & p->hash_mask;
+    return h ? h : 1;
+}
+
 /* ---- block state transitions ------------------------------------------- */
 
 static void lru_unlink(pp_block_pool *p, int32_t b) {
@@ -95,6 +105,7 @@ static void make_free(pp_block_pool *p, int32_t b) {
     p->has_hash[b] = 0;
     p->computed[b] = 0;
     p->hash[b] = 0;
+    p->parent_hash[b] = 0;
     p->num_filled[b] = 0;
     p->free_stack[p->num_free++] = b;
 }
@@ -115,6 +126,7 @@ static int32_t take_block(pp_block_pool *p) {
         pp_hash_map_remove(&p->prefix_map, p->hash[b]);
         p->has_hash[b] = 0;
         p->hash[b] = 0;
+        p->parent_hash[b] = 0;
         p->num_filled[b] = 0;
         p->num_evictions++;
     }
@@ -170,12 +182,13 @@ int pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out) 
     p->has_hash = calloc(n, 1);
     p->computed = calloc(n, 1);
     p->hash = calloc(n, sizeof(uint64_t));
+    p->parent_hash = calloc(n, sizeof(uint64_t));
     p->block_tokens = malloc(n * (size_t)block_size * sizeof(int32_t));
     p->free_stack = malloc(n * sizeof(int32_t));
     p->lru_prev = malloc(n * sizeof(int32_t));
     p->lru_next = malloc(n * sizeof(int32_t));
     if (!p->ref_count || !p->num_filled || !p->state || !p->has_hash || !p->computed || !p->hash ||
-        !p->block_tokens || !p->free_stack || !p->lru_prev || !p->lru_next ||
+        !p->parent_hash || !p->block_tokens || !p->free_stack || !p->lru_prev || !p->lru_next ||
         pp_hash_map_init(&p->prefix_map, num_blocks) != PP_OK) {
         pp_pool_destroy(p);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate a pool of %d blocks of %d tokens",
@@ -186,6 +199,7 @@ int pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out) 
     p->num_free = num_blocks;
     p->lru_head = p->lru_tail = -1;
     p->free_seq_slot = -1;
+    p->hash_mask = ~0ull;
     *out = p;
     return PP_OK;
 }
@@ -204,6 +218,7 @@ void pp_pool_destroy(pp_block_pool *p) {
     free(p->has_hash);
     free(p->computed);
     free(p->hash);
+    free(p->parent_hash);
     free(p->block_tokens);
     free(p->free_stack);
     free(p->lru_prev);
@@ -259,6 +274,15 @@ int pp_pool_evict(pp_block_pool *p, int32_t max_blocks, int32_t *num_evicted) {
         n++;
     }
     if (num_evicted) *num_evicted = n;
+    return PP_OK;
+}
+
+int pp_pool_weaken_hash(pp_block_pool *p, int32_t bits) {
+    if (!p) return pp_fail(PP_ERR_INVALID, "pp_pool_weaken_hash: pool is NULL");
+    if (bits < 1 || bits > 64) return pp_fail(PP_ERR_INVALID, "hash bits must be in [1, 64], got %d", bits);
+    if (p->num_seqs > 0 || p->num_cached > 0)
+        return pp_fail(PP_ERR_INVALID, "the hash can only change while the pool is empty");
+    p->hash_mask = bits == 64 ? ~0ull : (1ull << bits) - 1;
     return PP_OK;
 }
 
@@ -353,8 +377,9 @@ static void write_tokens(pp_block_pool *p, pp_sequence *s, const int32_t *token_
         if (offset == bs - 1) {
             int32_t idx = s->num_blocks - 1;
             uint64_t parent = idx > 0 ? p->hash[s->block_table[idx - 1]] : 0;
-            uint64_t h = pp_hash_block(parent, &s->token_ids[(size_t)idx * bs], bs);
+            uint64_t h = chain_hash(p, parent, &s->token_ids[(size_t)idx * bs]);
             p->hash[b] = h;
+            p->parent_hash[b] = parent;
             p->has_hash[b] = 1;
             /* A duplicate of an already registered block keeps its hash (so
              * the chain continues) but the map keeps pointing at the first. */
@@ -363,12 +388,14 @@ static void write_tokens(pp_block_pool *p, pp_sequence *s, const int32_t *token_
     }
 }
 
-/* The registered, computed block holding exactly these bs tokens after
- * parent, or -1. Blocks still waiting for their KV are never reused. */
-static int32_t lookup_block(const pp_block_pool *p, uint64_t h, const int32_t *token_ids) {
+/* The registered, computed block holding exactly these bs tokens after a
+ * block hashed to parent, or -1. Blocks still waiting for their KV are never
+ * reused. Comparing the tokens and the parent's hash (not only the block's
+ * own hash) makes a hit exact by induction over the chain: a collision of
+ * the chained hash cannot attach these tokens to another prefix's KV. */
+static int32_t lookup_block(const pp_block_pool *p, uint64_t h, uint64_t parent, const int32_t *token_ids) {
     int32_t b = pp_hash_map_get(&p->prefix_map, h);
-    if (b < 0 || !p->computed[b]) return -1;
-    /* Guard against hash collisions: a hit must hold the same tokens. */
+    if (b < 0 || !p->computed[b] || p->parent_hash[b] != parent) return -1;
     if (memcmp(&p->block_tokens[(size_t)b * p->block_size], token_ids,
                (size_t)p->block_size * sizeof(int32_t)) != 0)
         return -1;
@@ -381,15 +408,17 @@ int pp_seq_create(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens
     if (num_tokens < 0 || (num_tokens > 0 && !token_ids))
         return pp_fail(PP_ERR_INVALID, "pp_seq_create: invalid token list (%d tokens)", num_tokens);
     const int32_t bs = p->block_size;
-    const int32_t num_full = num_tokens / bs;
+    /* The last token is always computed again (its logits start generation),
+     * and a cached block is immutable: hits stop before the block holding it. */
+    const int32_t max_hit = num_tokens > 0 ? (num_tokens - 1) / bs : 0;
 
     /* Dry run: how much of the prefix is cached, and what does the rest cost. */
     int32_t num_hit = 0, num_hit_cached = 0;
     uint64_t parent = 0;
-    for (; num_hit < num_full; num_hit++) {
+    for (; num_hit < max_hit; num_hit++) {
         const int32_t *chunk = token_ids + (size_t)num_hit * bs;
-        uint64_t h = pp_hash_block(parent, chunk, bs);
-        int32_t b = lookup_block(p, h, chunk);
+        uint64_t h = chain_hash(p, parent, chunk);
+        int32_t b = lookup_block(p, h, parent, chunk);
         if (b < 0) break;
         if (p->state[b] == PP_BLOCK_CACHED) num_hit_cached++;
         parent = h;
@@ -412,8 +441,8 @@ int pp_seq_create(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens
     parent = 0;
     for (int32_t i = 0; i < num_hit; i++) {
         const int32_t *chunk = token_ids + (size_t)i * bs;
-        uint64_t h = pp_hash_block(parent, chunk, bs);
-        int32_t b = lookup_block(p, h, chunk);
+        uint64_t h = chain_hash(p, parent, chunk);
+        int32_t b = lookup_block(p, h, parent, chunk);
         ref_inc(p, b);
         s->block_table[s->num_blocks++] = b;
         memcpy(&s->token_ids[s->num_tokens], chunk, (size_t)bs * sizeof(int32_t));
@@ -422,7 +451,7 @@ int pp_seq_create(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens
         parent = h;
     }
     p->num_hits += num_hit;
-    p->num_misses += num_full - num_hit;
+    p->num_misses += max_hit - num_hit;
     write_tokens(p, s, token_ids + (size_t)num_hit * bs, num_tokens - num_hit * bs);
     *seq_id = slot;
     if (num_cached_tokens) *num_cached_tokens = num_hit * bs;
