@@ -7,7 +7,7 @@ from pathlib import Path
 
 import cffi
 
-from .errors import NativeError, OutOfBlocksError
+from .errors import ComputeError, NativeError, NativeMemoryError, OutOfBlocksError
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 HEADER_PATH = _PACKAGE_DIR / "include" / "pyllama_paged.h"
@@ -18,6 +18,7 @@ PP_ERR_INVALID = 1
 PP_ERR_OUT_OF_BLOCKS = 2
 PP_ERR_NO_MEMORY = 3
 PP_ERR_CAPACITY = 4
+PP_ERR_COMPUTE = 5
 
 
 def _cdef_source(header: str) -> str:
@@ -64,5 +65,7 @@ def check(status: int, what: str) -> None:
     if status == PP_ERR_OUT_OF_BLOCKS:
         raise OutOfBlocksError(message)
     if status == PP_ERR_NO_MEMORY:
-        raise MemoryError(message)
+        raise NativeMemoryError(message, status)
+    if status == PP_ERR_COMPUTE:
+        raise ComputeError(message, status)
     raise NativeError(message, status)

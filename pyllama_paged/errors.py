@@ -15,3 +15,12 @@ class NativeError(PagedError):
 
 class OutOfBlocksError(PagedError):
     """The KV block pool cannot satisfy a request right now (recoverable)."""
+
+
+class NativeMemoryError(NativeError, MemoryError):
+    """The native library could not allocate host memory (nothing was changed)."""
+
+
+class ComputeError(NativeError):
+    """A model step started and failed or was aborted: the KV rows of that step's
+    slots are undefined, so its sequences must recompute them (or be failed)."""

@@ -48,6 +48,10 @@ class ModelRunner:
         """K+V bytes one token takes across all layers."""
         return lib.pp_kv_cache_bytes_per_token(self._cache)
 
+    def abort(self) -> None:
+        """Stop the running step (or the next one) from any thread: it raises ComputeError."""
+        check(lib.pp_context_abort(self._ctx), "abort")
+
     def set_threads(self, n_threads: int) -> None:
         check(lib.pp_context_set_threads(self._ctx, n_threads), "set_threads")
 

@@ -1,9 +1,12 @@
 """The paged attention kernel against a plain softmax(QK^T)V over K/V gathered
 through the block table, and against GGML's own flash attention."""
 
+import ctypes
+
 import numpy as np
 import pytest
 
+from pyllama_paged._native import ffi, lib
 from pyllama_paged.attention_harness import AttentionHarness
 
 
@@ -198,4 +201,49 @@ def test_a_nan_key_poisons_its_queries_as_in_plain_softmax():
     got = h.paged(q, [n - 1], [0], np.array([[0]], np.int32), block_size, 0, 0.125)
     want = gathered_attention(q, k, v, [n - 1], 1, 0, 0.125)
     assert np.isnan(want).all() and np.isnan(got).all()
+    h.close()
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                 "fordblks", "keepcost")]
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc's mallinfo2")
+def test_the_kernel_allocates_nothing_while_it_runs():
+    """Its tile memory is made with the context (here the harness): a step never
+    mallocs on the hot path, where a failure could only abort the process."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _Mallinfo2
+
+    def heap_bytes():
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    rng = np.random.default_rng(3)
+    n_head, n_head_kv, head_dim, bs, n = 4, 1, 256, 16, 32
+    h = AttentionHarness("f16", 4 * bs, n_head, n_head_kv, head_dim, n_threads=1)
+    k = rng.standard_normal((4 * bs, head_dim)).astype(np.float32)
+    h.write(range(4 * bs), k, k)
+    q = rng.standard_normal((n, n_head, head_dim)).astype(np.float32)
+    h.contiguous(q, 0, n, list(range(n)))           # GGML's graph buffer at the prefill's size
+    tables = np.arange(4, dtype=np.int32).reshape(1, 4)
+    h.paged(q[-1:], [n - 1], [0], tables, bs)       # a decode: one tile of 4 rows
+    # A 32-token prefill needs tiles of 32 rows; the old kernel grew its buffer here.
+    out = np.empty_like(q)
+    pos = np.arange(n, dtype=np.int32)
+    seqs = np.zeros(n, dtype=np.int32)
+    b = ffi.new("pp_batch *")
+    b.n_tokens, b.n_seqs, b.max_blocks_per_seq = n, 1, 4
+    b.positions = ffi.cast("int32_t *", ffi.from_buffer(pos))
+    b.seq_index = ffi.cast("int32_t *", ffi.from_buffer(seqs))
+    b.block_tables = ffi.cast("int32_t *", ffi.from_buffer(tables))
+    qp = ffi.cast("float *", ffi.from_buffer(q))
+    op = ffi.cast("float *", ffi.from_buffer(out))
+    before = heap_bytes()
+    status = lib.pp_attention_harness_paged(h._h, b, bs, 0, head_dim ** -0.5, qp, op)
+    grown = heap_bytes() - before
+    assert status == 0 and np.isfinite(out).all()
+    assert grown < 16 * 1024, f"the kernel allocated {grown} bytes during a step"
     h.close()

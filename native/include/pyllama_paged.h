@@ -30,7 +30,9 @@ enum pp_status {
     PP_ERR_INVALID        = 1,  /* bad argument: unknown id, negative size, ... */
     PP_ERR_OUT_OF_BLOCKS  = 2,  /* the pool cannot satisfy the request right now */
     PP_ERR_NO_MEMORY      = 3,  /* the host allocator failed */
-    PP_ERR_CAPACITY       = 4   /* an output array passed in is too small */
+    PP_ERR_CAPACITY       = 4,  /* an output array passed in is too small */
+    PP_ERR_COMPUTE        = 5   /* a computation started and failed or was aborted: the
+                                   KV rows of that step's slots are undefined */
 };
 
 /* The calling thread's last error message. Never NULL; "" if none.
@@ -108,6 +110,12 @@ int32_t pp_pool_num_allocatable(const pp_block_pool *pool);
  * them into free blocks; *num_evicted (may be NULL) gets how many. */
 int pp_pool_evict(pp_block_pool *pool, int32_t max_blocks, int32_t *num_evicted);
 
+/* Keep only the low `bits` bits (1..64) of every block hash this pool
+ * computes, so tests can produce hash collisions on purpose (64: full
+ * strength, the default). PP_ERR_INVALID unless the pool holds no sequence
+ * and no cached block. Not for production use. */
+int pp_pool_weaken_hash(pp_block_pool *pool, int32_t bits);
+
 /* Forget every prefix-cache entry (cached blocks become free). Used blocks
  * keep their data but will not be found by later lookups. */
 int pp_pool_reset_prefix_cache(pp_block_pool *pool);
@@ -121,7 +129,10 @@ uint64_t pp_hash_block(uint64_t parent_hash, const int32_t *token_ids, int32_t n
 
 /* Create a sequence holding token_ids[0..num_tokens). Its longest prefix of
  * full, computed blocks found in the prefix cache is reused (ref++, counted as hits);
- * the rest is written to new blocks. *seq_id gets the new sequence's id and
+ * the rest is written to new blocks. A hit must match the block's tokens and
+ * its parent's hash. Hits never include the block holding the last token:
+ * that token is computed again, and cached blocks are never written, so
+ * *num_cached_tokens <= num_tokens - 1. *seq_id gets the new sequence's id and
  * *num_cached_tokens (may be NULL) the number of leading tokens whose KV is
  * already in the reused blocks. PP_ERR_OUT_OF_BLOCKS if the pool is short;
  * then nothing changes (hit/miss counters included). */
@@ -314,8 +325,20 @@ int pp_context_set_threads(pp_context *ctx, int32_t n_threads);
 
 /* Run one step; logits receives n_logits * n_vocab floats (row-major).
  * PP_ERR_INVALID (nothing computed, cache untouched) for a malformed batch:
- * out-of-range ids, slots, positions or sequence indices. */
+ * out-of-range ids, slots, positions or sequence indices.
+ * PP_ERR_NO_MEMORY (nothing computed) if the step's buffers cannot be had.
+ * PP_ERR_COMPUTE if the computation started and failed or was aborted
+ * (pp_context_abort): logits are undefined, and so are the KV rows of the
+ * batch's slots, which the caller must treat as not computed. Blocks outside
+ * the slot mapping (a shared prefix, cached blocks) are never written.
+ * The step allocates no memory of its own beyond what GGML's graph allocator
+ * reserved: the attention kernel's tiles are made with the context. */
 int pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);
+
+/* Ask the step running on ctx, or the next one if none runs, to stop; it
+ * returns PP_ERR_COMPUTE. Safe to call from any thread (it only sets a
+ * flag); PP_ERR_INVALID for NULL. */
+int pp_context_abort(pp_context *ctx);
 
 /* ---- attention harness (tests and benchmarks) ---------------------------- */
 

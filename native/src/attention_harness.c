@@ -17,6 +17,7 @@ struct pp_attention_harness {
     ggml_gallocr_t        galloc;
     void                 *graph_buf;
     size_t                graph_size;
+    pp_attention_scratch  scratch;
 };
 
 int pp_attention_harness_create(int32_t kv_type, int32_t num_slots, int32_t n_head,
@@ -53,6 +54,10 @@ int pp_attention_harness_create(int32_t kv_type, int32_t num_slots, int32_t n_he
         pp_attention_harness_destroy(h);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate a KV pool of %d slots", num_slots);
     }
+    if (pp_attention_scratch_init(&h->scratch, head_dim, n_threads) != PP_OK) {
+        pp_attention_harness_destroy(h);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate attention tiles for %d threads", n_threads);
+    }
     ggml_backend_buffer_clear(h->buffer, 0);
     ggml_backend_cpu_set_n_threads(h->backend, n_threads);
     h->n_threads = n_threads;
@@ -67,6 +72,7 @@ void pp_attention_harness_destroy(pp_attention_harness *h) {
     if (h->buffer) ggml_backend_buffer_free(h->buffer);
     if (h->meta) ggml_free(h->meta);
     free(h->graph_buf);
+    pp_attention_scratch_release(&h->scratch);
     free(h);
 }
 
@@ -116,7 +122,7 @@ static int run_graph(pp_attention_harness *h, struct ggml_context *ctx, struct g
     memcpy(q->data, q_data, ggml_nbytes(q));
     if (mask) memcpy(mask->data, mask_data, ggml_nbytes(mask));
     if (ggml_backend_graph_compute(h->backend, gf) != GGML_STATUS_SUCCESS)
-        return pp_fail(PP_ERR_INVALID, "harness: graph compute failed");
+        return pp_fail(PP_ERR_COMPUTE, "harness: graph compute failed");
     memcpy(out_data, out->data, ggml_nbytes(out));
     return PP_OK;
 }
@@ -137,7 +143,7 @@ int pp_attention_harness_paged(pp_attention_harness *h, const pp_batch *b, int32
                 return pp_fail(PP_ERR_INVALID, "harness paged: block %d outside the pool", id);
         }
     }
-    pp_attention_params ap = {.batch = b, .block_size = block_size, .window = window, .scale = scale,
+    pp_attention_params ap = {.batch = b, .scratch = &h->scratch, .block_size = block_size, .window = window, .scale = scale,
                               .n_head = h->n_head, .n_head_kv = h->n_head_kv, .head_dim = h->head_dim};
     struct ggml_init_params params = {.mem_size = h->graph_size, .mem_buffer = h->graph_buf, .no_alloc = true};
     struct ggml_context *ctx = ggml_init(params);

@@ -1,9 +1,26 @@
 /* Vector math on f32 rows for the paged-attention kernel: converting cache
  * rows to f32, blocks of dot products, exp of shifted scores and the P.V
  * accumulation, each with an AVX2/FMA path and a scalar one. Nothing here
- * knows about pages, block tables or GGML graphs. */
+ * knows about pages, block tables or GGML graphs.
+ *
+ * This file is compiled twice on x86-64: once for the x86-64 baseline (the
+ * scalar paths; table pp_attention_math_generic) and once with
+ * -march=x86-64-v3 (table pp_attention_math_avx2, functions suffixed _avx2).
+ * attention_math_select.c picks a table at run time, so the library loads
+ * and runs on CPUs without AVX2. */
 #include "attention_math.h"
 #include "ggml-cpu.h"
+
+#ifndef PP_ATTENTION_MATH_VARIANT
+#define PP_ATTENTION_MATH_VARIANT generic
+#endif
+#define PP_CONCAT_(a, b) a##_##b
+#define PP_CONCAT(a, b) PP_CONCAT_(a, b)
+#define PP_STR_(a) #a
+#define PP_STR(a) PP_STR_(a)
+/* Every function of a variant carries its name, so a disassembly shows
+ * which code may use which instructions (tests/test_portability.py). */
+#define FN(name) PP_CONCAT(name, PP_ATTENTION_MATH_VARIANT)
 
 #include <math.h>
 #include <string.h>
@@ -16,7 +33,7 @@
 
 /* One K or V row of the cache to f32. f16 and q8_0 have SIMD paths: GGML's
  * exported row converters (ggml-base) are scalar. */
-void pp_row_to_f32(const struct ggml_tensor *cache, const void *src, float *restrict dst, int n) {
+static void FN(row_to_f32)(const struct ggml_tensor *cache, const void *src, float *restrict dst, int n) {
 #ifdef PP_ATTN_AVX2
     if (cache->type == GGML_TYPE_F16 && n % 8 == 0) {
         const uint16_t *h = src;
@@ -82,7 +99,7 @@ static inline void hsum4(float *out, vec4 a) {
 #endif
 
 /* s[j] = q . k_j for j < n (k rows are head_dim apart). */
-void pp_dot_rows(const float *restrict q, const float *restrict k, int n, int hd, float *restrict s) {
+static void FN(dot_rows)(const float *restrict q, const float *restrict k, int n, int hd, float *restrict s) {
     int j = 0;
 #ifdef PP_ATTN_AVX2
     if (hd % 8 == 0) {
@@ -103,8 +120,8 @@ void pp_dot_rows(const float *restrict q, const float *restrict k, int n, int hd
 }
 
 /* The same for two query rows at once: each key row is loaded once for both. */
-void pp_dot_rows2(const float *restrict q0, const float *restrict q1, const float *restrict k, int n,
-                  int hd, float *restrict s0, float *restrict s1) {
+static void FN(dot_rows2)(const float *restrict q0, const float *restrict q1, const float *restrict k,
+                          int n, int hd, float *restrict s0, float *restrict s1) {
     int j = 0;
 #ifdef PP_ATTN_AVX2
     if (hd % 8 == 0) {
@@ -121,8 +138,8 @@ void pp_dot_rows2(const float *restrict q0, const float *restrict q1, const floa
     }
 #endif
     if (j < n) {
-        pp_dot_rows(q0, k + (size_t)j * hd, n - j, hd, s0 + j);
-        pp_dot_rows(q1, k + (size_t)j * hd, n - j, hd, s1 + j);
+        FN(dot_rows)(q0, k + (size_t)j * hd, n - j, hd, s0 + j);
+        FN(dot_rows)(q1, k + (size_t)j * hd, n - j, hd, s1 + j);
     }
 }
 
@@ -150,7 +167,7 @@ static inline __m256 exp_nonpositive(__m256 x) {
 #endif
 
 /* p[j] = e^(p[j] - m) in place for j < n; returns their sum. */
-float pp_exp_shifted(float *p, int n, float m) {
+static float FN(exp_shifted)(float *p, int n, float m) {
     int j = 0;
     float sum = 0.0f;
 #ifdef PP_ATTN_AVX2
@@ -173,7 +190,7 @@ float pp_exp_shifted(float *p, int n, float m) {
 }
 
 /* acc = acc * correction + sum_j p[j] v_j (v rows head_dim apart). */
-void pp_accumulate_pv(float *restrict acc, float correction, const float *restrict p,
+static void FN(accumulate_pv)(float *restrict acc, float correction, const float *restrict p,
                       const float *restrict v, int n, int hd) {
     int d = 0;
 #ifdef PP_ATTN_AVX2
@@ -192,7 +209,7 @@ void pp_accumulate_pv(float *restrict acc, float correction, const float *restri
 }
 
 /* pp_accumulate_pv for two rows sharing the chunk's V rows. */
-void pp_accumulate_pv2(float *restrict acc0, float *restrict acc1, float c0, float c1,
+static void FN(accumulate_pv2)(float *restrict acc0, float *restrict acc1, float c0, float c1,
                        const float *restrict p0, const float *restrict p1, const float *restrict v,
                        int n, int hd) {
 #ifdef PP_ATTN_AVX2
@@ -211,6 +228,16 @@ void pp_accumulate_pv2(float *restrict acc0, float *restrict acc1, float c0, flo
         return;
     }
 #endif
-    pp_accumulate_pv(acc0, c0, p0, v, n, hd);
-    pp_accumulate_pv(acc1, c1, p1, v, n, hd);
+    FN(accumulate_pv)(acc0, c0, p0, v, n, hd);
+    FN(accumulate_pv)(acc1, c1, p1, v, n, hd);
 }
+
+const pp_attention_math PP_CONCAT(pp_attention_math, PP_ATTENTION_MATH_VARIANT) = {
+    .name = PP_STR(PP_ATTENTION_MATH_VARIANT),
+    .row_to_f32 = FN(row_to_f32),
+    .dot_rows = FN(dot_rows),
+    .dot_rows2 = FN(dot_rows2),
+    .exp_shifted = FN(exp_shifted),
+    .accumulate_pv = FN(accumulate_pv),
+    .accumulate_pv2 = FN(accumulate_pv2),
+};

@@ -1,10 +1,12 @@
 /* One compute context: the CPU backend (GGML's thread pool), the graph
  * allocator reused across steps, and the per-step input upload. */
 #include "engine_internal.h"
+#include "attention_math.h"
 #include "pp_internal.h"
 #include "ggml-cpu.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,7 +24,21 @@ struct pp_context {
     int32_t              max_batch_tokens;
     int32_t              n_threads;
     pp_attention_params *layer_params;
+    pp_attention_scratch scratch;      /* the kernel's tiles, one slice per thread */
+    atomic_int           abort_requested;
 };
+
+/* GGML asks between graph nodes whether to stop (ggml_abort_callback). */
+static bool abort_requested(void *data) {
+    pp_context *c = data;
+    return atomic_load(&c->abort_requested) != 0;
+}
+
+static ggml_backend_t new_backend(pp_context *c) {
+    ggml_backend_t backend = ggml_backend_cpu_init();
+    if (backend) ggml_backend_cpu_set_abort_callback(backend, abort_requested, c);
+    return backend;
+}
 
 int pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
                       int32_t max_batch_tokens, pp_context **out) {
@@ -42,7 +58,7 @@ int pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
                    ggml_graph_overhead_custom(PP_MAX_GRAPH_NODES, false);
     c->meta_buf = malloc(c->meta_size);
     c->layer_params = calloc((size_t)m->hp.n_layer, sizeof *c->layer_params);
-    c->backend = ggml_backend_cpu_init();
+    c->backend = new_backend(c);
     c->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
     if (!c->meta_buf || !c->layer_params || !c->backend || !c->galloc) {
         pp_context_destroy(c);
@@ -61,6 +77,7 @@ int pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         ap->n_head = m->hp.n_head;
         ap->n_head_kv = m->hp.n_head_kv;
         ap->head_dim = m->hp.head_dim;
+        ap->scratch = &c->scratch;
     }
     *out = c;
     return PP_OK;
@@ -74,6 +91,7 @@ void pp_context_destroy(pp_context *c) {
     if (c->threadpool && c->pool_pid == getpid()) ggml_threadpool_free(c->threadpool);
     free(c->meta_buf);
     free(c->layer_params);
+    pp_attention_scratch_release(&c->scratch);
     free(c);
 }
 
@@ -83,7 +101,7 @@ void pp_context_destroy(pp_context *c) {
  * parent's pool struct alone. */
 static int forget_parent_pool(pp_context *c) {
     if (!c->threadpool || c->pool_pid == getpid()) return PP_OK;
-    ggml_backend_t backend = ggml_backend_cpu_init();
+    ggml_backend_t backend = new_backend(c);
     if (!backend) return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute backend after fork");
     ggml_backend_free(c->backend);
     c->backend = backend;
@@ -98,6 +116,8 @@ int pp_context_set_threads(pp_context *c, int32_t n_threads) {
     int st = forget_parent_pool(c);
     if (st != PP_OK) return st;
     if (c->threadpool && c->n_threads == n_threads) return PP_OK;
+    st = pp_attention_scratch_init(&c->scratch, c->model->hp.head_dim, n_threads);
+    if (st != PP_OK) return st;
     /* Without a pool of its own GGML creates and joins its worker threads
      * on every graph, i.e. every step. */
     struct ggml_threadpool_params tpp = ggml_threadpool_params_default(n_threads);
@@ -106,7 +126,11 @@ int pp_context_set_threads(pp_context *c, int32_t n_threads) {
      * in one process, polling did not make generation faster. */
     tpp.poll = 0;
     ggml_threadpool_t pool = ggml_threadpool_new(&tpp);
-    if (!pool) return pp_fail(PP_ERR_NO_MEMORY, "cannot start a pool of %d threads", n_threads);
+    if (!pool) {
+        /* Keep the scratch big enough for the old pool (it may have fewer slices now). */
+        if (c->threadpool) pp_attention_scratch_init(&c->scratch, c->model->hp.head_dim, c->n_threads);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot start a pool of %d threads", n_threads);
+    }
     ggml_backend_cpu_set_n_threads(c->backend, n_threads);
     ggml_backend_cpu_set_threadpool(c->backend, pool);   /* pauses the previous pool */
     if (c->threadpool) ggml_threadpool_free(c->threadpool);
@@ -233,9 +257,12 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     if (!c->cache->paged) fill_masks(gf, b, swa_window);
 
     enum ggml_status status = ggml_backend_graph_compute(c->backend, gf);
+    atomic_store(&c->abort_requested, 0);   /* a request is consumed by the step it stopped */
     if (status != GGML_STATUS_SUCCESS) {
         ggml_free(ctx);
-        return pp_fail(PP_ERR_INVALID, "graph compute failed with GGML status %d", (int)status);
+        return pp_fail(PP_ERR_COMPUTE, status == GGML_STATUS_ABORTED ? "step aborted on request"
+                                                                     : "graph compute failed with GGML status %d",
+                       (int)status);
     }
     if (b->n_logits > 0) {
         struct ggml_tensor *out = ggml_graph_get_tensor(gf, "logits");
@@ -245,11 +272,19 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     return PP_OK;
 }
 
+int pp_context_abort(pp_context *c) {
+    if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_abort: context is NULL");
+    atomic_store(&c->abort_requested, 1);
+    return PP_OK;
+}
+
 const char *pp_ggml_build_info(void) {
     static char info[256];
-    /* llamafile = GGML's tinyBLAS GEMM for prompt processing (GGML_LLAMAFILE). */
+    /* llamafile = GGML's tinyBLAS GEMM for prompt processing (GGML_LLAMAFILE);
+     * attention = our kernel's math variant on this CPU. */
     snprintf(info, sizeof info, "ggml %s; cpu: avx=%d avx2=%d f16c=%d fma=%d avx512=%d avx512_vnni=%d "
-             "llamafile=%d", ggml_version(), ggml_cpu_has_avx(), ggml_cpu_has_avx2(), ggml_cpu_has_f16c(),
-             ggml_cpu_has_fma(), ggml_cpu_has_avx512(), ggml_cpu_has_avx512_vnni(), ggml_cpu_has_llamafile());
+             "llamafile=%d; attention=%s", ggml_version(), ggml_cpu_has_avx(), ggml_cpu_has_avx2(),
+             ggml_cpu_has_f16c(), ggml_cpu_has_fma(), ggml_cpu_has_avx512(), ggml_cpu_has_avx512_vnni(),
+             ggml_cpu_has_llamafile(), pp_attention_math_select()->name);
     return info;
 }

@@ -50,10 +50,31 @@ struct pp_kv_cache {
     struct ggml_tensor **v;
 };
 
+#define PP_ATTN_MAX_ROWS  32   /* query rows of one tile: tokens x group heads */
+#define PP_ATTN_KEY_CHUNK 32   /* keys converted and scored together */
+
+struct pp_attention_math;
+
+/* Per-thread working memory of the paged-attention kernel, made with the
+ * context (or harness) so that a step never allocates: n_threads slices of
+ * floats_per_thread floats, plus the math variant this CPU runs. */
+typedef struct pp_attention_scratch {
+    float  *data;
+    size_t  floats_per_thread;
+    int32_t n_threads;
+    const struct pp_attention_math *math;
+} pp_attention_scratch;
+
+/* (Re)size s for n_threads threads and head_dim; on failure
+ * PP_ERR_NO_MEMORY and s is unchanged. Release with pp_attention_scratch_release. */
+int pp_attention_scratch_init(pp_attention_scratch *s, int32_t head_dim, int32_t n_threads);
+void pp_attention_scratch_release(pp_attention_scratch *s);
+
 /* What the paged-attention operator of one layer needs besides its tensors.
  * Points at the step's host-side batch, valid while the graph computes. */
 typedef struct pp_attention_params {
     const pp_batch *batch;
+    const pp_attention_scratch *scratch;   /* sized for the context's threads */
     int32_t block_size;
     int32_t window;        /* 0: full causal attention */
     float   scale;

@@ -13,15 +13,12 @@
  * attention_math.c. */
 #include "attention_math.h"
 #include "engine_internal.h"
+#include "pp_internal.h"
 #include "ggml-cpu.h"
 
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define PP_ATTN_MAX_ROWS  32   /* query rows of one tile: tokens x group heads */
-#define PP_ATTN_KEY_CHUNK 32   /* keys converted and scored together */
 
 static int key_begin(const pp_attention_params *ap, int pos) {
     return ap->window > 0 && pos - ap->window + 1 > 0 ? pos - ap->window + 1 : 0;
@@ -34,6 +31,7 @@ typedef struct tile_state {
     float *k, *v;    /* [KEY_CHUNK][head_dim] the chunk's rows in f32 */
     float *p;        /* [rows][KEY_CHUNK] scores, then probabilities */
     char  *q8;       /* [rows][q8_row] the queries as q8_0 (q8_0 caches only) */
+    const pp_attention_math *math;
     float run_max[PP_ATTN_MAX_ROWS];
     float run_sum[PP_ATTN_MAX_ROWS];
     float correction[PP_ATTN_MAX_ROWS];   /* this chunk's rescale of each row's acc */
@@ -85,8 +83,8 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
         const char *krows = (const char *)kc->data + slot0 * kc->nb[1] + kvh * kv_head_bytes;
         const char *vrows = (const char *)vc->data + slot0 * vc->nb[1] + kvh * kv_head_bytes;
         for (int j = 0; j < n; j++) {
-            if (!k_traits) pp_row_to_f32(kc, krows + j * kc->nb[1], st->k + (size_t)j * hd, hd);
-            pp_row_to_f32(vc, vrows + j * vc->nb[1], st->v + (size_t)j * hd, hd);
+            if (!k_traits) st->math->row_to_f32(kc, krows + j * kc->nb[1], st->k + (size_t)j * hd, hd);
+            st->math->row_to_f32(vc, vrows + j * vc->nb[1], st->v + (size_t)j * hd, hd);
         }
         /* q8_0 keys: integer dots straight from the cache against the
          * quantized queries (GGML's vec_dot), no f32 copy of K. */
@@ -108,10 +106,10 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
             float *p0 = st->p + (size_t)r * PP_ATTN_KEY_CHUNK + lo;
             const float *kl = st->k + (size_t)lo * hd;
             if (r1 != r)
-                pp_dot_rows2(st->q + (size_t)r * hd, st->q + (size_t)r1 * hd, kl, hi - lo, hd, p0,
+                st->math->dot_rows2(st->q + (size_t)r * hd, st->q + (size_t)r1 * hd, kl, hi - lo, hd, p0,
                              st->p + (size_t)r1 * PP_ATTN_KEY_CHUNK + lo);
             else
-                pp_dot_rows(st->q + (size_t)r * hd, kl, hi - lo, hd, p0);
+                st->math->dot_rows(st->q + (size_t)r * hd, kl, hi - lo, hd, p0);
         }
         /* Online softmax per row; masked keys get probability 0. */
         for (int r = 0; r < rows; r++) {
@@ -126,7 +124,7 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
             float m = st->run_max[r];
             for (int j = j_lo; j < j_hi; j++) m = p[j] > m ? p[j] : m;
             const float correction = expf(st->run_max[r] - m);
-            const float sum = pp_exp_shifted(p + j_lo, j_hi - j_lo, m);
+            const float sum = st->math->exp_shifted(p + j_lo, j_hi - j_lo, m);
             for (int j = 0; j < j_lo; j++) p[j] = 0.0f;
             for (int j = j_hi; j < n; j++) p[j] = 0.0f;
             st->run_sum[r] = st->run_sum[r] * correction + sum;
@@ -137,10 +135,10 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
             float *acc = st->acc + (size_t)r * hd;
             const float *p = st->p + (size_t)r * PP_ATTN_KEY_CHUNK;
             if (r + 1 < rows)
-                pp_accumulate_pv2(acc, acc + hd, st->correction[r], st->correction[r + 1], p,
+                st->math->accumulate_pv2(acc, acc + hd, st->correction[r], st->correction[r + 1], p,
                                   p + PP_ATTN_KEY_CHUNK, st->v, n, hd);
             else
-                pp_accumulate_pv(acc, st->correction[r], p, st->v, n, hd);
+                st->math->accumulate_pv(acc, st->correction[r], p, st->v, n, hd);
         }
         k0 = k1;
     }
@@ -156,41 +154,46 @@ static int tile_tokens(const pp_attention_params *ap, int nth) {
     return tq > 0 ? tq : 1;
 }
 
-/* Tile state lives in a per-thread heap buffer, grown on demand and freed
- * when the thread exits: up to ~260 KB (32 rows x head size 512) would not
- * fit the stacks of every threading runtime (musl's default is 128 KB). */
-static pthread_key_t tile_key;
-static pthread_once_t tile_key_once = PTHREAD_ONCE_INIT;
-
-typedef struct tile_buffer {
-    size_t n_floats;
-    float  data[];
-} tile_buffer;
-
-static void make_tile_key(void) { pthread_key_create(&tile_key, free); }
-
-/* st's arrays for rows x hd, or 0 if the memory cannot be had. */
-static int tile_state_init(tile_state *st, int rows, int hd) {
-    pthread_once(&tile_key_once, make_tile_key);
+/* Floats of one thread's tile memory for rows x hd (see tile_state). */
+static size_t tile_floats(int rows, int hd) {
     const size_t q8_floats = (rows * ggml_row_size(GGML_TYPE_Q8_0, hd) + sizeof(float) - 1) / sizeof(float);
-    const size_t need = (size_t)2 * rows * hd + (size_t)2 * PP_ATTN_KEY_CHUNK * hd +
-                        (size_t)rows * PP_ATTN_KEY_CHUNK + q8_floats;
-    tile_buffer *buf = pthread_getspecific(tile_key);
-    if (!buf || buf->n_floats < need) {
-        tile_buffer *grown = realloc(buf, sizeof *buf + sizeof(float) * need);
-        if (!grown) return 0;
-        grown->n_floats = need;
-        buf = grown;
-        pthread_setspecific(tile_key, buf);
-    }
-    float *f = buf->data;
+    return (size_t)2 * rows * hd + (size_t)2 * PP_ATTN_KEY_CHUNK * hd + (size_t)rows * PP_ATTN_KEY_CHUNK +
+           q8_floats;
+}
+
+int pp_attention_scratch_init(pp_attention_scratch *s, int32_t head_dim, int32_t n_threads) {
+    const size_t per_thread = tile_floats(PP_ATTN_MAX_ROWS, head_dim);
+    float *data = malloc(sizeof(float) * per_thread * (size_t)n_threads);
+    if (!data) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate attention tiles for %d threads", n_threads);
+    free(s->data);
+    s->data = data;
+    s->floats_per_thread = per_thread;
+    s->n_threads = n_threads;
+    s->math = pp_attention_math_select();
+    return PP_OK;
+}
+
+void pp_attention_scratch_release(pp_attention_scratch *s) {
+    free(s->data);
+    memset(s, 0, sizeof *s);
+}
+
+/* Point st's arrays into thread ith's slice of the scratch made at context
+ * creation: the kernel never allocates while a step runs. */
+static void tile_state_init(tile_state *st, const pp_attention_params *ap, int ith, int rows) {
+    const pp_attention_scratch *scratch = ap->scratch;
+    const int hd = ap->head_dim;
+    /* GGML runs a custom op on at most the backend's threads, which the scratch was sized for. */
+    GGML_ASSERT(ith < scratch->n_threads && rows <= PP_ATTN_MAX_ROWS &&
+                tile_floats(rows, hd) <= scratch->floats_per_thread);
+    float *f = scratch->data + (size_t)ith * scratch->floats_per_thread;
+    st->math = scratch->math;
     st->q = f;
     st->acc = st->q + (size_t)rows * hd;
     st->k = st->acc + (size_t)rows * hd;
     st->v = st->k + (size_t)PP_ATTN_KEY_CHUNK * hd;
     st->p = st->v + (size_t)PP_ATTN_KEY_CHUNK * hd;
     st->q8 = (char *)(st->p + (size_t)rows * PP_ATTN_KEY_CHUNK);
-    return 1;
 }
 
 void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
@@ -202,7 +205,7 @@ void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *use
     const int tq = tile_tokens(ap, nth);
     GGML_ASSERT(group <= PP_ATTN_MAX_ROWS);
     tile_state st;
-    if (!tile_state_init(&st, tq * group, hd)) GGML_ABORT("paged attention: no memory for a query tile");
+    tile_state_init(&st, ap, ith, tq * group);
 
     /* Tiles are cut the same way by every thread; item i goes to thread i % nth. */
     int item = 0;
@@ -236,7 +239,7 @@ void pp_paged_attention_partial_cpu(struct ggml_tensor *dst, int ith, int nth, v
     const int n_splits = (int)dst->ne[2];
     GGML_ASSERT(group <= PP_ATTN_MAX_ROWS);
     tile_state st;
-    if (!tile_state_init(&st, group, hd)) GGML_ABORT("paged attention: no memory for a query tile");
+    tile_state_init(&st, ap, ith, group);
 
     const int n_units = batch->n_tokens * n_kv * n_splits;
     for (int unit = ith; unit < n_units; unit += nth) {

@@ -1,0 +1,17 @@
+/* Run-time choice of the attention math variant: the library is built for
+ * the x86-64 baseline, with an AVX2 variant used only where the CPU has it. */
+#include "attention_math.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+const pp_attention_math *pp_attention_math_select(void) {
+    const char *forced = getenv("PYLLAMA_PAGED_KERNELS");
+    if (forced && strcmp(forced, "generic") == 0) return &pp_attention_math_generic;
+#ifdef PP_HAVE_AVX2_KERNELS
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return &pp_attention_math_avx2;
+#endif
+    return &pp_attention_math_generic;
+}
