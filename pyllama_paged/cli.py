@@ -18,6 +18,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-paged", action="store_true", help="contiguous KV slab instead of pages")
 
 
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-text token, up to --max-tokens")
+
+
 def cmd_run(args) -> int:
     from .llama import Llama
 
@@ -27,7 +33,8 @@ def cmd_run(args) -> int:
         n = 0
         for chunk in llm.create_completion(args.prompt, max_tokens=args.max_tokens,
                                            temperature=args.temperature, top_k=args.top_k,
-                                           top_p=args.top_p, seed=args.seed, stream=True):
+                                           top_p=args.top_p, seed=args.seed, stream=True,
+                                           ignore_eos=args.ignore_eos):
             sys.stdout.write(chunk["choices"][0]["text"])
             sys.stdout.flush()
             if "usage" in chunk:
@@ -86,7 +93,8 @@ def cmd_chat(args) -> int:
             answer, n_tokens = [], 0
             start = time.perf_counter()
             stream = llm.create_chat_completion(history, max_tokens=args.max_tokens,
-                                                temperature=args.temperature, seed=args.seed, stream=True)
+                                                temperature=args.temperature, seed=args.seed, stream=True,
+                                                ignore_eos=args.ignore_eos)
             try:
                 for chunk in stream:
                     for choice in chunk["choices"]:
@@ -162,13 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-k", type=int, default=40)
     run.add_argument("--top-p", type=float, default=0.95)
-    run.add_argument("--seed", type=int, default=None)
+    _add_generation_args(run)
     run.set_defaults(func=cmd_run)
     chat = sub.add_parser("chat", help="interactive multi-turn chat")
     _add_engine_args(chat)
     chat.add_argument("--max-tokens", "-n", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--seed", type=int, default=None)
+    _add_generation_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
     srv = sub.add_parser("serve", help="Ollama- and OpenAI-compatible HTTP server")

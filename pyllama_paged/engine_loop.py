@@ -68,18 +68,30 @@ class RequestStream:
 
 
 class EngineLoop:
-    """Runs an LLMEngine while there is work; thread-safe submit and abort."""
+    """Runs an LLMEngine while there is work; thread-safe submit and abort.
+
+    Submits, aborts and calls are carried out in the order they were made, so
+    an abort that follows its submit always finds the request. A failure in
+    one of them is reported to its caller only; if the loop itself ever dies,
+    every stream and waiting call gets the error and later calls raise."""
 
     def __init__(self, llm: LLMEngine):
         self.llm = llm
         self._cv = threading.Condition()
-        self._adds: deque = deque()
-        self._aborts: deque = deque()
+        self._commands: deque = deque()   # ("add", id, prompt, params) | ("abort", id) | ("call", fn, box, done)
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._stopped = False
+        self._death: str | None = None    # why the loop thread ended, if not by stop()
         self._thread = threading.Thread(target=self._run, name="pyllama-engine", daemon=True)
         self._thread.start()
+
+    def _enqueue(self, command: tuple) -> None:
+        """Queue a command for the loop thread; the caller holds self._cv."""
+        if self._stopped:
+            raise PagedError(f"the engine loop is stopped{': ' + self._death if self._death else ''}")
+        self._commands.append(command)
+        self._cv.notify()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                request_id: str | None = None) -> RequestStream:
@@ -88,80 +100,105 @@ class EngineLoop:
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id)
         with self._cv:
-            if self._stopped:
-                raise PagedError("the engine loop is stopped")
+            if request_id in self._streams:
+                raise PagedError(f"request id {request_id!r} is already in flight")
+            self._enqueue(("add", request_id, list(prompt_ids), params))
             self._streams[request_id] = stream
-            self._adds.append((request_id, list(prompt_ids), params))
-            self._cv.notify()
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Abort from any thread (a no-op for finished requests)."""
+        """Abort from any thread (a no-op for finished requests or a stopped loop)."""
         with self._cv:
-            self._aborts.append(request_id)
-            self._cv.notify()
+            if not self._stopped:
+                self._enqueue(("abort", request_id))
 
     def call(self, fn):
         """Run fn(llm) on the loop thread between steps and return its result (stats, ...)."""
         done = threading.Event()
-        box = {}
-
-        def task():
-            try:
-                box["value"] = fn(self.llm)
-            except Exception as e:  # handed back to the caller
-                box["error"] = e
-            done.set()
-
+        box: dict = {}
         with self._cv:
-            self._adds.append(task)
-            self._cv.notify()
+            self._enqueue(("call", fn, box, done))
         done.wait()
         if "error" in box:
             raise box["error"]
         return box["value"]
 
     def stop(self) -> None:
-        """Finish the thread; pending streams end with an error."""
+        """Finish the thread; pending streams and calls end with an error."""
         with self._cv:
             self._stopped = True
             self._cv.notify()
         self._thread.join()
 
     def _run(self) -> None:
-        while True:
+        try:
+            while self._serve_once():
+                pass
+            reason = "the engine loop stopped"
+        except BaseException as e:  # a bug in the loop: nobody may be left waiting
+            reason = f"the engine loop failed: {type(e).__name__}: {e}"
             with self._cv:
-                while not (self._adds or self._aborts or self._stopped or self.llm.has_work()):
-                    self._cv.wait()
-                if self._stopped:
-                    break
-                adds, self._adds = self._adds, deque()
-                aborts, self._aborts = self._aborts, deque()
-            for request_id in aborts:
+                self._death = reason
+        with self._cv:
+            self._stopped = True
+            commands, self._commands = self._commands, deque()
+        for command in commands:
+            if command[0] == "call":
+                command[2]["error"] = PagedError(reason)
+                command[3].set()
+        for request_id in list(self._streams):
+            self._close(request_id, PagedError(reason))
+
+    def _serve_once(self) -> bool:
+        """Carry out the queued commands, then one step; False once stopped."""
+        with self._cv:
+            while not (self._commands or self._stopped or self.llm.has_work()):
+                self._cv.wait()
+            if self._stopped:
+                return False
+            commands, self._commands = self._commands, deque()
+        for command in commands:
+            self._carry_out(command)
+        if not self.llm.has_work():
+            return True
+        try:
+            outputs = self.llm.step()
+        except Exception as e:  # a step failure fails its requests, not the process
+            for request_id in list(self.llm.requests):
+                self.llm.abort(request_id)
+                self._close(request_id, PagedError(f"engine step failed: {e}"))
+            return True
+        for out in outputs:
+            self._deliver(out)
+        return True
+
+    def _carry_out(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "call":
+            _, fn, box, done = command
+            try:
+                box["value"] = fn(self.llm)
+            except Exception as e:  # handed back to the caller
+                box["error"] = e
+            done.set()
+        elif kind == "abort":
+            request_id = command[1]
+            try:
                 self.llm.abort(request_id)
                 self._close(request_id, None)
-            for item in adds:
-                if callable(item):
-                    item()
-                    continue
-                request_id, prompt_ids, params = item
-                request = self.llm.add_request(prompt_ids, params, request_id)
-                if request.error:
-                    self._deliver(RequestOutput(request_id, finished=True, error=request.error,
-                                                num_prompt_tokens=len(prompt_ids)))
-            if not self.llm.has_work():
-                continue
+            except Exception as e:  # reported to that request's stream only
+                self._close(request_id, PagedError(f"abort failed: {e}"))
+        else:
+            _, request_id, prompt_ids, params = command
             try:
-                outputs = self.llm.step()
-            except Exception as e:  # a step failure fails its requests, not the process
-                for request_id in list(self.llm.requests):
-                    self.llm.abort(request_id)
-                    self._close(request_id, PagedError(f"engine step failed: {e}"))
-                continue
-            for out in outputs:
-                self._deliver(out)
-        for request_id in list(self._streams):
-            self._close(request_id, PagedError("the engine loop stopped"))
+                request = self.llm.add_request(prompt_ids, params, request_id)
+                error = request.error
+            except Exception as e:  # a bad request fails alone
+                self.llm.abort(request_id)
+                error = str(e) if isinstance(e, PagedError) else f"{type(e).__name__}: {e}"
+            if error:
+                self._deliver(RequestOutput(request_id, finished=True, error=error,
+                                            num_prompt_tokens=len(prompt_ids)))
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -172,7 +209,8 @@ class EngineLoop:
             self._close(out.request_id, None)
 
     def _close(self, request_id: str, error: BaseException | None) -> None:
-        stream = self._streams.pop(request_id, None)
+        with self._cv:
+            stream = self._streams.pop(request_id, None)
         if stream is not None:
             if error is not None:
                 stream._put(error)

@@ -43,8 +43,10 @@ class PagedKV:
         """Whether a new sequence of num_tokens fits, keeping `reserve` blocks free."""
         return -(-num_tokens // self.block_size) + reserve <= self.pool.num_allocatable
 
-    def can_append(self, handle: int, num_tokens: int) -> bool:
-        return self.pool.blocks_needed(handle, num_tokens) <= self.pool.num_allocatable
+    def can_append_all(self, appends: Sequence[tuple[int, int]]) -> bool:
+        """Whether every (handle, num_tokens) append fits at once (copy-on-write included)."""
+        need = sum(self.pool.blocks_needed(handle, n) for handle, n in appends)
+        return need <= self.pool.num_allocatable
 
     def capacity_tokens(self) -> int:
         """The most tokens one sequence could ever hold here."""
@@ -103,6 +105,9 @@ class SlabKV:
 
     def can_append(self, handle: int, num_tokens: int) -> bool:
         return self._lengths[handle] + num_tokens <= self.block_size
+
+    def can_append_all(self, appends: Sequence[tuple[int, int]]) -> bool:
+        return all(self.can_append(handle, n) for handle, n in appends)
 
     def capacity_tokens(self) -> int:
         return self.block_size

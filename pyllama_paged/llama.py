@@ -110,7 +110,8 @@ class Llama:
             for _ in range(limit):
                 token = sampler.sample(logits, seq.token_ids)
                 yield token, logits
-                if token in self.tokenizer.eot_ids or len(seq.token_ids) >= self.n_ctx_value:
+                ended = token in self.tokenizer.eot_ids and not params.ignore_eos
+                if ended or len(seq.token_ids) >= self.n_ctx_value:
                     return
                 self.engine.append_tokens(seq, [token])
                 logits = self.engine.step([(seq, 1)])[0]
@@ -122,14 +123,15 @@ class Llama:
                           min_p: float = 0.05, repeat_penalty: float = 1.0,
                           presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                           stop: str | Sequence[str] | None = None, stream: bool = False,
-                          seed: int | None = None, logprobs: int | None = None, echo: bool = False):
+                          seed: int | None = None, logprobs: int | None = None, echo: bool = False,
+                          ignore_eos: bool = False):
         """OpenAI-shaped text completion (a dict, or an iterator of chunks if stream)."""
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         params = SamplingParams(max_tokens=max_tokens if max_tokens is not None else 0,
                                 temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, seed=seed, stop=stops,
-                                logprobs=logprobs)
+                                logprobs=logprobs, ignore_eos=ignore_eos)
         params.validate()
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, special=True)
         chunks = self._completion_chunks(prompt, prompt_ids, params, echo)
@@ -159,7 +161,7 @@ class Llama:
         stopped = False
         for token, logits in self.generate(prompt_ids, params):
             completion_tokens += 1
-            if token in self.tokenizer.eot_ids:
+            if token in self.tokenizer.eot_ids and not params.ignore_eos:
                 finish = "stop"
                 break
             piece = decoder.add(token)
@@ -209,14 +211,15 @@ class Llama:
     # ---- scheduled generation: many prompts, n samples, beams, chat ---------
     def _params(self, max_tokens, temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty,
                 frequency_penalty, stop, seed, logprobs, n=1, beam_width=1, length_penalty=1.0,
-                early_stopping=True) -> SamplingParams:
+                early_stopping=True, ignore_eos=False) -> SamplingParams:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         params = SamplingParams(max_tokens=max_tokens or 0, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 seed=seed if seed is not None else self.seed, stop=stops,
                                 logprobs=logprobs, n=n, beam_width=beam_width,
-                                length_penalty=length_penalty, early_stopping=early_stopping)
+                                length_penalty=length_penalty, early_stopping=early_stopping,
+                                ignore_eos=ignore_eos)
         params.validate()
         return params
 
@@ -257,10 +260,11 @@ class Llama:
                                min_p: float = 0.05, repeat_penalty: float = 1.0,
                                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                                stop: str | Sequence[str] | None = None, stream: bool = False,
-                               seed: int | None = None, n: int = 1):
+                               seed: int | None = None, n: int = 1, ignore_eos: bool = False):
         """OpenAI-shaped chat completion over the model's chat template."""
         params = self._params(max_tokens, temperature, top_p, top_k, min_p, repeat_penalty,
-                              presence_penalty, frequency_penalty, stop, seed, None, n=n)
+                              presence_penalty, frequency_penalty, stop, seed, None, n=n,
+                              ignore_eos=ignore_eos)
         prompt = self.chat_template.render(messages, add_generation_prompt=True)
         prompt_ids = self.tokenize(prompt, add_bos=True, special=True)
         chunks = self._chat_chunks(prompt_ids, params)

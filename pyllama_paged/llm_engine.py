@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .engine import Engine
+from .errors import PagedError
 from .sampling import Sampler, SamplingParams, log_softmax, top_logprobs
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Request, RequestStatus, Sequence
@@ -57,12 +58,27 @@ class LLMEngine:
         """Queue a request; a request that can never fit is returned already finished."""
         params.validate()
         request_id = request_id or f"req-{next(self._ids)}"
-        request = Request(request_id, list(prompt_ids), params)
+        if request_id in self.requests:
+            raise PagedError(f"request id {request_id!r} is already in flight")
+        prompt_ids = self._checked_tokens(prompt_ids)
+        request = Request(request_id, prompt_ids, params)
         request.seqs = [Sequence(list(prompt_ids), len(prompt_ids), Sampler(params))]
         self.scheduler.add(request)
         if request.status != RequestStatus.FINISHED:
             self.requests[request_id] = request
         return request
+
+    def _checked_tokens(self, prompt_ids) -> list[int]:
+        """The prompt as a list of ints; PagedError for ids the model has no row for,
+        which would otherwise fail the whole batch's step."""
+        ids = np.asarray(prompt_ids)
+        if ids.size and (ids.ndim != 1 or ids.dtype.kind not in "iu"):
+            raise PagedError("prompt token ids must be a flat list of integers")
+        n_vocab = self.engine.n_vocab
+        bad = ids[(ids < 0) | (ids >= n_vocab)] if ids.size else ids
+        if bad.size:
+            raise PagedError(f"token id {int(bad[0])} outside the vocabulary of {n_vocab}")
+        return ids.tolist()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; False if unknown or finished."""
@@ -137,7 +153,7 @@ class LLMEngine:
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
         out.events.append(event)
-        if token in self.eot_ids:
+        if token in self.eot_ids and not request.params.ignore_eos:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= (request.params.max_tokens or self.limit) or \
                 len(seq.token_ids) >= self.limit:

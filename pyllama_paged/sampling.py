@@ -27,6 +27,7 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = True
+    ignore_eos: bool = False    # keep generating past end-of-text tokens (to max_tokens)
 
     def validate(self) -> None:
         """Raise PagedError naming the first invalid field."""

@@ -136,35 +136,42 @@ class Scheduler:
         preempted = False
 
         # decodes first: every running sequence whose prefill is done gets its
-        # newest token's slot, preempting the latest arrival when blocks run out
+        # newest token's slot, preempting the latest arrival when blocks run out.
+        # A request's sequences (n>1, beams) get their slots together or not at
+        # all: capacity is checked for all of them before any is appended.
         self.running.sort(key=lambda r: r.arrival)
         for request in list(self.running):
             if request not in self.running:
                 continue   # preempted while making room for an earlier request
+            appends = []
             for seq in request.live_seqs:
-                if seq.kv is None or seq.kv.num_computed < len(seq.kv.token_ids) or budget == 0:
+                if seq.kv is None or seq.kv.num_computed < len(seq.kv.token_ids) or budget <= 0:
                     continue
                 new = seq.token_ids[len(seq.kv.token_ids):]
-                if not new:
-                    continue
-                while not self.engine.kv.can_append(seq.kv.handle, len(new)):
-                    victim = self.running[-1]
-                    if len(self.running) == 1:
-                        # nothing left to take blocks from: the pool cannot hold it
-                        request.error = ("out of KV blocks: the request alone needs more pages "
-                                         "than the pool holds")
-                        self.remove(request)
-                        self.failed.append(request)
-                        break
-                    preempted = True
-                    self._preempt(victim)
-                    if victim is request:
-                        break
-                if request not in self.running:
+                if new:
+                    appends.append((seq, new))
+                    budget -= len(new)
+            if not appends:
+                continue
+            while not self.engine.kv.can_append_all([(seq.kv.handle, len(new)) for seq, new in appends]):
+                victim = self.running[-1]
+                if len(self.running) == 1:
+                    # nothing left to take blocks from: the pool cannot hold it
+                    request.error = ("out of KV blocks: the request alone needs more pages "
+                                     "than the pool holds")
+                    self.remove(request)
+                    self.failed.append(request)
                     break
+                preempted = True
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request not in self.running:
+                budget += sum(len(new) for _, new in appends)
+                continue
+            for seq, new in appends:
                 self.engine.append_tokens(seq.kv, new)
                 work.append((seq, len(new)))
-                budget -= len(new)
 
         # prefill chunks of running requests still prefilling
         for request in self.running:

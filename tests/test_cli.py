@@ -6,9 +6,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-
-import pytest
 
 CLI = [sys.executable, "-m", "pyllama_paged.cli"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -34,30 +31,38 @@ def test_info_and_bad_model():
 
 
 def test_chat_commands_and_ctrl_c():
-    proc = subprocess.Popen(CLI + ["chat", "--threads", "2", "-n", "400", "--ctx", "1024"],
+    # --ignore-eos: the answer cannot end on its own before the interrupt, on
+    # any CPU; the interrupt is sent once the answer has started streaming.
+    proc = subprocess.Popen(CLI + ["chat", "--threads", "2", "-n", "3000", "--ctx", "4096", "--ignore-eos"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=ENV, cwd="/")
     out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
-    reader.start()
+    arrived = threading.Condition()
 
-    def wait_for(text, timeout=240):
-        end = time.time() + timeout
-        while time.time() < end:
-            if text in "".join(out):
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"never saw {text!r}; got {''.join(out)[-500:]!r}")
+    def read():
+        for ch in iter(lambda: proc.stdout.read(1), ""):
+            with arrived:
+                out.append(ch)
+                arrived.notify_all()
 
-    wait_for("Ctrl-C stops an answer")
+    threading.Thread(target=read, daemon=True).start()
+
+    def wait_until(seen, what):
+        """Block until seen(output so far) holds; the deadline only turns a hang into a failure."""
+        with arrived:
+            assert arrived.wait_for(lambda: seen("".join(out)), timeout=240), \
+                f"never saw {what}; got {''.join(out)[-500:]!r}"
+            return len(out)
+
+    prompt_end = wait_until(lambda text: text.endswith("stops an answer.\n> "), "the prompt")
     proc.stdin.write("Tell me a very long story about a dragon.\n")
     proc.stdin.flush()
-    time.sleep(8)                      # let the answer stream a while
+    wait_until(lambda text: text[prompt_end:].strip(), "the answer start")
     proc.send_signal(signal.SIGINT)
-    wait_for("[stopped]")
+    stopped_at = wait_until(lambda text: "[stopped]" in text[prompt_end:], "[stopped]")
     proc.stdin.write("/stats\n")
     proc.stdin.flush()
-    wait_for("prefix-cache hit rate")
+    wait_until(lambda text: "prefix-cache hit rate" in text[stopped_at:], "the stats")
     proc.stdin.write("/reset\n/exit\n")
     proc.stdin.flush()
     assert proc.wait(timeout=60) == 0

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agreement import assert_greedy_agree, engine_logits
 from pyllama_paged.llama import Llama
 from pyllama_paged.sampling import SamplingParams
 
@@ -50,7 +51,9 @@ def test_greedy_choices_match_llamacpp(llm):
 
 
 def test_free_running_greedy_matches(llm):
-    case = FIXTURE["cases"][1]  # code prompt: no near-ties in its first 32 tokens
+    case = FIXTURE["cases"][1]  # code prompt: no near-ties in its first 32 tokens here
     params = SamplingParams(max_tokens=len(case["greedy_ids"]), temperature=0)
     ids = [tok for tok, _ in llm.generate(case["prompt_ids"], params)]
-    assert ids == case["greedy_ids"]
+    # equal, or parted at a near-tie of our own logits (another CPU may round one the other way)
+    assert_greedy_agree(case["prompt_ids"], case["greedy_ids"], ids, engine_logits(llm.engine),
+                        llm.tokenizer.eot_ids)

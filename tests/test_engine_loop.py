@@ -1,6 +1,7 @@
 """EngineLoop: many threads submit at once; streams, async streams, abort, idling."""
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -8,9 +9,11 @@ import pytest
 
 from pyllama_paged.engine import Engine
 from pyllama_paged.engine_loop import EngineLoop
+from pyllama_paged.errors import PagedError
 from pyllama_paged.llm_engine import LLMEngine
 from pyllama_paged.model import Model
 from pyllama_paged.sampling import SamplingParams
+from agreement import assert_greedy_agree, engine_logits
 from reference.tiny_gguf import write_tiny_model
 
 
@@ -47,7 +50,10 @@ def test_many_threads_get_the_single_user_answers(loop):
         t.start()
     for t in threads:
         t.join()
-    assert results == single
+    # equal to each answer alone, up to near-ties (tests/agreement.py)
+    logits_of = lambda ids: loop.call(lambda llm: engine_logits(llm.engine)(ids))
+    for prompt, alone, got in zip(prompts, single, results):
+        assert_greedy_agree(prompt, alone, got, logits_of, {2})
     assert loop.call(lambda llm: llm.stats()["blocks_used"]) == 0
 
 
@@ -74,8 +80,118 @@ def test_bad_request_gets_an_error_output(loop):
     assert outs[-1].finished and "does not fit" in outs[-1].error
 
 
+def thread_cpu_ticks(thread: threading.Thread) -> int:
+    """User + system CPU time of one thread, in clock ticks (Linux /proc)."""
+    fields = open(f"/proc/self/task/{thread.native_id}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def test_idle_loop_does_not_spin(loop):
-    time.sleep(0.2)
-    cpu0 = time.process_time()
+    # The loop thread's own CPU time over half a second: a thread that spins
+    # burns ~50 ticks whatever the CPU; a sleeping one none.
+    before = thread_cpu_ticks(loop._thread)
     time.sleep(0.5)
-    assert time.process_time() - cpu0 < 0.1
+    assert thread_cpu_ticks(loop._thread) - before <= 2
+
+
+@contextlib.contextmanager
+def paused(loop):
+    """Hold the loop thread inside a call, so that commands queue up behind it."""
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(llm):
+        inside.set()
+        release.wait()
+
+    holder = threading.Thread(target=loop.call, args=(hold,))
+    holder.start()
+    inside.wait()
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join()
+
+
+def finishes(fn, timeout=120):
+    """fn()'s result, run on a thread; the deadline only turns a hang into a failure."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "hung"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_abort_before_admission_never_runs(loop):
+    with paused(loop):
+        stream = loop.submit(list(range(10, 60)), SamplingParams(max_tokens=200, temperature=0))
+        stream.abort()
+    assert sum(len(o.events) for o in stream) == 0
+    assert loop.call(lambda llm: (llm.has_work(), llm.stats()["blocks_used"])) == (False, 0)
+
+
+def test_a_request_that_fails_to_add_fails_alone(loop):
+    with paused(loop):
+        good = loop.submit([5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
+        bad = loop.submit([5, 10 ** 6], SamplingParams(max_tokens=8))
+        also_bad = loop.submit([5, "x"], SamplingParams(max_tokens=8))
+    assert "vocabulary" in finishes(lambda: list(bad))[-1].error
+    assert "integers" in finishes(lambda: list(also_bad))[-1].error
+    assert sum(len(o.events) for o in finishes(lambda: list(good))) == 8
+
+
+def test_a_request_id_in_flight_is_refused(loop):
+    with paused(loop):
+        first = loop.submit([5, 6], SamplingParams(max_tokens=2), request_id="same")
+        with pytest.raises(PagedError, match="already in flight"):
+            loop.submit([5, 6], SamplingParams(max_tokens=2), request_id="same")
+    assert sum(len(o.events) for o in first) == 2
+
+
+@pytest.fixture
+def own_loop(tmp_path):
+    path = write_tiny_model(tmp_path / "llama.gguf", "llama", weight_type="q8_0")
+    model = Model(path)
+    engine = Engine(model, n_ctx=256, n_threads=1, n_batch=128, block_size=16, num_blocks=200)
+    loop = EngineLoop(LLMEngine(engine, {2}))
+    yield loop
+    loop.stop()
+    engine.close()
+    model.close()
+
+
+def test_calls_after_stop_raise_instead_of_waiting(own_loop):
+    own_loop.stop()
+    with pytest.raises(PagedError, match="stopped"):
+        finishes(lambda: own_loop.call(lambda llm: 1))
+    with pytest.raises(PagedError, match="stopped"):
+        own_loop.submit([5, 6], SamplingParams(max_tokens=2))
+    own_loop.abort("anything")   # a no-op, not an error
+
+
+def test_work_queued_when_the_loop_stops_gets_an_error(own_loop):
+    results = {}
+    with paused(own_loop):
+        stream = own_loop.submit([5, 6, 7], SamplingParams(max_tokens=50))
+        waiter = threading.Thread(target=lambda: results.update(
+            call=finishes(lambda: pytest.raises(PagedError, own_loop.call, lambda llm: 1))))
+        waiter.start()
+        stopper = threading.Thread(target=own_loop.stop)
+        stopper.start()
+        while not own_loop._stopped:   # stop() has been asked before the loop resumes
+            time.sleep(0.01)
+    stopper.join()
+    waiter.join()
+    assert "stopped" in str(results["call"].value)
+    with pytest.raises(PagedError, match="stopped"):
+        finishes(lambda: list(stream))

@@ -42,6 +42,7 @@ class Generation:
     last_token_at: float | None = None
     num_generated: int = 0
     finish_reasons: dict[int, str] = field(default_factory=dict)
+    output_ids: list[int] = field(default_factory=list)   # sample 0's tokens, end-of-turn excluded
 
     async def deltas(self):
         """Async iterator of TextDelta; aborts the request if the consumer goes away."""
@@ -63,6 +64,8 @@ class Generation:
                         self.metrics.observe_itl(now - self.last_token_at)
                     self.last_token_at = now
                     self.num_generated += len(out.events)
+                    self.output_ids += [e.token_id for e in out.events
+                                        if e.seq_index == 0 and e.token_id not in served.tokenizer.eot_ids]
                 for d in assembler.feed(out):
                     if d.finish_reason:
                         self.finish_reasons[d.index] = d.finish_reason

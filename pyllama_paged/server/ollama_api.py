@@ -41,6 +41,7 @@ class GenerateRequest(BaseModel):
     stream: bool = True
     options: Options | None = None
     images: list[str] | None = None
+    context: list[int] | None = None   # a previous answer's context: continue that exchange
 
 
 class Message(BaseModel):
@@ -126,9 +127,15 @@ def build_router(state) -> APIRouter:
         if not body.prompt:   # Ollama answers an empty prompt by loading the model
             return JSONResponse({"model": body.model, "created_at": _now(), "response": "",
                                  "done": True, "done_reason": "load"})
-        ids = served.tokenizer.encode(text, add_special=True, parse_special=not body.raw)
+        ids = list(body.context or []) + \
+            served.tokenizer.encode(text, add_special=not body.context, parse_special=not body.raw)
         gen = start_generation(served, ids, _params(body.options), state.limits, state.metrics)
-        shape = lambda text, done: {"model": body.model, "created_at": _now(), "response": text, "done": done}
+
+        def shape(text, done):
+            out = {"model": body.model, "created_at": _now(), "response": text, "done": done}
+            if done:   # Ollama's token context of this exchange (prompt + response)
+                out["context"] = gen.prompt_ids + gen.output_ids
+            return out
         return await respond(gen, body.stream, shape)
 
     @router.post("/api/chat")

@@ -1,0 +1,60 @@
+"""Comparing greedy answers computed in different batch shapes.
+
+GGML picks different matmul kernels for different batch shapes (and CPUs), so
+the same greedy request run alone and run beside others may part where the two
+best logits are nearly tied. These helpers accept a divergence only there: at
+the first differing position both tokens must be within NEAR_TIE logits of the
+best logit, recomputed for that prefix by a single-sequence prefill. After the
+first divergence the two answers continue different texts and are not compared.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+# Logits. Batch-shape differences are rounding (a small fraction of a logit); a real bug
+# (wrong KV, mixed-up sequences) moves logits by whole units.
+NEAR_TIE = 0.5
+
+
+def engine_logits(engine) -> Callable[[Sequence[int]], np.ndarray]:
+    """logits_of(ids) for assert_greedy_agree: the next-token logits after ids,
+    computed by a single-sequence prefill on engine."""
+
+    def logits_of(ids):
+        seq = engine.add_sequence(list(ids))
+        try:
+            return engine.prefill(seq)
+        finally:
+            engine.free(seq)
+
+    return logits_of
+
+
+def assert_greedy_agree(prompt: Sequence[int], expected: Sequence[int], got: Sequence[int],
+                        logits_of: Callable[[Sequence[int]], np.ndarray], end_ids=(),
+                        margin: float = NEAR_TIE) -> None:
+    """expected and got are greedy continuations of prompt; they must be equal up to
+    a near-tie (see the module docstring). An answer that ends early is taken to
+    have chosen one of end_ids at that position."""
+    expected, got = list(expected), list(got)
+    n = min(len(expected), len(got))
+    i = next((j for j in range(n) if expected[j] != got[j]), None)
+    if i is None:
+        if len(expected) == len(got):
+            return
+        i = n
+    row = np.asarray(logits_of(list(prompt) + expected[:i]), dtype=np.float64)
+    best = float(row.max())
+
+    def gap(answer):
+        if i < len(answer):
+            return best - row[answer[i]]
+        return min((best - row[t] for t in end_ids), default=np.inf)
+
+    gaps = (gap(expected), gap(got))
+    assert max(gaps) <= margin, (
+        f"answers part at token {i} ({expected[i:i + 1]} vs {got[i:i + 1]}) where the logits are "
+        f"{gaps[0]:.3f} and {gaps[1]:.3f} below the best: more than the {margin} of a near-tie")
