@@ -33,7 +33,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -66,7 +68,8 @@ def time_calls(fn, n: int, flush) -> list[float]:
 
 
 def bench_shape(shape_name: str, kv: str, args, rng: np.random.Generator) -> list[dict]:
-    from pyllama_paged.attention_harness import AttentionHarness
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))   # the harness lives with the tests
+    from attention_harness import AttentionHarness
 
     n_head, n_head_kv, head_dim = SHAPES[shape_name]
     max_ctx = max(args.contexts)

@@ -7,7 +7,7 @@ What one measurement is
 -----------------------
 - pp: one fresh sequence of --prompt-tokens token ids (our tokenizer, BOS
   first) evaluated in one batch (n_batch 512): wall time of
-  ``engine.prefill(seq)`` for us, of ``llm.eval(ids)`` for llama.cpp; both
+  ``runner.prefill(seq)`` for us, of ``llm.eval(ids)`` for llama.cpp; both
   compute the logits of the last token only.
 - tg: then --gen-tokens greedy steps, one token each (argmax of the last
   logits, fed back, EOS ignored), on top of the prompt's KV (so this is
@@ -92,7 +92,7 @@ class OursSide:
                          kv_cache_type=args.kv_cache_type)
 
     def one_round(self, n_gen: int) -> tuple[float, float, list[int], None]:
-        eng = self.llm.engine
+        eng = self.llm.runner
         seq = eng.add_sequence(self.ids)
         if seq.num_computed != 0:
             raise RuntimeError(f"prefix cache hit ({seq.num_computed} tokens): pp would be skipped")

@@ -23,9 +23,9 @@ Trace (seeded, identical for both sides)
 
 Sides (same model, same threads, same scheduler settings)
 ---------------------------------------------------------
-- paged: Engine(paged=True, block_size=--block-size,
+- paged: ModelRunner(paged=True, block_size=--block-size,
   num_blocks=budget/block_size): pages, prefix cache, copy-on-write n=4.
-- slab: Engine(paged=False, n_seq_max=budget/n_ctx): one n_ctx slab per
+- slab: ModelRunner(paged=False, n_seq_max=budget/n_ctx): one n_ctx slab per
   sequence (the naive allocator). It cannot fork, so an n=4 request is sent
   as 4 separate n=1 requests with the same 4 seeds, each with its own copy of
   the prompt (the honest "without sharing" baseline); the client request is
@@ -33,7 +33,7 @@ Sides (same model, same threads, same scheduler settings)
 Both use LLMEngine + Scheduler(max_num_batched_tokens=--max-batched-tokens,
 max_num_seqs=--max-num-seqs, preemption_mode=recompute).
 
-Driver: one forward of a few tokens warms each engine up (graph allocation)
+Driver: one forward of a few tokens warms each runner up (graph allocation)
 before its clock starts; then a single loop: submit every request whose arrival time has
 passed, run one llm.step(), record; sleep until the next arrival when idle.
 
@@ -242,30 +242,30 @@ def _cpu_busy_s() -> float | None:
 
 
 def run_side(name: str, paged: bool, model, tok, trace: list[ClientRequest], args) -> dict:
-    from pyllama_paged.engine import Engine
-    from pyllama_paged.llm_engine import LLMEngine
-    from pyllama_paged.sampling import SamplingParams
-    from pyllama_paged.scheduler import SchedulerConfig
-    from pyllama_paged.sequence import RequestStatus
+    from pyllama_paged.engine.model_runner import ModelRunner
+    from pyllama_paged.engine.llm_engine import LLMEngine
+    from pyllama_paged.engine.sampler import SamplingParams
+    from pyllama_paged.engine.scheduler import SchedulerConfig
+    from pyllama_paged.engine.request import RequestStatus
 
     budget = args.budget_tokens
     if paged:
-        engine = Engine(model, paged=True, n_ctx=args.n_ctx, n_threads=args.threads,
+        runner = ModelRunner(model, paged=True, n_ctx=args.n_ctx, n_threads=args.threads,
                         n_batch=args.max_batched_tokens, block_size=args.block_size,
                         num_blocks=budget // args.block_size)
     else:
-        engine = Engine(model, paged=False, n_ctx=args.n_ctx, n_threads=args.threads,
+        runner = ModelRunner(model, paged=False, n_ctx=args.n_ctx, n_threads=args.threads,
                         n_batch=args.max_batched_tokens, n_seq_max=budget // args.n_ctx)
-    assert engine.kv.paged == paged
-    llm = LLMEngine(engine, tok.eot_ids, SchedulerConfig(
+    assert runner.kv.paged == paged
+    llm = LLMEngine(runner, tok.eot_ids, SchedulerConfig(
         max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
         preemption_mode="recompute"))
-    slots_total = engine.kv.num_blocks * engine.kv.block_size
+    slots_total = runner.kv.num_blocks * runner.kv.block_size
     # warm-up outside the clock (a started server has done its first graph allocation):
     # one prompt shorter than a block, so the prefix cache sees nothing
-    warm = engine.add_sequence(trace[0].prompt[:min(8, args.block_size - 1)])
-    engine.step([(warm, len(warm.token_ids))])
-    engine.free(warm)
+    warm = runner.add_sequence(trace[0].prompt[:min(8, args.block_size - 1)])
+    runner.step([(warm, len(warm.token_ids))])
+    runner.free(warm)
 
     def params(seed, n, max_tokens):
         return SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=seed, n=n)
@@ -339,7 +339,7 @@ def run_side(name: str, paged: bool, model, tok, trace: list[ClientRequest], arg
                 req = llm.requests.get(rid)
                 if req is None:
                     continue
-                tables = [engine.kv.block_table(s.kv.handle) for s in req.seqs if s.kv is not None]
+                tables = [runner.kv.block_table(s.kv.handle) for s in req.seqs if s.kv is not None]
                 if not tables:
                     continue
                 total = int(sum(len(tb) for tb in tables))
@@ -351,11 +351,11 @@ def run_side(name: str, paged: bool, model, tok, trace: list[ClientRequest], arg
         running_tokens = sum(len(s.kv.token_ids) for r in llm.scheduler.running
                              for s in r.live_seqs if s.kv is not None)
         if paged:
-            ps = engine.kv.pool.stats()
+            ps = runner.kv.pool.stats()
             stored, held, logical = ps.tokens_stored, ps.slots_held, ps.tokens_logical
         else:
             stored = logical = running_tokens
-            held = st["blocks_used"] * engine.kv.block_size
+            held = st["blocks_used"] * runner.kv.block_size
         samples.append({
             "t": t1, "dt": t1 - t0, "running_seqs": st["running_seqs"],
             "running_requests": st["running_requests"], "waiting": st["waiting_requests"],
@@ -371,7 +371,7 @@ def run_side(name: str, paged: bool, model, tok, trace: list[ClientRequest], arg
                  else max(0.0, (busy1 - busy0) - (own1 - own0)) / (makespan * ncpu))
     load_end = os.getloadavg()
     final_stats = llm.stats()
-    engine.close()
+    runner.close()
 
     # ---- summary
     dts = np.array([s["dt"] for s in samples])
@@ -385,8 +385,8 @@ def run_side(name: str, paged: bool, model, tok, trace: list[ClientRequest], arg
         "side": name,
         "paged": paged,
         "kv_slots": slots_total,
-        "kv_layout": (f"{engine.kv.num_blocks} blocks x {engine.kv.block_size}" if paged
-                      else f"{engine.kv.num_blocks} slabs x {engine.kv.block_size}"),
+        "kv_layout": (f"{runner.kv.num_blocks} blocks x {runner.kv.block_size}" if paged
+                      else f"{runner.kv.num_blocks} slabs x {runner.kv.block_size}"),
         "steps": len(samples),
         "makespan_s": makespan,
         "completed": len(done),
@@ -607,8 +607,8 @@ def main(argv=None) -> int:
     if args.budget_tokens % args.n_ctx or args.budget_tokens % args.block_size:
         ap.error("--budget-tokens must be a multiple of --n-ctx and of --block-size")
 
-    from pyllama_paged.model import Model
-    from pyllama_paged.tokenizer import Tokenizer
+    from pyllama_paged.engine.model import Model
+    from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
     t_all = time.perf_counter()
     model = Model(args.model)

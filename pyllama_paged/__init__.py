@@ -1,16 +1,34 @@
 """pyllama-paged: quantized GGUF models on GGML with a paged KV cache."""
 
-from .block_pool import BlockInfo, BlockPool, BlockState, PoolStats
-from .errors import NativeError, OutOfBlocksError, PagedError
-
-__version__ = "0.1.0"
+from .engine.block_pool import BlockInfo, BlockPool, BlockState, PoolStats
+from .engine.llm_engine import LLMEngine, RequestOutput
+from .engine.loop import EngineLoop, RequestStream
+from .engine.model import Model
+from .engine.model_runner import ModelRunner
+from .engine.sampler import SamplingParams
+from .engine.scheduler import SchedulerConfig
+from .errors import ComputeError, NativeError, OutOfBlocksError, PagedError
+from .gguf.config import ModelLoadError
+from .llama import Llama
+from ._version import __version__
 
 __all__ = [
     "BlockInfo",
     "BlockPool",
     "BlockState",
+    "ComputeError",
+    "EngineLoop",
+    "LLMEngine",
+    "Llama",
+    "Model",
+    "ModelLoadError",
+    "ModelRunner",
     "NativeError",
     "OutOfBlocksError",
     "PagedError",
     "PoolStats",
+    "RequestOutput",
+    "RequestStream",
+    "SamplingParams",
+    "SchedulerConfig",
 ]

@@ -49,7 +49,7 @@ def _print_stats(llm, last_rate: float | None) -> None:
     s = llm.stats()
     if "blocks_cached" in s:
         print(f"[pages: {s['blocks_used']} used, {s['blocks_free']} free, {s['blocks_shared']} shared, "
-              f"{s['blocks_cached']} cached of {s['blocks_total']} x {llm.engine.kv.block_size} tokens; "
+              f"{s['blocks_cached']} cached of {s['blocks_total']} x {llm.runner.kv.block_size} tokens; "
               f"utilization {s['utilization']:.1%}; prefix-cache hit rate {s['prefix_hit_rate']:.1%}]")
     else:
         print(f"[slabs: {s['blocks_used']} used, {s['blocks_free']} free of {s['blocks_total']}]")
@@ -133,8 +133,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from .model import Model
-    from .runner import KV_TYPES
+    from .engine.model import Model
+    from .engine.model_runner import KV_TYPES
 
     model = Model(args.path)
     cfg = model.config
@@ -142,7 +142,8 @@ def cmd_info(args) -> int:
     for key, value in model.metadata.items():
         if key.startswith("tokenizer.ggml.") and isinstance(value, (list, tuple)) or hasattr(value, "shape"):
             value = f"[{len(value)} entries]"
-        print(f"  {key} = {value}")
+        # strings that are not UTF-8 (kept lossless by the reader) print as escapes
+        print(f"  {key} = {value}".encode("utf-8", "backslashreplace").decode("utf-8"))
     print(f"config: {cfg}")
     per_elem = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
     for kv_type in KV_TYPES:

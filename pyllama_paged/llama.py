@@ -8,15 +8,16 @@ import uuid
 from typing import Iterator, Sequence
 
 from ._native import GGML_LOG_DEBUG, lib
-from .chat_template import ChatTemplate
-from .engine import Engine
+from .tokenizer.chat_template import ChatTemplate
+from .engine.model_runner import ModelRunner
 from .errors import PagedError
-from .llm_engine import LLMEngine
-from .model import Model
-from .sampling import Sampler, SamplingParams, top_logprobs
-from .scheduler import SchedulerConfig
-from .text_stream import StopMatcher, TextAssembler
-from .tokenizer import IncrementalDecoder, Tokenizer
+from .engine.llm_engine import LLMEngine
+from .engine.model import Model
+from .engine.sampler import SamplingParams
+from .sampling_options import PYTHON, sampling_params
+from .engine.scheduler import SchedulerConfig
+from .text_stream import TextAssembler
+from .tokenizer.tokenizer import Tokenizer
 
 
 def _default_threads() -> int:
@@ -40,12 +41,12 @@ class Llama:
         self.n_threads = n_threads or _default_threads()
         self.n_ctx_value = min(n_ctx, self._model.config.n_ctx_train) if n_ctx > 0 else \
             self._model.config.n_ctx_train
-        self.engine = Engine(self._model, paged=paged, n_ctx=self.n_ctx_value, n_seq_max=n_seq_max,
+        self.runner = ModelRunner(self._model, paged=paged, n_ctx=self.n_ctx_value, n_seq_max=n_seq_max,
                              n_threads=self.n_threads, n_batch=n_batch, block_size=block_size,
                              kv_cache_type=kv_cache_type)
         self.paged = paged
         self.chat_template = ChatTemplate.for_model(self._model.metadata, self._model.config.arch)
-        self.llm_engine = LLMEngine(self.engine, self.tokenizer.eot_ids,
+        self.llm_engine = LLMEngine(self.runner, self.tokenizer.eot_ids,
                                     SchedulerConfig(max_num_batched_tokens=n_batch))
 
     # ---- basics -------------------------------------------------------------
@@ -74,10 +75,10 @@ class Llama:
         return self.llm_engine.stats()
 
     def close(self) -> None:
-        """Free the engine and the model."""
-        if getattr(self, "engine", None) is not None:
-            self.engine.close()
-            self.engine = None
+        """Free the runner and the model."""
+        if getattr(self, "runner", None) is not None:
+            self.runner.close()
+            self.runner = None
         if getattr(self, "_model", None) is not None:
             self._model.close()
             self._model = None
@@ -88,35 +89,12 @@ class Llama:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- generation ---------------------------------------------------------
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[tuple[int, object]]:
-        """Yield (token id, logits row) for each generated token until max_tokens or end of text."""
-        if self.engine is None:
-            raise PagedError("this Llama is closed")
-        params.validate()
-        if not prompt_ids:
-            raise PagedError("the prompt is empty")
-        if len(prompt_ids) >= self.n_ctx_value:
-            raise PagedError(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
-                             f"{self.n_ctx_value} tokens")
-        if params.seed is None and self.seed is not None:
-            params.seed = self.seed
-        sampler = Sampler(params)
-        seq = self.engine.add_sequence(list(prompt_ids))
-        try:
-            logits = self.engine.prefill(seq)
-            limit = params.max_tokens if params.max_tokens else self.n_ctx_value
-            limit = min(limit, self.n_ctx_value - len(prompt_ids))
-            for _ in range(limit):
-                token = sampler.sample(logits, seq.token_ids)
-                yield token, logits
-                ended = token in self.tokenizer.eot_ids and not params.ignore_eos
-                if ended or len(seq.token_ids) >= self.n_ctx_value:
-                    return
-                self.engine.append_tokens(seq, [token])
-                logits = self.engine.step([(seq, 1)])[0]
-        finally:
-            self.engine.free(seq)
+    # ---- generation: every path goes through the scheduler -----------------
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        """Yield each generated token id (an end-of-text token included) until it ends."""
+        for _, _, _, _, event in self.stream_texts([list(prompt_ids)], params):
+            if event is not None:
+                yield event.token_id
 
     def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16,
                           temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
@@ -126,13 +104,10 @@ class Llama:
                           seed: int | None = None, logprobs: int | None = None, echo: bool = False,
                           ignore_eos: bool = False):
         """OpenAI-shaped text completion (a dict, or an iterator of chunks if stream)."""
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        params = SamplingParams(max_tokens=max_tokens if max_tokens is not None else 0,
-                                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-                                frequency_penalty=frequency_penalty, seed=seed, stop=stops,
-                                logprobs=logprobs, ignore_eos=ignore_eos)
-        params.validate()
+        params = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, stop=stop, seed=seed, logprobs=logprobs,
+                              ignore_eos=ignore_eos)
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, special=True)
         chunks = self._completion_chunks(prompt, prompt_ids, params, echo)
         if stream:
@@ -144,10 +119,7 @@ class Llama:
     def _completion_chunks(self, prompt, prompt_ids, params: SamplingParams, echo: bool):
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
-        decoder = IncrementalDecoder(self.tokenizer, skip_special=True)
-        stopper = StopMatcher(params.stop)
         completion_tokens = 0
-        finish = "length"
 
         def chunk(text, finish_reason=None, lp=None):
             return {"id": cid, "object": "text_completion", "created": created,
@@ -155,34 +127,24 @@ class Llama:
                     "choices": [{"text": text, "index": 0, "logprobs": lp,
                                  "finish_reason": finish_reason}]}
 
+        def piece(token_id):
+            return self.tokenizer.token_to_piece(token_id).decode("utf-8", "replace")
+
         if echo:
             yield chunk(prompt if isinstance(prompt, str) else self.detokenize(prompt_ids).decode(
                 "utf-8", "replace"))
-        stopped = False
-        for token, logits in self.generate(prompt_ids, params):
-            completion_tokens += 1
-            if token in self.tokenizer.eot_ids and not params.ignore_eos:
-                finish = "stop"
-                break
-            piece = decoder.add(token)
-            text, stopped = stopper.feed(piece)
+        finish = "length"
+        for _, _, text, finish_reason, event in self.stream_texts([prompt_ids], params):
             lp = None
-            if params.logprobs is not None:
-                chosen, top = top_logprobs(logits, token, params.logprobs)
-                lp = {"tokens": [self.tokenizer.token_to_piece(token).decode("utf-8", "replace")],
-                      "text_offset": [0], "token_logprobs": [chosen],
-                      "top_logprobs": [{self.tokenizer.token_to_piece(t).decode("utf-8", "replace"): v
-                                        for t, v in top.items()}]}
+            if event is not None:
+                completion_tokens += 1
+                if event.logprob is not None:
+                    lp = {"tokens": [piece(event.token_id)], "text_offset": [0],
+                          "token_logprobs": [event.logprob],
+                          "top_logprobs": [{piece(t): v for t, v in event.top_logprobs.items()}]}
             if text or lp:
                 yield chunk(text, lp=lp)
-            if stopped:
-                finish = "stop"
-                break
-        if not stopped:
-            tail, _ = stopper.feed(decoder.flush())
-            tail += stopper.flush()
-            if tail:
-                yield chunk(tail)
+            finish = finish_reason or finish
         final = chunk("", finish)
         final["usage"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
                           "total_tokens": len(prompt_ids) + completion_tokens}
@@ -209,32 +171,27 @@ class Llama:
         return result
 
     # ---- scheduled generation: many prompts, n samples, beams, chat ---------
-    def _params(self, max_tokens, temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty,
-                frequency_penalty, stop, seed, logprobs, n=1, beam_width=1, length_penalty=1.0,
-                early_stopping=True, ignore_eos=False) -> SamplingParams:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        params = SamplingParams(max_tokens=max_tokens or 0, temperature=temperature, top_p=top_p,
-                                top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
-                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                seed=seed if seed is not None else self.seed, stop=stops,
-                                logprobs=logprobs, n=n, beam_width=beam_width,
-                                length_penalty=length_penalty, early_stopping=early_stopping,
-                                ignore_eos=ignore_eos)
-        params.validate()
-        return params
+    def _params(self, **fields) -> SamplingParams:
+        """SamplingParams from this API's keyword arguments (llama-cpp-python's names and
+        defaults); the model's seed applies when none is given."""
+        return sampling_params(PYTHON, fields, seed=self.seed)
 
     def stream_texts(self, prompts_ids: Sequence[Sequence[int]], params: SamplingParams):
         """Run prompts together through the scheduler; yield (prompt index, sample index,
         text delta, finish reason or None, usage tokens) as text becomes available."""
-        if self.engine is None:
+        if self.runner is None:
             raise PagedError("this Llama is closed")
         llm = self.llm_engine
-        requests = [llm.add_request(list(ids), params) for ids in prompts_ids]
-        for i, r in enumerate(requests):
-            if r.error:
-                for rr in requests:
-                    llm.abort(rr.request_id)
-                raise PagedError(f"prompt {i}: {r.error}")
+        requests = []
+        try:
+            for i, ids in enumerate(prompts_ids):
+                requests.append(llm.add_request(list(ids), params))
+                if requests[-1].error:
+                    raise PagedError(f"prompt {i}: {requests[-1].error}")
+        except BaseException:
+            for r in requests:
+                llm.abort(r.request_id)
+            raise
         index = {r.request_id: i for i, r in enumerate(requests)}
         assemblers = [TextAssembler(self.tokenizer, params.stop) for _ in requests]
         width = params.beam_width if params.beam_width > 1 else params.n
@@ -262,8 +219,9 @@ class Llama:
                                stop: str | Sequence[str] | None = None, stream: bool = False,
                                seed: int | None = None, n: int = 1, ignore_eos: bool = False):
         """OpenAI-shaped chat completion over the model's chat template."""
-        params = self._params(max_tokens, temperature, top_p, top_k, min_p, repeat_penalty,
-                              presence_penalty, frequency_penalty, stop, seed, None, n=n,
+        params = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, stop=stop, seed=seed, n=n,
                               ignore_eos=ignore_eos)
         prompt = self.chat_template.render(messages, add_generation_prompt=True)
         prompt_ids = self.tokenize(prompt, add_bos=True, special=True)
@@ -318,9 +276,9 @@ class Llama:
                        beam_width: int = 1, length_penalty: float = 1.0,
                        early_stopping: bool = True) -> list[list[str]]:
         """Many prompts at once through the scheduler; returns each prompt's n (or beam_width) texts."""
-        params = self._params(max_tokens, temperature, top_p, top_k, min_p, 1.0, 0.0, 0.0, stop, seed,
-                              None, n=n, beam_width=beam_width, length_penalty=length_penalty,
-                              early_stopping=early_stopping)
+        params = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              min_p=min_p, stop=stop, seed=seed, n=n, beam_width=beam_width,
+                              length_penalty=length_penalty, early_stopping=early_stopping)
         ids = [self.tokenize(p, special=True) if isinstance(p, str) else list(p) for p in prompts]
         width = beam_width if beam_width > 1 else n
         out = [[""] * width for _ in prompts]

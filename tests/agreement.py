@@ -19,16 +19,16 @@ import numpy as np
 NEAR_TIE = 0.5
 
 
-def engine_logits(engine) -> Callable[[Sequence[int]], np.ndarray]:
+def engine_logits(runner) -> Callable[[Sequence[int]], np.ndarray]:
     """logits_of(ids) for assert_greedy_agree: the next-token logits after ids,
-    computed by a single-sequence prefill on engine."""
+    computed by a single-sequence prefill on runner."""
 
     def logits_of(ids):
-        seq = engine.add_sequence(list(ids))
+        seq = runner.add_sequence(list(ids))
         try:
-            return engine.prefill(seq)
+            return runner.prefill(seq)
         finally:
-            engine.free(seq)
+            runner.free(seq)
 
     return logits_of
 

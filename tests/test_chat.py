@@ -2,10 +2,10 @@
 
 import pytest
 
-from pyllama_paged.chat_template import ChatTemplate, builtin_template
+from pyllama_paged.tokenizer.chat_template import ChatTemplate, builtin_template
 from pyllama_paged.errors import PagedError
 from pyllama_paged.llama import Llama
-from pyllama_paged.sampling import SamplingParams
+from pyllama_paged.engine.sampler import SamplingParams
 from agreement import assert_greedy_agree, engine_logits
 
 CONVERSATION = [
@@ -80,7 +80,7 @@ def test_batch_matches_single_greedy(llm):
         if event is not None:
             together[i].append(event.token_id)
     for prompt, got in zip(ids, together):
-        alone = [tok for tok, _ in llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0))]
-        assert_greedy_agree(prompt, alone, got, engine_logits(llm.engine), llm.tokenizer.eot_ids)
+        alone = list(llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0)))
+        assert_greedy_agree(prompt, alone, got, engine_logits(llm.runner), llm.tokenizer.eot_ids)
     beams = llm.generate_batch(prompts[:1], max_tokens=4, beam_width=3)
     assert len(beams[0]) == 3

@@ -9,7 +9,7 @@ import pytest
 
 from agreement import assert_greedy_agree, engine_logits
 from pyllama_paged.llama import Llama
-from pyllama_paged.sampling import SamplingParams
+from pyllama_paged.engine.sampler import SamplingParams
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "greedy_gemma3_llamacpp.json").read_text())
 # A disagreement is only accepted where our logits call it a near-tie.
@@ -30,10 +30,10 @@ def test_prompt_tokens_match_llamacpp(llm):
 def test_greedy_choices_match_llamacpp(llm):
     steps = agree = 0
     for case in FIXTURE["cases"]:
-        engine = llm.engine
-        seq = engine.add_sequence(case["prompt_ids"])
+        runner = llm.runner
+        seq = runner.add_sequence(case["prompt_ids"])
         try:
-            logits = engine.prefill(seq)
+            logits = runner.prefill(seq)
             # Teacher-forced: feed llama.cpp's token each step, compare our choice.
             for want in case["greedy_ids"]:
                 got = int(np.argmax(logits))
@@ -43,17 +43,17 @@ def test_greedy_choices_match_llamacpp(llm):
                 else:
                     margin = float(logits[got] - logits[want])
                     assert margin < NEAR_TIE, (case["prompt"], steps, margin)
-                engine.append_tokens(seq, [want])
-                logits = engine.step([(seq, 1)])[0]
+                runner.append_tokens(seq, [want])
+                logits = runner.step([(seq, 1)])[0]
         finally:
-            engine.free(seq)
+            runner.free(seq)
     assert agree / steps > 0.9, f"agreement {agree}/{steps}"
 
 
 def test_free_running_greedy_matches(llm):
     case = FIXTURE["cases"][1]  # code prompt: no near-ties in its first 32 tokens here
     params = SamplingParams(max_tokens=len(case["greedy_ids"]), temperature=0)
-    ids = [tok for tok, _ in llm.generate(case["prompt_ids"], params)]
+    ids = list(llm.generate(case["prompt_ids"], params))
     # equal, or parted at a near-tie of our own logits (another CPU may round one the other way)
-    assert_greedy_agree(case["prompt_ids"], case["greedy_ids"], ids, engine_logits(llm.engine),
+    assert_greedy_agree(case["prompt_ids"], case["greedy_ids"], ids, engine_logits(llm.runner),
                         llm.tokenizer.eot_ids)

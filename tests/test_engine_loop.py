@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from pyllama_paged.engine import Engine
-from pyllama_paged.engine_loop import EngineLoop
+from pyllama_paged.engine.model_runner import ModelRunner
+from pyllama_paged.engine.loop import EngineLoop
 from pyllama_paged.errors import PagedError
-from pyllama_paged.llm_engine import LLMEngine
-from pyllama_paged.model import Model
-from pyllama_paged.sampling import SamplingParams
+from pyllama_paged.engine.llm_engine import LLMEngine
+from pyllama_paged.engine.model import Model
+from pyllama_paged.engine.sampler import SamplingParams
 from agreement import assert_greedy_agree, engine_logits
 from reference.tiny_gguf import write_tiny_model
 
@@ -21,11 +21,11 @@ from reference.tiny_gguf import write_tiny_model
 def loop(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("loop") / "llama.gguf", "llama", weight_type="q8_0")
     model = Model(path)
-    engine = Engine(model, n_ctx=256, n_threads=1, n_batch=128, block_size=16, num_blocks=200)
-    loop = EngineLoop(LLMEngine(engine, {2}))
+    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=128, block_size=16, num_blocks=200)
+    loop = EngineLoop(LLMEngine(runner, {2}))
     yield loop
     loop.stop()
-    engine.close()
+    runner.close()
     model.close()
 
 
@@ -51,7 +51,7 @@ def test_many_threads_get_the_single_user_answers(loop):
     for t in threads:
         t.join()
     # equal to each answer alone, up to near-ties (tests/agreement.py)
-    logits_of = lambda ids: loop.call(lambda llm: engine_logits(llm.engine)(ids))
+    logits_of = lambda ids: loop.call(lambda llm: engine_logits(llm.runner)(ids))
     for prompt, alone, got in zip(prompts, single, results):
         assert_greedy_agree(prompt, alone, got, logits_of, {2})
     assert loop.call(lambda llm: llm.stats()["blocks_used"]) == 0
@@ -162,11 +162,11 @@ def test_a_request_id_in_flight_is_refused(loop):
 def own_loop(tmp_path):
     path = write_tiny_model(tmp_path / "llama.gguf", "llama", weight_type="q8_0")
     model = Model(path)
-    engine = Engine(model, n_ctx=256, n_threads=1, n_batch=128, block_size=16, num_blocks=200)
-    loop = EngineLoop(LLMEngine(engine, {2}))
+    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=128, block_size=16, num_blocks=200)
+    loop = EngineLoop(LLMEngine(runner, {2}))
     yield loop
     loop.stop()
-    engine.close()
+    runner.close()
     model.close()
 
 

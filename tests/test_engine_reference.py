@@ -5,8 +5,8 @@ paged=False, f16 and q8_0 KV."""
 import numpy as np
 import pytest
 
-from pyllama_paged.engine import Engine
-from pyllama_paged.model import Model
+from pyllama_paged.engine.model_runner import ModelRunner
+from pyllama_paged.engine.model import Model
 from reference.numpy_model import ReferenceModel
 from reference.tiny_gguf import write_tiny_model
 
@@ -34,23 +34,23 @@ def engine_logits(path, prompt, *, paged, kv_cache_type, block_size=16, chunks=(
                   repack_weights=True):
     """All-position logits, computed in prefill chunks then single-token steps."""
     model = Model(path, repack_weights=repack_weights)
-    engine = Engine(model, paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=block_size,
+    runner = ModelRunner(model, paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=block_size,
                     kv_cache_type=kv_cache_type)
     try:
-        seq = engine.add_sequence(prompt)
+        seq = runner.add_sequence(prompt)
         rows = []
         done = 0
         for n in list(chunks) + [1] * (len(prompt) - sum(chunks)):
-            table = np.full((1, engine.kv.max_blocks_per_seq), -1, np.int32)
-            t = engine.kv.block_table(seq.handle)
+            table = np.full((1, runner.kv.max_blocks_per_seq), -1, np.int32)
+            t = runner.kv.block_table(seq.handle)
             table[0, :len(t)] = t
-            rows.append(engine.runner.forward(
+            rows.append(runner.forward(
                 prompt[done:done + n], list(range(done, done + n)),
-                engine.kv.slot_mapping(seq.handle, done, n), [0] * n, table, list(range(n))))
+                runner.kv.slot_mapping(seq.handle, done, n), [0] * n, table, list(range(n))))
             done += n
         return np.concatenate(rows)
     finally:
-        engine.close()
+        runner.close()
         model.close()
 
 
@@ -114,7 +114,7 @@ def test_repacked_weights_give_the_same_logits(tmp_path, reference_logits, weigh
 
 
 def test_repack_twice_is_refused(tiny_models):
-    from pyllama_paged.model import ModelLoadError
+    from pyllama_paged.engine.model import ModelLoadError
     model = Model(tiny_models["llama"])
     try:
         with pytest.raises(ModelLoadError, match="already repacked"):
@@ -133,11 +133,11 @@ def test_engines_release_their_worker_threads(tiny_models):
     model = Model(tiny_models["llama"])
     before = n_threads_now()
     for _ in range(5):
-        engine = Engine(model, paged=True, n_ctx=64, n_threads=3, n_batch=16, block_size=16)
-        seq = engine.add_sequence([5, 6, 7])
-        engine.prefill(seq)
+        runner = ModelRunner(model, paged=True, n_ctx=64, n_threads=3, n_batch=16, block_size=16)
+        seq = runner.add_sequence([5, 6, 7])
+        runner.prefill(seq)
         assert n_threads_now() >= before + 2   # the pool's two workers
-        engine.close()
+        runner.close()
     assert n_threads_now() == before
     model.close()
 
@@ -160,28 +160,28 @@ def test_rope_frequency_factors_and_partial_rotary_match_reference(tmp_path, ref
 
 
 def test_forked_child_computes_with_its_own_workers(tiny_models):
-    """A fork after the engine started (multiprocessing's fork, gunicorn --preload) must not hang."""
+    """A fork after the runner started (multiprocessing's fork, gunicorn --preload) must not hang."""
     import os
     import signal
 
     model = Model(tiny_models["llama"])
-    engine = Engine(model, paged=True, n_ctx=64, n_threads=2, n_batch=16, block_size=16)
-    want = engine.prefill(engine.add_sequence([5, 6, 7]))
+    runner = ModelRunner(model, paged=True, n_ctx=64, n_threads=2, n_batch=16, block_size=16)
+    want = runner.prefill(runner.add_sequence([5, 6, 7]))
     pid = os.fork()
     if pid == 0:  # child: a hang is killed by the alarm, any failure exits non-zero
         code = 1
         try:
             signal.alarm(60)
-            got = engine.prefill(engine.add_sequence([5, 6, 7, 8]))
+            got = runner.prefill(runner.add_sequence([5, 6, 7, 8]))
             code = 0 if np.isfinite(got).all() else 2
-            engine.close()
+            runner.close()
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
-    again = engine.prefill(engine.add_sequence([5, 6, 7]))   # the parent's pool still works
+    again = runner.prefill(runner.add_sequence([5, 6, 7]))   # the parent's pool still works
     assert np.allclose(again, want)
-    engine.close()
+    runner.close()
     model.close()
 
 
@@ -189,5 +189,5 @@ def test_thread_count_above_ggml_limit_is_an_error(tiny_models):
     from pyllama_paged.errors import NativeError
     model = Model(tiny_models["llama"])
     with pytest.raises(NativeError, match="limit of 512"):
-        Engine(model, paged=True, n_ctx=64, n_threads=10_000, n_batch=16, block_size=16)
+        ModelRunner(model, paged=True, n_ctx=64, n_threads=10_000, n_batch=16, block_size=16)
     model.close()

@@ -5,8 +5,8 @@ import struct
 
 import pytest
 
-from pyllama_paged.model import Model
-from pyllama_paged.model_config import ModelLoadError
+from pyllama_paged.engine.model import Model
+from pyllama_paged.gguf.config import ModelLoadError
 from reference.tiny_gguf import write_tiny_model
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from pyllama_paged.errors import PagedError
-from pyllama_paged.sampling import Sampler, SamplingParams, top_logprobs
+from pyllama_paged.engine.sampler import Sampler, SamplingParams, top_logprobs
 
 
 def draws(params, logits, n=400, history=()):

@@ -222,7 +222,7 @@ def test_many_concurrent_clients_match_single_user(server, registry):
     # Each answer beside 15 others equals the one given alone, up to near-ties
     # of the logits (GGML's kernels differ by batch shape; tests/agreement.py).
     served = registry.get(DEFAULT_MODEL_NAME)
-    logits_of = lambda ids: served.loop.call(lambda llm: engine_logits(llm.engine)(ids))
+    logits_of = lambda ids: served.loop.call(lambda llm: engine_logits(llm.runner)(ids))
     for (prompt, alone), (prompt_again, got) in zip(single, together[:4]):
         assert prompt == prompt_again
         assert_greedy_agree(prompt, alone, got, logits_of, served.tokenizer.eot_ids)

@@ -1,4 +1,4 @@
-"""The continuous-batching engine on a tiny model: batching, preemption,
+"""The continuous-batching runner on a tiny model: batching, preemption,
 prefix caching, n>1 copy-on-write, beam search, abort."""
 
 import numpy as np
@@ -6,11 +6,11 @@ import pytest
 
 from pyllama_paged.errors import ComputeError
 
-from pyllama_paged.engine import Engine
-from pyllama_paged.llm_engine import LLMEngine
-from pyllama_paged.model import Model
-from pyllama_paged.sampling import SamplingParams, log_softmax
-from pyllama_paged.scheduler import SchedulerConfig
+from pyllama_paged.engine.model_runner import ModelRunner
+from pyllama_paged.engine.llm_engine import LLMEngine
+from pyllama_paged.engine.model import Model
+from pyllama_paged.engine.sampler import SamplingParams, log_softmax
+from pyllama_paged.engine.scheduler import SchedulerConfig
 from agreement import assert_greedy_agree, engine_logits
 from reference.tiny_gguf import write_tiny_model
 
@@ -26,9 +26,9 @@ def model(tmp_path_factory):
 
 
 def make_engine(model, num_blocks=400, mode="recompute", budget=64, paged=True, n_seq_max=1):
-    engine = Engine(model, paged=paged, n_ctx=256, n_threads=1, n_batch=budget, block_size=16,
+    runner = ModelRunner(model, paged=paged, n_ctx=256, n_threads=1, n_batch=budget, block_size=16,
                     num_blocks=num_blocks if paged else None, n_seq_max=n_seq_max)
-    return LLMEngine(engine, EOT, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
+    return LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
 
 
 def run_all(llm, prompts, params):
@@ -49,11 +49,11 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0)
 def assert_agree_with_alone(model, prompts, got, alone):
     """Each greedy answer equals the one computed alone, up to near-ties (tests/agreement.py)."""
     llm = make_engine(model)
-    logits_of = engine_logits(llm.engine)
+    logits_of = engine_logits(llm.runner)
     for prompt, g, a in zip(prompts, got, alone):
         assert set(g) == {0}
         assert_greedy_agree(prompt, a[0], g[0], logits_of, EOT)
-    llm.engine.close()
+    llm.runner.close()
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +62,14 @@ def alone(model):
     for p in PROMPTS:
         llm = make_engine(model)
         out.append(run_all(llm, [p], GREEDY)[0])
-        llm.engine.close()
+        llm.runner.close()
     return out
 
 
 def test_continuous_batching_equals_each_request_alone(model, alone):
     llm = make_engine(model)
     assert_agree_with_alone(model, PROMPTS, run_all(llm, PROMPTS, GREEDY), alone)
-    llm.engine.close()
+    llm.runner.close()
 
 
 def test_slab_baseline_batches_too(model):
@@ -78,10 +78,10 @@ def test_slab_baseline_batches_too(model):
     for p in PROMPTS[:4]:
         llm = make_engine(model, paged=False)
         single.append(run_all(llm, [p], GREEDY)[0])
-        llm.engine.close()
+        llm.runner.close()
     llm = make_engine(model, paged=False, n_seq_max=3)
     assert_agree_with_alone(model, PROMPTS[:4], run_all(llm, PROMPTS[:4], GREEDY), single)
-    llm.engine.close()
+    llm.runner.close()
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -91,7 +91,7 @@ def test_preemption_keeps_outputs_and_frees_everything(model, alone, mode):
     stats = llm.stats()
     assert stats["preemptions"] > 0
     assert stats["blocks_used"] == 0 and stats["blocks_free"] + stats["blocks_cached"] == 14
-    llm.engine.close()
+    llm.runner.close()
 
 
 def test_prefix_cache_skips_shared_prefill(model):
@@ -103,7 +103,7 @@ def test_prefix_cache_skips_shared_prefill(model):
     # only the 2 new prompt tokens and the 1 decode step were computed
     assert llm.num_computed_tokens - before == 2 + 1
     assert llm.stats()["prefix_hits"] == 4
-    llm.engine.close()
+    llm.runner.close()
 
 
 def test_n4_shares_prompt_pages_and_copies_only_the_last_block(model):
@@ -124,17 +124,17 @@ def test_n4_shares_prompt_pages_and_copies_only_the_last_block(model):
     outs = [tuple(seq.output_ids) for seq in request.seqs]
     assert len(set(outs)) > 1                             # samples differ
     assert llm.stats()["blocks_used"] == 0
-    llm.engine.close()
+    llm.runner.close()
 
 
-def from_scratch_logprobs(engine):
+def from_scratch_logprobs(runner):
     """logprobs(ids): next-token log-probabilities after ids, recomputed from scratch."""
 
     def logprobs(ids):
-        seq = engine.add_sequence(ids)
-        out = log_softmax(engine.prefill(seq))
-        engine.free(seq)
-        engine.kv.pool.reset_prefix_cache()
+        seq = runner.add_sequence(ids)
+        out = log_softmax(runner.prefill(seq))
+        runner.free(seq)
+        runner.kv.pool.reset_prefix_cache()
         return out
 
     return logprobs
@@ -142,8 +142,8 @@ def from_scratch_logprobs(engine):
 
 def reference_beam_search(model, prompt, width, max_tokens, length_penalty=1.0):
     """Textbook beam search: every hypothesis recomputed from scratch, no sharing."""
-    engine = Engine(model, n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=64)
-    logprobs = from_scratch_logprobs(engine)
+    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=64)
+    logprobs = from_scratch_logprobs(runner)
     beams = [(0.0, [])]
     finished = []
     for _ in range(max_tokens):
@@ -165,7 +165,7 @@ def reference_beam_search(model, prompt, width, max_tokens, length_penalty=1.0):
             break
     else:
         finished += beams
-    engine.close()
+    runner.close()
     ranked = sorted(((s / len(o) ** length_penalty, o) for s, o in finished), key=lambda b: -b[0])
     return [(o, s) for s, o in ranked[:width]]
 
@@ -182,19 +182,19 @@ def test_beam_search_matches_reference(model, width):
                 final = out
     want = reference_beam_search(model, prompt, width, 6)
     # Every beam's score, recomputed from scratch without shared pages, is what
-    # the engine reported: forks and copy-on-write kept each beam's KV right.
-    engine = Engine(model, n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=64)
-    logprobs = from_scratch_logprobs(engine)
+    # the runner reported: forks and copy-on-write kept each beam's KV right.
+    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=64)
+    logprobs = from_scratch_logprobs(runner)
     for tokens, score in final.beams:
         total = sum(float(logprobs(prompt + tokens[:i])[tok]) for i, tok in enumerate(tokens))
         assert abs(total / len(tokens) - score) < 1e-3
-    engine.close()
+    runner.close()
     # The same hypotheses as the textbook search; rounding in other batch shapes
     # may only swap hypotheses of nearly equal score, so compare the scores.
     assert len(final.beams) == len(want)
     assert np.allclose([b[1] for b in final.beams], [w[1] for w in want], atol=0.05)
     assert llm.stats()["blocks_used"] == 0
-    llm.engine.close()
+    llm.runner.close()
 
 
 def test_abort_frees_pages_at_once(model):
@@ -221,12 +221,12 @@ def test_request_that_can_never_fit_fails_fast(model):
         finals += [o for o in llm.step() if o.finished]
     assert finals and (finals[0].error or finals[0].finish_reasons == ["length"])
     assert llm.stats()["blocks_used"] == 0
-    llm.engine.close()
+    llm.runner.close()
 
 
 def test_max_num_seqs_counts_the_samples_a_request_will_fork(model):
-    engine = Engine(model, n_ctx=256, n_threads=1, n_batch=64, block_size=16, num_blocks=200)
-    llm = LLMEngine(engine, EOT, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
+    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=64, block_size=16, num_blocks=200)
+    llm = LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=1, n=4)
     for i in range(4):
         llm.add_request(list(range(10 + i, 30 + i)), params)
@@ -235,7 +235,7 @@ def test_max_num_seqs_counts_the_samples_a_request_will_fork(model):
         llm.step()
         peak = max(peak, sum(len(r.live_seqs) for r in llm.scheduler.running))
     assert peak == 4
-    engine.close()
+    runner.close()
 
 
 @pytest.mark.parametrize("num_blocks", range(12, 18))   # the n=4 request alone needs 12
@@ -258,16 +258,16 @@ def test_a_request_whose_samples_outgrow_the_pool_is_preempted_whole(model, num_
     assert done[sampled.request_id].error is None
     assert [len(s.output_ids) for s in sampled.seqs] == [20] * 4
     assert llm.stats()["blocks_used"] == 0
-    llm.engine.close()
+    llm.runner.close()
 
 
 def test_an_aborted_step_is_a_compute_error_and_the_engine_goes_on(model):
-    engine = Engine(model, n_ctx=256, n_threads=1, n_batch=64, block_size=16, num_blocks=32)
-    seq = engine.add_sequence(list(range(10, 30)))
-    engine.runner.abort()
+    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=64, block_size=16, num_blocks=32)
+    seq = runner.add_sequence(list(range(10, 30)))
+    runner.abort()
     with pytest.raises(ComputeError, match="aborted"):
-        engine.step([(seq, 20)])
+        runner.step([(seq, 20)])
     assert seq.num_computed == 0                           # its KV counts as not written
-    assert np.isfinite(engine.prefill(seq)).all()          # the request is consumed: the next step runs
-    engine.free(seq)
-    engine.close()
+    assert np.isfinite(runner.prefill(seq)).all()          # the request is consumed: the next step runs
+    runner.free(seq)
+    runner.close()

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 try:
-    from pyllama_paged.tokenizer import IncrementalDecoder, Tokenizer, TokenType, read_gguf_metadata
-    from pyllama_paged.tokenizer_bpe import BYTE_TO_CHAR, PreTokenizer, pre_tokenizer_family
+    from pyllama_paged.gguf.reader import GGUFFile
+    from pyllama_paged.tokenizer.tokenizer import IncrementalDecoder, Tokenizer, TokenType
+    from pyllama_paged.tokenizer.bpe import BYTE_TO_CHAR, PreTokenizer, pre_tokenizer_family
 except ImportError:
     if __name__ != "__main__":  # the fixture generator runs without our package
         raise
@@ -354,7 +355,7 @@ def test_from_gguf_path_reader_and_metadata_agree(tmp_path, fixture_data):
     for ref in fixture_data["synthetic"][:2] + fixture_data["synthetic"][-1:]:
         path = tmp_path / f"{ref['name']}.gguf"
         _write_gguf(path, ref["metadata"])
-        md = read_gguf_metadata(path)
+        md = GGUFFile(path).metadata
         assert md["tokenizer.ggml.model"] == ref["metadata"]["tokenizer.ggml.model"]
         assert md["tokenizer.ggml.tokens"] == ref["metadata"]["tokenizer.ggml.tokens"]
         toks = [Tokenizer.from_gguf(path), Tokenizer.from_gguf(gguf.GGUFReader(str(path))),

@@ -16,7 +16,7 @@ from .dashboard import DASHBOARD_HTML
 from .generation import APIError, Limits
 from .metrics import Metrics
 from .registry import EngineOptions, ModelRegistry
-from . import ollama_api, openai_api
+from ..server import ollama_api, openai_api
 
 
 @dataclass
@@ -142,7 +142,7 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
             raise APIError(404, f"model '{model}' not found", "model")
 
         def snapshot(llm):
-            kv = llm.engine.kv
+            kv = llm.runner.kv
             states = []
             if kv.paged:
                 for b in range(kv.num_blocks):

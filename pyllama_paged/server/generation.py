@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..sampling import SamplingParams
+from ..engine.sampler import SamplingParams
+from ..errors import PagedError
+from ..sampling_options import Surface, sampling_params
 from ..text_stream import TextAssembler, TextDelta
 from .metrics import Metrics
 from .registry import ServedModel
@@ -88,13 +90,18 @@ class Generation:
                 "eval_count": self.num_generated, "eval_duration": int((end - first) * 1e9)}
 
 
+def request_params(surface: Surface, fields, **overrides) -> SamplingParams:
+    """The request's SamplingParams; an invalid field is a 400 that names it."""
+    try:
+        return sampling_params(surface, fields, **overrides)
+    except PagedError as e:
+        message = str(e)
+        raise APIError(400, message, message.split("'")[1] if "'" in message else None) from None
+
+
 def start_generation(served: ServedModel, prompt_ids: list[int], params: SamplingParams,
                      limits: Limits, metrics: Metrics) -> Generation:
     """Check the limits that need the model, then a Generation ready to iterate."""
-    try:
-        params.validate()
-    except Exception as e:
-        raise APIError(400, str(e), str(e).split("'")[1] if "'" in str(e) else None) from None
     max_prompt = min(limits.max_prompt_tokens or served.n_ctx, served.n_ctx - 1)
     if len(prompt_ids) > max_prompt:
         raise APIError(400, f"prompt is {len(prompt_ids)} tokens; the limit is {max_prompt}", "prompt")

@@ -11,10 +11,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .. import __version__
+from .._version import __version__
 from ..errors import PagedError
-from ..sampling import SamplingParams
-from .generation import APIError, start_generation
+from ..engine.sampler import SamplingParams
+from ..sampling_options import OLLAMA
+from .generation import APIError, request_params, start_generation
 
 
 class Options(BaseModel):
@@ -70,17 +71,7 @@ def _now() -> str:
 
 
 def _params(options: Options | None) -> SamplingParams:
-    o = options or Options()
-    params = SamplingParams(max_tokens=o.num_predict if o.num_predict and o.num_predict > 0 else 512,
-                            temperature=0.8 if o.temperature is None else o.temperature,
-                            top_k=40 if o.top_k is None else o.top_k,
-                            top_p=0.9 if o.top_p is None else o.top_p,
-                            min_p=0.0 if o.min_p is None else o.min_p, seed=o.seed,
-                            stop=list(o.stop or []),
-                            repeat_penalty=1.1 if o.repeat_penalty is None else o.repeat_penalty,
-                            presence_penalty=o.presence_penalty or 0.0,
-                            frequency_penalty=o.frequency_penalty or 0.0)
-    return params
+    return request_params(OLLAMA, (options or Options()).model_dump())
 
 
 def build_router(state) -> APIRouter:
@@ -166,12 +157,13 @@ def build_router(state) -> APIRouter:
     async def show(body: NameRequest):
         served = find(body.model or body.name or "")
         cfg = served.model.config
-        info = {k: v for k, v in served.model.metadata.items()
+        info = {k: v.encode("utf-8", "replace").decode("utf-8") if isinstance(v, str) else v
+                for k, v in served.model.metadata.items()
                 if not k.startswith("tokenizer.ggml.") and isinstance(v, (str, int, float, bool))}
         return {"modelfile": f"FROM {served.path}\n", "parameters": "", "template": served.template.source,
                 "details": served.details(), "model_info": info,
                 "capabilities": ["completion"],
-                "kv_bytes_per_token": served.engine.runner.kv_bytes_per_token,
+                "kv_bytes_per_token": served.runner.kv_bytes_per_token,
                 "context_length": served.n_ctx, "architecture": cfg.arch}
 
     @router.get("/api/ps")
@@ -179,11 +171,11 @@ def build_router(state) -> APIRouter:
         models = []
         for served in state.registry.models.values():
             stats = await asyncio.to_thread(served.loop.call, lambda llm: llm.stats())
-            kv_bytes = served.engine.runner.kv_bytes_per_token * served.engine.kv.num_blocks * \
-                served.engine.kv.block_size
+            kv_bytes = served.runner.kv_bytes_per_token * served.runner.kv.num_blocks * \
+                served.runner.kv.block_size
             models.append({**describe(served), "expires_at": "0001-01-01T00:00:00Z",
                            "size_vram": 0, "context_length": served.n_ctx,
-                           "kv_cache": {"bytes": kv_bytes, "paged": served.engine.kv.paged, **stats}})
+                           "kv_cache": {"bytes": kv_bytes, "paged": served.runner.kv.paged, **stats}})
         return {"models": models}
 
     @router.get("/api/version")

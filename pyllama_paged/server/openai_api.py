@@ -12,8 +12,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import PagedError
-from ..sampling import SamplingParams
-from .generation import APIError, final_text, start_generation
+from ..engine.sampler import SamplingParams
+from ..sampling_options import OPENAI
+from .generation import APIError, final_text, request_params, start_generation
 
 
 class StreamOptions(BaseModel):
@@ -35,12 +36,8 @@ class Sampling(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
 
     def params(self, max_tokens_default: int) -> SamplingParams:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(max_tokens=self.max_tokens or max_tokens_default,
-                              temperature=self.temperature, top_p=self.top_p, top_k=0, min_p=0.0,
-                              seed=self.seed, stop=stops, n=self.n,
-                              presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty)
+        return request_params(OPENAI, self.model_dump(exclude={"logprobs", "max_completion_tokens"}),
+                              max_tokens=max_tokens_default)
 
 
 class CompletionRequest(Sampling):

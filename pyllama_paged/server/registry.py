@@ -9,13 +9,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..chat_template import ChatTemplate
-from ..engine import Engine
-from ..engine_loop import EngineLoop
-from ..llm_engine import LLMEngine
-from ..model import Model, default_model_path
-from ..scheduler import SchedulerConfig
-from ..tokenizer import Tokenizer
+from ..tokenizer.chat_template import ChatTemplate
+from ..engine.model_runner import ModelRunner
+from ..engine.loop import EngineLoop
+from ..engine.llm_engine import LLMEngine
+from ..engine.model import Model, default_model_path
+from ..engine.scheduler import SchedulerConfig
+from ..tokenizer.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "gemma3:270m"
 
@@ -40,13 +40,13 @@ class ServedModel:
     model: Model
     tokenizer: Tokenizer
     template: ChatTemplate
-    engine: Engine
+    runner: ModelRunner
     loop: EngineLoop
     loaded_at: float = field(default_factory=time.time)
 
     @property
     def n_ctx(self) -> int:
-        return self.engine.n_ctx
+        return self.runner.n_ctx
 
     @property
     def size(self) -> int:
@@ -66,7 +66,7 @@ class ServedModel:
 
     def close(self) -> None:
         self.loop.stop()
-        self.engine.close()
+        self.runner.close()
         self.model.close()
 
 
@@ -95,17 +95,17 @@ class ModelRegistry:
         model = Model(path)
         n_ctx = min(o.n_ctx, model.config.n_ctx_train)
         if o.paged:
-            engine = Engine(model, paged=True, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
+            runner = ModelRunner(model, paged=True, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
                             block_size=o.block_size, kv_cache_type=o.kv_cache_type,
                             num_blocks=max(1, o.kv_budget_tokens // o.block_size))
         else:
-            engine = Engine(model, paged=False, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
+            runner = ModelRunner(model, paged=False, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
                             kv_cache_type=o.kv_cache_type, n_seq_max=max(1, o.kv_budget_tokens // n_ctx))
         tokenizer = Tokenizer.from_metadata(model.metadata)
-        loop = EngineLoop(LLMEngine(engine, tokenizer.eot_ids, SchedulerConfig(
+        loop = EngineLoop(LLMEngine(runner, tokenizer.eot_ids, SchedulerConfig(
             max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs, preemption_mode=o.preemption_mode)))
         self.models[name] = ServedModel(name, str(path), model, tokenizer,
-                                        ChatTemplate.for_model(model.metadata, model.config.arch), engine, loop)
+                                        ChatTemplate.for_model(model.metadata, model.config.arch), runner, loop)
 
     def get(self, name: str | None) -> ServedModel | None:
         """The model for a requested name (None or '' means the first one)."""

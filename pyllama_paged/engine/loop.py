@@ -11,9 +11,9 @@ import queue
 import threading
 from collections import deque
 
-from .errors import PagedError
+from ..errors import PagedError
 from .llm_engine import LLMEngine, RequestOutput
-from .sampling import SamplingParams
+from .sampler import SamplingParams
 
 _END = object()
 

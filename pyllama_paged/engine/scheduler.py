@@ -9,12 +9,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .engine import Engine, SeqState
-from .errors import OutOfBlocksError
-from .sequence import Request, RequestStatus, Sequence
-
-PREEMPTION_MODES = ("recompute", "swap")
-
+from .model_runner import ModelRunner
+from .preemption import PREEMPTION_MODES, release, swap_in, swap_out
+from ..errors import OutOfBlocksError
+from .request import Request, RequestStatus, Sequence
 
 @dataclass
 class SchedulerConfig:
@@ -27,29 +25,30 @@ class SchedulerConfig:
 class Scheduler:
     """Decides which sequences compute how many tokens in the next step."""
 
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None):
-        self.engine = engine
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig | None = None):
+        self.runner = runner
         self.config = config or SchedulerConfig()
         if self.config.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
-        kv = engine.kv
+        kv = runner.kv
         self.reserve_blocks = math.ceil(self.config.watermark * kv.num_blocks) if kv.paged else 0
         self.num_preemptions = 0
-        self.failed: list[Request] = []   # ended by the scheduler; the engine reports them
+        self.failed: list[Request] = []   # ended by the scheduler; the runner reports them
 
     # ---- queue management ------------------------------------------------
     def add(self, request: Request) -> None:
         """Queue a request, or finish it at once with an error if it can never fit."""
         n = len(request.prompt_ids)
-        limit = min(self.engine.n_ctx, self.engine.kv.capacity_tokens())
+        limit = min(self.runner.n_ctx, self.runner.kv.capacity_tokens())
         if n == 0:
             request.error = "the prompt is empty"
         elif n >= limit:
-            request.error = (f"prompt of {n} tokens does not fit: the context holds {self.engine.n_ctx} "
-                             f"tokens and the KV pool {self.engine.kv.capacity_tokens()}")
+            pool = self.runner.kv.capacity_tokens()
+            request.error = (f"prompt of {n} tokens does not fit the context of {self.runner.n_ctx} tokens"
+                             + (f" (the KV pool holds {pool} per sequence)" if pool < self.runner.n_ctx else ""))
         if request.error:
             request.status = RequestStatus.FINISHED
             return
@@ -76,16 +75,10 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         for seq in request.seqs + request.finished_beams:
-            self._release(seq)
+            release(self.runner, seq)
         request.status = RequestStatus.FINISHED
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.kv is not None:
-            self.engine.free(seq.kv)
-            seq.kv = None
-        seq.swapped_blocks = None
-
-    # ---- preemption --------------------------------------------------------
+    # ---- preemption (the moving is in preemption.py) -----------------------
     def _preempt(self, request: Request) -> None:
         """Take every block of a running request at once (recompute or swap)."""
         self.running.remove(request)
@@ -93,36 +86,17 @@ class Scheduler:
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap":
             for seq in request.live_seqs:
-                self._swap_out(seq)
+                swap_out(self.runner, seq)
             request.status = RequestStatus.SWAPPED
             self.swapped.appendleft(request)
         else:
             for seq in request.seqs:
-                self._release(seq)
+                release(self.runner, seq)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
 
-    def _swap_out(self, seq: Sequence) -> None:
-        runner = self.engine.runner
-        seq.swapped_blocks = [runner.read_block(int(b)) for b in self.engine.kv.block_table(seq.kv.handle)]
-        seq.swapped_num_computed = seq.kv.num_computed
-        seq.swapped_tokens = list(seq.kv.token_ids)
-        self.engine.free(seq.kv)
-        seq.kv = None
-
-    def _swap_in(self, seq: Sequence) -> None:
-        kv = self.engine.kv
-        handle, cached = kv.create(seq.swapped_tokens)
-        table = kv.block_table(handle)
-        for i, block in enumerate(table):
-            if i * kv.block_size >= cached:   # cached prefix blocks already hold this data
-                self.engine.runner.write_block(int(block), seq.swapped_blocks[i])
-        kv.mark_computed(handle, seq.swapped_num_computed)
-        seq.kv = SeqState(handle, seq.swapped_num_computed, list(seq.swapped_tokens))
-        seq.swapped_blocks = None
-
     def _blocks_for(self, seqs: list[Sequence], tokens_of) -> bool:
-        kv = self.engine.kv
+        kv = self.runner.kv
         if not kv.paged:
             return kv.num_blocks - kv.num_in_use >= len(seqs)
         need = sum(-(-len(tokens_of(s)) // kv.block_size) for s in seqs)
@@ -153,7 +127,7 @@ class Scheduler:
                     budget -= len(new)
             if not appends:
                 continue
-            while not self.engine.kv.can_append_all([(seq.kv.handle, len(new)) for seq, new in appends]):
+            while not self.runner.kv.can_append_all([(seq.kv.handle, len(new)) for seq, new in appends]):
                 victim = self.running[-1]
                 if len(self.running) == 1:
                     # nothing left to take blocks from: the pool cannot hold it
@@ -170,7 +144,7 @@ class Scheduler:
                 budget += sum(len(new) for _, new in appends)
                 continue
             for seq, new in appends:
-                self.engine.append_tokens(seq.kv, new)
+                self.runner.append_tokens(seq.kv, new)
                 work.append((seq, len(new)))
 
         # prefill chunks of running requests still prefilling
@@ -190,7 +164,7 @@ class Scheduler:
                 break
             self.swapped.popleft()
             for seq in seqs:
-                self._swap_in(seq)
+                swap_in(self.runner, seq)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
@@ -205,10 +179,10 @@ class Scheduler:
             self.waiting.popleft()
             for seq in seqs:
                 try:
-                    seq.kv = self.engine.add_sequence(seq.token_ids)
+                    seq.kv = self.runner.add_sequence(seq.token_ids)
                 except OutOfBlocksError:   # raced the watermark estimate: undo, retry later
                     for s in seqs:
-                        self._release(s)
+                        release(self.runner, s)
                     self.waiting.appendleft(request)
                     return work
             request.status = RequestStatus.RUNNING

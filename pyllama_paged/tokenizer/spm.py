@@ -13,7 +13,7 @@ Merges are local, so the fragment is cut into words before each ``▁`` that can
 a merge with the character before it (decided from the vocabulary once), and each word's result
 is cached. This gives the same tokens as running the merge over the whole fragment.
 
-``bigram_merge`` is shared with the byte-level BPE encoder (``tokenizer_bpe``).
+``bigram_merge`` is shared with the byte-level BPE encoder (``bpe``).
 """
 
 from __future__ import annotations

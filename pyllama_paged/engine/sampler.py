@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .errors import PagedError
+from ..errors import PagedError
 
 
 @dataclass

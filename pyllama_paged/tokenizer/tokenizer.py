@@ -6,9 +6,9 @@ Two vocabulary kinds are supported, chosen by ``tokenizer.ggml.model``:
   pieces merge by score, unknown characters fall back to ``<0xXX>`` byte tokens. A space is put
   in front of the text (and after every special token) when ``tokenizer.ggml.add_space_prefix``
   says so; that flag defaults to true, as in llama.cpp (Gemma 3 sets it to false).
-  See ``tokenizer_spm``.
+  See ``spm``.
 * ``"gpt2"``: byte-level BPE (Llama 3, Qwen 2, SmolLM, GPT-2), with the pre-tokenizer regexes
-  named by ``tokenizer.ggml.pre``. See ``tokenizer_bpe``.
+  named by ``tokenizer.ggml.pre``. See ``bpe``.
 
 Encoding follows llama.cpp: first, special-token texts are cut out of the text (user-defined
 tokens always; control tokens such as ``<start_of_turn>`` only with ``parse_special=True``),
@@ -27,26 +27,24 @@ Decoding choices (llama.cpp leaves these to the caller):
 * Control and unknown tokens decode to their text unless ``skip_special=True``; unused tokens
   decode to nothing.
 
-``Tokenizer.from_gguf`` accepts a path (metadata is read by a small parser here, which takes a
-fraction of a second where ``gguf.GGUFReader`` needs many seconds for a 262k vocabulary), a
-``gguf.GGUFReader``, an object with a ``metadata`` dict, or a ``{key: value}`` metadata dict.
+``Tokenizer.from_gguf`` accepts a path (read with the package's one GGUF reader,
+``pyllama_paged.gguf.reader``), a ``gguf.GGUFReader``, an object with a ``metadata`` dict, or a
+``{key: value}`` metadata dict.
 """
 
 from __future__ import annotations
 
 import codecs
-import mmap
-import os
-import struct
 from enum import IntEnum
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from .tokenizer_bpe import BpeEncoder, bpe_text_to_bytes, pre_tokenizer_family, pre_tokenizer_flags
-from .tokenizer_spm import SPACE_MARK, SpmEncoder
+from ..gguf.reader import GGUFFile
+from .bpe import BpeEncoder, bpe_text_to_bytes, pre_tokenizer_family, pre_tokenizer_flags
+from .spm import SPACE_MARK, SpmEncoder
 
-__all__ = ["TokenType", "Tokenizer", "IncrementalDecoder", "read_gguf_metadata"]
+__all__ = ["TokenType", "Tokenizer", "IncrementalDecoder"]
 
 
 class TokenType(IntEnum):
@@ -78,70 +76,10 @@ _END_OF_TURN_TEXTS = (
 # --- GGUF metadata ----------------------------------------------------------------------------
 
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
-_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_NUMPY = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
-               10: "<u8", 11: "<i8", 12: "<f8"}
 
 
 def _tokenizer_key(key: str) -> bool:
     return key.startswith("tokenizer.") or key == "general.architecture"
-
-
-def read_gguf_metadata(path: Union[str, os.PathLike], want=_tokenizer_key) -> dict[str, Any]:
-    """Read a GGUF file's key/value metadata (little-endian GGUF v2/v3), keeping keys for which
-    ``want(key)`` is true. Strings are ``str`` (invalid UTF-8 kept as surrogate escapes), numeric
-    arrays numpy arrays, string arrays lists."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        if mm[:4] != b"GGUF":
-            raise ValueError(f"{os.fspath(path)!r} is not a GGUF file")
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
-        if version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {version} (or big-endian file)")
-        pos = 24
-        out = {}
-        for _ in range(n_kv):
-            (n,) = struct.unpack_from("<Q", mm, pos)
-            key = mm[pos + 8:pos + 8 + n].decode("utf-8", "replace")
-            (vtype,) = struct.unpack_from("<I", mm, pos + 8 + n)
-            keep = want(key)
-            value, pos = _read_gguf_value(mm, pos + 12 + n, vtype, keep)
-            if keep:
-                out[key] = value
-        return out
-
-
-def _read_gguf_value(mm, pos: int, vtype: int, keep: bool):
-    unpack = struct.unpack_from
-    if vtype == _GGUF_STRING:
-        (n,) = unpack("<Q", mm, pos)
-        pos += 8
-        return (mm[pos:pos + n].decode("utf-8", "surrogateescape") if keep else None), pos + n
-    if vtype == _GGUF_ARRAY:
-        etype, count = unpack("<IQ", mm, pos)
-        pos += 12
-        if etype == _GGUF_STRING:
-            items = []
-            for _ in range(count):
-                (n,) = unpack("<Q", mm, pos)
-                pos += 8
-                if keep:
-                    items.append(mm[pos:pos + n].decode("utf-8", "surrogateescape"))
-                pos += n
-            return (items if keep else None), pos
-        if etype == _GGUF_ARRAY:
-            items = []
-            for _ in range(count):
-                item, pos = _read_gguf_value(mm, pos, _GGUF_ARRAY, keep)
-                items.append(item)
-            return (items if keep else None), pos
-        size = struct.calcsize(_GGUF_SCALAR[etype]) * count
-        arr = np.frombuffer(mm[pos:pos + size], dtype=_GGUF_NUMPY[etype]) if keep else None
-        return arr, pos + size
-    fmt = _GGUF_SCALAR.get(vtype)
-    if fmt is None:
-        raise ValueError(f"unknown GGUF value type {vtype}")
-    return unpack(fmt, mm, pos)[0], pos + struct.calcsize(fmt)
 
 
 def _metadata_from_reader(reader) -> dict[str, Any]:
@@ -278,14 +216,18 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, source) -> "Tokenizer":
         """From a GGUF path, a ``gguf.GGUFReader``, an object with a ``metadata`` dict (our
-        ``gguf_reader.GGUFFile``) or a metadata dict."""
+        ``GGUFFile``) or a metadata dict."""
         if isinstance(source, Mapping):
             return cls.from_metadata(source)
         if isinstance(getattr(source, "metadata", None), Mapping):
             return cls.from_metadata(source.metadata)
         if hasattr(source, "fields"):
             return cls.from_metadata(_metadata_from_reader(source))
-        return cls.from_metadata(read_gguf_metadata(source))
+        gguf_file = GGUFFile(source)
+        try:
+            return cls.from_metadata(gguf_file.metadata)
+        finally:
+            gguf_file.close()
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":

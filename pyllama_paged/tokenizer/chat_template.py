@@ -6,7 +6,7 @@ from __future__ import annotations
 import jinja2
 import jinja2.sandbox
 
-from .errors import PagedError
+from ..errors import PagedError
 
 # Literal text is emitted through {{ '...' }} so whitespace control never eats newlines.
 # Gemma: system text is folded into the first user turn; the assistant role is "model".

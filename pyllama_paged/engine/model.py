@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ._native import check, ffi, lib
-from .errors import NativeError
-from .gguf_reader import GGUFFile
-from .model_config import ARCH_IDS, ModelConfig, ModelLoadError, config_from_metadata
+from .._native import check, ffi, lib
+from ..errors import NativeError
+from ..gguf.reader import GGUFFile
+from ..gguf.config import ARCH_IDS, ModelConfig, ModelLoadError, config_from_metadata
 
 
 def default_model_path() -> str:

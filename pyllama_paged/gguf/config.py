@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .errors import PagedError
+from ..errors import PagedError
 
 ARCH_IDS = {"llama": 0, "qwen2": 1, "qwen3": 2, "gemma3": 3}
 ROPE_NORMAL, ROPE_NEOX = 0, 2

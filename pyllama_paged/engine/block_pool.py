@@ -9,8 +9,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ._native import check, ffi, lib
-from .errors import PagedError
+from .._native import check, ffi, lib
+from ..errors import PagedError
 
 
 class BlockState(enum.IntEnum):

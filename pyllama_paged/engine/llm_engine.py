@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .engine import Engine
-from .errors import PagedError
-from .sampling import Sampler, SamplingParams, log_softmax, top_logprobs
+from .model_runner import ModelRunner
+from ..errors import PagedError
+from .sampler import Sampler, SamplingParams, log_softmax, top_logprobs
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import Request, RequestStatus, Sequence
+from .request import Request, RequestStatus, Sequence
 
 
 @dataclass
@@ -42,15 +42,15 @@ class RequestOutput:
 class LLMEngine:
     """Requests in, token events out, one step at a time."""
 
-    def __init__(self, engine: Engine, eot_ids, config: SchedulerConfig | None = None):
-        self.engine = engine
+    def __init__(self, runner: ModelRunner, eot_ids, config: SchedulerConfig | None = None):
+        self.runner = runner
         self.eot_ids = frozenset(eot_ids)
-        self.scheduler = Scheduler(engine, config)
+        self.scheduler = Scheduler(runner, config)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_computed_tokens = 0          # tokens run through the model
         self.num_generated_tokens = 0
-        self.limit = min(engine.n_ctx, engine.kv.capacity_tokens())
+        self.limit = min(runner.n_ctx, runner.kv.capacity_tokens())
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -74,7 +74,7 @@ class LLMEngine:
         ids = np.asarray(prompt_ids)
         if ids.size and (ids.ndim != 1 or ids.dtype.kind not in "iu"):
             raise PagedError("prompt token ids must be a flat list of integers")
-        n_vocab = self.engine.n_vocab
+        n_vocab = self.runner.n_vocab
         bad = ids[(ids < 0) | (ids >= n_vocab)] if ids.size else ids
         if bad.size:
             raise PagedError(f"token id {int(bad[0])} outside the vocabulary of {n_vocab}")
@@ -102,7 +102,7 @@ class LLMEngine:
         self.scheduler.failed.clear()
         if not work:
             return list(outputs.values())
-        logits = self.engine.step([(seq.kv, n) for seq, n in work])
+        logits = self.runner.step([(seq.kv, n) for seq, n in work])
         self.num_computed_tokens += sum(n for _, n in work)
         ready: dict[str, list[tuple[Sequence, np.ndarray]]] = {}
         for (seq, _), row in zip(work, logits):
@@ -159,7 +159,7 @@ class LLMEngine:
                 len(seq.token_ids) >= self.limit:
             seq.finish_reason = "length"
         if seq.is_finished and seq.kv is not None:
-            self.engine.free(seq.kv)   # finished sequences give their pages back at once
+            self.runner.free(seq.kv)   # finished sequences give their pages back at once
             seq.kv = None
 
     def _sample_step(self, request: Request, items, out: RequestOutput) -> None:
@@ -170,7 +170,7 @@ class LLMEngine:
                 request.is_forked = True
                 for i in range(1, params.n):
                     child = Sequence(list(seq.token_ids), seq.num_prompt, Sampler(params.for_sample(i)),
-                                     kv=self.engine.fork(seq.kv))
+                                     kv=self.runner.fork(seq.kv))
                     request.seqs.append(child)
                     token = child.sampler.sample(row, child.token_ids)
                     self._accept(request, child, token, out, row)
@@ -203,7 +203,7 @@ class LLMEngine:
         for score, parent, tok in chosen:
             if parent.seq_id in used:
                 seq = Sequence(list(parent.token_ids), parent.num_prompt, parent.sampler,
-                               kv=self.engine.fork(parent.kv))
+                               kv=self.runner.fork(parent.kv))
             else:
                 seq = parent
                 used.add(parent.seq_id)
@@ -214,7 +214,7 @@ class LLMEngine:
             seq.cumulative_logprob = score
         for seq, _ in items:
             if seq.seq_id not in used and seq.kv is not None:
-                self.engine.free(seq.kv)
+                self.runner.free(seq.kv)
                 seq.kv = None
                 seq.finish_reason = "pruned"
         live = [s for s, _, _ in new_seqs]
@@ -235,13 +235,13 @@ class LLMEngine:
                     request.finished_beams.append(s)
                 s.finish_reason = s.finish_reason or "length"
                 if s.kv is not None:
-                    self.engine.free(s.kv)
+                    self.runner.free(s.kv)
                     s.kv = None
 
     # ---- statistics --------------------------------------------------------
     def stats(self) -> dict:
         """Pool and scheduler figures for /stats, metrics and benchmarks."""
-        kv = self.engine.kv
+        kv = self.runner.kv
         s = {"running_requests": len(self.scheduler.running), "waiting_requests": len(self.scheduler.waiting),
              "swapped_requests": len(self.scheduler.swapped),
              "running_seqs": self.scheduler.num_running_seqs(),

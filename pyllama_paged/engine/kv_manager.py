@@ -1,15 +1,27 @@
-"""Where a sequence's KV rows live: paged (the C block pool) or one
-contiguous slab of n_ctx tokens per sequence (the paged=False baseline).
-Both answer the same questions the engine asks: slots and block tables."""
+"""The KV manager: where each sequence's KV rows live, paged (the block pool:
+block tables, copy-on-write, prefix cache) or one contiguous slab of n_ctx
+tokens per sequence (the paged=False baseline). Both answer the same
+questions the model runner asks: slots and block tables."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
+from ..errors import OutOfBlocksError, PagedError
 from .block_pool import BlockPool
-from .errors import OutOfBlocksError, PagedError
+
+
+@dataclass
+class SeqState:
+    """One sequence's KV as the runner sees it: its handle in the KV manager and
+    how many of its tokens have their KV computed."""
+
+    handle: int
+    num_computed: int = 0                 # tokens whose KV is in the cache
+    token_ids: list[int] = field(default_factory=list)
 
 
 class PagedKV:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._native import check, ffi, lib
-from .runner import KV_TYPES
+from pyllama_paged._native import check, ffi, lib
+from pyllama_paged.engine.model_runner import KV_TYPES
 
 
 def _i32(a) -> tuple[np.ndarray, object]:

@@ -23,7 +23,7 @@ import unicodedata
 import warnings
 from typing import Iterable, Optional
 
-from .tokenizer_spm import bigram_merge
+from .spm import bigram_merge
 
 _WORD_CACHE_LIMIT = 200_000
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .model_config import ModelLoadError
+from .config import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 _SCALARS = {  # GGUF value type -> (struct code, numpy dtype)
@@ -52,10 +52,8 @@ class _Cursor:
         self.need(n, what)
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return raw.decode("utf-8", "replace")
+        # Lossless: vocabularies may hold byte strings that are not UTF-8.
+        return raw.decode("utf-8", "surrogateescape")
 
     def value(self, vtype: int, what: str):
         if vtype in _SCALARS:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .engine import SeqState
-from .sampling import Sampler, SamplingParams
+from .kv_manager import SeqState
+from .sampler import Sampler, SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -1,0 +1,197 @@
+"""ModelRunner: one model's native KV pools and compute context, and the
+batched forward step over any mix of sequences (each with any number of new
+tokens). It turns sequences into the flat arrays the native step takes:
+tokens, positions, slot_mapping, seq_index, block_tables."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .._native import check, ffi, lib
+from ..errors import PagedError
+from .kv_manager import PagedKV, SeqState, SlabKV
+from .model import Model
+
+KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type ids
+
+
+def _ptr(arr: np.ndarray, ctype: str = "int32_t *"):
+    return ffi.cast(ctype, ffi.from_buffer(arr))
+
+
+class ModelRunner:
+    """A model, where its sequences' KV lives (pages or slabs), and the step that computes them."""
+
+    def __init__(self, model: Model, *, paged: bool = True, n_ctx: int = 4096, n_seq_max: int = 1,
+                 n_threads: int = 2, n_batch: int = 512, block_size: int = 32,
+                 kv_cache_type: str = "f16", num_blocks: int | None = None):
+        if n_ctx < 1 or n_batch < 1 or n_seq_max < 1:
+            raise PagedError("n_ctx, n_batch and n_seq_max must be >= 1")
+        if paged and not 1 <= block_size <= 1024:
+            raise PagedError(f"block_size {block_size} out of range [1, 1024]")
+        if kv_cache_type not in KV_TYPES:
+            raise PagedError(f"kv_cache_type '{kv_cache_type}' unsupported: choose one of "
+                             f"{', '.join(KV_TYPES)}")
+        self.model = model
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.kv_cache_type = kv_cache_type
+        self._cache = None
+        self._ctx = None
+        if paged:
+            # Same KV budget as the slab baseline unless told otherwise.
+            num_blocks = num_blocks or -(-n_ctx * n_seq_max // block_size)
+            self.kv = PagedKV(num_blocks, block_size, n_ctx)
+        else:
+            self.kv = SlabKV(n_seq_max, n_ctx)
+        out = ffi.new("pp_kv_cache **")
+        check(lib.pp_kv_cache_create(model.native, KV_TYPES[kv_cache_type], self.kv.num_blocks,
+                                     self.kv.block_size, int(paged), out), "KV cache")
+        self._cache = out[0]
+        ctx = ffi.new("pp_context **")
+        check(lib.pp_context_create(model.native, self._cache, n_threads, n_batch, ctx), "context")
+        self._ctx = ctx[0]
+        self._batch = ffi.new("pp_batch *")
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.config.n_vocab
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K+V bytes one token takes across all layers."""
+        return lib.pp_kv_cache_bytes_per_token(self._cache)
+
+    @property
+    def block_bytes(self) -> int:
+        """Host bytes one block's K and V take across all layers."""
+        return self.kv_bytes_per_token * self.kv.block_size
+
+    def set_threads(self, n_threads: int) -> None:
+        check(lib.pp_context_set_threads(self._ctx, n_threads), "set_threads")
+
+    def abort(self) -> None:
+        """Stop the running step (or the next one) from any thread: it raises ComputeError."""
+        check(lib.pp_context_abort(self._ctx), "abort")
+
+    # ---- sequences' KV -------------------------------------------------------
+    def add_sequence(self, token_ids: Sequence[int]) -> SeqState:
+        """Place a new sequence's tokens in the KV cache (prefix-cache hits are kept)."""
+        if len(token_ids) > self.n_ctx:
+            raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
+        handle, cached = self.kv.create(token_ids)
+        # The pool never counts the last token as cached: its logits start generation.
+        return SeqState(handle, cached, list(token_ids))
+
+    def append_tokens(self, seq: SeqState, token_ids: Sequence[int]) -> None:
+        """Reserve KV room for new tokens (copy-on-write done here)."""
+        if len(seq.token_ids) + len(token_ids) > self.n_ctx:
+            raise PagedError(f"sequence would exceed the context of {self.n_ctx} tokens")
+        self.copy_blocks(self.kv.append(seq.handle, token_ids))
+        seq.token_ids.extend(token_ids)
+
+    def fork(self, seq: SeqState) -> SeqState:
+        """A sequence sharing all of seq's KV pages."""
+        return SeqState(self.kv.fork(seq.handle), seq.num_computed, list(seq.token_ids))
+
+    def free(self, seq: SeqState) -> None:
+        """Release a sequence's KV (computed full pages stay in the prefix cache)."""
+        self.kv.free(seq.handle)
+
+    # ---- the step ------------------------------------------------------------
+    def step(self, work: Sequence[tuple[SeqState, int]]) -> np.ndarray:
+        """Compute the next n tokens of each (seq, n); returns each one's last logits row."""
+        total = sum(n for _, n in work)
+        if total > self.n_batch:
+            raise PagedError(f"step of {total} tokens exceeds n_batch {self.n_batch}")
+        tok, pos, slots, seq_index, rows = [], [], [], [], []
+        tables = np.full((len(work), self.kv.max_blocks_per_seq), -1, dtype=np.int32)
+        for i, (seq, n) in enumerate(work):
+            start = seq.num_computed
+            if n < 1 or start + n > len(seq.token_ids):
+                raise PagedError(f"cannot compute {n} tokens at {start} of a {len(seq.token_ids)}-token sequence")
+            tok.extend(seq.token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            slots.append(self.kv.slot_mapping(seq.handle, start, n))
+            seq_index.extend([i] * n)
+            table = self.kv.block_table(seq.handle)
+            tables[i, :len(table)] = table
+            rows.append(len(tok) - 1)
+        logits = self.forward(tok, pos, np.concatenate(slots), seq_index, tables, rows)
+        for seq, n in work:
+            seq.num_computed += n
+            self.kv.mark_computed(seq.handle, seq.num_computed)
+        return logits
+
+    def prefill(self, seq: SeqState) -> np.ndarray:
+        """Compute all of seq's pending tokens in n_batch chunks; returns the last logits row."""
+        logits = None
+        while seq.num_computed < len(seq.token_ids):
+            n = min(self.n_batch, len(seq.token_ids) - seq.num_computed)
+            logits = self.step([(seq, n)])[0]
+        if logits is None:
+            raise PagedError("nothing to compute: the sequence is empty")
+        return logits
+
+    def forward(self, token_ids, positions, slot_mapping, seq_index, block_tables,
+                logit_rows) -> np.ndarray:
+        """One native step over flat arrays; returns logits [len(logit_rows), n_vocab] as float32."""
+        arrays = [np.ascontiguousarray(a, dtype=np.int32) for a in
+                  (token_ids, positions, slot_mapping, seq_index, logit_rows)]
+        tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+        if tables.ndim != 2:
+            raise PagedError("block_tables must be 2-D [n_seqs, max_blocks]")
+        tok, pos, slots, seqs, rows = arrays
+        n = len(tok)
+        if not (len(pos) == len(slots) == len(seqs) == n):
+            raise PagedError("token_ids, positions, slot_mapping and seq_index differ in length")
+        if self._ctx is None:
+            raise PagedError("this model runner is closed")
+        self.model.native   # raises if the model was closed under us (its weights are gone)
+        logits = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+        b = self._batch
+        b.n_tokens = n
+        b.token_ids = _ptr(tok)
+        b.positions = _ptr(pos)
+        b.slot_mapping = _ptr(slots)
+        b.seq_index = _ptr(seqs)
+        b.n_seqs = tables.shape[0]
+        b.block_tables = _ptr(tables)
+        b.max_blocks_per_seq = tables.shape[1]
+        b.n_logits = len(rows)
+        b.logit_rows = _ptr(rows) if len(rows) else ffi.NULL
+        check(lib.pp_context_decode(self._ctx, b, _ptr(logits, "float *")), "forward")
+        return logits
+
+    # ---- KV pages as data ----------------------------------------------------
+    def copy_blocks(self, copies) -> None:
+        """Perform copy-on-write block copies [(src, dst), ...] in the KV pools."""
+        if not copies:
+            return
+        arr = ffi.new("pp_block_copy[]", [{"src": s, "dst": d} for s, d in copies])
+        check(lib.pp_kv_cache_copy_blocks(self._cache, arr, len(copies)), "copy_blocks")
+
+    def read_block(self, block_id: int) -> np.ndarray:
+        """A host copy of one block's K and V (all layers): the swap-out copy."""
+        out = np.empty(self.block_bytes, dtype=np.uint8)
+        check(lib.pp_kv_cache_read_block(self._cache, block_id, ffi.from_buffer(out)), "read_block")
+        return out
+
+    def write_block(self, block_id: int, data: np.ndarray) -> None:
+        """Restore one block's K and V from a host copy (swap-in)."""
+        check(lib.pp_kv_cache_write_block(self._cache, block_id, ffi.from_buffer(data)), "write_block")
+
+    def close(self) -> None:
+        """Free the compute context, the KV pools and the block pool."""
+        if self._ctx is not None:
+            lib.pp_context_destroy(self._ctx)
+            self._ctx = None
+        if self._cache is not None:
+            lib.pp_kv_cache_destroy(self._cache)
+            self._cache = None
+            self.kv.close()
+
+    def __del__(self):
+        self.close()

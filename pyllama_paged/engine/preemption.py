@@ -1,0 +1,43 @@
+"""Preemption: taking a running request's KV pages back when the pool runs
+out. By recompute, its pages are dropped and it prefills again later (on a
+CPU as cheap as copying); by swap, each sequence's pages are copied to host
+memory and written back into fresh pages when it resumes. The scheduler
+decides whom to preempt and when to resume; this module does the moving."""
+
+from __future__ import annotations
+
+from .kv_manager import SeqState
+from .model_runner import ModelRunner
+from .request import Sequence
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def release(runner: ModelRunner, seq: Sequence) -> None:
+    """Give a sequence's pages (and any host copy) back."""
+    if seq.kv is not None:
+        runner.free(seq.kv)
+        seq.kv = None
+    seq.swapped_blocks = None
+
+
+def swap_out(runner: ModelRunner, seq: Sequence) -> None:
+    """Copy a sequence's pages to host memory, then free them."""
+    seq.swapped_blocks = [runner.read_block(int(b)) for b in runner.kv.block_table(seq.kv.handle)]
+    seq.swapped_num_computed = seq.kv.num_computed
+    seq.swapped_tokens = list(seq.kv.token_ids)
+    runner.free(seq.kv)
+    seq.kv = None
+
+
+def swap_in(runner: ModelRunner, seq: Sequence) -> None:
+    """Place a swapped-out sequence again and write its pages back (the caller
+    has checked that the pool holds them)."""
+    kv = runner.kv
+    handle, cached = kv.create(seq.swapped_tokens)
+    for i, block in enumerate(kv.block_table(handle)):
+        if i * kv.block_size >= cached:   # cached prefix blocks already hold this data
+            runner.write_block(int(block), seq.swapped_blocks[i])
+    kv.mark_computed(handle, seq.swapped_num_computed)
+    seq.kv = SeqState(handle, seq.swapped_num_computed, list(seq.swapped_tokens))
+    seq.swapped_blocks = None

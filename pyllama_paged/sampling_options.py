@@ -1,0 +1,54 @@
+"""The one mapping from the sampling fields users send to SamplingParams.
+
+Each surface names and defaults the fields its own way: the Python API as
+llama-cpp-python does, Ollama's `options` as Ollama does, OpenAI's request
+fields as OpenAI does. A Surface holds those names and defaults; the rules
+(stop as a string or a list, an unset or non-positive max_tokens, a seed from
+the model, validation) are applied here, once, for all of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .engine.sampler import SamplingParams
+
+
+@dataclass(frozen=True)
+class Surface:
+    """How one API names and defaults the sampling fields."""
+
+    defaults: Mapping[str, Any]
+    renames: Mapping[str, str] = field(default_factory=dict)   # API field -> SamplingParams field
+    unset_max_tokens: int = 0   # what an absent or non-positive max_tokens means (0: to the context)
+
+
+PYTHON = Surface({"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repeat_penalty": 1.0})
+OLLAMA = Surface({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1},
+                 renames={"num_predict": "max_tokens"}, unset_max_tokens=512)
+OPENAI = Surface({"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0})
+
+_FIELDS = set(SamplingParams.__dataclass_fields__)
+
+
+def sampling_params(surface: Surface, fields: Mapping[str, Any], **overrides) -> SamplingParams:
+    """SamplingParams from the fields a caller gave (None = not given) over the
+    surface's defaults; overrides (e.g. the server's max_tokens cap) fill fields
+    still unset. Fields that are not sampling fields are ignored. Raises
+    PagedError naming the first invalid field."""
+    values = dict(surface.defaults)
+    for key, value in fields.items():
+        key = surface.renames.get(key, key)
+        if value is not None and key in _FIELDS:
+            values[key] = value
+    for key, value in overrides.items():
+        if values.get(key) is None and value is not None:
+            values[key] = value
+    stop = values.get("stop")
+    values["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
+    max_tokens = values.get("max_tokens")
+    if max_tokens is None or max_tokens <= 0:
+        values["max_tokens"] = surface.unset_max_tokens
+    params = SamplingParams(**values)
+    params.validate()
+    return params

@@ -1,0 +1,108 @@
+"""The package's import graph: no cycles, and every arrow points down the
+layers (server/CLI -> Python API -> engine -> GGUF/tokenizer -> native)."""
+
+import ast
+from pathlib import Path
+
+import pyllama_paged
+
+PACKAGE = Path(pyllama_paged.__file__).resolve().parent
+
+# Bottom first; a module may import from its own layer or any layer below.
+LAYERS = [
+    ["errors", "_version"],
+    ["_native"],
+    ["gguf.config"],
+    ["gguf.reader"],
+    ["tokenizer.spm"],
+    ["tokenizer.bpe"],
+    ["tokenizer.tokenizer", "tokenizer.chat_template"],
+    ["engine.block_pool"],
+    ["engine.kv_manager"],
+    ["engine.model"],
+    ["engine.model_runner"],
+    ["engine.sampler"],
+    ["engine.request"],
+    ["engine.preemption"],
+    ["engine.scheduler"],
+    ["engine.llm_engine"],
+    ["engine.loop"],
+    ["text_stream", "sampling_options"],
+    ["llama"],
+    ["server.metrics", "server.dashboard"],
+    ["server.registry"],
+    ["server.generation"],
+    ["server.ollama_api", "server.openai_api"],
+    ["server.app"],
+    ["cli"],
+    ["__init__"],   # the public facade re-exports from every layer
+]
+LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Modules of the package that path imports (anywhere in the file)."""
+    package = list(path.relative_to(PACKAGE).parent.parts)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("pyllama_paged"):
+                target = node.module[len("pyllama_paged") + 1:]
+            else:
+                continue
+            for alias in node.names:   # `from . import x` may name a module
+                candidate = f"{target}.{alias.name}" if target else alias.name
+                found.add(candidate if candidate in LAYER else target)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("pyllama_paged."):
+                    found.add(alias.name[len("pyllama_paged") + 1:])
+    found.discard("")
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        if path.name == "__init__.py" and path.parent != PACKAGE:
+            continue   # subpackage docstrings: nothing to import
+        modules[name] = {m for m in imports_of(path) if m != name}
+    return modules
+
+
+def test_every_module_has_a_layer():
+    assert set(graph()) == set(LAYER), "add new modules to LAYERS"
+
+
+def test_imports_point_down_the_layers():
+    upward = [(m, dep) for m, deps in graph().items() for dep in deps if LAYER[dep] > LAYER[m]]
+    assert not upward, f"imports against the layering: {upward}"
+
+
+def test_no_import_cycles():
+    g = graph()
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        if state.get(m) == 1:
+            raise AssertionError(f"import cycle: {' -> '.join(path + [m])}")
+        if state.get(m) == 2:
+            return
+        state[m] = 1
+        for dep in g[m]:
+            visit(dep, path + [m])
+        state[m] = 2
+
+    for m in g:
+        visit(m, [])
