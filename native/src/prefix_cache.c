@@ -1,0 +1,110 @@
+/* The prefix cache: full blocks are hashed in a chain (each hash covers the
+ * block's tokens and its parent's hash) and registered in a map, so a later
+ * sequence with the same prefix reuses their KV. A hit compares the tokens and
+ * the parent's hash, so it is exact by induction; cached blocks (ref count 0)
+ * stay until the LRU evicts them (block_pool.c). */
+#include "block_pool_internal.h"
+
+#include <string.h>
+
+static uint64_t mix64(uint64_t x) {
+    /* A strong 64-bit finalizer: every input bit affects every output bit. */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    x ^= x >> 31;
+    return x;
+}
+
+uint64_t pp_hash_block(uint64_t parent_hash, const int32_t *token_ids, int32_t num_tokens) {
+    uint64_t h = mix64(parent_hash ^ 0x9e3779b97f4a7c15ull);
+    for (int32_t i = 0; i < num_tokens; i++) {
+        h = mix64(h ^ (uint64_t)(uint32_t)token_ids[i]) + 0x9e3779b97f4a7c15ull;
+    }
+    /* Zero is the "no parent" value; keep real hashes away from it. */
+    return h ? h : 1;
+}
+
+/* The pool's chained hash of one full block: pp_hash_block, narrowed only
+ * when a test asks for collisions. */
+static uint64_t chain_hash(const pp_block_pool *p, uint64_t parent, const int32_t *token_ids) {
+    uint64_t h = pp_hash_block(parent, token_ids, p->block_size) & p->hash_mask;
+    return h ? h : 1;
+}
+
+int pp_prefix_is_registered(const pp_block_pool *p, int32_t b) {
+    return p->has_hash[b] && pp_hash_map_get(&p->prefix_map, p->hash[b]) == b;
+}
+
+void pp_prefix_forget(pp_block_pool *p, int32_t b) {
+    if (pp_prefix_is_registered(p, b)) pp_hash_map_remove(&p->prefix_map, p->hash[b]);
+    p->has_hash[b] = 0;
+    p->hash[b] = 0;
+    p->parent_hash[b] = 0;
+}
+
+void pp_prefix_register(pp_block_pool *p, int32_t b, uint64_t parent, const int32_t *tokens) {
+    uint64_t h = chain_hash(p, parent, tokens);
+    p->hash[b] = h;
+    p->parent_hash[b] = parent;
+    p->has_hash[b] = 1;
+    /* A duplicate of an already registered block keeps its hash (so the
+     * chain continues) but the map keeps pointing at the first. */
+    if (pp_hash_map_get(&p->prefix_map, h) < 0) pp_hash_map_put(&p->prefix_map, h, b);
+}
+
+/* The registered, computed block holding exactly these bs tokens after a
+ * block hashed to parent, or -1. Blocks still waiting for their KV are never
+ * reused. Comparing the tokens and the parent's hash (not only the block's
+ * own hash) makes a hit exact by induction over the chain: a collision of
+ * the chained hash cannot attach these tokens to another prefix's KV. */
+static int32_t lookup_block(const pp_block_pool *p, uint64_t h, uint64_t parent, const int32_t *token_ids) {
+    int32_t b = pp_hash_map_get(&p->prefix_map, h);
+    if (b < 0 || !p->computed[b] || p->parent_hash[b] != parent) return -1;
+    if (memcmp(&p->block_tokens[(size_t)b * p->block_size], token_ids,
+               (size_t)p->block_size * sizeof(int32_t)) != 0)
+        return -1;
+    return b;
+}
+
+int32_t pp_prefix_lookup(const pp_block_pool *p, uint64_t *parent, const int32_t *tokens) {
+    uint64_t h = chain_hash(p, *parent, tokens);
+    int32_t b = lookup_block(p, h, *parent, tokens);
+    if (b >= 0) *parent = h;
+    return b;
+}
+
+int32_t pp_prefix_count_hits(const pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
+                             int32_t *num_hit_cached, int32_t *num_lookups) {
+    /* The last token is always computed again (its logits start generation),
+     * and a cached block is immutable: hits stop before the block holding it. */
+    const int32_t max_hit = num_tokens > 0 ? (num_tokens - 1) / p->block_size : 0;
+    int32_t num_hit = 0;
+    uint64_t parent = 0;
+    *num_hit_cached = 0;
+    *num_lookups = max_hit;
+    for (; num_hit < max_hit; num_hit++) {
+        int32_t b = pp_prefix_lookup(p, &parent, token_ids + (size_t)num_hit * p->block_size);
+        if (b < 0) break;
+        if (p->state[b] == PP_BLOCK_CACHED) (*num_hit_cached)++;
+    }
+    return num_hit;
+}
+
+int pp_pool_weaken_hash(pp_block_pool *p, int32_t bits) {
+    if (!p) return pp_fail(PP_ERR_INVALID, "pp_pool_weaken_hash: pool is NULL");
+    if (bits < 1 || bits > 64) return pp_fail(PP_ERR_INVALID, "hash bits must be in [1, 64], got %d", bits);
+    if (p->num_seqs > 0 || p->num_cached > 0)
+        return pp_fail(PP_ERR_INVALID, "the hash can only change while the pool is empty");
+    p->hash_mask = bits == 64 ? ~0ull : (1ull << bits) - 1;
+    return PP_OK;
+}
+
+int pp_pool_reset_prefix_cache(pp_block_pool *p) {
+    if (!p) return pp_fail(PP_ERR_INVALID, "pp_pool_reset_prefix_cache: pool is NULL");
+    pp_pool_evict(p, p->num_blocks, NULL);
+    pp_hash_map_clear(&p->prefix_map);
+    return PP_OK;
+}
+
