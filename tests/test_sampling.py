@@ -1,15 +1,19 @@
-"""Sampler behaviour on hand-made logits."""
+"""The native batched sampler on hand-made logits and against a NumPy
+reference of the same rules (tests/reference/sampling_reference.py)."""
 
 import numpy as np
 import pytest
 
-from pyllama_paged.errors import PagedError
-from pyllama_paged.engine.sampler import Sampler, SamplingParams, top_logprobs
+from pyllama_paged.engine.sampler import BatchSampler, Sampler, SamplingParams
+from pyllama_paged.errors import NativeError, PagedError
+from reference.sampling_reference import reference_probs
 
 
 def draws(params, logits, n=400, history=()):
-    s = Sampler(params)
-    return [s.sample(logits, list(history)) for _ in range(n)]
+    """n draws from one sequence's sampler (its generator advancing), in one native call."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32).reshape(1, -1)
+    sampler = Sampler(params)
+    return [s.token for s in BatchSampler(logits.shape[1]).sample(logits, [(0, sampler, list(history))] * n)]
 
 
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
@@ -41,22 +45,77 @@ def test_seed_reproduces():
     assert draws(SamplingParams(seed=5, **p), LOGITS, 50) != draws(SamplingParams(seed=6, **p), LOGITS, 50)
 
 
+def test_a_seed_draws_the_same_whatever_else_is_in_the_batch():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((5, 300)).astype(np.float32) * 3
+    params = SamplingParams(temperature=0.9, top_k=0, top_p=0.95, min_p=0.0, seed=42)
+    alone = [s.token for s in BatchSampler(300).sample(logits[2:3], [(0, Sampler(params), [])])]
+    others = [(i, Sampler(SamplingParams(temperature=1.0, seed=i)), []) for i in range(5)]
+    mixed = BatchSampler(300).sample(logits, others[:3] + [(2, Sampler(params), [])] + others[3:])
+    assert mixed[3].token == alone[0]
+
+
 def test_penalties():
     logits = np.array([2.0, 1.9, -1.0], dtype=np.float32)
-    s = Sampler(SamplingParams(temperature=0, repeat_penalty=1.5))
-    assert s.sample(logits, [0]) == 1
-    s = Sampler(SamplingParams(temperature=0, repeat_penalty=1.5))
-    assert s.apply_penalties(logits, [2])[2] == pytest.approx(-1.5)
-    s = Sampler(SamplingParams(temperature=0, frequency_penalty=0.06))
-    assert s.sample(logits, [0]) == 0 and s.sample(logits, [0, 0]) == 1
-    s = Sampler(SamplingParams(temperature=0, presence_penalty=0.5))
-    assert s.sample(logits, [0]) == 1
+    assert draws(SamplingParams(temperature=0, repeat_penalty=1.5), logits, 1, [0]) == [1]
+    assert draws(SamplingParams(temperature=0, frequency_penalty=0.06), logits, 1, [0]) == [0]
+    assert draws(SamplingParams(temperature=0, frequency_penalty=0.06), logits, 1, [0, 0]) == [1]
+    assert draws(SamplingParams(temperature=0, presence_penalty=0.5), logits, 1, [0]) == [1]
+    # a negative logit is multiplied (-1.0 -> -1.5): its probability under the native sampler
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.5, seed=4)
+    share = draws(params, logits, 40000, [2]).count(2) / 40000
+    assert share == pytest.approx(np.exp(-1.5) / (np.exp(2.0) + np.exp(1.9) + np.exp(-1.5)), abs=0.004)
 
 
-def test_logprobs():
-    lp, top = top_logprobs(LOGITS, 1, 2)
-    assert lp == pytest.approx(np.log(0.3), abs=1e-5)
-    assert list(top) == [0, 1]
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+    dict(temperature=0.8, top_k=0, top_p=0.95, min_p=0.0),
+    dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.1),
+    dict(temperature=1.3, top_k=0, top_p=1.0, min_p=0.0),
+    dict(temperature=1.0, top_k=5, top_p=0.5, min_p=0.0, repeat_penalty=1.3, presence_penalty=0.4,
+         frequency_penalty=0.2),
+])
+def test_draws_follow_the_reference_distribution(kw):
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal(2000) * 2.5).astype(np.float32)
+    history = [int(t) for t in np.argsort(-logits)[:6]] * 2   # penalize some of the likeliest
+    params = SamplingParams(seed=3, **kw)
+    want = reference_probs(logits, history, params)
+    n = 40000
+    got = np.bincount(draws(params, logits, n, history), minlength=len(logits)) / n
+    assert set(np.flatnonzero(got)) <= set(np.flatnonzero(want))   # never outside the candidates
+    assert np.abs(got - want).max() < 0.012                        # ~5 standard deviations at worst
+
+
+def test_a_full_vocabulary_with_top_k_0_is_never_sorted_and_still_exact():
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal(262144) * 2).astype(np.float32)
+    logits[:3] += 12   # a peaked head, as language models have
+    params = SamplingParams(temperature=0.8, top_k=0, top_p=0.95, min_p=0.0, seed=9)
+    want = reference_probs(logits, [], params)
+    got = draws(params, logits, 3000)
+    assert all(want[t] > 0 for t in got)
+
+
+def test_logprobs_only_for_rows_that_ask():
+    logits = np.ascontiguousarray(np.stack([LOGITS, LOGITS]), dtype=np.float32)
+    asked, plain = BatchSampler(4).sample(logits, [
+        (0, Sampler(SamplingParams(temperature=0, logprobs=2)), []),
+        (1, Sampler(SamplingParams(temperature=0)), [])])
+    assert asked.token == 0 and asked.logprob == pytest.approx(np.log(0.5), abs=1e-5)
+    assert list(asked.top) == [0, 1] and asked.top[1] == pytest.approx(np.log(0.3), abs=1e-5)
+    assert plain.logprob is None and plain.top is None
+
+
+def test_bad_rows_are_refused_before_anything_is_drawn():
+    logits = np.zeros((1, 4), dtype=np.float32)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=1))
+    before = sampler.rng_state.copy()
+    with pytest.raises(NativeError, match="logit row"):
+        BatchSampler(4).sample(logits, [(0, sampler, []), (3, sampler, [])])
+    assert (sampler.rng_state == before).all()
+    with pytest.raises(NativeError, match="history"):
+        BatchSampler(4).sample(logits, [(0, Sampler(SamplingParams(temperature=0, repeat_penalty=1.2)), [7])])
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 0), ("min_p", 2),

@@ -340,6 +340,68 @@ int pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);
  * flag); PP_ERR_INVALID for NULL. */
 int pp_context_abort(pp_context *ctx);
 
+/* ---- sampling ------------------------------------------------------------ */
+
+/* A sampler: reusable buffers for one vocabulary size, so a step allocates
+ * nothing. Used by one thread at a time (the engine's step). */
+typedef struct pp_sampler pp_sampler;
+
+enum { PP_SAMPLE_MAX_TOP = 20 };   /* most top log-probabilities a row may ask for */
+
+/* How one row is sampled. temperature 0 is greedy (the argmax after
+ * penalties and mask). top_k 0, top_p 1 and min_p 0 each turn a filter off. */
+typedef struct pp_sampling_params {
+    float   temperature;
+    int32_t top_k;
+    float   top_p;
+    float   min_p;
+    float   repeat_penalty;      /* 1: none; llama.cpp's rule (positive / p, negative * p) */
+    float   presence_penalty;
+    float   frequency_penalty;
+    int32_t n_logprobs;          /* -1: none; else the chosen token's and this many top log-probs */
+} pp_sampling_params;
+
+/* One sequence to sample from row logit_row of the logits. history holds the
+ * tokens the penalties count (borrowed); rng_state is the sequence's
+ * generator, advanced in place (seed it with pp_sampler_seed); allowed is
+ * NULL or n_vocab bytes where 0 masks a token out. */
+typedef struct pp_sample_row {
+    int32_t            logit_row;
+    pp_sampling_params params;
+    const int32_t     *history;
+    int32_t            n_history;
+    uint64_t          *rng_state;
+    const uint8_t     *allowed;
+} pp_sample_row;
+
+/* What was sampled. logprob and top_* are filled when n_logprobs >= 0:
+ * log-probabilities under the model's own distribution (the raw row, before
+ * penalties and temperature), top_* highest first. */
+typedef struct pp_sample_result {
+    int32_t token;
+    float   logprob;
+    int32_t n_top;
+    int32_t top_ids[20];
+    float   top_logprobs[20];
+} pp_sample_result;
+
+/* Create a sampler for n_vocab tokens; free it with pp_sampler_destroy.
+ * PP_ERR_INVALID for n_vocab < 1, PP_ERR_NO_MEMORY if its buffers cannot be had. */
+int pp_sampler_create(int32_t n_vocab, pp_sampler **out);
+void pp_sampler_destroy(pp_sampler *sampler);
+
+/* The generator state for a seed: the same seed gives the same draws,
+ * whatever else runs in the batch. Cannot fail. */
+uint64_t pp_sampler_seed(uint64_t seed);
+
+/* Sample n_rows rows of logits [n_logit_rows][n_vocab] into out[0..n_rows).
+ * Every row is checked before any is sampled: PP_ERR_INVALID (nothing
+ * sampled, no generator advanced) for a bad row index, parameter or history
+ * token. PP_ERR_INVALID also if a row allows no finite logit (then earlier
+ * rows are sampled). The vocabulary is never sorted (see sampler.c). */
+int pp_sample(pp_sampler *sampler, const float *logits, int32_t n_logit_rows, const pp_sample_row *rows,
+              int32_t n_rows, pp_sample_result *out);
+
 /* ---- attention harness (tests and benchmarks) ---------------------------- */
 
 /* The attention operators alone, on a KV pool of num_slots token rows of

@@ -12,7 +12,7 @@ import numpy as np
 
 from .model_runner import ModelRunner
 from ..errors import PagedError
-from .sampler import Sampler, SamplingParams, log_softmax, top_logprobs
+from .sampler import BatchSampler, Sampled, Sampler, SamplingParams, log_softmax
 from .scheduler import Scheduler, SchedulerConfig
 from .request import Request, RequestStatus, Sequence
 
@@ -51,6 +51,9 @@ class LLMEngine:
         self.num_computed_tokens = 0          # tokens run through the model
         self.num_generated_tokens = 0
         self.limit = min(runner.n_ctx, runner.kv.capacity_tokens())
+        self.sampler = BatchSampler(runner.n_vocab)
+        self.forward_seconds = 0.0            # time in the model step and in sampling, for /stats
+        self.sample_seconds = 0.0
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -102,31 +105,35 @@ class LLMEngine:
         self.scheduler.failed.clear()
         if not work:
             return list(outputs.values())
+        started = time.perf_counter()
         logits = self.runner.step([(seq.kv, n) for seq, n in work])
+        self.forward_seconds += time.perf_counter() - started
         self.num_computed_tokens += sum(n for _, n in work)
-        ready: dict[str, list[tuple[Sequence, np.ndarray]]] = {}
-        for (seq, _), row in zip(work, logits):
-            if seq.kv.num_computed == len(seq.token_ids):   # its last token is computed
-                ready.setdefault(self._owner(seq).request_id, []).append((seq, row))
+        owner = {s.seq_id: r for r in self.requests.values() for s in r.seqs}
+        ready: dict[str, list[tuple[Sequence, int]]] = {}   # request id -> (sequence, logits row)
+        finishing = [seq for seq, n in work if seq.kv.num_computed == len(seq.token_ids)]
+        for row, seq in enumerate(finishing):   # the runner returned a row for each, in order
+            ready.setdefault(owner[seq.seq_id].request_id, []).append((seq, row))
+        picks = []   # (request, sequence, row): every sample of this step, drawn in one call
         for request_id, items in ready.items():
             request = self.requests[request_id]
             out = outputs.setdefault(request_id, self._output(request))
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             if request.is_beam:
-                self._beam_step(request, items, out)
+                self._beam_step(request, [(seq, logits[row]) for seq, row in items], out)
             else:
-                self._sample_step(request, items, out)
+                picks += self._samples_of(request, items)
+        started = time.perf_counter()
+        drawn = self.sampler.sample(logits, [(row, seq.sampler, seq.token_ids) for _, seq, row in picks])
+        self.sample_seconds += time.perf_counter() - started
+        for (request, seq, _), sampled in zip(picks, drawn):
+            self._accept(request, seq, sampled, outputs[request.request_id])
+        for request_id in ready:
+            request = self.requests[request_id]
             if not request.live_seqs:
-                self._finish(request, out)
+                self._finish(request, outputs[request_id])
         return list(outputs.values())
-
-    def _owner(self, seq: Sequence) -> Request:
-        return self._seq_owner[seq.seq_id]
-
-    @property
-    def _seq_owner(self) -> dict[int, Request]:
-        return {s.seq_id: r for r in self.requests.values() for s in r.seqs}
 
     def _output(self, request: Request, finished: bool = False) -> RequestOutput:
         return RequestOutput(request.request_id, finished=finished, error=request.error,
@@ -144,15 +151,12 @@ class LLMEngine:
                       for s in request.finished_beams]
             out.beams = sorted(scored, key=lambda b: -b[1])[:request.params.beam_width]
 
-    def _accept(self, request: Request, seq: Sequence, token: int, out: RequestOutput,
-                logits: np.ndarray | None) -> None:
+    def _accept(self, request: Request, seq: Sequence, sampled: Sampled, out: RequestOutput) -> None:
         """Append a sampled token, report it, and finish the sequence if it ended."""
-        event = TokenEvent(request.seqs.index(seq), token)
-        if request.params.logprobs is not None and logits is not None:
-            event.logprob, event.top_logprobs = top_logprobs(logits, token, request.params.logprobs)
+        token = sampled.token
+        out.events.append(TokenEvent(request.seqs.index(seq), token, sampled.logprob, sampled.top))
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
-        out.events.append(event)
         if token in self.eot_ids and not request.params.ignore_eos:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= (request.params.max_tokens or self.limit) or \
@@ -162,20 +166,21 @@ class LLMEngine:
             self.runner.free(seq.kv)   # finished sequences give their pages back at once
             seq.kv = None
 
-    def _sample_step(self, request: Request, items, out: RequestOutput) -> None:
+    def _samples_of(self, request: Request, items) -> list[tuple[Request, Sequence, int]]:
+        """The sequences to sample for a request this step; an n>1 request forks its
+        samples from the prompt's pages first, before anyone appends."""
         params = request.params
+        picks = []
         for seq, row in items:
             if not request.is_forked and params.n > 1:
-                # n samples share the prompt's pages: fork before anyone appends
                 request.is_forked = True
                 for i in range(1, params.n):
                     child = Sequence(list(seq.token_ids), seq.num_prompt, Sampler(params.for_sample(i)),
                                      kv=self.runner.fork(seq.kv))
                     request.seqs.append(child)
-                    token = child.sampler.sample(row, child.token_ids)
-                    self._accept(request, child, token, out, row)
-            token = seq.sampler.sample(row, seq.token_ids)
-            self._accept(request, seq, token, out, row)
+                    picks.append((request, child, row))
+            picks.append((request, seq, row))
+        return picks
 
     def _beam_step(self, request: Request, items, out: RequestOutput) -> None:
         """Keep the beam_width best continuations; forked beams share pages."""
@@ -246,7 +251,8 @@ class LLMEngine:
              "swapped_requests": len(self.scheduler.swapped),
              "running_seqs": self.scheduler.num_running_seqs(),
              "preemptions": self.scheduler.num_preemptions,
-             "computed_tokens": self.num_computed_tokens, "generated_tokens": self.num_generated_tokens}
+             "computed_tokens": self.num_computed_tokens, "generated_tokens": self.num_generated_tokens,
+             "forward_seconds": self.forward_seconds, "sample_seconds": self.sample_seconds}
         if kv.paged:
             ps = kv.pool.stats()
             s.update(blocks_total=ps.num_blocks, blocks_free=ps.num_free, blocks_used=ps.num_used,

@@ -54,6 +54,7 @@ class ModelRunner:
         check(lib.pp_context_create(model.native, self._cache, n_threads, n_batch, ctx), "context")
         self._ctx = ctx[0]
         self._batch = ffi.new("pp_batch *")
+        self._logits = np.empty((0, self.n_vocab), dtype=np.float32)   # grown to the most rows a step asked for
 
     @property
     def n_vocab(self) -> int:
@@ -102,7 +103,9 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------
     def step(self, work: Sequence[tuple[SeqState, int]]) -> np.ndarray:
-        """Compute the next n tokens of each (seq, n); returns each one's last logits row."""
+        """Compute the next n tokens of each (seq, n). Returns the logits of the items that
+        compute their sequence's last token, in work order: a non-final prefill chunk
+        gets none. The rows are a view of a buffer the next step reuses."""
         total = sum(n for _, n in work)
         if total > self.n_batch:
             raise PagedError(f"step of {total} tokens exceeds n_batch {self.n_batch}")
@@ -118,26 +121,30 @@ class ModelRunner:
             seq_index.extend([i] * n)
             table = self.kv.block_table(seq.handle)
             tables[i, :len(table)] = table
-            rows.append(len(tok) - 1)
-        logits = self.forward(tok, pos, np.concatenate(slots), seq_index, tables, rows)
+            if start + n == len(seq.token_ids):
+                rows.append(len(tok) - 1)
+        if len(rows) > self._logits.shape[0]:
+            self._logits = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+        logits = self.forward(tok, pos, np.concatenate(slots), seq_index, tables, rows,
+                              out=self._logits[:len(rows)])
         for seq, n in work:
             seq.num_computed += n
             self.kv.mark_computed(seq.handle, seq.num_computed)
         return logits
 
     def prefill(self, seq: SeqState) -> np.ndarray:
-        """Compute all of seq's pending tokens in n_batch chunks; returns the last logits row."""
-        logits = None
+        """Compute all of seq's pending tokens in n_batch chunks; returns (a copy of) the last logits row."""
+        if seq.num_computed >= len(seq.token_ids):
+            raise PagedError("nothing to compute: the sequence is empty")
         while seq.num_computed < len(seq.token_ids):
             n = min(self.n_batch, len(seq.token_ids) - seq.num_computed)
-            logits = self.step([(seq, n)])[0]
-        if logits is None:
-            raise PagedError("nothing to compute: the sequence is empty")
-        return logits
+            logits = self.step([(seq, n)])
+        return logits[0].copy()
 
     def forward(self, token_ids, positions, slot_mapping, seq_index, block_tables,
-                logit_rows) -> np.ndarray:
-        """One native step over flat arrays; returns logits [len(logit_rows), n_vocab] as float32."""
+                logit_rows, out: np.ndarray | None = None) -> np.ndarray:
+        """One native step over flat arrays; returns logits [len(logit_rows), n_vocab] as float32
+        (into out when given)."""
         arrays = [np.ascontiguousarray(a, dtype=np.int32) for a in
                   (token_ids, positions, slot_mapping, seq_index, logit_rows)]
         tables = np.ascontiguousarray(block_tables, dtype=np.int32)
@@ -150,7 +157,9 @@ class ModelRunner:
         if self._ctx is None:
             raise PagedError("this model runner is closed")
         self.model.native   # raises if the model was closed under us (its weights are gone)
-        logits = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+        logits = np.empty((len(rows), self.n_vocab), dtype=np.float32) if out is None else out
+        if logits.shape != (len(rows), self.n_vocab) or logits.dtype != np.float32 or not logits.flags.c_contiguous:
+            raise PagedError("the logits buffer does not match the rows asked for")
         b = self._batch
         b.n_tokens = n
         b.token_ids = _ptr(tok)

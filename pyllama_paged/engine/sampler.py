@@ -1,11 +1,14 @@
-"""Sampling parameters and the per-sequence sampler (NumPy over one logits row)."""
+"""Sampling parameters, each sequence's sampling state, and the batched sampler
+that draws every row of a step in one native call (native/src/sampler.c)."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .._native import check, ffi, lib
 from ..errors import PagedError
 
 
@@ -65,62 +68,92 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class Sampler:
-    """Picks the next token of one sequence; owns its RNG so seeds reproduce."""
+    """One sequence's sampling: its parameters and its own generator state
+    (seeded, so a seed gives the same draws whatever else is in the batch)."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.rng_state = np.array([lib.pp_sampler_seed(seed % (1 << 64))], dtype=np.uint64)
 
-    def apply_penalties(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
-        """Repetition (llama.cpp style), presence and frequency penalties over the last n tokens."""
+    def history(self, token_ids: list[int]) -> list[int]:
+        """The tokens the penalties count: the last penalty_last_n (all if 0), or none
+        when no penalty is set."""
         p = self.params
-        if not history or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0
-                           and p.frequency_penalty == 0.0):
-            return logits
-        recent = history[-p.penalty_last_n:] if p.penalty_last_n > 0 else history
-        ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
-        out = logits.copy()
-        vals = out[ids]
-        if p.repeat_penalty != 1.0:
-            vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-        vals = vals - counts * p.frequency_penalty - (counts > 0) * p.presence_penalty
-        out[ids] = vals
-        return out
+        if p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+            return []
+        return token_ids[-p.penalty_last_n:] if p.penalty_last_n > 0 else token_ids
 
     def sample(self, logits: np.ndarray, history: list[int]) -> int:
-        """The next token id from one row of logits."""
-        p = self.params
-        logits = self.apply_penalties(logits, history)
-        if p.greedy:
-            return int(np.argmax(logits))
-        n = logits.shape[0]
-        k = p.top_k if 0 < p.top_k < n else n
-        # top-k first: partition is O(n) and shrinks everything after it
-        if k < n:
-            cand = np.argpartition(-logits, k - 1)[:k]
-        else:
-            cand = np.arange(n)
-        cand = cand[np.argsort(-logits[cand], kind="stable")]
-        scaled = logits[cand].astype(np.float64) / p.temperature
-        probs = np.exp(scaled - scaled[0])
-        probs /= probs.sum()
-        keep = len(cand)
-        if p.min_p > 0:
-            keep = min(keep, int(np.searchsorted(-probs, -probs[0] * p.min_p, side="right")))
-        if p.top_p < 1.0:
-            cum = np.cumsum(probs[:keep])
-            keep = min(keep, int(np.searchsorted(cum, p.top_p, side="left")) + 1)
-        keep = max(keep, 1)
-        probs = probs[:keep] / probs[:keep].sum()
-        return int(cand[self.rng.choice(keep, p=probs)])
+        """The next token from one row of logits (one native call; batches use BatchSampler)."""
+        row = np.ascontiguousarray(logits, dtype=np.float32).reshape(1, -1)
+        return BatchSampler(row.shape[1]).sample(row, [(0, self, history)])[0].token
 
 
-def top_logprobs(logits: np.ndarray, chosen: int, n: int) -> tuple[float, dict[int, float]]:
-    """Log-probability of the chosen token and the n most likely alternatives."""
-    lp = log_softmax(logits)
-    top = {}
-    if n:
-        idx = np.argpartition(-lp, n - 1)[:n]
-        idx = idx[np.argsort(-lp[idx])]
-        top = {int(i): float(lp[i]) for i in idx}
-    return float(lp[chosen]), top
+@dataclass
+class Sampled:
+    """One row's draw; logprob and top (token id -> log-probability, best first)
+    only when its parameters asked for logprobs."""
+
+    token: int
+    logprob: float | None = None
+    top: dict[int, float] | None = None
+
+
+class BatchSampler:
+    """Every row of a step sampled in one native call; buffers reused across steps."""
+
+    def __init__(self, n_vocab: int):
+        self.n_vocab = n_vocab
+        self._native = None
+        out = ffi.new("pp_sampler **")
+        check(lib.pp_sampler_create(n_vocab, out), "sampler")
+        self._native = out[0]
+
+    def sample(self, logits: np.ndarray, picks) -> list[Sampled]:
+        """picks: (logits row, Sampler, token history) per sequence to sample."""
+        n = len(picks)
+        if n == 0:
+            return []
+        if logits.dtype != np.float32 or not logits.flags.c_contiguous or logits.shape[-1] != self.n_vocab:
+            raise PagedError(f"logits must be C-contiguous float32 rows of {self.n_vocab}")
+        rows = ffi.new("pp_sample_row[]", n)
+        results = ffi.new("pp_sample_result[]", n)
+        keep = []   # the history arrays must outlive the call
+        for r, (row_index, sampler, history) in zip(rows, picks):
+            p = sampler.params
+            r.logit_row = row_index
+            sp = r.params
+            sp.temperature = p.temperature
+            sp.top_k = p.top_k
+            sp.top_p = p.top_p
+            sp.min_p = p.min_p
+            sp.repeat_penalty = p.repeat_penalty
+            sp.presence_penalty = p.presence_penalty
+            sp.frequency_penalty = p.frequency_penalty
+            sp.n_logprobs = -1 if p.logprobs is None else p.logprobs
+            counted = sampler.history(history)
+            if counted:
+                arr = np.asarray(counted, dtype=np.int32)
+                keep.append(arr)
+                r.history = ffi.cast("const int32_t *", ffi.from_buffer(arr))
+                r.n_history = len(arr)
+            r.rng_state = ffi.cast("uint64_t *", ffi.from_buffer(sampler.rng_state))
+        check(lib.pp_sample(self._native, ffi.cast("const float *", ffi.from_buffer(logits)),
+                            logits.shape[0] if logits.ndim == 2 else 1, rows, n, results), "sample")
+        out = []
+        for res, (_, sampler, _) in zip(results, picks):
+            if sampler.params.logprobs is None:
+                out.append(Sampled(res.token))
+            else:
+                top = {int(res.top_ids[j]): float(res.top_logprobs[j]) for j in range(res.n_top)}
+                out.append(Sampled(res.token, float(res.logprob), top))
+        return out
+
+    def close(self) -> None:
+        if self._native is not None:
+            lib.pp_sampler_destroy(self._native)
+            self._native = None
+
+    def __del__(self):
+        self.close()
