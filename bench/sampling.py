@@ -49,7 +49,7 @@ def micro(args):
 
     rng = np.random.default_rng(0)
     logits = model_like_logits(rng, args.rows, args.vocab)
-    sampler = BatchSampler(args.vocab)
+    sampler = BatchSampler(args.vocab, args.threads)
     rows = []
     for name, kw in SETTINGS.items():
         params = SamplingParams(seed=1, **kw)

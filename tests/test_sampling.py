@@ -51,8 +51,9 @@ def test_a_seed_draws_the_same_whatever_else_is_in_the_batch():
     params = SamplingParams(temperature=0.9, top_k=0, top_p=0.95, min_p=0.0, seed=42)
     alone = [s.token for s in BatchSampler(300).sample(logits[2:3], [(0, Sampler(params), [])])]
     others = [(i, Sampler(SamplingParams(temperature=1.0, seed=i)), []) for i in range(5)]
-    mixed = BatchSampler(300).sample(logits, others[:3] + [(2, Sampler(params), [])] + others[3:])
-    assert mixed[3].token == alone[0]
+    for n_threads in (1, 2, 3):   # and whichever thread draws it
+        mixed = BatchSampler(300, n_threads).sample(logits, others[:3] + [(2, Sampler(params), [])] + others[3:])
+        assert mixed[3].token == alone[0]
 
 
 def test_penalties():

@@ -343,7 +343,8 @@ int pp_context_abort(pp_context *ctx);
 /* ---- sampling ------------------------------------------------------------ */
 
 /* A sampler: reusable buffers for one vocabulary size, so a step allocates
- * nothing. Used by one thread at a time (the engine's step). */
+ * nothing, one set per thread. Called by one thread at a time (the engine's
+ * step); it spreads the rows over up to n_threads threads of its own. */
 typedef struct pp_sampler pp_sampler;
 
 enum { PP_SAMPLE_MAX_TOP = 20 };   /* most top log-probabilities a row may ask for */
@@ -385,9 +386,10 @@ typedef struct pp_sample_result {
     float   top_logprobs[20];
 } pp_sample_result;
 
-/* Create a sampler for n_vocab tokens; free it with pp_sampler_destroy.
- * PP_ERR_INVALID for n_vocab < 1, PP_ERR_NO_MEMORY if its buffers cannot be had. */
-int pp_sampler_create(int32_t n_vocab, pp_sampler **out);
+/* Create a sampler for n_vocab tokens using up to n_threads threads (1..64);
+ * free it with pp_sampler_destroy. PP_ERR_INVALID for a bad size or thread
+ * count, PP_ERR_NO_MEMORY if its buffers cannot be had. */
+int pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out);
 void pp_sampler_destroy(pp_sampler *sampler);
 
 /* The generator state for a seed: the same seed gives the same draws,
@@ -397,8 +399,8 @@ uint64_t pp_sampler_seed(uint64_t seed);
 /* Sample n_rows rows of logits [n_logit_rows][n_vocab] into out[0..n_rows).
  * Every row is checked before any is sampled: PP_ERR_INVALID (nothing
  * sampled, no generator advanced) for a bad row index, parameter or history
- * token. PP_ERR_INVALID also if a row allows no finite logit (then earlier
- * rows are sampled). The vocabulary is never sorted (see sampler.c). */
+ * token. PP_ERR_INVALID also if a row allows no finite logit (then the
+ * other rows are sampled). The vocabulary is never sorted (see sampler.c). */
 int pp_sample(pp_sampler *sampler, const float *logits, int32_t n_logit_rows, const pp_sample_row *rows,
               int32_t n_rows, pp_sample_result *out);
 

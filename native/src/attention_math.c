@@ -189,6 +189,27 @@ static float FN(exp_shifted)(float *p, int n, float m) {
     return sum;
 }
 
+static float FN(max_value)(const float *x, int n) {
+    int i = 0;
+    float m = x[0];
+#ifdef PP_ATTN_AVX2
+    if (n >= 32) {
+        __m256 a = _mm256_loadu_ps(x), b = a, c = a, d = a;
+        for (; i + 32 <= n; i += 32) {
+            a = _mm256_max_ps(a, _mm256_loadu_ps(x + i));
+            b = _mm256_max_ps(b, _mm256_loadu_ps(x + i + 8));
+            c = _mm256_max_ps(c, _mm256_loadu_ps(x + i + 16));
+            d = _mm256_max_ps(d, _mm256_loadu_ps(x + i + 24));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d)));
+        for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    }
+#endif
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
 /* acc = acc * correction + sum_j p[j] v_j (v rows head_dim apart). */
 static void FN(accumulate_pv)(float *restrict acc, float correction, const float *restrict p,
                       const float *restrict v, int n, int hd) {
@@ -238,6 +259,7 @@ const pp_attention_math PP_CONCAT(pp_attention_math, PP_ATTENTION_MATH_VARIANT) 
     .dot_rows = FN(dot_rows),
     .dot_rows2 = FN(dot_rows2),
     .exp_shifted = FN(exp_shifted),
+    .max_value = FN(max_value),
     .accumulate_pv = FN(accumulate_pv),
     .accumulate_pv2 = FN(accumulate_pv2),
 };

@@ -3,43 +3,64 @@
  * repetition/presence/frequency penalties, an optional token mask, a seeded
  * generator per sequence, and log-probabilities only for rows that ask.
  *
- * The vocabulary is never sorted. Top-k keeps a heap of k candidates; top-p
- * and min-p take the tokens above a probability threshold, sort only those,
- * and lower the threshold in the rare case they do not yet hold the nucleus
- * (every token left out is less likely than every token kept, so the result
- * is exact). Without top-k, top-p or min-p the token is drawn straight from
- * the exponentiated row by its cumulative mass. */
+ * The vocabulary is never sorted. One vectorized pass finds the best logit,
+ * one compare pass the "live" tokens within 30 temperatures of it (the rest
+ * weigh less than float precision can add). Top-k keeps a heap of k tokens;
+ * without it, top-p and min-p take the live tokens above a probability threshold, sort
+ * only those, and lower the threshold in the rare case they do not yet hold
+ * the nucleus (every token left out is less likely than every token kept, so
+ * the result is exact). Temperature alone draws by cumulative mass. */
 #include "attention_math.h"
 #include "pp_internal.h"
 #include "pyllama_paged.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-struct pp_sampler {
-    int32_t  n_vocab;
+/* One thread's working memory. */
+typedef struct sampler_scratch {
     int32_t *history;    /* a row's history, sorted for counting; grown on demand */
     int32_t  history_capacity;
     float   *row;        /* [n_vocab] the row after penalties and mask */
     float   *weights;    /* [n_vocab] exp((logit - max) / temperature) */
-    int32_t *ids;        /* [n_vocab] candidate ids */
-    const pp_attention_math *math;   /* vectorized exp */
+    int32_t *ids;        /* [n_vocab] live token ids */
+    int32_t *cand;       /* [n_vocab] candidate ids, best first */
+    float   *dense;      /* [n_vocab] the live tokens' weights, in live order */
+} sampler_scratch;
+
+struct pp_sampler {
+    int32_t  n_vocab;
+    int32_t  n_threads;
+    sampler_scratch *scratch;        /* one per thread */
+    const pp_attention_math *math;   /* vectorized exp and max */
 };
 
-int pp_sampler_create(int32_t n_vocab, pp_sampler **out) {
+int pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out) {
     if (!out) return pp_fail(PP_ERR_INVALID, "pp_sampler_create: out is NULL");
     *out = NULL;
     if (n_vocab < 1) return pp_fail(PP_ERR_INVALID, "n_vocab must be >= 1, got %d", n_vocab);
+    if (n_threads < 1 || n_threads > 64) return pp_fail(PP_ERR_INVALID, "n_threads must be in [1, 64], got %d", n_threads);
     pp_sampler *s = calloc(1, sizeof *s);
-    if (s) {
+    int ok = s != NULL;
+    if (ok) {
         s->n_vocab = n_vocab;
-        s->row = malloc(sizeof(float) * (size_t)n_vocab);
-        s->weights = malloc(sizeof(float) * (size_t)n_vocab);
-        s->ids = malloc(sizeof(int32_t) * (size_t)n_vocab);
+        s->n_threads = n_threads;
         s->math = pp_attention_math_select();
+        s->scratch = calloc((size_t)n_threads, sizeof *s->scratch);
+        ok = s->scratch != NULL;
+        for (int32_t t = 0; ok && t < n_threads; t++) {
+            sampler_scratch *sc = &s->scratch[t];
+            sc->row = malloc(sizeof(float) * (size_t)n_vocab);
+            sc->weights = malloc(sizeof(float) * (size_t)n_vocab);
+            sc->ids = malloc(sizeof(int32_t) * (size_t)n_vocab);
+            sc->cand = malloc(sizeof(int32_t) * (size_t)n_vocab);
+            sc->dense = malloc(sizeof(float) * (size_t)n_vocab);
+            ok = sc->row && sc->weights && sc->ids && sc->cand && sc->dense;
+        }
     }
-    if (!s || !s->row || !s->weights || !s->ids) {
+    if (!ok) {
         pp_sampler_destroy(s);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate a sampler for %d tokens", n_vocab);
     }
@@ -49,10 +70,15 @@ int pp_sampler_create(int32_t n_vocab, pp_sampler **out) {
 
 void pp_sampler_destroy(pp_sampler *s) {
     if (!s) return;
-    free(s->history);
-    free(s->row);
-    free(s->weights);
-    free(s->ids);
+    for (int32_t t = 0; s->scratch && t < s->n_threads; t++) {
+        free(s->scratch[t].history);
+        free(s->scratch[t].row);
+        free(s->scratch[t].weights);
+        free(s->scratch[t].ids);
+        free(s->scratch[t].cand);
+        free(s->scratch[t].dense);
+    }
+    free(s->scratch);
     free(s);
 }
 
@@ -95,23 +121,25 @@ static void sort_desc(int32_t *ids, int32_t n, const float *values) {
     qsort(ids, (size_t)n, sizeof *ids, cmp_by_value_desc);
 }
 
-static int32_t argmax(const float *x, int32_t n) {
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return best;
+/* First index of the largest value (the max itself is found vectorized). */
+static int32_t argmax(const pp_attention_math *math, const float *x, int32_t n) {
+    const float m = math->max_value(x, n);
+    for (int32_t i = 0; i < n; i++)
+        if (x[i] == m) return i;
+    return 0;   /* all NaN */
 }
 
-/* The k highest of x (k <= n) into ids, highest first: a min-heap of k. */
-static void top_k_ids(const float *x, int32_t n, int32_t k, int32_t *ids) {
+/* The k highest of x over the n indices in from (all of 0..n-1 if from is
+ * NULL; k <= n) into ids, highest first: a min-heap of k. */
+static void top_k_ids(const float *x, const int32_t *from, int32_t n, int32_t k, int32_t *ids) {
     int32_t size = 0;
-    for (int32_t i = 0; i < n; i++) {
+    for (int32_t f = 0; f < n; f++) {
+        const int32_t i = from ? from[f] : f;
         if (size == k) {
             const int32_t root = ids[0];
             if (x[i] < x[root] || (x[i] == x[root] && i > root)) continue;
             ids[0] = ids[--size];
-            /* sift down */
-            for (int32_t j = 0;;) {
+            for (int32_t j = 0;;) {   /* sift down */
                 int32_t c = 2 * j + 1, m = j;
                 if (c < size && (x[ids[c]] < x[ids[m]] || (x[ids[c]] == x[ids[m]] && ids[c] > ids[m]))) m = c;
                 if (c + 1 < size && (x[ids[c + 1]] < x[ids[m]] ||
@@ -121,8 +149,7 @@ static void top_k_ids(const float *x, int32_t n, int32_t k, int32_t *ids) {
                 j = m;
             }
         }
-        /* sift up */
-        int32_t j = size++;
+        int32_t j = size++;   /* sift up */
         ids[j] = i;
         while (j > 0) {
             const int32_t p = (j - 1) / 2;
@@ -151,75 +178,83 @@ static void apply_penalties(float *row, const pp_sample_row *r, int32_t *scratch
 }
 
 /* log-sum-exp of x over n entries, using w as scratch. */
-static double log_sum_exp(const pp_sampler *s, const float *x, int32_t n, float *w) {
-    const float m = x[argmax(x, n)];
+static double log_sum_exp(const pp_attention_math *math, const float *x, int32_t n, float *w) {
+    const float m = math->max_value(x, n);
     memcpy(w, x, sizeof(float) * (size_t)n);
-    return (double)m + log((double)s->math->exp_shifted(w, n, m));
+    return (double)m + log((double)math->exp_shifted(w, n, m));
 }
 
 /* ---- one row ------------------------------------------------------------- */
 
-static int sample_row(pp_sampler *s, const float *logits, const pp_sample_row *r, pp_sample_result *out) {
+static int sample_row(const pp_sampler *s, sampler_scratch *sc, const float *logits, const pp_sample_row *r,
+                      pp_sample_result *out) {
     const pp_sampling_params *sp = &r->params;
+    const pp_attention_math *math = s->math;
     const int32_t n = s->n_vocab;
     const float *row = logits;
     const int penalized = r->n_history > 0 && (sp->repeat_penalty != 1.0f || sp->presence_penalty != 0.0f ||
                                                sp->frequency_penalty != 0.0f);
     if (penalized || r->allowed) {
-        memcpy(s->row, logits, sizeof(float) * (size_t)n);
-        if (penalized) apply_penalties(s->row, r, s->history);
+        memcpy(sc->row, logits, sizeof(float) * (size_t)n);
+        if (penalized) apply_penalties(sc->row, r, sc->history);
         if (r->allowed)
             for (int32_t i = 0; i < n; i++)
-                if (!r->allowed[i]) s->row[i] = -INFINITY;
-        row = s->row;
+                if (!r->allowed[i]) sc->row[i] = -INFINITY;
+        row = sc->row;
     }
-    const int32_t best = argmax(row, n);
-    if (!(row[best] > -INFINITY))
-        return pp_fail(PP_ERR_INVALID, "row %d: no token is allowed (or the logits are not finite)", r->logit_row);
+    const int32_t best = argmax(math, row, n);
+    if (!(row[best] > -INFINITY)) return PP_ERR_INVALID;   /* the caller names the row */
 
     if (sp->temperature <= 0.0f) {
         out->token = best;
     } else {
         const float inv_t = 1.0f / sp->temperature;
-        float *w = s->weights;
-        int32_t *ids = s->ids;
+        float *w = sc->weights;
+        int32_t *live = sc->ids, *ids = sc->cand;
         int32_t n_cand;
-        double z;                        /* the mass the nucleus is measured against */
-        const int filtered = (sp->top_k > 0 && sp->top_k < n) || sp->top_p < 1.0f || sp->min_p > 0.0f;
+        double z = 0.0;                  /* the mass the nucleus is measured against */
         if (sp->top_k > 0 && sp->top_k < n) {
             n_cand = sp->top_k;
-            top_k_ids(row, n, n_cand, ids);
-            z = 0.0;
+            top_k_ids(row, NULL, n, n_cand, ids);
             for (int32_t i = 0; i < n_cand; i++) {
                 w[ids[i]] = expf((row[ids[i]] - row[best]) * inv_t);
                 z += w[ids[i]];
             }
         } else {
-            for (int32_t i = 0; i < n; i++) w[i] = row[i] * inv_t;
-            z = s->math->exp_shifted(w, n, row[best] * inv_t);   /* w[i] = exp((row[i] - max) / T) */
-            if (!filtered) {                 /* plain temperature: draw by cumulative mass, no candidates */
+            /* Live tokens: those within 30 temperatures of the best. Each other token
+             * weighs under e^-30 of the best, all of them together under n e^-30
+             * (< 1e-7 for a million tokens): below the precision of the sums, so
+             * they are never looked at again. */
+            const float cutoff = row[best] - 30.0f * sp->temperature;
+            int32_t n_live = 0;
+            for (int32_t i = 0; i < n; i++)
+                if (row[i] >= cutoff) live[n_live++] = i;
+            float *dense = sc->dense;   /* dense[j]: the weight of live[j], exponentiated 8 at a time */
+            for (int32_t j = 0; j < n_live; j++) dense[j] = row[live[j]] * inv_t;
+            z = math->exp_shifted(dense, n_live, row[best] * inv_t);
+            if (sp->top_p >= 1.0f && sp->min_p <= 0.0f) {   /* temperature alone: by cumulative mass */
                 const double target = next_uniform(r->rng_state) * z;
                 double cum = 0.0;
-                int32_t i = 0, last = best;
-                for (; i < n; i++) {
-                    if (w[i] <= 0.0f) continue;
-                    last = i;
-                    cum += w[i];
+                int32_t j = 0;
+                while (j < n_live - 1) {
+                    cum += dense[j];
                     if (cum > target) break;
+                    j++;
                 }
-                out->token = i < n ? i : last;
+                out->token = live[j];
                 goto logprobs;
             }
-            /* Candidates: the tokens above a threshold, sorted; lower it until they hold the nucleus. */
-            const float floor_p = sp->min_p > 0.0f ? sp->min_p : 0.0f;   /* w is 1 at the max */
+            /* Candidates: the live tokens above a threshold, sorted; lower it until they hold the nucleus. */
+            const float floor_p = sp->min_p > 0.0f ? sp->min_p : 0.0f;   /* the best weighs 1 */
             float threshold = floor_p > 1e-3f ? floor_p : 1e-3f;
             for (;;) {
                 n_cand = 0;
                 double mass = 0.0;
-                for (int32_t i = 0; i < n; i++)
-                    if (w[i] >= threshold && w[i] > 0.0f) {
-                        ids[n_cand++] = i;
-                        mass += w[i];
+                for (int32_t j = 0; j < n_live; j++)
+                    if (dense[j] >= threshold) {
+                        ids[n_cand++] = live[j];
+                        w[live[j]] = dense[j];
+                        mass += dense[j];
                     }
                 if (mass >= (double)sp->top_p * z || threshold <= floor_p || threshold < 1e-30f) break;
                 threshold = threshold / 64.0f > floor_p ? threshold / 64.0f : floor_p;
@@ -259,19 +294,41 @@ logprobs:
     out->logprob = 0.0f;
     if (sp->n_logprobs >= 0) {
         /* The model's own distribution: the raw row, before penalties and temperature. */
-        const double lse = log_sum_exp(s, logits, n, s->weights);
+        const double lse = log_sum_exp(math, logits, n, sc->weights);
         out->logprob = (float)(logits[out->token] - lse);
         const int32_t k = sp->n_logprobs < PP_SAMPLE_MAX_TOP ? sp->n_logprobs : PP_SAMPLE_MAX_TOP;
         if (k > 0) {
-            top_k_ids(logits, n, k, s->ids);
+            top_k_ids(logits, NULL, n, k, sc->cand);
             for (int32_t j = 0; j < k; j++) {
-                out->top_ids[j] = s->ids[j];
-                out->top_logprobs[j] = (float)(logits[s->ids[j]] - lse);
+                out->top_ids[j] = sc->cand[j];
+                out->top_logprobs[j] = (float)(logits[sc->cand[j]] - lse);
             }
             out->n_top = k;
         }
     }
     return PP_OK;
+}
+
+typedef struct sample_job {
+    const pp_sampler *s;
+    sampler_scratch *scratch;
+    const float *logits;
+    const pp_sample_row *rows;
+    int32_t n_rows;
+    pp_sample_result *out;
+    int32_t first, stride;
+    int32_t failed_row;   /* -1, or the first row that allowed no token */
+} sample_job;
+
+static void *sample_rows(void *arg) {
+    sample_job *job = arg;
+    for (int32_t i = job->first; i < job->n_rows; i += job->stride) {
+        const pp_sample_row *r = &job->rows[i];
+        if (sample_row(job->s, job->scratch, job->logits + (size_t)r->logit_row * job->s->n_vocab, r,
+                       &job->out[i]) != PP_OK && job->failed_row < 0)
+            job->failed_row = i;
+    }
+    return NULL;
 }
 
 int pp_sample(pp_sampler *s, const float *logits, int32_t n_logit_rows, const pp_sample_row *rows,
@@ -294,18 +351,36 @@ int pp_sample(pp_sampler *s, const float *logits, int32_t n_logit_rows, const pp
                 return pp_fail(PP_ERR_INVALID, "sample %d: history token %d outside the vocabulary", i,
                                r->history[j]);
     }
-    int32_t longest = 0;
-    for (int32_t i = 0; i < n_rows; i++)
-        if (rows[i].n_history > longest) longest = rows[i].n_history;
-    if (longest > s->history_capacity) {
-        int32_t *grown = realloc(s->history, sizeof(int32_t) * (size_t)longest);
-        if (!grown) return pp_fail(PP_ERR_NO_MEMORY, "cannot hold a history of %d tokens", longest);
-        s->history = grown;
-        s->history_capacity = longest;
+    if (n_rows == 0) return PP_OK;
+    /* Rows go to threads round-robin; each thread grows its own history buffer first. */
+    const int32_t n_threads = n_rows < s->n_threads ? n_rows : s->n_threads;
+    for (int32_t t = 0; t < n_threads; t++) {
+        int32_t longest = 0;
+        for (int32_t i = t; i < n_rows; i += n_threads)
+            if (rows[i].n_history > longest) longest = rows[i].n_history;
+        sampler_scratch *sc = &s->scratch[t];
+        if (longest > sc->history_capacity) {
+            int32_t *grown = realloc(sc->history, sizeof(int32_t) * (size_t)longest);
+            if (!grown) return pp_fail(PP_ERR_NO_MEMORY, "cannot hold a history of %d tokens", longest);
+            sc->history = grown;
+            sc->history_capacity = longest;
+        }
     }
-    for (int32_t i = 0; i < n_rows; i++) {
-        int st = sample_row(s, logits + (size_t)rows[i].logit_row * s->n_vocab, &rows[i], &out[i]);
-        if (st != PP_OK) return st;
+    sample_job jobs[64];
+    pthread_t workers[64];
+    int started[64] = {0};
+    for (int32_t t = 0; t < n_threads; t++)
+        jobs[t] = (sample_job){s, &s->scratch[t], logits, rows, n_rows, out, t, n_threads, -1};
+    for (int32_t t = 1; t < n_threads; t++)   /* a thread that cannot start leaves its rows to us */
+        started[t] = pthread_create(&workers[t], NULL, sample_rows, &jobs[t]) == 0;
+    sample_rows(&jobs[0]);
+    for (int32_t t = 1; t < n_threads; t++) {
+        if (started[t]) pthread_join(workers[t], NULL);
+        else sample_rows(&jobs[t]);
     }
+    for (int32_t t = 0; t < n_threads; t++)
+        if (jobs[t].failed_row >= 0)
+            return pp_fail(PP_ERR_INVALID, "row %d: no token is allowed (or its logits are not finite)",
+                           rows[jobs[t].failed_row].logit_row);
     return PP_OK;
 }

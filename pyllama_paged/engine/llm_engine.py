@@ -51,7 +51,7 @@ class LLMEngine:
         self.num_computed_tokens = 0          # tokens run through the model
         self.num_generated_tokens = 0
         self.limit = min(runner.n_ctx, runner.kv.capacity_tokens())
-        self.sampler = BatchSampler(runner.n_vocab)
+        self.sampler = BatchSampler(runner.n_vocab, runner.n_threads)
         self.forward_seconds = 0.0            # time in the model step and in sampling, for /stats
         self.sample_seconds = 0.0
 

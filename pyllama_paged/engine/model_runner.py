@@ -37,6 +37,7 @@ class ModelRunner:
         self.model = model
         self.n_ctx = n_ctx
         self.n_batch = n_batch
+        self.n_threads = n_threads
         self.kv_cache_type = kv_cache_type
         self._cache = None
         self._ctx = None
@@ -72,6 +73,7 @@ class ModelRunner:
 
     def set_threads(self, n_threads: int) -> None:
         check(lib.pp_context_set_threads(self._ctx, n_threads), "set_threads")
+        self.n_threads = n_threads
 
     def abort(self) -> None:
         """Stop the running step (or the next one) from any thread: it raises ComputeError."""

@@ -103,11 +103,11 @@ class Sampled:
 class BatchSampler:
     """Every row of a step sampled in one native call; buffers reused across steps."""
 
-    def __init__(self, n_vocab: int):
+    def __init__(self, n_vocab: int, n_threads: int = 1):
         self.n_vocab = n_vocab
         self._native = None
         out = ffi.new("pp_sampler **")
-        check(lib.pp_sampler_create(n_vocab, out), "sampler")
+        check(lib.pp_sampler_create(n_vocab, n_threads, out), "sampler")
         self._native = out[0]
 
     def sample(self, logits: np.ndarray, picks) -> list[Sampled]:
