@@ -201,6 +201,78 @@ def test_client_hanging_up_mid_stream_returns_its_pages(server):
     assert wait_pool_empty(server.url)
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/api/generate", {"model": DEFAULT_MODEL_NAME, "prompt": "Write a long essay about rivers.", "stream": False,
+                       "options": {"num_predict": 256, "temperature": 0}}),
+    ("/v1/chat/completions", {"model": DEFAULT_MODEL_NAME, "max_tokens": 256, "temperature": 0, "n": 2,
+                              "messages": [{"role": "user", "content": "Write a long essay about rivers."}]}),
+])
+def test_client_hanging_up_on_a_non_streamed_answer_aborts_it(server, path, body):
+    # found by bench/soak.py: a client that gave up waiting (timeout) left its request
+    # decoding to max_tokens, holding pages and compute for nobody
+    def stats():
+        return httpx.get(server.url + "/api/pool").json()["stats"]
+
+    assert wait_pool_empty(server.url)
+    before = stats()["generated_tokens"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + path, json=body, timeout=httpx.Timeout(60, read=1.0))
+    hung_up = time.time()
+    while stats()["running_requests"] and time.time() - hung_up < 30:
+        time.sleep(0.05)
+    assert time.time() - hung_up < 2.0, "the request kept running after its client hung up"
+    assert wait_pool_empty(server.url)
+    assert stats()["generated_tokens"] - before < 256 * body.get("n", 1)
+    text = httpx.get(server.url + "/metrics").text
+    assert f'pyllama_requests_total{{route="{path}",status="499"}}' in text
+
+
+def test_engine_step_failure_ends_every_answer_with_an_api_error(server, registry, monkeypatch):
+    # found by bench/soak.py (a step failed under preemption): non-streamed clients got a bare
+    # 500 with a traceback in the log, streams were cut without an end line or an error
+    def boom():
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(registry.models[DEFAULT_MODEL_NAME].loop.llm, "step", boom)
+    ollama_body = {"model": DEFAULT_MODEL_NAME, "prompt": "Hello", "options": {"num_predict": 8}}
+    openai_body = {"model": DEFAULT_MODEL_NAME, "prompt": "Hello", "max_tokens": 8}
+    r = httpx.post(server.url + "/api/generate", json={**ollama_body, "stream": False}, timeout=60)
+    assert r.status_code == 500 and "injected step failure" in r.json()["error"]
+    r = httpx.post(server.url + "/v1/completions", json=openai_body, timeout=60)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    r = httpx.post(server.url + "/api/generate", json=ollama_body, timeout=60)
+    assert r.status_code == 200 and "injected step failure" in json.loads(r.text.splitlines()[-1])["error"]
+    r = httpx.post(server.url + "/v1/completions", json={**openai_body, "stream": True}, timeout=60)
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "server_error"
+    with pytest.raises(openai.APIError, match="injected step failure"):
+        list(openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").completions.create(
+            model=DEFAULT_MODEL_NAME, prompt="Hello", max_tokens=8, stream=True))
+    with pytest.raises(ollama.ResponseError, match="injected step failure"):
+        list(ollama.Client(host=server.url).generate(model=DEFAULT_MODEL_NAME, prompt="Hello", stream=True,
+                                                      options={"num_predict": 8}))
+    monkeypatch.undo()
+    assert wait_pool_empty(server.url)
+    r = httpx.post(server.url + "/v1/completions", json=openai_body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    text = httpx.get(server.url + "/metrics").text
+    assert 'pyllama_requests_total{route="/api/generate",status="500"}' in text
+
+
+def test_unhandled_error_is_counted_as_500(server, registry, monkeypatch):
+    def broken(messages):
+        raise RuntimeError("injected template failure")
+
+    monkeypatch.setattr(registry.models[DEFAULT_MODEL_NAME].template, "render", broken)
+    r = httpx.post(server.url + "/api/chat", timeout=60, json={"model": DEFAULT_MODEL_NAME,
+                                                               "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 500
+    monkeypatch.undo()
+    text = httpx.get(server.url + "/metrics").text
+    assert 'pyllama_requests_total{route="/api/chat",status="500"}' in text
+
+
 def test_many_concurrent_clients_match_single_user(server):
     prompts = [f"Tell me fact number {i} about the ocean." for i in range(16)]
 
