@@ -1,7 +1,6 @@
 """EngineLoop: many threads submit at once; streams, async streams, abort, idling."""
 
 import asyncio
-import contextlib
 import threading
 import time
 
@@ -14,6 +13,7 @@ from pyllama_paged.engine.llm_engine import LLMEngine
 from pyllama_paged.engine.model import Model
 from pyllama_paged.engine.sampler import SamplingParams
 from agreement import assert_greedy_agree, engine_logits
+from loop_control import finishes, paused
 from reference.tiny_gguf import write_tiny_model
 
 
@@ -92,44 +92,6 @@ def test_idle_loop_does_not_spin(loop):
     before = thread_cpu_ticks(loop._thread)
     time.sleep(0.5)
     assert thread_cpu_ticks(loop._thread) - before <= 2
-
-
-@contextlib.contextmanager
-def paused(loop):
-    """Hold the loop thread inside a call, so that commands queue up behind it."""
-    inside, release = threading.Event(), threading.Event()
-
-    def hold(llm):
-        inside.set()
-        release.wait()
-
-    holder = threading.Thread(target=loop.call, args=(hold,))
-    holder.start()
-    inside.wait()
-    try:
-        yield
-    finally:
-        release.set()
-        holder.join()
-
-
-def finishes(fn, timeout=120):
-    """fn()'s result, run on a thread; the deadline only turns a hang into a failure."""
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), "hung"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def test_abort_before_admission_never_runs(loop):

@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 
 from agreement import assert_greedy_agree, engine_logits
+from loop_control import paused
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
@@ -31,6 +32,7 @@ class Running:
     """A uvicorn server on a thread; stopped by close()."""
 
     def __init__(self, app):
+        self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -201,6 +203,81 @@ def test_client_hanging_up_mid_stream_returns_its_pages(server):
                 next(lines)
             assert pool_used(server.url) > 0
     assert wait_pool_empty(server.url)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/api/generate", {"model": DEFAULT_MODEL_NAME, "prompt": "Write a long essay about rivers.", "stream": False,
+                       "options": {"num_predict": 256, "temperature": 0}}),
+    ("/v1/chat/completions", {"model": DEFAULT_MODEL_NAME, "max_tokens": 256, "temperature": 0, "n": 2,
+                              "messages": [{"role": "user", "content": "Write a long essay about rivers."}]}),
+])
+def test_client_hanging_up_on_a_non_streamed_answer_aborts_it(server, registry, path, body):
+    # found by bench/soak.py: a client that gave up waiting (timeout) left its request
+    # decoding to max_tokens, holding pages and compute for nobody. The engine loop is
+    # held while the client gives up, so the request cannot have finished first.
+    def stats():
+        return httpx.get(server.url + "/api/pool").json()["stats"]
+
+    assert wait_pool_empty(server.url)
+    before = stats()["generated_tokens"]
+    loop = registry.get(DEFAULT_MODEL_NAME).loop
+    with paused(loop):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + path, json=body, timeout=httpx.Timeout(60, read=1.0))
+        end = time.monotonic() + 120   # the server notices the hang-up (a deadline for a hang only)
+        counts = server.app.state.pp.metrics.requests   # /metrics would wait for the held loop
+        while counts[(path, 499)] == 0:
+            assert time.monotonic() < end, "the hang-up was never noticed"
+            time.sleep(0.05)
+    assert wait_pool_empty(server.url)
+    assert loop.call(lambda llm: llm.has_work()) is False
+    assert stats()["generated_tokens"] == before
+
+
+def test_engine_step_failure_ends_every_answer_with_an_api_error(server, registry, monkeypatch):
+    # found by bench/soak.py (a step failed under preemption): non-streamed clients got a bare
+    # 500 with a traceback in the log, streams were cut without an end line or an error
+    def boom():
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(registry.models[DEFAULT_MODEL_NAME].loop.llm, "step", boom)
+    ollama_body = {"model": DEFAULT_MODEL_NAME, "prompt": "Hello", "options": {"num_predict": 8}}
+    openai_body = {"model": DEFAULT_MODEL_NAME, "prompt": "Hello", "max_tokens": 8}
+    r = httpx.post(server.url + "/api/generate", json={**ollama_body, "stream": False}, timeout=60)
+    assert r.status_code == 500 and "injected step failure" in r.json()["error"]
+    r = httpx.post(server.url + "/v1/completions", json=openai_body, timeout=60)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    r = httpx.post(server.url + "/api/generate", json=ollama_body, timeout=60)
+    assert r.status_code == 200 and "injected step failure" in json.loads(r.text.splitlines()[-1])["error"]
+    r = httpx.post(server.url + "/v1/completions", json={**openai_body, "stream": True}, timeout=60)
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "server_error"
+    with pytest.raises(openai.APIError, match="injected step failure"):
+        list(openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").completions.create(
+            model=DEFAULT_MODEL_NAME, prompt="Hello", max_tokens=8, stream=True))
+    with pytest.raises(ollama.ResponseError, match="injected step failure"):
+        list(ollama.Client(host=server.url).generate(model=DEFAULT_MODEL_NAME, prompt="Hello", stream=True,
+                                                      options={"num_predict": 8}))
+    monkeypatch.undo()
+    assert wait_pool_empty(server.url)
+    r = httpx.post(server.url + "/v1/completions", json=openai_body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    text = httpx.get(server.url + "/metrics").text
+    assert 'pyllama_requests_total{route="/api/generate",status="500"}' in text
+
+
+def test_unhandled_error_is_counted_as_500(server, registry, monkeypatch):
+    def broken(messages):
+        raise RuntimeError("injected template failure")
+
+    monkeypatch.setattr(registry.models[DEFAULT_MODEL_NAME].template, "render", broken)
+    r = httpx.post(server.url + "/api/chat", timeout=60, json={"model": DEFAULT_MODEL_NAME,
+                                                               "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 500
+    monkeypatch.undo()
+    text = httpx.get(server.url + "/metrics").text
+    assert 'pyllama_requests_total{route="/api/chat",status="500"}' in text
 
 
 def test_many_concurrent_clients_match_single_user(server, registry):

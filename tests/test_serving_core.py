@@ -271,3 +271,24 @@ def test_an_aborted_step_is_a_compute_error_and_the_engine_goes_on(model):
     assert np.isfinite(runner.prefill(seq)).all()          # the request is consumed: the next step runs
     runner.free(seq)
     runner.close()
+
+
+def test_a_preempted_request_that_can_no_longer_fit_ends_instead_of_waiting_forever(model):
+    # found by bench/soak.py: a preempted n=2 request is admitted again with a copy of
+    # the prompt per sample, which a 6-block pool cannot hold even when empty
+    llm = make_engine(model, num_blocks=6)
+    prompt = list(range(10, 43))
+    first = llm.add_request(prompt, SamplingParams(max_tokens=30, temperature=0))
+    second = llm.add_request(prompt, SamplingParams(max_tokens=30, temperature=1.0, seed=2, n=2))
+    done = {}
+    for _ in range(1000):   # a bound on steps: the engine must not spin without progress
+        if not llm.has_work():
+            break
+        for out in llm.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert not llm.has_work()
+    assert set(done) == {first.request_id, second.request_id}
+    assert all(o.error is None or "out of KV blocks" in o.error for o in done.values())
+    assert llm.stats()["blocks_used"] == 0
+    llm.runner.close()

@@ -100,7 +100,8 @@ class Scheduler:
         if not kv.paged:
             return kv.num_blocks - kv.num_in_use >= len(seqs)
         need = sum(-(-len(tokens_of(s)) // kv.block_size) for s in seqs)
-        return need + self.reserve_blocks <= kv.pool.num_allocatable
+        # the reserve keeps room for running sequences to grow; with none running it is not needed
+        return need + (self.reserve_blocks if self.running else 0) <= kv.pool.num_allocatable
 
     # ---- one step ----------------------------------------------------------
     def schedule(self) -> list[tuple[Sequence, int]]:
@@ -193,4 +194,16 @@ class Scheduler:
                     n = min(pending, budget)
                     work.append((seq, n))
                     budget -= n
+
+        # Nothing runs and the next request still does not fit: no block will ever be
+        # freed for it (e.g. a preempted n>1 request whose samples now need their own
+        # copies of the prompt). End it with an error rather than wait forever.
+        if not work and not self.running and not preempted:
+            queue = self.swapped or self.waiting
+            if queue:
+                request = queue.popleft()
+                request.error = ("out of KV blocks: the request's sequences need more pages together "
+                                 f"than the pool of {self.runner.kv.num_blocks} holds")
+                self.remove(request)
+                self.failed.append(request)
         return work

@@ -110,7 +110,11 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
 
     @app.middleware("http")
     async def count(request: Request, call_next):
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception:   # unhandled: the client gets a 500, so /metrics counts one
+            state.metrics.count_request(request.url.path, 500)
+            raise
         if response.status_code < 400:
             state.metrics.count_request(request.url.path, response.status_code)
         return response

@@ -3,6 +3,7 @@ model's engine loop, text assembly, timing, and abort on disconnect."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -74,11 +75,38 @@ class Generation:
                     yield d
                 if not out.finished and self.params.stop and assembler.all_stopped(width):
                     stream.abort()
+        except PagedError as e:   # the engine step failed (it fails every request in it)
+            raise APIError(500, f"generation failed: {e}", None, "server_error") from None
         finally:
             # normal end, stop string, error or client gone: the pages go back now
             stream.abort()
             self.metrics.inflight[served.name] -= 1
             self.metrics.add_tokens(len(self.prompt_ids), self.num_generated)
+
+    async def collect(self, request) -> list[TextDelta]:
+        """Every delta of a non-streamed answer. A client that hangs up while it waits
+        has its request aborted (pages freed) instead of run to max_tokens: 499."""
+        async def answer():
+            return [d async for d in self.deltas()]
+
+        async def hang_up():
+            # the body has been read: the next ASGI message is http.disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work, gone = asyncio.ensure_future(answer()), asyncio.ensure_future(hang_up())
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            gone.cancel()
+            raise
+        gone.cancel()
+        if work in done:
+            return work.result()
+        work.cancel()   # deltas() aborts the request as it unwinds
+        await asyncio.gather(work, return_exceptions=True)
+        raise APIError(499, "the client closed the connection before the answer was ready")
 
     def durations_ns(self) -> dict:
         """Ollama's timing fields, in nanoseconds."""

@@ -84,16 +84,20 @@ def build_router(state) -> APIRouter:
                            "model", "not_found")
         return served
 
-    async def respond(gen, stream: bool, shape):
+    async def respond(gen, request: Request, stream: bool, shape):
         """NDJSON stream of shape(text, done) objects, or one object when stream is false."""
         if stream:
             async def lines():
-                async for d in gen.deltas():
-                    if d.index == 0 and d.text:
-                        yield json.dumps(shape(d.text, False)) + "\n"
+                try:
+                    async for d in gen.deltas():
+                        if d.index == 0 and d.text:
+                            yield json.dumps(shape(d.text, False)) + "\n"
+                except APIError as e:   # after the 200 header: end the stream with Ollama's error line
+                    yield json.dumps({"error": e.message}) + "\n"
+                    return
                 yield json.dumps(final(gen, shape)) + "\n"
             return StreamingResponse(lines(), media_type="application/x-ndjson")
-        text = "".join([d.text async for d in gen.deltas() if d.index == 0])
+        text = "".join(d.text for d in await gen.collect(request) if d.index == 0)
         body = final(gen, shape)
         body.update({k: v for k, v in shape(text, True).items() if k in ("response", "message")})
         return JSONResponse(body)
@@ -127,7 +131,7 @@ def build_router(state) -> APIRouter:
             if done:   # Ollama's token context of this exchange (prompt + response)
                 out["context"] = gen.prompt_ids + gen.output_ids
             return out
-        return await respond(gen, body.stream, shape)
+        return await respond(gen, request, body.stream, shape)
 
     @router.post("/api/chat")
     async def chat(body: ChatRequest, request: Request):
@@ -142,7 +146,7 @@ def build_router(state) -> APIRouter:
         gen = start_generation(served, ids, _params(body.options), state.limits, state.metrics)
         shape = lambda text, done: {"model": body.model, "created_at": _now(),
                                     "message": {"role": "assistant", "content": text}, "done": done}
-        return await respond(gen, body.stream, shape)
+        return await respond(gen, request, body.stream, shape)
 
     def describe(served) -> dict[str, Any]:
         return {"name": served.name, "model": served.name,

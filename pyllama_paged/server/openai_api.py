@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,7 +72,8 @@ def build_router(state) -> APIRouter:
         return {"object": "list", "data": [{"id": m.name, "object": "model", "created": int(m.loaded_at),
                                              "owned_by": "pyllama-paged"} for m in state.registry.models.values()]}
 
-    async def run(gen, n: int, stream: bool, include_usage: bool, make_choice, make_delta, obj: str):
+    async def run(gen, request: Request, n: int, stream: bool, include_usage: bool, make_choice, make_delta,
+                  obj: str):
         rid, created = f"{'chatcmpl' if 'chat' in obj else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": obj, "created": created, "model": gen.served.name}
 
@@ -82,14 +83,20 @@ def build_router(state) -> APIRouter:
 
         if stream:
             async def events():
-                async for d in gen.deltas():
-                    if d.text or d.finish_reason:
-                        yield "data: " + json.dumps({**head, "choices": [make_delta(d)]}) + "\n\n"
+                try:
+                    async for d in gen.deltas():
+                        if d.text or d.finish_reason:
+                            yield "data: " + json.dumps({**head, "choices": [make_delta(d)]}) + "\n\n"
+                except APIError as e:   # after the 200 header: an error event, then the end
+                    error = {"message": e.message, "type": e.type, "param": e.param, "code": None}
+                    yield "data: " + json.dumps({"error": error}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
                 if include_usage:
                     yield "data: " + json.dumps({**head, "choices": [], "usage": usage()}) + "\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
-        deltas = [d async for d in gen.deltas()]
+        deltas = await gen.collect(request)
         texts = final_text(deltas, n)
         obj_final = obj.replace(".chunk", "")
         return JSONResponse({**head, "object": obj_final,
@@ -98,7 +105,7 @@ def build_router(state) -> APIRouter:
                              "usage": usage()})
 
     @router.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         served = find(body.model)
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
             if len(body.prompt) != 1:
@@ -121,10 +128,10 @@ def build_router(state) -> APIRouter:
             return {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
 
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return await run(gen, body.n, body.stream, include, choice, delta, "text_completion")
+        return await run(gen, request, body.n, body.stream, include, choice, delta, "text_completion")
 
     @router.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         served = find(body.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
                     for m in body.messages]
@@ -151,6 +158,6 @@ def build_router(state) -> APIRouter:
             return {"index": d.index, "delta": content, "logprobs": None, "finish_reason": d.finish_reason}
 
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return await run(gen, body.n, body.stream, include, choice, delta, "chat.completion.chunk")
+        return await run(gen, request, body.n, body.stream, include, choice, delta, "chat.completion.chunk")
 
     return router
