@@ -277,7 +277,7 @@ def test_a_preempted_request_that_can_no_longer_fit_ends_instead_of_waiting_fore
     # found by bench/soak.py: a preempted n=2 request is admitted again with a copy of
     # the prompt per sample, which a 6-block pool cannot hold even when empty
     llm = make_engine(model, num_blocks=6)
-    prompt = list(range(10, 43))
+    prompt = list(range(10, 30))
     first = llm.add_request(prompt, SamplingParams(max_tokens=30, temperature=0))
     second = llm.add_request(prompt, SamplingParams(max_tokens=30, temperature=1.0, seed=2, n=2))
     done = {}
