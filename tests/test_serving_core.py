@@ -292,3 +292,24 @@ def test_a_preempted_request_that_can_no_longer_fit_ends_instead_of_waiting_fore
     assert all(o.error is None or "out of KV blocks" in o.error for o in done.values())
     assert llm.stats()["blocks_used"] == 0
     llm.runner.close()
+
+
+def test_prefill_is_chunked_small_while_streams_decode(model):
+    # the inter-token gap of running streams stays bounded when a long prompt arrives
+    engine = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=200)
+    llm = LLMEngine(engine, EOT, SchedulerConfig(max_num_batched_tokens=256, max_prefill_tokens_with_decodes=32))
+    for i in range(3):
+        llm.add_request(list(range(10 + i, 20 + i)), SamplingParams(max_tokens=30, temperature=0))
+    llm.step()                                            # their prefill, alone: one step
+    llm.add_request(list(range(50, 250)), SamplingParams(max_tokens=2, temperature=0))
+    sizes = []
+    for _ in range(5):                                    # the 200-token prompt arrives beside 3 streams
+        before = llm.num_computed_tokens
+        llm.step()
+        sizes.append(llm.num_computed_tokens - before)
+    assert all(n <= 3 + 32 for n in sizes)                # 3 decodes + at most 32 prompt tokens a step
+    assert sum(sizes) > 5 * 3                             # and the prompt did advance
+    while llm.has_work():
+        llm.step()
+    assert llm.stats()["blocks_used"] == 0
+    engine.close()

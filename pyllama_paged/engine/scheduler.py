@@ -20,6 +20,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64              # running sequences at once
     watermark: float = 0.01             # fraction of blocks admission leaves free
     preemption_mode: str = "recompute"  # recompute: cheaper on CPU (no copy traffic); swap: keeps work
+    # Prefill tokens a step may add while decodes run: bounds every running
+    # stream's inter-token gap when new users arrive, at the cost of their
+    # time to first token (a long prompt takes several steps). Steps without
+    # decodes prefill up to max_num_batched_tokens.
+    max_prefill_tokens_with_decodes: int = 128
 
 
 class Scheduler:
@@ -148,11 +153,14 @@ class Scheduler:
                 self.runner.append_tokens(seq.kv, new)
                 work.append((seq, len(new)))
 
-        # prefill chunks of running requests still prefilling
+        # prefill chunks of running requests still prefilling, then of admitted ones
+        if work:
+            budget = min(budget, self.config.max_prefill_tokens_with_decodes)
+        decoding = {seq.seq_id for seq, _ in work}
         for request in self.running:
             for seq in request.live_seqs:
                 pending = len(seq.kv.token_ids) - seq.kv.num_computed if seq.kv else 0
-                if pending > 0 and budget > 0 and not any(s is seq for s, _ in work):
+                if pending > 0 and budget > 0 and seq.seq_id not in decoding:
                     n = min(pending, budget)
                     work.append((seq, n))
                     budget -= n
