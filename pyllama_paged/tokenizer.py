@@ -27,22 +27,23 @@ Decoding choices (llama.cpp leaves these to the caller):
 * Control and unknown tokens decode to their text unless ``skip_special=True``; unused tokens
   decode to nothing.
 
-``Tokenizer.from_gguf`` accepts a path (metadata is read by a small parser here, which takes a
-fraction of a second where ``gguf.GGUFReader`` needs many seconds for a 262k vocabulary), a
-``gguf.GGUFReader``, an object with a ``metadata`` dict, or a ``{key: value}`` metadata dict.
+``Tokenizer.from_gguf`` accepts a path (metadata is read by the model loader's bounds-checked
+reader, ``gguf_reader``, in a fraction of a second where ``gguf.GGUFReader`` needs many seconds
+for a 262k vocabulary), a ``gguf.GGUFReader``, an object with a ``metadata`` dict, or a
+``{key: value}`` metadata dict. Malformed files and metadata raise ``ModelLoadError``.
 """
 
 from __future__ import annotations
 
 import codecs
-import mmap
 import os
-import struct
 from enum import IntEnum
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from .errors import ModelLoadError
+from .gguf_reader import read_metadata
 from .tokenizer_bpe import BpeEncoder, bpe_text_to_bytes, pre_tokenizer_family, pre_tokenizer_flags
 from .tokenizer_spm import SPACE_MARK, SpmEncoder
 
@@ -78,10 +79,6 @@ _END_OF_TURN_TEXTS = (
 # --- GGUF metadata ----------------------------------------------------------------------------
 
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
-_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_NUMPY = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
-               10: "<u8", 11: "<i8", 12: "<f8"}
 
 
 def _tokenizer_key(key: str) -> bool:
@@ -89,59 +86,12 @@ def _tokenizer_key(key: str) -> bool:
 
 
 def read_gguf_metadata(path: Union[str, os.PathLike], want=_tokenizer_key) -> dict[str, Any]:
-    """Read a GGUF file's key/value metadata (little-endian GGUF v2/v3), keeping keys for which
-    ``want(key)`` is true. Strings are ``str`` (invalid UTF-8 kept as surrogate escapes), numeric
-    arrays numpy arrays, string arrays lists."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        if mm[:4] != b"GGUF":
-            raise ValueError(f"{os.fspath(path)!r} is not a GGUF file")
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
-        if version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {version} (or big-endian file)")
-        pos = 24
-        out = {}
-        for _ in range(n_kv):
-            (n,) = struct.unpack_from("<Q", mm, pos)
-            key = mm[pos + 8:pos + 8 + n].decode("utf-8", "replace")
-            (vtype,) = struct.unpack_from("<I", mm, pos + 8 + n)
-            keep = want(key)
-            value, pos = _read_gguf_value(mm, pos + 12 + n, vtype, keep)
-            if keep:
-                out[key] = value
-        return out
-
-
-def _read_gguf_value(mm, pos: int, vtype: int, keep: bool):
-    unpack = struct.unpack_from
-    if vtype == _GGUF_STRING:
-        (n,) = unpack("<Q", mm, pos)
-        pos += 8
-        return (mm[pos:pos + n].decode("utf-8", "surrogateescape") if keep else None), pos + n
-    if vtype == _GGUF_ARRAY:
-        etype, count = unpack("<IQ", mm, pos)
-        pos += 12
-        if etype == _GGUF_STRING:
-            items = []
-            for _ in range(count):
-                (n,) = unpack("<Q", mm, pos)
-                pos += 8
-                if keep:
-                    items.append(mm[pos:pos + n].decode("utf-8", "surrogateescape"))
-                pos += n
-            return (items if keep else None), pos
-        if etype == _GGUF_ARRAY:
-            items = []
-            for _ in range(count):
-                item, pos = _read_gguf_value(mm, pos, _GGUF_ARRAY, keep)
-                items.append(item)
-            return (items if keep else None), pos
-        size = struct.calcsize(_GGUF_SCALAR[etype]) * count
-        arr = np.frombuffer(mm[pos:pos + size], dtype=_GGUF_NUMPY[etype]) if keep else None
-        return arr, pos + size
-    fmt = _GGUF_SCALAR.get(vtype)
-    if fmt is None:
-        raise ValueError(f"unknown GGUF value type {vtype}")
-    return unpack(fmt, mm, pos)[0], pos + struct.calcsize(fmt)
+    """Read a GGUF file's key/value metadata, keeping keys for which ``want(key)`` is true.
+    Strings are ``str`` (invalid UTF-8 kept as surrogate escapes), numeric arrays numpy arrays,
+    string arrays lists. A file that is not a well-formed GGUF raises ``ModelLoadError`` (a
+    ``ValueError``); the parsing is the model loader's own (``gguf_reader``), bounds-checked."""
+    metadata = read_metadata(os.fspath(path), errors="surrogateescape")
+    return {key: value for key, value in metadata.items() if want(key)}
 
 
 def _metadata_from_reader(reader) -> dict[str, Any]:
@@ -163,6 +113,40 @@ def _metadata_from_reader(reader) -> dict[str, Any]:
         else:
             out[key] = field.parts[field.data[0]][0].item()
     return out
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _string_list(md: Mapping[str, Any], key: str) -> Optional[list]:
+    """A GGUF string array (a list of str/bytes), or None when absent."""
+    value = md.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, (str, bytes)) for v in value):
+        raise ModelLoadError(f"metadata field '{key}' must be an array of strings, got {_short(value)}")
+    return list(value)
+
+
+def _number_array(md: Mapping[str, Any], key: str, n: int, kinds: str) -> Optional[np.ndarray]:
+    """A 1-D numeric array of n items (numpy dtype kind in kinds), or None when absent."""
+    value = md.get(key)
+    if value is None:
+        return None
+    arr = value if isinstance(value, np.ndarray) else None
+    if arr is None and isinstance(value, (list, tuple)):
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError):  # ragged or mixed lists
+            arr = None
+    if arr is None or arr.ndim != 1 or arr.dtype.kind not in kinds:
+        what = "numbers" if "f" in kinds else "integers"
+        raise ModelLoadError(f"metadata field '{key}' must be an array of {what}, got {_short(value)}")
+    if len(arr) != n:
+        raise ModelLoadError(f"metadata field '{key}' has {len(arr)} entries for {n} tokens")
+    return arr
 
 
 # --- the tokenizer ----------------------------------------------------------------------------
@@ -289,30 +273,49 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
+        """From GGUF metadata. A missing or mistyped field (e.g. scores that are strings, or
+        fewer token types than tokens) raises ``ModelLoadError`` (a ``ValueError``) naming it."""
         model = md.get("tokenizer.ggml.model")
         if model is None:
-            raise ValueError("GGUF metadata has no tokenizer.ggml.model")
+            raise ModelLoadError("GGUF metadata has no tokenizer.ggml.model")
+        if not isinstance(model, str) or model not in ("llama", "gpt2"):  # (an array has no `in`)
+            raise ModelLoadError(f"tokenizer model {_short(model)} is not supported (only 'llama' and 'gpt2')")
         if "tokenizer.ggml.tokens" not in md:
-            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
+            raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens")
+        tokens = _string_list(md, "tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelLoadError("metadata field 'tokenizer.ggml.tokens' is empty")
+        n = len(tokens)
 
         def get_id(name: str, default: Optional[int] = None) -> Optional[int]:
             value = md.get(f"tokenizer.ggml.{name}")
-            return default if value is None else int(value)
+            if value is None:
+                return default
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise ModelLoadError(f"metadata field 'tokenizer.ggml.{name}' must be an integer, "
+                                     f"got {_short(value)}")
+            return int(value)  # out of range: absent (see __init__)
 
         def get_flag(name: str) -> Optional[bool]:
             value = md.get(f"tokenizer.ggml.{name}")
+            if value is not None and not isinstance(value, (bool, int, np.bool_, np.integer)):
+                raise ModelLoadError(f"metadata field 'tokenizer.ggml.{name}' must be a boolean, "
+                                     f"got {_short(value)}")
             return None if value is None else bool(value)
 
+        pre = md.get("tokenizer.ggml.pre")
+        if pre is not None and not isinstance(pre, str):
+            raise ModelLoadError(f"metadata field 'tokenizer.ggml.pre' must be a string, got {_short(pre)}")
         spm = model == "llama"  # llama.cpp's defaults for SentencePiece vocabularies
-        scores = md.get("tokenizer.ggml.scores")
-        types = md.get("tokenizer.ggml.token_type")
+        scores = _number_array(md, "tokenizer.ggml.scores", n, "biuf")
+        types = _number_array(md, "tokenizer.ggml.token_type", n, "biu")
         return cls(
-            md["tokenizer.ggml.tokens"],
-            scores=None if scores is None else np.asarray(scores, dtype=np.float32).tolist(),
-            token_types=None if types is None else np.asarray(types).tolist(),
-            merges=md.get("tokenizer.ggml.merges"),
+            tokens,
+            scores=None if scores is None else scores.astype(np.float32).tolist(),
+            token_types=None if types is None else types.tolist(),
+            merges=_string_list(md, "tokenizer.ggml.merges"),
             model=model,
-            pre=md.get("tokenizer.ggml.pre"),
+            pre=pre,
             bos_id=get_id("bos_token_id", 1 if spm else None),
             eos_id=get_id("eos_token_id", 2 if spm else None),
             unk_id=get_id("unknown_token_id", 0 if spm else None),
