@@ -145,7 +145,11 @@ class EngineLoop:
                     item()
                     continue
                 request_id, prompt_ids, params = item
-                request = self.llm.add_request(prompt_ids, params, request_id)
+                try:
+                    request = self.llm.add_request(prompt_ids, params, request_id)
+                except Exception as e:  # a bad request fails itself; the thread must live on
+                    self._close(request_id, PagedError(f"request {request_id} could not start: {e}"))
+                    continue
                 if request.error:
                     self._deliver(RequestOutput(request_id, finished=True, error=request.error,
                                                 num_prompt_tokens=len(prompt_ids)))

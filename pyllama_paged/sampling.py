@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -30,8 +31,15 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise PagedError naming the first invalid field."""
+        finite = math.isfinite
         checks = [
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "must be >= 0"),
+            # 64-bit seeds, signed or not (read modulo 2**64, as llama.cpp casts them)
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "must fit in 64 bits"),
+            ("temperature", finite(self.temperature), "must be finite"),
+            ("repeat_penalty", finite(self.repeat_penalty), "must be finite"),
+            ("presence_penalty", finite(self.presence_penalty), "must be finite"),
+            ("frequency_penalty", finite(self.frequency_penalty), "must be finite"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 = disabled)"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
@@ -68,7 +76,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
 
     def apply_penalties(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
         """Repetition (llama.cpp style), presence and frequency penalties over the last n tokens."""
@@ -80,16 +88,21 @@ class Sampler:
         ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
         out = logits.copy()
         vals = out[ids]
-        if p.repeat_penalty != 1.0:
-            vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-        vals = vals - counts * p.frequency_penalty - (counts > 0) * p.presence_penalty
-        out[ids] = vals
+        with np.errstate(all="ignore"):  # extreme penalties overflow; sample() copes with inf
+            if p.repeat_penalty != 1.0:
+                vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            vals = vals - counts * p.frequency_penalty - (counts > 0) * p.presence_penalty
+            out[ids] = vals
         return out
 
     def sample(self, logits: np.ndarray, history: list[int]) -> int:
         """The next token id from one row of logits."""
         p = self.params
         logits = self.apply_penalties(logits, history)
+        if not np.isfinite(logits).all():
+            # Big penalties overflow: a NaN never wins, +inf is the largest finite score.
+            logits = np.nan_to_num(logits.astype(np.float64), nan=-np.inf,
+                                   posinf=np.finfo(np.float64).max, neginf=-np.inf)
         if p.greedy:
             return int(np.argmax(logits))
         n = logits.shape[0]
@@ -100,8 +113,14 @@ class Sampler:
         else:
             cand = np.arange(n)
         cand = cand[np.argsort(-logits[cand], kind="stable")]
-        scaled = logits[cand].astype(np.float64) / p.temperature
-        probs = np.exp(scaled - scaled[0])
+        best = float(logits[cand[0]])
+        if best == -np.inf:  # every score is -inf: nothing to weigh
+            return int(cand[0])
+        # Differences from the best before dividing: a tiny temperature then
+        # gives -inf (probability 0), never inf - inf = NaN.
+        with np.errstate(over="ignore"):
+            scaled = (logits[cand].astype(np.float64) - best) / p.temperature
+        probs = np.exp(scaled)
         probs /= probs.sum()
         keep = len(cand)
         if p.min_p > 0:

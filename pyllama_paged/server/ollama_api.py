@@ -18,7 +18,8 @@ from .generation import APIError, start_generation
 
 
 class Options(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: the types the schema says (true is not the integer 1, "5" is not a number)
+    model_config = ConfigDict(extra="ignore", strict=True)
     num_predict: int | None = None
     temperature: float | None = Field(None, ge=0)
     top_k: int | None = Field(None, ge=0)
@@ -33,7 +34,7 @@ class Options(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     prompt: str = ""
     system: str | None = None
@@ -44,14 +45,14 @@ class GenerateRequest(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "tool"]
     content: str
     images: list[str] | None = None
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     messages: list[Message]
     stream: bool = True
@@ -59,7 +60,7 @@ class ChatRequest(BaseModel):
 
 
 class NameRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     name: str | None = None
 
@@ -68,13 +69,14 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _params(options: Options | None) -> SamplingParams:
+def _params(options: Options | None, default_max: int = 512) -> SamplingParams:
     o = options or Options()
-    params = SamplingParams(max_tokens=o.num_predict if o.num_predict and o.num_predict > 0 else 512,
+    params = SamplingParams(max_tokens=o.num_predict if o.num_predict and o.num_predict > 0 else default_max,
                             temperature=0.8 if o.temperature is None else o.temperature,
                             top_k=40 if o.top_k is None else o.top_k,
                             top_p=0.9 if o.top_p is None else o.top_p,
-                            min_p=0.0 if o.min_p is None else o.min_p, seed=o.seed,
+                            # seed -1 asks for a random seed, as in llama.cpp
+                            min_p=0.0 if o.min_p is None else o.min_p, seed=None if o.seed == -1 else o.seed,
                             stop=list(o.stop or []),
                             repeat_penalty=1.1 if o.repeat_penalty is None else o.repeat_penalty,
                             presence_penalty=o.presence_penalty or 0.0,
@@ -127,7 +129,8 @@ def build_router(state) -> APIRouter:
             return JSONResponse({"model": body.model, "created_at": _now(), "response": "",
                                  "done": True, "done_reason": "load"})
         ids = served.tokenizer.encode(text, add_special=True, parse_special=not body.raw)
-        gen = start_generation(served, ids, _params(body.options), state.limits, state.metrics)
+        params = _params(body.options, min(512, state.limits.max_tokens))  # a default within the limit
+        gen = start_generation(served, ids, params, state.limits, state.metrics)
         shape = lambda text, done: {"model": body.model, "created_at": _now(), "response": text, "done": done}
         return await respond(gen, body.stream, shape)
 
@@ -141,7 +144,8 @@ def build_router(state) -> APIRouter:
         except PagedError as e:
             raise APIError(400, str(e), "messages") from None
         ids = served.tokenizer.encode(text, add_special=True, parse_special=True)
-        gen = start_generation(served, ids, _params(body.options), state.limits, state.metrics)
+        params = _params(body.options, min(512, state.limits.max_tokens))  # a default within the limit
+        gen = start_generation(served, ids, params, state.limits, state.metrics)
         shape = lambda text, done: {"model": body.model, "created_at": _now(),
                                     "message": {"role": "assistant", "content": text}, "done": done}
         return await respond(gen, body.stream, shape)
