@@ -7,8 +7,7 @@ from .engine.model import Model
 from .engine.model_runner import ModelRunner
 from .engine.sampler import SamplingParams
 from .engine.scheduler import SchedulerConfig
-from .errors import ComputeError, NativeError, OutOfBlocksError, PagedError
-from .gguf.config import ModelLoadError
+from .errors import ComputeError, ModelLoadError, NativeError, OutOfBlocksError, PagedError
 from .llama import Llama
 from ._version import __version__
 

@@ -13,6 +13,13 @@ class NativeError(PagedError):
         self.status = status
 
 
+class ModelLoadError(PagedError, ValueError):
+    """A GGUF file cannot be used; the message names the file and the field or tensor.
+
+    Also a ValueError: the tokenizer's GGUF readers raised ValueError for bad files
+    before they raised this, and callers may still catch that."""
+
+
 class OutOfBlocksError(PagedError):
     """The KV block pool cannot satisfy a request right now (recoverable)."""
 

@@ -41,13 +41,16 @@ def sampling_params(surface: Surface, fields: Mapping[str, Any], **overrides) ->
         key = surface.renames.get(key, key)
         if value is not None and key in _FIELDS:
             values[key] = value
+    if values.get("max_tokens") is not None and values["max_tokens"] <= 0:
+        del values["max_tokens"]   # unset: the surface's default (e.g. Ollama's num_predict -1)
+    if values.get("seed") == -1:
+        values["seed"] = None      # -1 asks for a random seed, as in llama.cpp
     for key, value in overrides.items():
         if values.get(key) is None and value is not None:
             values[key] = value
     stop = values.get("stop")
     values["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
-    max_tokens = values.get("max_tokens")
-    if max_tokens is None or max_tokens <= 0:
+    if values.get("max_tokens") is None:
         values["max_tokens"] = surface.unset_max_tokens
     params = SamplingParams(**values)
     params.validate()

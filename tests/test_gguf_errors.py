@@ -114,3 +114,58 @@ def test_good_file_still_loads_after_failures(good_file):
     m = Model(good_file)
     assert m.config.arch == "llama"
     m.close()
+
+
+def test_huge_counts_are_refused_before_anything_is_allocated(good_file, tmp_path):
+    from pyllama_paged.tokenizer.tokenizer import Tokenizer
+
+    data = open(good_file, "rb").read()
+    for offset, pattern in ((8, r"tensor count is \d+, but only \d+ bytes follow"),
+                            (16, r"metadata field count is \d+, but only \d+ bytes follow")):
+        p = tmp_path / f"count{offset}.gguf"
+        p.write_bytes(data[:offset] + struct.pack("<Q", 2**62) + data[offset + 8:])
+        with pytest.raises(ModelLoadError, match=pattern):
+            Model(str(p))
+    # The tokenizer's own reader is the same bounds-checked parser.
+    with pytest.raises(ModelLoadError, match="metadata field count"):
+        Tokenizer.from_gguf(str(p))
+
+
+def test_tokenizer_reader_errors_are_model_load_errors_and_value_errors(tmp_path):
+    from pyllama_paged.tokenizer.tokenizer import Tokenizer
+
+    p = tmp_path / "text.gguf"
+    p.write_bytes(b"not a model" * 8)
+    with pytest.raises(ModelLoadError, match="not a GGUF file") as e:
+        Tokenizer.from_gguf(str(p))
+    assert isinstance(e.value, ValueError)  # what this reader raised before
+
+
+def test_mistyped_and_out_of_range_hyperparameters(tmp_path):
+    import gguf
+
+    def write(name, **fields):
+        p = tmp_path / name
+        w = gguf.GGUFWriter(str(p), "llama")
+        w.add_token_list(["a", "b"])
+        for key, value in {"llama.block_count": 1, "llama.embedding_length": 64,
+                           "llama.attention.head_count": 2, "llama.feed_forward_length": 128,
+                           **fields}.items():
+            if isinstance(value, str):
+                w.add_string(key, value)
+            else:
+                w.add_uint64(key, value)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return str(p)
+
+    with pytest.raises(ModelLoadError, match=r"'llama.block_count' must be an integer, got the string '2'"):
+        Model(write("s.gguf", **{"llama.block_count": "2"}))
+    # Before the check this built a 2**40-entry list (MemoryError).
+    with pytest.raises(ModelLoadError, match=r"'llama.block_count' is 1099511627776, outside \[1, 512\]"):
+        Model(write("l.gguf", **{"llama.block_count": 2**40}))
+    # Fits neither the native int32 field nor a sane context.
+    with pytest.raises(ModelLoadError, match=r"'llama.context_length' is 4294967296, outside"):
+        Model(write("c.gguf", **{"llama.context_length": 2**32}))

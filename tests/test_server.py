@@ -347,3 +347,88 @@ def test_queue_full_is_503_with_retry_hint(registry):
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_busy"
     finally:
         s.close()
+
+
+# ---- found by fuzzing (tests/test_fuzz_http.py) -----------------------------
+def _generate(url, **options):
+    return httpx.post(url + "/api/generate", timeout=120, json={
+        "model": DEFAULT_MODEL_NAME, "prompt": "hi", "stream": False, "options": {"num_predict": 2, **options}})
+
+
+def test_sampling_extremes_fail_at_most_their_own_request(server):
+    # Ollama's seed -1 asks for a random seed. It used to reach numpy on the
+    # engine thread, which died: every later request hung.
+    assert _generate(server.url, seed=-1).status_code == 200
+    r = _generate(server.url, seed=2**70)
+    assert r.status_code == 400 and "'seed'" in r.json()["error"]
+    # Valid but extreme values overflowed the sampler to NaN probabilities,
+    # failing the whole engine step (every request in it) with a 500.
+    for options in ({"temperature": 1e-320}, {"temperature": 0.5, "repeat_penalty": 1e-300},
+                    {"presence_penalty": -1e308}, {"frequency_penalty": 1e308}):
+        r = _generate(server.url, seed=1, **options)
+        assert r.status_code == 200 and 1 <= r.json()["eval_count"] <= 2, (options, r.text)  # EOS may end it
+    assert wait_pool_empty(server.url)
+
+
+def test_default_reply_length_stays_within_the_server_limit(registry):
+    # The defaults (512, 16) exceeded a smaller --max-tokens, so every request
+    # that did not name a length was refused with a 400.
+    s = Running(create_app(registry, Limits(max_tokens=3)))
+    try:
+        r = httpx.post(s.url + "/api/generate", timeout=120,
+                       json={"model": DEFAULT_MODEL_NAME, "prompt": "hi", "stream": False})
+        assert r.status_code == 200 and r.json()["eval_count"] <= 3
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=120,
+                       json={"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        r = httpx.post(s.url + "/v1/completions", json={"model": DEFAULT_MODEL_NAME, "prompt": "x", "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # an explicit ask still is
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("path", ["/api/generate", "/v1/completions"])
+def test_unreadable_and_oversized_bodies_get_precise_errors_in_our_shape(server, path):
+    def message(r):
+        body = r.json()
+        return body["error"]["message"] if path.startswith("/v1/") else body["error"]
+
+    # Not UTF-8: was FastAPI's {"detail": "There was an error parsing the body"}.
+    r = httpx.post(server.url + path, content=b"\xaf\x82", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and message(r).startswith("malformed JSON: the body is not UTF-8")
+    # Over the limit without a Content-Length (chunked): was that same 400, not 413.
+    r = httpx.post(server.url + path, content=(b"x" * 1024 for _ in range(80)),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than 65536 bytes" in message(r)
+
+
+def test_unknown_routes_and_methods_use_our_error_shape(server):
+    r = httpx.get(server.url + "/api/nope")
+    assert r.status_code == 404 and r.json() == {"error": "Not Found"}
+    r = httpx.get(server.url + "/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+    r = httpx.delete(server.url + "/api/generate")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/api/generate", {"prompt": "hi", "options": {"top_k": True}}, "options.top_k"),
+    ("/api/generate", {"prompt": "hi", "options": {"num_ctx": True}}, "options.num_ctx"),
+    ("/api/generate", {"prompt": "hi", "stream": "false"}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "1"}, "temperature"),
+])
+def test_request_fields_have_the_types_the_schema_says(server, path, body, field):
+    # Lax parsing took true for 1 and "1" for a number, which the schema forbids.
+    r = httpx.post(server.url + path, json={"model": DEFAULT_MODEL_NAME, **body})
+    assert r.status_code == 400 and field in r.text, r.text
+
+
+def test_openapi_documents_errors_streams_and_text(server):
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    generate = paths["/api/generate"]["post"]["responses"]
+    assert "422" not in generate and "4XX" in generate and "503" in generate
+    assert "application/x-ndjson" in generate["200"]["content"]
+    assert "text/event-stream" in paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert "text/plain" in paths["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "text/html" in paths["/dashboard"]["get"]["responses"]["200"]["content"]

@@ -229,14 +229,18 @@ int pp_model_create(const pp_model_hparams *hparams, pp_model **out);
 void pp_model_destroy(pp_model *model);
 
 /* Attach one weight tensor by its GGUF name. type is a ggml_type value,
- * ne the GGML shape (ne[0] = row length), data the tensor's bytes. data is
+ * ne the GGML shape (ne[0] = row length, 1 <= n_dims <= 4), data the
+ * tensor's n_bytes bytes, which must be exactly what GGML's layout of that
+ * type and shape takes (so a disagreeing type table in the caller cannot
+ * make GGML read past the buffer). data is
  * borrowed for the model's whole life (the caller keeps the file mapped).
  * Unknown names are ignored (*used = 0); a known name with the wrong shape
  * or an unsupported type fails with a message naming the tensor. The
  * optional "rope_freqs.weight" ([n_rot / 2] f32 divisors of each rotary
  * pair's frequency, Llama 3.1's rope scaling) applies to every layer. */
 int pp_model_set_tensor(pp_model *model, const char *name, int32_t type,
-                        const int64_t *ne, int32_t n_dims, const void *data, int32_t *used);
+                        const int64_t *ne, int32_t n_dims, const void *data, int64_t n_bytes,
+                        int32_t *used);
 
 /* Check that every tensor the architecture needs is attached; the error
  * names the first missing one. Must succeed before a context is created. */

@@ -2,6 +2,7 @@
  * stay in the caller's mapping of the GGUF file; we only describe them. */
 #include "engine_internal.h"
 #include "pp_internal.h"
+#include "ggml-cpu.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -69,11 +70,19 @@ static int resolve(pp_model *m, const char *name, slot_spec *spec) {
     if (!strcmp(name, "output_norm.weight")) { *spec = (slot_spec){&m->output_norm, n_embd, 0}; return 1; }
     if (!strcmp(name, "output.weight")) { *spec = (slot_spec){&m->output, n_embd, hp->n_vocab}; return 1; }
     if (!strcmp(name, "rope_freqs.weight")) { *spec = (slot_spec){&m->rope_freqs, hp->n_rot / 2, 0}; return 1; }
-    int il, consumed = 0;
-    if (sscanf(name, "blk.%d.%n", &il, &consumed) != 1 || consumed == 0) return 0;
-    if (il < 0 || il >= hp->n_layer) return 0;
+    /* "blk.<decimal layer>.<suffix>"; parsed by hand because sscanf's %d has
+     * undefined behaviour on overflow (a fuzzed "blk.99999999999.") */
+    if (strncmp(name, "blk.", 4) != 0) return 0;
+    const char *p = name + 4;
+    long il = 0;
+    if (*p < '0' || *p > '9') return 0;
+    for (; *p >= '0' && *p <= '9'; p++) {
+        il = il * 10 + (*p - '0');
+        if (il >= hp->n_layer) return 0;
+    }
+    if (*p != '.') return 0;
     pp_layer *L = &m->layers[il];
-    const char *rest = name + consumed;
+    const char *rest = p + 1;
     const struct { const char *suffix; struct ggml_tensor **slot; int64_t ne0, ne1; } table[] = {
         {"attn_norm.weight", &L->attn_norm, n_embd, 0},
         {"attn_q.weight", &L->wq, n_embd, q_dim},
@@ -102,22 +111,26 @@ static int resolve(pp_model *m, const char *name, slot_spec *spec) {
 }
 
 int pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const int64_t *ne,
-                        int32_t n_dims, const void *data, int32_t *used) {
+                        int32_t n_dims, const void *data, int64_t n_bytes, int32_t *used) {
     if (!m || !name || !ne || !data) return pp_fail(PP_ERR_INVALID, "pp_model_set_tensor: NULL argument");
     if (used) *used = 0;
+    if (n_dims < 1 || n_dims > GGML_MAX_DIMS)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': %d dimensions (GGML takes 1 to %d)", name, n_dims,
+                       GGML_MAX_DIMS);
     slot_spec spec;
     if (!resolve(m, name, &spec)) return PP_OK;
     if (type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size((enum ggml_type)type) == 0 ||
         ggml_type_size((enum ggml_type)type) == 0)
         return pp_fail(PP_ERR_INVALID, "tensor '%s': unsupported ggml type %d", name, type);
-    int64_t ne1 = n_dims > 1 ? ne[1] : 0;
+    /* Compared as 2-D, a 1-D slot being [ne0, 1]: a [ne0, 0] tensor holds no bytes at all. */
+    const int64_t ne1 = n_dims > 1 ? ne[1] : 1, want1 = spec.ne1 ? spec.ne1 : 1;
     for (int d = 2; d < n_dims; d++)
         if (ne[d] != 1)
             return pp_fail(PP_ERR_INVALID, "tensor '%s': expected at most 2 dimensions", name);
-    if (ne[0] != spec.ne0 || ne1 != spec.ne1)
+    if (ne[0] != spec.ne0 || ne1 != want1)
         return pp_fail(PP_ERR_INVALID, "tensor '%s': shape [%lld, %lld] but the hyper-parameters "
                        "need [%lld, %lld]", name, (long long)ne[0], (long long)ne1,
-                       (long long)spec.ne0, (long long)spec.ne1);
+                       (long long)spec.ne0, (long long)want1);
     if (ne[0] % ggml_blck_size((enum ggml_type)type) != 0)
         return pp_fail(PP_ERR_INVALID, "tensor '%s': row of %lld is not whole %s blocks", name,
                        (long long)ne[0], ggml_type_name((enum ggml_type)type));
@@ -125,10 +138,26 @@ int pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const int64
     if (spec.slot == &m->rope_freqs && type != GGML_TYPE_F32)
         return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s, but GGML's RoPE takes f32 frequency factors",
                        name, ggml_type_name((enum ggml_type)type));
+    /* Types GGML stores but cannot compute with here would abort inside the
+     * first graph, so they are refused now: norms and biases meet f32
+     * activations in ggml_mul/ggml_add, which take f32 (as llama.cpp writes
+     * every 1-D weight); the 2-D weights feed ggml_mul_mat (the embedding
+     * also ggml_get_rows), which needs the type's CPU dot product. */
+    if (!spec.ne1 && type != GGML_TYPE_F32)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s, but norm weights and biases must be f32",
+                       name, ggml_type_name((enum ggml_type)type));
+    if (spec.ne1 && !ggml_get_type_traits_cpu((enum ggml_type)type)->vec_dot)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s has no CPU matrix multiplication", name,
+                       ggml_type_name((enum ggml_type)type));
     struct ggml_tensor *t = spec.ne1
         ? ggml_new_tensor_2d(m->weights, (enum ggml_type)type, spec.ne0, spec.ne1)
         : ggml_new_tensor_1d(m->weights, (enum ggml_type)type, spec.ne0);
     if (!t) return pp_fail(PP_ERR_NO_MEMORY, "tensor '%s': no room for metadata", name);
+    if (n_bytes < 0 || ggml_nbytes(t) != (size_t)n_bytes) {
+        /* t stays in the context, unused: the model is being given up anyway */
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': %lld bytes given, but %s of this shape takes %zu",
+                       name, (long long)n_bytes, ggml_type_name((enum ggml_type)type), ggml_nbytes(t));
+    }
     ggml_set_name(t, name);
     t->data = (void *)data;
     *spec.slot = t;

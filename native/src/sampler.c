@@ -14,6 +14,7 @@
 #include "pp_internal.h"
 #include "pyllama_paged.h"
 
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -173,6 +174,9 @@ static void apply_penalties(float *row, const pp_sample_row *r, int32_t *scratch
         float *v = &row[scratch[i]];
         if (sp->repeat_penalty != 1.0f) *v = *v > 0 ? *v / sp->repeat_penalty : *v * sp->repeat_penalty;
         *v -= (float)(j - i) * sp->frequency_penalty + sp->presence_penalty;
+        /* huge penalties overflow: a NaN never wins, +inf is the largest finite score */
+        if (isnan(*v)) *v = -INFINITY;
+        else if (*v > FLT_MAX) *v = FLT_MAX;
         i = j;
     }
 }
@@ -205,7 +209,9 @@ static int sample_row(const pp_sampler *s, sampler_scratch *sc, const float *log
     const int32_t best = argmax(math, row, n);
     if (!(row[best] > -INFINITY)) return PP_ERR_INVALID;   /* the caller names the row */
 
-    if (sp->temperature <= 0.0f) {
+    /* Below 1e-6 a temperature only separates ties the argmax already broke;
+     * dividing by it would overflow. */
+    if (sp->temperature <= 1e-6f) {
         out->token = best;
     } else {
         const float inv_t = 1.0f / sp->temperature;

@@ -36,6 +36,9 @@ class Model:
     def _vocab_size(self) -> int | None:
         tokens = self.metadata.get("tokenizer.ggml.tokens")
         if tokens is not None:
+            if not isinstance(tokens, list):  # the reader gives string arrays as lists
+                raise ModelLoadError(f"{self.path}: metadata field 'tokenizer.ggml.tokens' must be an "
+                                     "array of strings")
             return len(tokens)
         for t in self.gguf.tensors:
             if t.name == "token_embd.weight" and len(t.shape) == 2:
@@ -65,7 +68,7 @@ class Model:
                 ne[i] = dim
             data = ffi.from_buffer(self.gguf.tensor_bytes(t))
             self._wrap(lib.pp_model_set_tensor(self._native, t.name.encode(), t.type, ne,
-                                               len(t.shape), data, used), f"tensor '{t.name}'")
+                                               len(t.shape), data, t.n_bytes, used), f"tensor '{t.name}'")
         self._wrap(lib.pp_model_finalize(self._native), "weights")
 
     def _repack(self) -> None:
@@ -78,7 +81,7 @@ class Model:
     def _wrap(self, status: int, what: str) -> None:
         try:
             check(status, what)
-        except NativeError as e:
+        except (NativeError, MemoryError) as e:  # MemoryError: a native allocation failed
             self.close()
             raise ModelLoadError(f"{self.path}: {e}") from e
 

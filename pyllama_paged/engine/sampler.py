@@ -3,6 +3,7 @@ that draws every row of a step in one native call (native/src/sampler.c)."""
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, field, replace
 
@@ -34,8 +35,15 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise PagedError naming the first invalid field."""
+        finite = math.isfinite
         checks = [
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "must be >= 0"),
+            # 64-bit seeds, signed or not (read modulo 2**64, as llama.cpp casts them)
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "must fit in 64 bits"),
+            ("temperature", finite(self.temperature), "must be finite"),
+            ("repeat_penalty", finite(self.repeat_penalty), "must be finite"),
+            ("presence_penalty", finite(self.presence_penalty), "must be finite"),
+            ("frequency_penalty", finite(self.frequency_penalty), "must be finite"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 = disabled)"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
@@ -100,6 +108,13 @@ class Sampled:
     top: dict[int, float] | None = None
 
 
+_TINY, _HUGE = 1e-30, 1e30
+
+
+def _clamp(value: float, low: float) -> float:
+    return min(max(value, low), _HUGE) if value != 0 else 0.0
+
+
 class BatchSampler:
     """Every row of a step sampled in one native call; buffers reused across steps."""
 
@@ -124,13 +139,14 @@ class BatchSampler:
             p = sampler.params
             r.logit_row = row_index
             sp = r.params
-            sp.temperature = p.temperature
+            # valid doubles beyond float's range are clamped, never turned into 0 or inf
+            sp.temperature = _clamp(p.temperature, 0.0)
             sp.top_k = p.top_k
-            sp.top_p = p.top_p
+            sp.top_p = max(p.top_p, _TINY)
             sp.min_p = p.min_p
-            sp.repeat_penalty = p.repeat_penalty
-            sp.presence_penalty = p.presence_penalty
-            sp.frequency_penalty = p.frequency_penalty
+            sp.repeat_penalty = _clamp(p.repeat_penalty, _TINY)
+            sp.presence_penalty = _clamp(p.presence_penalty, -_HUGE)
+            sp.frequency_penalty = _clamp(p.frequency_penalty, -_HUGE)
             sp.n_logprobs = -1 if p.logprobs is None else p.logprobs
             counted = sampler.history(history)
             if counted:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..errors import PagedError
+import numpy as np
+
+from ..errors import ModelLoadError
+
+__all__ = ["ARCH_IDS", "ModelConfig", "ModelLoadError", "config_from_metadata"]
 
 ARCH_IDS = {"llama": 0, "qwen2": 1, "qwen3": 2, "gemma3": 3}
 ROPE_NORMAL, ROPE_NEOX = 0, 2
-
-
-class ModelLoadError(PagedError):
-    """A GGUF file cannot be used; the message names the file and the field or tensor."""
 
 
 @dataclass
@@ -42,11 +42,72 @@ class ModelConfig:
         return self.n_head_kv * self.head_dim
 
 
+_INT32_MAX = 2**31 - 1       # the native hyper-parameters are int32 and float
+_FLOAT32_MAX = 3.4028234663852886e38
+MAX_LAYERS = 512             # pp_model_create's limit, checked before the per-layer list is built
+_REQUIRED = object()
+
+
+def _describe(value) -> str:
+    if isinstance(value, str):
+        return f"the string {value[:40]!r}"
+    if isinstance(value, (list, tuple)) or hasattr(value, "shape"):
+        return f"an array of {len(value)}"
+    return f"{type(value).__name__} {value!r}"
+
+
+class _Fields:
+    """Typed, range-checked reads of one architecture's metadata fields."""
+
+    def __init__(self, meta: dict, arch: str, path: str):
+        self.meta, self.arch, self.path = meta, arch, path
+
+    def _get(self, key: str, default):
+        full = f"{self.arch}.{key}"
+        if full not in self.meta:
+            if default is _REQUIRED:
+                raise ModelLoadError(f"{self.path}: missing metadata field '{full}'")
+            return default
+        return self.meta[full]
+
+    def _fail(self, key: str, problem: str):
+        raise ModelLoadError(f"{self.path}: metadata field '{self.arch}.{key}' {problem}")
+
+    def integer(self, key: str, default=_REQUIRED, lo: int = 1, hi: int = _INT32_MAX) -> int:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            self._fail(key, f"must be an integer, got {_describe(value)}")
+        if not lo <= value <= hi:
+            self._fail(key, f"is {value}, outside [{lo}, {hi}]")
+        return int(value)
+
+    def number(self, key: str, default, *, positive: bool = False) -> float:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            self._fail(key, f"must be a number, got {_describe(value)}")
+        value = float(value)
+        if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX) or value < 0 or (positive and value == 0):
+            self._fail(key, f"is {value}; it must be finite and {'positive' if positive else '>= 0'}")
+        return value
+
+    def text(self, key: str, default: str) -> str:
+        value = self._get(key, default)
+        if not isinstance(value, str):
+            self._fail(key, f"must be a string, got {_describe(value)}")
+        return value
+
+
 def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelConfig:
-    """Build a ModelConfig from GGUF key/values; errors name the file and key."""
+    """Build a ModelConfig from GGUF key/values; errors name the file and key.
+    Every field is type- and range-checked here, so no metadata value can make
+    this raise anything but ModelLoadError or hand the native core a value that
+    does not fit its int32/float fields."""
     arch = meta.get("general.architecture")
     if arch is None:
         raise ModelLoadError(f"{path}: missing metadata field 'general.architecture'")
+    if not isinstance(arch, str):
+        raise ModelLoadError(f"{path}: metadata field 'general.architecture' must be a string, "
+                             f"got {_describe(arch)}")
     if arch not in ARCH_IDS:
         raise ModelLoadError(
             f"{path}: architecture '{arch}' is not supported (supported: {', '.join(ARCH_IDS)})")
@@ -54,29 +115,23 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
     if not n_vocab:
         raise ModelLoadError(f"{path}: no vocabulary: neither 'tokenizer.ggml.tokens' nor "
                              "tensor 'token_embd.weight' is present")
+    if n_vocab > _INT32_MAX:
+        raise ModelLoadError(f"{path}: vocabulary of {n_vocab} tokens is too large")
 
-    def need(key: str):
-        full = f"{arch}.{key}"
-        if full not in meta:
-            raise ModelLoadError(f"{path}: missing metadata field '{full}'")
-        return meta[full]
-
-    def opt(key: str, default):
-        return meta.get(f"{arch}.{key}", default)
-
-    n_embd = int(need("embedding_length"))
-    n_head = int(need("attention.head_count"))
-    n_head_kv = int(opt("attention.head_count_kv", n_head))
-    head_dim = int(opt("attention.key_length", n_embd // n_head if n_head else 0))
-    if int(opt("attention.value_length", head_dim)) != head_dim:
+    f = _Fields(meta, arch, path)
+    n_embd = f.integer("embedding_length")
+    n_head = f.integer("attention.head_count")
+    n_head_kv = f.integer("attention.head_count_kv", n_head)
+    head_dim = f.integer("attention.key_length", n_embd // n_head)
+    if f.integer("attention.value_length", head_dim) != head_dim:
         raise ModelLoadError(f"{path}: value_length != key_length is not supported")
-    n_layer = int(need("block_count"))
-    n_rot = int(opt("rope.dimension_count", head_dim))
-    if n_rot <= 0 or n_rot > head_dim or n_rot % 2:
+    n_layer = f.integer("block_count", hi=MAX_LAYERS)
+    n_rot = f.integer("rope.dimension_count", head_dim)
+    if n_rot > head_dim or n_rot % 2:
         raise ModelLoadError(f"{path}: rope.dimension_count {n_rot} must be even and at most "
                              f"key_length {head_dim}")
-    scaling_type = opt("rope.scaling.type", "none")
-    scaling_factor = float(opt("rope.scaling.factor", 1.0) or 1.0)
+    scaling_type = f.text("rope.scaling.type", "none")
+    scaling_factor = f.number("rope.scaling.factor", 1.0) or 1.0  # 0 means none, as in llama.cpp
     if scaling_type not in ("none", "linear") and scaling_factor != 1.0:
         raise ModelLoadError(f"{path}: rope scaling '{scaling_type}' is not supported")
     cfg = ModelConfig(
@@ -86,39 +141,32 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
-        n_ff=int(need("feed_forward_length")),
+        n_ff=f.integer("feed_forward_length"),
         n_vocab=n_vocab,
-        n_ctx_train=int(opt("context_length", 4096)),
+        n_ctx_train=f.integer("context_length", 4096),
         rope_type=ROPE_NORMAL if arch == "llama" else ROPE_NEOX,
-        rope_freq_base=float(opt("rope.freq_base", 10000.0)),
+        rope_freq_base=f.number("rope.freq_base", 10000.0, positive=True),
         rope_freq_scale=1.0 / scaling_factor,
         rope_freq_base_swa=10000.0,
-        rms_eps=float(opt("attention.layer_norm_rms_epsilon", 1e-6)),
-        attn_scale=1.0 / math.sqrt(head_dim) if head_dim else 0.0,
+        rms_eps=f.number("attention.layer_norm_rms_epsilon", 1e-6, positive=True),
+        attn_scale=1.0 / math.sqrt(head_dim),
         embd_scale=1.0,
-        final_logit_softcap=float(opt("final_logit_softcapping", 0.0) or 0.0),
+        final_logit_softcap=f.number("final_logit_softcapping", 0.0),
         layer_window=[0] * n_layer,
         n_rot=n_rot,
     )
+    window = f.integer("attention.sliding_window", 0, lo=0)
     if arch == "gemma3":
         # Gemma 3 scales embeddings by sqrt(n_embd); five of every six layers
         # use sliding-window attention with a 10k RoPE base (llama.cpp's
         # swa pattern of 6), the sixth is global with rope.freq_base.
         cfg.embd_scale = math.sqrt(n_embd)
-        window = int(opt("attention.sliding_window", 0) or 0)
         cfg.layer_window = [window if (il % 6) < 5 else 0 for il in range(n_layer)]
-        scalar = opt("attention.query_pre_attn_scalar", None)
+        scalar = f.number("attention.query_pre_attn_scalar", 0.0)
         if scalar:
-            cfg.attn_scale = 1.0 / math.sqrt(float(scalar))
-    elif arch in ("llama", "qwen2", "qwen3"):
-        window = int(opt("attention.sliding_window", 0) or 0)
-        if window and arch == "llama":  # Mistral v0.1 style: every layer windowed
-            cfg.layer_window = [window] * n_layer
-    for name, value in (("block_count", n_layer), ("embedding_length", n_embd),
-                        ("attention.head_count", n_head), ("attention.head_count_kv", n_head_kv),
-                        ("attention.key_length", head_dim)):
-        if value <= 0:
-            raise ModelLoadError(f"{path}: metadata field '{arch}.{name}' must be positive, got {value}")
+            cfg.attn_scale = 1.0 / math.sqrt(scalar)
+    elif window and arch == "llama":  # Mistral v0.1 style: every layer windowed
+        cfg.layer_window = [window] * n_layer
     if n_head % n_head_kv:
         raise ModelLoadError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     return cfg

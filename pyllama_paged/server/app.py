@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException
 
 from .dashboard import DASHBOARD_HTML
 from .generation import APIError, Limits
@@ -78,10 +80,51 @@ class GuardMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise APIError(413, f"request body larger than {limit} bytes")
+                    # Starlette's type: FastAPI re-raises it from body parsing, where any
+                    # other exception becomes a vague 400
+                    raise HTTPException(413, f"request body larger than {limit} bytes")
             return message
 
         return await self.app(scope, capped_receive, send)
+
+
+# The contract the generated OpenAPI schema cannot see: every error (FastAPI's
+# 422 included, which the handler below turns into 400) has error_response's
+# shape; generation routes stream NDJSON (Ollama) or server-sent events
+# (OpenAI) when asked to, and answer 503 when the queue is full.
+_ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"anyOf": [
+        {"type": "string"},  # Ollama
+        {"type": "object", "required": ["message", "type"],  # OpenAI
+         "properties": {"message": {"type": "string"}, "type": {"type": "string"}}},
+    ]}},
+}
+_NDJSON = ("application/x-ndjson", {"type": "object"})  # each line
+_SSE = ("text/event-stream", {"type": "object", "required": ["data"],  # each event
+                              "properties": {"data": {"type": "string"}}})
+_STREAMS = {"/api/generate": _NDJSON, "/api/chat": _NDJSON, "/v1/completions": _SSE, "/v1/chat/completions": _SSE}
+
+
+def _document_errors(app: FastAPI) -> None:
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            error = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+            for path, operations in schema.get("paths", {}).items():
+                for op in operations.values():
+                    responses = op.setdefault("responses", {})
+                    responses.pop("422", None)
+                    responses["4XX"] = {"description": "Invalid request, unknown model or limit exceeded", **error}
+                    if path in _STREAMS:
+                        ok = responses.setdefault("200", {"description": "Successful Response"})
+                        media_type, item = _STREAMS[path]
+                        ok.setdefault("content", {})[media_type] = {"schema": item}
+                        responses["503"] = {"description": "Server busy: the request queue is full", **error}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: str | None = None) -> FastAPI:
@@ -95,6 +138,17 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
     async def api_error(request: Request, exc: APIError):
         state.metrics.count_request(request.url.path, exc.status)
         return error_response(request.url.path, exc.status, exc.message, exc.param, exc.type, exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        # FastAPI's own errors (unreadable body, unknown route, wrong method) in our shapes
+        message = str(exc.detail)
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            message = f"malformed JSON: the body is not UTF-8 ({exc.__cause__.reason} at byte {exc.__cause__.start})"
+        # an unknown path is not a metrics label (one per probed URL would grow without bound)
+        route = request.url.path if request.scope.get("route") else "(unmatched)"
+        state.metrics.count_request(route, exc.status_code)
+        return error_response(request.url.path, exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -122,11 +176,11 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
     app.include_router(ollama_api.build_router(state))
     app.include_router(openai_api.build_router(state))
 
-    @app.get("/")
+    @app.get("/", response_class=PlainTextResponse)
     async def root():
         return PlainTextResponse("Ollama is running (pyllama-paged)")
 
-    @app.head("/")
+    @app.head("/", response_class=Response)
     async def root_head():
         return Response()
 
@@ -134,7 +188,7 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
         return {name: await asyncio.to_thread(m.loop.call, lambda llm: llm.stats())
                 for name, m in registry.models.items()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(state.metrics.render(await all_stats()),
                                  media_type="text/plain; version=0.0.4")
@@ -159,10 +213,11 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
 
         return await asyncio.to_thread(served.loop.call, snapshot)
 
-    @app.get("/dashboard")
+    @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard():
         return HTMLResponse(DASHBOARD_HTML)
 
+    _document_errors(app)
     return app
 
 

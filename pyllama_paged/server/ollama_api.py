@@ -19,7 +19,8 @@ from .generation import APIError, request_params, start_generation
 
 
 class Options(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: the types the schema says (true is not the integer 1, "5" is not a number)
+    model_config = ConfigDict(extra="ignore", strict=True)
     num_predict: int | None = None
     temperature: float | None = Field(None, ge=0)
     top_k: int | None = Field(None, ge=0)
@@ -34,7 +35,7 @@ class Options(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     prompt: str = ""
     system: str | None = None
@@ -46,14 +47,14 @@ class GenerateRequest(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "tool"]
     content: str
     images: list[str] | None = None
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     messages: list[Message]
     stream: bool = True
@@ -61,7 +62,7 @@ class ChatRequest(BaseModel):
 
 
 class NameRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     name: str | None = None
 
@@ -70,8 +71,8 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _params(options: Options | None) -> SamplingParams:
-    return request_params(OLLAMA, (options or Options()).model_dump())
+def _params(options: Options | None, default_max: int) -> SamplingParams:
+    return request_params(OLLAMA, (options or Options()).model_dump(), max_tokens=default_max)
 
 
 def build_router(state) -> APIRouter:
@@ -124,7 +125,8 @@ def build_router(state) -> APIRouter:
                                  "done": True, "done_reason": "load"})
         ids = list(body.context or []) + \
             served.tokenizer.encode(text, add_special=not body.context, parse_special=not body.raw)
-        gen = start_generation(served, ids, _params(body.options), state.limits, state.metrics)
+        params = _params(body.options, min(512, state.limits.max_tokens))  # a default within the limit
+        gen = start_generation(served, ids, params, state.limits, state.metrics)
 
         def shape(text, done):
             out = {"model": body.model, "created_at": _now(), "response": text, "done": done}
@@ -143,7 +145,8 @@ def build_router(state) -> APIRouter:
         except PagedError as e:
             raise APIError(400, str(e), "messages") from None
         ids = served.tokenizer.encode(text, add_special=True, parse_special=True)
-        gen = start_generation(served, ids, _params(body.options), state.limits, state.metrics)
+        params = _params(body.options, min(512, state.limits.max_tokens))  # a default within the limit
+        gen = start_generation(served, ids, params, state.limits, state.metrics)
         shape = lambda text, done: {"model": body.model, "created_at": _now(),
                                     "message": {"role": "assistant", "content": text}, "done": done}
         return await respond(gen, request, body.stream, shape)

@@ -18,11 +18,13 @@ from .generation import APIError, final_text, request_params, start_generation
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
 class Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: the types the schema says (true is not the integer 1, "5" is not a number)
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
@@ -47,7 +49,7 @@ class CompletionRequest(Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
 
@@ -117,7 +119,7 @@ def build_router(state) -> APIRouter:
             ids = list(body.prompt)
             if any(not 0 <= t < served.model.config.n_vocab for t in ids):
                 raise APIError(400, "prompt token id outside the vocabulary", "prompt")
-        params = body.params(16)
+        params = body.params(min(16, state.limits.max_tokens))
         gen = start_generation(served, ids, params, state.limits, state.metrics)
         echo = body.prompt if (body.echo and isinstance(body.prompt, str)) else ""
 
@@ -142,7 +144,8 @@ def build_router(state) -> APIRouter:
         ids = served.tokenizer.encode(text, add_special=True, parse_special=True)
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
-        gen = start_generation(served, ids, body.params(512), state.limits, state.metrics)
+        params = body.params(min(512, state.limits.max_tokens))  # a default within the limit
+        gen = start_generation(served, ids, params, state.limits, state.metrics)
 
         def choice(j, text, finish):
             return {"index": j, "message": {"role": "assistant", "content": text}, "logprobs": None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jinja2
 import jinja2.sandbox
 
-from ..errors import PagedError
+from ..errors import ModelLoadError, PagedError
 
 # Literal text is emitted through {{ '...' }} so whitespace control never eats newlines.
 # Gemma: system text is folded into the first user turn; the assistant role is "model".
@@ -80,8 +80,15 @@ class ChatTemplate:
     def for_model(cls, metadata: dict, arch: str) -> "ChatTemplate":
         """The file's template, or the built-in one for its architecture."""
         tokens = metadata.get("tokenizer.ggml.tokens")
-        source = metadata.get("tokenizer.chat_template") or builtin_template(arch, tokens)
-        return cls(source)
+        source = metadata.get("tokenizer.chat_template")
+        if source is not None and not isinstance(source, str):
+            raise ModelLoadError("metadata field 'tokenizer.chat_template' must be a string")
+        if not source:
+            return cls(builtin_template(arch, tokens if isinstance(tokens, list) else None))
+        try:
+            return cls(source)
+        except jinja2.TemplateError as e:  # a syntax error: the file's template cannot be used
+            raise ModelLoadError(f"metadata field 'tokenizer.chat_template' does not parse: {e}") from e
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Prompt text for messages (the tokenizer adds BOS itself)."""

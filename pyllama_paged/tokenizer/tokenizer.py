@@ -27,20 +27,22 @@ Decoding choices (llama.cpp leaves these to the caller):
 * Control and unknown tokens decode to their text unless ``skip_special=True``; unused tokens
   decode to nothing.
 
-``Tokenizer.from_gguf`` accepts a path (read with the package's one GGUF reader,
-``pyllama_paged.gguf.reader``), a ``gguf.GGUFReader``, an object with a ``metadata`` dict, or a
+``Tokenizer.from_gguf`` accepts a path (read with the package's one, bounds-checked GGUF
+reader, ``pyllama_paged.gguf.reader``), a ``gguf.GGUFReader``, an object with a ``metadata`` dict, or a
 ``{key: value}`` metadata dict.
 """
 
 from __future__ import annotations
 
 import codecs
+import os
 from enum import IntEnum
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from ..gguf.reader import GGUFFile
+from ..errors import ModelLoadError
+from ..gguf.reader import read_metadata
 from .bpe import BpeEncoder, bpe_text_to_bytes, pre_tokenizer_family, pre_tokenizer_flags
 from .spm import SPACE_MARK, SpmEncoder
 
@@ -101,6 +103,40 @@ def _metadata_from_reader(reader) -> dict[str, Any]:
         else:
             out[key] = field.parts[field.data[0]][0].item()
     return out
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _string_list(md: Mapping[str, Any], key: str) -> Optional[list]:
+    """A GGUF string array (a list of str/bytes), or None when absent."""
+    value = md.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, (str, bytes)) for v in value):
+        raise ModelLoadError(f"metadata field '{key}' must be an array of strings, got {_short(value)}")
+    return list(value)
+
+
+def _number_array(md: Mapping[str, Any], key: str, n: int, kinds: str) -> Optional[np.ndarray]:
+    """A 1-D numeric array of n items (numpy dtype kind in kinds), or None when absent."""
+    value = md.get(key)
+    if value is None:
+        return None
+    arr = value if isinstance(value, np.ndarray) else None
+    if arr is None and isinstance(value, (list, tuple)):
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError):  # ragged or mixed lists
+            arr = None
+    if arr is None or arr.ndim != 1 or arr.dtype.kind not in kinds:
+        what = "numbers" if "f" in kinds else "integers"
+        raise ModelLoadError(f"metadata field '{key}' must be an array of {what}, got {_short(value)}")
+    if len(arr) != n:
+        raise ModelLoadError(f"metadata field '{key}' has {len(arr)} entries for {n} tokens")
+    return arr
 
 
 # --- the tokenizer ----------------------------------------------------------------------------
@@ -223,38 +259,54 @@ class Tokenizer:
             return cls.from_metadata(source.metadata)
         if hasattr(source, "fields"):
             return cls.from_metadata(_metadata_from_reader(source))
-        gguf_file = GGUFFile(source)
-        try:
-            return cls.from_metadata(gguf_file.metadata)
-        finally:
-            gguf_file.close()
+        # metadata only, strings lossless: vocabularies may hold bytes that are not UTF-8
+        return cls.from_metadata(read_metadata(os.fspath(source), errors="surrogateescape"))
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
+        """From GGUF metadata. A missing or mistyped field (e.g. scores that are strings, or
+        fewer token types than tokens) raises ``ModelLoadError`` (a ``ValueError``) naming it."""
         model = md.get("tokenizer.ggml.model")
         if model is None:
-            raise ValueError("GGUF metadata has no tokenizer.ggml.model")
+            raise ModelLoadError("GGUF metadata has no tokenizer.ggml.model")
+        if not isinstance(model, str) or model not in ("llama", "gpt2"):  # (an array has no `in`)
+            raise ModelLoadError(f"tokenizer model {_short(model)} is not supported (only 'llama' and 'gpt2')")
         if "tokenizer.ggml.tokens" not in md:
-            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
+            raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens")
+        tokens = _string_list(md, "tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelLoadError("metadata field 'tokenizer.ggml.tokens' is empty")
+        n = len(tokens)
 
         def get_id(name: str, default: Optional[int] = None) -> Optional[int]:
             value = md.get(f"tokenizer.ggml.{name}")
-            return default if value is None else int(value)
+            if value is None:
+                return default
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise ModelLoadError(f"metadata field 'tokenizer.ggml.{name}' must be an integer, "
+                                     f"got {_short(value)}")
+            return int(value)  # out of range: absent (see __init__)
 
         def get_flag(name: str) -> Optional[bool]:
             value = md.get(f"tokenizer.ggml.{name}")
+            if value is not None and not isinstance(value, (bool, int, np.bool_, np.integer)):
+                raise ModelLoadError(f"metadata field 'tokenizer.ggml.{name}' must be a boolean, "
+                                     f"got {_short(value)}")
             return None if value is None else bool(value)
 
+        pre = md.get("tokenizer.ggml.pre")
+        if pre is not None and not isinstance(pre, str):
+            raise ModelLoadError(f"metadata field 'tokenizer.ggml.pre' must be a string, got {_short(pre)}")
         spm = model == "llama"  # llama.cpp's defaults for SentencePiece vocabularies
-        scores = md.get("tokenizer.ggml.scores")
-        types = md.get("tokenizer.ggml.token_type")
+        scores = _number_array(md, "tokenizer.ggml.scores", n, "biuf")
+        types = _number_array(md, "tokenizer.ggml.token_type", n, "biu")
         return cls(
-            md["tokenizer.ggml.tokens"],
-            scores=None if scores is None else np.asarray(scores, dtype=np.float32).tolist(),
-            token_types=None if types is None else np.asarray(types).tolist(),
-            merges=md.get("tokenizer.ggml.merges"),
+            tokens,
+            scores=None if scores is None else scores.astype(np.float32).tolist(),
+            token_types=None if types is None else types.tolist(),
+            merges=_string_list(md, "tokenizer.ggml.merges"),
             model=model,
-            pre=md.get("tokenizer.ggml.pre"),
+            pre=pre,
             bos_id=get_id("bos_token_id", 1 if spm else None),
             eos_id=get_id("eos_token_id", 2 if spm else None),
             unk_id=get_id("unknown_token_id", 0 if spm else None),
