@@ -17,16 +17,20 @@ from loop_control import finishes, paused
 from reference.tiny_gguf import write_tiny_model
 
 
-@pytest.fixture(scope="module")
-def loop(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("loop") / "llama.gguf", "llama", weight_type="q8_0")
-    model = Model(path)
+def running_loop(directory):
+    """An EngineLoop on a tiny llama model; stops and frees everything when done."""
+    model = Model(write_tiny_model(directory / "llama.gguf", "llama", weight_type="q8_0"))
     runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=128, block_size=16, num_blocks=200)
     loop = EngineLoop(LLMEngine(runner, {2}))
     yield loop
     loop.stop()
     runner.close()
     model.close()
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    yield from running_loop(tmp_path_factory.mktemp("loop"))
 
 
 def tokens_of(stream):
@@ -122,14 +126,7 @@ def test_a_request_id_in_flight_is_refused(loop):
 
 @pytest.fixture
 def own_loop(tmp_path):
-    path = write_tiny_model(tmp_path / "llama.gguf", "llama", weight_type="q8_0")
-    model = Model(path)
-    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=128, block_size=16, num_blocks=200)
-    loop = EngineLoop(LLMEngine(runner, {2}))
-    yield loop
-    loop.stop()
-    runner.close()
-    model.close()
+    yield from running_loop(tmp_path)
 
 
 def test_calls_after_stop_raise_instead_of_waiting(own_loop):

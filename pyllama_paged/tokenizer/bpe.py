@@ -23,9 +23,8 @@ import unicodedata
 import warnings
 from typing import Iterable, Optional
 
-from .spm import bigram_merge
+from .spm import bigram_merge, encode_words
 
-_WORD_CACHE_LIMIT = 200_000
 
 
 def _make_byte_chars() -> list[str]:
@@ -224,17 +223,7 @@ class BpeEncoder:
         return tuple(out)
 
     def encode(self, text: str) -> list[int]:
-        out: list[int] = []
-        cache = self._cache
-        for word in self._pre.split(text):
-            ids = cache.get(word)
-            if ids is None:
-                ids = self._encode_word(word)
-                if len(cache) >= _WORD_CACHE_LIMIT:
-                    cache.clear()
-                cache[word] = ids
-            out.extend(ids)
-        return out
+        return encode_words(self._pre.split(text), self._cache, self._encode_word)
 
 
 __all__ = [

@@ -124,14 +124,19 @@ class SpmEncoder:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of one fragment; ``text`` must already have spaces replaced by ``▁``."""
-        out: list[int] = []
-        cache = self._cache
-        for word in self._word_split.split(text):
-            ids = cache.get(word)
-            if ids is None:
-                ids = self._encode_word(word)
-                if len(cache) >= _WORD_CACHE_LIMIT:
-                    cache.clear()
-                cache[word] = ids
-            out.extend(ids)
-        return out
+        return encode_words(self._word_split.split(text), self._cache, self._encode_word)
+
+
+def encode_words(words, cache: dict, encode_word) -> list[int]:
+    """The ids of words in order, each distinct word encoded once while it stays in the
+    (bounded) cache: shared by the SPM and BPE encoders."""
+    out: list[int] = []
+    for word in words:
+        ids = cache.get(word)
+        if ids is None:
+            ids = encode_word(word)
+            if len(cache) >= _WORD_CACHE_LIMIT:
+                cache.clear()
+            cache[word] = ids
+        out.extend(ids)
+    return out
