@@ -98,6 +98,12 @@ def test_a_full_vocabulary_with_top_k_0_is_never_sorted_and_still_exact():
     assert all(want[t] > 0 for t in got)
 
 
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token():
+    # found by the HTTP fuzz: top_k = 2**40 overflowed the native int32 and failed the whole step
+    got = draws(SamplingParams(temperature=1.0, top_k=2 ** 40, top_p=1.0, min_p=0.0, seed=1), LOGITS)
+    assert set(got) == {0, 1, 2, 3}
+
+
 def test_logprobs_only_for_rows_that_ask():
     logits = np.ascontiguousarray(np.stack([LOGITS, LOGITS]), dtype=np.float32)
     asked, plain = BatchSampler(4).sample(logits, [

@@ -141,7 +141,7 @@ class BatchSampler:
             sp = r.params
             # valid doubles beyond float's range are clamped, never turned into 0 or inf
             sp.temperature = _clamp(p.temperature, 0.0)
-            sp.top_k = p.top_k
+            sp.top_k = min(p.top_k, self.n_vocab)   # any k >= the vocabulary keeps it all
             sp.top_p = max(p.top_p, _TINY)
             sp.min_p = p.min_p
             sp.repeat_penalty = _clamp(p.repeat_penalty, _TINY)
