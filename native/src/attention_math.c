@@ -189,6 +189,29 @@ static float FN(exp_shifted)(float *p, int n, float m) {
     return sum;
 }
 
+/* out[j] = e^((x[j] - m) * scale) for j < n (x[j] <= m, scale > 0); returns their sum. */
+static float FN(exp_scaled)(const float *restrict x, float *restrict out, int n, float m, float scale) {
+    int j = 0;
+    float sum = 0.0f;
+#ifdef PP_ATTN_AVX2
+    __m256 vsum = _mm256_setzero_ps();
+    const __m256 vm = _mm256_set1_ps(m), vs = _mm256_set1_ps(scale);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), vs));
+        _mm256_storeu_ps(out + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vsum);
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+#endif
+    for (; j < n; j++) {
+        out[j] = expf((x[j] - m) * scale);
+        sum += out[j];
+    }
+    return sum;
+}
+
 static float FN(max_value)(const float *x, int n) {
     int i = 0;
     float m = x[0];
@@ -260,6 +283,7 @@ const pp_attention_math PP_CONCAT(pp_attention_math, PP_ATTENTION_MATH_VARIANT) 
     .dot_rows2 = FN(dot_rows2),
     .exp_shifted = FN(exp_shifted),
     .max_value = FN(max_value),
+    .exp_scaled = FN(exp_scaled),
     .accumulate_pv = FN(accumulate_pv),
     .accumulate_pv2 = FN(accumulate_pv2),
 };

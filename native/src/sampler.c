@@ -3,11 +3,11 @@
  * repetition/presence/frequency penalties, an optional token mask, a seeded
  * generator per sequence, and log-probabilities only for rows that ask.
  *
- * The vocabulary is never sorted. One vectorized pass finds the best logit,
- * one compare pass the "live" tokens within 30 temperatures of it (the rest
- * weigh less than float precision can add). Top-k keeps a heap of k tokens;
- * without it, top-p and min-p take the live tokens above a probability threshold, sort
- * only those, and lower the threshold in the rare case they do not yet hold
+ * The vocabulary is never sorted. One vectorized pass finds the best logit;
+ * top-k keeps a heap of k tokens; without it, one vectorized pass weighs
+ * every token (the nucleus is measured against the whole row's mass), and
+ * top-p and min-p take the tokens above a probability threshold, sort only
+ * those, and lower the threshold in the rare case they do not yet hold
  * the nucleus (every token left out is less likely than every token kept, so
  * the result is exact). Temperature alone draws by cumulative mass. */
 #include "attention_math.h"
@@ -26,9 +26,7 @@ typedef struct sampler_scratch {
     int32_t  history_capacity;
     float   *row;        /* [n_vocab] the row after penalties and mask */
     float   *weights;    /* [n_vocab] exp((logit - max) / temperature) */
-    int32_t *ids;        /* [n_vocab] live token ids */
     int32_t *cand;       /* [n_vocab] candidate ids, best first */
-    float   *dense;      /* [n_vocab] the live tokens' weights, in live order */
 } sampler_scratch;
 
 struct pp_sampler {
@@ -55,10 +53,8 @@ int pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out) {
             sampler_scratch *sc = &s->scratch[t];
             sc->row = malloc(sizeof(float) * (size_t)n_vocab);
             sc->weights = malloc(sizeof(float) * (size_t)n_vocab);
-            sc->ids = malloc(sizeof(int32_t) * (size_t)n_vocab);
             sc->cand = malloc(sizeof(int32_t) * (size_t)n_vocab);
-            sc->dense = malloc(sizeof(float) * (size_t)n_vocab);
-            ok = sc->row && sc->weights && sc->ids && sc->cand && sc->dense;
+            ok = sc->row && sc->weights && sc->cand;
         }
     }
     if (!ok) {
@@ -75,9 +71,7 @@ void pp_sampler_destroy(pp_sampler *s) {
         free(s->scratch[t].history);
         free(s->scratch[t].row);
         free(s->scratch[t].weights);
-        free(s->scratch[t].ids);
         free(s->scratch[t].cand);
-        free(s->scratch[t].dense);
     }
     free(s->scratch);
     free(s);
@@ -216,7 +210,7 @@ static int sample_row(const pp_sampler *s, sampler_scratch *sc, const float *log
     } else {
         const float inv_t = 1.0f / sp->temperature;
         float *w = sc->weights;
-        int32_t *live = sc->ids, *ids = sc->cand;
+        int32_t *ids = sc->cand;
         int32_t n_cand;
         double z = 0.0;                  /* the mass the nucleus is measured against */
         if (sp->top_k > 0 && sp->top_k < n) {
@@ -227,40 +221,30 @@ static int sample_row(const pp_sampler *s, sampler_scratch *sc, const float *log
                 z += w[ids[i]];
             }
         } else {
-            /* Live tokens: those within 30 temperatures of the best. Each other token
-             * weighs under e^-30 of the best, all of them together under n e^-30
-             * (< 1e-7 for a million tokens): below the precision of the sums, so
-             * they are never looked at again. */
-            const float cutoff = row[best] - 30.0f * sp->temperature;
-            int32_t n_live = 0;
-            for (int32_t i = 0; i < n; i++)
-                if (row[i] >= cutoff) live[n_live++] = i;
-            float *dense = sc->dense;   /* dense[j]: the weight of live[j], exponentiated 8 at a time */
-            for (int32_t j = 0; j < n_live; j++) dense[j] = row[live[j]] * inv_t;
-            z = math->exp_shifted(dense, n_live, row[best] * inv_t);
-            if (sp->top_p >= 1.0f && sp->min_p <= 0.0f) {   /* temperature alone: by cumulative mass */
+            /* Every token's weight in one vectorized pass: z must be the whole row's mass. */
+            z = math->exp_scaled(row, w, n, row[best], inv_t);   /* w[i] = exp((row[i] - max) / T) */
+            if (sp->top_p >= 1.0f && sp->min_p <= 0.0f) {      /* temperature alone: by cumulative mass */
                 const double target = next_uniform(r->rng_state) * z;
                 double cum = 0.0;
-                int32_t j = 0;
-                while (j < n_live - 1) {
-                    cum += dense[j];
+                int32_t i = 0;
+                while (i < n - 1) {
+                    cum += w[i];
                     if (cum > target) break;
-                    j++;
+                    i++;
                 }
-                out->token = live[j];
+                out->token = w[i] > 0.0f ? i : best;
                 goto logprobs;
             }
-            /* Candidates: the live tokens above a threshold, sorted; lower it until they hold the nucleus. */
+            /* Candidates: the tokens above a threshold, sorted; lower it until they hold the nucleus. */
             const float floor_p = sp->min_p > 0.0f ? sp->min_p : 0.0f;   /* the best weighs 1 */
             float threshold = floor_p > 1e-3f ? floor_p : 1e-3f;
             for (;;) {
                 n_cand = 0;
                 double mass = 0.0;
-                for (int32_t j = 0; j < n_live; j++)
-                    if (dense[j] >= threshold) {
-                        ids[n_cand++] = live[j];
-                        w[live[j]] = dense[j];
-                        mass += dense[j];
+                for (int32_t i = 0; i < n; i++)
+                    if (w[i] >= threshold) {
+                        ids[n_cand++] = i;
+                        mass += w[i];
                     }
                 if (mass >= (double)sp->top_p * z || threshold <= floor_p || threshold < 1e-30f) break;
                 threshold = threshold / 64.0f > floor_p ? threshold / 64.0f : floor_p;
