@@ -166,31 +166,8 @@ static inline __m256 exp_nonpositive(__m256 x) {
 }
 #endif
 
-/* p[j] = e^(p[j] - m) in place for j < n; returns their sum. */
-static float FN(exp_shifted)(float *p, int n, float m) {
-    int j = 0;
-    float sum = 0.0f;
-#ifdef PP_ATTN_AVX2
-    __m256 vsum = _mm256_setzero_ps();
-    const __m256 vm = _mm256_set1_ps(m);
-    for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), vm));
-        _mm256_storeu_ps(p + j, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, vsum);
-    for (int i = 0; i < 8; i++) sum += lanes[i];
-#endif
-    for (; j < n; j++) {
-        p[j] = expf(p[j] - m);
-        sum += p[j];
-    }
-    return sum;
-}
-
-/* out[j] = e^((x[j] - m) * scale) for j < n (x[j] <= m, scale > 0); returns their sum. */
-static float FN(exp_scaled)(const float *restrict x, float *restrict out, int n, float m, float scale) {
+/* out[j] = e^((x[j] - m) * scale) for j < n (x[j] <= m, scale > 0; out may be x); returns their sum. */
+static float FN(exp_scaled)(const float *x, float *out, int n, float m, float scale) {
     int j = 0;
     float sum = 0.0f;
 #ifdef PP_ATTN_AVX2
@@ -210,6 +187,11 @@ static float FN(exp_scaled)(const float *restrict x, float *restrict out, int n,
         sum += out[j];
     }
     return sum;
+}
+
+/* p[j] = e^(p[j] - m) in place for j < n; returns their sum. */
+static float FN(exp_shifted)(float *p, int n, float m) {
+    return FN(exp_scaled)(p, p, n, m, 1.0f);
 }
 
 static float FN(max_value)(const float *x, int n) {
