@@ -92,11 +92,6 @@ class Sampler:
             return []
         return token_ids[-p.penalty_last_n:] if p.penalty_last_n > 0 else token_ids
 
-    def sample(self, logits: np.ndarray, history: list[int]) -> int:
-        """The next token from one row of logits (one native call; batches use BatchSampler)."""
-        row = np.ascontiguousarray(logits, dtype=np.float32).reshape(1, -1)
-        return BatchSampler(row.shape[1]).sample(row, [(0, self, history)])[0].token
-
 
 @dataclass
 class Sampled:
