@@ -98,6 +98,59 @@ def test_a_full_vocabulary_with_top_k_0_is_never_sorted_and_still_exact():
     assert all(want[t] > 0 for t in got)
 
 
+def wide_row(seed, best_at):
+    """A vocabulary-sized row, its likeliest tokens in one place and a lone peak at best_at:
+    the sampler reads a row block by block, and the best token turning up late
+    reweighs everything before it."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal(262144).astype(np.float32)
+    logits[best_at - 30:best_at] += 12
+    logits[best_at] += 22   # far above the rest: top-k must look beyond its first margin
+    return logits
+
+
+def long_tail_row(seed):
+    """A peak and 3,000 tokens each a 20,000th as likely that together hold 13% of the mass:
+    a top-p 0.95 nucleus needs most of them (the candidate threshold is lowered)."""
+    rng = np.random.default_rng(seed)
+    logits = np.full(262144, -25.0, dtype=np.float32)
+    logits[rng.choice(262144, 3000, replace=False)] = (-10 + 0.2 * rng.standard_normal(3000)).astype(np.float32)
+    logits[77] = 0.0
+    return logits
+
+
+@pytest.mark.parametrize("row,kw", [
+    ("wide", dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)),     # temperature alone: by partial masses
+    ("wide", dict(temperature=1.0, top_k=40, top_p=1.0, min_p=0.0)),    # top-k widening its margin
+    ("wide", dict(temperature=2.0, top_k=0, top_p=1.0, min_p=1e-6)),
+    ("wide", dict(temperature=6.0, top_k=0, top_p=0.95, min_p=0.0)),    # a nucleus of most of the vocabulary
+    ("tail", dict(temperature=1.0, top_k=0, top_p=0.95, min_p=0.0)),    # the threshold lowered
+])
+@pytest.mark.parametrize("best_at", [31, 262143])
+def test_wide_rows_follow_the_reference(row, kw, best_at):
+    logits = wide_row(3, best_at) if row == "wide" else long_tail_row(best_at)
+    params = SamplingParams(seed=8, **kw)
+    want = reference_probs(logits, [], params)
+    n = 1500 if kw["temperature"] >= 2 else 6000   # flat rows: every draw weighs most of the vocabulary
+    got = np.bincount(draws(params, logits, n), minlength=len(logits)) / n
+    assert set(np.flatnonzero(got)) <= set(np.flatnonzero(want))
+    assert np.abs(got - want).max() < (0.04 if n < 6000 else 0.02)
+    if row == "tail":   # the tail's share, not only the peak's
+        tail = np.flatnonzero(logits < -5)
+        assert got[tail].sum() == pytest.approx(want[tail].sum(), abs=0.02)
+
+
+def test_logprobs_of_a_penalized_wide_row_are_the_raw_distribution():
+    logits = wide_row(4, 200000)
+    want = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64) - logits.max()).sum()) - logits.max()
+    params = SamplingParams(temperature=0.0, repeat_penalty=1e9, logprobs=5)
+    got = BatchSampler(len(logits)).sample(logits.reshape(1, -1), [(0, Sampler(params), [200000])])[0]
+    assert got.token != 200000                                   # the penalty moved the choice...
+    assert got.logprob == pytest.approx(want[got.token], abs=1e-4)   # ...not the reported distribution
+    assert list(got.top) == list(np.argsort(-want, kind="stable")[:5])
+    assert list(got.top.values()) == pytest.approx(np.sort(want)[::-1][:5], abs=1e-4)
+
+
 def test_a_top_k_beyond_the_vocabulary_keeps_every_token():
     # found by the HTTP fuzz: top_k = 2**40 overflowed the native int32 and failed the whole step
     got = draws(SamplingParams(temperature=1.0, top_k=2 ** 40, top_p=1.0, min_p=0.0, seed=1), LOGITS)

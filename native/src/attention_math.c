@@ -27,6 +27,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PP_ATTN_AVX2 1
 #include <immintrin.h>
+#include "vec_exp.h"
 #endif
 
 #define PP_QK8_0          32   /* q8_0 block: one f16 scale and 32 int8 */
@@ -143,28 +144,6 @@ static void FN(dot_rows2)(const float *restrict q0, const float *restrict q1, co
     }
 }
 
-#ifdef PP_ATTN_AVX2
-/* e^x for x <= 0 (scores minus their running max); -inf gives 0. 2^n by
- * exponent bits times a degree-6 Taylor polynomial on |r| <= ln2/2
- * (relative error below 4e-7, about 3 ulp). */
-static inline __m256 exp_nonpositive(__m256 x) {
-    const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);   /* this operand order lets a NaN through */
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(masked, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-#endif
 
 /* out[j] = e^((x[j] - m) * scale) for j < n (x[j] <= m, scale > 0; out may be x); returns their sum. */
 static float FN(exp_scaled)(const float *x, float *out, int n, float m, float scale) {
@@ -174,7 +153,7 @@ static float FN(exp_scaled)(const float *x, float *out, int n, float m, float sc
     __m256 vsum = _mm256_setzero_ps();
     const __m256 vm = _mm256_set1_ps(m), vs = _mm256_set1_ps(scale);
     for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), vs));
+        const __m256 e = pp_exp_nonpositive(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), vs));
         _mm256_storeu_ps(out + j, e);
         vsum = _mm256_add_ps(vsum, e);
     }
@@ -192,27 +171,6 @@ static float FN(exp_scaled)(const float *x, float *out, int n, float m, float sc
 /* p[j] = e^(p[j] - m) in place for j < n; returns their sum. */
 static float FN(exp_shifted)(float *p, int n, float m) {
     return FN(exp_scaled)(p, p, n, m, 1.0f);
-}
-
-static float FN(max_value)(const float *x, int n) {
-    int i = 0;
-    float m = x[0];
-#ifdef PP_ATTN_AVX2
-    if (n >= 32) {
-        __m256 a = _mm256_loadu_ps(x), b = a, c = a, d = a;
-        for (; i + 32 <= n; i += 32) {
-            a = _mm256_max_ps(a, _mm256_loadu_ps(x + i));
-            b = _mm256_max_ps(b, _mm256_loadu_ps(x + i + 8));
-            c = _mm256_max_ps(c, _mm256_loadu_ps(x + i + 16));
-            d = _mm256_max_ps(d, _mm256_loadu_ps(x + i + 24));
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d)));
-        for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
-    }
-#endif
-    for (; i < n; i++) m = x[i] > m ? x[i] : m;
-    return m;
 }
 
 /* acc = acc * correction + sum_j p[j] v_j (v rows head_dim apart). */
@@ -264,8 +222,6 @@ const pp_attention_math PP_CONCAT(pp_attention_math, PP_ATTENTION_MATH_VARIANT) 
     .dot_rows = FN(dot_rows),
     .dot_rows2 = FN(dot_rows2),
     .exp_shifted = FN(exp_shifted),
-    .max_value = FN(max_value),
-    .exp_scaled = FN(exp_scaled),
     .accumulate_pv = FN(accumulate_pv),
     .accumulate_pv2 = FN(accumulate_pv2),
 };

@@ -24,12 +24,6 @@ typedef struct pp_attention_math {
     /* p[j] = e^(p[j] - m) in place for j < n (p[j] <= m); returns their sum. */
     float (*exp_shifted)(float *p, int n, float m);
 
-    /* The largest of x[0..n) (n >= 1); the sampler's argmax starts here. */
-    float (*max_value)(const float *x, int n);
-
-    /* out[j] = e^((x[j] - m) * scale) (x[j] <= m, scale > 0; out may be x); returns their sum. */
-    float (*exp_scaled)(const float *x, float *out, int n, float m, float scale);
-
     /* acc = acc * correction + sum_j p[j] v_j; keys with p[j] == 0 are skipped. */
     void (*accumulate_pv)(float *restrict acc, float correction, const float *restrict p,
                           const float *restrict v, int n, int hd);

@@ -1,6 +1,8 @@
-/* Run-time choice of the attention math variant: the library is built for
- * the x86-64 baseline, with an AVX2 variant used only where the CPU has it. */
+/* Run-time choice of the vector math variants (attention and sampling): the
+ * library is built for the x86-64 baseline, with AVX2 variants used only
+ * where the CPU has them. */
 #include "attention_math.h"
+#include "sampling_math.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -14,4 +16,11 @@ const pp_attention_math *pp_attention_math_select(void) {
         return &pp_attention_math_avx2;
 #endif
     return &pp_attention_math_generic;
+}
+
+const pp_sampling_math *pp_sampling_math_select(void) {
+#ifdef PP_HAVE_AVX2_KERNELS
+    if (pp_attention_math_select() == &pp_attention_math_avx2) return &pp_sampling_math_avx2;
+#endif
+    return &pp_sampling_math_generic;
 }

@@ -3,15 +3,18 @@
  * repetition/presence/frequency penalties, an optional token mask, a seeded
  * generator per sequence, and log-probabilities only for rows that ask.
  *
- * The vocabulary is never sorted. One vectorized pass finds the best logit;
- * top-k keeps a heap of k tokens; without it, one vectorized pass weighs
- * every token (the nucleus is measured against the whole row's mass), and
- * top-p and min-p take the tokens above a probability threshold, sort only
- * those, and lower the threshold in the rare case they do not yet hold
- * the nucleus (every token left out is less likely than every token kept, so
- * the result is exact). Temperature alone draws by cumulative mass. */
-#include "attention_math.h"
+ * The vocabulary is never sorted and never copied. A row is a megabyte that
+ * is not in cache, so each step of a row is one vectorized read of it
+ * (sampling_math.c): the argmax; the whole row's mass (top-p is measured
+ * against it) fused with the selection of the tokens above a probability
+ * threshold; top-k from the tokens within a logit margin of the best. Only
+ * those few candidates are weighed one by one and sorted. If the candidates
+ * do not yet hold the nucleus, the threshold is lowered and the row read
+ * again (every token left out is less likely than every token kept, so the
+ * result is exact). Temperature alone draws by cumulative mass from partial
+ * sums of the same pass. */
 #include "pp_internal.h"
+#include "sampling_math.h"
 #include "pyllama_paged.h"
 
 #include <float.h>
@@ -25,15 +28,18 @@ typedef struct sampler_scratch {
     int32_t *history;    /* a row's history, sorted for counting; grown on demand */
     int32_t  history_capacity;
     float   *row;        /* [n_vocab] the row after penalties and mask */
-    float   *weights;    /* [n_vocab] exp((logit - max) / temperature) */
+    float   *weights;    /* [n_vocab] exp((logit - max) / temperature), set for candidates only */
     int32_t *cand;       /* [n_vocab] candidate ids, best first */
+    int32_t *selected;   /* [n_vocab] ids a selection pass found, in id order */
+    float   *block_sums; /* [n_vocab / PP_SUM_BLOCK + 1] partial masses of a row */
+    float   *block_refs; /* [n_vocab / PP_SUM_BLOCK + 1] the scan's scratch */
 } sampler_scratch;
 
 struct pp_sampler {
     int32_t  n_vocab;
     int32_t  n_threads;
     sampler_scratch *scratch;        /* one per thread */
-    const pp_attention_math *math;   /* vectorized exp and max */
+    const pp_sampling_math *math;    /* the vectorized passes over a row */
 };
 
 int pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out) {
@@ -46,7 +52,7 @@ int pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out) {
     if (ok) {
         s->n_vocab = n_vocab;
         s->n_threads = n_threads;
-        s->math = pp_attention_math_select();
+        s->math = pp_sampling_math_select();
         s->scratch = calloc((size_t)n_threads, sizeof *s->scratch);
         ok = s->scratch != NULL;
         for (int32_t t = 0; ok && t < n_threads; t++) {
@@ -54,7 +60,10 @@ int pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out) {
             sc->row = malloc(sizeof(float) * (size_t)n_vocab);
             sc->weights = malloc(sizeof(float) * (size_t)n_vocab);
             sc->cand = malloc(sizeof(int32_t) * (size_t)n_vocab);
-            ok = sc->row && sc->weights && sc->cand;
+            sc->selected = malloc(sizeof(int32_t) * (size_t)n_vocab);
+            sc->block_sums = malloc(sizeof(float) * ((size_t)n_vocab / PP_SUM_BLOCK + 1));
+            sc->block_refs = malloc(sizeof(float) * ((size_t)n_vocab / PP_SUM_BLOCK + 1));
+            ok = sc->row && sc->weights && sc->cand && sc->selected && sc->block_sums && sc->block_refs;
         }
     }
     if (!ok) {
@@ -72,6 +81,9 @@ void pp_sampler_destroy(pp_sampler *s) {
         free(s->scratch[t].row);
         free(s->scratch[t].weights);
         free(s->scratch[t].cand);
+        free(s->scratch[t].selected);
+        free(s->scratch[t].block_sums);
+        free(s->scratch[t].block_refs);
     }
     free(s->scratch);
     free(s);
@@ -116,14 +128,6 @@ static void sort_desc(int32_t *ids, int32_t n, const float *values) {
     qsort(ids, (size_t)n, sizeof *ids, cmp_by_value_desc);
 }
 
-/* First index of the largest value (the max itself is found vectorized). */
-static int32_t argmax(const pp_attention_math *math, const float *x, int32_t n) {
-    const float m = math->max_value(x, n);
-    for (int32_t i = 0; i < n; i++)
-        if (x[i] == m) return i;
-    return 0;   /* all NaN */
-}
-
 /* The k highest of x over the n indices in from (all of 0..n-1 if from is
  * NULL; k <= n) into ids, highest first: a min-heap of k. */
 static void top_k_ids(const float *x, const int32_t *from, int32_t n, int32_t k, int32_t *ids) {
@@ -156,6 +160,106 @@ static void top_k_ids(const float *x, const int32_t *from, int32_t n, int32_t k,
     sort_desc(ids, size, x);
 }
 
+/* Top-k first looks at the tokens within this many logits of the best. */
+#define TOP_K_MARGIN 8.0f
+
+/* Keeps the selected ids whose value is at least cut; returns how many. */
+static int32_t keep_at_least(const float *x, int32_t *sel, int32_t n_sel, float cut) {
+    int32_t kept = 0;
+    for (int32_t i = 0; i < n_sel; i++)
+        if (x[sel[i]] >= cut) sel[kept++] = sel[i];
+    return kept;
+}
+
+/* The k highest of the n entries of x into ids, highest first. The heap only
+ * sees the tokens within a logit margin of the best, m (a row has few tokens
+ * near its best): sel holds a scan's selection, a superset of them (room for
+ * n). The margin is widened, with a new selection pass, until it holds k. */
+static int32_t top_k_near_best(const pp_sampling_math *math, const float *x, int32_t n, int32_t k, float m,
+                               float margin, int32_t *sel, int32_t n_sel, int32_t *ids) {
+    float cut = m - margin;
+    n_sel = keep_at_least(x, sel, n_sel, cut);
+    while (n_sel < k && cut > -INFINITY) {
+        margin *= 2.0f;
+        cut = margin < 1e30f ? m - margin : -INFINITY;
+        n_sel = math->select_at_least(x, n, cut, sel);
+    }
+    if (k > n_sel) k = n_sel;   /* NaNs are never selected */
+    top_k_ids(x, sel, n_sel, k, ids);
+    return k;
+}
+
+/* Candidates beyond this many are not sorted (see nucleus_front). */
+#define SORT_LIMIT 2048
+
+/* Keeps the ids weighing at least cut; returns how many. */
+static int32_t keep_weighing_at_least(int32_t *ids, int32_t n, const float *w, float cut) {
+    int32_t kept = 0;
+    for (int32_t i = 0; i < n; i++)
+        if (w[ids[i]] >= cut) ids[kept++] = ids[i];
+    return kept;
+}
+
+static void swap_ids(int32_t *ids, int32_t a, int32_t b) {
+    const int32_t t = ids[a];
+    ids[a] = ids[b];
+    ids[b] = t;
+}
+
+/* Moves the nucleus, the fewest highest-weighted of the n ids whose weights
+ * add up to at least target > 0 (all n if they never do), to the front of
+ * ids in no particular order, and returns its size: a three-way quickselect
+ * on the weights, linear in n on average where sorting is n log n. Among
+ * tokens of equal weight at the boundary, any may be the ones kept. */
+static int32_t nucleus_front(int32_t *ids, int32_t n, const float *w, double target) {
+    int32_t lo = 0, hi = n;   /* ids[0, lo) are in, weighing `before` < target; the boundary is in [lo, hi) */
+    double before = 0.0;
+    while (lo < hi) {
+        const float pivot = w[ids[lo + (hi - lo) / 2]];
+        int32_t gt = lo, i = lo, lt = hi;   /* [lo, gt) > pivot, [gt, lt) == pivot, [lt, hi) < pivot */
+        double gt_mass = 0.0;
+        while (i < lt) {
+            const float v = w[ids[i]];
+            if (v > pivot) {
+                gt_mass += v;
+                swap_ids(ids, gt++, i++);
+            } else if (v < pivot) {
+                swap_ids(ids, i, --lt);
+            } else {
+                i++;
+            }
+        }
+        if (before + gt_mass >= target) {
+            hi = gt;
+            continue;
+        }
+        const double eq_mass = (double)(lt - gt) * pivot;
+        if (before + gt_mass + eq_mass >= target) {
+            const double need = ceil((target - before - gt_mass) / pivot);
+            return gt + (need < 1.0 ? 1 : need > lt - gt ? lt - gt : (int32_t)need);
+        }
+        before += gt_mass + eq_mass;
+        lo = lt;
+    }
+    return lo > 0 ? lo : 1;
+}
+
+/* Draws one of ids[0, keep) (keep >= 1 is made so) in proportion to its
+ * weight, u uniform in [0, 1). */
+static int32_t draw(const int32_t *ids, int32_t keep, const float *w, double u) {
+    if (keep < 1) keep = 1;
+    double kept = 0.0;
+    for (int32_t i = 0; i < keep; i++) kept += w[ids[i]];
+    const double target = u * kept;
+    double cum = 0.0;
+    int32_t i = 0;
+    for (; i < keep - 1; i++) {
+        cum += w[ids[i]];
+        if (cum > target) break;
+    }
+    return ids[i];
+}
+
 /* Repetition (llama.cpp's: divide positive logits, multiply negative ones),
  * presence and frequency penalties, once per distinct token of history. */
 static void apply_penalties(float *row, const pp_sample_row *r, int32_t *scratch) {
@@ -175,19 +279,46 @@ static void apply_penalties(float *row, const pp_sample_row *r, int32_t *scratch
     }
 }
 
-/* log-sum-exp of x over n entries, using w as scratch. */
-static double log_sum_exp(const pp_attention_math *math, const float *x, int32_t n, float *w) {
-    const float m = math->max_value(x, n);
-    memcpy(w, x, sizeof(float) * (size_t)n);
-    return (double)m + log((double)math->exp_shifted(w, n, m));
+/* ---- one row ------------------------------------------------------------- */
+
+/* The logit at or above which a token weighs at least threshold relative to
+ * the best (weight = e^((logit - m) / T)), a hair lower so that rounding
+ * never leaves out a token the exact weights would keep. */
+static float logit_cut(float m, float temperature, float threshold) {
+    const float cut = m + temperature * logf(threshold);
+    return cut - fabsf(cut) * 1e-6f - 1e-6f;
 }
 
-/* ---- one row ------------------------------------------------------------- */
+/* Temperature alone: the token where the cumulative mass passes u * z, found
+ * from the row's partial sums; only the block holding it is weighed token by
+ * token. */
+static int32_t draw_by_mass(const float *row, int32_t n, float m, float inv_t, const float *block_sums,
+                            double target, int32_t fallback) {
+    double cum = 0.0;
+    for (int32_t start = 0; start < n; start += PP_SUM_BLOCK) {
+        const float bs = block_sums[start / PP_SUM_BLOCK];
+        if (cum + bs <= target) {
+            cum += bs;
+            continue;
+        }
+        const int32_t end = start + PP_SUM_BLOCK < n ? start + PP_SUM_BLOCK : n;
+        int32_t token = fallback;
+        for (int32_t i = start; i < end; i++) {
+            const float wi = expf((row[i] - m) * inv_t);
+            if (!(wi > 0.0f)) continue;
+            token = i;
+            cum += wi;
+            if (cum > target) break;
+        }
+        return token;   /* rounding between the two sums: the block's last weighed token */
+    }
+    return fallback;
+}
 
 static int sample_row(const pp_sampler *s, sampler_scratch *sc, const float *logits, const pp_sample_row *r,
                       pp_sample_result *out) {
     const pp_sampling_params *sp = &r->params;
-    const pp_attention_math *math = s->math;
+    const pp_sampling_math *math = s->math;
     const int32_t n = s->n_vocab;
     const float *row = logits;
     const int penalized = r->n_history > 0 && (sp->repeat_penalty != 1.0f || sp->presence_penalty != 0.0f ||
@@ -200,54 +331,74 @@ static int sample_row(const pp_sampler *s, sampler_scratch *sc, const float *log
                 if (!r->allowed[i]) sc->row[i] = -INFINITY;
         row = sc->row;
     }
-    const int32_t best = argmax(math, row, n);
+    /* One read of the row finds the best token and, depending on the
+     * parameters, the mass, partial masses and candidates. */
+    const int greedy = sp->temperature <= 1e-6f;
+    const int top_k = !greedy && sp->top_k > 0 && sp->top_k < n;
+    const int mass_only = !greedy && !top_k && sp->top_p >= 1.0f && sp->min_p <= 0.0f;
+    const int nucleus = !greedy && !top_k && !mass_only;
+    const float floor_p = sp->min_p > 0.0f ? sp->min_p : 0.0f;   /* the best weighs 1 */
+    float threshold = floor_p > 1e-4f ? floor_p : 1e-4f;           /* nucleus candidates weigh at least this */
+    pp_row_scan scan = {
+        .scale = greedy || top_k ? 0.0f : 1.0f / sp->temperature,
+        /* a weight of at least threshold is a logit within -T ln(threshold) of the best */
+        .margin = top_k ? TOP_K_MARGIN : nucleus ? -sp->temperature * logf(threshold) * (1.0f + 1e-6f) + 1e-6f : 0.0f,
+        .ids = top_k || nucleus ? sc->selected : NULL,
+        .block_sums = mass_only ? sc->block_sums : NULL,
+        .block_refs = mass_only ? sc->block_refs : NULL,
+    };
+    math->scan_row(row, n, &scan);
+    const int32_t best = scan.best;
     if (!(row[best] > -INFINITY)) return PP_ERR_INVALID;   /* the caller names the row */
+    const float m = row[best];
 
     /* Below 1e-6 a temperature only separates ties the argmax already broke;
      * dividing by it would overflow. */
-    if (sp->temperature <= 1e-6f) {
+    if (greedy) {
         out->token = best;
     } else {
         const float inv_t = 1.0f / sp->temperature;
         float *w = sc->weights;
         int32_t *ids = sc->cand;
         int32_t n_cand;
-        double z = 0.0;                  /* the mass the nucleus is measured against */
-        if (sp->top_k > 0 && sp->top_k < n) {
-            n_cand = sp->top_k;
-            top_k_ids(row, NULL, n, n_cand, ids);
+        double z = scan.mass;            /* the mass the nucleus is measured against */
+        if (top_k) {
+            n_cand = top_k_near_best(math, row, n, sp->top_k, m, TOP_K_MARGIN, sc->selected, scan.n_ids, ids);
+            z = 0.0;
             for (int32_t i = 0; i < n_cand; i++) {
-                w[ids[i]] = expf((row[ids[i]] - row[best]) * inv_t);
+                w[ids[i]] = expf((row[ids[i]] - m) * inv_t);
                 z += w[ids[i]];
             }
+        } else if (mass_only) {
+            out->token = draw_by_mass(row, n, m, inv_t, sc->block_sums, next_uniform(r->rng_state) * z, best);
+            goto logprobs;
         } else {
-            /* Every token's weight in one vectorized pass: z must be the whole row's mass. */
-            z = math->exp_scaled(row, w, n, row[best], inv_t);   /* w[i] = exp((row[i] - max) / T) */
-            if (sp->top_p >= 1.0f && sp->min_p <= 0.0f) {      /* temperature alone: by cumulative mass */
-                const double target = next_uniform(r->rng_state) * z;
-                double cum = 0.0;
-                int32_t i = 0;
-                while (i < n - 1) {
-                    cum += w[i];
-                    if (cum > target) break;
-                    i++;
-                }
-                out->token = w[i] > 0.0f ? i : best;
-                goto logprobs;
-            }
-            /* Candidates: the tokens above a threshold, sorted; lower it until they hold the nucleus. */
-            const float floor_p = sp->min_p > 0.0f ? sp->min_p : 0.0f;   /* the best weighs 1 */
-            float threshold = floor_p > 1e-3f ? floor_p : 1e-3f;
+            /* The scan selected the tokens above the threshold (and a few
+             * more); lower it until they hold the nucleus. */
+            int32_t *sel = sc->selected;
+            n_cand = keep_at_least(row, sel, scan.n_ids, logit_cut(m, sp->temperature, threshold));
             for (;;) {
-                n_cand = 0;
                 double mass = 0.0;
-                for (int32_t i = 0; i < n; i++)
-                    if (w[i] >= threshold) {
-                        ids[n_cand++] = i;
-                        mass += w[i];
-                    }
+                for (int32_t i = 0; i < n_cand; i++) {
+                    w[sel[i]] = expf((row[sel[i]] - m) * inv_t);
+                    mass += w[sel[i]];
+                }
                 if (mass >= (double)sp->top_p * z || threshold <= floor_p || threshold < 1e-30f) break;
-                threshold = threshold / 64.0f > floor_p ? threshold / 64.0f : floor_p;
+                threshold = threshold / 1024.0f > floor_p ? threshold / 1024.0f : floor_p;
+                n_cand = math->select_at_least(row, n, logit_cut(m, sp->temperature, threshold), sel);
+            }
+            if (n_cand == 0) {   /* only when the best itself is not finite */
+                sel[n_cand++] = best;
+                w[best] = 1.0f;
+            }
+            memcpy(ids, sel, sizeof(int32_t) * (size_t)n_cand);
+            if (n_cand > SORT_LIMIT) {
+                /* A flat row (a high temperature) puts much of the vocabulary
+                 * in the nucleus: find it without sorting it. The best weighs 1. */
+                int32_t keep = sp->min_p > 0.0f ? keep_weighing_at_least(ids, n_cand, w, sp->min_p) : n_cand;
+                if (sp->top_p < 1.0f) keep = nucleus_front(ids, keep, w, (double)sp->top_p * z);
+                out->token = draw(ids, keep, w, next_uniform(r->rng_state));
+                goto logprobs;
             }
             sort_desc(ids, n_cand, w);
         }
@@ -267,33 +418,26 @@ static int sample_row(const pp_sampler *s, sampler_scratch *sc, const float *log
             }
             keep = i;
         }
-        if (keep < 1) keep = 1;
-        double kept = 0.0;
-        for (int32_t i = 0; i < keep; i++) kept += w[ids[i]];
-        const double target = next_uniform(r->rng_state) * kept;
-        double cum = 0.0;
-        int32_t i = 0;
-        for (; i < keep - 1; i++) {
-            cum += w[ids[i]];
-            if (cum > target) break;
-        }
-        out->token = ids[i];
+        out->token = draw(ids, keep, w, next_uniform(r->rng_state));
     }
 logprobs:
     out->n_top = 0;
     out->logprob = 0.0f;
     if (sp->n_logprobs >= 0) {
         /* The model's own distribution: the raw row, before penalties and temperature. */
-        const double lse = log_sum_exp(math, logits, n, sc->weights);
-        out->logprob = (float)(logits[out->token] - lse);
         const int32_t k = sp->n_logprobs < PP_SAMPLE_MAX_TOP ? sp->n_logprobs : PP_SAMPLE_MAX_TOP;
+        pp_row_scan raw = {.scale = 1.0f, .margin = TOP_K_MARGIN, .ids = k > 0 ? sc->selected : NULL};
+        math->scan_row(logits, n, &raw);
+        const double lse = (double)logits[raw.best] + log(raw.mass);
+        out->logprob = (float)(logits[out->token] - lse);
         if (k > 0) {
-            top_k_ids(logits, NULL, n, k, sc->cand);
-            for (int32_t j = 0; j < k; j++) {
+            const int32_t got = top_k_near_best(math, logits, n, k, logits[raw.best], TOP_K_MARGIN, sc->selected,
+                                                raw.n_ids, sc->cand);
+            for (int32_t j = 0; j < got; j++) {
                 out->top_ids[j] = sc->cand[j];
                 out->top_logprobs[j] = (float)(logits[sc->cand[j]] - lse);
             }
-            out->n_top = k;
+            out->n_top = got;
         }
     }
     return PP_OK;

@@ -36,6 +36,7 @@ class Sampling(BaseModel):
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    ignore_eos: bool = False   # llama-server's and vLLM's extension: generate to max_tokens
 
     def params(self, max_tokens_default: int) -> SamplingParams:
         return request_params(OPENAI, self.model_dump(exclude={"logprobs", "max_completion_tokens"}),

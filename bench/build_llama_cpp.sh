@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's own tools (llama-server, llama-batched-bench, llama-bench) from the
+# source bundled in the llama-cpp-python sdist, for side-by-side benchmarks. Nothing of it is
+# committed: the sdist and the build live under $LLAMA_CPP_DIR (default bench/.llama.cpp,
+# git-ignored). Prints the bin directory on its last line.
+#
+#     bench/build_llama_cpp.sh            # ~6 minutes on 2 cores
+set -euo pipefail
+VERSION=0.3.36
+HERE="$(cd "$(dirname "$0")" && pwd)"
+DIR="${LLAMA_CPP_DIR:-$HERE/.llama.cpp}"
+JOBS="${JOBS:-$(nproc)}"
+mkdir -p "$DIR"
+cd "$DIR"
+BIN="$DIR/build/bin"
+if [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-batched-bench" ] && [ -x "$BIN/llama-bench" ]; then
+  echo "$BIN"; exit 0
+fi
+if [ ! -d "llama_cpp_python-$VERSION" ]; then
+  python3 -m pip download -q --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d .
+  tar xzf "llama_cpp_python-$VERSION.tar.gz"
+fi
+SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
+# The same CPU build llama.cpp's own docs give: native ISA, tinyBLAS (the default), Release.
+cmake -S "$SRC" -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+      >"$DIR/build.log" 2>&1
+cmake --build build -j "$JOBS" --target llama-server llama-batched-bench llama-bench >>"$DIR/build.log" 2>&1 ||
+  { tail -30 "$DIR/build.log" >&2; exit 1; }
+echo "$BIN"
