@@ -123,7 +123,7 @@ def stop(proc: subprocess.Popen) -> None:
 def start_llama_server(binary: str, model: str, args, log: Path):
     port = free_port()
     proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
-                             "-t", str(args.threads), "-c", str(args.ctx), "-np", str(args.np)],
+                             "-t", str(args.threads), "-c", str(args.ctx), "-np", str(args.np), "-lv", "4"],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, "/health")

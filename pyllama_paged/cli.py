@@ -114,6 +114,21 @@ def cmd_chat(args) -> int:
             history.append({"role": "assistant", "content": "".join(answer)})
 
 
+def _itl_budget(text: str) -> float | str | None:
+    """--itl-budget-ms: 'auto', 'off' (or 0), or milliseconds."""
+    if text == "auto":
+        return "auto"
+    if text == "off":
+        return None
+    try:
+        ms = float(text)
+    except ValueError:
+        raise SystemExit(f"--itl-budget-ms must be 'auto', 'off' or milliseconds, got {text!r}") from None
+    if ms < 0:
+        raise SystemExit(f"--itl-budget-ms must be >= 0, got {text!r}")
+    return ms / 1000 if ms > 0 else None
+
+
 def cmd_serve(args) -> int:
     import os
 
@@ -124,7 +139,7 @@ def cmd_serve(args) -> int:
     options = EngineOptions(paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads or 2,
                             block_size=args.block_size, kv_cache_type=args.kv_type,
                             kv_budget_tokens=args.kv_budget, max_num_seqs=args.max_seqs,
-                            preemption_mode=args.preemption)
+                            preemption_mode=args.preemption, itl_budget=_itl_budget(args.itl_budget_ms))
     limits = Limits(max_body_bytes=args.max_body, max_tokens=args.max_tokens, max_n=args.max_n,
                     max_queue=args.max_queue)
     api_key = args.api_key or os.environ.get("PYLLAMA_API_KEY") or None
@@ -194,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--no-paged", action="store_true")
     srv.add_argument("--max-seqs", type=int, default=64)
     srv.add_argument("--preemption", default="recompute", choices=["recompute", "swap"])
+    srv.add_argument("--itl-budget-ms", default="auto",
+                     help="inter-token budget of running streams: new users are admitted (and prompts "
+                          "prefilled) only as far as every stream keeps this gap; 'auto' = 4x a lone "
+                          "stream's step on this machine, 'off' = throughput first")
     srv.add_argument("--max-body", type=int, default=1 << 20, help="request body limit in bytes")
     srv.add_argument("--max-tokens", type=int, default=4096, help="cap on max_tokens / num_predict")
     srv.add_argument("--max-n", type=int, default=8)

@@ -24,6 +24,7 @@ LAYERS = [
     ["engine.sampler"],
     ["engine.request"],
     ["engine.preemption"],
+    ["engine.step_cost"],
     ["engine.scheduler"],
     ["engine.llm_engine"],
     ["engine.loop"],

@@ -11,6 +11,7 @@ from pyllama_paged.engine.llm_engine import LLMEngine
 from pyllama_paged.engine.model import Model
 from pyllama_paged.engine.sampler import SamplingParams, log_softmax
 from pyllama_paged.engine.scheduler import SchedulerConfig
+from pyllama_paged.engine.step_cost import StepCostModel
 from agreement import assert_greedy_agree, engine_logits
 from reference.tiny_gguf import write_tiny_model
 
@@ -313,3 +314,58 @@ def test_prefill_is_chunked_small_while_streams_decode(model):
         llm.step()
     assert llm.stats()["blocks_used"] == 0
     engine.close()
+
+
+class KnownCost(StepCostModel):
+    """A step cost model fixed to a known machine: 10 ms a step, 10 ms a decode,
+    1 ms a prefill token (the scheduler's policy under test, not the fit)."""
+
+    def __init__(self):
+        super().__init__(prior=(0.01, 0.01, 0.001), min_steps=0)
+
+    def observe(self, decode_tokens, prefill_tokens, seconds):
+        pass
+
+
+def test_an_itl_budget_admits_only_the_streams_it_can_keep_and_starves_nobody(model):
+    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=400)
+    llm = LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=256, itl_budget=0.055))
+    llm.scheduler.step_cost = KnownCost()   # predict(b decodes) = 0.01 + 0.01 b: 4 streams fit 55 ms
+    requests = [llm.add_request(list(range(10 + i, 50 + i)), SamplingParams(max_tokens=8 + 3 * i, temperature=0))
+                for i in range(9)]
+    running, beside_decodes = [], []
+    while llm.has_work():
+        llm.step()
+        running.append(llm.scheduler.num_running_seqs())
+        decodes, prefill = llm.scheduler._last_shape
+        if decodes and prefill:
+            beside_decodes.append((decodes, prefill))
+    assert max(running) == 4                    # the fifth would make every step 60 ms
+    assert all(r.status.value == "finished" and r.error is None for r in requests)   # the queue drained
+    assert all(len(r.seqs[0].output_ids) == 8 + 3 * i for i, r in enumerate(requests))
+    # a 40-token prompt beside d decodes gets what the budget leaves (1 ms a token), at least 16
+    assert beside_decodes
+    for decodes, prefill in beside_decodes:
+        assert prefill <= max(16, int(round((0.055 - 0.01 - 0.01 * decodes) / 0.001)))
+    assert any(prefill < 40 for _, prefill in beside_decodes)   # the budget, not the prompt, cut the chunk
+    runner.close()
+
+
+def test_step_cost_model_learns_a_linear_machine():
+    cost = StepCostModel()
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        d, p = int(rng.integers(0, 40)), int(rng.integers(0, 200))
+        cost.observe(d, p, 0.004 + 0.002 * d + 0.0005 * p)
+    assert cost.ready
+    assert cost.coefficients == pytest.approx((0.004, 0.002, 0.0005), rel=0.05)
+    assert cost.predict(10, 100) == pytest.approx(0.074, rel=0.02)
+    assert cost.prefill_tokens_within(10, 0.074) == pytest.approx(100, abs=3)
+
+
+def test_an_itl_budget_must_be_seconds_auto_or_none(model):
+    runner = ModelRunner(model, n_ctx=64, n_threads=1, n_batch=64, block_size=16, num_blocks=8)
+    for bad in (0, -1, "fast"):
+        with pytest.raises(ValueError, match="itl_budget"):
+            LLMEngine(runner, EOT, SchedulerConfig(itl_budget=bad))
+    runner.close()

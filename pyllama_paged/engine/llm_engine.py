@@ -97,6 +97,7 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the outputs of the requests that moved."""
+        step_started = time.perf_counter()
         work = self.scheduler.schedule()
         outputs: dict[str, RequestOutput] = {}
         for request in self.scheduler.failed:
@@ -133,6 +134,7 @@ class LLMEngine:
             request = self.requests[request_id]
             if not request.live_seqs:
                 self._finish(request, outputs[request_id])
+        self.scheduler.observe_step(time.perf_counter() - step_started)
         return list(outputs.values())
 
     def _output(self, request: Request, finished: bool = False) -> RequestOutput:
@@ -252,7 +254,9 @@ class LLMEngine:
              "running_seqs": self.scheduler.num_running_seqs(),
              "preemptions": self.scheduler.num_preemptions,
              "computed_tokens": self.num_computed_tokens, "generated_tokens": self.num_generated_tokens,
-             "forward_seconds": self.forward_seconds, "sample_seconds": self.sample_seconds}
+             "forward_seconds": self.forward_seconds, "sample_seconds": self.sample_seconds,
+             "itl_budget_seconds": self.scheduler.itl_budget_seconds(),
+             "step_cost_seconds": self.scheduler.step_cost.coefficients}
         if kv.paged:
             ps = kv.pool.stats()
             s.update(blocks_total=ps.num_blocks, blocks_free=ps.num_free, blocks_used=ps.num_used,

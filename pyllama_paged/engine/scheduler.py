@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .model_runner import ModelRunner
 from .preemption import PREEMPTION_MODES, release, swap_in, swap_out
+from .step_cost import StepCostModel
 from ..errors import OutOfBlocksError
 from .request import Request, RequestStatus, Sequence
 
@@ -25,6 +26,19 @@ class SchedulerConfig:
     # time to first token (a long prompt takes several steps). Steps without
     # decodes prefill up to max_num_batched_tokens.
     max_prefill_tokens_with_decodes: int = 128
+    # The inter-token budget of running streams, in seconds: while sequences
+    # decode, waiting requests are admitted, and prefill chunks sized, only as
+    # far as the next step is predicted (StepCostModel, learned from the steps
+    # run) to take at most this long. "auto": ITL_AUTO_FACTOR times a
+    # one-sequence decode step on this machine. None: no budget (throughput
+    # first, for offline batches).
+    itl_budget: float | str | None = None
+    min_prefill_tokens_with_decodes: int = 16   # waiting users progress even at the budget
+
+
+# "auto" budget: a running stream may slow to this many times a lone stream's
+# pace while others share the step.
+ITL_AUTO_FACTOR = 4.0
 
 
 class Scheduler:
@@ -42,6 +56,11 @@ class Scheduler:
         self.reserve_blocks = math.ceil(self.config.watermark * kv.num_blocks) if kv.paged else 0
         self.num_preemptions = 0
         self.failed: list[Request] = []   # ended by the scheduler; the runner reports them
+        budget = self.config.itl_budget
+        if not (budget is None or budget == "auto" or (isinstance(budget, (int, float)) and budget > 0)):
+            raise ValueError(f"itl_budget must be a number of seconds > 0, 'auto' or None, got {budget!r}")
+        self.step_cost = StepCostModel()
+        self._last_shape = (0, 0)   # (decode tokens, prefill tokens) of the step last scheduled
 
     # ---- queue management ------------------------------------------------
     def add(self, request: Request) -> None:
@@ -108,6 +127,22 @@ class Scheduler:
         # the reserve keeps room for running sequences to grow; with none running it is not needed
         return need + (self.reserve_blocks if self.running else 0) <= kv.pool.num_allocatable
 
+    # ---- the inter-token budget ------------------------------------------------
+    def itl_budget_seconds(self) -> float | None:
+        """The step-time budget in force now (None: none, or "auto" still learning)."""
+        budget = self.config.itl_budget
+        if budget is None:
+            return None
+        if budget == "auto":
+            if not self.step_cost.ready:
+                return None
+            return ITL_AUTO_FACTOR * self.step_cost.predict(1)
+        return float(budget)
+
+    def observe_step(self, seconds: float) -> None:
+        """The engine's report of how long the step last scheduled took."""
+        self.step_cost.observe(*self._last_shape, seconds)
+
     # ---- one step ----------------------------------------------------------
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The (sequence, tokens to compute) pairs of the next step."""
@@ -154,8 +189,14 @@ class Scheduler:
                 work.append((seq, len(new)))
 
         # prefill chunks of running requests still prefilling, then of admitted ones
+        num_decodes = len(work)
+        itl_budget = self.itl_budget_seconds()
         if work:
-            budget = min(budget, self.config.max_prefill_tokens_with_decodes)
+            cap = self.config.max_prefill_tokens_with_decodes
+            if itl_budget is not None:
+                cap = min(cap, max(self.config.min_prefill_tokens_with_decodes,
+                                   self.step_cost.prefill_tokens_within(num_decodes, itl_budget)))
+            budget = min(budget, cap)
         decoding = {seq.seq_id for seq, _ in work}
         for request in self.running:
             for seq in request.live_seqs:
@@ -177,12 +218,17 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
-        # admit waiting requests first-come-first-served while blocks allow
+        # admit waiting requests first-come-first-served while blocks (and the budget) allow
+        running_seqs = self.num_running_seqs()
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
             seqs = request.live_seqs or request.seqs
-            if self.num_running_seqs() + self._width(request, seqs) > self.config.max_num_seqs and self.running:
+            width = self._width(request, seqs)
+            if running_seqs + width > self.config.max_num_seqs and self.running:
                 break
+            if itl_budget is not None and self.running and \
+                    self.step_cost.predict(running_seqs + width) > itl_budget:
+                break   # one more stream would slow every running one past the budget
             if not self._blocks_for(seqs, lambda s: s.token_ids):
                 break
             self.waiting.popleft()
@@ -193,9 +239,11 @@ class Scheduler:
                     for s in seqs:
                         release(self.runner, s)
                     self.waiting.appendleft(request)
+                    self._last_shape = (num_decodes, sum(n for _, n in work) - num_decodes)
                     return work
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            running_seqs += width
             for seq in seqs:
                 pending = len(seq.kv.token_ids) - seq.kv.num_computed
                 if pending > 0 and budget > 0:
@@ -214,4 +262,5 @@ class Scheduler:
                                  f"than the pool of {self.runner.kv.num_blocks} holds")
                 self.remove(request)
                 self.failed.append(request)
+        self._last_shape = (num_decodes, sum(n for _, n in work) - num_decodes)
         return work

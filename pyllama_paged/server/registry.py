@@ -31,6 +31,7 @@ class EngineOptions:
     kv_budget_tokens: int = 32768       # the KV pool, in tokens, shared by all users
     max_num_seqs: int = 64
     preemption_mode: str = "recompute"
+    itl_budget: float | str | None = "auto"   # seconds, "auto" or None (see SchedulerConfig)
 
 
 @dataclass
@@ -103,7 +104,8 @@ class ModelRegistry:
                             kv_cache_type=o.kv_cache_type, n_seq_max=max(1, o.kv_budget_tokens // n_ctx))
         tokenizer = Tokenizer.from_metadata(model.metadata)
         loop = EngineLoop(LLMEngine(runner, tokenizer.eot_ids, SchedulerConfig(
-            max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs, preemption_mode=o.preemption_mode)))
+            max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs, preemption_mode=o.preemption_mode,
+            itl_budget=o.itl_budget)))
         self.models[name] = ServedModel(name, str(path), model, tokenizer,
                                         ChatTemplate.for_model(model.metadata, model.config.arch), runner, loop)
 

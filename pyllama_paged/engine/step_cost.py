@@ -1,0 +1,61 @@
+"""How long a step takes, learned from the steps the engine runs: the
+scheduler's model for keeping every running stream's inter-token gap within
+a budget. A step's time is fitted as
+
+    seconds = fixed + per_decode * decode_tokens + per_prefill * prefill_tokens
+
+by exponentially weighted least squares (recent steps count most, so the
+model follows the machine's load), pulled gently toward a prior so that it
+answers sensibly from the first step."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class StepCostModel:
+    """An online linear model of step time over (decode tokens, prefill tokens)."""
+
+    def __init__(self, forgetting: float = 0.98, prior=(0.02, 0.005, 0.003), prior_weight: float = 1e-2,
+                 min_steps: int = 8):
+        self.forgetting = forgetting
+        self._prior = np.asarray(prior, dtype=np.float64)
+        self._ridge = prior_weight
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self._coef = self._prior.copy()
+        self.num_steps = 0
+        self.min_steps = min_steps
+
+    @property
+    def ready(self) -> bool:
+        """Whether enough steps were seen for the predictions to be the machine's."""
+        return self.num_steps >= self.min_steps
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """(fixed, per decode token, per prefill token), in seconds."""
+        return tuple(float(c) for c in self._coef)
+
+    def observe(self, decode_tokens: int, prefill_tokens: int, seconds: float) -> None:
+        """Learn from one step that computed these tokens in this many seconds."""
+        if not (seconds > 0) or decode_tokens + prefill_tokens <= 0:
+            return
+        x = np.array([1.0, decode_tokens, prefill_tokens])
+        self._xtx = self.forgetting * self._xtx + np.outer(x, x)
+        self._xty = self.forgetting * self._xty + x * seconds
+        ridge = self._ridge * np.eye(3)
+        coef = np.linalg.solve(self._xtx + ridge, self._xty + ridge @ self._prior)
+        # A cost is never negative; a collinear stretch of steps must not make it so.
+        self._coef = np.maximum(coef, [1e-4, 1e-5, 1e-5])
+        self.num_steps += 1
+
+    def predict(self, decode_tokens: int, prefill_tokens: int = 0) -> float:
+        """Predicted seconds of a step computing these tokens."""
+        fixed, per_decode, per_prefill = self._coef
+        return float(fixed + per_decode * decode_tokens + per_prefill * prefill_tokens)
+
+    def prefill_tokens_within(self, decode_tokens: int, seconds: float) -> int:
+        """The most prefill tokens a step with these decodes can add and stay within seconds."""
+        room = seconds - self.predict(decode_tokens)
+        return max(0, int(room / self._coef[2]))
