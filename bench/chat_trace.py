@@ -126,11 +126,15 @@ def start_llama_server(binary: str, model: str, args, log: Path):
                              "-t", str(args.threads), "-c", str(args.ctx), "-np", str(args.np), "-lv", "4"],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, "/health")
-    # "llama_kv_cache:        CPU KV buffer size =    48.00 MiB" (one line per cache: global and SWA layers)
-    mib = [float(x) for x in re.findall(r"KV buffer size\s*=\s*([0-9.]+) MiB", log.read_text())]
-    if not mib:
-        raise RuntimeError(f"no KV buffer size in {log}")
+    try:
+        wait_healthy(url, proc, "/health")
+        # "llama_kv_cache:        CPU KV buffer size =    48.00 MiB" (one line per cache: global and SWA layers)
+        mib = [float(x) for x in re.findall(r"KV buffer size\s*=\s*([0-9.]+) MiB", log.read_text())]
+        if not mib:
+            raise RuntimeError(f"no KV buffer size in {log}")
+    except BaseException:
+        stop(proc)
+        raise
     return proc, url, "default", int(sum(mib) * 1024 * 1024)
 
 
@@ -155,9 +159,13 @@ def start_ours(model: str | None, kv_tokens: int, args, log: Path):
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, "/v1/models")
-    import httpx
-    name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    try:
+        wait_healthy(url, proc, "/v1/models")
+        import httpx
+        name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    except BaseException:
+        stop(proc)
+        raise
     return proc, url, name
 
 
@@ -283,7 +291,9 @@ def main(argv=None) -> int:
                 res = run_trace(url, model, trace, temp)
                 res.update(side=side, temperature=temp)
                 if side == "ours":
-                    res.update(kv_pool_tokens=kv_tokens, kv_bytes_per_token=per_token)
+                    import httpx
+                    stats = httpx.get(url + "/api/pool", timeout=30).json().get("stats", {})
+                    res.update(kv_pool_tokens=kv_tokens, kv_bytes_per_token=per_token, engine_stats=stats)
                 runs[label] = res
                 print({k: v for k, v in res.items() if k != "per_request"}, flush=True)
         finally:

@@ -264,7 +264,7 @@ def run_side(name: str, paged: bool, model, tok, trace: list[ClientRequest], arg
     # warm-up outside the clock (a started server has done its first graph allocation):
     # one prompt shorter than a block, so the prefix cache sees nothing
     warm = runner.add_sequence(trace[0].prompt[:min(8, args.block_size - 1)])
-    runner.step([(warm, len(warm.token_ids))])
+    runner.step([(warm, warm.num_tokens)])
     runner.free(warm)
 
     def params(seed, n, max_tokens):
@@ -348,7 +348,7 @@ def run_side(name: str, paged: bool, model, tok, trace: list[ClientRequest], arg
                 m["samples"].append((len(tables), unique, total))
 
         st = llm.stats()
-        running_tokens = sum(len(s.kv.token_ids) for r in llm.scheduler.running
+        running_tokens = sum(s.kv.num_tokens for r in llm.scheduler.running
                              for s in r.live_seqs if s.kv is not None)
         if paged:
             ps = runner.kv.pool.stats()

@@ -267,3 +267,59 @@ def test_weaken_hash_is_refused_once_the_pool_holds_data():
         pool.create_sequence([1, 2])
         with pytest.raises(NativeError, match="empty"):
             pool.weaken_hash(8)
+
+
+def test_a_step_batch_is_built_from_the_pool_in_one_call():
+    import numpy as np
+    from pyllama_paged.engine.kv_manager import PagedKV
+    from pyllama_paged.engine.step_batch import StepBuffers
+
+    kv = PagedKV(16, 4, max_seq_len=16)
+    a, _ = kv.create([5, 6, 7, 8, 9, 10])      # prefill 6 tokens in a chunk of 4, then 2
+    b, _ = kv.create([20, 21, 22])
+    c = kv.fork(b)
+    kv.append(c, [23])                        # copy-on-write: c's last block is its own
+    buffers = StepBuffers()
+    work = [(a, 0, 4), (b, 0, 3), (c, 3, 1)]
+    buffers.reserve(8, 3, kv.max_blocks_per_seq)
+    items = buffers.items(work)
+    n_tokens, n_logits = kv.build_batch(items, buffers)
+    tok, pos, slots, seqs, tables, rows = buffers.arrays(n_tokens, 3, n_logits)
+    assert (n_tokens, n_logits) == (8, 2)
+    assert list(tok) == [5, 6, 7, 8, 20, 21, 22, 23]
+    assert list(pos) == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert list(seqs) == [0, 0, 0, 0, 1, 1, 1, 2]
+    want_slots = np.concatenate([kv.slot_mapping(a, 0, 4), kv.slot_mapping(b, 0, 3), kv.slot_mapping(c, 3, 1)])
+    assert list(slots) == list(want_slots)
+    for row, handle in zip(tables, (a, b, c)):
+        table = kv.block_table(handle)
+        assert list(row[:len(table)]) == list(table) and set(row[len(table):]) <= {-1}
+    assert list(rows) == [6, 7]               # a's chunk ends before its last token: no logits row
+    kv.commit_batch(items)
+    assert kv.pool.block_info(kv.block_table(a)[0]).is_computed   # a's full first block is cacheable
+    kv.close()
+
+
+def test_a_malformed_step_batch_is_refused_before_anything_is_written():
+    import numpy as np
+    from pyllama_paged.engine.kv_manager import PagedKV
+    from pyllama_paged.engine.step_batch import StepBuffers
+
+    kv = PagedKV(8, 4, max_seq_len=16)
+    a, _ = kv.create([1, 2, 3])
+    buffers = StepBuffers()
+    buffers.reserve(4, 2, kv.max_blocks_per_seq)
+    tok = buffers.arrays(4, 2, 2)[0]
+    tok[:] = -7
+    for work, message in [([(a, 0, 3), (99, 0, 1)], "unknown sequence"),
+                          ([(a, 2, 2)], "outside sequence"),
+                          ([(a, 0, 0)], "outside sequence")]:
+        with pytest.raises(NativeError, match=message):
+            kv.build_batch(buffers.items(work), buffers)
+        assert list(tok) == [-7] * 4
+    big, _ = kv.create(list(range(9)))
+    with pytest.raises(NativeError, match="exceeds the buffers"):
+        kv.build_batch(buffers.items([(big, 0, 9)]), buffers)
+    with pytest.raises(NativeError, match="not a range"):
+        kv.commit_batch(np.array([[a, 0, 4]], dtype=np.int32))
+    kv.close()

@@ -18,6 +18,7 @@ LAYERS = [
     ["tokenizer.bpe"],
     ["tokenizer.tokenizer", "tokenizer.chat_template"],
     ["engine.block_pool"],
+    ["engine.step_batch"],
     ["engine.kv_manager"],
     ["engine.model"],
     ["engine.model_runner"],

@@ -183,6 +183,44 @@ int pp_seq_tokens(const pp_block_pool *pool, int32_t seq_id, int32_t *out,
 int pp_seq_slot_mapping(const pp_block_pool *pool, int32_t seq_id, int32_t start,
                         int32_t count, int32_t *out);
 
+/* ---- a step's batch ---------------------------------------------------- */
+
+/* Tokens [start, start + count) of a sequence, computed in one step. */
+typedef struct pp_step_item {
+    int32_t seq_id;
+    int32_t start;
+    int32_t count;
+} pp_step_item;
+
+/* The caller's buffers a step's batch is built into (borrowed, reused across
+ * steps): token_ids, positions, slot_mapping and seq_index hold capacity
+ * tokens, block_tables n_items rows of max_blocks_per_seq, logit_rows
+ * n_items. n_tokens and n_logits are outputs. */
+typedef struct pp_step_buffers {
+    int32_t *token_ids;
+    int32_t *positions;
+    int32_t *slot_mapping;
+    int32_t *seq_index;
+    int32_t *block_tables;
+    int32_t *logit_rows;
+    int32_t  n_tokens;
+    int32_t  n_logits;
+} pp_step_buffers;
+
+/* Build the flat batch of pp_context_decode for the items, in order: each
+ * item's tokens (from the pool), positions, slots, its index as seq_index,
+ * its block table as row i (unused entries -1), and its last token's row in
+ * logit_rows when the item reaches its sequence's end. Everything is checked
+ * before anything is written: PP_ERR_INVALID for an unknown sequence or a
+ * range outside it, PP_ERR_CAPACITY when the tokens exceed capacity_tokens or
+ * a block table exceeds max_blocks_per_seq. */
+int pp_pool_build_batch(const pp_block_pool *pool, const pp_step_item *items, int32_t n_items,
+                        int32_t max_blocks_per_seq, int32_t capacity_tokens, pp_step_buffers *out);
+
+/* After a step computed the items: pp_seq_mark_computed(start + count) for
+ * each, in one call. PP_ERR_INVALID (nothing marked) for a bad item. */
+int pp_pool_commit_batch(pp_block_pool *pool, const pp_step_item *items, int32_t n_items);
+
 /* ---- model -------------------------------------------------------------- */
 
 /* Architectures the graph builder knows. */
@@ -351,7 +389,7 @@ int pp_context_abort(pp_context *ctx);
  * step); it spreads the rows over up to n_threads threads of its own. */
 typedef struct pp_sampler pp_sampler;
 
-enum { PP_SAMPLE_MAX_TOP = 20 };   /* most top log-probabilities a row may ask for */
+enum { PP_SAMPLE_MAX_TOP = 32 };   /* most top log-probabilities a row may ask for (beam search: 2 x 16) */
 
 /* How one row is sampled. temperature 0 is greedy (the argmax after
  * penalties and mask). top_k 0, top_p 1 and min_p 0 each turn a filter off. */

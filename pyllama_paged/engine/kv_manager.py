@@ -1,27 +1,32 @@
 """The KV manager: where each sequence's KV rows live, paged (the block pool:
 block tables, copy-on-write, prefix cache) or one contiguous slab of n_ctx
 tokens per sequence (the paged=False baseline). Both answer the same
-questions the model runner asks: slots and block tables."""
+questions the model runner asks: slots and block tables, and a step's
+batch built from them. Each keeps the token ids it placed (the native pool
+for pages; the slab manager for slabs): the batch reads them there.""" 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from .._native import check, ffi, lib
 from ..errors import OutOfBlocksError, PagedError
 from .block_pool import BlockPool
+from .step_batch import StepBuffers
 
 
 @dataclass
 class SeqState:
-    """One sequence's KV as the runner sees it: its handle in the KV manager and
-    how many of its tokens have their KV computed."""
+    """One sequence's KV as the runner sees it: its handle in the KV manager, how
+    many tokens are placed there and how many of those have their KV computed.
+    The token ids themselves live in the KV manager (and the engine's Sequence)."""
 
     handle: int
     num_computed: int = 0                 # tokens whose KV is in the cache
-    token_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0                   # tokens placed (computed or not)
 
 
 class PagedKV:
@@ -70,6 +75,20 @@ class PagedKV:
     def block_table(self, handle: int) -> np.ndarray:
         return self.pool.block_table(handle)
 
+    def build_batch(self, items: np.ndarray, buffers: StepBuffers) -> tuple[int, int]:
+        """A step's batch for items [(handle, start, count)] into buffers, in one native
+        call; returns (tokens, logit rows)."""
+        b = buffers.native
+        check(lib.pp_pool_build_batch(self.pool._handle, ffi.cast("const pp_step_item *", ffi.from_buffer(items)),
+                                      len(items), buffers.max_blocks_per_seq, buffers.capacity_tokens, b),
+              "build_batch")
+        return b.n_tokens, b.n_logits
+
+    def commit_batch(self, items: np.ndarray) -> None:
+        """Mark what a step computed (its full blocks become prefix-cache hits)."""
+        check(lib.pp_pool_commit_batch(self.pool._handle, ffi.cast("const pp_step_item *", ffi.from_buffer(items)),
+                                       len(items)), "commit_batch")
+
     def close(self) -> None:
         self.pool.close()
 
@@ -84,7 +103,7 @@ class SlabKV:
         self.num_blocks = num_slabs
         self.max_blocks_per_seq = 1
         self._free = list(range(num_slabs - 1, -1, -1))
-        self._lengths: dict[int, int] = {}   # handle (= slab id) -> tokens held
+        self._tokens: dict[int, list[int]] = {}   # handle (= slab id) -> the tokens it holds
 
     def create(self, token_ids: Sequence[int]) -> tuple[int, int]:
         if len(token_ids) > self.block_size:
@@ -92,21 +111,21 @@ class SlabKV:
         if not self._free:
             raise OutOfBlocksError(f"out of KV slabs: all {self.num_blocks} are in use")
         slab = self._free.pop()
-        self._lengths[slab] = len(token_ids)
+        self._tokens[slab] = list(token_ids)
         return slab, 0
 
     def append(self, handle: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        n = self._lengths[handle] + len(token_ids)
+        n = len(self._tokens[handle]) + len(token_ids)
         if n > self.block_size:
             raise OutOfBlocksError(f"sequence would grow to {n} tokens, past its slab of {self.block_size}")
-        self._lengths[handle] = n
+        self._tokens[handle].extend(token_ids)
         return []
 
     def fork(self, handle: int) -> int:
         raise PagedError("paged=False cannot share a sequence's KV (no fork)")
 
     def free(self, handle: int) -> None:
-        del self._lengths[handle]
+        del self._tokens[handle]
         self._free.append(handle)
 
     def mark_computed(self, handle: int, num_tokens: int) -> None:
@@ -116,7 +135,7 @@ class SlabKV:
         return num_tokens <= self.block_size and len(self._free) > 0
 
     def can_append(self, handle: int, num_tokens: int) -> bool:
-        return self._lengths[handle] + num_tokens <= self.block_size
+        return len(self._tokens[handle]) + num_tokens <= self.block_size
 
     def can_append_all(self, appends: Sequence[tuple[int, int]]) -> bool:
         return all(self.can_append(handle, n) for handle, n in appends)
@@ -133,6 +152,29 @@ class SlabKV:
 
     def block_table(self, handle: int) -> np.ndarray:
         return np.array([handle], dtype=np.int32)
+
+    def build_batch(self, items: np.ndarray, buffers: StepBuffers) -> tuple[int, int]:
+        """PagedKV.build_batch for slabs (in Python: this is the baseline)."""
+        n = sum(int(count) for _, _, count in items)
+        tok, pos, slots, seqs, tables, rows = buffers.arrays(n, len(items), len(items))
+        at, n_logits = 0, 0
+        for i, (handle, start, count) in enumerate(items.tolist()):
+            held = self._tokens.get(handle)
+            if held is None or count < 1 or start < 0 or start + count > len(held):
+                raise PagedError(f"step item {i}: tokens [{start}, {start + count}) outside slab {handle}")
+            tok[at:at + count] = held[start:start + count]
+            pos[at:at + count] = np.arange(start, start + count)
+            slots[at:at + count] = pos[at:at + count] + handle * self.block_size
+            seqs[at:at + count] = i
+            tables[i, 0] = handle
+            at += count
+            if start + count == len(held):
+                rows[n_logits] = at - 1
+                n_logits += 1
+        return at, n_logits
+
+    def commit_batch(self, items: np.ndarray) -> None:
+        pass  # slabs are never shared
 
     def close(self) -> None:
         self._free.clear()

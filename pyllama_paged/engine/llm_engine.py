@@ -12,7 +12,7 @@ import numpy as np
 
 from .model_runner import ModelRunner
 from ..errors import PagedError
-from .sampler import BatchSampler, Sampled, Sampler, SamplingParams, log_softmax
+from .sampler import BatchSampler, Sampled, Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .request import Request, RequestStatus, Sequence
 
@@ -115,21 +115,29 @@ class LLMEngine:
         finishing = [seq for seq, n in work if seq.kv.num_computed == len(seq.token_ids)]
         for row, seq in enumerate(finishing):   # the runner returned a row for each, in order
             ready.setdefault(owner[seq.seq_id].request_id, []).append((seq, row))
-        picks = []   # (request, sequence, row): every sample of this step, drawn in one call
+        picks = []   # (request, sequence, row, sampler): every row of this step, drawn in one call
+        beams: dict[str, list] = {}
         for request_id, items in ready.items():
             request = self.requests[request_id]
             out = outputs.setdefault(request_id, self._output(request))
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             if request.is_beam:
-                self._beam_step(request, [(seq, logits[row]) for seq, row in items], out)
+                # a beam's row yields its 2 x width likeliest continuations and their log-probabilities
+                expand = Sampler(SamplingParams(temperature=0.0, logprobs=2 * request.params.beam_width))
+                beams[request_id] = [(seq, len(picks) + i) for i, (seq, _) in enumerate(items)]
+                picks += [(request, seq, row, expand) for seq, row in items]
             else:
-                picks += self._samples_of(request, items)
+                picks += [(r, seq, row, seq.sampler) for r, seq, row in self._samples_of(request, items)]
         started = time.perf_counter()
-        drawn = self.sampler.sample(logits, [(row, seq.sampler, seq.token_ids) for _, seq, row in picks])
+        drawn = self.sampler.sample(logits, [(row, sampler, seq.token_ids) for _, seq, row, sampler in picks])
         self.sample_seconds += time.perf_counter() - started
-        for (request, seq, _), sampled in zip(picks, drawn):
-            self._accept(request, seq, sampled, outputs[request.request_id])
+        for (request, seq, _, _), sampled in zip(picks, drawn):
+            if not request.is_beam:
+                self._accept(request, seq, sampled, outputs[request.request_id])
+        for request_id, items in beams.items():
+            self._beam_step(self.requests[request_id], [(seq, drawn[i].top) for seq, i in items],
+                            outputs[request_id])
         for request_id in ready:
             request = self.requests[request_id]
             if not request.live_seqs:
@@ -156,7 +164,7 @@ class LLMEngine:
     def _accept(self, request: Request, seq: Sequence, sampled: Sampled, out: RequestOutput) -> None:
         """Append a sampled token, report it, and finish the sequence if it ended."""
         token = sampled.token
-        out.events.append(TokenEvent(request.seqs.index(seq), token, sampled.logprob, sampled.top))
+        out.events.append(TokenEvent(seq.index, token, sampled.logprob, sampled.top))
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
         if token in self.eot_ids and not request.params.ignore_eos:
@@ -178,21 +186,20 @@ class LLMEngine:
                 request.is_forked = True
                 for i in range(1, params.n):
                     child = Sequence(list(seq.token_ids), seq.num_prompt, Sampler(params.for_sample(i)),
-                                     kv=self.runner.fork(seq.kv))
+                                     kv=self.runner.fork(seq.kv), index=i)
                     request.seqs.append(child)
                     picks.append((request, child, row))
             picks.append((request, seq, row))
         return picks
 
     def _beam_step(self, request: Request, items, out: RequestOutput) -> None:
-        """Keep the beam_width best continuations; forked beams share pages."""
+        """Keep the beam_width best continuations; forked beams share pages. items:
+        (beam, its 2 x width likeliest next tokens -> log-probability)."""
         width = request.params.beam_width
         candidates = []
-        for seq, row in items:
-            lp = log_softmax(row)
-            top = np.argpartition(-lp, 2 * width)[:2 * width]
-            for tok in top:
-                candidates.append((seq.cumulative_logprob + float(lp[tok]), seq, int(tok)))
+        for seq, top in items:
+            for tok, lp in top.items():
+                candidates.append((seq.cumulative_logprob + lp, seq, tok))
         candidates.sort(key=lambda c: -c[0])
         chosen = []
         for score, parent, tok in candidates:

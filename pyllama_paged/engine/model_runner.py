@@ -1,7 +1,8 @@
 """ModelRunner: one model's native KV pools and compute context, and the
 batched forward step over any mix of sequences (each with any number of new
-tokens). It turns sequences into the flat arrays the native step takes:
-tokens, positions, slot_mapping, seq_index, block_tables."""
+tokens). The KV manager builds a step's flat arrays (tokens, positions,
+slot_mapping, seq_index, block_tables, logit rows) into buffers reused
+across steps: for pages, in one native call."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .._native import check, ffi, lib
 from ..errors import PagedError
 from .kv_manager import PagedKV, SeqState, SlabKV
 from .model import Model
+from .step_batch import StepBuffers
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type ids
 
@@ -55,6 +57,7 @@ class ModelRunner:
         check(lib.pp_context_create(model.native, self._cache, n_threads, n_batch, ctx), "context")
         self._ctx = ctx[0]
         self._batch = ffi.new("pp_batch *")
+        self._buffers = StepBuffers()
         self._logits = np.empty((0, self.n_vocab), dtype=np.float32)   # grown to the most rows a step asked for
 
     @property
@@ -86,18 +89,18 @@ class ModelRunner:
             raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
         handle, cached = self.kv.create(token_ids)
         # The pool never counts the last token as cached: its logits start generation.
-        return SeqState(handle, cached, list(token_ids))
+        return SeqState(handle, cached, len(token_ids))
 
     def append_tokens(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         """Reserve KV room for new tokens (copy-on-write done here)."""
-        if len(seq.token_ids) + len(token_ids) > self.n_ctx:
+        if seq.num_tokens + len(token_ids) > self.n_ctx:
             raise PagedError(f"sequence would exceed the context of {self.n_ctx} tokens")
         self.copy_blocks(self.kv.append(seq.handle, token_ids))
-        seq.token_ids.extend(token_ids)
+        seq.num_tokens += len(token_ids)
 
     def fork(self, seq: SeqState) -> SeqState:
         """A sequence sharing all of seq's KV pages."""
-        return SeqState(self.kv.fork(seq.handle), seq.num_computed, list(seq.token_ids))
+        return SeqState(self.kv.fork(seq.handle), seq.num_computed, seq.num_tokens)
 
     def free(self, seq: SeqState) -> None:
         """Release a sequence's KV (computed full pages stay in the prefix cache)."""
@@ -108,38 +111,33 @@ class ModelRunner:
         """Compute the next n tokens of each (seq, n). Returns the logits of the items that
         compute their sequence's last token, in work order: a non-final prefill chunk
         gets none. The rows are a view of a buffer the next step reuses."""
-        total = sum(n for _, n in work)
+        total = 0
+        for seq, n in work:
+            if n < 1 or seq.num_computed + n > seq.num_tokens:
+                raise PagedError(f"cannot compute {n} tokens at {seq.num_computed} of a "
+                                 f"{seq.num_tokens}-token sequence")
+            total += n
         if total > self.n_batch:
             raise PagedError(f"step of {total} tokens exceeds n_batch {self.n_batch}")
-        tok, pos, slots, seq_index, rows = [], [], [], [], []
-        tables = np.full((len(work), self.kv.max_blocks_per_seq), -1, dtype=np.int32)
-        for i, (seq, n) in enumerate(work):
-            start = seq.num_computed
-            if n < 1 or start + n > len(seq.token_ids):
-                raise PagedError(f"cannot compute {n} tokens at {start} of a {len(seq.token_ids)}-token sequence")
-            tok.extend(seq.token_ids[start:start + n])
-            pos.extend(range(start, start + n))
-            slots.append(self.kv.slot_mapping(seq.handle, start, n))
-            seq_index.extend([i] * n)
-            table = self.kv.block_table(seq.handle)
-            tables[i, :len(table)] = table
-            if start + n == len(seq.token_ids):
-                rows.append(len(tok) - 1)
-        if len(rows) > self._logits.shape[0]:
-            self._logits = np.empty((len(rows), self.n_vocab), dtype=np.float32)
-        logits = self.forward(tok, pos, np.concatenate(slots), seq_index, tables, rows,
-                              out=self._logits[:len(rows)])
+        buffers = self._buffers
+        buffers.reserve(total, len(work), self.kv.max_blocks_per_seq)
+        items = buffers.items([(seq.handle, seq.num_computed, n) for seq, n in work])
+        n_tokens, n_logits = self.kv.build_batch(items, buffers)
+        if n_logits > self._logits.shape[0]:
+            self._logits = np.empty((max(n_logits, 2 * self._logits.shape[0]), self.n_vocab), dtype=np.float32)
+        logits = self._logits[:n_logits]
+        self._decode(*buffers.arrays(n_tokens, len(work), n_logits), logits)
         for seq, n in work:
             seq.num_computed += n
-            self.kv.mark_computed(seq.handle, seq.num_computed)
+        self.kv.commit_batch(items)
         return logits
 
     def prefill(self, seq: SeqState) -> np.ndarray:
         """Compute all of seq's pending tokens in n_batch chunks; returns (a copy of) the last logits row."""
-        if seq.num_computed >= len(seq.token_ids):
+        if seq.num_computed >= seq.num_tokens:
             raise PagedError("nothing to compute: the sequence is empty")
-        while seq.num_computed < len(seq.token_ids):
-            n = min(self.n_batch, len(seq.token_ids) - seq.num_computed)
+        while seq.num_computed < seq.num_tokens:
+            n = min(self.n_batch, seq.num_tokens - seq.num_computed)
             logits = self.step([(seq, n)])
         return logits[0].copy()
 
@@ -158,10 +156,18 @@ class ModelRunner:
             raise PagedError("token_ids, positions, slot_mapping and seq_index differ in length")
         if self._ctx is None:
             raise PagedError("this model runner is closed")
-        self.model.native   # raises if the model was closed under us (its weights are gone)
         logits = np.empty((len(rows), self.n_vocab), dtype=np.float32) if out is None else out
         if logits.shape != (len(rows), self.n_vocab) or logits.dtype != np.float32 or not logits.flags.c_contiguous:
             raise PagedError("the logits buffer does not match the rows asked for")
+        self._decode(tok, pos, slots, seqs, tables, rows, logits)
+        return logits
+
+    def _decode(self, tok, pos, slots, seqs, tables, rows, logits: np.ndarray) -> None:
+        """The native step over contiguous int32 arrays, logits into a matching float32 buffer."""
+        if self._ctx is None:
+            raise PagedError("this model runner is closed")
+        self.model.native   # raises if the model was closed under us (its weights are gone)
+        n = len(tok)
         b = self._batch
         b.n_tokens = n
         b.token_ids = _ptr(tok)
@@ -174,7 +180,6 @@ class ModelRunner:
         b.n_logits = len(rows)
         b.logit_rows = _ptr(rows) if len(rows) else ffi.NULL
         check(lib.pp_context_decode(self._ctx, b, _ptr(logits, "float *")), "forward")
-        return logits
 
     # ---- KV pages as data ----------------------------------------------------
     def copy_blocks(self, copies) -> None:

@@ -25,7 +25,7 @@ def swap_out(runner: ModelRunner, seq: Sequence) -> None:
     """Copy a sequence's pages to host memory, then free them."""
     seq.swapped_blocks = [runner.read_block(int(b)) for b in runner.kv.block_table(seq.kv.handle)]
     seq.swapped_num_computed = seq.kv.num_computed
-    seq.swapped_tokens = list(seq.kv.token_ids)
+    seq.swapped_tokens = seq.token_ids[:seq.kv.num_tokens]
     runner.free(seq.kv)
     seq.kv = None
 
@@ -39,5 +39,5 @@ def swap_in(runner: ModelRunner, seq: Sequence) -> None:
         if i * kv.block_size >= cached:   # cached prefix blocks already hold this data
             runner.write_block(int(block), seq.swapped_blocks[i])
     kv.mark_computed(handle, seq.swapped_num_computed)
-    seq.kv = SeqState(handle, seq.swapped_num_computed, list(seq.swapped_tokens))
+    seq.kv = SeqState(handle, seq.swapped_num_computed, len(seq.swapped_tokens))
     seq.swapped_blocks = None

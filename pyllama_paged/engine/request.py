@@ -36,6 +36,7 @@ class Sequence:
     finish_reason: str | None = None
     swapped_blocks: list[np.ndarray] | None = None   # host copies while swapped out
     swapped_num_computed: int = 0
+    index: int = 0                       # which of its request's n samples it is
 
     @property
     def output_ids(self) -> list[int]:

@@ -92,12 +92,14 @@ class Scheduler:
         return sum(self._width(r, r.live_seqs) for r in self.running)
 
     def remove(self, request: Request) -> None:
-        """Drop a request from every queue and free its KV (abort or finish)."""
-        for queue in (self.waiting, self.swapped):
-            if request in queue:
+        """Drop a request from its queue and free its KV (abort or finish)."""
+        queue = {RequestStatus.WAITING: self.waiting, RequestStatus.SWAPPED: self.swapped,
+                 RequestStatus.RUNNING: self.running}.get(request.status)
+        if queue is not None:
+            try:
                 queue.remove(request)
-        if request in self.running:
-            self.running.remove(request)
+            except ValueError:
+                pass   # failed before it was queued
         for seq in request.seqs + request.finished_beams:
             release(self.runner, seq)
         request.status = RequestStatus.FINISHED
@@ -156,13 +158,13 @@ class Scheduler:
         # all: capacity is checked for all of them before any is appended.
         self.running.sort(key=lambda r: r.arrival)
         for request in list(self.running):
-            if request not in self.running:
+            if request.status != RequestStatus.RUNNING:
                 continue   # preempted while making room for an earlier request
             appends = []
             for seq in request.live_seqs:
-                if seq.kv is None or seq.kv.num_computed < len(seq.kv.token_ids) or budget <= 0:
+                if seq.kv is None or seq.kv.num_computed < seq.kv.num_tokens or budget <= 0:
                     continue
-                new = seq.token_ids[len(seq.kv.token_ids):]
+                new = seq.token_ids[seq.kv.num_tokens:]
                 if new:
                     appends.append((seq, new))
                     budget -= len(new)
@@ -181,7 +183,7 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is request:
                     break
-            if request not in self.running:
+            if request.status != RequestStatus.RUNNING:
                 budget += sum(len(new) for _, new in appends)
                 continue
             for seq, new in appends:
@@ -200,7 +202,7 @@ class Scheduler:
         decoding = {seq.seq_id for seq, _ in work}
         for request in self.running:
             for seq in request.live_seqs:
-                pending = len(seq.kv.token_ids) - seq.kv.num_computed if seq.kv else 0
+                pending = seq.kv.num_tokens - seq.kv.num_computed if seq.kv else 0
                 if pending > 0 and budget > 0 and seq.seq_id not in decoding:
                     n = min(pending, budget)
                     work.append((seq, n))
@@ -245,7 +247,7 @@ class Scheduler:
             self.running.append(request)
             running_seqs += width
             for seq in seqs:
-                pending = len(seq.kv.token_ids) - seq.kv.num_computed
+                pending = seq.kv.num_tokens - seq.kv.num_computed
                 if pending > 0 and budget > 0:
                     n = min(pending, budget)
                     work.append((seq, n))

@@ -1,0 +1,77 @@
+/* A step's batch built from the pool in one call: the flat arrays the
+ * forward step takes (tokens, positions, slot mapping, sequence index, block
+ * tables, logit rows), read straight from each sequence's tokens and block
+ * table, into the caller's reused buffers. After the step, one call marks
+ * what it computed. */
+#include "block_pool_internal.h"
+
+#include <string.h>
+
+static const pp_sequence *live_seq(const pp_block_pool *p, int32_t seq_id) {
+    if (seq_id < 0 || seq_id >= p->seqs_capacity || !p->seqs[seq_id].is_live) return NULL;
+    return &p->seqs[seq_id];
+}
+
+int pp_pool_build_batch(const pp_block_pool *p, const pp_step_item *items, int32_t n_items,
+                        int32_t max_blocks_per_seq, int32_t capacity_tokens, pp_step_buffers *out) {
+    if (!p || !out || n_items < 0 || (n_items > 0 && !items) || max_blocks_per_seq < 1 || capacity_tokens < 0)
+        return pp_fail(PP_ERR_INVALID, "pp_pool_build_batch: NULL or negative argument");
+    /* Check everything first: a malformed item leaves the buffers untouched. */
+    int64_t total = 0;
+    for (int32_t i = 0; i < n_items; i++) {
+        const pp_step_item *it = &items[i];
+        const pp_sequence *s = live_seq(p, it->seq_id);
+        if (!s) return pp_fail(PP_ERR_INVALID, "step item %d: unknown sequence id %d", i, it->seq_id);
+        if (it->count < 1 || it->start < 0 || (int64_t)it->start + it->count > s->num_tokens)
+            return pp_fail(PP_ERR_INVALID, "step item %d: tokens [%d, %d) outside sequence %d of %d tokens", i,
+                           it->start, it->start + it->count, it->seq_id, s->num_tokens);
+        if (s->num_blocks > max_blocks_per_seq)
+            return pp_fail(PP_ERR_CAPACITY, "step item %d: %d blocks exceed the %d of a block table row", i,
+                           s->num_blocks, max_blocks_per_seq);
+        total += it->count;
+    }
+    if (total > capacity_tokens)
+        return pp_fail(PP_ERR_CAPACITY, "step of %lld tokens exceeds the buffers' %d", (long long)total,
+                       capacity_tokens);
+    if (n_items > 0 && (!out->token_ids || !out->positions || !out->slot_mapping || !out->seq_index ||
+                        !out->block_tables || !out->logit_rows))
+        return pp_fail(PP_ERR_INVALID, "pp_pool_build_batch: a buffer is NULL");
+    const int32_t bs = p->block_size;
+    int32_t n = 0, n_logits = 0;
+    for (int32_t i = 0; i < n_items; i++) {
+        const pp_step_item *it = &items[i];
+        const pp_sequence *s = live_seq(p, it->seq_id);
+        memcpy(out->token_ids + n, s->token_ids + it->start, sizeof(int32_t) * (size_t)it->count);
+        for (int32_t j = 0; j < it->count; j++) {
+            const int32_t pos = it->start + j;
+            out->positions[n + j] = pos;
+            out->slot_mapping[n + j] = s->block_table[pos / bs] * bs + pos % bs;
+            out->seq_index[n + j] = i;
+        }
+        int32_t *row = out->block_tables + (size_t)i * max_blocks_per_seq;
+        memcpy(row, s->block_table, sizeof(int32_t) * (size_t)s->num_blocks);
+        for (int32_t b = s->num_blocks; b < max_blocks_per_seq; b++) row[b] = -1;
+        n += it->count;
+        if (it->start + it->count == s->num_tokens) out->logit_rows[n_logits++] = n - 1;
+    }
+    out->n_tokens = n;
+    out->n_logits = n_logits;
+    return PP_OK;
+}
+
+int pp_pool_commit_batch(pp_block_pool *p, const pp_step_item *items, int32_t n_items) {
+    if (!p || n_items < 0 || (n_items > 0 && !items))
+        return pp_fail(PP_ERR_INVALID, "pp_pool_commit_batch: NULL or negative argument");
+    for (int32_t i = 0; i < n_items; i++) {
+        const pp_sequence *s = live_seq(p, items[i].seq_id);
+        if (!s || items[i].start < 0 || items[i].count < 0 ||
+            (int64_t)items[i].start + items[i].count > s->num_tokens)
+            return pp_fail(PP_ERR_INVALID, "step item %d: not a range of a live sequence", i);
+    }
+    for (int32_t i = 0; i < n_items; i++) {
+        const pp_sequence *s = live_seq(p, items[i].seq_id);
+        const int32_t full = (items[i].start + items[i].count) / p->block_size;
+        for (int32_t b = 0; b < full; b++) p->computed[s->block_table[b]] = 1;
+    }
+    return PP_OK;
+}
