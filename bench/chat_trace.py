@@ -154,7 +154,8 @@ def start_ours(model: str | None, kv_tokens: int, args, log: Path):
     port = free_port()
     cmd = [shutil.which("pyllama-paged") or "pyllama-paged", "serve", "--port", str(port),
            "--threads", str(args.threads), "--ctx", str(args.ctx // args.np), "--kv-budget", str(kv_tokens),
-           "--block-size", str(args.block_size), "--max-seqs", str(args.max_seqs), "--max-queue", "1024"]
+           "--block-size", str(args.block_size), "--max-seqs", str(args.max_seqs), "--max-queue", "1024",
+           "--itl-budget-ms", args.itl_budget_ms]
     if model:
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -253,6 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=8192, help="llama-server total context (-c)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-seqs", type=int, default=64)
+    ap.add_argument("--itl-budget-ms", default="auto", help="our server's inter-token budget (its default: auto)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (default: build it)")
@@ -321,7 +323,7 @@ def main(argv=None) -> int:
     notes = (f"{args.requests} streaming chat requests (the `openai` client), Poisson arrivals at {args.rate}/s, "
              f"{len(SYSTEM_PROMPTS)} shared system prompts, fixed output lengths (mean {args.output_mean}, "
              f"`ignore_eos`), {args.threads} threads per server. llama-server: -np {args.np} -c {args.ctx}, "
-             f"KV {kv_bytes and kv_bytes / 2**20:.1f} MiB (from its log); ours: paged, the same bytes "
+             f"KV {(kv_bytes or 0) / 2**20:.1f} MiB (from its log; 84 MiB assumed when it did not run); ours: paged, the same bytes "
              f"({runs and next(iter(r.get('kv_pool_tokens') for r in runs.values() if 'kv_pool_tokens' in r), None)} "
              f"tokens of pool), context {args.ctx // args.np} per sequence, block {args.block_size}.\n\n"
              "Ours / llama-server:\n\n" + (markdown_table(ratios) if ratios else "(one side only)\n"))

@@ -54,6 +54,8 @@ class LLMEngine:
         self.sampler = BatchSampler(runner.n_vocab, runner.n_threads)
         self.forward_seconds = 0.0            # time in the model step and in sampling, for /stats
         self.sample_seconds = 0.0
+        self.step_seconds = 0.0               # whole steps (schedule to outputs)
+        self.num_steps = 0
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -142,7 +144,10 @@ class LLMEngine:
             request = self.requests[request_id]
             if not request.live_seqs:
                 self._finish(request, outputs[request_id])
-        self.scheduler.observe_step(time.perf_counter() - step_started)
+        elapsed = time.perf_counter() - step_started
+        self.scheduler.observe_step(elapsed)
+        self.step_seconds += elapsed
+        self.num_steps += 1
         return list(outputs.values())
 
     def _output(self, request: Request, finished: bool = False) -> RequestOutput:
@@ -262,6 +267,7 @@ class LLMEngine:
              "preemptions": self.scheduler.num_preemptions,
              "computed_tokens": self.num_computed_tokens, "generated_tokens": self.num_generated_tokens,
              "forward_seconds": self.forward_seconds, "sample_seconds": self.sample_seconds,
+             "step_seconds": self.step_seconds, "steps": self.num_steps,
              "itl_budget_seconds": self.scheduler.itl_budget_seconds(),
              "step_cost_seconds": self.scheduler.step_cost.coefficients}
         if kv.paged:

@@ -23,9 +23,9 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # recompute: cheaper on CPU (no copy traffic); swap: keeps work
     # Prefill tokens a step may add while decodes run: bounds every running
     # stream's inter-token gap when new users arrive, at the cost of their
-    # time to first token (a long prompt takes several steps). Steps without
-    # decodes prefill up to max_num_batched_tokens.
-    max_prefill_tokens_with_decodes: int = 128
+    # time to first token (a long prompt takes several steps). None: up to
+    # max_num_batched_tokens, as steps without decodes (throughput first).
+    max_prefill_tokens_with_decodes: int | None = None
     # The inter-token budget of running streams, in seconds: while sequences
     # decode, waiting requests are admitted, and prefill chunks sized, only as
     # far as the next step is predicted (StepCostModel, learned from the steps
@@ -194,7 +194,7 @@ class Scheduler:
         num_decodes = len(work)
         itl_budget = self.itl_budget_seconds()
         if work:
-            cap = self.config.max_prefill_tokens_with_decodes
+            cap = self.config.max_prefill_tokens_with_decodes or budget
             if itl_budget is not None:
                 cap = min(cap, max(self.config.min_prefill_tokens_with_decodes,
                                    self.step_cost.prefill_tokens_within(num_decodes, itl_budget)))

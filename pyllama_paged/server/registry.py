@@ -32,6 +32,7 @@ class EngineOptions:
     max_num_seqs: int = 64
     preemption_mode: str = "recompute"
     itl_budget: float | str | None = "auto"   # seconds, "auto" or None (see SchedulerConfig)
+    max_prefill_tokens_with_decodes: int | None = 128   # a ceiling under the budget, and before it is learned
 
 
 @dataclass
@@ -105,7 +106,7 @@ class ModelRegistry:
         tokenizer = Tokenizer.from_metadata(model.metadata)
         loop = EngineLoop(LLMEngine(runner, tokenizer.eot_ids, SchedulerConfig(
             max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs, preemption_mode=o.preemption_mode,
-            itl_budget=o.itl_budget)))
+            itl_budget=o.itl_budget, max_prefill_tokens_with_decodes=o.max_prefill_tokens_with_decodes)))
         self.models[name] = ServedModel(name, str(path), model, tokenizer,
                                         ChatTemplate.for_model(model.metadata, model.config.arch), runner, loop)
 
