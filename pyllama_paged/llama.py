@@ -8,6 +8,7 @@ import uuid
 from typing import Iterator, Sequence
 
 from ._native import GGML_LOG_DEBUG, lib
+from .constrain.formats import from_python
 from .tokenizer.chat_template import ChatTemplate
 from .engine.model_runner import ModelRunner
 from .errors import PagedError
@@ -102,12 +103,13 @@ class Llama:
                           presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                           stop: str | Sequence[str] | None = None, stream: bool = False,
                           seed: int | None = None, logprobs: int | None = None, echo: bool = False,
-                          ignore_eos: bool = False):
+                          ignore_eos: bool = False, response_format: dict | None = None, grammar=None):
         """OpenAI-shaped text completion (a dict, or an iterator of chunks if stream)."""
         params = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, stop=stop, seed=seed, logprobs=logprobs,
-                              ignore_eos=ignore_eos)
+                              ignore_eos=ignore_eos,
+                              constraint=from_python(self.tokenizer, response_format, grammar))
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, special=True)
         chunks = self._completion_chunks(prompt, prompt_ids, params, echo)
         if stream:
@@ -217,12 +219,14 @@ class Llama:
                                min_p: float = 0.05, repeat_penalty: float = 1.0,
                                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                                stop: str | Sequence[str] | None = None, stream: bool = False,
-                               seed: int | None = None, n: int = 1, ignore_eos: bool = False):
+                               seed: int | None = None, n: int = 1, ignore_eos: bool = False,
+                               response_format: dict | None = None, grammar=None):
         """OpenAI-shaped chat completion over the model's chat template."""
         params = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, stop=stop, seed=seed, n=n,
-                              ignore_eos=ignore_eos)
+                              ignore_eos=ignore_eos,
+                              constraint=from_python(self.tokenizer, response_format, grammar))
         prompt = self.chat_template.render(messages, add_generation_prompt=True)
         prompt_ids = self.tokenize(prompt, add_bos=True, special=True)
         chunks = self._chat_chunks(prompt_ids, params)
@@ -274,11 +278,13 @@ class Llama:
                        temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
                        min_p: float = 0.05, stop=None, seed: int | None = None, n: int = 1,
                        beam_width: int = 1, length_penalty: float = 1.0,
-                       early_stopping: bool = True) -> list[list[str]]:
+                       early_stopping: bool = True, response_format: dict | None = None,
+                       grammar=None) -> list[list[str]]:
         """Many prompts at once through the scheduler; returns each prompt's n (or beam_width) texts."""
         params = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               min_p=min_p, stop=stop, seed=seed, n=n, beam_width=beam_width,
-                              length_penalty=length_penalty, early_stopping=early_stopping)
+                              length_penalty=length_penalty, early_stopping=early_stopping,
+                              constraint=from_python(self.tokenizer, response_format, grammar))
         ids = [self.tokenize(p, special=True) if isinstance(p, str) else list(p) for p in prompts]
         width = beam_width if beam_width > 1 else n
         out = [[""] * width for _ in prompts]
