@@ -1,0 +1,74 @@
+"""OpenAI request bodies. Every field the API reference lets be null may be
+null (a client's None means "the default"); what we cannot honour is a 400."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.sampler import SamplingParams
+from ..sampling_options import OPENAI
+from .generation import APIError, request_params
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool | None = False
+
+
+class Sampling(BaseModel):
+    # strict: the types the schema says (true is not the integer 1, "5" is not a number)
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # llama.cpp server's extensions, which OpenAI-style clients pass through extra_body
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, gt=0)
+
+    def refuse_unsupported(self) -> None:
+        """A 400 for fields we would otherwise silently ignore."""
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+
+    def params(self, max_tokens_default: int, logprobs: int | None = None, constraint=None) -> SamplingParams:
+        fields = self.model_dump(include={"max_tokens", "temperature", "top_p", "n", "stop", "seed",
+                                          "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                                          "repeat_penalty"})
+        return request_params(OPENAI, {**fields, "logprobs": logprobs, "constraint": constraint},
+                              max_tokens=max_tokens_default)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+class ChatRequest(Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
