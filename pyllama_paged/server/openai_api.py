@@ -16,7 +16,7 @@ from ..engine.prompt_logprobs import prompt_logprobs
 from ..errors import PagedError
 from ..tools.calls import ToolCallStream, parse_tool_calls
 from ..tools.messages import normalize_messages
-from ..tools.prompt import check_tools, forced_call_constraint, render_chat, tool_family
+from ..tools.prompt import prepare_chat
 from .generation import APIError, fit_prompt, start_generation
 from .openai_logprobs import chat_logprobs, completion_logprobs
 from .openai_schemas import ChatRequest, CompletionRequest
@@ -183,25 +183,9 @@ def build_router(state) -> APIRouter:
         body.refuse_unsupported()
         try:
             messages = normalize_messages(body.messages)
-            tools = check_tools(body.tools)
-            choice_mode = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
-            offered = tools if choice_mode != "none" else []
-            family = tool_family(served.template, served.tokenizer)
             constraint = from_openai(served.tokenizer, body.response_format)
-            if choice_mode == "required" or isinstance(choice_mode, dict):
-                if not tools:
-                    raise APIError(400, "tool_choice asks for a tool call but no tools are given", "tool_choice")
-                if constraint is not None:
-                    raise APIError(400, "response_format cannot be combined with a forced tool_choice",
-                                   "response_format")
-                only = None
-                if isinstance(choice_mode, dict):
-                    only = (choice_mode.get("function") or {}).get("name")
-                    if not isinstance(only, str):
-                        raise APIError(400, "tool_choice must name a function: "
-                                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
-                constraint = forced_call_constraint(served.tokenizer, family, tools, only)
-            text = render_chat(served.template, served.tokenizer, messages, offered)
+            text, constraint, names = prepare_chat(served.template, served.tokenizer, messages, body.tools,
+                                                   body.tool_choice, constraint)
         except PagedError as e:
             raise APIError(400, str(e), "messages" if "messages" in str(e) else None) from None
         ids = served.tokenizer.encode(text, add_special=True, parse_special=True)
@@ -210,7 +194,6 @@ def build_router(state) -> APIRouter:
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.params(state.limits.max_tokens, top, constraint)   # unset: to the context
         gen = start_generation(served, ids, params, state.limits, state.metrics)
-        names = {t["function"]["name"] for t in offered}
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": served.name}
         tok = served.tokenizer

@@ -128,3 +128,31 @@ def check_tools(tools: Any) -> list[dict]:
             raise ConstraintError(f"tools[{i}].function.parameters must be a JSON schema object")
         out.append({"type": "function", "function": fn})
     return out
+
+
+def prepare_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], tools: Any = None,
+                 tool_choice: Any = None, constraint: Constraint | None = None
+                 ) -> tuple[str, Constraint | None, set[str]]:
+    """(prompt text, the constraint to decode with, names of the tools whose calls to parse)
+    for OpenAI-shaped chat fields; ConstraintError for a tool_choice that cannot be met.
+    tool_choice: None (auto when tools are given), "none", "auto", "required", or
+    {"type": "function", "function": {"name": ...}}."""
+    tools = check_tools(tools)
+    mode = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if mode not in ("none", "auto", "required") and not isinstance(mode, dict):
+        raise ConstraintError(f"tool_choice {mode!r} is not none, auto, required or a named function")
+    offered = tools if mode != "none" else []
+    if mode == "required" or isinstance(mode, dict):
+        if not tools:
+            raise ConstraintError("tool_choice asks for a tool call but no tools are given")
+        if constraint is not None:
+            raise ConstraintError("response_format cannot be combined with a forced tool_choice")
+        only = None
+        if isinstance(mode, dict):
+            only = (mode.get("function") or {}).get("name")
+            if not isinstance(only, str):
+                raise ConstraintError("tool_choice must name a function: "
+                                      "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        constraint = forced_call_constraint(tokenizer, tool_family(template, tokenizer), tools, only)
+    text = render_chat(template, tokenizer, messages, offered)
+    return text, constraint, {t["function"]["name"] for t in offered}
