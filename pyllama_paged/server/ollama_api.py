@@ -159,8 +159,8 @@ def build_router(state) -> APIRouter:
         if not body.prompt:   # Ollama answers an empty prompt by loading (or unloading) the model
             await after(served, keep_alive)
             return loaded(body, served, "unload" if keep_alive == 0 else "load")
-        try:
-            constraint = from_ollama(served.tokenizer, body.format)
+        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
+            constraint = await asyncio.to_thread(from_ollama, served.tokenizer, body.format)
         except PagedError as e:
             raise APIError(400, str(e), "format") from None
         if body.raw:   # the prompt as given, its special tokens included
@@ -202,11 +202,13 @@ def build_router(state) -> APIRouter:
         if not body.messages:   # Ollama loads (or unloads) the model for an empty chat
             await after(served, keep_alive)
             return loaded(body, served, "unload" if keep_alive == 0 else "load")
-        try:
+        def prepare():
             messages = normalize_messages(body.messages)
             tools = check_tools(body.tools)
-            constraint = from_ollama(served.tokenizer, body.format)
-            ids = chat_prompt(served, messages, tools, body)
+            return tools, from_ollama(served.tokenizer, body.format), chat_prompt(served, messages, tools, body)
+
+        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
+            tools, constraint, ids = await asyncio.to_thread(prepare)
         except PagedError as e:
             raise APIError(400, str(e), "messages") from None
         n_ctx = body.options.num_ctx if body.options else None

@@ -181,11 +181,14 @@ def build_router(state) -> APIRouter:
     async def chat(body: ChatRequest, request: Request):
         served = find(body.model)
         body.refuse_unsupported()
-        try:
+        def prepare():
             messages = normalize_messages(body.messages)
             constraint = from_openai(served.tokenizer, body.response_format)
-            text, constraint, names = prepare_chat(served.template, served.tokenizer, messages, body.tools,
-                                                   body.tool_choice, constraint)
+            return prepare_chat(served.template, served.tokenizer, messages, body.tools, body.tool_choice,
+                                constraint)
+
+        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
+            text, constraint, names = await asyncio.to_thread(prepare)
         except PagedError as e:
             raise APIError(400, str(e), "messages" if "messages" in str(e) else None) from None
         ids = served.tokenizer.encode(text, add_special=True, parse_special=True)
