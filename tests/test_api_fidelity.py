@@ -274,3 +274,23 @@ def test_tool_history_and_content_parts_are_accepted(server, oai):
     bad = post(server, "/v1/chat/completions", {"model": M, "messages": [
         {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]})
     assert bad.status_code == 400 and "arguments" in bad.json()["error"]["message"]
+
+
+def test_scoring_a_prompt_without_generating(server, oai, registry):
+    # lm-evaluation-harness's loglikelihood requests: echo, logprobs, and max_tokens 0
+    ids = registry.get(M).tokenizer.encode("The cat sat on the mat", add_special=True)
+    r = oai.completions.create(model=M, prompt=[ids, ids[:4]], max_tokens=0, echo=True, logprobs=1)
+    first, second = r.choices
+    assert first.text == "The cat sat on the mat" and r.usage.completion_tokens == 0
+    assert len(first.logprobs.token_logprobs) == len(ids) and len(second.logprobs.tokens) == 4
+    assert first.logprobs.token_logprobs[:4] == pytest.approx(second.logprobs.token_logprobs, abs=NEAR_TIE)
+    r = post(server, "/v1/completions", {"model": M, "prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_ollama_samplers_we_lack_are_refused(server):
+    r = post(server, "/api/generate", {"model": M, "prompt": "hi", "options": {"mirostat": 2}})
+    assert r.status_code == 400 and "mirostat" in r.json()["error"]
+    r = post(server, "/api/generate", {"model": M, "prompt": "hi", "stream": False,
+                                       "options": {"mirostat": 0, "typical_p": 1.0, "num_predict": 1}})
+    assert r.status_code == 200

@@ -39,6 +39,17 @@ class Options(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     num_ctx: int | None = Field(None, gt=0)
+    # Ollama samplers we do not have: accepted at their neutral values, a 400 otherwise
+    mirostat: int | None = None
+    typical_p: float | None = None
+    tfs_z: float | None = None
+
+    def refuse_unsupported(self) -> None:
+        """A 400 for a sampler we do not have, rather than silently sampling without it."""
+        for name, neutral in (("mirostat", 0), ("typical_p", 1.0), ("tfs_z", 1.0)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise APIError(400, f"options.{name} {value} is not supported (only {neutral})", f"options.{name}")
 
 
 class _Common(BaseModel):
@@ -72,7 +83,9 @@ def _now() -> str:
 
 
 def _params(options: Options | None, default_max: int, constraint) -> SamplingParams:
-    fields = (options or Options()).model_dump()
+    options = options or Options()
+    options.refuse_unsupported()
+    fields = options.model_dump(exclude={"mirostat", "typical_p", "tfs_z"})
     if fields.pop("repeat_last_n", None) is not None:
         last_n = options.repeat_last_n
         fields["penalty_last_n"] = 0 if last_n == -1 else last_n   # -1: the whole context

@@ -57,6 +57,22 @@ async def _merged(gens):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def scored_only(body, head: dict, tok, ids_of, echo_text, echo_lps):
+    """max_tokens 0 with echo: each prompt back with its token log-probabilities, nothing generated."""
+    n = body.n or 1
+    choices = [{"index": i * n + j, "text": echo_text[i], "finish_reason": "length",
+                "logprobs": completion_logprobs(tok, ids, echo_lps[i], []) if body.logprobs is not None else None}
+               for i, ids in enumerate(ids_of) for j in range(n)]
+    prompt_tokens = sum(len(ids) for ids in ids_of)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+    if body.stream:
+        events = [_sse({**head, "choices": [c]}) for c in choices]
+        if body.include_usage:
+            events.append(_sse({**head, "choices": [], "usage": usage}))
+        return StreamingResponse(iter(events + ["data: [DONE]\n\n"]), media_type="text/event-stream")
+    return JSONResponse({**head, "choices": choices, "usage": usage})
+
+
 def build_router(state) -> APIRouter:
     router = APIRouter()
 
@@ -136,22 +152,29 @@ def build_router(state) -> APIRouter:
                 raise APIError(400, "prompt token id outside the vocabulary", "prompt")
             else:
                 ids_of.append(list(p))
-        gens = [start_generation(served, ids, body.params(min(16, state.limits.max_tokens), body.logprobs),
-                                 state.limits, state.metrics) for ids in ids_of]
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens 0 generates nothing: it is only allowed with echo, to score the prompt",
+                           "max_tokens")
+        ids_of = [fit_prompt(served, ids, state.limits) for ids in ids_of]
+        if not all(ids_of):
+            raise APIError(400, "prompt is empty", "prompt")
         echo_text = [(p if isinstance(p, str) else served.tokenizer.decode(p, skip_special=True)) if body.echo else ""
                      for p in prompts]
-        echo_lps = [None] * len(gens)
+        echo_lps = [None] * len(ids_of)
         if body.echo and body.logprobs is not None:
             try:
                 echo_lps = [await asyncio.to_thread(served.loop.call,
-                                                    lambda llm, ids=g.prompt_ids: prompt_logprobs(
-                                                        llm.runner, ids, body.logprobs))
-                            for g in gens]
+                                                    lambda llm, ids=ids: prompt_logprobs(llm.runner, ids, body.logprobs))
+                            for ids in ids_of]
             except PagedError as e:
                 raise APIError(503, f"no room to score the prompt now: {e}", "prompt", "server_busy") from None
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": served.name}
         tok = served.tokenizer
+        if body.max_tokens == 0:
+            return scored_only(body, head, tok, ids_of, echo_text, echo_lps)
+        gens = [start_generation(served, ids, body.params(min(16, state.limits.max_tokens), body.logprobs),
+                                 state.limits, state.metrics) for ids in ids_of]
 
         def choice(index, i, deltas, finish):
             lps = None

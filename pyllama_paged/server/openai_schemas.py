@@ -56,6 +56,7 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
+    max_tokens: int | None = Field(None, ge=0)   # 0 with echo: score the prompt, generate nothing
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=5)
