@@ -173,3 +173,25 @@ def test_litellm_tool_round_trip(server):
                                messages=messages, tools=[WEATHER_TOOL], max_tokens=5)
     assert again.choices[0].message.role == "assistant"
     assert wait_pool_empty(server.url)
+
+
+@pytest.mark.slow
+def test_every_answer_validates_over_many_seeds_batched(server, oai):
+    # 32 constrained requests in flight at once (one batch of masks per step), both APIs
+    import concurrent.futures
+
+    client = ollama.Client(host=server.url)
+
+    def ask(seed):
+        if seed % 2:
+            r = oai.chat.completions.parse(model=M, messages=[{"role": "user", "content": ASK}],
+                                           response_format=Person, seed=seed, temperature=1.0)
+            return r.choices[0].message.parsed
+        r = client.chat(model=M, messages=[{"role": "user", "content": ASK}], format=Person.model_json_schema(),
+                        options={"seed": seed, "temperature": 1.0})
+        return Person.model_validate_json(r.message.content)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        people = list(pool.map(ask, range(64)))
+    assert len(people) == 64 and all(isinstance(p, Person) for p in people)
+    assert wait_pool_empty(server.url)
