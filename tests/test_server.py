@@ -115,7 +115,7 @@ def test_openai_errors_have_openai_shape(server):
     ("/v1/completions", b'{not json', 400, "malformed JSON"),
     ("/api/generate", json.dumps({"model": "gemma3:270m", "prompt": 5}).encode(), 400, "prompt"),
     ("/api/chat", json.dumps({"model": "gemma3:270m", "messages": [{"role": "wizard", "content": "x"}]}).encode(),
-     400, "messages[0].role"),
+     400, "messages.0.role"),
     ("/v1/chat/completions", json.dumps({"model": "gemma3:270m", "messages": [], "max_tokens": 2}).encode(),
      400, "messages"),
     ("/v1/completions", json.dumps({"model": "gemma3:270m", "prompt": "x", "temperature": "hot"}).encode(),

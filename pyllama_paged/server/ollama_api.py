@@ -7,7 +7,7 @@ import asyncio
 import datetime as dt
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -73,9 +73,42 @@ class GenerateRequest(_Common):
     context: list[int] | None = None   # a previous answer's context: continue that exchange
 
 
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class FunctionCall(_Loose):
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+
+
+class ToolCall(_Loose):
+    function: FunctionCall
+
+
+class Message(_Loose):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = ""
+    images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
+
+
+class FunctionDef(_Loose):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Loose):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
 class ChatRequest(_Common):
-    messages: list[dict[str, Any]] = Field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[Tool] | None = None
 
 
 def _now() -> str:
@@ -216,8 +249,9 @@ def build_router(state) -> APIRouter:
             await after(served, keep_alive)
             return loaded(body, served, "unload" if keep_alive == 0 else "load")
         def prepare():
-            messages = normalize_messages(body.messages)
-            tools = check_tools(body.tools)
+            messages = normalize_messages([m.model_dump(exclude_none=True, exclude={"thinking"})
+                                           for m in body.messages])
+            tools = check_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
             return tools, from_ollama(served.tokenizer, body.format), chat_prompt(served, messages, tools, body)
 
         try:   # off the event loop: a first grammar prepares the vocabulary (about a second)

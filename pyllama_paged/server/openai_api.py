@@ -205,10 +205,11 @@ def build_router(state) -> APIRouter:
         served = find(body.model)
         body.refuse_unsupported()
         def prepare():
-            messages = normalize_messages(body.messages)
-            constraint = from_openai(served.tokenizer, body.response_format)
-            return prepare_chat(served.template, served.tokenizer, messages, body.tools, body.tool_choice,
-                                constraint)
+            messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
+            fmt = body.response_format.spec() if body.response_format else None
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            return prepare_chat(served.template, served.tokenizer, messages, tools, body.tool_choice,
+                                from_openai(served.tokenizer, fmt))
 
         try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
             text, constraint, names = await asyncio.to_thread(prepare)

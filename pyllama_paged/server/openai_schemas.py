@@ -64,12 +64,70 @@ class CompletionRequest(Sampling):
     best_of: int | None = Field(None, ge=1)
 
 
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class FunctionCall(_Loose):
+    name: str
+    arguments: str | dict[str, Any] = "{}"   # OpenAI sends JSON text
+
+
+class ToolCall(_Loose):
+    id: str | None = None
+    type: Literal["function"] | None = "function"
+    function: FunctionCall
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)   # image_url etc.: refused by name later
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Loose):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionDef(_Loose):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Loose):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class JsonSchemaFormat(_Loose):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Loose):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")   # llama-cpp-python's json_object schema
+
+    def spec(self) -> dict[str, Any]:
+        """The plain dict constrain.formats reads."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class ChatRequest(Sampling):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
