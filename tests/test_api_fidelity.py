@@ -294,3 +294,24 @@ def test_ollama_samplers_we_lack_are_refused(server):
     r = post(server, "/api/generate", {"model": M, "prompt": "hi", "stream": False,
                                        "options": {"mirostat": 0, "typical_p": 1.0, "num_predict": 1}})
     assert r.status_code == 200
+
+
+def test_structured_output_on_completions_and_llamacpp_fields(server):
+    import re
+
+    r = post(server, "/v1/completions", {"model": M, "prompt": "My phone number is ", "max_tokens": 20, "seed": 1,
+                                         "grammar": 'root ::= [0-9]{3} "-" [0-9]{4}'})
+    assert r.status_code == 200 and re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.json()["choices"][0]["text"]), r.text
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for extra in ({"json_schema": schema},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}):
+        r = post(server, "/v1/completions", {"model": M, "prompt": ["A:", "B:"], "max_tokens": 20, **extra})
+        assert [type(json.loads(c["text"])["ok"]) for c in r.json()["choices"]] == [bool, bool], r.text
+    r = post(server, "/v1/chat/completions", {"model": M, "messages": [{"role": "user", "content": "ok?"}],
+                                              "max_tokens": 20, "json_schema": schema})
+    assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["ok"], bool)
+    r = post(server, "/v1/completions", {"model": M, "prompt": "x", "grammar": "root ::= \"a\"",
+                                         "json_schema": schema})
+    assert r.status_code == 400 and "grammar and json_schema" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", {"model": M, "prompt": "x", "grammar": "root ::= ("})
+    assert r.status_code == 400 and "GBNF" in r.json()["error"]["message"]

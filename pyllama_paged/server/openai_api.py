@@ -11,7 +11,6 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..constrain.formats import from_openai
 from ..engine.prompt_logprobs import prompt_logprobs
 from ..errors import PagedError
 from ..tools.calls import ToolCallStream, parse_tool_calls
@@ -173,8 +172,13 @@ def build_router(state) -> APIRouter:
         tok = served.tokenizer
         if body.max_tokens == 0:
             return scored_only(body, head, tok, ids_of, echo_text, echo_lps)
-        gens = [start_generation(served, ids, body.params(min(16, state.limits.max_tokens), body.logprobs),
-                                 state.limits, state.metrics) for ids in ids_of]
+        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
+            constraint = await asyncio.to_thread(body.constraint, tok)
+        except PagedError as e:
+            raise APIError(400, str(e)) from None
+        gens = [start_generation(served, ids, body.params(min(16, state.limits.max_tokens), body.logprobs,
+                                                          constraint), state.limits, state.metrics)
+                for ids in ids_of]
 
         def choice(index, i, deltas, finish):
             lps = None
@@ -206,10 +210,9 @@ def build_router(state) -> APIRouter:
         body.refuse_unsupported()
         def prepare():
             messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
-            fmt = body.response_format.spec() if body.response_format else None
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             return prepare_chat(served.template, served.tokenizer, messages, tools, body.tool_choice,
-                                from_openai(served.tokenizer, fmt))
+                                body.constraint(served.tokenizer))
 
         try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
             text, constraint, names = await asyncio.to_thread(prepare)

@@ -7,7 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..constrain.formats import from_openai
+from ..constrain.grammar import Constraint, ConstraintError, compile_constraint
 from ..engine.sampler import SamplingParams
+from ..tokenizer.tokenizer import Tokenizer
 from ..sampling_options import OPENAI
 from .generation import APIError, request_params
 
@@ -15,6 +18,27 @@ from .generation import APIError, request_params
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool | None = False
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class JsonSchemaFormat(_Loose):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Loose):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")   # llama-cpp-python's json_object schema
+
+    def spec(self) -> dict[str, Any]:
+        """The plain dict constrain.formats reads."""
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class Sampling(BaseModel):
@@ -37,6 +61,24 @@ class Sampling(BaseModel):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repeat_penalty: float | None = Field(None, gt=0)
+    # structured output: OpenAI's response_format, and llama.cpp server's grammar / json_schema
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+
+    def constraint(self, tokenizer: Tokenizer) -> Constraint | None:
+        """The structured output asked for, if any; ConstraintError (a 400) when it cannot be."""
+        fmt = self.response_format.spec() if self.response_format else None
+        asked = [name for name, given in (("response_format", fmt and fmt["type"] != "text"),
+                                          ("grammar", self.grammar is not None),
+                                          ("json_schema", self.json_schema is not None)) if given]
+        if len(asked) > 1:
+            raise ConstraintError(f"give one of {' and '.join(asked)}, not both")
+        if self.grammar is not None:
+            return compile_constraint(tokenizer, "gbnf", self.grammar)
+        if self.json_schema is not None:
+            return compile_constraint(tokenizer, "json_schema", self.json_schema)
+        return from_openai(tokenizer, fmt)
 
     def refuse_unsupported(self) -> None:
         """A 400 for fields we would otherwise silently ignore."""
@@ -62,10 +104,6 @@ class CompletionRequest(Sampling):
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
-
-
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class FunctionCall(_Loose):
@@ -105,29 +143,11 @@ class Tool(_Loose):
     function: FunctionDef
 
 
-class JsonSchemaFormat(_Loose):
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Loose):
-    type: str
-    json_schema: JsonSchemaFormat | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")   # llama-cpp-python's json_object schema
-
-    def spec(self) -> dict[str, Any]:
-        """The plain dict constrain.formats reads."""
-        return self.model_dump(by_alias=True, exclude_none=True)
-
-
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
