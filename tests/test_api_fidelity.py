@@ -315,3 +315,16 @@ def test_structured_output_on_completions_and_llamacpp_fields(server):
     assert r.status_code == 400 and "grammar and json_schema" in r.json()["error"]["message"]
     r = post(server, "/v1/completions", {"model": M, "prompt": "x", "grammar": "root ::= ("})
     assert r.status_code == 400 and "GBNF" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),
+])
+def test_chat_fields_we_cannot_honour_are_a_400(server, extra, param):
+    r = post(server, "/v1/chat/completions", {"model": M, "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 1, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -151,3 +151,25 @@ class ChatRequest(Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # what we cannot honour: named so that asking for it is a 400, not silently ignored
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        """A 400 for fields we would otherwise silently ignore."""
+        super().refuse_unsupported()
+        if self.functions is not None or self.function_call is not None:
+            raise APIError(400, "functions and function_call are deprecated and not supported: use tools and "
+                           "tool_choice", "functions" if self.functions is not None else "function_call")
+        if self.audio is not None or (self.modalities and set(self.modalities) - {"text"}):
+            raise APIError(400, "audio output is not supported by this model", "modalities")
+        for name in ("prediction", "web_search_options"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name} is not supported", name)
+        if self.reasoning_effort not in (None, "none", "minimal"):
+            raise APIError(400, "reasoning_effort: this model does not reason (think)", "reasoning_effort")
