@@ -170,6 +170,13 @@ def test_python_api_forced_tool_call(llm):
     assert choice["finish_reason"] == "tool_calls"
     call = choice["message"]["tool_calls"][0]["function"]
     _check_call(call["name"], call["arguments"])
+    chunks = list(llm.create_chat_completion([{"role": "user", "content": "What time is it?"}], tools=TOOLS,
+                                             tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                             max_tokens=100, seed=3, stream=True))
+    calls = [tc for c in chunks for ch in c["choices"] for tc in ch["delta"].get("tool_calls", [])]
+    assert [tc["function"]["name"] for tc in calls] == ["get_time"]
+    _check_call("get_time", calls[0]["function"]["arguments"])
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] == ["tool_calls"]
 
 
 def test_openai_forced_and_named_tool_calls_round_trip(server):
