@@ -136,7 +136,7 @@ def cmd_serve(args) -> int:
     from .server.generation import Limits
     from .server.registry import EngineOptions
 
-    options = EngineOptions(paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads or 2,
+    options = EngineOptions(paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads or os.cpu_count() or 1,
                             block_size=args.block_size, kv_cache_type=args.kv_type,
                             kv_budget_tokens=args.kv_budget, max_num_seqs=args.max_seqs,
                             preemption_mode=args.preemption, itl_budget=_itl_budget(args.itl_budget_ms))

@@ -8,6 +8,10 @@ import uuid
 from typing import Iterator, Sequence
 
 from ._native import GGML_LOG_DEBUG, lib
+from .constrain.formats import from_python
+from .tools.calls import ToolCallStream
+from .tools.messages import normalize_messages
+from .tools.prompt import prepare_chat
 from .tokenizer.chat_template import ChatTemplate
 from .engine.model_runner import ModelRunner
 from .errors import PagedError
@@ -102,12 +106,13 @@ class Llama:
                           presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                           stop: str | Sequence[str] | None = None, stream: bool = False,
                           seed: int | None = None, logprobs: int | None = None, echo: bool = False,
-                          ignore_eos: bool = False):
+                          ignore_eos: bool = False, response_format: dict | None = None, grammar=None):
         """OpenAI-shaped text completion (a dict, or an iterator of chunks if stream)."""
         params = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, stop=stop, seed=seed, logprobs=logprobs,
-                              ignore_eos=ignore_eos)
+                              ignore_eos=ignore_eos,
+                              constraint=from_python(self.tokenizer, response_format, grammar))
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, special=True)
         chunks = self._completion_chunks(prompt, prompt_ids, params, echo)
         if stream:
@@ -217,21 +222,27 @@ class Llama:
                                min_p: float = 0.05, repeat_penalty: float = 1.0,
                                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                                stop: str | Sequence[str] | None = None, stream: bool = False,
-                               seed: int | None = None, n: int = 1, ignore_eos: bool = False):
-        """OpenAI-shaped chat completion over the model's chat template."""
+                               seed: int | None = None, n: int = 1, ignore_eos: bool = False,
+                               response_format: dict | None = None, grammar=None, tools: list | None = None,
+                               tool_choice=None):
+        """OpenAI-shaped chat completion over the model's chat template; tools and tool_choice
+        as OpenAI's (calls come back in message.tool_calls)."""
+        constraint = from_python(self.tokenizer, response_format, grammar)
+        prompt, constraint, names = prepare_chat(self.chat_template, self.tokenizer, normalize_messages(messages),
+                                                 tools, tool_choice, constraint)
         params = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, stop=stop, seed=seed, n=n,
-                              ignore_eos=ignore_eos)
-        prompt = self.chat_template.render(messages, add_generation_prompt=True)
+                              ignore_eos=ignore_eos, constraint=constraint)
         prompt_ids = self.tokenize(prompt, add_bos=True, special=True)
-        chunks = self._chat_chunks(prompt_ids, params)
+        chunks = self._chat_chunks(prompt_ids, params, names)
         return chunks if stream else self._collect_chat(chunks, n)
 
-    def _chat_chunks(self, prompt_ids, params):
+    def _chat_chunks(self, prompt_ids, params, names: set[str]):
         cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
         started: set = set()
         counts: dict = {}
+        calls: dict = {}   # sample -> ToolCallStream, when tools were offered
 
         def chunk(j, delta, finish=None):
             return {"id": cid, "object": "chat.completion.chunk", "created": created,
@@ -243,11 +254,19 @@ class Llama:
                 started.add(j)
                 yield chunk(j, {"role": "assistant"})
             counts[j] = counts.get(j, 0) + (1 if ev is not None else 0)
+            found = []
+            if names:
+                stream = calls.setdefault(j, ToolCallStream(names))
+                text = stream.feed(text)
+                if finish:
+                    rest, found = stream.finish()
+                    text += rest
             if text:
                 yield chunk(j, {"content": text})
+            if found:
+                yield chunk(j, {"tool_calls": [c.openai(k) for k, c in enumerate(found)]})
             if finish:
-                yield chunk(j, {}, finish)
-        completion = self.llm_engine.num_generated_tokens
+                yield chunk(j, {}, "tool_calls" if found else finish)
         yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_path,
                "choices": [], "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": sum(counts.values()),
                                         "total_tokens": len(prompt_ids) + sum(counts.values())}}
@@ -256,6 +275,7 @@ class Llama:
     def _collect_chat(chunks, n: int) -> dict:
         texts = [""] * n
         finish = [None] * n
+        tool_calls: list[list] = [[] for _ in range(n)]
         head = usage = None
         for c in chunks:
             head = head or c
@@ -263,22 +283,32 @@ class Llama:
                 usage = c["usage"]
             for ch in c["choices"]:
                 texts[ch["index"]] += ch["delta"].get("content", "")
+                tool_calls[ch["index"]] += [{k: v for k, v in call.items() if k != "index"}
+                                            for call in ch["delta"].get("tool_calls", [])]
                 finish[ch["index"]] = ch["finish_reason"] or finish[ch["index"]]
+
+        def message(j):
+            if tool_calls[j]:
+                return {"role": "assistant", "content": texts[j] or None, "tool_calls": tool_calls[j]}
+            return {"role": "assistant", "content": texts[j]}
+
         return {"id": head["id"], "object": "chat.completion", "created": head["created"],
                 "model": head["model"],
-                "choices": [{"index": j, "message": {"role": "assistant", "content": texts[j]},
-                             "logprobs": None, "finish_reason": finish[j]} for j in range(n)],
+                "choices": [{"index": j, "message": message(j), "logprobs": None, "finish_reason": finish[j]}
+                            for j in range(n)],
                 "usage": usage}
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 64,
                        temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
                        min_p: float = 0.05, stop=None, seed: int | None = None, n: int = 1,
                        beam_width: int = 1, length_penalty: float = 1.0,
-                       early_stopping: bool = True) -> list[list[str]]:
+                       early_stopping: bool = True, response_format: dict | None = None,
+                       grammar=None) -> list[list[str]]:
         """Many prompts at once through the scheduler; returns each prompt's n (or beam_width) texts."""
         params = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               min_p=min_p, stop=stop, seed=seed, n=n, beam_width=beam_width,
-                              length_penalty=length_penalty, early_stopping=early_stopping)
+                              length_penalty=length_penalty, early_stopping=early_stopping,
+                              constraint=from_python(self.tokenizer, response_format, grammar))
         ids = [self.tokenize(p, special=True) if isinstance(p, str) else list(p) for p in prompts]
         width = beam_width if beam_width > 1 else n
         out = [[""] * width for _ in prompts]

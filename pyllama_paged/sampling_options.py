@@ -24,8 +24,9 @@ class Surface:
 
 
 PYTHON = Surface({"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repeat_penalty": 1.0})
-OLLAMA = Surface({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1},
-                 renames={"num_predict": "max_tokens"}, unset_max_tokens=512)
+# Ollama's own defaults (its api/types.go): repeat_penalty 1.0, num_predict -1 (to the context)
+OLLAMA = Surface({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.0},
+                 renames={"num_predict": "max_tokens"})
 OPENAI = Surface({"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0})
 
 _FIELDS = set(SamplingParams.__dataclass_fields__)

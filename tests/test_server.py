@@ -3,51 +3,21 @@
 
 import concurrent.futures
 import json
-import socket
-import threading
 import time
 
 import httpx
 import ollama
 import openai
 import pytest
-import uvicorn
 
 from agreement import assert_greedy_agree, engine_logits
 from loop_control import paused
+from serving import Running, pool_used, wait_pool_empty
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
 
 KEY = "sekrit-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Running:
-    """A uvicorn server on a thread; stopped by close()."""
-
-    def __init__(self, app):
-        self.app = app
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        end = time.monotonic() + 120   # a deadline for a hang, not a timing assumption
-        while time.monotonic() < end:
-            if self.server.started:
-                return
-            time.sleep(0.05)
-        raise RuntimeError("server did not start")
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -70,19 +40,6 @@ def keyed_server(registry):
     s = Running(create_app(registry, Limits(), api_key=KEY))
     yield s
     s.close()
-
-
-def pool_used(url) -> int:
-    return httpx.get(f"{url}/api/pool").json()["stats"]["blocks_used"]
-
-
-def wait_pool_empty(url, timeout=120):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pool_used(url) == 0:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 GREEDY = {"num_predict": 10, "temperature": 0}
@@ -146,7 +103,7 @@ def test_openai_errors_have_openai_shape(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt="x")
-    assert e.value.body["type"] == "model_not_found" and DEFAULT_MODEL_NAME in e.value.body["message"]
+    assert e.value.body["code"] == "model_not_found" and DEFAULT_MODEL_NAME in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=DEFAULT_MODEL_NAME, prompt="x", n=50)
     assert e.value.body["param"] == "n"
@@ -165,7 +122,9 @@ def test_openai_errors_have_openai_shape(server):
      400, "temperature"),
     ("/v1/completions", json.dumps({"model": "gemma3:270m", "prompt": "x", "max_tokens": 100000}).encode(),
      400, "max_tokens"),
-    ("/api/generate", json.dumps({"model": "gemma3:270m", "prompt": "word " * 600}).encode(), 400, "limit"),
+    ("/api/generate", json.dumps({"model": "gemma3:270m", "prompt": "word " * 600, "truncate": False}).encode(),
+     400, "limit"),
+    ("/v1/completions", json.dumps({"model": "gemma3:270m", "prompt": "word " * 600}).encode(), 400, "limit"),
     ("/api/generate", json.dumps({"model": "zzz", "prompt": "x"}).encode(), 404, "gemma3:270m"),
     ("/api/generate", json.dumps({"model": "gemma3:270m", "prompt": "x" * 70000}).encode(), 413, "larger than"),
 ])

@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from .._native import check, ffi, lib
+from ..constrain.masks import MaskBuffer
 from ..errors import PagedError
 
 
@@ -32,6 +34,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool = True
     ignore_eos: bool = False    # keep generating past end-of-text tokens (to max_tokens)
+    constraint: Any = None      # a constrain.grammar.Constraint: each step samples within its token mask
 
     def validate(self) -> None:
         """Raise PagedError naming the first invalid field."""
@@ -52,6 +55,8 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("n", 1 <= self.n <= 64, "must be in [1, 64]"),
             ("beam_width", 1 <= self.beam_width <= 16, "must be in [1, 16]"),
+            ("beam_width", self.beam_width == 1 or self.constraint is None,
+             "must be 1 with a grammar or response format"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -83,6 +88,7 @@ class Sampler:
         self.params = params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.rng_state = np.array([lib.pp_sampler_seed(seed % (1 << 64))], dtype=np.uint64)
+        self.constraint = params.constraint.start() if params.constraint is not None else None
 
     def history(self, token_ids: list[int]) -> list[int]:
         """The tokens the penalties count: the last penalty_last_n (all if 0), or none
@@ -116,6 +122,7 @@ class BatchSampler:
     def __init__(self, n_vocab: int, n_threads: int = 1):
         self.n_vocab = n_vocab
         self._native = None
+        self._masks: MaskBuffer | None = None
         out = ffi.new("pp_sampler **")
         check(lib.pp_sampler_create(n_vocab, n_threads, out), "sampler")
         self._native = out[0]
@@ -129,7 +136,7 @@ class BatchSampler:
             raise PagedError(f"logits must be C-contiguous float32 rows of {self.n_vocab}")
         rows = ffi.new("pp_sample_row[]", n)
         results = ffi.new("pp_sample_result[]", n)
-        keep = []   # the history arrays must outlive the call
+        keep = self._allowed_masks(rows, picks)   # these arrays must outlive the call
         for r, (row_index, sampler, history) in zip(rows, picks):
             p = sampler.params
             r.logit_row = row_index
@@ -154,12 +161,26 @@ class BatchSampler:
                             logits.shape[0] if logits.ndim == 2 else 1, rows, n, results), "sample")
         out = []
         for res, (_, sampler, _) in zip(results, picks):
+            if sampler.constraint is not None:
+                sampler.constraint.accept(res.token)
             if sampler.params.logprobs is None:
                 out.append(Sampled(res.token))
             else:
                 top = {int(res.top_ids[j]): float(res.top_logprobs[j]) for j in range(res.n_top)}
                 out.append(Sampled(res.token, float(res.logprob), top))
         return out
+
+    def _allowed_masks(self, rows, picks) -> list:
+        """Point each constrained row at its grammar's token mask, all computed in one batch."""
+        constrained = [i for i, (_, sampler, _) in enumerate(picks) if sampler.constraint is not None]
+        if not constrained:
+            return []
+        if self._masks is None:
+            self._masks = MaskBuffer(self.n_vocab)
+        allowed = self._masks.fill([picks[i][1].constraint for i in constrained])
+        for k, i in enumerate(constrained):
+            rows[i].allowed = ffi.cast("const uint8_t *", ffi.from_buffer(allowed[k]))
+        return [allowed]
 
     def close(self) -> None:
         if self._native is not None:

@@ -18,7 +18,7 @@ from .dashboard import DASHBOARD_HTML
 from .generation import APIError, Limits
 from .metrics import Metrics
 from .registry import EngineOptions, ModelRegistry
-from ..server import ollama_api, openai_api
+from ..server import ollama_api, ollama_manage, openai_api
 
 
 @dataclass
@@ -34,10 +34,11 @@ def _is_openai(path: str) -> bool:
 
 
 def error_response(path: str, status: int, message: str, param: str | None = None,
-                   error_type: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+                   error_type: str = "invalid_request_error", headers: dict | None = None,
+                   code: str | None = None) -> JSONResponse:
     """OpenAI's error shape under /v1, Ollama's {"error": ...} elsewhere."""
     if _is_openai(path):
-        body = {"error": {"message": message, "type": error_type, "param": param, "code": None}}
+        body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
     else:
         body = {"error": message}
     return JSONResponse(body, status_code=status, headers=headers)
@@ -61,7 +62,8 @@ class GuardMiddleware:
                 query = scope.get("query_string", b"").decode()
                 given = next((p[4:] for p in query.split("&") if p.startswith("key=")), "")
             if not hmac.compare_digest(given.encode(), self.state.api_key.encode()):
-                resp = error_response(path, 401, "invalid or missing API key", None, "authentication_error")
+                resp = error_response(path, 401, "invalid or missing API key", None, "invalid_request_error",
+                                      code="invalid_api_key")
                 return await resp(scope, receive, send)
         if scope["method"] == "POST" and "json" not in headers.get("content-type", ""):
             # Ollama's own examples post JSON with curl -d (form content type): parse it as JSON
@@ -103,7 +105,8 @@ _ERROR_SCHEMA = {
 _NDJSON = ("application/x-ndjson", {"type": "object"})  # each line
 _SSE = ("text/event-stream", {"type": "object", "required": ["data"],  # each event
                               "properties": {"data": {"type": "string"}}})
-_STREAMS = {"/api/generate": _NDJSON, "/api/chat": _NDJSON, "/v1/completions": _SSE, "/v1/chat/completions": _SSE}
+_STREAMS = {"/api/generate": _NDJSON, "/api/chat": _NDJSON, "/v1/completions": _SSE, "/v1/chat/completions": _SSE,
+            "/api/pull": _NDJSON, "/api/create": _NDJSON}
 
 
 def _document_errors(app: FastAPI) -> None:
@@ -137,7 +140,8 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         state.metrics.count_request(request.url.path, exc.status)
-        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.type, exc.headers)
+        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.type, exc.headers,
+                              exc.code)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -174,6 +178,7 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
         return response
 
     app.include_router(ollama_api.build_router(state))
+    app.include_router(ollama_manage.build_router(state))
     app.include_router(openai_api.build_router(state))
 
     @app.get("/", response_class=PlainTextResponse)

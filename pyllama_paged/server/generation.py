@@ -19,10 +19,11 @@ class APIError(Exception):
     """An HTTP error with the field it concerns (if any)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 error_type: str = "invalid_request_error", headers: dict | None = None):
+                 error_type: str = "invalid_request_error", headers: dict | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type = status, message, param, error_type
         self.headers = headers or {}
+        self.code = code
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Limits:
     max_tokens: int = 4096
     max_n: int = 8
     max_queue: int = 256                    # requests waiting beyond those running
+    max_prompts: int = 32                   # prompts in one /v1/completions request
 
 
 @dataclass
@@ -127,17 +129,34 @@ def request_params(surface: Surface, fields, **overrides) -> SamplingParams:
         raise APIError(400, message, message.split("'")[1] if "'" in message else None) from None
 
 
-def start_generation(served: ServedModel, prompt_ids: list[int], params: SamplingParams,
-                     limits: Limits, metrics: Metrics) -> Generation:
-    """Check the limits that need the model, then a Generation ready to iterate."""
-    max_prompt = min(limits.max_prompt_tokens or served.n_ctx, served.n_ctx - 1)
-    if len(prompt_ids) > max_prompt:
+def fit_prompt(served: ServedModel, prompt_ids: list[int], limits: Limits, truncate: bool = False,
+               n_ctx: int | None = None) -> list[int]:
+    """The prompt within the context (n_ctx, when a request asks for less than the
+    server's): a 400 when too long, or its tail (after BOS) when truncate is set, as
+    Ollama does."""
+    n_ctx = min(n_ctx or served.n_ctx, served.n_ctx)
+    max_prompt = min(limits.max_prompt_tokens or n_ctx, n_ctx - 1)
+    if len(prompt_ids) <= max_prompt:
+        return prompt_ids
+    if not truncate:
         raise APIError(400, f"prompt is {len(prompt_ids)} tokens; the limit is {max_prompt}", "prompt")
+    keep = 1 if prompt_ids and prompt_ids[0] == served.tokenizer.bos_id else 0
+    return prompt_ids[:keep] + prompt_ids[len(prompt_ids) - (max_prompt - keep):]
+
+
+def start_generation(served: ServedModel, prompt_ids: list[int], params: SamplingParams,
+                     limits: Limits, metrics: Metrics, n_ctx: int | None = None) -> Generation:
+    """Check the limits that need the model, then a Generation ready to iterate; n_ctx
+    (Ollama's num_ctx) bounds prompt plus answer below the server's context."""
+    prompt_ids = fit_prompt(served, prompt_ids, limits, n_ctx=n_ctx)
     if not prompt_ids:
         raise APIError(400, "prompt is empty", "prompt")
     if params.max_tokens > limits.max_tokens:
         raise APIError(400, f"max_tokens {params.max_tokens} exceeds the limit {limits.max_tokens}",
                        "max_tokens")
+    if n_ctx is not None and n_ctx < served.n_ctx:
+        room = n_ctx - len(prompt_ids)
+        params.max_tokens = min(params.max_tokens, room) if params.max_tokens else room
     if params.n > limits.max_n or params.beam_width > limits.max_n:
         raise APIError(400, f"n {max(params.n, params.beam_width)} exceeds the limit {limits.max_n}", "n")
     if metrics.inflight[served.name] >= limits.max_queue + served.loop.llm.scheduler.config.max_num_seqs:

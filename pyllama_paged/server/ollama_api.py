@@ -1,21 +1,27 @@
-"""Ollama-compatible routes: /api/generate, /api/chat, /api/tags, /api/show, /api/ps, /api/version."""
+"""Ollama-compatible generation routes: /api/generate and /api/chat (format,
+tools, think, keep_alive, truncate, num_ctx), /api/show and /api/version."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
 import json
+import time
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .._version import __version__
-from ..errors import PagedError
+from ..constrain.formats import from_ollama
 from ..engine.sampler import SamplingParams
+from ..errors import PagedError
 from ..sampling_options import OLLAMA
-from .generation import APIError, request_params, start_generation
+from ..tools.calls import ToolCallStream
+from ..tools.messages import normalize_messages
+from ..tools.prompt import check_tools, render_chat
+from .generation import APIError, fit_prompt, request_params, start_generation
+from .ollama_manage import OLLAMA_VERSION, NameRequest, describe, find_model, keep_alive_seconds, show_model
 
 
 class Options(BaseModel):
@@ -29,79 +35,115 @@ class Options(BaseModel):
     seed: int | None = None
     stop: list[str] | None = None
     repeat_penalty: float | None = Field(None, gt=0)
+    repeat_last_n: int | None = Field(None, ge=-1)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     num_ctx: int | None = Field(None, gt=0)
+    # Ollama samplers we do not have: accepted at their neutral values, a 400 otherwise
+    mirostat: int | None = None
+    typical_p: float | None = None
+    tfs_z: float | None = None
+
+    def refuse_unsupported(self) -> None:
+        """A 400 for a sampler we do not have, rather than silently sampling without it."""
+        for name, neutral in (("mirostat", 0), ("typical_p", 1.0), ("tfs_z", 1.0)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise APIError(400, f"options.{name} {value} is not supported (only {neutral})", f"options.{name}")
 
 
-class GenerateRequest(BaseModel):
+class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
-    prompt: str = ""
-    system: str | None = None
-    raw: bool = False
-    stream: bool = True
+    stream: bool | None = True
     options: Options | None = None
+    format: str | dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+    think: bool | str | None = None
+    truncate: bool | None = True
+
+
+class GenerateRequest(_Common):
+    prompt: str | None = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    raw: bool | None = False
     images: list[str] | None = None
     context: list[int] | None = None   # a previous answer's context: continue that exchange
 
 
-class Message(BaseModel):
+class _Loose(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class FunctionCall(_Loose):
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+
+
+class ToolCall(_Loose):
+    function: FunctionCall
+
+
+class Message(_Loose):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | None = ""
     images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
 
 
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    model: str
-    messages: list[Message]
-    stream: bool = True
-    options: Options | None = None
+class FunctionDef(_Loose):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
 
 
-class NameRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    model: str | None = None
-    name: str | None = None
+class Tool(_Loose):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[Tool] | None = None
 
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _params(options: Options | None, default_max: int) -> SamplingParams:
-    return request_params(OLLAMA, (options or Options()).model_dump(), max_tokens=default_max)
+def _params(options: Options | None, default_max: int, constraint) -> SamplingParams:
+    options = options or Options()
+    options.refuse_unsupported()
+    fields = options.model_dump(exclude={"mirostat", "typical_p", "tfs_z"})
+    if fields.pop("repeat_last_n", None) is not None:
+        last_n = options.repeat_last_n
+        fields["penalty_last_n"] = 0 if last_n == -1 else last_n   # -1: the whole context
+    return request_params(OLLAMA, {**fields, "constraint": constraint}, max_tokens=default_max)
 
 
 def build_router(state) -> APIRouter:
     router = APIRouter()
 
     def find(name: str):
-        served = state.registry.get(name)
-        if served is None:
-            raise APIError(404, f"model '{name}' not found; available: {', '.join(state.registry.names())}",
-                           "model", "not_found")
-        return served
+        return find_model(state.registry, name)
 
-    async def respond(gen, request: Request, stream: bool, shape):
-        """NDJSON stream of shape(text, done) objects, or one object when stream is false."""
-        if stream:
-            async def lines():
-                try:
-                    async for d in gen.deltas():
-                        if d.index == 0 and d.text:
-                            yield json.dumps(shape(d.text, False)) + "\n"
-                except APIError as e:   # after the 200 header: end the stream with Ollama's error line
-                    yield json.dumps({"error": e.message}) + "\n"
-                    return
-                yield json.dumps(final(gen, shape)) + "\n"
-            return StreamingResponse(lines(), media_type="application/x-ndjson")
-        text = "".join(d.text for d in await gen.collect(request) if d.index == 0)
-        body = final(gen, shape)
-        body.update({k: v for k, v in shape(text, True).items() if k in ("response", "message")})
-        return JSONResponse(body)
+    def check_common(body: _Common, served) -> Any:
+        """keep_alive's seconds; a 400 for think on a model that cannot."""
+        if body.think not in (None, False, "false", "none", ""):
+            raise APIError(400, f"\"{served.name}\" does not support thinking", "think")
+        return keep_alive_seconds(body.keep_alive)
+
+    async def after(served, keep_alive):
+        served.last_used = time.time()
+        if keep_alive is not None:
+            served.keep_alive = keep_alive
+        if keep_alive == 0:   # unload: the model's cached pages go back now
+            await asyncio.to_thread(served.loop.call, lambda llm: llm.runner.kv.paged and
+                                    llm.runner.kv.pool.reset_prefix_cache())
 
     def final(gen, shape):
         body = shape("", True)
@@ -109,69 +151,133 @@ def build_router(state) -> APIRouter:
         body.update(gen.durations_ns())
         return body
 
+    async def respond(gen, request: Request, body: _Common, shape, keep_alive, tools: set[str] | None = None):
+        """NDJSON stream of shape(text, done) objects, or one object when stream is false."""
+        calls_of = ToolCallStream(tools) if tools else None
+        if body.stream is not False:
+            async def lines():
+                try:
+                    async for d in gen.deltas():
+                        if d.index != 0:
+                            continue
+                        text = calls_of.feed(d.text) if calls_of else d.text
+                        if text:
+                            yield json.dumps(shape(text, False)) + "\n"
+                    if calls_of:
+                        rest, calls = calls_of.finish()
+                        if rest or calls:
+                            yield json.dumps(shape(rest, False, calls)) + "\n"
+                except APIError as e:   # after the 200 header: end the stream with Ollama's error line
+                    yield json.dumps({"error": e.message}) + "\n"
+                    return
+                finally:
+                    await after(gen.served, keep_alive)
+                yield json.dumps(final(gen, shape)) + "\n"
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
+        try:
+            text = "".join(d.text for d in await gen.collect(request) if d.index == 0)
+        finally:
+            await after(gen.served, keep_alive)
+        calls = []
+        if calls_of:
+            calls_of.feed(text)
+            text, calls = calls_of.finish()
+        out = final(gen, shape)
+        out.update({k: v for k, v in shape(text, True, calls).items() if k in ("response", "message")})
+        return JSONResponse(out)
+
+    def loaded(body, served, reason: str):
+        shape = {"model": body.model, "created_at": _now(), "done": True, "done_reason": reason}
+        return JSONResponse({**shape, "response": ""} if isinstance(body, GenerateRequest) else
+                            {**shape, "message": {"role": "assistant", "content": ""}})
+
     @router.post("/api/generate")
     async def generate(body: GenerateRequest, request: Request):
         served = find(body.model)
+        keep_alive = check_common(body, served)
         if body.images:
             raise APIError(400, "images are not supported by this model", "images")
-        if body.raw:
+        if body.suffix:
+            raise APIError(400, "suffix (fill-in-the-middle) is not supported by this model", "suffix")
+        if body.template:
+            raise APIError(400, "a per-request template is not supported; use raw with a formatted prompt",
+                           "template")
+        if not body.prompt:   # Ollama answers an empty prompt by loading (or unloading) the model
+            await after(served, keep_alive)
+            return loaded(body, served, "unload" if keep_alive == 0 else "load")
+        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
+            constraint = await asyncio.to_thread(from_ollama, served.tokenizer, body.format)
+        except PagedError as e:
+            raise APIError(400, str(e), "format") from None
+        if body.raw:   # the prompt as given, its special tokens included
             text = body.prompt
         else:
             messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
                        [{"role": "user", "content": body.prompt}]
-            text = served.template.render(messages) if body.prompt else ""
-        if not body.prompt:   # Ollama answers an empty prompt by loading the model
-            return JSONResponse({"model": body.model, "created_at": _now(), "response": "",
-                                 "done": True, "done_reason": "load"})
-        ids = list(body.context or []) + \
-            served.tokenizer.encode(text, add_special=not body.context, parse_special=not body.raw)
-        params = _params(body.options, min(512, state.limits.max_tokens))  # a default within the limit
-        gen = start_generation(served, ids, params, state.limits, state.metrics)
+            text = served.template.render(messages)
+        ids = list(body.context or []) + served.tokenizer.encode(text, add_special=not body.context,
+                                                                  parse_special=True)
+        n_ctx = body.options.num_ctx if body.options else None
+        ids = fit_prompt(served, ids, state.limits, body.truncate is not False, n_ctx)
+        params = _params(body.options, state.limits.max_tokens, constraint)   # unset: to the context
+        gen = start_generation(served, ids, params, state.limits, state.metrics, n_ctx)
 
-        def shape(text, done):
+        def shape(text, done, calls=None):
             out = {"model": body.model, "created_at": _now(), "response": text, "done": done}
             if done:   # Ollama's token context of this exchange (prompt + response)
                 out["context"] = gen.prompt_ids + gen.output_ids
             return out
-        return await respond(gen, request, body.stream, shape)
+        return await respond(gen, request, body, shape, keep_alive)
+
+    def chat_prompt(served, messages, tools, body) -> list[int]:
+        """The rendered chat within the context: with truncate, Ollama drops the oldest
+        turns (never the system prompt or the last message) before cutting tokens."""
+        n_ctx = min(body.options.num_ctx if body.options and body.options.num_ctx else served.n_ctx, served.n_ctx)
+        while True:
+            text = render_chat(served.template, served.tokenizer, messages, tools)
+            ids = served.tokenizer.encode(text, add_special=True, parse_special=True)
+            droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
+            if len(ids) < n_ctx or body.truncate is False or not droppable:
+                return fit_prompt(served, ids, state.limits, body.truncate is not False, n_ctx)
+            del messages[droppable[0]]
 
     @router.post("/api/chat")
     async def chat(body: ChatRequest, request: Request):
         served = find(body.model)
-        if any(m.images for m in body.messages):
-            raise APIError(400, "images are not supported by this model", "messages")
-        try:
-            text = served.template.render([m.model_dump(include={"role", "content"}) for m in body.messages])
+        keep_alive = check_common(body, served)
+        if not body.messages:   # Ollama loads (or unloads) the model for an empty chat
+            await after(served, keep_alive)
+            return loaded(body, served, "unload" if keep_alive == 0 else "load")
+        def prepare():
+            messages = normalize_messages([m.model_dump(exclude_none=True, exclude={"thinking"})
+                                           for m in body.messages])
+            tools = check_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
+            return tools, from_ollama(served.tokenizer, body.format), chat_prompt(served, messages, tools, body)
+
+        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
+            tools, constraint, ids = await asyncio.to_thread(prepare)
         except PagedError as e:
             raise APIError(400, str(e), "messages") from None
-        ids = served.tokenizer.encode(text, add_special=True, parse_special=True)
-        params = _params(body.options, min(512, state.limits.max_tokens))  # a default within the limit
-        gen = start_generation(served, ids, params, state.limits, state.metrics)
-        shape = lambda text, done: {"model": body.model, "created_at": _now(),
-                                    "message": {"role": "assistant", "content": text}, "done": done}
-        return await respond(gen, request, body.stream, shape)
+        n_ctx = body.options.num_ctx if body.options else None
+        params = _params(body.options, state.limits.max_tokens, constraint)   # unset: to the context
+        gen = start_generation(served, ids, params, state.limits, state.metrics, n_ctx)
 
-    def describe(served) -> dict[str, Any]:
-        return {"name": served.name, "model": served.name,
-                "modified_at": dt.datetime.fromtimestamp(served.loaded_at, dt.timezone.utc).isoformat(),
-                "size": served.size, "digest": served.digest, "details": served.details()}
-
-    @router.get("/api/tags")
-    async def tags():
-        return {"models": [describe(m) for m in state.registry.models.values()]}
+        def shape(text, done, calls=None):
+            message = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [c.ollama() for c in calls]
+            return {"model": body.model, "created_at": _now(), "message": message, "done": done}
+        names = {t["function"]["name"] for t in tools}
+        return await respond(gen, request, body, shape, keep_alive, names or None)
 
     @router.post("/api/show")
     async def show(body: NameRequest):
-        served = find(body.model or body.name or "")
-        cfg = served.model.config
-        info = {k: v.encode("utf-8", "replace").decode("utf-8") if isinstance(v, str) else v
-                for k, v in served.model.metadata.items()
-                if not k.startswith("tokenizer.ggml.") and isinstance(v, (str, int, float, bool))}
-        return {"modelfile": f"FROM {served.path}\n", "parameters": "", "template": served.template.source,
-                "details": served.details(), "model_info": info,
-                "capabilities": ["completion"],
-                "kv_bytes_per_token": served.runner.kv_bytes_per_token,
-                "context_length": served.n_ctx, "architecture": cfg.arch}
+        return show_model(find(body.model or body.name or ""))
+
+    @router.get("/api/tags")
+    async def tags():
+        return {"models": [describe(m) for m in state.registry.models.values()] +
+                          [describe(state.registry.models[t], alias) for alias, t in state.registry.aliases.items()]}
 
     @router.get("/api/ps")
     async def ps():
@@ -180,13 +286,13 @@ def build_router(state) -> APIRouter:
             stats = await asyncio.to_thread(served.loop.call, lambda llm: llm.stats())
             kv_bytes = served.runner.kv_bytes_per_token * served.runner.kv.num_blocks * \
                 served.runner.kv.block_size
-            models.append({**describe(served), "expires_at": "0001-01-01T00:00:00Z",
+            models.append({**describe(served), "expires_at": served.expires_at(),
                            "size_vram": 0, "context_length": served.n_ctx,
                            "kv_cache": {"bytes": kv_bytes, "paged": served.runner.kv.paged, **stats}})
         return {"models": models}
 
     @router.get("/api/version")
     async def version():
-        return {"version": __version__}
+        return {"version": OLLAMA_VERSION}
 
     return router

@@ -1,63 +1,75 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+"""OpenAI-compatible routes: /v1/models, /v1/models/{id}, /v1/completions,
+/v1/chat/completions (structured output, tools, logprobs)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
+from ..engine.prompt_logprobs import prompt_logprobs
 from ..errors import PagedError
-from ..engine.sampler import SamplingParams
-from ..sampling_options import OPENAI
-from .generation import APIError, final_text, request_params, start_generation
+from ..tools.calls import ToolCallStream, parse_tool_calls
+from ..tools.messages import normalize_messages
+from ..tools.prompt import prepare_chat
+from .generation import APIError, fit_prompt, start_generation
+from .openai_logprobs import chat_logprobs, completion_logprobs
+from .openai_schemas import ChatRequest, CompletionRequest
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
-    include_usage: bool = False
+def _sse(obj) -> str:
+    return "data: " + json.dumps(obj) + "\n\n"
 
 
-class Sampling(BaseModel):
-    # strict: the types the schema says (true is not the integer 1, "5" is not a number)
-    model_config = ConfigDict(extra="ignore", strict=True)
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    ignore_eos: bool = False   # llama-server's and vLLM's extension: generate to max_tokens
+async def _merged(gens):
+    """(generation index, delta) from several generations as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
 
-    def params(self, max_tokens_default: int) -> SamplingParams:
-        return request_params(OPENAI, self.model_dump(exclude={"logprobs", "max_completion_tokens"}),
-                              max_tokens=max_tokens_default)
+    async def pump(i, gen):
+        try:
+            async for d in gen.deltas():
+                await queue.put((i, d))
+        except BaseException as e:   # handed to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
 
-
-class CompletionRequest(Sampling):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class ChatRequest(Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+def scored_only(body, head: dict, tok, ids_of, echo_text, echo_lps):
+    """max_tokens 0 with echo: each prompt back with its token log-probabilities, nothing generated."""
+    n = body.n or 1
+    choices = [{"index": i * n + j, "text": echo_text[i], "finish_reason": "length",
+                "logprobs": completion_logprobs(tok, ids, echo_lps[i], []) if body.logprobs is not None else None}
+               for i, ids in enumerate(ids_of) for j in range(n)]
+    prompt_tokens = sum(len(ids) for ids in ids_of)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+    if body.stream:
+        events = [_sse({**head, "choices": [c]}) for c in choices]
+        if body.include_usage:
+            events.append(_sse({**head, "choices": [], "usage": usage}))
+        return StreamingResponse(iter(events + ["data: [DONE]\n\n"]), media_type="text/event-stream")
+    return JSONResponse({**head, "choices": choices, "usage": usage})
 
 
 def build_router(state) -> APIRouter:
@@ -67,101 +79,196 @@ def build_router(state) -> APIRouter:
         served = state.registry.get(name)
         if served is None:
             raise APIError(404, f"The model '{name}' does not exist; available: "
-                           f"{', '.join(state.registry.names())}", "model", "model_not_found")
+                           f"{', '.join(state.registry.names())}", "model", code="model_not_found")
         return served
+
+    def card(m) -> dict:
+        return {"id": m.name, "object": "model", "created": int(m.loaded_at), "owned_by": "pyllama-paged"}
 
     @router.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": int(m.loaded_at),
-                                             "owned_by": "pyllama-paged"} for m in state.registry.models.values()]}
+        return {"object": "list", "data": [card(m) for m in state.registry.models.values()]}
 
-    async def run(gen, request: Request, n: int, stream: bool, include_usage: bool, make_choice, make_delta,
-                  obj: str):
-        rid, created = f"{'chatcmpl' if 'chat' in obj else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": obj, "created": created, "model": gen.served.name}
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return card(find(model_id))
 
-        def usage():
-            return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": gen.num_generated,
-                    "total_tokens": len(gen.prompt_ids) + gen.num_generated}
+    def usage(gens) -> dict:
+        prompt = sum(len(g.prompt_ids) for g in gens)
+        completion = sum(g.num_generated for g in gens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-        if stream:
+    async def respond(gens, request: Request, body, head: dict, choice, chunk_choices, final_chunks):
+        """One answer for all generations: SSE chunks, or one JSON body with every choice."""
+        n = body.n or 1
+        if body.stream:
             async def events():
                 try:
-                    async for d in gen.deltas():
-                        if d.text or d.finish_reason:
-                            yield "data: " + json.dumps({**head, "choices": [make_delta(d)]}) + "\n\n"
+                    async for i, d in _merged(gens):
+                        for c in chunk_choices(i * n + d.index, d):
+                            yield _sse({**head, "choices": [c]})
+                    for c in final_chunks():
+                        yield _sse({**head, "choices": [c]})
                 except APIError as e:   # after the 200 header: an error event, then the end
-                    error = {"message": e.message, "type": e.type, "param": e.param, "code": None}
-                    yield "data: " + json.dumps({"error": error}) + "\n\n"
+                    error = {"message": e.message, "type": e.type, "param": e.param, "code": e.code}
+                    yield _sse({"error": error})
                     yield "data: [DONE]\n\n"
                     return
-                if include_usage:
-                    yield "data: " + json.dumps({**head, "choices": [], "usage": usage()}) + "\n\n"
+                if body.include_usage:
+                    yield _sse({**head, "choices": [], "usage": usage(gens)})
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
-        deltas = await gen.collect(request)
-        texts = final_text(deltas, n)
-        obj_final = obj.replace(".chunk", "")
-        return JSONResponse({**head, "object": obj_final,
-                             "choices": [make_choice(j, texts[j], gen.finish_reasons.get(j, "length"))
-                                         for j in range(n)],
-                             "usage": usage()})
+        collected = await asyncio.gather(*(g.collect(request) for g in gens))
+        choices = []
+        for i, (gen, deltas) in enumerate(zip(gens, collected)):
+            for j in range(n):
+                mine = [d for d in deltas if d.index == j]
+                choices.append(choice(i * n + j, i, mine, gen.finish_reasons.get(j, "length")))
+        return JSONResponse({**head, "object": head["object"].replace(".chunk", ""), "choices": choices,
+                             "usage": usage(gens)})
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         served = find(body.model)
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            if len(body.prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported", "prompt")
-            body.prompt = body.prompt[0]
-        if isinstance(body.prompt, str):
-            ids = served.tokenizer.encode(body.prompt, add_special=True, parse_special=True)
-        else:
-            ids = list(body.prompt)
-            if any(not 0 <= t < served.model.config.n_vocab for t in ids):
+        body.refuse_unsupported()
+        if body.suffix:
+            raise APIError(400, "suffix (fill-in-the-middle) is not supported by this model", "suffix")
+        if body.best_of is not None and body.best_of != (body.n or 1):
+            raise APIError(400, "best_of is not supported (use n)", "best_of")
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise APIError(400, "prompt is empty", "prompt")
+        if len(prompts) > state.limits.max_prompts:
+            raise APIError(400, f"{len(prompts)} prompts; the limit is {state.limits.max_prompts}", "prompt")
+        n_vocab = served.model.config.n_vocab
+        ids_of = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids_of.append(served.tokenizer.encode(p, add_special=True, parse_special=True))
+            elif any(not 0 <= t < n_vocab for t in p):
                 raise APIError(400, "prompt token id outside the vocabulary", "prompt")
-        params = body.params(min(16, state.limits.max_tokens))
-        gen = start_generation(served, ids, params, state.limits, state.metrics)
-        echo = body.prompt if (body.echo and isinstance(body.prompt, str)) else ""
+            else:
+                ids_of.append(list(p))
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens 0 generates nothing: it is only allowed with echo, to score the prompt",
+                           "max_tokens")
+        ids_of = [fit_prompt(served, ids, state.limits) for ids in ids_of]
+        if not all(ids_of):
+            raise APIError(400, "prompt is empty", "prompt")
+        echo_text = [(p if isinstance(p, str) else served.tokenizer.decode(p, skip_special=True)) if body.echo else ""
+                     for p in prompts]
+        echo_lps = [None] * len(ids_of)
+        if body.echo and body.logprobs is not None:
+            try:
+                echo_lps = [await asyncio.to_thread(served.loop.call,
+                                                    lambda llm, ids=ids: prompt_logprobs(llm.runner, ids, body.logprobs))
+                            for ids in ids_of]
+            except PagedError as e:
+                raise APIError(503, f"no room to score the prompt now: {e}", "prompt", "server_busy") from None
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": served.name}
+        tok = served.tokenizer
+        if body.max_tokens == 0:
+            return scored_only(body, head, tok, ids_of, echo_text, echo_lps)
+        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
+            constraint = await asyncio.to_thread(body.constraint, tok)
+        except PagedError as e:
+            raise APIError(400, str(e)) from None
+        gens = [start_generation(served, ids, body.params(min(16, state.limits.max_tokens), body.logprobs,
+                                                          constraint), state.limits, state.metrics)
+                for ids in ids_of]
 
-        def choice(j, text, finish):
-            return {"index": j, "text": echo + text, "logprobs": None, "finish_reason": finish}
+        def choice(index, i, deltas, finish):
+            lps = None
+            if body.logprobs is not None:
+                lps = completion_logprobs(tok, gens[i].prompt_ids if body.echo else [], echo_lps[i],
+                                          [d.event for d in deltas if d.event is not None])
+            return {"index": index, "text": echo_text[i] + "".join(d.text for d in deltas),
+                    "logprobs": lps, "finish_reason": finish}
 
-        def delta(d):
-            return {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+        echoed: set[int] = set()
 
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return await run(gen, request, body.n, body.stream, include, choice, delta, "text_completion")
+        def chunk_choices(index, d):
+            text = d.text
+            if body.echo and index not in echoed:
+                echoed.add(index)
+                text = echo_text[index // (body.n or 1)] + text
+            lps = None
+            if body.logprobs is not None and d.event is not None:
+                lps = completion_logprobs(tok, [], None, [d.event])
+            if text or d.finish_reason or lps:
+                return [{"index": index, "text": text, "logprobs": lps, "finish_reason": d.finish_reason}]
+            return []
+
+        return await respond(gens, request, body, head, choice, chunk_choices, lambda: [])
 
     @router.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         served = find(body.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
-                    for m in body.messages]
-        try:
-            text = served.template.render(messages)
+        body.refuse_unsupported()
+        def prepare():
+            messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            return prepare_chat(served.template, served.tokenizer, messages, tools, body.tool_choice,
+                                body.constraint(served.tokenizer))
+
+        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
+            text, constraint, names = await asyncio.to_thread(prepare)
         except PagedError as e:
-            raise APIError(400, str(e), "messages") from None
+            raise APIError(400, str(e), "messages" if "messages" in str(e) else None) from None
         ids = served.tokenizer.encode(text, add_special=True, parse_special=True)
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
-        params = body.params(min(512, state.limits.max_tokens))  # a default within the limit
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.params(state.limits.max_tokens, top, constraint)   # unset: to the context
         gen = start_generation(served, ids, params, state.limits, state.metrics)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": served.name}
+        tok = served.tokenizer
 
-        def choice(j, text, finish):
-            return {"index": j, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": finish}
+        def choice(index, _, deltas, finish):
+            text = "".join(d.text for d in deltas)
+            message = {"role": "assistant", "content": text}
+            if names:
+                content, calls = parse_tool_calls(text, names)
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [c.openai() for c in calls]}
+                    finish = "tool_calls"
+            lps = chat_logprobs(tok, [d.event for d in deltas if d.event is not None]) if body.logprobs else None
+            return {"index": index, "message": message, "logprobs": lps, "finish_reason": finish}
 
         started: set[int] = set()
+        streams: dict[int, ToolCallStream] = {}
 
-        def delta(d):
-            content = {"content": d.text} if d.text else {}
-            if d.index not in started:
-                started.add(d.index)
-                content = {"role": "assistant", **content}
-            return {"index": d.index, "delta": content, "logprobs": None, "finish_reason": d.finish_reason}
+        def chunk_choices(index, d):
+            text = d.text
+            out = []
+            if names:
+                stream = streams.setdefault(index, ToolCallStream(names))
+                text = stream.feed(text)
+                if d.finish_reason:
+                    rest, calls = stream.finish()
+                    text += rest
+                    if calls:
+                        out.append({"tool_calls": [c.openai(k) for k, c in enumerate(calls)]})
+            delta = {"content": text} if text else {}
+            if index not in started:
+                started.add(index)
+                delta = {"role": "assistant", **delta}
+            lps = chat_logprobs(tok, [d.event]) if body.logprobs and d.event is not None else None
+            chunks = []
+            if delta or lps:
+                chunks.append({"index": index, "delta": delta, "logprobs": lps, "finish_reason": None})
+            for extra in out:
+                chunks.append({"index": index, "delta": extra, "logprobs": None, "finish_reason": None})
+            if d.finish_reason:
+                finish = "tool_calls" if out else d.finish_reason
+                chunks.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish})
+            return chunks
 
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return await run(gen, request, body.n, body.stream, include, choice, delta, "chat.completion.chunk")
+        return await respond([gen], request, body, head, choice, chunk_choices, lambda: [])
 
     return router

@@ -3,6 +3,7 @@ template and its own engine loop, found by a user-facing name."""
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import os
 import time
@@ -24,7 +25,7 @@ DEFAULT_MODEL_NAME = "gemma3:270m"
 class EngineOptions:
     paged: bool = True
     n_ctx: int = 4096
-    n_threads: int = 2
+    n_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     n_batch: int = 512
     block_size: int = 32
     kv_cache_type: str = "f16"
@@ -45,6 +46,15 @@ class ServedModel:
     runner: ModelRunner
     loop: EngineLoop
     loaded_at: float = field(default_factory=time.time)
+    keep_alive: float | None = None      # the last request's keep_alive in seconds (None: forever)
+    last_used: float = field(default_factory=time.time)
+
+    def expires_at(self) -> str:
+        """Ollama's expires_at: when keep_alive would let the model go (never: far future)."""
+        if self.keep_alive is None or self.keep_alive < 0:
+            return "2318-01-01T00:00:00Z"
+        when = dt.datetime.fromtimestamp(self.last_used + self.keep_alive, dt.timezone.utc)
+        return when.isoformat().replace("+00:00", "Z")
 
     @property
     def n_ctx(self) -> int:
@@ -87,6 +97,7 @@ class ModelRegistry:
     def __init__(self, paths: list[str] | None, options: EngineOptions):
         self.options = options
         self.models: dict[str, ServedModel] = {}
+        self.aliases: dict[str, str] = {}     # a name made with copy/create -> a served model's name
         if not paths:
             self._load(DEFAULT_MODEL_NAME, default_model_path())
         for path in paths or []:
@@ -115,14 +126,29 @@ class ModelRegistry:
         if not name:
             return next(iter(self.models.values()))
         name = name.lower()
-        if name in self.models:
-            return self.models[name]
-        if name.endswith(":latest") and name[:-7] in self.models:
-            return self.models[name[:-7]]
+        for candidate in (name, name[:-7] if name.endswith(":latest") else None):
+            if candidate in self.models:
+                return self.models[candidate]
+            if candidate in self.aliases:
+                return self.models[self.aliases[candidate]]
         return None
 
     def names(self) -> list[str]:
-        return list(self.models)
+        return list(self.models) + list(self.aliases)
+
+    def add_alias(self, name: str, target: str) -> None:
+        """Another name for a served model (Ollama's copy and create); ValueError if taken."""
+        name = name.lower().removesuffix(":latest")
+        served = self.get(target)
+        if served is None:
+            raise ValueError(f"model '{target}' not found")
+        if name in self.models or not name:
+            raise ValueError(f"'{name}' is already the name of a served model")
+        self.aliases[name] = served.name
+
+    def remove_alias(self, name: str) -> bool:
+        """Drop a name made with add_alias; False if name is not one."""
+        return self.aliases.pop(name.lower().removesuffix(":latest"), None) is not None
 
     def close(self) -> None:
         for m in self.models.values():

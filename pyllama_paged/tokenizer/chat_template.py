@@ -90,8 +90,10 @@ class ChatTemplate:
         except jinja2.TemplateError as e:  # a syntax error: the file's template cannot be used
             raise ModelLoadError(f"metadata field 'tokenizer.chat_template' does not parse: {e}") from e
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Prompt text for messages (the tokenizer adds BOS itself)."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """Prompt text for messages (the tokenizer adds BOS itself); tools, when given, are
+        passed to the template as transformers passes them."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise PagedError(f"messages[{i}] must be an object with 'role' and 'content'")
@@ -99,9 +101,10 @@ class ChatTemplate:
                 raise PagedError(f"messages[{i}].role '{m['role']}' is not one of system, user, assistant, tool")
             if not isinstance(m["content"], str):
                 raise PagedError(f"messages[{i}].content must be a string")
+        extra = {"tools": tools} if tools else {}
         try:
             text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token="", eos_token=self.eos_token)
+                                        bos_token="", eos_token=self.eos_token, **extra)
         except jinja2.TemplateError as e:
             raise PagedError(f"chat template failed to render: {e}") from e
         return text

@@ -1,0 +1,50 @@
+"""Log-probabilities of a prompt's own tokens (OpenAI completions' echo with
+logprobs, as lm-evaluation-harness asks for them): a prefill that keeps every
+position's logits, a few rows at a time so a long prompt never holds a
+[prompt, vocabulary] array."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .model_runner import ModelRunner
+from .sampler import log_softmax
+
+_ROWS = 32   # positions per forward: 32 x 262,144 floats is 32 MiB
+
+
+def prompt_logprobs(runner: ModelRunner, token_ids: Sequence[int],
+                    top_n: int = 0) -> list[tuple[float | None, dict[int, float]]]:
+    """(log-probability of token i given tokens < i, top_n best tokens there) per prompt
+    token; the first has none. Call on the engine's thread, between steps."""
+    ids = list(token_ids)
+    seq = runner.add_sequence(ids)
+    out: list[tuple[float | None, dict[int, float]]] = [(None, {})]
+    try:
+        kv = runner.kv
+        # every position's logits are wanted, so cached pages are recomputed too
+        # (same tokens, same positions: the same K/V are written again)
+        for start in range(0, len(ids), _ROWS):
+            n = min(_ROWS, len(ids) - start)
+            table = kv.block_table(seq.handle)
+            tables = np.full((1, kv.max_blocks_per_seq), -1, dtype=np.int32)
+            tables[0, :len(table)] = table
+            logits = runner.forward(ids[start:start + n], range(start, start + n),
+                                    kv.slot_mapping(seq.handle, start, n), [0] * n, tables, list(range(n)))
+            kv.mark_computed(seq.handle, max(seq.num_computed, start + n))
+            seq.num_computed = max(seq.num_computed, start + n)
+            for k in range(n):
+                nxt = start + k + 1
+                if nxt >= len(ids):
+                    break
+                lp = log_softmax(logits[k])
+                top = {}
+                if top_n > 0:
+                    best = np.argpartition(-lp, top_n)[:top_n]
+                    top = {int(t): float(lp[t]) for t in best[np.argsort(-lp[best])]}
+                out.append((float(lp[ids[nxt]]), top))
+    finally:
+        runner.free(seq)
+    return out

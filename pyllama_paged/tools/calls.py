@@ -1,0 +1,139 @@
+"""Tool calls found in generated text, for the template families we ship:
+Qwen/Hermes (<tool_call>{json}</tool_call>), Llama 3.x ({"name", "parameters"},
+after <|python_tag|> or bare), Mistral ([TOOL_CALLS] [{"name", "arguments"}]),
+and Gemma-style bare JSON (also inside a ``` fence)."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_FENCE = re.compile(r"^```[a-zA-Z_]*\s*(.*?)\s*```$", re.S)
+# text that may open a tool call: held back while streaming until the answer ends
+_OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def openai(self, index: int | None = None) -> dict:
+        """OpenAI's shape: arguments as a JSON string."""
+        out = {"id": self.id, "type": "function",
+               "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+        return out if index is None else {"index": index, **out}
+
+    def ollama(self) -> dict:
+        """Ollama's shape: arguments as an object."""
+        return {"function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _as_call(obj, names: set[str]) -> ToolCall | None:
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("function"), dict):   # {"type": "function", "function": {...}}
+        obj = obj["function"]
+    name = obj.get("name")
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(name, str) or not isinstance(args, dict) or (names and name not in names):
+        return None
+    return ToolCall(name, args)
+
+
+def _calls_in_json(text: str, names: set[str]) -> list[ToolCall] | None:
+    text = text.strip()
+    fenced = _FENCE.match(text)
+    if fenced:
+        text = fenced.group(1)
+    for marker in ("[TOOL_CALLS]", "<|python_tag|>"):
+        text = text.removeprefix(marker).strip()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        # several JSON objects one after another (Llama 3.x may separate them with ';')
+        value, decoder, pos = [], json.JSONDecoder(), 0
+        try:
+            while pos < len(text):
+                obj, end = decoder.raw_decode(text, pos)
+                value.append(obj)
+                pos = end
+                while pos < len(text) and text[pos] in " \n\t;,":
+                    pos += 1
+        except json.JSONDecodeError:
+            return None
+    items = value if isinstance(value, list) else [value]
+    calls = [_as_call(v, names) for v in items]
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls
+
+
+def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, list[ToolCall]]:
+    """(content left, tool calls) of a whole answer; names, when given, are the only
+    functions a call may name (anything else stays content)."""
+    names = names or set()
+    if "<tool_call>" in text:
+        calls = []
+        for body in _HERMES.findall(text):
+            found = _calls_in_json(body, names)
+            if found is None:
+                return text, []
+            calls += found
+        return _HERMES.sub("", text).strip(), calls
+    found = _calls_in_json(text, names)
+    if found:
+        return "", found
+    return text, []
+
+
+class ToolCallStream:
+    """Streams content while it cannot be a tool call; holds back text that may be one
+    and decides when the answer ends."""
+
+    def __init__(self, names: set[str]):
+        self.names = names
+        self.held = ""
+        self.holding = False
+        self.started = False   # some non-space content was already let through
+
+    def feed(self, text: str) -> str:
+        """Content safe to stream now."""
+        if self.holding:
+            self.held += text
+            return ""
+        self.held += text
+        if "<tool_call>" in self.held:
+            before, _, after = self.held.partition("<tool_call>")
+            self.holding, self.held = True, "<tool_call>" + after
+            return before
+        stripped = self.held.lstrip()
+        if not self.started:
+            if not stripped:
+                return ""
+            if any(stripped.startswith(o) or o.startswith(stripped) for o in _OPENERS):
+                if any(stripped.startswith(o) for o in _OPENERS):
+                    self.holding = True
+                return ""
+            self.started = True
+        # keep a possible partial "<tool_call>" at the end
+        keep = next((k for k in range(min(len(self.held), 10), 0, -1)
+                     if "<tool_call>".startswith(self.held[-k:])), 0)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content still held, tool calls) at the end of the answer."""
+        text, self.held = self.held, ""
+        if not self.holding:
+            return text, []
+        return parse_tool_calls(text, self.names)

@@ -1,0 +1,228 @@
+"""Tool calling (issue 14, item 2): calls parsed from each template family's
+output (whole and streamed), tools rendered through the chat template as
+transformers passes them, forced calls held to a grammar, and the round trip
+through the server and the Python API on the default model."""
+
+import json
+
+import jsonschema
+import numpy as np
+import openai
+import pytest
+
+from serving import Running, wait_pool_empty
+from pyllama_paged.constrain.grammar import ConstraintError
+from pyllama_paged.constrain.masks import MaskBuffer
+from pyllama_paged.llama import Llama
+from pyllama_paged.server.app import create_app
+from pyllama_paged.server.generation import Limits
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.tokenizer.chat_template import ChatTemplate
+from pyllama_paged.tokenizer.tokenizer import Tokenizer
+from pyllama_paged.tools.calls import ToolCallStream, parse_tool_calls
+from pyllama_paged.tools.messages import normalize_messages
+from pyllama_paged.tools.prompt import forced_call_constraint, prepare_chat, render_chat, tool_family
+
+M = DEFAULT_MODEL_NAME
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["C", "F"]}},
+               "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+NAMES = {"get_weather", "get_time"}
+PARIS = {"city": "Paris", "unit": "C"}
+
+
+# ---- parsing, per family ------------------------------------------------------
+@pytest.mark.parametrize("text,content", [
+    ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>',
+     "Let me look."),                                                                         # Qwen / Hermes
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}', ""),  # Llama 3.x
+    ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}', ""),             # Llama 3.x, bare
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}]', ""),  # Mistral
+    ('```json\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n```', ""),  # Gemma-style
+    ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"unit\\": \\"C\\"}"}', ""),  # args as text
+])
+def test_calls_are_parsed_whole_and_streamed(text, content):
+    left, calls = parse_tool_calls(text, NAMES)
+    assert left == content and [(c.name, c.arguments) for c in calls] == [("get_weather", PARIS)]
+    stream = ToolCallStream(NAMES)
+    streamed = "".join(stream.feed(ch) for ch in text)
+    rest, calls = stream.finish()
+    assert (streamed + rest).strip() == content and [c.name for c in calls] == ["get_weather"]
+    assert calls[0].openai()["function"]["arguments"] == json.dumps(PARIS)
+
+
+def test_several_calls_and_things_that_are_not_calls():
+    _, calls = parse_tool_calls('{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+                                '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}', NAMES)
+    assert [c.name for c in calls] == ["get_time", "get_weather"]
+    for text in ("Hello there!", '{"a": 1}', '{"name": "rm_rf", "arguments": {}}', "[1, 2]", "{broken"):
+        assert parse_tool_calls(text, NAMES) == (text, [])
+        stream = ToolCallStream(NAMES)
+        streamed = "".join(stream.feed(ch) for ch in text)
+        rest, calls = stream.finish()
+        assert streamed + rest == text and not calls
+    stream = ToolCallStream(NAMES)   # plain text streams at once, not at the end
+    assert stream.feed("Sure") == "Sure" and stream.feed(", <tool") == ", " and stream.feed("bar>") == "<toolbar>"
+
+
+# ---- rendering ----------------------------------------------------------------
+# A template of our own in the shape of the tool-aware ones GGUF files carry.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<tools>{% for t in tools %}{{ t.function.name }}:{{ t.function.parameters | tojson }};"
+    "{% endfor %}</tools>\n{% endif %}"
+    "{%- for m in messages %}<{{ m.role }}>"
+    "{%- if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}</tool_call>{% endfor %}{% endif %}"
+    "{{ m.content }}</{{ m.role }}>\n{% endfor %}<assistant>")
+
+
+def test_tools_reach_a_tool_aware_template_as_transformers_passes_them():
+    tok = Tokenizer(["a", "<tool_call>"], token_types=[1, 4])
+    template = ChatTemplate(TOOL_TEMPLATE)
+    messages = normalize_messages([
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(PARIS)}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}])
+    text = render_chat(template, tok, messages, TOOLS)
+    assert "<tools>get_weather:" in text and '"maxLength": 20' in text
+    assert '<tool_call>get_weather{"city": "Paris", "unit": "C"}</tool_call>' in text   # arguments as an object
+    assert "<tool>18 C</tool>" in text and tool_family(template, tok) == "hermes"
+
+
+def test_templates_without_tools_get_them_described(llm):
+    messages = normalize_messages([{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "Weather in Paris?"},
+                                   {"role": "assistant", "content": None, "tool_calls": [
+                                       {"id": "c1", "function": {"name": "get_weather", "arguments": PARIS}}]},
+                                   {"role": "tool", "tool_call_id": "c1", "content": "18 C"}])
+    text = render_chat(llm.chat_template, llm.tokenizer, messages, TOOLS)
+    assert tool_family(llm.chat_template, llm.tokenizer) == "json"
+    assert "Be brief." in text and "get_time" in text and "Result of get_weather: 18 C" in text
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}' in text
+
+
+@pytest.mark.parametrize("family,answer", [
+    ("hermes", '<tool_call>\n{"name":"get_time","arguments":{"zone":"CET"}}\n</tool_call>'),
+    ("llama3", '{"name":"get_time","parameters":{"zone":"CET"}}'),
+    ("mistral", '[{"name":"get_time","arguments":{"zone":"CET"}}]'),
+    ("json", '{"name":"get_time","arguments":{"zone":"CET"}}'),
+])
+def test_forced_call_grammar_admits_a_call_then_the_end(llm, family, answer):
+    tok = llm.tokenizer
+    state = forced_call_constraint(tok, family, TOOLS).start()
+    buffer = MaskBuffer(tok.n_vocab)
+    for token in tok.encode(answer, add_special=False):
+        assert buffer.fill([state])[0][token], (family, tok.tokens[token])
+        state.accept(token)
+    assert set(np.flatnonzero(buffer.fill([state])[0])) == set(tok.eot_ids)
+    assert parse_tool_calls(answer, NAMES)[1][0].arguments == {"zone": "CET"}
+    only = forced_call_constraint(tok, family, TOOLS, only="get_weather").start()
+    first = tok.encode(answer, add_special=False)
+    for token in first:   # a call to the other function is refused somewhere along the way
+        if not buffer.fill([only])[0][token]:
+            break
+        only.accept(token)
+    else:
+        pytest.fail("a call to get_time passed a grammar for get_weather only")
+
+
+def test_tool_choice_errors(llm):
+    for tools, choice, needle in ((TOOLS, {"type": "function", "function": {"name": "nope"}}, "not among"),
+                                  ([], "required", "no tools"), (TOOLS, "sometimes", "not none, auto"),
+                                  ([{"type": "function"}], "auto", r"tools\[0\]")):
+        with pytest.raises(ConstraintError, match=needle):
+            prepare_chat(llm.chat_template, llm.tokenizer, [{"role": "user", "content": "x"}], tools, choice)
+
+
+# ---- the round trip on the default model --------------------------------------
+@pytest.fixture(scope="module")
+def llm():
+    with Llama(n_ctx=1024, n_threads=2) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def server():
+    registry = ModelRegistry(None, EngineOptions(n_ctx=1024, n_threads=2, n_batch=256, block_size=32,
+                                                 kv_budget_tokens=8192, max_num_seqs=16))
+    s = Running(create_app(registry, Limits(max_tokens=200)))
+    yield s
+    s.close()
+    registry.close()
+
+
+def _check_call(name, arguments):
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+    jsonschema.validate(json.loads(arguments) if isinstance(arguments, str) else arguments, schema)
+
+
+def test_python_api_forced_tool_call(llm):
+    out = llm.create_chat_completion([{"role": "user", "content": "What is the weather in Paris?"}],
+                                     tools=TOOLS, tool_choice="required", max_tokens=100, seed=2)
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    call = choice["message"]["tool_calls"][0]["function"]
+    _check_call(call["name"], call["arguments"])
+    chunks = list(llm.create_chat_completion([{"role": "user", "content": "What time is it?"}], tools=TOOLS,
+                                             tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                             max_tokens=100, seed=3, stream=True))
+    calls = [tc for c in chunks for ch in c["choices"] for tc in ch["delta"].get("tool_calls", [])]
+    assert [tc["function"]["name"] for tc in calls] == ["get_time"]
+    _check_call("get_time", calls[0]["function"]["arguments"])
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] == ["tool_calls"]
+
+
+def test_openai_forced_and_named_tool_calls_round_trip(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "get_time"}}]):
+        r = client.chat.completions.create(model=M, messages=messages, tools=TOOLS, tool_choice=choice,
+                                           max_tokens=100, seed=seed)
+        assert r.choices[0].finish_reason == "tool_calls"
+        call = r.choices[0].message.tool_calls[0]
+        _check_call(call.function.name, call.function.arguments)
+        if isinstance(choice, dict):
+            assert call.function.name == "get_time"
+    # the call goes back with its result: the conversation continues
+    follow = messages + [r.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    again = client.chat.completions.create(model=M, messages=follow, tools=TOOLS, max_tokens=5)
+    assert again.choices[0].message.role == "assistant"
+    # streamed: the call arrives as tool_calls deltas, then finish_reason tool_calls
+    chunks = list(client.chat.completions.create(model=M, messages=messages, tools=TOOLS, tool_choice="required",
+                                                 max_tokens=100, seed=5, stream=True))
+    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and deltas
+    _check_call(deltas[0].function.name, deltas[0].function.arguments)
+    assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
+    assert wait_pool_empty(server.url)
+
+
+def test_ollama_tool_call_round_trip(server):
+    import ollama
+
+    client = ollama.Client(host=server.url)
+    # Ollama has no tool_choice: a format holding the answer to a call's shape makes the
+    # default base model call; the answer comes back as message.tool_calls
+    call_format = {"type": "object", "properties": {"name": {"const": "get_weather"},
+                                                    "arguments": WEATHER["function"]["parameters"]},
+                   "required": ["name", "arguments"]}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat(model=M, messages=messages, tools=TOOLS, format=call_format, options={"seed": 1})
+    call = r.message.tool_calls[0].function
+    assert call.name == "get_weather" and not r.message.content
+    _check_call(call.name, dict(call.arguments))
+    streamed = list(client.chat(model=M, messages=messages, tools=TOOLS, format=call_format, stream=True,
+                                options={"seed": 2}))
+    calls = [c for part in streamed for c in (part.message.tool_calls or [])]
+    assert len(calls) == 1 and streamed[-1].done
+    follow = messages + [r.message.model_dump(exclude_none=True),
+                         {"role": "tool", "content": "18 C", "tool_name": "get_weather"}]
+    assert client.chat(model=M, messages=follow, tools=TOOLS, options={"num_predict": 5}).done
