@@ -200,48 +200,48 @@ static int32_t keep_weighing_at_least(int32_t *ids, int32_t n, const float *w, f
     return kept;
 }
 
-static void swap_ids(int32_t *ids, int32_t a, int32_t b) {
-    const int32_t t = ids[a];
-    ids[a] = ids[b];
-    ids[b] = t;
+/* Buckets of nucleus_front: a weight in (0, 1] by its float bits' top 13
+ * (sign, exponent and 4 mantissa bits), so a higher bucket is a higher weight. */
+#define NUCLEUS_BUCKET_SHIFT 19
+#define NUCLEUS_BUCKETS ((0x3f800000u >> NUCLEUS_BUCKET_SHIFT) + 1)
+
+static uint32_t weight_bucket(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return bits >> NUCLEUS_BUCKET_SHIFT;   /* v in [0, 1]: at most NUCLEUS_BUCKETS - 1 */
 }
 
 /* Moves the nucleus, the fewest highest-weighted of the n ids whose weights
- * add up to at least target > 0 (all n if they never do), to the front of
- * ids in no particular order, and returns its size: a three-way quickselect
- * on the weights, linear in n on average where sorting is n log n. Among
- * tokens of equal weight at the boundary, any may be the ones kept. */
-static int32_t nucleus_front(int32_t *ids, int32_t n, const float *w, double target) {
-    int32_t lo = 0, hi = n;   /* ids[0, lo) are in, weighing `before` < target; the boundary is in [lo, hi) */
-    double before = 0.0;
-    while (lo < hi) {
-        const float pivot = w[ids[lo + (hi - lo) / 2]];
-        int32_t gt = lo, i = lo, lt = hi;   /* [lo, gt) > pivot, [gt, lt) == pivot, [lt, hi) < pivot */
-        double gt_mass = 0.0;
-        while (i < lt) {
-            const float v = w[ids[i]];
-            if (v > pivot) {
-                gt_mass += v;
-                swap_ids(ids, gt++, i++);
-            } else if (v < pivot) {
-                swap_ids(ids, i, --lt);
-            } else {
-                i++;
-            }
-        }
-        if (before + gt_mass >= target) {
-            hi = gt;
-            continue;
-        }
-        const double eq_mass = (double)(lt - gt) * pivot;
-        if (before + gt_mass + eq_mass >= target) {
-            const double need = ceil((target - before - gt_mass) / pivot);
-            return gt + (need < 1.0 ? 1 : need > lt - gt ? lt - gt : (int32_t)need);
-        }
-        before += gt_mass + eq_mass;
-        lo = lt;
+ * (in (0, 1]) add up to at least target > 0 (all n if they never do), to the
+ * front of ids and returns its size. One pass sums the weights per bucket of
+ * their float bits, which finds the bucket where the nucleus ends; only that
+ * bucket's tokens are sorted. Linear in n: a flat row (a high temperature)
+ * has tens of thousands of tokens in its nucleus. */
+static int32_t nucleus_front(int32_t *ids, int32_t n, const float *w, double target, int32_t *spare) {
+    static _Thread_local double mass[NUCLEUS_BUCKETS];
+    memset(mass, 0, sizeof mass);
+    for (int32_t i = 0; i < n; i++) mass[weight_bucket(w[ids[i]])] += w[ids[i]];
+    double cum = 0.0;
+    int32_t edge = (int32_t)NUCLEUS_BUCKETS - 1;
+    for (; edge > 0; edge--) {
+        if (cum + mass[edge] >= target) break;
+        cum += mass[edge];
     }
-    return lo > 0 ? lo : 1;
+    /* tokens above the edge bucket first (id order), then the edge bucket's, sorted */
+    int32_t above = 0, at = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t b = (int32_t)weight_bucket(w[ids[i]]);
+        if (b > edge) ids[above++] = ids[i];
+        else if (b == edge) spare[at++] = ids[i];
+    }
+    sort_desc(spare, at, w);
+    int32_t keep = above;
+    for (int32_t i = 0; i < at; i++) {
+        ids[keep++] = spare[i];
+        cum += w[spare[i]];
+        if (cum >= target) break;
+    }
+    return keep > 0 ? keep : (n > 0 ? 1 : 0);
 }
 
 /* Draws one of ids[0, keep) (keep >= 1 is made so) in proportion to its
@@ -377,14 +377,20 @@ static int sample_row(const pp_sampler *s, sampler_scratch *sc, const float *log
              * more); lower it until they hold the nucleus. */
             int32_t *sel = sc->selected;
             n_cand = keep_at_least(row, sel, scan.n_ids, logit_cut(m, sp->temperature, threshold));
+            int weighed_all = 0;   /* many candidates: every weight from one vector pass */
             for (;;) {
                 double mass = 0.0;
+                if (!weighed_all && n_cand > SORT_LIMIT) {
+                    math->weigh_row(row, n, m, inv_t, w);
+                    weighed_all = 1;
+                }
                 for (int32_t i = 0; i < n_cand; i++) {
-                    w[sel[i]] = expf((row[sel[i]] - m) * inv_t);
+                    if (!weighed_all) w[sel[i]] = expf((row[sel[i]] - m) * inv_t);
                     mass += w[sel[i]];
                 }
                 if (mass >= (double)sp->top_p * z || threshold <= floor_p || threshold < 1e-30f) break;
-                threshold = threshold / 1024.0f > floor_p ? threshold / 1024.0f : floor_p;
+                /* a gentle step: the nucleus is rarely far below, and every token let in is weighed */
+                threshold = threshold / 16.0f > floor_p ? threshold / 16.0f : floor_p;
                 n_cand = math->select_at_least(row, n, logit_cut(m, sp->temperature, threshold), sel);
             }
             if (n_cand == 0) {   /* only when the best itself is not finite */
@@ -396,7 +402,7 @@ static int sample_row(const pp_sampler *s, sampler_scratch *sc, const float *log
                 /* A flat row (a high temperature) puts much of the vocabulary
                  * in the nucleus: find it without sorting it. The best weighs 1. */
                 int32_t keep = sp->min_p > 0.0f ? keep_weighing_at_least(ids, n_cand, w, sp->min_p) : n_cand;
-                if (sp->top_p < 1.0f) keep = nucleus_front(ids, keep, w, (double)sp->top_p * z);
+                if (sp->top_p < 1.0f) keep = nucleus_front(ids, keep, w, (double)sp->top_p * z, sc->selected);
                 out->token = draw(ids, keep, w, next_uniform(r->rng_state));
                 goto logprobs;
             }

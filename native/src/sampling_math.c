@@ -108,6 +108,16 @@ static void FN(scan_row)(const float *x, int32_t n, pp_row_scan *scan) {
     scan->n_ids = count;
 }
 
+static void FN(weigh_row)(const float *x, int32_t n, float m, float scale, float *w) {
+    int32_t j = 0;
+#ifdef PP_SAMPLING_AVX2
+    const __m256 vm = _mm256_set1_ps(m), vs = _mm256_set1_ps(scale);
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(w + j, pp_exp_nonpositive(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), vs)));
+#endif
+    for (; j < n; j++) w[j] = expf((x[j] - m) * scale);
+}
+
 static int32_t FN(select_at_least)(const float *x, int32_t n, float cut, int32_t *ids) {
     int32_t count = 0, j = 0;
 #ifdef PP_SAMPLING_AVX2
@@ -135,4 +145,5 @@ const pp_sampling_math PP_CONCAT(pp_sampling_math, PP_ATTENTION_MATH_VARIANT) = 
     .name = PP_STR(PP_ATTENTION_MATH_VARIANT),
     .scan_row = FN(scan_row),
     .select_at_least = FN(select_at_least),
+    .weigh_row = FN(weigh_row),
 };

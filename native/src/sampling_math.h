@@ -31,6 +31,10 @@ typedef struct pp_sampling_math {
      * L1) finding what a draw needs; see pp_row_scan. */
     void (*scan_row)(const float *x, int32_t n, pp_row_scan *scan);
 
+    /* w[j] = e^((x[j] - m) * scale) for every j < n (x[j] <= m, scale > 0): a
+     * flat row's many candidates weighed in one vector pass. */
+    void (*weigh_row)(const float *x, int32_t n, float m, float scale, float *w);
+
     /* The indices of x[j] >= cut in increasing order into ids (room for n);
      * returns how many. */
     int32_t (*select_at_least)(const float *x, int32_t n, float cut, int32_t *ids);
