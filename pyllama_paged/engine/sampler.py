@@ -88,7 +88,9 @@ class Sampler:
         self.params = params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.rng_state = np.array([lib.pp_sampler_seed(seed % (1 << 64))], dtype=np.uint64)
+        self.rng_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.rng_state))   # what a row points at
         self.constraint = params.constraint.start() if params.constraint is not None else None
+        self.native_params = None   # (n_vocab, pp_sampling_params *) once a BatchSampler made it
 
     def history(self, token_ids: list[int]) -> list[int]:
         """The tokens the penalties count: the last penalty_last_n (all if 0), or none
@@ -123,6 +125,7 @@ class BatchSampler:
         self.n_vocab = n_vocab
         self._native = None
         self._masks: MaskBuffer | None = None
+        self._capacity = 0
         out = ffi.new("pp_sampler **")
         check(lib.pp_sampler_create(n_vocab, n_threads, out), "sampler")
         self._native = out[0]
@@ -134,31 +137,20 @@ class BatchSampler:
             return []
         if logits.dtype != np.float32 or not logits.flags.c_contiguous or logits.shape[-1] != self.n_vocab:
             raise PagedError(f"logits must be C-contiguous float32 rows of {self.n_vocab}")
-        rows = ffi.new("pp_sample_row[]", n)
-        results = ffi.new("pp_sample_result[]", n)
+        rows, results = self._arrays(n)
         keep = self._allowed_masks(rows, picks)   # these arrays must outlive the call
         for r, (row_index, sampler, history) in zip(rows, picks):
-            p = sampler.params
             r.logit_row = row_index
-            sp = r.params
-            # valid doubles beyond float's range are clamped, never turned into 0 or inf
-            sp.temperature = _clamp(p.temperature, 0.0)
-            sp.top_k = min(p.top_k, self.n_vocab)   # any k >= the vocabulary keeps it all
-            sp.top_p = max(p.top_p, _TINY)
-            sp.min_p = p.min_p
-            sp.repeat_penalty = _clamp(p.repeat_penalty, _TINY)
-            sp.presence_penalty = _clamp(p.presence_penalty, -_HUGE)
-            sp.frequency_penalty = _clamp(p.frequency_penalty, -_HUGE)
-            sp.n_logprobs = -1 if p.logprobs is None else p.logprobs
+            r.params = self._params_of(sampler)[0]
             counted = sampler.history(history)
             if counted:
                 arr = np.asarray(counted, dtype=np.int32)
                 keep.append(arr)
                 r.history = ffi.cast("const int32_t *", ffi.from_buffer(arr))
                 r.n_history = len(arr)
-            r.rng_state = ffi.cast("uint64_t *", ffi.from_buffer(sampler.rng_state))
+            r.rng_state = sampler.rng_ptr
         check(lib.pp_sample(self._native, ffi.cast("const float *", ffi.from_buffer(logits)),
-                            logits.shape[0] if logits.ndim == 2 else 1, rows, n, results), "sample")
+                            logits.shape[0] if logits.ndim == 2 else 1, self._rows, n, self._results), "sample")
         out = []
         for res, (_, sampler, _) in zip(results, picks):
             if sampler.constraint is not None:
@@ -169,6 +161,36 @@ class BatchSampler:
                 top = {int(res.top_ids[j]): float(res.top_logprobs[j]) for j in range(res.n_top)}
                 out.append(Sampled(res.token, float(res.logprob), top))
         return out
+
+    def _arrays(self, n: int):
+        """The rows and results of a call of n rows: reused, grown as needed, rows zeroed."""
+        if n > self._capacity:
+            self._capacity = max(n, 2 * self._capacity)
+            self._rows = ffi.new("pp_sample_row[]", self._capacity)
+            self._results = ffi.new("pp_sample_result[]", self._capacity)
+            self._zeros = bytes(ffi.sizeof("pp_sample_row") * self._capacity)
+        rows = ffi.cast("pp_sample_row *", self._rows)
+        ffi.memmove(rows, self._zeros, ffi.sizeof("pp_sample_row") * n)   # no history or mask left over
+        return ffi.cast("pp_sample_row *", self._rows)[0:n], self._results[0:n]
+
+    def _params_of(self, sampler: "Sampler"):
+        """The sampler's parameters as the native struct, made once per sampler."""
+        cached = sampler.native_params
+        if cached is not None and cached[0] == self.n_vocab:
+            return cached[1]
+        p = sampler.params
+        sp = ffi.new("pp_sampling_params *")
+        # valid doubles beyond float's range are clamped, never turned into 0 or inf
+        sp.temperature = _clamp(p.temperature, 0.0)
+        sp.top_k = min(p.top_k, self.n_vocab)   # any k >= the vocabulary keeps it all
+        sp.top_p = max(p.top_p, _TINY)
+        sp.min_p = p.min_p
+        sp.repeat_penalty = _clamp(p.repeat_penalty, _TINY)
+        sp.presence_penalty = _clamp(p.presence_penalty, -_HUGE)
+        sp.frequency_penalty = _clamp(p.frequency_penalty, -_HUGE)
+        sp.n_logprobs = -1 if p.logprobs is None else p.logprobs
+        sampler.native_params = (self.n_vocab, sp)
+        return sp
 
     def _allowed_masks(self, rows, picks) -> list:
         """Point each constrained row at its grammar's token mask, all computed in one batch."""
