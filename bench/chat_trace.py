@@ -323,7 +323,7 @@ def main(argv=None) -> int:
     notes = (f"{args.requests} streaming chat requests (the `openai` client), Poisson arrivals at {args.rate}/s, "
              f"{len(SYSTEM_PROMPTS)} shared system prompts, fixed output lengths (mean {args.output_mean}, "
              f"`ignore_eos`), {args.threads} threads per server. llama-server: -np {args.np} -c {args.ctx}, "
-             f"KV {(kv_bytes or 0) / 2**20:.1f} MiB (from its log; 84 MiB assumed when it did not run); ours: paged, the same bytes "
+             + (f"KV {kv_bytes / 2**20:.1f} MiB (from its log)" if kv_bytes else "not run (84 MiB assumed)") + f"; ours: paged, the same bytes "
              f"({runs and next(iter(r.get('kv_pool_tokens') for r in runs.values() if 'kv_pool_tokens' in r), None)} "
              f"tokens of pool), context {args.ctx // args.np} per sequence, block {args.block_size}.\n\n"
              "Ours / llama-server:\n\n" + (markdown_table(ratios) if ratios else "(one side only)\n"))
