@@ -12,7 +12,13 @@ ours vs llama.cpp's llama-server (iSWA cache), side by side in one run.
    requests_processing metric), output tokens/s, TTFT, errors, and whether
    every answer is intact (greedy, the same tokens from both servers, up to
    the first near-tie both could take).
-2. One long sequence (`--part long`): the KV bytes one sequence of 8,192
+2. Long contexts (`--part longctx`): --long-requests requests of 4k-8k
+   tokens at once, in the KV bytes of `llama-server -c 32768 -np 4` (slots of
+   8,192 tokens) and of the same with `--kv-unified` (one cache of 32,768
+   cells shared by the slots); ours with each of those byte budgets and a
+   context of 8,192 per sequence. Measured: sequences computing at once,
+   output tokens/s, TTFT.
+3. One long sequence (`--part long`): the KV bytes one sequence of 8,192
    tokens holds in our engine (pages held after its prefill, and the most
    held while it was prefilled in chunks), vs llama.cpp's per-slot iSWA
    figure for the same context: llama-server -c 8192 -np 1's KV buffers.
@@ -72,7 +78,9 @@ def start_llama_server(binary, model, threads, ctx, np_, log: Path):
 def start_ours(model, threads, ctx, kv_bytes, log: Path, max_seqs=64):
     port = free_port()
     cmd = ["pyllama-paged", "serve", "--port", str(port), "--threads", str(threads), "--ctx", str(ctx),
-           "--kv-budget", f"{kv_bytes}B", "--max-seqs", str(max_seqs), "--max-queue", "1024"]
+           "--kv-budget", f"{kv_bytes}B", "--max-seqs", str(max_seqs), "--max-queue", "1024",
+           # admit by memory alone: this measures how many conversations the pool holds
+           "--itl-budget-ms", "off"]
     if model:
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -87,11 +95,13 @@ def start_ours(model, threads, ctx, kv_bytes, log: Path, max_seqs=64):
     return proc, url, name
 
 
-def make_conversations(tokenizer, n: int, mean: float, out: int, seed: int) -> list[dict]:
-    """n prompts whose token counts follow the chat distribution (text both servers tokenize alike)."""
+def make_conversations(tokenizer, n: int, mean: float, out: int, seed: int, totals=None) -> list[dict]:
+    """n prompts whose token counts follow the chat distribution (or are `totals`), as text
+    both servers tokenize alike."""
     rng = np.random.default_rng(seed)
     sigma = 0.8
-    totals = np.clip(rng.lognormal(np.log(mean) - sigma ** 2 / 2, sigma, size=n), 64, 2048).astype(int)
+    if totals is None:
+        totals = np.clip(rng.lognormal(np.log(mean) - sigma ** 2 / 2, sigma, size=n), 64, 2048).astype(int)
     convs = []
     for i, total in enumerate(totals):
         words = [WORDS[j] for j in rng.integers(len(WORDS), size=int(total) * 2)]
@@ -206,6 +216,40 @@ def part_chat(args, model_path, binary, out_dir) -> dict:
             "full_length_answers": lengths_ok, "lengths": [c["target_tokens"] for c in convs]}
 
 
+def part_longctx(args, model_path, binary, out_dir) -> dict:
+    from pyllama_paged.engine.model import Model
+    from pyllama_paged.tokenizer.tokenizer import Tokenizer
+    m = Model(args.model)
+    tokenizer = Tokenizer.from_metadata(m.metadata)
+    m.close()
+    totals = np.random.default_rng(args.seed + 1).integers(4096, 8192 - args.output_tokens - 8, size=args.long_requests)
+    convs = make_conversations(tokenizer, len(totals), 0, args.output_tokens, args.seed + 1, totals=totals)
+    out = {"lengths": [int(t) for t in totals], "setups": {}}
+    for setup, extra in (("per-slot", []), ("unified", ["--kv-unified"])):
+        log = out_dir / f"window_capacity.longctx-{setup}.log"
+        port = free_port()
+        proc = subprocess.Popen([binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(port), "-t",
+                                 str(args.threads), "-c", "32768", "-np", "4", "--metrics", "-lv", "4", *extra],
+                                stdout=log.open("w"), stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc, "/health")
+            mib = kv_mib_from_log(log)
+            runs = {"llama-server": run_burst("llama-server", url, "default", convs)}
+        finally:
+            stop(proc)
+        kv_bytes = int(sum(mib) * 2**20)
+        proc, url, name = start_ours(args.model, args.threads, 8192, kv_bytes, out_dir / f"window_capacity.longctx-ours-{setup}.log")
+        try:
+            runs["ours"] = run_burst("ours", url, name, convs)
+        finally:
+            stop(proc)
+        for r in runs.values():
+            print(setup, {k: v for k, v in r.items() if k not in ("per_request", "concurrency_samples")}, flush=True)
+        out["setups"][setup] = {"llama_server_kv_mib": mib, "kv_bytes": kv_bytes, "runs": runs}
+    return out
+
+
 def part_long(args, model_path, binary, out_dir) -> dict:
     from pyllama_paged.engine.llm_engine import LLMEngine
     from pyllama_paged.engine.model import Model
@@ -275,7 +319,8 @@ def plot(path: Path, chat: dict | None, long: dict | None) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--part", default="chat,long")
+    ap.add_argument("--part", default="chat,longctx,long")
+    ap.add_argument("--long-requests", type=int, default=8, help="requests of 4k-8k tokens (--part longctx)")
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--mean-tokens", type=float, default=300, help="mean conversation length (log-normal)")
     ap.add_argument("--output-tokens", type=int, default=32)
@@ -298,6 +343,7 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     parts = args.part.split(",")
     chat = part_chat(args, model_path, binary, out_dir) if "chat" in parts else None
+    longctx = part_longctx(args, model_path, binary, out_dir) if "longctx" in parts else None
     long = part_long(args, model_path, binary, out_dir) if "long" in parts else None
 
     rows = []
@@ -307,6 +353,13 @@ def main(argv=None) -> int:
                          "errors": r["errors"], "max concurrent": r["max_concurrent"],
                          "mean concurrent": r["mean_concurrent"], "tokens/s": r["tokens_per_s"],
                          "TTFT p50 s": r["ttft_p50"], "TTFT p95 s": r["ttft_p95"]})
+    if longctx:
+        for setup, d in longctx["setups"].items():
+            for side, r in d["runs"].items():
+                rows.append({"part": f"4k-8k contexts, KV of llama-server {setup} ({d['kv_bytes'] / 2**20:.0f} MiB)",
+                             "side": side, "conversations": r["conversations"], "errors": r["errors"],
+                             "max concurrent": r["max_concurrent"], "mean concurrent": r["mean_concurrent"],
+                             "tokens/s": r["tokens_per_s"], "TTFT p50 s": r["ttft_p50"], "TTFT p95 s": r["ttft_p95"]})
     if long:
         rows.append({"part": f"one {long['context']}-token sequence", "side": "llama-server (per-slot iSWA)",
                      "KV MiB": long["llama_server_bytes"] / 2**20})
@@ -330,7 +383,8 @@ def main(argv=None) -> int:
         notes += (f"One sequence of {long['context']} tokens: llama-server -c {long['context']} -np 1 allocates "
                   f"{long['llama_server_kv_mib']} MiB (global + SWA caches). Ours: pages held after the prefill "
                   "(the figure that stays while it decodes), and the most held during the chunked prefill.\n")
-    write_results("window_capacity", {"params": vars(args), "chat": chat, "long": long}, rows, out_dir=out_dir,
+    write_results("window_capacity", {"params": vars(args), "chat": chat, "longctx": longctx, "long": long}, rows,
+                  out_dir=out_dir,
                   title="Sliding-window paging: concurrency and long-context KV in fixed memory, "
                         "ours vs llama-server", notes=notes)
     plot(out_dir / "window_capacity.png", chat, long)

@@ -51,6 +51,10 @@ def _print_stats(llm, last_rate: float | None) -> None:
         print(f"[pages: {s['blocks_used']} used, {s['blocks_free']} free, {s['blocks_shared']} shared, "
               f"{s['blocks_cached']} cached of {s['blocks_total']} x {llm.runner.kv.block_size} tokens; "
               f"utilization {s['utilization']:.1%}; prefix-cache hit rate {s['prefix_hit_rate']:.1%}]")
+        groups = s.get("kv_groups") or []
+        if len(groups) > 1:
+            print(f"[KV {s['kv_bytes_used'] / 2**20:.1f} of {s['kv_pool_bytes'] / 2**20:.1f} MiB in "
+                  f"{len(groups)} layer groups; pages past a window go back to the pool]")
     else:
         print(f"[slabs: {s['blocks_used']} used, {s['blocks_free']} free of {s['blocks_total']}]")
     rate = f"{last_rate:.1f} tokens/s" if last_rate else "n/a"

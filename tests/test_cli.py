@@ -82,7 +82,7 @@ def test_chat_commands_and_ctrl_c():
     stopped_at = wait_until(lambda text: "[stopped]" in text[prompt_end:], "[stopped]")
     proc.stdin.write("/stats\n")
     proc.stdin.flush()
-    wait_until(lambda text: "prefix-cache hit rate" in text[stopped_at:], "the stats")
+    wait_until(lambda text: "layer groups" in text[stopped_at:], "the stats")
     proc.stdin.write("/reset\n/exit\n")
     proc.stdin.flush()
     assert proc.wait(timeout=60) == 0
@@ -90,3 +90,4 @@ def test_chat_commands_and_ctrl_c():
     assert "[history cleared]" in text
     # the stopped answer gave its pages back: none in use
     assert "0 used" in text.split("[pages:")[1]
+    assert "in 6 layer groups" in text   # Gemma 3 270M's global layers and five window groups

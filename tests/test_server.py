@@ -65,7 +65,8 @@ def test_ollama_generate_chat_and_listing(server):
     ps = client.ps()
     assert ps.models[0].model == DEFAULT_MODEL_NAME
     raw = httpx.get(f"{server.url}/api/ps").json()["models"][0]["kv_cache"]
-    assert raw["paged"] and raw["blocks_total"] == 256
+    # 8192 tokens of every layer, in blocks of one of Gemma 3 270M's six layer groups
+    assert raw["paged"] and raw["blocks_total"] == 6 * 256 and raw["bytes"] == 8192 * 18432
     assert httpx.get(f"{server.url}/api/version").json()["version"]
 
 
