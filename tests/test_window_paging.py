@@ -276,3 +276,29 @@ def test_n_samples_and_beams_run_on_freed_windows(model):
     assert req.error is None and bouts
     assert llm.stats()["blocks_used"] == 0
     llm.runner.close()
+
+
+def test_the_portable_gather_path_reads_only_what_the_window_kept(model):
+    """Pages gathered by slot then GGML's flash attention (the path for any backend): over
+    several windows, with window pages given back, it agrees with our operator."""
+    prompt = list(np.random.default_rng(9).integers(4, 300, size=120))
+    out = {}
+    for attention in ("kernel", "gather"):
+        runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=64, block_size=16, attention=attention)
+        seq = runner.add_sequence_cached(prompt)
+        rows = []
+        while seq.num_computed < len(prompt):
+            n = min(37, len(prompt) - seq.num_computed)          # chunks that straddle blocks
+            runner.append_tokens(seq, prompt[seq.num_tokens:seq.num_computed + n])
+            rows.append(runner.step([(seq, n)]).copy())
+        assert min(runner.kv.block_table(seq.handle, 1)) < 0    # window pages were given back
+        out[attention] = np.concatenate([r for r in rows if len(r)])
+        runner.close()
+    err = np.abs(out["kernel"] - out["gather"]).max() / np.ptp(out["kernel"])
+    assert err < 0.02, err
+
+
+def test_an_unknown_attention_path_is_refused(model):
+    from pyllama_paged.errors import PagedError
+    with pytest.raises(PagedError, match="attention 'cuda' unknown"):
+        ModelRunner(model, n_ctx=64, n_threads=1, attention="cuda")

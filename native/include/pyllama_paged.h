@@ -437,6 +437,18 @@ int pp_context_set_threads(pp_context *ctx, int32_t n_threads);
  * reserved: the attention kernel's tiles are made with the context. */
 int pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);
 
+/* How paged attention is computed. */
+enum pp_attention_path {
+    PP_ATTENTION_KERNEL = 0,   /* our paged-attention operator (CPU; the default) */
+    PP_ATTENTION_GATHER = 1    /* GGML ops only: each sequence's pages gathered by slot
+                                  (ggml_get_rows), then GGML's flash attention: the
+                                  portable path, for any backend GGML has */
+};
+
+/* Choose the attention path of later steps (paged caches; slabs always use
+ * GGML's flash attention). PP_ERR_INVALID for an unknown path. */
+int pp_context_set_attention_path(pp_context *ctx, int32_t path);
+
 /* Ask the step running on ctx, or the next one if none runs, to stop; it
  * returns PP_ERR_COMPUTE. Safe to call from any thread (it only sets a
  * flag); PP_ERR_INVALID for NULL. */

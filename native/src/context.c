@@ -25,6 +25,7 @@ struct pp_context {
     int32_t              n_threads;
     pp_attention_params *layer_params;
     pp_attention_scratch scratch;      /* the kernel's tiles, one slice per thread */
+    int32_t              attention_path;   /* enum pp_attention_path */
     atomic_int           abort_requested;
 };
 
@@ -227,9 +228,11 @@ int pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *
     return PP_OK;
 }
 
-/* Fill the slab path's masks: "mask.<first token>.<windowed>" per sequence
- * run; windowed layers of one model share a single window size. */
-static void fill_masks(struct ggml_cgraph *gf, const pp_batch *b, int swa_window) {
+/* Fill the flash-attention path's masks, "mask.<first token>.<windowed>" per
+ * sequence run (windowed layers of one model share a single window size),
+ * and, paged, the run's key slots "kv_idx.<first token>.<group>.<windowed>":
+ * keys from the first query's window (pp_gather_first_key) to the last query. */
+static void fill_flash_inputs(struct ggml_cgraph *gf, const pp_batch *b, int swa_window, const pp_kv_cache *cache) {
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg = ggml_fp32_to_fp16(-INFINITY);
     for (int t0 = 0; t0 < b->n_tokens;) {
         int t1 = t0;
@@ -240,18 +243,43 @@ static void fill_masks(struct ggml_cgraph *gf, const pp_batch *b, int swa_window
             struct ggml_tensor *mask = ggml_graph_get_tensor(gf, name);
             if (!mask) continue;
             const int window = windowed ? swa_window : 0;
+            const int k_lo = cache->paged ? pp_gather_first_key(b->positions[t0], window) : 0;
             ggml_fp16_t *data = mask->data;
             const int64_t n_kv = mask->ne[0];
             for (int i = t0; i < t1; i++) {
                 const int pos = b->positions[i];
-                for (int64_t k = 0; k < n_kv; k++) {
+                for (int64_t j = 0; j < n_kv; j++) {
+                    const int64_t k = k_lo + j;
                     const int visible = k <= pos && (window <= 0 || pos - k < window);
-                    data[(i - t0) * n_kv + k] = visible ? zero : neg;
+                    data[(i - t0) * n_kv + j] = visible ? zero : neg;
+                }
+            }
+            const int bs = cache->block_size;
+            const size_t table_stride = (size_t)b->n_seqs * b->max_blocks_per_seq;
+            for (int32_t g = 0; cache->paged && g < cache->n_groups; g++) {
+                char idx_name[48];
+                snprintf(idx_name, sizeof idx_name, "kv_idx.%d.%d.%d", t0, g, windowed);
+                struct ggml_tensor *idx = ggml_graph_get_tensor(gf, idx_name);
+                if (!idx) continue;
+                const int32_t *table = b->block_tables + g * table_stride +
+                                       (size_t)b->seq_index[t0] * b->max_blocks_per_seq;
+                int32_t *slots = idx->data;
+                for (int64_t j = 0; j < idx->ne[0]; j++) {
+                    const int64_t k = k_lo + j;
+                    slots[j] = table[k / bs] * bs + (int32_t)(k % bs);
                 }
             }
         }
         t0 = t1;
     }
+}
+
+int pp_context_set_attention_path(pp_context *c, int32_t path) {
+    if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_set_attention_path: context is NULL");
+    if (path != PP_ATTENTION_KERNEL && path != PP_ATTENTION_GATHER)
+        return pp_fail(PP_ERR_INVALID, "unknown attention path %d", path);
+    c->attention_path = path;
+    return PP_OK;
 }
 
 int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
@@ -274,7 +302,8 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     struct ggml_init_params params = {.mem_size = c->meta_size, .mem_buffer = c->meta_buf, .no_alloc = true};
     struct ggml_context *ctx = ggml_init(params);
     if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
-    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params, c->n_threads);
+    const int gather = c->cache->paged && c->attention_path == PP_ATTENTION_GATHER;
+    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params, c->n_threads, gather);
     if (!ggml_gallocr_alloc_graph(c->galloc, gf)) {
         ggml_free(ctx);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the compute buffer for %d tokens", b->n_tokens);
@@ -285,7 +314,7 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     for (int i = 0; i < b->n_tokens * c->cache->n_groups; i++) slots[i] = b->slot_mapping[i];
     if (b->n_logits > 0)
         memcpy(ggml_graph_get_tensor(gf, "logit_rows")->data, b->logit_rows, sizeof(int32_t) * b->n_logits);
-    if (!c->cache->paged) fill_masks(gf, b, swa_window);
+    if (!c->cache->paged || gather) fill_flash_inputs(gf, b, swa_window, c->cache);
 
     enum ggml_status status = ggml_backend_graph_compute(c->backend, gf);
     atomic_store(&c->abort_requested, 0);   /* a request is consumed by the step it stopped */

@@ -115,10 +115,17 @@ int pp_check_token_order(const pp_batch *batch, int i);
 
 /* Build the forward graph of one step. Inputs are created with
  * ggml_set_input and named "tokens", "positions", "slots", "logit_rows",
- * and "mask.<s>" (non-paged only); the output is named "logits". */
+ * and, where GGML's flash attention runs (slabs, or paged with gather set),
+ * "mask.<t0>.<windowed>" per sequence run and "kv_idx.<t0>.<group>.<windowed>"
+ * (paged: the run's key slots, from pp_gather_first_key); the output is named
+ * "logits". gather: paged attention as GGML ops (pages gathered by slot, then
+ * flash attention) instead of our CPU operator. */
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *model,
                                    const pp_kv_cache *cache, const pp_batch *batch,
-                                   pp_attention_params *layer_params, int n_threads);
+                                   pp_attention_params *layer_params, int n_threads, int gather);
+
+/* First key position the gathered path reads for a run whose first query is at p0. */
+int pp_gather_first_key(int p0, int window);
 
 #define PP_MAX_GRAPH_NODES 8192
 

@@ -18,6 +18,9 @@ from .model import Model
 from .step_batch import StepBuffers
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type ids
+# Paged attention: our CPU operator, or GGML ops alone (pages gathered by slot, then GGML's
+# flash attention: the portable path for any backend).
+ATTENTION_PATHS = {"kernel": 0, "gather": 1}
 _KV_ROW = {"f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}   # (values, bytes) per quantization group
 
 
@@ -42,11 +45,13 @@ class ModelRunner:
     def __init__(self, model: Model, *, paged: bool = True, n_ctx: int = 4096, n_seq_max: int = 1,
                  n_threads: int = 2, n_batch: int = 512, block_size: int = 32,
                  kv_cache_type: str = "f16", num_blocks: int | None = None, kv_bytes: int | None = None,
-                 free_window_blocks: bool = True):
+                 free_window_blocks: bool = True, attention: str = "kernel"):
         if n_ctx < 1 or n_batch < 1 or n_seq_max < 1:
             raise PagedError("n_ctx, n_batch and n_seq_max must be >= 1")
         if paged and not 1 <= block_size <= 1024:
             raise PagedError(f"block_size {block_size} out of range [1, 1024]")
+        if attention not in ATTENTION_PATHS:
+            raise PagedError(f"attention '{attention}' unknown: choose one of {', '.join(ATTENTION_PATHS)}")
         if kv_cache_type not in KV_TYPES:
             raise PagedError(f"kv_cache_type '{kv_cache_type}' unsupported: choose one of "
                              f"{', '.join(KV_TYPES)}")
@@ -81,6 +86,8 @@ class ModelRunner:
         ctx = ffi.new("pp_context **")
         check(lib.pp_context_create(model.native, self._cache, n_threads, n_batch, ctx), "context")
         self._ctx = ctx[0]
+        check(lib.pp_context_set_attention_path(self._ctx, ATTENTION_PATHS[attention]), "attention path")
+        self.attention = attention
         self._batch = ffi.new("pp_batch *")
         self._buffers = StepBuffers()
         self._logits = np.empty((0, self.n_vocab), dtype=np.float32)   # grown to the most rows a step asked for
@@ -278,4 +285,5 @@ class ModelRunner:
             self.kv.close()
 
     def __del__(self):
-        self.close()
+        if hasattr(self, "_ctx"):   # a constructor that refused its arguments made nothing to free
+            self.close()
