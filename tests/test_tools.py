@@ -102,8 +102,8 @@ def test_templates_without_tools_get_them_described(llm):
                                    {"role": "assistant", "content": None, "tool_calls": [
                                        {"id": "c1", "function": {"name": "get_weather", "arguments": PARIS}}]},
                                    {"role": "tool", "tool_call_id": "c1", "content": "18 C"}])
-    text = render_chat(llm.chat_template, llm.tokenizer, messages, TOOLS)
-    assert tool_family(llm.chat_template, llm.tokenizer) == "json"
+    text = render_chat(llm.chat_template, llm._tokenizer, messages, TOOLS)
+    assert tool_family(llm.chat_template, llm._tokenizer) == "json"
     assert "Be brief." in text and "get_time" in text and "Result of get_weather: 18 C" in text
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}' in text
 
@@ -115,7 +115,7 @@ def test_templates_without_tools_get_them_described(llm):
     ("json", '{"name":"get_time","arguments":{"zone":"CET"}}'),
 ])
 def test_forced_call_grammar_admits_a_call_then_the_end(llm, family, answer):
-    tok = llm.tokenizer
+    tok = llm._tokenizer
     state = forced_call_constraint(tok, family, TOOLS).start()
     buffer = MaskBuffer(tok.n_vocab)
     for token in tok.encode(answer, add_special=False):
@@ -138,7 +138,7 @@ def test_tool_choice_errors(llm):
                                   ([], "required", "no tools"), (TOOLS, "sometimes", "not none, auto"),
                                   ([{"type": "function"}], "auto", r"tools\[0\]")):
         with pytest.raises(ConstraintError, match=needle):
-            prepare_chat(llm.chat_template, llm.tokenizer, [{"role": "user", "content": "x"}], tools, choice)
+            prepare_chat(llm.chat_template, llm._tokenizer, [{"role": "user", "content": "x"}], tools, choice)
 
 
 # ---- the round trip on the default model --------------------------------------
