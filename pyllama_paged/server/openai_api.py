@@ -142,7 +142,7 @@ def build_router(state) -> APIRouter:
             raise APIError(400, "prompt is empty", "prompt")
         if len(prompts) > state.limits.max_prompts:
             raise APIError(400, f"{len(prompts)} prompts; the limit is {state.limits.max_prompts}", "prompt")
-        n_vocab = served.model.config.n_vocab
+        n_vocab = served.config.n_vocab
         ids_of = []
         for p in prompts:
             if isinstance(p, str):
@@ -162,8 +162,7 @@ def build_router(state) -> APIRouter:
         echo_lps = [None] * len(ids_of)
         if body.echo and body.logprobs is not None:
             try:
-                echo_lps = [await asyncio.to_thread(served.loop.call,
-                                                    lambda llm, ids=ids: prompt_logprobs(llm.runner, ids, body.logprobs))
+                echo_lps = [await served.call(lambda llm, ids=ids: prompt_logprobs(llm.runner, ids, body.logprobs))
                             for ids in ids_of]
             except PagedError as e:
                 raise APIError(503, f"no room to score the prompt now: {e}", "prompt", "server_busy") from None
