@@ -5,8 +5,6 @@ every generation goes through the same scheduler (LLMEngine) as the server."""
 from __future__ import annotations
 
 import os
-import time
-import uuid
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -20,6 +18,7 @@ from .engine.sampler import SamplingParams
 from .engine.scheduler import SchedulerConfig
 from .errors import PagedError, RequestError
 from .llama_chat import chat_chunks, collect_chat, legacy_functions
+from .llama_completion import collect_completion, completion_chunks
 from .llama_compat import (CHAT_FORMATS, LLAMA_DEFAULT_SEED, CompatWarnings, LlamaState, LlamaTokenizer,
                            StopWatch, kv_cache_type_of, seed_of)
 from .llama_pretrained import find_pretrained
@@ -254,8 +253,8 @@ class Llama:
             constraint=from_python(self._tokenizer, response_format, grammar))
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, special=True)
         criteria = (watch, stopping_criteria) if watch is not None else None
-        chunks = self._completion_chunks(prompt, prompt_ids, params, echo, model or self.model_path, criteria)
-        return chunks if stream else self._collect(chunks)
+        chunks = completion_chunks(self, prompt, prompt_ids, params, echo, model or self.model_path, criteria)
+        return chunks if stream else collect_completion(chunks)
 
     def __call__(self, prompt, suffix=None, max_tokens=16, *args, **kwargs):
         """create_completion."""
@@ -270,58 +269,6 @@ class Llama:
             return {int(k): float(v) for k, v in bias.items()}
         except (TypeError, ValueError):
             raise RequestError("logit_bias must map token ids to numbers") from None
-
-    def _completion_chunks(self, prompt, prompt_ids, params: SamplingParams, echo: bool, model: str, criteria):
-        cid = f"cmpl-{uuid.uuid4()}"
-        created = int(time.time())
-        completion_tokens = 0
-
-        def chunk(text, finish_reason=None, lp=None):
-            return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish_reason}]}
-
-        def piece(token_id):
-            return self._tokenizer.token_to_piece(token_id).decode("utf-8", "replace")
-
-        if echo:
-            yield chunk(prompt if isinstance(prompt, str) else self.detokenize(prompt_ids).decode(
-                "utf-8", "replace"))
-        finish = "length"
-        for _, _, text, finish_reason, event in self.stream_texts([prompt_ids], params, criteria):
-            lp = None
-            if event is not None:
-                completion_tokens += 1
-                if event.logprob is not None:
-                    lp = {"tokens": [piece(event.token_id)], "text_offset": [0],
-                          "token_logprobs": [event.logprob],
-                          "top_logprobs": [{piece(t): v for t, v in event.top_logprobs.items()}]}
-            if text or lp:
-                yield chunk(text, lp=lp)
-            finish = finish_reason or finish
-        final = chunk("", finish)
-        final["usage"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                          "total_tokens": len(prompt_ids) + completion_tokens}
-        yield final
-
-    @staticmethod
-    def _collect(chunks) -> dict:
-        text, lps, last = [], None, None
-        for c in chunks:
-            choice = c["choices"][0]
-            text.append(choice["text"])
-            if choice["logprobs"]:
-                if lps is None:
-                    lps = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
-                offset = sum(len(t) for t in text[:-1])
-                for k in ("tokens", "token_logprobs", "top_logprobs"):
-                    lps[k].extend(choice["logprobs"][k])
-                lps["text_offset"].append(offset)
-            last = c
-        result = {k: last[k] for k in ("id", "object", "created", "model")}
-        result["choices"] = [{"text": "".join(text), "index": 0, "logprobs": lps,
-                              "finish_reason": last["choices"][0]["finish_reason"]}]
-        result["usage"] = last["usage"]
-        return result
 
     # ---- scheduled generation: many prompts, n samples, beams, chat ---------
     def stream_texts(self, prompts_ids: Sequence[Sequence[int]], params: SamplingParams, criteria=None):

@@ -150,8 +150,26 @@ def test_openai_error_codes_and_shapes(server, registry, oai):
         assert r.status_code == status and set(r.json()) == {"error"}, r.text
     r = post(server, "/v1/completions", {"model": M, "prompt": "x", "suffix": "y"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix" and "suffix" in r.text
-    r = post(server, "/v1/completions", {"model": M, "prompt": "x", "logit_bias": {"5": 1}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    for bias in ({"262144": 1}, {"x": 1}, {"5": 101}):
+        r = post(server, "/v1/completions", {"model": M, "prompt": "x", "logit_bias": bias})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_logit_bias_steers_both_openai_routes(oai, registry):
+    paris = registry.get(M).tokenizer.encode(" Paris", add_special=False)
+    assert len(paris) == 1
+    r = oai.completions.create(model=M, prompt="The capital of France is", max_tokens=3, temperature=0,
+                               logit_bias={str(paris[0]): 100})
+    assert r.choices[0].text == " Paris" * 3
+    chat = oai.chat.completions.create(model=M, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       temperature=1.0, seed=1, logit_bias={str(paris[0]): 100})
+    assert chat.choices[0].message.content.split() == ["Paris", "Paris"]
+    # a ban moves greedy decoding off its first choice
+    greedy = oai.completions.create(model=M, prompt="The capital of France is", max_tokens=1, temperature=0)
+    first = registry.get(M).tokenizer.encode(greedy.choices[0].text, add_special=False)
+    banned = oai.completions.create(model=M, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                    logit_bias={str(first[0]): -100})
+    assert len(first) == 1 and banned.choices[0].text != greedy.choices[0].text
 
 
 # ---- /v1/completions as lm-evaluation-harness uses it -------------------------

@@ -130,7 +130,7 @@ def build_router(state) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         served = find(body.model)
-        body.refuse_unsupported()
+        body.refuse_unsupported(served.config.n_vocab)
         if body.suffix:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported by this model", "suffix")
         if body.best_of is not None and body.best_of != (body.n or 1):
@@ -206,7 +206,7 @@ def build_router(state) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         served = find(body.model)
-        body.refuse_unsupported()
+        body.refuse_unsupported(served.config.n_vocab)
         def prepare():
             messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
