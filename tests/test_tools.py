@@ -46,6 +46,8 @@ PARIS = {"city": "Paris", "unit": "C"}
     ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}]', ""),  # Mistral
     ('```json\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n```', ""),  # Gemma-style
     ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"unit\\": \\"C\\"}"}', ""),  # args as text
+    ('```tool_code\nget_weather(city="Paris", unit="C")\n```', ""),                         # Gemma tool_code
+    ("```tool_code\nprint(default_api.get_weather(city='Paris', unit='C'))\n```", ""),       # ... as Gemma prints it
 ])
 def test_calls_are_parsed_whole_and_streamed(text, content):
     left, calls = parse_tool_calls(text, NAMES)
@@ -67,6 +69,16 @@ def test_several_calls_and_things_that_are_not_calls():
         streamed = "".join(stream.feed(ch) for ch in text)
         rest, calls = stream.finish()
         assert streamed + rest == text and not calls
+    _, calls = parse_tool_calls('```tool_code\nget_time(zone="UTC")\nget_weather(city="Oslo", unit="C")\n```', NAMES)
+    assert [(c.name, c.arguments) for c in calls] == [("get_time", {"zone": "UTC"}),
+                                                      ("get_weather", {"city": "Oslo", "unit": "C"})]
+    _, calls = parse_tool_calls('```tool_code\nget_weather(city="Oslo", unit=None, days=[1, 2], ok=true)\n```', NAMES)
+    assert calls[0].arguments == {"city": "Oslo", "unit": None, "days": [1, 2], "ok": True}
+    # never run, only read: anything but keyword literals to a named tool stays content
+    for code in ('get_weather("Paris", "C")', 'rm_rf(path="/")', 'get_weather(city=open("/etc/passwd").read())',
+                 'get_weather(**{"city": "x"})', 'x = get_weather(city="P")', "get_weather(city=", "import os"):
+        text = f"```tool_code\n{code}\n```"
+        assert parse_tool_calls(text, NAMES) == (text, [])
     stream = ToolCallStream(NAMES)   # plain text streams at once, not at the end
     assert stream.feed("Sure") == "Sure" and stream.feed(", <tool") == ", " and stream.feed("bar>") == "<toolbar>"
 
