@@ -41,12 +41,9 @@ def engine_logits(path, prompt, *, paged, kv_cache_type, block_size=16, chunks=(
         rows = []
         done = 0
         for n in list(chunks) + [1] * (len(prompt) - sum(chunks)):
-            table = np.full((1, runner.kv.max_blocks_per_seq), -1, np.int32)
-            t = runner.kv.block_table(seq.handle)
-            table[0, :len(t)] = t
+            slots, tables = runner.kv.batch_arrays(seq.handle, done, n)
             rows.append(runner.forward(
-                prompt[done:done + n], list(range(done, done + n)),
-                runner.kv.slot_mapping(seq.handle, done, n), [0] * n, table, list(range(n))))
+                prompt[done:done + n], list(range(done, done + n)), slots, [0] * n, tables, list(range(n))))
             done += n
         return np.concatenate(rows)
     finally:

@@ -21,7 +21,7 @@ LAYERS = [
     ["constrain.grammar"],
     ["constrain.masks", "constrain.formats"],
     ["engine.block_pool"],
-    ["engine.step_batch"],
+    ["engine.step_batch", "engine.kv_groups"],
     ["engine.kv_manager"],
     ["engine.model"],
     ["engine.model_runner"],

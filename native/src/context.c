@@ -73,6 +73,7 @@ int pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         pp_attention_params *ap = &c->layer_params[il];
         ap->block_size = cache->block_size;
         ap->window = m->layer_window[il];
+        ap->group = cache->layer_group[il];
         ap->scale = m->hp.attn_scale;
         ap->n_head = m->hp.n_head;
         ap->n_head_kv = m->hp.n_head_kv;
@@ -154,15 +155,42 @@ int pp_check_token_order(const pp_batch *b, int i) {
     return PP_OK;
 }
 
+/* The blocks group g's queries of tokens [t0, t1) (one sequence's run) read
+ * are all present, and each token's slot is its block table's. */
+static int check_group_run(const pp_kv_cache *cache, const pp_batch *b, int32_t g, int32_t window,
+                           int t0, int t1) {
+    const int64_t bs = cache->block_size;
+    const size_t table_stride = (size_t)b->n_seqs * b->max_blocks_per_seq;
+    const int32_t *table = b->block_tables + g * table_stride + (size_t)b->seq_index[t0] * b->max_blocks_per_seq;
+    const int32_t *slots = b->slot_mapping + (size_t)g * b->n_tokens;
+    const int first_pos = b->positions[t0], last_pos = b->positions[t1 - 1];
+    const int first_key = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    for (int blk = (int)(first_key / bs); blk <= last_pos / bs; blk++)
+        if (table[blk] < 0)
+            return pp_fail(PP_ERR_INVALID, "token %d: group %d has no block for position %d", t0, g, blk * (int)bs);
+    for (int i = t0; i < t1; i++) {
+        const int pos = b->positions[i];
+        if (slots[i] != table[pos / bs] * bs + pos % bs)
+            return pp_fail(PP_ERR_INVALID, "token %d: slot %d does not match group %d's block table", i, slots[i], g);
+    }
+    return PP_OK;
+}
+
 int pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *b) {
     if (!b || b->n_tokens < 1 || !b->token_ids || !b->positions || !b->slot_mapping ||
         !b->seq_index || !b->block_tables || b->n_seqs < 1 || b->max_blocks_per_seq < 1 ||
         b->n_logits < 0 || (b->n_logits > 0 && !b->logit_rows))
         return pp_fail(PP_ERR_INVALID, "malformed batch (empty or missing arrays)");
-    for (int i = 0; i < b->n_seqs * b->max_blocks_per_seq; i++)
+    const int32_t n_groups = b->n_groups > 0 ? b->n_groups : 1;
+    if (n_groups != cache->n_groups)
+        return pp_fail(PP_ERR_INVALID, "batch of %d layer groups for a KV cache of %d", n_groups, cache->n_groups);
+    for (size_t i = 0; i < (size_t)n_groups * b->n_seqs * b->max_blocks_per_seq; i++)
         if (b->block_tables[i] < -1 || b->block_tables[i] >= cache->num_blocks)
-            return pp_fail(PP_ERR_INVALID, "block table entry %d = %d outside the pool of %d blocks",
+            return pp_fail(PP_ERR_INVALID, "block table entry %zu = %d outside the pool of %d blocks",
                            i, b->block_tables[i], cache->num_blocks);
+    /* The window each group's layers attend over (all layers of a group share it). */
+    int32_t group_window[256] = {0};
+    for (int il = 0; il < m->hp.n_layer; il++) group_window[cache->layer_group[il]] = m->layer_window[il];
     const int64_t bs = cache->block_size;
     for (int i = 0; i < b->n_tokens; i++) {
         const int s = b->seq_index[i], pos = b->positions[i];
@@ -173,21 +201,24 @@ int pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *
         if (order != PP_OK) return order;
         if (pos < 0 || pos / bs >= b->max_blocks_per_seq)
             return pp_fail(PP_ERR_INVALID, "token %d: position %d beyond the block table", i, pos);
-        const int32_t *table = b->block_tables + (size_t)s * b->max_blocks_per_seq;
-        if (cache->paged) {
-            for (int blk = 0; blk <= pos / bs; blk++)
-                if (table[blk] < 0)
-                    return pp_fail(PP_ERR_INVALID, "token %d: no block for position %d", i, blk * (int)bs);
-            if (b->slot_mapping[i] != table[pos / bs] * bs + pos % bs)
-                return pp_fail(PP_ERR_INVALID, "token %d: slot %d does not match the block table", i,
-                               b->slot_mapping[i]);
-        } else {
+        if (!cache->paged) {
+            const int32_t *table = b->block_tables + (size_t)s * b->max_blocks_per_seq;
             if (table[0] < 0 || pos >= bs)
                 return pp_fail(PP_ERR_INVALID, "token %d: position %d outside its slab of %d", i, pos, (int)bs);
             if (b->slot_mapping[i] != table[0] * bs + pos)
                 return pp_fail(PP_ERR_INVALID, "token %d: slot %d does not match its slab", i,
                                b->slot_mapping[i]);
         }
+    }
+    /* Paged: per sequence run and group, the blocks its queries read and its slots. */
+    for (int t0 = 0; cache->paged && t0 < b->n_tokens;) {
+        int t1 = t0 + 1;
+        while (t1 < b->n_tokens && b->seq_index[t1] == b->seq_index[t0]) t1++;
+        for (int32_t g = 0; g < n_groups; g++) {
+            const int st = check_group_run(cache, b, g, group_window[g], t0, t1);
+            if (st != PP_OK) return st;
+        }
+        t0 = t1;
     }
     for (int i = 0; i < b->n_logits; i++)
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tokens)
@@ -251,7 +282,7 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     memcpy(ggml_graph_get_tensor(gf, "tokens")->data, b->token_ids, sizeof(int32_t) * b->n_tokens);
     memcpy(ggml_graph_get_tensor(gf, "positions")->data, b->positions, sizeof(int32_t) * b->n_tokens);
     int64_t *slots = ggml_graph_get_tensor(gf, "slots")->data;
-    for (int i = 0; i < b->n_tokens; i++) slots[i] = b->slot_mapping[i];
+    for (int i = 0; i < b->n_tokens * c->cache->n_groups; i++) slots[i] = b->slot_mapping[i];
     if (b->n_logits > 0)
         memcpy(ggml_graph_get_tensor(gf, "logit_rows")->data, b->logit_rows, sizeof(int32_t) * b->n_logits);
     if (!c->cache->paged) fill_masks(gf, b, swa_window);

@@ -46,7 +46,11 @@ struct pp_kv_cache {
     int64_t              num_slots;
     struct ggml_context *meta;
     ggml_backend_buffer_t buffer;
-    struct ggml_tensor **k;         /* per layer: [n_embd_kv, num_slots] */
+    int32_t              n_groups;          /* layer groups (1: ungrouped) */
+    int32_t              layers_per_group;  /* L: every group has as many layers */
+    int32_t             *layer_group;       /* per layer: its group */
+    struct ggml_tensor **kt, **vt;          /* the L distinct pools: [n_embd_kv, num_slots] each */
+    struct ggml_tensor **k;                 /* per layer: the pool it shares (kt[index in its group]) */
     struct ggml_tensor **v;
 };
 
@@ -77,6 +81,7 @@ typedef struct pp_attention_params {
     const pp_attention_scratch *scratch;   /* sized for the context's threads */
     int32_t block_size;
     int32_t window;        /* 0: full causal attention */
+    int32_t group;         /* the layer's group: which block tables and slots it uses */
     float   scale;
     int32_t n_head;
     int32_t n_head_kv;

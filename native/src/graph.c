@@ -69,7 +69,8 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
 
     struct ggml_tensor *tokens = input(ctx, GGML_TYPE_I32, n_tokens, "tokens");
     struct ggml_tensor *positions = input(ctx, GGML_TYPE_I32, n_tokens, "positions");
-    struct ggml_tensor *slots = input(ctx, GGML_TYPE_I64, n_tokens, "slots");
+    /* One run of slots per layer group (see pp_batch). */
+    struct ggml_tensor *slots = input(ctx, GGML_TYPE_I64, (int64_t)n_tokens * cache->n_groups, "slots");
     struct ggml_tensor *logit_rows = input(ctx, GGML_TYPE_I32, batch->n_logits, "logit_rows");
 
     struct ggml_tensor *x = ggml_get_rows(ctx, m->tok_embd, tokens);
@@ -101,8 +102,10 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         struct ggml_tensor *k_rows = ggml_reshape_2d(ctx, k, head_dim * hp->n_head_kv, n_tokens);
         struct ggml_tensor *v_rows = ggml_reshape_2d(ctx, ggml_cont(ctx, v), head_dim * hp->n_head_kv,
                                                      n_tokens);
-        struct ggml_tensor *k_pool = ggml_set_rows(ctx, cache->k[il], k_rows, slots);
-        struct ggml_tensor *v_pool = ggml_set_rows(ctx, cache->v[il], v_rows, slots);
+        struct ggml_tensor *layer_slots = ggml_view_1d(ctx, slots, n_tokens,
+                                                       (size_t)ap->group * n_tokens * slots->nb[0]);
+        struct ggml_tensor *k_pool = ggml_set_rows(ctx, cache->k[il], k_rows, layer_slots);
+        struct ggml_tensor *v_pool = ggml_set_rows(ctx, cache->v[il], v_rows, layer_slots);
         ggml_build_forward_expand(gf, k_pool);
         ggml_build_forward_expand(gf, v_pool);
 

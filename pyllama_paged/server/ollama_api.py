@@ -288,12 +288,11 @@ def build_router(state) -> APIRouter:
         models = []
         for served in state.registry.models.values():
             # an unloaded model is not running: /api/ps lists loaded models only, as Ollama's
-            found = await served.call_if_loaded(lambda llm: (llm.stats(), llm.runner.kv.num_blocks,
-                                                             llm.runner.kv.block_size, llm.runner.kv.paged))
+            found = await served.call_if_loaded(lambda llm: (llm.stats(), llm.runner.kv_pool_bytes,
+                                                             llm.runner.kv.paged))
             if found is None:
                 continue
-            stats, num_blocks, block_size, paged = found
-            kv_bytes = served.kv_bytes_per_token * num_blocks * block_size
+            stats, kv_bytes, paged = found
             models.append({**describe(served), "expires_at": served.expires_at(),
                            "size_vram": 0, "context_length": served.n_ctx,
                            "kv_cache": {"bytes": kv_bytes, "paged": paged, **stats}})
