@@ -280,7 +280,7 @@ def test_keep_alive_zero_and_expiry_really_unload(server, registry, oai):
         time.sleep(0.1)
     assert not served.is_loaded and client.ps().models == []
     # keep_alive 0 while another request streams: the engine stays until that one ends
-    long = oai.completions.create(model=M, prompt="Count:", max_tokens=400, stream=True,
+    long = oai.completions.create(model=M, prompt="Count:", max_tokens=200, stream=True,
                                   extra_body={"ignore_eos": True})
     first = next(iter(long))
     assert first.choices[0].text is not None and served.is_loaded
