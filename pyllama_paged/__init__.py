@@ -7,8 +7,11 @@ from .engine.model import Model
 from .engine.model_runner import ModelRunner
 from .engine.sampler import SamplingParams
 from .engine.scheduler import SchedulerConfig
-from .errors import ComputeError, ModelLoadError, NativeError, OutOfBlocksError, PagedError
+from .errors import ComputeError, ModelLoadError, NativeError, OutOfBlocksError, PagedError, RequestError
 from .llama import Llama
+from .llama_compat import (LlamaCache, LlamaRAMCache, LlamaState, LlamaTokenizer, LogitsProcessor,
+                           LogitsProcessorList, MinTokensLogitsProcessor, StoppingCriteria, StoppingCriteriaList)
+from .llama_grammar import LlamaGrammar
 from ._version import __version__
 
 __all__ = [
@@ -19,6 +22,14 @@ __all__ = [
     "EngineLoop",
     "LLMEngine",
     "Llama",
+    "LlamaCache",
+    "LlamaGrammar",
+    "LlamaRAMCache",
+    "LlamaState",
+    "LlamaTokenizer",
+    "LogitsProcessor",
+    "LogitsProcessorList",
+    "MinTokensLogitsProcessor",
     "Model",
     "ModelLoadError",
     "ModelRunner",
@@ -26,8 +37,11 @@ __all__ = [
     "OutOfBlocksError",
     "PagedError",
     "PoolStats",
+    "RequestError",
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
     "SchedulerConfig",
+    "StoppingCriteria",
+    "StoppingCriteriaList",
 ]

@@ -20,6 +20,12 @@ class ModelLoadError(PagedError, ValueError):
     before they raised this, and callers may still catch that."""
 
 
+class RequestError(PagedError, ValueError):
+    """A request that cannot run as given: an invalid sampling parameter, a prompt
+    longer than the context, a grammar that does not compile, a token id outside
+    the vocabulary. Also a ValueError, as llama-cpp-python raises for these."""
+
+
 class OutOfBlocksError(PagedError):
     """The KV block pool cannot satisfy a request right now (recoverable)."""
 

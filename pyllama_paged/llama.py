@@ -1,27 +1,33 @@
-"""Llama: the llama-cpp-python-shaped Python API over the paged engine."""
+"""Llama: llama-cpp-python's Python API over the paged engine. Its arguments,
+defaults and return shapes are theirs (see llama_compat.py for the mapping);
+every generation goes through the same scheduler (LLMEngine) as the server."""
 
 from __future__ import annotations
 
 import os
-import time
-import uuid
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
+
+import numpy as np
 
 from ._native import GGML_LOG_DEBUG, lib
 from .constrain.formats import from_python
-from .tools.calls import ToolCallStream
+from .engine.llm_engine import LLMEngine, RequestOutput
+from .engine.model import Model
+from .engine.model_runner import ModelRunner
+from .engine.sampler import SamplingParams
+from .engine.scheduler import SchedulerConfig
+from .errors import PagedError, RequestError
+from .llama_chat import chat_chunks, collect_chat, legacy_functions
+from .llama_completion import collect_completion, completion_chunks
+from .llama_compat import (CHAT_FORMATS, LLAMA_DEFAULT_SEED, CompatWarnings, LlamaState, LlamaTokenizer,
+                           StopWatch, kv_cache_type_of, seed_of)
+from .llama_pretrained import find_pretrained
+from .sampling_options import PYTHON, sampling_params
+from .text_stream import TextAssembler
+from .tokenizer.chat_template import ChatTemplate
+from .tokenizer.tokenizer import Tokenizer
 from .tools.messages import normalize_messages
 from .tools.prompt import prepare_chat
-from .tokenizer.chat_template import ChatTemplate
-from .engine.model_runner import ModelRunner
-from .errors import PagedError
-from .engine.llm_engine import LLMEngine
-from .engine.model import Model
-from .engine.sampler import SamplingParams
-from .sampling_options import PYTHON, sampling_params
-from .engine.scheduler import SchedulerConfig
-from .text_stream import TextAssembler
-from .tokenizer.tokenizer import Tokenizer
 
 
 def _default_threads() -> int:
@@ -31,52 +37,150 @@ def _default_threads() -> int:
 class Llama:
     """A local GGUF model with a paged KV cache (llama-cpp-python compatible API)."""
 
-    def __init__(self, model_path: str | None = None, *, paged: bool = True, n_ctx: int = 4096,
-                 n_threads: int | None = None, n_batch: int = 512, block_size: int = 32,
-                 kv_cache_type: str = "f16", seed: int | None = None, verbose: bool = False,
-                 n_seq_max: int = 1, repack_weights: bool = True):
+    def __init__(self, model_path: str | None = None, *, n_ctx: int = 512, n_batch: int = 512,
+                 n_threads: int | None = None, n_threads_batch: int | None = None,
+                 seed: int = LLAMA_DEFAULT_SEED, type_k: int | None = None, type_v: int | None = None,
+                 chat_format: str | None = None, chat_handler=None, embedding: bool = False,
+                 pooling_type: int = -1, logits_all: bool = False, last_n_tokens_size: int = 64,
+                 lora_path: str | None = None, verbose: bool = False,
+                 paged: bool = True, block_size: int = 32, kv_cache_type: str = "f16", n_seq_max: int = 1,
+                 repack_weights: bool = True, **llama_cpp_args: Any):
+        """Load a GGUF (model_path None: the embedded default model). llama-cpp-python's other
+        arguments are accepted; those that change nothing here warn once (llama_compat)."""
+        self.runner = self._model = None   # set first: close() is safe after a failed init
+        self._warnings = CompatWarnings()
+        self._warnings.constructor_args(llama_cpp_args)
+        if lora_path is not None:
+            raise RequestError("lora_path: LoRA adapters are not supported (the base model would answer "
+                               "instead of the adapted one)")
+        if n_threads_batch is not None and n_threads is not None and n_threads_batch != n_threads:
+            self._warnings.warn("n_threads_batch", "n_threads_batch is not separate here: n_threads runs "
+                                                   "prompts and generation alike")
         self.verbose = verbose
-        self.seed = seed
+        self._seed = seed_of(seed)
         if verbose:
             lib.pp_set_ggml_log_level(GGML_LOG_DEBUG)
+        self.embedding, self.pooling_type_arg, self.logits_all = embedding, pooling_type, logits_all
+        self.last_n_tokens_size = last_n_tokens_size
+        self.chat_format, self.chat_handler = chat_format, chat_handler
+        kv_cache_type = kv_cache_type_of(type_k, type_v, kv_cache_type)
         self._model = Model(model_path, repack_weights=repack_weights)
         self.model_path = self._model.path
-        self.tokenizer = Tokenizer.from_metadata(self._model.metadata)
-        self.n_threads = n_threads or _default_threads()
-        self.n_ctx_value = min(n_ctx, self._model.config.n_ctx_train) if n_ctx > 0 else \
-            self._model.config.n_ctx_train
-        self.runner = ModelRunner(self._model, paged=paged, n_ctx=self.n_ctx_value, n_seq_max=n_seq_max,
-                             n_threads=self.n_threads, n_batch=n_batch, block_size=block_size,
-                             kv_cache_type=kv_cache_type)
+        self._tokenizer = Tokenizer.from_metadata(self._model.metadata)
+        self.n_threads = n_threads or n_threads_batch or _default_threads()
+        n_train = self._model.config.n_ctx_train
+        self._n_ctx = min(n_ctx, n_train) if n_ctx > 0 else n_train   # 0: the training context
+        self.n_batch = min(n_batch, self._n_ctx)
+        self.runner = ModelRunner(self._model, paged=paged, n_ctx=self._n_ctx, n_seq_max=n_seq_max,
+                                  n_threads=self.n_threads, n_batch=self.n_batch, block_size=block_size,
+                                  kv_cache_type=kv_cache_type)
         self.paged = paged
-        self.chat_template = ChatTemplate.for_model(self._model.metadata, self._model.config.arch)
-        self.llm_engine = LLMEngine(self.runner, self.tokenizer.eot_ids,
-                                    SchedulerConfig(max_num_batched_tokens=n_batch))
+        self.chat_template = self._chat_template(chat_format)
+        self.llm_engine = LLMEngine(self.runner, self._tokenizer.eot_ids,
+                                    SchedulerConfig(max_num_batched_tokens=self.n_batch))
+        self._tokens: list[int] = []   # what the model has evaluated: the last prompt and its answer
 
-    # ---- basics -------------------------------------------------------------
+    def _chat_template(self, chat_format: str | None) -> ChatTemplate:
+        if chat_format is None or chat_format == "chat_template.default":
+            return ChatTemplate.for_model(self._model.metadata, self._model.config.arch)
+        if chat_format in CHAT_FORMATS:
+            return ChatTemplate(CHAT_FORMATS[chat_format])
+        self._warnings.warn("chat_format", f"chat_format {chat_format!r} is not built in (known: "
+                                           f"{', '.join(sorted(CHAT_FORMATS))}); the GGUF's chat template is used")
+        return ChatTemplate.for_model(self._model.metadata, self._model.config.arch)
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: str | None = None, additional_files=None,
+                        local_dir=None, local_dir_use_symlinks="auto", cache_dir=None, **kwargs) -> "Llama":
+        """A Llama for a file already on this machine: a local directory, the Hugging Face
+        cache, or an installed model package. Nothing is downloaded (ValueError instead)."""
+        if additional_files:
+            raise RequestError("additional_files (split GGUFs) are not supported")
+        return cls(model_path=find_pretrained(repo_id, filename, local_dir, cache_dir), **kwargs)
+
+    # ---- model facts --------------------------------------------------------
     def n_ctx(self) -> int:
-        return self.n_ctx_value
+        """The context window, in tokens."""
+        return self._n_ctx
 
     def n_vocab(self) -> int:
+        """The vocabulary size."""
         return self._model.config.n_vocab
+
+    def n_embd(self) -> int:
+        """The embedding (hidden) size."""
+        return self._model.config.n_embd
+
+    def token_bos(self) -> int:
+        """The beginning-of-sequence token id (-1 if none)."""
+        return -1 if self._tokenizer.bos_id is None else self._tokenizer.bos_id
+
+    def token_eos(self) -> int:
+        """The end-of-sequence token id (-1 if none)."""
+        return -1 if self._tokenizer.eos_id is None else self._tokenizer.eos_id
+
+    def token_nl(self) -> int:
+        """The newline token id (-1 if none)."""
+        ids = self._tokenizer.encode("\n", add_special=False)
+        return ids[0] if len(ids) == 1 else -1
+
+    def tokenizer(self) -> LlamaTokenizer:
+        """llama-cpp-python's tokenizer object for this model."""
+        return LlamaTokenizer(self)
 
     @property
     def metadata(self) -> dict:
         return {k: v for k, v in self._model.metadata.items() if not k.startswith("tokenizer.ggml.")}
 
     def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
-        """Token ids of text (bytes are decoded as UTF-8)."""
+        """Token ids of UTF-8 text (a str is accepted too)."""
         if isinstance(text, bytes):
             text = text.decode("utf-8", "replace")
-        return self.tokenizer.encode(text, add_special=add_bos, parse_special=special)
+        return self._tokenizer.encode(text, add_special=add_bos, parse_special=special)
 
-    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
-        """UTF-8 bytes of token ids."""
-        return self.tokenizer.decode_bytes(tokens, skip_special=not special)
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None,
+                   special: bool = False) -> bytes:
+        """UTF-8 bytes of token ids (prev_tokens is accepted; the bytes do not depend on it)."""
+        return self._tokenizer.decode_bytes(tokens, skip_special=not special)
 
     def stats(self) -> dict:
         """KV pool and scheduler figures (pages used/free/shared/cached, hit rate, ...)."""
         return self.llm_engine.stats()
+
+    # ---- state ---------------------------------------------------------------
+    @property
+    def n_tokens(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        """The evaluated tokens (the last prompt and what was generated after it)."""
+        return np.array(self._tokens, dtype=np.intc)
+
+    def reset(self) -> None:
+        """Forget the evaluated tokens (their pages stay in the prefix cache until reused)."""
+        self._tokens = []
+
+    def set_seed(self, seed: int) -> None:
+        """The seed of later generations that name none."""
+        self._seed = seed_of(seed)
+
+    def set_cache(self, cache) -> None:
+        """Accepted: the paged pool's prefix cache already keeps recent prompts' KV."""
+        self.cache = cache
+
+    def save_state(self) -> LlamaState:
+        """The evaluated tokens (see LlamaState for why no KV bytes are copied)."""
+        return LlamaState(self.input_ids, np.zeros((0, self.n_vocab()), dtype=np.float32), self.n_tokens,
+                          b"", 0, self._seed)
+
+    def load_state(self, state: LlamaState) -> None:
+        """Make state's tokens the evaluated ones again (generate(reset=False) continues them)."""
+        ids = [int(t) for t in np.asarray(state.input_ids)[:state.n_tokens]]
+        if any(t < 0 or t >= self.n_vocab() for t in ids):
+            raise RequestError("the state holds token ids outside this model's vocabulary")
+        self._tokens = ids
+        self._seed = state.seed
 
     def close(self) -> None:
         """Free the runner and the model."""
@@ -94,96 +198,83 @@ class Llama:
         self.close()
 
     # ---- generation: every path goes through the scheduler -----------------
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        """Yield each generated token id (an end-of-text token included) until it ends."""
-        for _, _, _, _, event in self.stream_texts([list(prompt_ids)], params):
+    def _params(self, logits_processor=None, stopping_criteria=None, **fields) -> tuple[SamplingParams, Any]:
+        """SamplingParams from llama-cpp-python's keyword arguments (the model's seed when
+        none is given), and the StopWatch that stopping criteria read (or None)."""
+        watch = StopWatch(logits_processor) if stopping_criteria is not None else None
+        fields.setdefault("penalty_last_n", self.last_n_tokens_size)
+        params = sampling_params(PYTHON, {**fields, "logits_processor": watch or logits_processor},
+                                 seed=self._seed)
+        return params, watch
+
+    def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                 typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
+                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                 penalize_nl: bool = True, logits_processor=None, stopping_criteria=None, grammar=None,
+                 *, seed: int | None = None) -> Iterator[int]:
+        """Yield token ids after tokens, as llama-cpp-python does: past end-of-text tokens too,
+        until the context is full or the caller stops iterating (which frees the pages).
+        reset=False continues after the evaluated tokens. An older form,
+        generate(ids, SamplingParams), generates as those parameters say."""
+        if isinstance(top_k, SamplingParams):
+            params, watch = top_k, None
+        else:
+            self._warnings.sampling_args(typical_p=typical_p, tfs_z=tfs_z, mirostat_mode=mirostat_mode)
+            params, watch = self._params(
+                logits_processor, stopping_criteria, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temp,
+                repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                seed=seed, ignore_eos=True, max_tokens=0, constraint=from_python(self._tokenizer, None, grammar))
+        prompt = (list(self._tokens) if not reset else []) + list(tokens)
+        criteria = (watch, stopping_criteria) if watch is not None else None
+        for _, _, _, _, event in self.stream_texts([prompt], params, criteria):
             if event is not None:
                 yield event.token_id
 
-    def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16,
-                          temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
-                          min_p: float = 0.05, repeat_penalty: float = 1.0,
-                          presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                          stop: str | Sequence[str] | None = None, stream: bool = False,
-                          seed: int | None = None, logprobs: int | None = None, echo: bool = False,
-                          ignore_eos: bool = False, response_format: dict | None = None, grammar=None):
+    def create_completion(self, prompt: str | Sequence[int], suffix: str | None = None, max_tokens: int | None = 16,
+                          temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05,
+                          typical_p: float = 1.0, logprobs: int | None = None, echo: bool = False,
+                          stop: str | Sequence[str] | None = None, frequency_penalty: float = 0.0,
+                          presence_penalty: float = 0.0, repeat_penalty: float = 1.0, top_k: int = 40,
+                          stream: bool = False, seed: int | None = None, tfs_z: float = 1.0,
+                          mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                          model: str | None = None, stopping_criteria=None, logits_processor=None,
+                          grammar=None, logit_bias: dict | None = None, *, ignore_eos: bool = False,
+                          response_format: dict | None = None):
         """OpenAI-shaped text completion (a dict, or an iterator of chunks if stream)."""
-        params = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty, stop=stop, seed=seed, logprobs=logprobs,
-                              ignore_eos=ignore_eos,
-                              constraint=from_python(self.tokenizer, response_format, grammar))
+        if suffix is not None:
+            raise RequestError("suffix (fill-in-the-middle) is not supported by this model")
+        self._warnings.sampling_args(typical_p=typical_p, tfs_z=tfs_z, mirostat_mode=mirostat_mode)
+        params, watch = self._params(
+            logits_processor, stopping_criteria, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, stop=stop, seed=seed, logprobs=logprobs, ignore_eos=ignore_eos,
+            logit_bias=self._logit_bias(logit_bias),
+            constraint=from_python(self._tokenizer, response_format, grammar))
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, special=True)
-        chunks = self._completion_chunks(prompt, prompt_ids, params, echo)
-        if stream:
-            return chunks
-        return self._collect(chunks)
+        criteria = (watch, stopping_criteria) if watch is not None else None
+        chunks = completion_chunks(self, prompt, prompt_ids, params, echo, model or self.model_path, criteria)
+        return chunks if stream else collect_completion(chunks)
 
-    __call__ = create_completion
-
-    def _completion_chunks(self, prompt, prompt_ids, params: SamplingParams, echo: bool):
-        cid = f"cmpl-{uuid.uuid4()}"
-        created = int(time.time())
-        completion_tokens = 0
-
-        def chunk(text, finish_reason=None, lp=None):
-            return {"id": cid, "object": "text_completion", "created": created,
-                    "model": self.model_path,
-                    "choices": [{"text": text, "index": 0, "logprobs": lp,
-                                 "finish_reason": finish_reason}]}
-
-        def piece(token_id):
-            return self.tokenizer.token_to_piece(token_id).decode("utf-8", "replace")
-
-        if echo:
-            yield chunk(prompt if isinstance(prompt, str) else self.detokenize(prompt_ids).decode(
-                "utf-8", "replace"))
-        finish = "length"
-        for _, _, text, finish_reason, event in self.stream_texts([prompt_ids], params):
-            lp = None
-            if event is not None:
-                completion_tokens += 1
-                if event.logprob is not None:
-                    lp = {"tokens": [piece(event.token_id)], "text_offset": [0],
-                          "token_logprobs": [event.logprob],
-                          "top_logprobs": [{piece(t): v for t, v in event.top_logprobs.items()}]}
-            if text or lp:
-                yield chunk(text, lp=lp)
-            finish = finish_reason or finish
-        final = chunk("", finish)
-        final["usage"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                          "total_tokens": len(prompt_ids) + completion_tokens}
-        yield final
+    def __call__(self, prompt, suffix=None, max_tokens=16, *args, **kwargs):
+        """create_completion."""
+        return self.create_completion(prompt, suffix, max_tokens, *args, **kwargs)
 
     @staticmethod
-    def _collect(chunks) -> dict:
-        text, lps, last = [], None, None
-        for c in chunks:
-            choice = c["choices"][0]
-            text.append(choice["text"])
-            if choice["logprobs"]:
-                if lps is None:
-                    lps = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
-                offset = sum(len(t) for t in text[:-1])
-                for k in ("tokens", "token_logprobs", "top_logprobs"):
-                    lps[k].extend(choice["logprobs"][k])
-                lps["text_offset"].append(offset)
-            last = c
-        result = {k: last[k] for k in ("id", "object", "created", "model")}
-        result["choices"] = [{"text": "".join(text), "index": 0, "logprobs": lps,
-                              "finish_reason": last["choices"][0]["finish_reason"]}]
-        result["usage"] = last["usage"]
-        return result
+    def _logit_bias(bias: dict | None) -> dict[int, float] | None:
+        """llama-cpp-python's {token id (int or str): bias} as ints to floats."""
+        if not bias:
+            return None
+        try:
+            return {int(k): float(v) for k, v in bias.items()}
+        except (TypeError, ValueError):
+            raise RequestError("logit_bias must map token ids to numbers") from None
 
     # ---- scheduled generation: many prompts, n samples, beams, chat ---------
-    def _params(self, **fields) -> SamplingParams:
-        """SamplingParams from this API's keyword arguments (llama-cpp-python's names and
-        defaults); the model's seed applies when none is given."""
-        return sampling_params(PYTHON, fields, seed=self.seed)
-
-    def stream_texts(self, prompts_ids: Sequence[Sequence[int]], params: SamplingParams):
+    def stream_texts(self, prompts_ids: Sequence[Sequence[int]], params: SamplingParams, criteria=None):
         """Run prompts together through the scheduler; yield (prompt index, sample index,
-        text delta, finish reason or None, usage tokens) as text becomes available."""
+        text delta, finish reason or None, token event or None) as text becomes available.
+        criteria: (StopWatch, stopping criteria) for one prompt with one sample."""
         if self.runner is None:
             raise PagedError("this Llama is closed")
         llm = self.llm_engine
@@ -192,13 +283,17 @@ class Llama:
             for i, ids in enumerate(prompts_ids):
                 requests.append(llm.add_request(list(ids), params))
                 if requests[-1].error:
-                    raise PagedError(f"prompt {i}: {requests[-1].error}")
+                    raise RequestError(f"prompt {i}: {requests[-1].error}")
         except BaseException:
             for r in requests:
                 llm.abort(r.request_id)
             raise
+        if criteria is not None and (len(requests) > 1 or params.n > 1 or params.beam_width > 1):
+            llm.abort(requests[0].request_id)
+            raise RequestError("stopping_criteria applies to one prompt with one sample")
+        self._tokens = list(prompts_ids[0])
         index = {r.request_id: i for i, r in enumerate(requests)}
-        assemblers = [TextAssembler(self.tokenizer, params.stop) for _ in requests]
+        assemblers = [TextAssembler(self._tokenizer, params.stop) for _ in requests]
         width = params.beam_width if params.beam_width > 1 else params.n
         try:
             while any(r.request_id in llm.requests for r in requests):
@@ -208,7 +303,12 @@ class Llama:
                         continue
                     if out.error:
                         raise PagedError(out.error)
+                    if criteria is not None and out.events and self._stopped(criteria):
+                        llm.abort(out.request_id)   # the token drawn is dropped, as llama-cpp-python does
+                        out = RequestOutput(out.request_id, finished=True, finish_reasons=["stop"])
                     assembler = assemblers[i]
+                    if i == 0:
+                        self._tokens += [e.token_id for e in out.events if e.seq_index == 0]
                     for d in assembler.feed(out):
                         yield i, d.index, d.text, d.finish_reason, d.event
                     if not out.finished and params.stop and assembler.all_stopped(width):
@@ -217,86 +317,61 @@ class Llama:
             for r in requests:
                 llm.abort(r.request_id)
 
-    def create_chat_completion(self, messages: list[dict], max_tokens: int | None = None,
-                               temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
-                               min_p: float = 0.05, repeat_penalty: float = 1.0,
-                               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                               stop: str | Sequence[str] | None = None, stream: bool = False,
-                               seed: int | None = None, n: int = 1, ignore_eos: bool = False,
-                               response_format: dict | None = None, grammar=None, tools: list | None = None,
-                               tool_choice=None):
-        """OpenAI-shaped chat completion over the model's chat template; tools and tool_choice
-        as OpenAI's (calls come back in message.tool_calls)."""
-        constraint = from_python(self.tokenizer, response_format, grammar)
-        prompt, constraint, names = prepare_chat(self.chat_template, self.tokenizer, normalize_messages(messages),
-                                                 tools, tool_choice, constraint)
-        params = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty, stop=stop, seed=seed, n=n,
-                              ignore_eos=ignore_eos, constraint=constraint)
-        prompt_ids = self.tokenize(prompt, add_bos=True, special=True)
-        chunks = self._chat_chunks(prompt_ids, params, names)
-        return chunks if stream else self._collect_chat(chunks, n)
-
-    def _chat_chunks(self, prompt_ids, params, names: set[str]):
-        cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
-        started: set = set()
-        counts: dict = {}
-        calls: dict = {}   # sample -> ToolCallStream, when tools were offered
-
-        def chunk(j, delta, finish=None):
-            return {"id": cid, "object": "chat.completion.chunk", "created": created,
-                    "model": self.model_path,
-                    "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-
-        for _, j, text, finish, ev in self.stream_texts([prompt_ids], params):
-            if j not in started:
-                started.add(j)
-                yield chunk(j, {"role": "assistant"})
-            counts[j] = counts.get(j, 0) + (1 if ev is not None else 0)
-            found = []
-            if names:
-                stream = calls.setdefault(j, ToolCallStream(names))
-                text = stream.feed(text)
-                if finish:
-                    rest, found = stream.finish()
-                    text += rest
-            if text:
-                yield chunk(j, {"content": text})
-            if found:
-                yield chunk(j, {"tool_calls": [c.openai(k) for k, c in enumerate(found)]})
-            if finish:
-                yield chunk(j, {}, "tool_calls" if found else finish)
-        yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_path,
-               "choices": [], "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": sum(counts.values()),
-                                        "total_tokens": len(prompt_ids) + sum(counts.values())}}
-
     @staticmethod
-    def _collect_chat(chunks, n: int) -> dict:
-        texts = [""] * n
-        finish = [None] * n
-        tool_calls: list[list] = [[] for _ in range(n)]
-        head = usage = None
-        for c in chunks:
-            head = head or c
-            if "usage" in c:
-                usage = c["usage"]
-            for ch in c["choices"]:
-                texts[ch["index"]] += ch["delta"].get("content", "")
-                tool_calls[ch["index"]] += [{k: v for k, v in call.items() if k != "index"}
-                                            for call in ch["delta"].get("tool_calls", [])]
-                finish[ch["index"]] = ch["finish_reason"] or finish[ch["index"]]
+    def _stopped(criteria) -> bool:
+        watch, stopping_criteria = criteria
+        return watch.scores is not None and bool(stopping_criteria(watch.input_ids, watch.scores))
 
-        def message(j):
-            if tool_calls[j]:
-                return {"role": "assistant", "content": texts[j] or None, "tool_calls": tool_calls[j]}
-            return {"role": "assistant", "content": texts[j]}
+    def create_chat_completion(self, messages: list[dict], functions: list | None = None, function_call=None,
+                               tools: list | None = None, tool_choice=None, temperature: float = 0.2,
+                               top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05, typical_p: float = 1.0,
+                               stream: bool = False, stop: str | Sequence[str] | None = None,
+                               seed: int | None = None, response_format: dict | None = None,
+                               max_tokens: int | None = None, presence_penalty: float = 0.0,
+                               frequency_penalty: float = 0.0, repeat_penalty: float = 1.0, tfs_z: float = 1.0,
+                               mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                               model: str | None = None, logits_processor=None, grammar=None,
+                               logit_bias: dict | None = None, logprobs: bool | None = None,
+                               top_logprobs: int | None = None, *, n: int = 1, ignore_eos: bool = False,
+                               stopping_criteria=None):
+        """OpenAI-shaped chat completion over the model's chat template (or chat_handler's
+        answer when one was given); tool calls come back in message.tool_calls."""
+        if self.chat_handler is not None:
+            return self.chat_handler(
+                llama=self, messages=messages, functions=functions, function_call=function_call, tools=tools,
+                tool_choice=tool_choice, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                typical_p=typical_p, logprobs=logprobs, top_logprobs=top_logprobs, stream=stream, stop=stop,
+                seed=seed, response_format=response_format, max_tokens=max_tokens,
+                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                repeat_penalty=repeat_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
+                logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
+        self._warnings.sampling_args(typical_p=typical_p, tfs_z=tfs_z, mirostat_mode=mirostat_mode)
+        tools, tool_choice = legacy_functions(functions, function_call, tools, tool_choice)
+        constraint = from_python(self._tokenizer, response_format, grammar)
+        prompt, constraint, names = prepare_chat(self.chat_template, self._tokenizer, normalize_messages(messages),
+                                                 tools, tool_choice, constraint)
+        params, watch = self._params(
+            logits_processor, stopping_criteria, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, stop=stop, seed=seed, n=n, ignore_eos=ignore_eos,
+            logit_bias=self._logit_bias(logit_bias), constraint=constraint,
+            logprobs=(top_logprobs or 0) if logprobs else None)
+        prompt_ids = self.tokenize(prompt, add_bos=True, special=True)
+        criteria = (watch, stopping_criteria) if watch is not None else None
+        chunks = chat_chunks(self, prompt_ids, params, names, model or self.model_path, criteria)
+        return chunks if stream else collect_chat(chunks, n)
 
-        return {"id": head["id"], "object": "chat.completion", "created": head["created"],
-                "model": head["model"],
-                "choices": [{"index": j, "message": message(j), "logprobs": None, "finish_reason": finish[j]}
-                            for j in range(n)],
-                "usage": usage}
+    def create_chat_completion_openai_v1(self, *args, **kwargs):
+        """create_chat_completion's answer as the openai package's types (needs openai)."""
+        try:
+            from openai.types.chat import ChatCompletion, ChatCompletionChunk
+        except ImportError:
+            raise ImportError("create_chat_completion_openai_v1 needs the openai package") from None
+        answer = self.create_chat_completion(*args, **kwargs)
+        if kwargs.get("stream"):
+            return (ChatCompletionChunk(**chunk) for chunk in answer)
+        return ChatCompletion(**answer)
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 64,
                        temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
@@ -305,10 +380,10 @@ class Llama:
                        early_stopping: bool = True, response_format: dict | None = None,
                        grammar=None) -> list[list[str]]:
         """Many prompts at once through the scheduler; returns each prompt's n (or beam_width) texts."""
-        params = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              min_p=min_p, stop=stop, seed=seed, n=n, beam_width=beam_width,
-                              length_penalty=length_penalty, early_stopping=early_stopping,
-                              constraint=from_python(self.tokenizer, response_format, grammar))
+        params, _ = self._params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                 min_p=min_p, stop=stop, seed=seed, n=n, beam_width=beam_width,
+                                 length_penalty=length_penalty, early_stopping=early_stopping,
+                                 constraint=from_python(self._tokenizer, response_format, grammar))
         ids = [self.tokenize(p, special=True) if isinstance(p, str) else list(p) for p in prompts]
         width = beam_width if beam_width > 1 else n
         out = [[""] * width for _ in prompts]

@@ -150,8 +150,26 @@ def test_openai_error_codes_and_shapes(server, registry, oai):
         assert r.status_code == status and set(r.json()) == {"error"}, r.text
     r = post(server, "/v1/completions", {"model": M, "prompt": "x", "suffix": "y"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix" and "suffix" in r.text
-    r = post(server, "/v1/completions", {"model": M, "prompt": "x", "logit_bias": {"5": 1}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    for bias in ({"262144": 1}, {"x": 1}, {"5": 101}):
+        r = post(server, "/v1/completions", {"model": M, "prompt": "x", "logit_bias": bias})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_logit_bias_steers_both_openai_routes(oai, registry):
+    paris = registry.get(M).tokenizer.encode(" Paris", add_special=False)
+    assert len(paris) == 1
+    r = oai.completions.create(model=M, prompt="The capital of France is", max_tokens=3, temperature=0,
+                               logit_bias={str(paris[0]): 100})
+    assert r.choices[0].text == " Paris" * 3
+    chat = oai.chat.completions.create(model=M, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       temperature=1.0, seed=1, logit_bias={str(paris[0]): 100})
+    assert chat.choices[0].message.content.split() == ["Paris", "Paris"]
+    # a ban moves greedy decoding off its first choice
+    greedy = oai.completions.create(model=M, prompt="The capital of France is", max_tokens=1, temperature=0)
+    first = registry.get(M).tokenizer.encode(greedy.choices[0].text, add_special=False)
+    banned = oai.completions.create(model=M, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                    logit_bias={str(first[0]): -100})
+    assert len(first) == 1 and banned.choices[0].text != greedy.choices[0].text
 
 
 # ---- /v1/completions as lm-evaluation-harness uses it -------------------------
@@ -204,10 +222,11 @@ def test_keep_alive_raw_think_suffix(server, registry):
     client.generate(model=M, prompt="Tell me about cats.", options={"num_predict": 40})
     r = post(server, "/api/generate", {"model": M, "prompt": "", "keep_alive": 0})
     assert r.json()["done_reason"] == "unload"
-    assert httpx.get(server.url + "/api/pool").json()["stats"]["blocks_cached"] == 0
+    assert not registry.get(M).is_loaded and client.ps().models == []
     r = post(server, "/api/generate", {"model": M, "prompt": "hi", "keep_alive": "soon"})
     assert r.status_code == 400 and "keep_alive" in r.json()["error"]
-    client.generate(model=M, prompt="hi", keep_alive="5m", options={"num_predict": 1})
+    again = client.generate(model=M, prompt="hi", keep_alive="5m", options={"num_predict": 1})
+    assert again.load_duration > 0   # the first request after an unload pays the load
     assert client.ps().models[0].expires_at.year < 2100
     start = registry.get(M).tokenizer.token_to_id("<start_of_turn>")
     raw = client.generate(model=M, prompt="<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
@@ -221,6 +240,60 @@ def test_keep_alive_raw_think_suffix(server, registry):
     with pytest.raises(ollama.ResponseError, match="suffix") as e:
         client.generate(model=M, prompt="def f(", suffix="return 1")
     assert e.value.status_code == 400
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_keep_alive_zero_and_expiry_really_unload(server, registry, oai):
+    import gc
+    import threading
+    import time
+    import weakref
+
+    client = ollama.Client(host=server.url)
+    served = registry.get(M)
+    client.generate(model=M, prompt="Tell me about dogs.", options={"num_predict": 8})
+    engine = [weakref.ref(x) for x in (served.model, served.runner, served.loop, served.loop.llm)]
+    gc.collect()
+    before = _rss_bytes()
+    r = client.generate(model=M, prompt="hi", keep_alive=0, options={"num_predict": 2})
+    assert r.done and client.ps().models == [] and not served.is_loaded
+    gc.collect()
+    assert all(ref() is None for ref in engine)   # weights, pool, runner and loop are gone
+    freed = before - _rss_bytes()
+    assert freed > 64 << 20, f"only {freed} bytes released"
+    # what describes the model still answers; what reads the engine skips it
+    assert M in [m.model for m in client.list().models]
+    assert client.show(M).modelinfo["gemma3.context_length"] == served.n_ctx
+    assert f'pyllama_kv_blocks_free{{model="{M}"}}' not in httpx.get(server.url + "/metrics").text
+    assert httpx.get(server.url + "/api/pool").json()["loaded"] is False
+    r = client.generate(model=M, prompt="hi", options={"num_predict": 2})
+    assert r.load_duration > 0 and served.is_loaded and [m.model for m in client.ps().models] == [M]
+    assert f'pyllama_kv_blocks_free{{model="{M}"}}' in httpx.get(server.url + "/metrics").text
+    # a keep_alive duration runs out with nothing in flight: the watcher drops the engine
+    client.generate(model=M, prompt="hi", keep_alive="1s", options={"num_predict": 1})
+    deadline = time.monotonic() + 60
+    while served.is_loaded and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not served.is_loaded and client.ps().models == []
+    # keep_alive 0 while another request streams: the engine stays until that one ends
+    long = oai.completions.create(model=M, prompt="Count:", max_tokens=200, stream=True,
+                                  extra_body={"ignore_eos": True})
+    first = next(iter(long))
+    assert first.choices[0].text is not None and served.is_loaded
+    assert client.generate(model=M, prompt="hi", keep_alive=0, options={"num_predict": 1}).done
+    assert served.is_loaded and served.active == 1
+    rest = threading.Thread(target=lambda: [c for c in long])
+    rest.start()
+    rest.join(300)
+    deadline = time.monotonic() + 60
+    while served.is_loaded and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not served.is_loaded   # the last scheduled request's keep_alive (0) applied when it ended
+    assert client.generate(model=M, prompt="hi", options={"num_predict": 1}).done
 
 
 def test_model_management_the_ollama_way(server):

@@ -81,6 +81,6 @@ def test_batch_matches_single_greedy(llm):
             together[i].append(event.token_id)
     for prompt, got in zip(ids, together):
         alone = list(llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0)))
-        assert_greedy_agree(prompt, alone, got, engine_logits(llm.runner), llm.tokenizer.eot_ids)
+        assert_greedy_agree(prompt, alone, got, engine_logits(llm.runner), llm._tokenizer.eot_ids)
     beams = llm.generate_batch(prompts[:1], max_tokens=4, beam_width=3)
     assert len(beams[0]) == 3

@@ -1,6 +1,6 @@
 """Structured output and tools through the unmodified clients users have
-(issue 14, item 4): ollama, openai, langchain-ollama, langchain-openai, litellm
-and instructor, against a real server on the default model. The base model
+(issue 14, item 4): ollama, openai, langchain-ollama, langchain-openai, litellm,
+instructor and the llm CLI, against a real server on the default model. The base model
 does not follow instructions; the point is that every answer parses against
 its schema and every tool call round-trips."""
 
@@ -195,3 +195,41 @@ def test_every_answer_validates_over_many_seeds_batched(server, oai):
         people = list(pool.map(ask, range(64)))
     assert len(people) == 64 and all(isinstance(p, Person) for p in people)
     assert wait_pool_empty(server.url)
+
+
+# ---- the llm CLI (Simon Willison's), through our OpenAI API ---------------------
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                  "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+                 "required": ["name", "age"]}
+
+
+def _llm_cli(server, tmp_path, *args) -> str:
+    """Run the real `llm` command with a user directory that names our server as an
+    OpenAI-compatible model supporting schemas (llm's extra-openai-models.yaml)."""
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        f"- model_id: pyllama\n  model_name: {M}\n  api_base: \"{server.url}/v1\"\n"
+        "  supports_schema: true\n  api_key_name: pyllama\n")
+    (tmp_path / "keys.json").write_text('{"pyllama": "x"}')
+    exe = shutil.which("llm", path=os.path.dirname(sys.executable)) or shutil.which("llm")
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path)}
+    p = subprocess.run([exe, "-m", "pyllama", "--no-log", *args], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_llm_cli_prompt_and_schema(server, tmp_path):
+    import jsonschema
+
+    assert _llm_cli(server, tmp_path, "-o", "max_tokens", "8", "-o", "seed", "1", ASK).strip()
+    for seed in ("1", "2"):
+        out = _llm_cli(server, tmp_path, "--schema", json.dumps(PERSON_SCHEMA), "-o", "seed", seed, ASK)
+        jsonschema.validate(json.loads(out), PERSON_SCHEMA)
+    # llm's concise schema syntax, turned into a JSON schema by llm itself
+    out = _llm_cli(server, tmp_path, "--schema", "age int, pet", "-o", "max_tokens", "60", "-o", "seed", "3", ASK)
+    person = json.loads(out)
+    assert isinstance(person["age"], int) and isinstance(person["pet"], str)

@@ -38,7 +38,7 @@ def llm():
 ])
 def test_bad_grammars_are_refused_with_a_reason(llm, kind, spec, needle):
     with pytest.raises(ConstraintError, match=needle):
-        compile_constraint(llm.tokenizer, kind, spec)
+        compile_constraint(llm._tokenizer, kind, spec)
 
 
 def test_schemas_are_closed_unless_they_say_otherwise():
@@ -55,7 +55,7 @@ def test_schemas_are_closed_unless_they_say_otherwise():
 
 
 def test_mask_admits_a_valid_answer_token_by_token_then_only_the_end(llm):
-    tok = llm.tokenizer
+    tok = llm._tokenizer
     state = compile_constraint(tok, "json_schema", PERSON).start()
     answer = json.dumps({"name": "Ada", "age": 36, "pet": "cat"}, separators=(",", ":"))
     buffer = MaskBuffer(tok.n_vocab)

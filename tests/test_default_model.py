@@ -56,4 +56,4 @@ def test_free_running_greedy_matches(llm):
     ids = list(llm.generate(case["prompt_ids"], params))
     # equal, or parted at a near-tie of our own logits (another CPU may round one the other way)
     assert_greedy_agree(case["prompt_ids"], case["greedy_ids"], ids, engine_logits(llm.runner),
-                        llm.tokenizer.eot_ids)
+                        llm._tokenizer.eot_ids)

@@ -34,6 +34,7 @@ LAYERS = [
     ["engine.loop"],
     ["text_stream", "sampling_options", "tools.calls", "tools.messages"],
     ["tools.prompt"],
+    ["llama_compat", "llama_grammar", "llama_pretrained", "llama_chat", "llama_completion"],
     ["llama"],
     ["server.metrics", "server.dashboard"],
     ["server.registry"],

@@ -90,3 +90,164 @@ def test_stop_matcher_holds_back_partial_matches():
     s = StopMatcher(["xy"])
     assert s.feed("ax") == ("a", False)
     assert s.feed("b") == ("xb", False)
+
+
+# ---- llama-cpp-python's arguments, hooks and state (issue 15, item 2) ------------
+def test_positional_order_is_llama_cpp_pythons(llm):
+    # create_completion(prompt, suffix, max_tokens, temperature, ...); detokenize(tokens, prev_tokens)
+    out = llm.create_completion("The capital of France is", None, 3, 0.0)
+    assert out["usage"]["completion_tokens"] == 3
+    with pytest.raises(ValueError, match="suffix"):
+        llm("def f(", "return 1")
+    ids = llm.tokenize(b"Hello world")
+    assert llm.detokenize(ids[2:], ids[:2]) == llm.detokenize(ids[2:])
+
+
+def test_request_errors_are_value_errors(llm):
+    from pyllama_paged import RequestError
+
+    for call in (lambda: llm("word " * 400, max_tokens=1), lambda: llm("Hi", top_p=0),
+                 lambda: llm("Hi", logit_bias={10**9: 1.0}), lambda: llm("Hi", grammar="root ::= (")):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert isinstance(e.value, RequestError) and isinstance(e.value, PagedError)
+
+
+def test_logit_bias_forces_and_bans_tokens(llm):
+    greedy = llm("The capital of France is", max_tokens=4, temperature=0)["choices"][0]["text"]
+    paris = llm.tokenize(b" Paris", add_bos=False)
+    assert len(paris) == 1
+    forced = llm("The capital of France is", max_tokens=3, temperature=0, logit_bias={paris[0]: 100})
+    assert forced["choices"][0]["text"] == " Paris" * 3
+    first = llm.tokenize(greedy.encode(), add_bos=False)[0]
+    banned = llm("The capital of France is", max_tokens=4, temperature=0, logit_bias={str(first): -100})
+    assert llm.tokenize(banned["choices"][0]["text"].encode(), add_bos=False)[0] != first
+
+
+def test_logits_processor_and_stopping_criteria(llm):
+    from pyllama_paged import LogitsProcessorList, MinTokensLogitsProcessor, StoppingCriteriaList
+
+    prompt = llm.tokenize(b"The capital of France is")
+    seen = []
+
+    def record(input_ids, scores):
+        seen.append((input_ids.copy(), scores.shape))
+        return scores
+
+    out = llm("The capital of France is", max_tokens=5, temperature=0, logits_processor=LogitsProcessorList([record]))
+    assert [len(ids) for ids, _ in seen] == [len(prompt) + k for k in range(5)]
+    assert list(seen[0][0]) == prompt and seen[0][1] == (llm.n_vocab(),)
+    # the criterion sees the ids before each draw; when it says stop, that draw is dropped
+    stop_after = StoppingCriteriaList([lambda ids, logits: len(ids) >= len(prompt) + 2])
+    cut = llm("The capital of France is", max_tokens=8, temperature=0, stopping_criteria=stop_after)
+    assert cut["choices"][0]["finish_reason"] == "stop" and cut["usage"]["completion_tokens"] == 2
+    assert out["choices"][0]["text"].startswith(cut["choices"][0]["text"])
+    # end-of-text forbidden for 12 tokens: the answer cannot end sooner
+    messages = [{"role": "user", "content": "Say OK."}]
+    min_tokens = LogitsProcessorList([MinTokensLogitsProcessor(12, llm.token_eos())])
+    for eos in sorted(llm._tokenizer.eot_ids):
+        min_tokens.append(MinTokensLogitsProcessor(12, eos))
+    r = llm.create_chat_completion(messages, max_tokens=12, temperature=0, logits_processor=min_tokens)
+    assert r["usage"]["completion_tokens"] == 12 and r["choices"][0]["finish_reason"] == "length"
+
+
+def test_generate_yields_ids_and_state_round_trips(llm):
+    import itertools
+
+    tokens = llm.tokenize(b"Once upon a time")
+    first = list(itertools.islice(llm.generate(tokens, temp=0), 4))
+    assert all(isinstance(t, int) for t in first)
+    assert llm.n_tokens == len(tokens) + 4 and llm.stats()["blocks_used"] == 0   # stopping freed the pages
+    state = llm.save_state()
+    assert list(state.input_ids) == tokens + first and state.n_tokens == len(tokens) + 4
+    nxt = list(itertools.islice(llm.generate([], reset=False, temp=0), 3))
+    llm.reset()
+    assert llm.n_tokens == 0
+    llm.load_state(state)
+    assert list(itertools.islice(llm.generate([], reset=False, temp=0), 3)) == nxt
+    # continuing is the same as giving the whole prompt again
+    assert list(itertools.islice(llm.generate(tokens + first, temp=0), 3)) == nxt
+
+
+def test_chat_defaults_stream_end_and_logprobs(llm):
+    import inspect
+
+    assert inspect.signature(llm.create_chat_completion).parameters["temperature"].default == 0.2
+    assert inspect.signature(llm.create_completion).parameters["temperature"].default == 0.8
+    messages = [{"role": "user", "content": "Hi"}]
+    chunks = list(llm.create_chat_completion(messages, max_tokens=3, stream=True, logprobs=True, top_logprobs=2))
+    for chunk in chunks:   # the loop every llama-cpp-python user writes
+        chunk["choices"][0]["delta"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 3
+    whole = llm.create_chat_completion(messages, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert "".join(c["token"] for c in content) == whole["choices"][0]["message"]["content"]
+    v1 = llm.create_chat_completion_openai_v1(messages, max_tokens=2)
+    assert v1.choices[0].message.role == "assistant"
+
+
+def test_constructor_accepts_llama_cpp_arguments_and_warns_once():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = Llama(n_ctx=0, n_threads=2, n_gpu_layers=-1, use_mmap=True, flash_attn=True, rope_freq_base=0.0,
+                  type_k=8, type_v=8, seed=0xFFFFFFFF, embedding=False, logits_all=True, n_ubatch=64,
+                  not_an_argument=3, verbose=False)
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 3 and sum("n_gpu_layers" in t for t in texts) == 1   # use_mmap/flash_attn: neutral
+    assert any("not_an_argument" in t for t in texts) and any("n_ubatch" in t for t in texts)
+    assert m.n_ctx() == m._model.config.n_ctx_train and m.runner.kv_cache_type == "q8_0"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m("Hi", max_tokens=1, typical_p=0.5)
+        m("Hi", max_tokens=1, typical_p=0.5)
+    assert len(caught) == 1 and "typical_p" in str(caught[0].message)
+    m.close()
+    with pytest.raises(ValueError, match="K and V"):
+        Llama(n_ctx=64, type_k=1, type_v=8)
+    with pytest.raises(ValueError, match="BF16"):
+        Llama(n_ctx=64, type_k=30, type_v=30)
+    with pytest.raises(ValueError, match="LoRA"):
+        Llama(n_ctx=64, lora_path="adapter.gguf")
+
+
+def test_llama_grammar(llm, tmp_path):
+    import json
+
+    from pyllama_paged import LlamaGrammar
+
+    yes_no = LlamaGrammar.from_string('root ::= "yes" | "no"')
+    assert llm("Is the sky blue?", grammar=yes_no, max_tokens=-1)["choices"][0]["text"] in ("yes", "no")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"]}
+    out = llm("A number:", grammar=LlamaGrammar.from_json_schema(json.dumps(schema)), max_tokens=20)
+    assert isinstance(json.loads(out["choices"][0]["text"])["n"], int)
+    path = tmp_path / "digits.gbnf"
+    path.write_text('root ::= [0-9]{3}')
+    assert LlamaGrammar.from_file(path).grammar == 'root ::= [0-9]{3}'
+    with pytest.raises(ValueError, match="does not parse"):
+        LlamaGrammar.from_string("root ::= (")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LlamaGrammar.from_json_schema("{")
+
+
+def test_from_pretrained_local_directory_and_hf_cache(tmp_path):
+    from pyllama_paged.engine.model import default_model_path
+
+    src = default_model_path()
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny-Q4_K_M.gguf").symlink_to(src)
+    m = Llama.from_pretrained(str(tmp_path / "models"), "*q4_k_m.gguf", n_ctx=64)
+    assert m.model_path.endswith("tiny-Q4_K_M.gguf")
+    m.close()
+    snapshot = tmp_path / "hub" / "models--someone--tiny-GGUF" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tiny.Q4_K_M.gguf").symlink_to(src)
+    m = Llama.from_pretrained("someone/tiny-GGUF", "*Q4_K_M.gguf", cache_dir=tmp_path / "hub", n_ctx=64)
+    m.close()
+    (snapshot / "tiny.Q8_0.gguf").symlink_to(src)
+    with pytest.raises(ValueError, match="several files"):
+        Llama.from_pretrained("someone/tiny-GGUF", "*.gguf", cache_dir=tmp_path / "hub")
+    with pytest.raises(ValueError, match="does not download"):
+        Llama.from_pretrained("someone/other-GGUF", "*.gguf", cache_dir=tmp_path / "hub")

@@ -46,6 +46,8 @@ PARIS = {"city": "Paris", "unit": "C"}
     ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}]', ""),  # Mistral
     ('```json\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n```', ""),  # Gemma-style
     ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"unit\\": \\"C\\"}"}', ""),  # args as text
+    ('```tool_code\nget_weather(city="Paris", unit="C")\n```', ""),                         # Gemma tool_code
+    ("```tool_code\nprint(default_api.get_weather(city='Paris', unit='C'))\n```", ""),       # ... as Gemma prints it
 ])
 def test_calls_are_parsed_whole_and_streamed(text, content):
     left, calls = parse_tool_calls(text, NAMES)
@@ -67,6 +69,16 @@ def test_several_calls_and_things_that_are_not_calls():
         streamed = "".join(stream.feed(ch) for ch in text)
         rest, calls = stream.finish()
         assert streamed + rest == text and not calls
+    _, calls = parse_tool_calls('```tool_code\nget_time(zone="UTC")\nget_weather(city="Oslo", unit="C")\n```', NAMES)
+    assert [(c.name, c.arguments) for c in calls] == [("get_time", {"zone": "UTC"}),
+                                                      ("get_weather", {"city": "Oslo", "unit": "C"})]
+    _, calls = parse_tool_calls('```tool_code\nget_weather(city="Oslo", unit=None, days=[1, 2], ok=true)\n```', NAMES)
+    assert calls[0].arguments == {"city": "Oslo", "unit": None, "days": [1, 2], "ok": True}
+    # never run, only read: anything but keyword literals to a named tool stays content
+    for code in ('get_weather("Paris", "C")', 'rm_rf(path="/")', 'get_weather(city=open("/etc/passwd").read())',
+                 'get_weather(**{"city": "x"})', 'x = get_weather(city="P")', "get_weather(city=", "import os"):
+        text = f"```tool_code\n{code}\n```"
+        assert parse_tool_calls(text, NAMES) == (text, [])
     stream = ToolCallStream(NAMES)   # plain text streams at once, not at the end
     assert stream.feed("Sure") == "Sure" and stream.feed(", <tool") == ", " and stream.feed("bar>") == "<toolbar>"
 
@@ -102,8 +114,8 @@ def test_templates_without_tools_get_them_described(llm):
                                    {"role": "assistant", "content": None, "tool_calls": [
                                        {"id": "c1", "function": {"name": "get_weather", "arguments": PARIS}}]},
                                    {"role": "tool", "tool_call_id": "c1", "content": "18 C"}])
-    text = render_chat(llm.chat_template, llm.tokenizer, messages, TOOLS)
-    assert tool_family(llm.chat_template, llm.tokenizer) == "json"
+    text = render_chat(llm.chat_template, llm._tokenizer, messages, TOOLS)
+    assert tool_family(llm.chat_template, llm._tokenizer) == "json"
     assert "Be brief." in text and "get_time" in text and "Result of get_weather: 18 C" in text
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}' in text
 
@@ -115,7 +127,7 @@ def test_templates_without_tools_get_them_described(llm):
     ("json", '{"name":"get_time","arguments":{"zone":"CET"}}'),
 ])
 def test_forced_call_grammar_admits_a_call_then_the_end(llm, family, answer):
-    tok = llm.tokenizer
+    tok = llm._tokenizer
     state = forced_call_constraint(tok, family, TOOLS).start()
     buffer = MaskBuffer(tok.n_vocab)
     for token in tok.encode(answer, add_special=False):
@@ -138,7 +150,7 @@ def test_tool_choice_errors(llm):
                                   ([], "required", "no tools"), (TOOLS, "sometimes", "not none, auto"),
                                   ([{"type": "function"}], "auto", r"tools\[0\]")):
         with pytest.raises(ConstraintError, match=needle):
-            prepare_chat(llm.chat_template, llm.tokenizer, [{"role": "user", "content": "x"}], tools, choice)
+            prepare_chat(llm.chat_template, llm._tokenizer, [{"role": "user", "content": "x"}], tools, choice)
 
 
 # ---- the round trip on the default model --------------------------------------

@@ -49,6 +49,9 @@ def from_python(tokenizer: Tokenizer, response_format: Any = None, grammar: Any 
     if grammar is not None and response_format is not None:
         raise ConstraintError("give either grammar or response_format, not both")
     if grammar is not None:
+        spec = getattr(grammar, "constraint_spec", None)   # our LlamaGrammar: GBNF or a JSON schema
+        if callable(spec):
+            return compile_constraint(tokenizer, *spec())
         text = grammar if isinstance(grammar, str) else getattr(grammar, "grammar", getattr(grammar, "_grammar", None))
         if not isinstance(text, str):
             raise ConstraintError("grammar must be GBNF text")

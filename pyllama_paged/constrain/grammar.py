@@ -9,7 +9,7 @@ from typing import Any
 
 import llguidance
 
-from ..errors import PagedError
+from ..errors import RequestError
 from ..tokenizer.tokenizer import Tokenizer
 from .vocab import ll_tokenizer
 
@@ -20,7 +20,7 @@ KINDS = ("json", "json_schema", "regex", "gbnf", "lark")
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
-class ConstraintError(PagedError):
+class ConstraintError(RequestError):
     """A grammar or schema that cannot be compiled (the request's fault: a 400)."""
 
 

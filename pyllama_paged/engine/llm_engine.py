@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .model_runner import ModelRunner
-from ..errors import PagedError
+from ..errors import PagedError, RequestError
 from .sampler import BatchSampler, Sampled, Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .request import Request, RequestStatus, Sequence
@@ -66,6 +66,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise PagedError(f"request id {request_id!r} is already in flight")
         prompt_ids = self._checked_tokens(prompt_ids)
+        if params.logit_bias and max(params.logit_bias) >= self.runner.n_vocab:
+            raise RequestError(f"logit_bias token id {max(params.logit_bias)} outside the vocabulary "
+                               f"of {self.runner.n_vocab}")
         request = Request(request_id, prompt_ids, params)
         request.seqs = [Sequence(list(prompt_ids), len(prompt_ids), Sampler(params))]
         self.scheduler.add(request)
@@ -78,11 +81,11 @@ class LLMEngine:
         which would otherwise fail the whole batch's step."""
         ids = np.asarray(prompt_ids)
         if ids.size and (ids.ndim != 1 or ids.dtype.kind not in "iu"):
-            raise PagedError("prompt token ids must be a flat list of integers")
+            raise RequestError("prompt token ids must be a flat list of integers")
         n_vocab = self.runner.n_vocab
         bad = ids[(ids < 0) | (ids >= n_vocab)] if ids.size else ids
         if bad.size:
-            raise PagedError(f"token id {int(bad[0])} outside the vocabulary of {n_vocab}")
+            raise RequestError(f"token id {int(bad[0])} outside the vocabulary of {n_vocab}")
         return ids.tolist()
 
     def abort(self, request_id: str) -> bool:

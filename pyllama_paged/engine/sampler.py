@@ -12,7 +12,7 @@ import numpy as np
 
 from .._native import check, ffi, lib
 from ..constrain.masks import MaskBuffer
-from ..errors import PagedError
+from ..errors import PagedError, RequestError
 
 
 @dataclass
@@ -35,6 +35,10 @@ class SamplingParams:
     early_stopping: bool = True
     ignore_eos: bool = False    # keep generating past end-of-text tokens (to max_tokens)
     constraint: Any = None      # a constrain.grammar.Constraint: each step samples within its token mask
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling
+    # the Python API's hook (llama-cpp-python's LogitsProcessor): called as
+    # f(token ids so far, the row's float32 logits) -> logits, on the engine's thread
+    logits_processor: Any = None
 
     def validate(self) -> None:
         """Raise PagedError naming the first invalid field."""
@@ -57,10 +61,17 @@ class SamplingParams:
             ("beam_width", 1 <= self.beam_width <= 16, "must be in [1, 16]"),
             ("beam_width", self.beam_width == 1 or self.constraint is None,
              "must be 1 with a grammar or response format"),
+            ("logit_bias", self.logit_bias is None or all(
+                isinstance(k, int) and k >= 0 and isinstance(v, (int, float)) and finite(v)
+                for k, v in self.logit_bias.items()), "must map token ids (ints >= 0) to finite numbers"),
+            ("logits_processor", self.logits_processor is None or callable(self.logits_processor),
+             "must be callable"),
+            ("beam_width", self.beam_width == 1 or (self.logit_bias is None and self.logits_processor is None),
+             "must be 1 with logit_bias or a logits processor"),
         ]
         for name, ok, why in checks:
             if not ok:
-                raise PagedError(f"sampling parameter '{name}' = {getattr(self, name)!r} {why}")
+                raise RequestError(f"sampling parameter '{name}' = {getattr(self, name)!r} {why}")
 
     def for_sample(self, index: int) -> "SamplingParams":
         """Parameters of the index-th of n samples: its own seed so samples differ."""
@@ -91,6 +102,11 @@ class Sampler:
         self.rng_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.rng_state))   # what a row points at
         self.constraint = params.constraint.start() if params.constraint is not None else None
         self.native_params = None   # (n_vocab, pp_sampling_params *) once a BatchSampler made it
+        self.bias = None            # (token ids, biases) arrays, when params.logit_bias is set
+        if params.logit_bias:
+            self.bias = (np.fromiter(params.logit_bias.keys(), dtype=np.int64, count=len(params.logit_bias)),
+                         np.fromiter(params.logit_bias.values(), dtype=np.float32, count=len(params.logit_bias)))
+        self.adjusts_logits = self.bias is not None or params.logits_processor is not None
 
     def history(self, token_ids: list[int]) -> list[int]:
         """The tokens the penalties count: the last penalty_last_n (all if 0), or none
@@ -137,6 +153,7 @@ class BatchSampler:
             return []
         if logits.dtype != np.float32 or not logits.flags.c_contiguous or logits.shape[-1] != self.n_vocab:
             raise PagedError(f"logits must be C-contiguous float32 rows of {self.n_vocab}")
+        self._adjust_logits(logits, picks)
         rows, results = self._arrays(n)
         keep = self._allowed_masks(rows, picks)   # these arrays must outlive the call
         for r, (row_index, sampler, history) in zip(rows, picks):
@@ -161,6 +178,22 @@ class BatchSampler:
                 top = {int(res.top_ids[j]): float(res.top_logprobs[j]) for j in range(res.n_top)}
                 out.append(Sampled(res.token, float(res.logprob), top))
         return out
+
+    def _adjust_logits(self, logits: np.ndarray, picks) -> None:
+        """Apply each row's logit_bias, then its logits processor, in place (the rows are
+        the runner's buffer of this step, read by nothing after sampling)."""
+        for row_index, sampler, history in picks:
+            if not sampler.adjusts_logits:
+                continue
+            row = logits.reshape(-1, self.n_vocab)[row_index]
+            if sampler.bias is not None:
+                ids, bias = sampler.bias
+                row[ids] += bias
+            processor = sampler.params.logits_processor
+            if processor is not None:
+                out = processor(np.asarray(history, dtype=np.intc), row)
+                if out is not row:
+                    row[:] = out
 
     def _arrays(self, n: int):
         """The rows and results of a call of n rows: reused, grown as needed, rows zeroed."""

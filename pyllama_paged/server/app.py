@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -130,6 +131,31 @@ def _document_errors(app: FastAPI) -> None:
     app.openapi = openapi
 
 
+def _expire_idle_models(app: FastAPI, registry: ModelRegistry, every: float = 0.5) -> None:
+    """While the server runs, drop each model whose keep_alive has run out (Ollama's
+    keep_alive durations; 0 is handled by the request itself)."""
+    tasks: list[asyncio.Task] = []
+
+    async def watch():
+        while True:
+            await asyncio.sleep(every)
+            now = time.time()
+            for served in list(registry.models.values()):
+                if served.expired(now):
+                    await served.unload_if_idle()
+
+    async def start():
+        tasks.append(asyncio.get_running_loop().create_task(watch()))
+
+    async def stop():
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    app.router.on_startup.append(start)
+    app.router.on_shutdown.append(stop)
+
+
 def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: str | None = None) -> FastAPI:
     """The ASGI app serving the registry's models."""
     state = ServerState(registry, limits or Limits(), Metrics(), api_key)
@@ -177,6 +203,7 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
             state.metrics.count_request(request.url.path, response.status_code)
         return response
 
+    _expire_idle_models(app, registry)
     app.include_router(ollama_api.build_router(state))
     app.include_router(ollama_manage.build_router(state))
     app.include_router(openai_api.build_router(state))
@@ -190,8 +217,9 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
         return Response()
 
     async def all_stats() -> dict[str, dict]:
-        return {name: await asyncio.to_thread(m.loop.call, lambda llm: llm.stats())
-                for name, m in registry.models.items()}
+        """Each loaded model's engine figures (a model keep_alive dropped has none)."""
+        found = {name: await m.call_if_loaded(lambda llm: llm.stats()) for name, m in registry.models.items()}
+        return {name: stats for name, stats in found.items() if stats is not None}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
@@ -216,7 +244,11 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
             return {"model": served.name, "paged": kv.paged, "block_size": kv.block_size,
                     "blocks": states, "stats": llm.stats()}
 
-        return await asyncio.to_thread(served.loop.call, snapshot)
+        found = await served.call_if_loaded(snapshot)
+        if found is None:   # dropped by keep_alive: no pages held (the next request loads it)
+            return {"model": served.name, "paged": served.options.paged, "block_size": served.options.block_size,
+                    "blocks": [], "loaded": False, "stats": {"blocks_used": 0, "blocks_total": 0}}
+        return {**found, "loaded": True}
 
     @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard():

@@ -23,7 +23,7 @@ async function refresh() {
   try {
     const r = await fetch("/api/pool" + query);
     const d = await r.json();
-    document.getElementById("model").textContent = d.model + (d.paged ? " (paged, " + d.block_size + " tokens/block)" : " (slabs)");
+    document.getElementById("model").textContent = d.model + (d.paged ? " (paged, " + d.block_size + " tokens/block)" : " (slabs)") + (d.loaded === false ? ", not loaded (keep_alive let it go)" : "");
     const grid = document.getElementById("grid");
     if (grid.children.length !== d.blocks.length) {
       grid.innerHTML = "";

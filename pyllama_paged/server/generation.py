@@ -48,12 +48,23 @@ class Generation:
     num_generated: int = 0
     finish_reasons: dict[int, str] = field(default_factory=dict)
     output_ids: list[int] = field(default_factory=list)   # sample 0's tokens, end-of-turn excluded
+    load_seconds: float = 0.0   # loading the model again (keep_alive had dropped it)
 
     async def deltas(self):
         """Async iterator of TextDelta; aborts the request if the consumer goes away."""
         served = self.served
         self.metrics.inflight[served.name] += 1
-        stream = served.loop.submit(self.prompt_ids, self.params)
+        try:
+            self.load_seconds = await served.acquire()
+        except BaseException:
+            self.metrics.inflight[served.name] -= 1
+            raise
+        try:
+            stream = served.loop.submit(self.prompt_ids, self.params)
+        except BaseException:
+            served.release()
+            self.metrics.inflight[served.name] -= 1
+            raise
         assembler = TextAssembler(served.tokenizer, self.params.stop)
         width = self.params.beam_width if self.params.beam_width > 1 else self.params.n
         try:
@@ -82,6 +93,7 @@ class Generation:
         finally:
             # normal end, stop string, error or client gone: the pages go back now
             stream.abort()
+            served.release()
             self.metrics.inflight[served.name] -= 1
             self.metrics.add_tokens(len(self.prompt_ids), self.num_generated)
 
@@ -114,9 +126,9 @@ class Generation:
         """Ollama's timing fields, in nanoseconds."""
         end = time.perf_counter()
         first = self.first_token_at or end
-        return {"total_duration": int((end - self.started) * 1e9), "load_duration": 0,
+        return {"total_duration": int((end - self.started) * 1e9), "load_duration": int(self.load_seconds * 1e9),
                 "prompt_eval_count": len(self.prompt_ids),
-                "prompt_eval_duration": int((first - self.started) * 1e9),
+                "prompt_eval_duration": int(max(0.0, first - self.started - self.load_seconds) * 1e9),
                 "eval_count": self.num_generated, "eval_duration": int((end - first) * 1e9)}
 
 
@@ -145,9 +157,12 @@ def fit_prompt(served: ServedModel, prompt_ids: list[int], limits: Limits, trunc
 
 
 def start_generation(served: ServedModel, prompt_ids: list[int], params: SamplingParams,
-                     limits: Limits, metrics: Metrics, n_ctx: int | None = None) -> Generation:
+                     limits: Limits, metrics: Metrics, n_ctx: int | None = None,
+                     keep_alive: float | None = None) -> Generation:
     """Check the limits that need the model, then a Generation ready to iterate; n_ctx
-    (Ollama's num_ctx) bounds prompt plus answer below the server's context."""
+    (Ollama's num_ctx) bounds prompt plus answer below the server's context. The
+    request's keep_alive (None: the server's, forever) becomes the model's, as the
+    last request scheduled sets it in Ollama."""
     prompt_ids = fit_prompt(served, prompt_ids, limits, n_ctx=n_ctx)
     if not prompt_ids:
         raise APIError(400, "prompt is empty", "prompt")
@@ -159,9 +174,10 @@ def start_generation(served: ServedModel, prompt_ids: list[int], params: Samplin
         params.max_tokens = min(params.max_tokens, room) if params.max_tokens else room
     if params.n > limits.max_n or params.beam_width > limits.max_n:
         raise APIError(400, f"n {max(params.n, params.beam_width)} exceeds the limit {limits.max_n}", "n")
-    if metrics.inflight[served.name] >= limits.max_queue + served.loop.llm.scheduler.config.max_num_seqs:
+    if metrics.inflight[served.name] >= limits.max_queue + served.options.max_num_seqs:
         raise APIError(503, "server busy: the request queue is full, retry shortly", None,
                        "server_busy", {"Retry-After": "1"})
+    served.keep_alive = keep_alive
     return Generation(served, prompt_ids, params, metrics)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-import time
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -138,12 +137,17 @@ def build_router(state) -> APIRouter:
         return keep_alive_seconds(body.keep_alive)
 
     async def after(served, keep_alive):
-        served.last_used = time.time()
-        if keep_alive is not None:
-            served.keep_alive = keep_alive
-        if keep_alive == 0:   # unload: the model's cached pages go back now
-            await asyncio.to_thread(served.loop.call, lambda llm: llm.runner.kv.paged and
-                                    llm.runner.kv.pool.reset_prefix_cache())
+        """keep_alive 0 (this request's or a later one's) drops the engine now unless other
+        requests hold it; then the expiry watcher drops it when the last one ends."""
+        if served.keep_alive == 0:
+            await served.unload_if_idle()
+
+    async def preload(served, keep_alive):
+        served.keep_alive = keep_alive
+        if keep_alive != 0:
+            await served.acquire()
+            served.release()
+        await after(served, keep_alive)
 
     def final(gen, shape):
         body = shape("", True)
@@ -203,7 +207,7 @@ def build_router(state) -> APIRouter:
             raise APIError(400, "a per-request template is not supported; use raw with a formatted prompt",
                            "template")
         if not body.prompt:   # Ollama answers an empty prompt by loading (or unloading) the model
-            await after(served, keep_alive)
+            await preload(served, keep_alive)
             return loaded(body, served, "unload" if keep_alive == 0 else "load")
         try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
             constraint = await asyncio.to_thread(from_ollama, served.tokenizer, body.format)
@@ -220,7 +224,7 @@ def build_router(state) -> APIRouter:
         n_ctx = body.options.num_ctx if body.options else None
         ids = fit_prompt(served, ids, state.limits, body.truncate is not False, n_ctx)
         params = _params(body.options, state.limits.max_tokens, constraint)   # unset: to the context
-        gen = start_generation(served, ids, params, state.limits, state.metrics, n_ctx)
+        gen = start_generation(served, ids, params, state.limits, state.metrics, n_ctx, keep_alive)
 
         def shape(text, done, calls=None):
             out = {"model": body.model, "created_at": _now(), "response": text, "done": done}
@@ -246,7 +250,7 @@ def build_router(state) -> APIRouter:
         served = find(body.model)
         keep_alive = check_common(body, served)
         if not body.messages:   # Ollama loads (or unloads) the model for an empty chat
-            await after(served, keep_alive)
+            await preload(served, keep_alive)
             return loaded(body, served, "unload" if keep_alive == 0 else "load")
         def prepare():
             messages = normalize_messages([m.model_dump(exclude_none=True, exclude={"thinking"})
@@ -260,7 +264,7 @@ def build_router(state) -> APIRouter:
             raise APIError(400, str(e), "messages") from None
         n_ctx = body.options.num_ctx if body.options else None
         params = _params(body.options, state.limits.max_tokens, constraint)   # unset: to the context
-        gen = start_generation(served, ids, params, state.limits, state.metrics, n_ctx)
+        gen = start_generation(served, ids, params, state.limits, state.metrics, n_ctx, keep_alive)
 
         def shape(text, done, calls=None):
             message = {"role": "assistant", "content": text}
@@ -283,11 +287,15 @@ def build_router(state) -> APIRouter:
     async def ps():
         models = []
         for served in state.registry.models.values():
-            stats = await asyncio.to_thread(served.loop.call, lambda llm: llm.stats())
-            kv_bytes = served.runner.kv_pool_bytes
+            # an unloaded model is not running: /api/ps lists loaded models only, as Ollama's
+            found = await served.call_if_loaded(lambda llm: (llm.stats(), llm.runner.kv_pool_bytes,
+                                                             llm.runner.kv.paged))
+            if found is None:
+                continue
+            stats, kv_bytes, paged = found
             models.append({**describe(served), "expires_at": served.expires_at(),
                            "size_vram": 0, "context_length": served.n_ctx,
-                           "kv_cache": {"bytes": kv_bytes, "paged": served.runner.kv.paged, **stats}})
+                           "kv_cache": {"bytes": kv_bytes, "paged": paged, **stats}})
         return {"models": models}
 
     @router.get("/api/version")

@@ -67,15 +67,14 @@ def describe(served, name: str | None = None) -> dict[str, Any]:
 
 def show_model(served) -> dict[str, Any]:
     """/api/show: the context reported is the one this server runs, not the training one."""
-    cfg = served.model.config
+    cfg = served.config
     info = {k: v.encode("utf-8", "replace").decode("utf-8") if isinstance(v, str) else v
-            for k, v in served.model.metadata.items()
-            if not k.startswith("tokenizer.ggml.") and isinstance(v, (str, int, float, bool))}
+            for k, v in served.metadata.items() if not k.startswith("tokenizer.ggml.")}
     info[f"{cfg.arch}.context_length"] = served.n_ctx
     return {"modelfile": f"FROM {served.path}\n", "parameters": f"num_ctx {served.n_ctx}",
             "template": served.template.source, "details": served.details(), "model_info": info,
             "capabilities": ["completion", "tools"],
-            "kv_bytes_per_token": served.runner.kv_bytes_per_token,
+            "kv_bytes_per_token": served.kv_bytes_per_token,
             "context_length": served.n_ctx, "architecture": cfg.arch,
             "modified_at": dt.datetime.fromtimestamp(served.loaded_at, dt.timezone.utc).isoformat()}
 

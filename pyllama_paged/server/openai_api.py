@@ -130,7 +130,7 @@ def build_router(state) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         served = find(body.model)
-        body.refuse_unsupported()
+        body.refuse_unsupported(served.config.n_vocab)
         if body.suffix:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported by this model", "suffix")
         if body.best_of is not None and body.best_of != (body.n or 1):
@@ -142,7 +142,7 @@ def build_router(state) -> APIRouter:
             raise APIError(400, "prompt is empty", "prompt")
         if len(prompts) > state.limits.max_prompts:
             raise APIError(400, f"{len(prompts)} prompts; the limit is {state.limits.max_prompts}", "prompt")
-        n_vocab = served.model.config.n_vocab
+        n_vocab = served.config.n_vocab
         ids_of = []
         for p in prompts:
             if isinstance(p, str):
@@ -162,8 +162,7 @@ def build_router(state) -> APIRouter:
         echo_lps = [None] * len(ids_of)
         if body.echo and body.logprobs is not None:
             try:
-                echo_lps = [await asyncio.to_thread(served.loop.call,
-                                                    lambda llm, ids=ids: prompt_logprobs(llm.runner, ids, body.logprobs))
+                echo_lps = [await served.call(lambda llm, ids=ids: prompt_logprobs(llm.runner, ids, body.logprobs))
                             for ids in ids_of]
             except PagedError as e:
                 raise APIError(503, f"no room to score the prompt now: {e}", "prompt", "server_busy") from None
@@ -207,7 +206,7 @@ def build_router(state) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         served = find(body.model)
-        body.refuse_unsupported()
+        body.refuse_unsupported(served.config.n_vocab)
         def prepare():
             messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None

@@ -81,16 +81,21 @@ class Sampling(BaseModel):
             return compile_constraint(tokenizer, "json_schema", self.json_schema)
         return from_openai(tokenizer, fmt)
 
-    def refuse_unsupported(self) -> None:
-        """A 400 for fields we would otherwise silently ignore."""
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
+    def refuse_unsupported(self, n_vocab: int) -> None:
+        """A 400 for fields we would otherwise silently ignore, or that the model cannot take."""
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= n_vocab:
+                raise APIError(400, f"logit_bias key {key!r} is not a token id of this model (0 to {n_vocab - 1})",
+                               "logit_bias")
+            if not -100 <= bias <= 100:
+                raise APIError(400, f"logit_bias value {bias} for token {key} is outside [-100, 100]", "logit_bias")
 
     def params(self, max_tokens_default: int, logprobs: int | None = None, constraint=None) -> SamplingParams:
         fields = self.model_dump(include={"max_tokens", "temperature", "top_p", "n", "stop", "seed",
                                           "presence_penalty", "frequency_penalty", "top_k", "min_p",
                                           "repeat_penalty", "ignore_eos"})
-        return request_params(OPENAI, {**fields, "logprobs": logprobs, "constraint": constraint},
+        bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+        return request_params(OPENAI, {**fields, "logprobs": logprobs, "constraint": constraint, "logit_bias": bias},
                               max_tokens=max_tokens_default)
 
     @property
@@ -161,9 +166,9 @@ class ChatRequest(Sampling):
     reasoning_effort: str | None = None
     web_search_options: dict[str, Any] | None = None
 
-    def refuse_unsupported(self) -> None:
+    def refuse_unsupported(self, n_vocab: int) -> None:
         """A 400 for fields we would otherwise silently ignore."""
-        super().refuse_unsupported()
+        super().refuse_unsupported(n_vocab)
         if self.functions is not None or self.function_call is not None:
             raise APIError(400, "functions and function_call are deprecated and not supported: use tools and "
                            "tool_choice", "functions" if self.functions is not None else "function_call")

@@ -3,6 +3,7 @@ template and its own engine loop, found by a user-facing name."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hashlib
 import os
@@ -37,18 +38,120 @@ class EngineOptions:
     max_prefill_tokens_with_decodes: int | None = 128   # a ceiling under the budget, and before it is learned
 
 
-@dataclass
 class ServedModel:
-    name: str
-    path: str
-    model: Model
-    tokenizer: Tokenizer
-    template: ChatTemplate
-    runner: ModelRunner
-    loop: EngineLoop
-    loaded_at: float = field(default_factory=time.time)
-    keep_alive: float | None = None      # the last request's keep_alive in seconds (None: forever)
-    last_used: float = field(default_factory=time.time)
+    """One served GGUF. Its engine (weights, KV pool, runner, loop) is loaded while
+    it is used and dropped when keep_alive runs out or is 0 with no request in
+    flight; a snapshot of its metadata keeps /api/tags and /api/show answering,
+    and the next request loads it again (Ollama's keep_alive)."""
+
+    def __init__(self, name: str, path: str, options: EngineOptions):
+        self.name, self.path, self.options = name, str(path), options
+        self.model: Model | None = None
+        self.runner: ModelRunner | None = None
+        self.loop: EngineLoop | None = None
+        self.loaded_at = time.time()
+        self.keep_alive: float | None = None   # the last request's keep_alive in seconds (None: forever)
+        self.last_used = time.time()
+        self.active = 0                        # generations and engine calls holding the engine now
+        self._lock = asyncio.Lock()            # orders loads and unloads on the server's event loop
+        self.tokenizer: Tokenizer | None = None
+        self._load()
+        # what describes the model without its engine
+        cfg = self.model.config
+        self.config = cfg
+        self.metadata = {k: v for k, v in self.model.metadata.items() if isinstance(v, (str, int, float, bool))}
+        self.n_ctx = self.runner.n_ctx
+        self.kv_bytes_per_token = self.runner.kv_bytes_per_token
+        self.template = ChatTemplate.for_model(self.model.metadata, cfg.arch)
+
+    def _load(self) -> None:
+        """Weights, KV pool, runner and engine loop (blocking: seconds)."""
+        o = self.options
+        model = Model(self.path)
+        try:
+            n_ctx = min(o.n_ctx, model.config.n_ctx_train)
+            # Bytes are what users size; a budget in tokens is that many tokens of every layer
+            # (sliding-window groups then hold more tokens in the same bytes).
+            dense = dense_kv_bytes_per_token(model.config, o.kv_cache_type)
+            kv_bytes = o.kv_budget_bytes or o.kv_budget_tokens * dense
+            if o.paged:
+                runner = ModelRunner(model, paged=True, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
+                                     block_size=o.block_size, kv_cache_type=o.kv_cache_type, kv_bytes=kv_bytes)
+            else:
+                runner = ModelRunner(model, paged=False, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
+                                     kv_cache_type=o.kv_cache_type, n_seq_max=max(1, kv_bytes // (n_ctx * dense)))
+        except BaseException:
+            model.close()
+            raise
+        if self.tokenizer is None:   # kept across unloads, like the metadata
+            self.tokenizer = Tokenizer.from_metadata(model.metadata)
+        self.loop = EngineLoop(LLMEngine(runner, self.tokenizer.eot_ids, SchedulerConfig(
+            max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs, preemption_mode=o.preemption_mode,
+            itl_budget=o.itl_budget, max_prefill_tokens_with_decodes=o.max_prefill_tokens_with_decodes)))
+        self.model, self.runner = model, runner
+        self.loaded_at = time.time()
+
+    @property
+    def is_loaded(self) -> bool:
+        return self.loop is not None
+
+    async def acquire(self) -> float:
+        """Hold the engine (loading it first if it was dropped); returns the seconds the
+        load took (0 when it was loaded). Pair with release()."""
+        async with self._lock:
+            took = 0.0
+            if not self.is_loaded:
+                started = time.perf_counter()
+                await asyncio.to_thread(self._load)
+                took = time.perf_counter() - started
+            self.active += 1
+            self.last_used = time.time()
+            return took
+
+    def release(self) -> None:
+        """Stop holding the engine (it stays loaded until unload_if_idle)."""
+        self.active -= 1
+        self.last_used = time.time()
+
+    async def call(self, fn):
+        """fn(llm) on the engine's loop thread (loading the engine if it was dropped)."""
+        await self.acquire()
+        try:
+            return await asyncio.to_thread(self.loop.call, fn)
+        finally:
+            self.release()
+
+    async def call_if_loaded(self, fn):
+        """fn(llm) on the engine's loop thread, or None when the engine is not loaded
+        (what /api/ps, /metrics and the dashboard read must not load a model)."""
+        async with self._lock:
+            if not self.is_loaded:
+                return None
+            self.active += 1
+        try:
+            return await asyncio.to_thread(self.loop.call, fn)
+        finally:
+            self.active -= 1
+
+    def expired(self, now: float) -> bool:
+        """Whether keep_alive has run out with nothing in flight."""
+        return (self.is_loaded and self.active == 0 and self.keep_alive is not None and self.keep_alive >= 0
+                and now >= self.last_used + self.keep_alive)
+
+    async def unload_if_idle(self) -> bool:
+        """Drop the engine (weights, KV pool, threads) if no request holds it."""
+        async with self._lock:
+            if not self.is_loaded or self.active:
+                return False
+            await asyncio.to_thread(self._unload)
+            return True
+
+    def _unload(self) -> None:
+        loop, runner, model = self.loop, self.runner, self.model
+        self.loop = self.runner = self.model = None
+        loop.stop()
+        runner.close()
+        model.close()
 
     def expires_at(self) -> str:
         """Ollama's expires_at: when keep_alive would let the model go (never: far future)."""
@@ -56,10 +159,6 @@ class ServedModel:
             return "2318-01-01T00:00:00Z"
         when = dt.datetime.fromtimestamp(self.last_used + self.keep_alive, dt.timezone.utc)
         return when.isoformat().replace("+00:00", "Z")
-
-    @property
-    def n_ctx(self) -> int:
-        return self.runner.n_ctx
 
     @property
     def size(self) -> int:
@@ -71,16 +170,15 @@ class ServedModel:
         return hashlib.sha256(f"{self.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
 
     def details(self) -> dict:
-        cfg = self.model.config
-        file_type = self.model.metadata.get("general.file_type")
+        cfg = self.config
+        file_type = self.metadata.get("general.file_type")
         return {"format": "gguf", "family": cfg.arch, "families": [cfg.arch],
-                "parameter_size": str(self.model.metadata.get("general.size_label", "")),
+                "parameter_size": str(self.metadata.get("general.size_label", "")),
                 "quantization_level": _FILE_TYPES.get(file_type, str(file_type))}
 
     def close(self) -> None:
-        self.loop.stop()
-        self.runner.close()
-        self.model.close()
+        if self.is_loaded:
+            self._unload()
 
 
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 7: "Q8_0", 8: "Q5_0", 15: "Q4_K_M", 17: "Q5_K_M",
@@ -105,25 +203,7 @@ class ModelRegistry:
             self._load(model_name_for(path), path)
 
     def _load(self, name: str, path: str) -> None:
-        o = self.options
-        model = Model(path)
-        n_ctx = min(o.n_ctx, model.config.n_ctx_train)
-        # Bytes are what users size; a budget in tokens is that many tokens of every layer
-        # (sliding-window groups then hold more tokens in the same bytes).
-        kv_bytes = o.kv_budget_bytes or o.kv_budget_tokens * dense_kv_bytes_per_token(model.config, o.kv_cache_type)
-        if o.paged:
-            runner = ModelRunner(model, paged=True, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
-                            block_size=o.block_size, kv_cache_type=o.kv_cache_type, kv_bytes=kv_bytes)
-        else:
-            slab_bytes = n_ctx * dense_kv_bytes_per_token(model.config, o.kv_cache_type)
-            runner = ModelRunner(model, paged=False, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
-                            kv_cache_type=o.kv_cache_type, n_seq_max=max(1, kv_bytes // slab_bytes))
-        tokenizer = Tokenizer.from_metadata(model.metadata)
-        loop = EngineLoop(LLMEngine(runner, tokenizer.eot_ids, SchedulerConfig(
-            max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs, preemption_mode=o.preemption_mode,
-            itl_budget=o.itl_budget, max_prefill_tokens_with_decodes=o.max_prefill_tokens_with_decodes)))
-        self.models[name] = ServedModel(name, str(path), model, tokenizer,
-                                        ChatTemplate.for_model(model.metadata, model.config.arch), runner, loop)
+        self.models[name] = ServedModel(name, str(path), self.options)
 
     def get(self, name: str | None) -> ServedModel | None:
         """The model for a requested name (None or '' means the first one)."""

@@ -1,10 +1,12 @@
 """Tool calls found in generated text, for the template families we ship:
 Qwen/Hermes (<tool_call>{json}</tool_call>), Llama 3.x ({"name", "parameters"},
 after <|python_tag|> or bare), Mistral ([TOOL_CALLS] [{"name", "arguments"}]),
-and Gemma-style bare JSON (also inside a ``` fence)."""
+Gemma-style bare JSON (also inside a ``` fence), and Gemma's tool_code fence of
+Python calls (```tool_code\nget_weather(city="Paris")\n```)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -12,6 +14,8 @@ from dataclasses import dataclass, field
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _FENCE = re.compile(r"^```[a-zA-Z_]*\s*(.*?)\s*```$", re.S)
+_TOOL_CODE = re.compile(r"^```tool_code\s*(.*?)\s*```$", re.S)
+_JSON_NAMES = {"true": True, "false": False, "null": None}
 # text that may open a tool call: held back while streaming until the answer ends
 _OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```")
 
@@ -78,6 +82,40 @@ def _calls_in_json(text: str, names: set[str]) -> list[ToolCall] | None:
     return calls
 
 
+def _literal(node: ast.expr):
+    """A keyword argument's value: a Python literal, or JSON's true/false/null."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    return ast.literal_eval(node)
+
+
+def _calls_in_python(text: str, names: set[str]) -> list[ToolCall] | None:
+    """Gemma's tool_code: one call per line (print(...) around it allowed), keyword
+    arguments with literal values. Parsed, never run."""
+    try:
+        tree = ast.parse(text, mode="exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    calls = []
+    for statement in tree.body:
+        node = statement.value if isinstance(statement, ast.Expr) else None
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+                and len(node.args) == 1 and not node.keywords):
+            node = node.args[0]
+        if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
+            return None   # positional or **arguments cannot be named without running anything
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+        try:
+            arguments = {k.arg: _literal(k.value) for k in node.keywords}
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None
+        if name is None or (names and name not in names):
+            return None
+        calls.append(ToolCall(name, arguments))
+    return calls or None
+
+
 def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, list[ToolCall]]:
     """(content left, tool calls) of a whole answer; names, when given, are the only
     functions a call may name (anything else stays content)."""
@@ -91,6 +129,10 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
             calls += found
         return _HERMES.sub("", text).strip(), calls
     found = _calls_in_json(text, names)
+    if found:
+        return "", found
+    tool_code = _TOOL_CODE.match(text.strip())
+    found = _calls_in_python(tool_code.group(1), names) if tool_code else None
     if found:
         return "", found
     return text, []
