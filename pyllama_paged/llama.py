@@ -13,6 +13,8 @@ from .tools.calls import ToolCallStream
 from .tools.messages import normalize_messages
 from .tools.prompt import prepare_chat
 from .tokenizer.chat_template import ChatTemplate
+from .embeddings import embed_for_llama, openai_list
+from .engine.encoder import encoder_engine
 from .engine.model_runner import ModelRunner
 from .errors import PagedError
 from .engine.llm_engine import LLMEngine
@@ -45,10 +47,14 @@ class Llama:
         self.n_threads = n_threads or _default_threads()
         self.n_ctx_value = min(n_ctx, self._model.config.n_ctx_train) if n_ctx > 0 else \
             self._model.config.n_ctx_train
+        self.paged = paged
+        if self._model.config.is_encoder:   # bert: embeddings only, no KV cache
+            self.runner, self.llm_engine = encoder_engine(self._model, self.n_threads)
+            self.chat_template = None
+            return
         self.runner = ModelRunner(self._model, paged=paged, n_ctx=self.n_ctx_value, n_seq_max=n_seq_max,
                              n_threads=self.n_threads, n_batch=n_batch, block_size=block_size,
                              kv_cache_type=kv_cache_type)
-        self.paged = paged
         self.chat_template = ChatTemplate.for_model(self._model.metadata, self._model.config.arch)
         self.llm_engine = LLMEngine(self.runner, self.tokenizer.eot_ids,
                                     SchedulerConfig(max_num_batched_tokens=n_batch))
@@ -92,6 +98,21 @@ class Llama:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # ---- embeddings (pooled through the same scheduler; see embeddings.py) ---
+    def embed(self, input: str | Sequence[str], normalize: bool = True, truncate: bool = True,
+              return_count: bool = False, pooling: str | None = None, dimensions: int | None = None):
+        """llama-cpp-python's embed: a list of floats for a str, a list of them for a list
+        (and the token count too with return_count)."""
+        vectors, count = embed_for_llama(self, input, normalize, truncate, pooling, dimensions)
+        return (vectors, count) if return_count else vectors
+
+    def create_embedding(self, input: str | Sequence[str], model: str | None = None,
+                         pooling: str | None = None, dimensions: int | None = None) -> dict:
+        """OpenAI-shaped embedding list (llama-cpp-python's create_embedding)."""
+        batch = [input] if isinstance(input, str) else list(input)
+        vectors, count = embed_for_llama(self, batch, True, True, pooling, dimensions)
+        return openai_list(vectors, model or self.model_path, count)
 
     # ---- generation: every path goes through the scheduler -----------------
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:

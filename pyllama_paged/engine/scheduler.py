@@ -236,7 +236,7 @@ class Scheduler:
             self.waiting.popleft()
             for seq in seqs:
                 try:
-                    seq.kv = self.runner.add_sequence(seq.token_ids)
+                    seq.kv = self.runner.add_sequence(seq.token_ids, reuse_prefix=request.embed is None)
                 except OutOfBlocksError:   # raced the watermark estimate: undo, retry later
                     for s in seqs:
                         release(self.runner, s)
