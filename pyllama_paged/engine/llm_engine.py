@@ -72,7 +72,7 @@ class LLMEngine:
         prompt_ids = self._checked_tokens(prompt_ids)
         embed = params if isinstance(params, EmbedParams) else None
         request = Request(request_id, prompt_ids, SamplingParams() if embed else params, embed=embed)
-        request.seqs = [Sequence(list(prompt_ids), len(prompt_ids), Sampler(params))]
+        request.seqs = [Sequence(list(prompt_ids), len(prompt_ids), Sampler(request.params))]
         self.scheduler.add(request)
         if request.status != RequestStatus.FINISHED:
             self.requests[request_id] = request

@@ -14,6 +14,7 @@ from ..tokenizer.chat_template import ChatTemplate
 from ..engine.model_runner import ModelRunner
 from ..engine.loop import EngineLoop
 from ..engine.llm_engine import LLMEngine
+from ..engine.encoder import encoder_engine
 from ..engine.model import Model, default_model_path
 from ..engine.scheduler import SchedulerConfig
 from ..tokenizer.tokenizer import Tokenizer
@@ -42,7 +43,7 @@ class ServedModel:
     path: str
     model: Model
     tokenizer: Tokenizer
-    template: ChatTemplate
+    template: ChatTemplate | None      # None: an embedding model (it cannot chat)
     runner: ModelRunner
     loop: EngineLoop
     loaded_at: float = field(default_factory=time.time)
@@ -106,6 +107,11 @@ class ModelRegistry:
     def _load(self, name: str, path: str) -> None:
         o = self.options
         model = Model(path)
+        if model.config.is_encoder:   # an embedding model: no KV pool, no chat template
+            runner, engine = encoder_engine(model, o.n_threads)
+            self.models[name] = ServedModel(name, str(path), model, Tokenizer.from_metadata(model.metadata), None,
+                                            runner, EngineLoop(engine))
+            return
         n_ctx = min(o.n_ctx, model.config.n_ctx_train)
         if o.paged:
             runner = ModelRunner(model, paged=True, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
