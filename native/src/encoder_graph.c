@@ -28,8 +28,8 @@ static struct ggml_tensor *attention(struct ggml_context *ctx, const pp_model *m
     struct ggml_tensor *k = ggml_add(ctx, ggml_mul_mat(ctx, L->wk, x), L->bk);
     struct ggml_tensor *v = ggml_add(ctx, ggml_mul_mat(ctx, L->wv, x), L->bv);
     /* [hd, nh, len, seqs] -> q, k: [hd, len, nh, seqs]; v: [len, hd, nh, seqs] */
-    q = ggml_permute(ctx, ggml_reshape_4d(ctx, q, hd, nh, max_len, n_seqs), 0, 2, 1, 3);
-    k = ggml_permute(ctx, ggml_reshape_4d(ctx, k, hd, nh, max_len, n_seqs), 0, 2, 1, 3);
+    q = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, q, hd, nh, max_len, n_seqs), 0, 2, 1, 3));
+    k = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, k, hd, nh, max_len, n_seqs), 0, 2, 1, 3));
     v = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, v, hd, nh, max_len, n_seqs), 1, 2, 0, 3));
     struct ggml_tensor *kq = ggml_mul_mat(ctx, k, q);                    /* [len_k, len_q, nh, seqs] */
     kq = ggml_soft_max_ext(ctx, kq, mask, m->hp.attn_scale, 0.0f);

@@ -123,7 +123,8 @@ def build_router(state) -> APIRouter:
             return {"model": body.model, "embeddings": [], "total_duration": 0, "load_duration": 0,
                     "prompt_eval_count": 0}
         texts = [body.input] if isinstance(body.input, str) else body.input
-        ids = _tokenized(served, texts, body.truncate is not False, options.num_ctx, state.limits)
+        ids = await asyncio.to_thread(_tokenized, served, texts, body.truncate is not False, options.num_ctx,
+                                      state.limits)   # off the event loop: a big batch takes a while
         vectors = _finished(await embed_ids(served, ids, options.pooling), True, body.dimensions)
         touch(served, keep_alive)
         count = sum(len(i) for i in ids)
@@ -158,8 +159,8 @@ def build_router(state) -> APIRouter:
             raw = [raw]
         elif raw and isinstance(raw[0], int):
             raw = [raw]
-        texts = await asyncio.to_thread(_texts_of, raw)
-        ids = _tokenized(served, texts, bool(body.truncate), None, state.limits)
+        ids = await asyncio.to_thread(lambda: _tokenized(served, _texts_of(raw), bool(body.truncate), None,
+                                                         state.limits))
         vectors = _finished(await embed_ids(served, ids, body.pooling), True, body.dimensions)
         count = sum(len(i) for i in ids)
         state.metrics.add_tokens(count, 0)
