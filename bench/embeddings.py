@@ -105,7 +105,8 @@ def main(argv=None) -> int:
         rows.append({"side": name, "threads": threads, "sentences/s best": len(texts) / min(t),
                      "sentences/s median": len(texts) / statistics.median(t),
                      "best / ST": len(texts) / min(t) / st_best,
-                     "cosine vs ST min": float(cos.min()), "cosine vs ST mean": float(cos.mean())})
+                     # as text: the table's number format would show 1.000 for every one of them
+                     "cosine vs ST min": f"{cos.min():.6f}", "cosine vs ST mean": f"{cos.mean():.6f}"})
     decoder = decoder_row(args, texts) if args.decoder_sentences else None
     if decoder:
         rows.append(decoder)

@@ -137,6 +137,9 @@ def test_bad_requests_are_400s_and_leave_nothing(server):
     assert post("/v1/embeddings", {"model": BERT, "input": [[10**9]]}).status_code == 400
     assert post("/v1/embeddings", {"model": "nope", "input": "x"}).status_code == 404
     assert post("/api/embed", {"model": BERT}).json()["embeddings"] == []   # Ollama's load
+    assert post("/api/embeddings", {"model": BERT, "prompt": ""}).json() == {"embedding": []}
+    assert post("/api/embed", {"model": CHAT, "input": "hi", "keep_alive": 0}).status_code == 200
+    assert post("/api/embed", {"model": BERT, "input": "hi", "keep_alive": "soon"}).status_code == 400
     assert wait_pool_empty(server.url)
     assert httpx.get(f"{server.url}/api/pool", params={"model": BERT}).json()["stats"]["waiting_requests"] == 0
 

@@ -14,7 +14,7 @@ LAYERS = [
     ["_native"],
     ["gguf.config"],
     ["gguf.reader"],
-    ["convert", "convert.safetensors_file"],
+    ["convert.safetensors_file"],
     ["convert.bert_gguf"],
     ["tokenizer.spm"],
     ["tokenizer.bpe", "tokenizer.wordpiece"],

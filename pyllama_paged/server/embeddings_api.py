@@ -107,10 +107,13 @@ def _finished(vectors, normalize: bool, dimensions: int | None) -> list[np.ndarr
 def build_router(state) -> APIRouter:
     router = APIRouter()
 
-    def touch(served: ServedModel, keep_alive) -> None:
+    async def touch(served: ServedModel, keep_alive) -> None:
         served.last_used = time.time()
         if keep_alive is not None:
             served.keep_alive = keep_alive
+        if keep_alive == 0:   # unload, as on the generation routes: cached KV pages go back now
+            await asyncio.to_thread(served.loop.call, lambda llm: llm.runner.kv.paged and
+                                    llm.runner.kv.pool.reset_prefix_cache())
 
     @router.post("/api/embed")
     async def embed(body: OllamaEmbedRequest):
@@ -119,14 +122,14 @@ def build_router(state) -> APIRouter:
         keep_alive = keep_alive_seconds(body.keep_alive)
         options = body.options or EmbedOptions()
         if body.input is None:
-            touch(served, keep_alive)
+            await touch(served, keep_alive)
             return {"model": body.model, "embeddings": [], "total_duration": 0, "load_duration": 0,
                     "prompt_eval_count": 0}
         texts = [body.input] if isinstance(body.input, str) else body.input
         ids = await asyncio.to_thread(_tokenized, served, texts, body.truncate is not False, options.num_ctx,
                                       state.limits)   # off the event loop: a big batch takes a while
         vectors = _finished(await embed_ids(served, ids, options.pooling), True, body.dimensions)
-        touch(served, keep_alive)
+        await touch(served, keep_alive)
         count = sum(len(i) for i in ids)
         state.metrics.add_tokens(count, 0)
         return {"model": body.model, "embeddings": [v.tolist() for v in vectors],
@@ -139,9 +142,12 @@ def build_router(state) -> APIRouter:
         served = find_model(state.registry, body.model)
         keep_alive = keep_alive_seconds(body.keep_alive)
         options = body.options or EmbedOptions()
-        ids = _tokenized(served, [body.prompt], True, options.num_ctx, state.limits)
+        if not body.prompt:   # Ollama answers an empty prompt with an empty vector (a load)
+            await touch(served, keep_alive)
+            return {"embedding": []}
+        ids = await asyncio.to_thread(_tokenized, served, [body.prompt], True, options.num_ctx, state.limits)
         vectors = await embed_ids(served, ids, options.pooling)
-        touch(served, keep_alive)
+        await touch(served, keep_alive)
         state.metrics.add_tokens(len(ids[0]), 0)
         return {"embedding": vectors[0].tolist()}
 

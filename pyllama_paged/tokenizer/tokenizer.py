@@ -341,11 +341,11 @@ class Tokenizer:
         types = _number_array(md, "tokenizer.ggml.token_type", n, "biu")
         texts = {_as_text(t): i for i, t in enumerate(tokens)}
         sep = get_id("seperator_token_id", get_id("eos_token_id", texts.get("[SEP]")))
-        add_eos = get_flag("add_sep_token")
+        add_sep = get_flag("add_sep_token")   # llama.cpp adds [SEP] unless this says not to
         return cls(tokens, token_types=None if types is None else types.tolist(), model="bert",
                    bos_id=get_id("bos_token_id", texts.get("[CLS]")), eos_id=sep,
                    unk_id=get_id("unknown_token_id", texts.get("[UNK]")), pad_id=get_id("padding_token_id"),
-                   add_bos=get_flag("add_bos_token"), add_eos=get_flag("add_eos_token") if add_eos is None else add_eos)
+                   add_bos=get_flag("add_bos_token"), add_eos=True if add_sep is None else add_sep)
 
     # -- properties -------------------------------------------------------------------------------
 
