@@ -161,7 +161,9 @@ def cmd_info(args) -> int:
         print(f"  {key} = {value}".encode("utf-8", "backslashreplace").decode("utf-8"))
     print(f"config: {cfg}")
     per_elem = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
-    for kv_type in KV_TYPES:
+    if cfg.is_encoder:
+        print(f"encoder-only ({cfg.arch}): embeddings with {cfg.pooling} pooling, no KV cache")
+    for kv_type in KV_TYPES if not cfg.is_encoder else ():
         bytes_per_token = 2 * cfg.n_layer * cfg.n_embd_kv * per_elem[kv_type]
         print(f"KV bytes per token ({kv_type}): {int(bytes_per_token)}")
     from ._native import ffi, lib
