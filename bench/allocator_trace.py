@@ -264,6 +264,45 @@ class PagedAllocator:
         self.pool.close()
 
 
+class WindowPagedAllocator(PagedAllocator):
+    """The native BlockPool in layer groups with real per-group byte costs: the
+    same bytes as budget tokens of every layer, cut into blocks of one group
+    (num_blocks = budget * groups / block_size); window groups give pages back
+    as tokens are computed. Figures are reported in tokens of every layer (a
+    group's slot is 1/groups of one)."""
+
+    def __init__(self, budget: int, block_size: int, watermark: float, group_window: list[int]):
+        self.name = f"paged-{block_size}-windows"
+        self.block_size = block_size
+        self.groups = len(group_window)
+        self.num_blocks = budget * self.groups // block_size
+        self.pool = BlockPool(self.num_blocks, block_size, group_window)
+        self.watermark = max(1, int(watermark * self.num_blocks)) if watermark > 0 else 0
+        self.seq: dict[int, int] = {}
+
+    def admit(self, r: Request, cur_len: int) -> bool:
+        if self.pool.num_allocatable - -(-cur_len // self.block_size) * self.groups < self.watermark:
+            return False
+        try:
+            seq_id, _ = self.pool.create_sequence(r.tokens[:cur_len])
+        except OutOfBlocksError:
+            return False
+        self.pool.mark_computed(seq_id, cur_len)   # the prefill step computes the prompt
+        self.seq[r.idx] = seq_id
+        return True
+
+    def grow(self, r: Request, cur_len: int) -> bool:
+        if not super().grow(r, cur_len):
+            return False
+        self.pool.mark_computed(self.seq[r.idx], cur_len)
+        return True
+
+    def snapshot(self, tokens_stored: int) -> tuple[int, int, int, int]:
+        s = self.pool.stats()
+        free = (s.num_free + s.num_cached) * self.block_size // self.groups
+        return s.tokens_stored // self.groups, s.slots_held // self.groups, free, free
+
+
 # ---- simulation -----------------------------------------------------------------
 
 @dataclass
@@ -499,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="steps a request may wait before it is rejected (0: never reject)")
     ap.add_argument("--watermark", type=float, default=0.01,
                     help="paged admission keeps this fraction of blocks free")
+    ap.add_argument("--windows", default="0,512,512,512,512,512",
+                    help="layer groups' windows for the paged-*-windows allocators (0: full attention; "
+                         "default: Gemma 3 270M's six groups of three layers); '' to leave them out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS_DIR), help="output directory")
     ap.add_argument("--no-plot", action="store_true")
@@ -528,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     allocators = [ContiguousAllocator("naive", args.budget_tokens, args.max_seq_len),
                   ContiguousAllocator("contiguous", args.budget_tokens, None)]
     allocators += [PagedAllocator(args.budget_tokens, b, args.watermark) for b in block_sizes]
+    if args.windows:
+        windows = [int(w) for w in args.windows.split(",")]
+        allocators += [WindowPagedAllocator(args.budget_tokens, b, args.watermark, windows) for b in block_sizes]
     summaries, series = [], []
     for a in allocators:
         s, ser = simulate(a, trace, args.budget_tokens, args.max_wait)
@@ -568,8 +613,10 @@ def main(argv: list[str] | None = None) -> int:
         "naive reserves max_seq_len per request (its holes are whole slabs, so its ext. frag "
         "never stalls admission); contiguous reserves the exact final length "
         "(an oracle); paged grows one block at a time and preempts (recompute) the newest "
-        "request when a block is missing. One step = one decode iteration of the running "
-        "batch. See the docstring of bench/allocator_trace.py."
+        "request when a block is missing. paged-*-windows: the same bytes in layer groups "
+        f"(windows {args.windows}), window groups giving pages back; its figures are in tokens of "
+        "every layer (a token past every window costs only its full-attention groups' share). One step = "
+        "one decode iteration of the running batch. See the docstring of bench/allocator_trace.py."
     )
     if not args.no_plot:
         out.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,10 @@ def _print_stats(llm, last_rate: float | None) -> None:
         print(f"[pages: {s['blocks_used']} used, {s['blocks_free']} free, {s['blocks_shared']} shared, "
               f"{s['blocks_cached']} cached of {s['blocks_total']} x {llm.runner.kv.block_size} tokens; "
               f"utilization {s['utilization']:.1%}; prefix-cache hit rate {s['prefix_hit_rate']:.1%}]")
+        groups = s.get("kv_groups") or []
+        if len(groups) > 1:
+            print(f"[KV {s['kv_bytes_used'] / 2**20:.1f} of {s['kv_pool_bytes'] / 2**20:.1f} MiB in "
+                  f"{len(groups)} layer groups; pages past a window go back to the pool]")
     else:
         print(f"[slabs: {s['blocks_used']} used, {s['blocks_free']} free of {s['blocks_total']}]")
     rate = f"{last_rate:.1f} tokens/s" if last_rate else "n/a"
@@ -138,7 +142,8 @@ def cmd_serve(args) -> int:
 
     options = EngineOptions(paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads or os.cpu_count() or 1,
                             block_size=args.block_size, kv_cache_type=args.kv_type,
-                            kv_budget_tokens=args.kv_budget, max_num_seqs=args.max_seqs,
+                            kv_budget_tokens=args.kv_budget[0] or 0, kv_budget_bytes=args.kv_budget[1],
+                            max_num_seqs=args.max_seqs,
                             preemption_mode=args.preemption, itl_budget=_itl_budget(args.itl_budget_ms))
     limits = Limits(max_body_bytes=args.max_body, max_tokens=args.max_tokens, max_n=args.max_n,
                     max_queue=args.max_queue)
@@ -147,9 +152,33 @@ def cmd_serve(args) -> int:
     return 0
 
 
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_kv_budget(text: str) -> tuple[int | None, int | None]:
+    """--kv-budget: (tokens, None) for a plain number, (None, bytes) for a size with a unit."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if not m or (unit and unit not in _UNITS) or (not unit and "." in m.group(1)):
+        raise argparse.ArgumentTypeError(f"'{text}' is neither a number of tokens nor a size like 512MiB "
+                                         f"(units: {', '.join(_UNITS)})")
+    if not unit:
+        value = int(m.group(1))
+        if value < 1:
+            raise argparse.ArgumentTypeError("the KV budget must be at least 1 token")
+        return value, None
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError("the KV budget must be at least 1 byte")
+    return None, size
+
+
 def cmd_info(args) -> int:
     from .engine.model import Model
-    from .engine.model_runner import KV_TYPES
+    from .engine.kv_groups import KVGroups
+    from .engine.model_runner import KV_TYPES, dense_kv_bytes_per_token
 
     model = Model(args.path)
     cfg = model.config
@@ -160,12 +189,20 @@ def cmd_info(args) -> int:
         # strings that are not UTF-8 (kept lossless by the reader) print as escapes
         print(f"  {key} = {value}".encode("utf-8", "backslashreplace").decode("utf-8"))
     print(f"config: {cfg}")
-    per_elem = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+    groups = KVGroups.for_windows(cfg.layer_window)
     if cfg.is_encoder:
         print(f"encoder-only ({cfg.arch}): embeddings with {cfg.pooling} pooling, no KV cache")
     for kv_type in KV_TYPES if not cfg.is_encoder else ():
-        bytes_per_token = 2 * cfg.n_layer * cfg.n_embd_kv * per_elem[kv_type]
-        print(f"KV bytes per token ({kv_type}): {int(bytes_per_token)}")
+        dense = dense_kv_bytes_per_token(cfg, kv_type)
+        per_group = dense // groups.n_groups
+        line = f"KV bytes per token ({kv_type}): {dense} for a short sequence"
+        if groups.window_groups:
+            windows = sorted({w for w in groups.group_window if w > 0})
+            full = groups.n_groups - groups.window_groups
+            line += (f"; past the window{'s' if len(windows) > 1 else ''} ({', '.join(map(str, windows))} tokens) "
+                     f"{full * per_group} (the {full * groups.layers_per_group} full-attention layers; "
+                     f"the {groups.window_groups * groups.layers_per_group} sliding-window layers stop growing)")
+        print(line)
     from ._native import ffi, lib
     build = ffi.string(lib.pp_ggml_build_info()).decode()
     print(f"GGML: {build}")
@@ -207,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--ctx", type=int, default=4096, help="context length per sequence")
     srv.add_argument("--block-size", type=int, default=32)
     srv.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"])
-    srv.add_argument("--kv-budget", type=int, default=32768, help="KV pool size in tokens")
+    srv.add_argument("--kv-budget", type=parse_kv_budget, default=(32768, None),
+                     help="KV pool size: bytes with a unit (512MiB, 1.5GiB, 84MB) or a number of tokens "
+                          "of every layer (default 32768)")
     srv.add_argument("--no-paged", action="store_true")
     srv.add_argument("--max-seqs", type=int, default=64)
     srv.add_argument("--preemption", default="recompute", choices=["recompute", "swap"])

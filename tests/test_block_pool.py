@@ -291,7 +291,8 @@ def test_a_step_batch_is_built_from_the_pool_in_one_call():
     assert list(seqs) == [0, 0, 0, 0, 1, 1, 1, 2]
     want_slots = np.concatenate([kv.slot_mapping(a, 0, 4), kv.slot_mapping(b, 0, 3), kv.slot_mapping(c, 3, 1)])
     assert list(slots) == list(want_slots)
-    for row, handle in zip(tables, (a, b, c)):
+    assert tables.shape[0] == 1               # one layer group
+    for row, handle in zip(tables[0], (a, b, c)):
         table = kv.block_table(handle)
         assert list(row[:len(table)]) == list(table) and set(row[len(table):]) <= {-1}
     assert list(rows) == [6, 7]               # a's chunk ends before its last token: no logits row

@@ -21,13 +21,33 @@ def test_run_streams_a_completion():
 
 def test_info_and_bad_model():
     p = subprocess.run(CLI + ["info"], capture_output=True, text=True, timeout=120, env=ENV, cwd="/")
-    assert p.returncode == 0 and "KV bytes per token (f16): 18432" in p.stdout
+    assert p.returncode == 0 and "KV bytes per token (f16): 18432 for a short sequence" in p.stdout
+    assert "past the window (512 tokens) 3072 (the 3 full-attention layers" in p.stdout
     assert "weights repacked for GGML's CPU GEMM:" in p.stdout
     assert ("llamafile=0" in p.stdout) == ("-DGGML_LLAMAFILE=ON" in p.stdout)   # the rebuild hint
     assert "repack tensor" not in p.stderr   # GGML's per-tensor debug lines are filtered out
     p = subprocess.run(CLI + ["run", "--model", "/nonexistent.gguf", "hi"], capture_output=True,
                        text=True, timeout=120, env=ENV, cwd="/")
     assert p.returncode == 1 and "no such file" in p.stderr
+
+
+def test_kv_budget_takes_tokens_or_bytes():
+    import argparse
+
+    import pytest
+
+    from pyllama_paged.cli import parse_kv_budget
+
+    assert parse_kv_budget("32768") == (32768, None)
+    assert parse_kv_budget("512MiB") == (None, 512 * 2**20)
+    assert parse_kv_budget("1.5GiB") == (None, 3 * 2**29)
+    assert parse_kv_budget("84 MB") == (None, 84_000_000)
+    for bad in ("lots", "12XB", "0", "1.5", "-3MiB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_kv_budget(bad)
+    p = subprocess.run(CLI + ["serve", "--kv-budget", "12XB"], capture_output=True, text=True, timeout=120,
+                       env=ENV, cwd="/")
+    assert p.returncode == 2 and "neither a number of tokens nor a size" in p.stderr
 
 
 def test_chat_commands_and_ctrl_c():
@@ -62,7 +82,7 @@ def test_chat_commands_and_ctrl_c():
     stopped_at = wait_until(lambda text: "[stopped]" in text[prompt_end:], "[stopped]")
     proc.stdin.write("/stats\n")
     proc.stdin.flush()
-    wait_until(lambda text: "prefix-cache hit rate" in text[stopped_at:], "the stats")
+    wait_until(lambda text: "layer groups" in text[stopped_at:], "the stats")
     proc.stdin.write("/reset\n/exit\n")
     proc.stdin.flush()
     assert proc.wait(timeout=60) == 0
@@ -70,3 +90,4 @@ def test_chat_commands_and_ctrl_c():
     assert "[history cleared]" in text
     # the stopped answer gave its pages back: none in use
     assert "0 used" in text.split("[pages:")[1]
+    assert "in 6 layer groups" in text   # Gemma 3 270M's global layers and five window groups

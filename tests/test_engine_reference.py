@@ -31,22 +31,19 @@ def reference_logits(tiny_models):
 
 
 def engine_logits(path, prompt, *, paged, kv_cache_type, block_size=16, chunks=(23, 1, 16),
-                  repack_weights=True):
+                  repack_weights=True, attention="kernel"):
     """All-position logits, computed in prefill chunks then single-token steps."""
     model = Model(path, repack_weights=repack_weights)
     runner = ModelRunner(model, paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=block_size,
-                    kv_cache_type=kv_cache_type)
+                    kv_cache_type=kv_cache_type, attention=attention)
     try:
         seq = runner.add_sequence(prompt)
         rows = []
         done = 0
         for n in list(chunks) + [1] * (len(prompt) - sum(chunks)):
-            table = np.full((1, runner.kv.max_blocks_per_seq), -1, np.int32)
-            t = runner.kv.block_table(seq.handle)
-            table[0, :len(t)] = t
+            slots, tables = runner.kv.batch_arrays(seq.handle, done, n)
             rows.append(runner.forward(
-                prompt[done:done + n], list(range(done, done + n)),
-                runner.kv.slot_mapping(seq.handle, done, n), [0] * n, table, list(range(n))))
+                prompt[done:done + n], list(range(done, done + n)), slots, [0] * n, tables, list(range(n))))
             done += n
         return np.concatenate(rows)
     finally:
@@ -56,10 +53,12 @@ def engine_logits(path, prompt, *, paged, kv_cache_type, block_size=16, chunks=(
 
 @pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("kv_cache_type", ["f16", "q8_0"])
-@pytest.mark.parametrize("paged", [True, False])
-def test_logits_match_reference(tiny_models, reference_logits, arch, kv_cache_type, paged):
+@pytest.mark.parametrize("paged,attention", [(True, "kernel"), (True, "gather"), (False, "kernel")])
+def test_logits_match_reference(tiny_models, reference_logits, arch, kv_cache_type, paged, attention):
+    """Our paged operator, the portable path (pages gathered, GGML's flash attention) and the
+    slab baseline all give the reference's logits."""
     prompt, ref = reference_logits
-    got = engine_logits(tiny_models[arch], prompt, paged=paged, kv_cache_type=kv_cache_type)
+    got = engine_logits(tiny_models[arch], prompt, paged=paged, kv_cache_type=kv_cache_type, attention=attention)
     want = ref[arch]
     assert got.shape == want.shape
     err = np.abs(got - want).max() / (want.max() - want.min())

@@ -24,7 +24,7 @@ LAYERS = [
     ["constrain.masks", "constrain.formats"],
     ["engine.embedding"],
     ["engine.block_pool"],
-    ["engine.step_batch"],
+    ["engine.step_batch", "engine.kv_groups"],
     ["engine.kv_manager"],
     ["engine.model"],
     ["engine.model_runner"],

@@ -65,7 +65,8 @@ def test_ollama_generate_chat_and_listing(server):
     ps = client.ps()
     assert ps.models[0].model == DEFAULT_MODEL_NAME
     raw = httpx.get(f"{server.url}/api/ps").json()["models"][0]["kv_cache"]
-    assert raw["paged"] and raw["blocks_total"] == 256
+    # 8192 tokens of every layer, in blocks of one of Gemma 3 270M's six layer groups
+    assert raw["paged"] and raw["blocks_total"] == 6 * 256 and raw["bytes"] == 8192 * 18432
     assert httpx.get(f"{server.url}/api/version").json()["version"]
 
 
@@ -290,8 +291,14 @@ def test_metrics_and_dashboard(server):
         assert name in text
     page = httpx.get(server.url + "/dashboard")
     assert page.status_code == 200 and "/api/pool" in page.text
+    assert "pyllama_kv_pool_bytes" in text and "pyllama_kv_bytes_used" in text
     pool = httpx.get(server.url + "/api/pool").json()
-    assert len(pool["blocks"]) == 256 and set(pool["blocks"]) <= {"free", "used", "shared", "cached"}
+    # 8192 tokens of every layer, in bytes, cut into blocks of one layer group (6 for Gemma 3 270M)
+    assert pool["stats"]["kv_pool_bytes"] == 8192 * 18432
+    assert len(pool["blocks"]) == 6 * 256 and set(pool["blocks"]) <= {"free", "used", "shared", "cached"}
+    groups = pool["stats"]["kv_groups"]
+    assert [g["window"] for g in groups] == [0, 512, 512, 512, 512, 512]
+    assert all(g["bytes_per_token"] == 3072 for g in groups)
 
 
 def test_queue_full_is_503_with_retry_hint(registry):

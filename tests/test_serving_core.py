@@ -8,6 +8,7 @@ from pyllama_paged.errors import ComputeError
 
 from pyllama_paged.engine.model_runner import ModelRunner
 from pyllama_paged.engine.llm_engine import LLMEngine
+from pyllama_paged.engine.kv_groups import KVGroups
 from pyllama_paged.engine.model import Model
 from pyllama_paged.engine.sampler import SamplingParams, log_softmax
 from pyllama_paged.engine.scheduler import SchedulerConfig
@@ -26,10 +27,19 @@ def model(tmp_path_factory):
     m.close()
 
 
-def make_engine(model, num_blocks=400, mode="recompute", budget=64, paged=True, n_seq_max=1):
+def make_engine(model, num_blocks=400, mode="recompute", budget=64, paged=True, n_seq_max=1,
+                free_windows=False):
+    """An engine on the tiny model. num_blocks counts blocks of every layer (the
+    tests' sizes assume that); with free_windows the pool is split into layer
+    groups, the same bytes in num_blocks * groups smaller blocks."""
     runner = ModelRunner(model, paged=paged, n_ctx=256, n_threads=1, n_batch=budget, block_size=16,
-                    num_blocks=num_blocks if paged else None, n_seq_max=n_seq_max)
+                         num_blocks=num_blocks * groups_of(model) if paged and free_windows else
+                         num_blocks if paged else None, n_seq_max=n_seq_max, free_window_blocks=free_windows)
     return LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
+
+
+def groups_of(model):
+    return KVGroups.for_windows(model.config.layer_window).n_groups
 
 
 def run_all(llm, prompts, params):

@@ -77,6 +77,7 @@ typedef struct pp_pool_stats {
     int64_t tokens_stored;     /* distinct token slots filled in used blocks */
     int64_t tokens_logical;    /* sum of the lengths of all sequences */
     int64_t slots_held;        /* num_used * block_size */
+    int32_t n_groups;          /* layer groups sharing the pool (see pp_pool_create_grouped) */
 } pp_pool_stats;
 
 typedef struct pp_block_info {
@@ -86,12 +87,26 @@ typedef struct pp_block_info {
     int32_t has_hash;          /* 1 if the block is full and hashed */
     int32_t is_computed;       /* 1 once marked computed (its KV is written) */
     uint64_t hash;             /* hash of (parent block's hash, token ids) */
+    int32_t group;             /* layer group the block was last taken for */
 } pp_block_info;
 
 /* Create a pool. On success *out owns the pool; free it with
  * pp_pool_destroy. Fails with PP_ERR_INVALID for num_blocks < 1 or
  * block_size < 1, PP_ERR_NO_MEMORY if the host cannot hold it. */
 int pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out);
+
+/* A pool shared by n_groups layer groups (1..256): every sequence has one
+ * block table per group over the same logical blocks, all drawing physical
+ * blocks from this pool (a physical block holds one group's layers). Group
+ * g attends over the last group_window[g] tokens (0: all of them); once a
+ * sequence's computed tokens move past a window, that group's blocks no
+ * later query can see go back to the pool (see pp_pool_commit_batch) and
+ * its table holds -1 there. Prefix-cache hits are per group: a window group
+ * needs only the blocks in the window of the first token computed again.
+ * group_window is copied. pp_pool_create is this with one group, window 0.
+ * PP_ERR_INVALID for a bad count or a negative window. */
+int pp_pool_create_grouped(int32_t num_blocks, int32_t block_size, int32_t n_groups,
+                           const int32_t *group_window, pp_block_pool **out);
 
 /* Destroy a pool and every sequence in it. NULL is accepted. */
 void pp_pool_destroy(pp_block_pool *pool);
@@ -139,10 +154,24 @@ uint64_t pp_hash_block(uint64_t parent_hash, const int32_t *token_ids, int32_t n
 int pp_seq_create(pp_block_pool *pool, const int32_t *token_ids, int32_t num_tokens,
                   int32_t *seq_id, int32_t *num_cached_tokens);
 
-/* Append num_tokens tokens to a sequence. A block is allocated only when
- * the last one is full. If the last block is shared (ref_count > 1) it is
- * first copied to a fresh block (copy-on-write) and the (src, dst) pair is
- * written to copies[*num_copies]; at most one copy per call.
+/* Like pp_seq_create, but the new sequence holds only the reused prefix
+ * (*num_cached_tokens tokens, possibly none): the caller appends the rest
+ * chunk by chunk as it is computed, so a long prompt never holds every
+ * window group's blocks for all of its tokens at once. Takes no new block. */
+int pp_seq_create_cached(pp_block_pool *pool, const int32_t *token_ids, int32_t num_tokens,
+                         int32_t *seq_id, int32_t *num_cached_tokens);
+
+/* Like pp_seq_create without looking up the prefix cache: every token gets
+ * a new block in every group (for recomputing a whole prompt, e.g. its
+ * per-position log-probabilities, when window groups keep no early blocks). */
+int pp_seq_create_uncached(pp_block_pool *pool, const int32_t *token_ids, int32_t num_tokens,
+                           int32_t *seq_id);
+
+/* Append num_tokens tokens to a sequence. A block (one per group) is
+ * allocated only when the last one is full. If the last block of a group is
+ * shared (ref_count > 1) it is first copied to a fresh block (copy-on-write)
+ * and the (src, dst) pair is written to copies[0..*num_copies); at most one
+ * copy per group per call (PP_ERR_CAPACITY if max_copies is short).
  * PP_ERR_OUT_OF_BLOCKS if the pool is short; then nothing changes. */
 int pp_seq_append(pp_block_pool *pool, int32_t seq_id, const int32_t *token_ids,
                   int32_t num_tokens, pp_block_copy *copies, int32_t max_copies,
@@ -154,8 +183,9 @@ int pp_seq_blocks_needed(const pp_block_pool *pool, int32_t seq_id, int32_t num_
                          int32_t *num_blocks);
 
 /* Record that the KV of a sequence's first num_tokens tokens is written:
- * its full blocks in that range become reusable by prefix lookups. Blocks
- * never marked are not cached when freed. */
+ * its full blocks in that range become reusable by prefix lookups (blocks
+ * never marked are not cached when freed), and window groups give back the
+ * blocks no query at position >= num_tokens can see. */
 int pp_seq_mark_computed(pp_block_pool *pool, int32_t seq_id, int32_t num_tokens);
 
 /* Fork: the new sequence *child_id shares every block of parent_id (ref++). */
@@ -168,17 +198,21 @@ int pp_seq_free(pp_block_pool *pool, int32_t seq_id);
 /* Length in tokens of a sequence. */
 int pp_seq_length(const pp_block_pool *pool, int32_t seq_id, int32_t *num_tokens);
 
-/* Copy a sequence's block table (physical block ids, logical order) into
+/* Copy a sequence's block table (group 0's; physical block ids, logical order) into
  * out[0..capacity); *num_blocks gets its length. PP_ERR_CAPACITY if
  * capacity is too small (then *num_blocks still tells the size needed). */
 int pp_seq_block_table(const pp_block_pool *pool, int32_t seq_id, int32_t *out,
                        int32_t capacity, int32_t *num_blocks);
 
+/* pp_seq_block_table for layer group `group` (released entries are -1). */
+int pp_seq_group_block_table(const pp_block_pool *pool, int32_t seq_id, int32_t group, int32_t *out,
+                             int32_t capacity, int32_t *num_blocks);
+
 /* Copy a sequence's token ids into out[0..capacity), like pp_seq_block_table. */
 int pp_seq_tokens(const pp_block_pool *pool, int32_t seq_id, int32_t *out,
                   int32_t capacity, int32_t *num_tokens);
 
-/* Slot (block_id * block_size + offset) of positions [start, start + count)
+/* Slot (block_id * block_size + offset, group 0) of positions [start, start + count)
  * of a sequence, written to out[0..count). */
 int pp_seq_slot_mapping(const pp_block_pool *pool, int32_t seq_id, int32_t start,
                         int32_t count, int32_t *out);
@@ -193,9 +227,10 @@ typedef struct pp_step_item {
 } pp_step_item;
 
 /* The caller's buffers a step's batch is built into (borrowed, reused across
- * steps): token_ids, positions, slot_mapping and seq_index hold capacity
- * tokens, block_tables n_items rows of max_blocks_per_seq, logit_rows
- * n_items. n_tokens and n_logits are outputs. */
+ * steps): token_ids, positions and seq_index hold capacity tokens,
+ * slot_mapping n_groups x capacity, block_tables n_groups x n_items rows of
+ * max_blocks_per_seq, logit_rows n_items (n_groups: the pool's). n_tokens,
+ * n_logits and n_groups are outputs; the layout is pp_batch's. */
 typedef struct pp_step_buffers {
     int32_t *token_ids;
     int32_t *positions;
@@ -205,20 +240,25 @@ typedef struct pp_step_buffers {
     int32_t *logit_rows;
     int32_t  n_tokens;
     int32_t  n_logits;
+    int32_t  n_groups;
 } pp_step_buffers;
 
 /* Build the flat batch of pp_context_decode for the items, in order: each
- * item's tokens (from the pool), positions, slots, its index as seq_index,
- * its block table as row i (unused entries -1), and its last token's row in
- * logit_rows when the item reaches its sequence's end. Everything is checked
- * before anything is written: PP_ERR_INVALID for an unknown sequence or a
- * range outside it, PP_ERR_CAPACITY when the tokens exceed capacity_tokens or
- * a block table exceeds max_blocks_per_seq. */
+ * item's tokens (from the pool), positions, slots (per group), its index as
+ * seq_index, its block tables as row i of each group (unused entries -1),
+ * and its last token's row in logit_rows when the item reaches its
+ * sequence's end. Everything is checked before anything is written:
+ * PP_ERR_INVALID for an unknown sequence, a range outside it, or a window
+ * group that gave back a block the item's queries see; PP_ERR_CAPACITY when
+ * the tokens exceed capacity_tokens or a block table exceeds
+ * max_blocks_per_seq. */
 int pp_pool_build_batch(const pp_block_pool *pool, const pp_step_item *items, int32_t n_items,
                         int32_t max_blocks_per_seq, int32_t capacity_tokens, pp_step_buffers *out);
 
 /* After a step computed the items: pp_seq_mark_computed(start + count) for
- * each, in one call. PP_ERR_INVALID (nothing marked) for a bad item. */
+ * each, in one call, which also gives back every window group's blocks that
+ * no query at or after start + count can see. PP_ERR_INVALID (nothing
+ * marked) for a bad item. */
 int pp_pool_commit_batch(pp_block_pool *pool, const pp_step_item *items, int32_t n_items);
 
 /* ---- model -------------------------------------------------------------- */
@@ -316,17 +356,33 @@ typedef struct pp_kv_cache pp_kv_cache;
 int pp_kv_cache_create(const pp_model *model, int32_t kv_type, int32_t num_blocks,
                        int32_t block_size, int32_t paged, pp_kv_cache **out);
 
+/* The KV pools of a grouped block pool (pp_pool_create_grouped): layer il
+ * belongs to group layer_group[il] (n_layer entries, copied), every group
+ * has the same number of layers L, and the cache holds L K and L V tensors
+ * of num_blocks * block_size rows: the i-th layer of every group shares the
+ * i-th tensor, each physical block holding the group it was taken for. So
+ * one block costs L layers' rows, whatever its group. PP_ERR_INVALID if the
+ * groups differ in size or a group id is outside [0, n_groups); otherwise
+ * as pp_kv_cache_create (which is this with every layer in group 0). */
+int pp_kv_cache_create_grouped(const pp_model *model, int32_t kv_type, int32_t num_blocks,
+                               int32_t block_size, int32_t paged, int32_t n_groups,
+                               const int32_t *layer_group, pp_kv_cache **out);
+
 void pp_kv_cache_destroy(pp_kv_cache *cache);
 
-/* Bytes of K plus V one token occupies across all layers. */
+/* Bytes of K plus V one token occupies across all layers (without freeing). */
 int64_t pp_kv_cache_bytes_per_token(const pp_kv_cache *cache);
+
+/* Bytes of K plus V one slot of a block holds: one token of one group
+ * (all layers for an ungrouped cache). A block is block_size slots. */
+int64_t pp_kv_cache_bytes_per_slot(const pp_kv_cache *cache);
 
 /* Copy whole blocks (all layers, K and V): the copy-on-write pairs the
  * block pool reported. Pairs are validated before any copy is made. */
 int pp_kv_cache_copy_blocks(pp_kv_cache *cache, const pp_block_copy *copies, int32_t n_copies);
 
-/* Copy one block's K and V rows (all layers) out to host memory `dst` of
- * pp_kv_cache_bytes_per_token * block_size bytes, or back in. */
+/* Copy one block's K and V rows (the layers of the group holding it) out to
+ * host memory `dst` of pp_kv_cache_bytes_per_slot * block_size bytes, or back in. */
 int pp_kv_cache_read_block(const pp_kv_cache *cache, int32_t block_id, void *dst);
 int pp_kv_cache_write_block(pp_kv_cache *cache, int32_t block_id, const void *src);
 
@@ -338,7 +394,10 @@ int pp_kv_cache_write_block(pp_kv_cache *cache, int32_t block_id, const void *sr
  * are contiguous and in position order; every earlier position of each
  * sequence is already in the cache. block_tables is n_seqs rows of
  * max_blocks_per_seq block ids (unused entries -1). Logits are returned
- * for the token indices in logit_rows. */
+ * for the token indices in logit_rows. With n_groups > 1 (a grouped cache;
+ * 0 means 1) slot_mapping holds n_groups runs of n_tokens slots and
+ * block_tables n_groups runs of n_seqs rows, group-major: a layer reads and
+ * writes its group's. */
 typedef struct pp_batch {
     int32_t        n_tokens;
     const int32_t *token_ids;
@@ -350,6 +409,7 @@ typedef struct pp_batch {
     int32_t        max_blocks_per_seq;
     int32_t        n_logits;
     const int32_t *logit_rows;
+    int32_t        n_groups;
     /* Rows whose final hidden state (after the output norm, before the
      * output head) is wanted instead of logits: embeddings. n_hidden 0 and
      * NULLs: none. hidden receives n_hidden * n_embd floats (row-major),
@@ -387,6 +447,18 @@ int pp_context_set_threads(pp_context *ctx, int32_t n_threads);
  * The step allocates no memory of its own beyond what GGML's graph allocator
  * reserved: the attention kernel's tiles are made with the context. */
 int pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);
+
+/* How paged attention is computed. */
+enum pp_attention_path {
+    PP_ATTENTION_KERNEL = 0,   /* our paged-attention operator (CPU; the default) */
+    PP_ATTENTION_GATHER = 1    /* GGML ops only: each sequence's pages gathered by slot
+                                  (ggml_get_rows), then GGML's flash attention: the
+                                  portable path, for any backend GGML has */
+};
+
+/* Choose the attention path of later steps (paged caches; slabs always use
+ * GGML's flash attention). PP_ERR_INVALID for an unknown path. */
+int pp_context_set_attention_path(pp_context *ctx, int32_t path);
 
 /* Ask the step running on ctx, or the next one if none runs, to stop; it
  * returns PP_ERR_COMPUTE. Safe to call from any thread (it only sets a

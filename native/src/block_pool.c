@@ -37,7 +37,7 @@ static void make_free(pp_block_pool *p, int32_t b) {
 
 /* Caller has checked that a block is allocatable. Prefers never-cached free
  * blocks so cached prefixes survive as long as possible. */
-int32_t pp_block_take(pp_block_pool *p) {
+int32_t pp_block_take(pp_block_pool *p, int32_t group) {
     int32_t b;
     if (p->num_free > 0) {
         b = p->free_stack[--p->num_free];
@@ -51,6 +51,7 @@ int32_t pp_block_take(pp_block_pool *p) {
     p->computed[b] = 0;
     p->state[b] = PP_BLOCK_USED;
     p->ref_count[b] = 1;
+    p->block_group[b] = group;
     return b;
 }
 
@@ -81,10 +82,22 @@ void pp_block_ref_dec(pp_block_pool *p, int32_t b) {
 /* ---- pool --------------------------------------------------------------- */
 
 int pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out) {
+    const int32_t full_attention = 0;
+    return pp_pool_create_grouped(num_blocks, block_size, 1, &full_attention, out);
+}
+
+int pp_pool_create_grouped(int32_t num_blocks, int32_t block_size, int32_t n_groups,
+                           const int32_t *group_window, pp_block_pool **out) {
     if (!out) return pp_fail(PP_ERR_INVALID, "pp_pool_create: out is NULL");
     *out = NULL;
     if (num_blocks < 1) return pp_fail(PP_ERR_INVALID, "num_blocks must be >= 1, got %d", num_blocks);
     if (block_size < 1) return pp_fail(PP_ERR_INVALID, "block_size must be >= 1, got %d", block_size);
+    if (n_groups < 1 || n_groups > PP_MAX_GROUPS || !group_window)
+        return pp_fail(PP_ERR_INVALID, "a pool needs 1 to %d layer groups and their windows, got %d",
+                       PP_MAX_GROUPS, n_groups);
+    for (int32_t g = 0; g < n_groups; g++)
+        if (group_window[g] < 0)
+            return pp_fail(PP_ERR_INVALID, "group %d: window %d is negative", g, group_window[g]);
     if ((int64_t)num_blocks * block_size > INT32_MAX)
         return pp_fail(PP_ERR_INVALID, "num_blocks * block_size overflows the slot index (%d * %d)",
                        num_blocks, block_size);
@@ -105,7 +118,9 @@ int pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out) 
     p->free_stack = malloc(n * sizeof(int32_t));
     p->lru_prev = malloc(n * sizeof(int32_t));
     p->lru_next = malloc(n * sizeof(int32_t));
-    if (!p->ref_count || !p->num_filled || !p->state || !p->has_hash || !p->computed || !p->hash ||
+    p->block_group = calloc(n, sizeof(int32_t));
+    p->group_window = malloc((size_t)n_groups * sizeof(int32_t));
+    if (!p->block_group || !p->group_window || !p->ref_count || !p->num_filled || !p->state || !p->has_hash || !p->computed || !p->hash ||
         !p->parent_hash || !p->block_tokens || !p->free_stack || !p->lru_prev || !p->lru_next ||
         pp_hash_map_init(&p->prefix_map, num_blocks) != PP_OK) {
         pp_pool_destroy(p);
@@ -118,6 +133,8 @@ int pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out) 
     p->lru_head = p->lru_tail = -1;
     p->free_seq_slot = -1;
     p->hash_mask = ~0ull;
+    p->n_groups = n_groups;
+    memcpy(p->group_window, group_window, (size_t)n_groups * sizeof(int32_t));
     *out = p;
     return PP_OK;
 }
@@ -127,6 +144,7 @@ void pp_pool_destroy(pp_block_pool *p) {
     for (int32_t i = 0; i < p->seqs_capacity; i++) {
         free(p->seqs[i].block_table);
         free(p->seqs[i].token_ids);
+        free(p->seqs[i].num_released);
     }
     free(p->seqs);
     pp_hash_map_release(&p->prefix_map);
@@ -141,6 +159,8 @@ void pp_pool_destroy(pp_block_pool *p) {
     free(p->free_stack);
     free(p->lru_prev);
     free(p->lru_next);
+    free(p->block_group);
+    free(p->group_window);
     free(p);
 }
 
@@ -160,6 +180,7 @@ int pp_pool_stats_get(const pp_block_pool *p, pp_pool_stats *out) {
     out->tokens_stored = p->tokens_stored;
     out->tokens_logical = p->tokens_logical;
     out->slots_held = (int64_t)out->num_used * p->block_size;
+    out->n_groups = p->n_groups;
     return PP_OK;
 }
 
@@ -173,6 +194,7 @@ int pp_pool_block_info(const pp_block_pool *p, int32_t b, pp_block_info *out) {
     out->has_hash = p->has_hash[b];
     out->is_computed = p->computed[b];
     out->hash = p->hash[b];
+    out->group = p->block_group[b];
     return PP_OK;
 }
 

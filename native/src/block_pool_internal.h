@@ -7,12 +7,21 @@
 #include "pyllama_paged.h"
 #include "pp_internal.h"
 
+#include <stddef.h>
+
 #define PP_HIDDEN __attribute__((visibility("hidden")))
 
+/* A sequence's block tables, one per layer group: group g's physical block
+ * for logical block i is block_table[g * blocks_capacity + i]. Every group
+ * holds the same logical blocks, except that a sliding-window group gives
+ * back its leading blocks once no future query can see them: those entries
+ * are -1 and num_released[g] counts them. */
 typedef struct pp_sequence {
     int32_t *block_table;
-    int32_t  num_blocks;
-    int32_t  blocks_capacity;
+    int32_t  num_blocks;       /* logical blocks, the same in every group */
+    int32_t  blocks_capacity;  /* row length of each group's table */
+    int32_t *num_released;     /* per group: leading blocks given back */
+    uint64_t chain_hash;       /* hash of the sequence's last full block (0: none yet) */
     int32_t *token_ids;
     int32_t  num_tokens;
     int32_t  tokens_capacity;
@@ -23,6 +32,9 @@ typedef struct pp_sequence {
 struct pp_block_pool {
     int32_t num_blocks;
     int32_t block_size;
+    int32_t n_groups;          /* layer groups sharing the pool (1 without sliding windows) */
+    int32_t *group_window;     /* per group: 0 = full attention, else the window in tokens */
+    int32_t *block_group;      /* per block: the group whose table it was taken for */
 
     int32_t  *ref_count;
     int32_t  *num_filled;      /* token slots written in each block */
@@ -57,25 +69,62 @@ struct pp_block_pool {
     int64_t tokens_stored, tokens_logical;
 };
 
+#define PP_MAX_GROUPS 256
+
+/* Group g's table row of sequence s. */
+static inline int32_t *pp_seq_table(const pp_sequence *s, int32_t g) {
+    return s->block_table + (size_t)g * s->blocks_capacity;
+}
+
+/* The first logical block of group g that a query at position >= num_computed
+ * can still see: 0 for full attention, else the block holding the first key of
+ * that query's window (keys k with pos - k < window are visible). */
+static inline int32_t pp_group_first_needed(const pp_block_pool *p, int32_t g, int64_t num_computed) {
+    const int64_t w = p->group_window[g];
+    if (w <= 0 || num_computed - w + 1 <= 0) return 0;
+    return (int32_t)((num_computed - w + 1) / p->block_size);
+}
+
 /* block_pool.c: block state transitions. */
-PP_HIDDEN int32_t pp_block_take(pp_block_pool *p);          /* caller checked one is allocatable */
+PP_HIDDEN int32_t pp_block_take(pp_block_pool *p, int32_t group);   /* caller checked one is allocatable */
 PP_HIDDEN void    pp_block_ref_inc(pp_block_pool *p, int32_t b);
 PP_HIDDEN void    pp_block_ref_dec(pp_block_pool *p, int32_t b);
 
 /* prefix_cache.c: the hash chain over full blocks. */
 PP_HIDDEN int     pp_prefix_is_registered(const pp_block_pool *p, int32_t b);
 PP_HIDDEN void    pp_prefix_forget(pp_block_pool *p, int32_t b);       /* unregister, clear its hash */
-PP_HIDDEN void    pp_prefix_register(pp_block_pool *p, int32_t b, uint64_t parent, const int32_t *tokens);
-/* Dry run of a lookup: how many leading full blocks hit (*num_hit_cached of
- * them cached, not used) out of *num_lookups the rule allows. Changes nothing. */
-PP_HIDDEN int32_t pp_prefix_count_hits(const pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
-                                       int32_t *num_hit_cached, int32_t *num_lookups);
-/* The block holding tokens after the block hashed *parent, or -1; on a hit
- * *parent becomes its hash (the next lookup's parent). */
-PP_HIDDEN int32_t pp_prefix_lookup(const pp_block_pool *p, uint64_t *parent, const int32_t *tokens);
+/* The chained hash of the full block of tokens after the block hashed parent
+ * (the same in every group; narrowed when a test weakens the hash). */
+PP_HIDDEN uint64_t pp_prefix_chain_hash(const pp_block_pool *p, uint64_t parent, const int32_t *tokens);
+/* Register block b (of its group) as holding the full block hashed h after parent. */
+PP_HIDDEN void    pp_prefix_register(pp_block_pool *p, int32_t b, uint64_t parent, uint64_t h);
+
+/* What a new sequence of these tokens can reuse from the prefix cache. */
+typedef struct pp_prefix_plan {
+    int32_t  num_hit;          /* H: leading logical blocks whose KV every group has */
+    int32_t  num_lookups;      /* full blocks looked up, over all groups (the hit-rate base) */
+    int32_t  num_reused;       /* blocks reused, over all groups */
+    int32_t  num_reused_cached;/* of those, blocks now cached (ref 0): they leave the allocatable count */
+    uint64_t chain_hash;       /* hash of logical block H - 1 (0 if H == 0) */
+} pp_prefix_plan;
+
+/* Dry run of a lookup: fills *plan and ids[g * max_hit + i] (max_hit =
+ * (num_tokens - 1) / block_size) with group g's block for logical block i,
+ * -1 where the group does not need it (before its window) or missed. A hit
+ * of H blocks needs, in every full-attention group, blocks [0, H) and in each
+ * window group only the blocks the query at position H * block_size sees.
+ * Changes nothing. */
+PP_HIDDEN void    pp_prefix_plan_lookup(const pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
+                                        int32_t *ids, pp_prefix_plan *plan);
 
 /* copy_on_write.c */
+/* Groups whose partly filled last block is shared and must be copied before a write. */
 PP_HIDDEN int     pp_cow_needed(const pp_block_pool *p, const pp_sequence *s);
-PP_HIDDEN void    pp_cow_last_block(pp_block_pool *p, pp_sequence *s, pp_block_copy *copy);
+/* Copy every such last block; writes pp_cow_needed(s) pairs to copies. */
+PP_HIDDEN void    pp_cow_last_blocks(pp_block_pool *p, pp_sequence *s, pp_block_copy *copies);
+
+/* block_table.c: give back window groups' blocks no query at position
+ * >= num_computed can see. */
+PP_HIDDEN void    pp_seq_release_out_of_window(pp_block_pool *p, pp_sequence *s, int64_t num_computed);
 
 #endif

@@ -25,6 +25,7 @@ struct pp_context {
     int32_t              n_threads;
     pp_attention_params *layer_params;
     pp_attention_scratch scratch;      /* the kernel's tiles, one slice per thread */
+    int32_t              attention_path;   /* enum pp_attention_path */
     atomic_int           abort_requested;
 };
 
@@ -75,6 +76,7 @@ int pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         pp_attention_params *ap = &c->layer_params[il];
         ap->block_size = cache->block_size;
         ap->window = m->layer_window[il];
+        ap->group = cache->layer_group[il];
         ap->scale = m->hp.attn_scale;
         ap->n_head = m->hp.n_head;
         ap->n_head_kv = m->hp.n_head_kv;
@@ -156,15 +158,42 @@ int pp_check_token_order(const pp_batch *b, int i) {
     return PP_OK;
 }
 
+/* The blocks group g's queries of tokens [t0, t1) (one sequence's run) read
+ * are all present, and each token's slot is its block table's. */
+static int check_group_run(const pp_kv_cache *cache, const pp_batch *b, int32_t g, int32_t window,
+                           int t0, int t1) {
+    const int64_t bs = cache->block_size;
+    const size_t table_stride = (size_t)b->n_seqs * b->max_blocks_per_seq;
+    const int32_t *table = b->block_tables + g * table_stride + (size_t)b->seq_index[t0] * b->max_blocks_per_seq;
+    const int32_t *slots = b->slot_mapping + (size_t)g * b->n_tokens;
+    const int first_pos = b->positions[t0], last_pos = b->positions[t1 - 1];
+    const int first_key = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    for (int blk = (int)(first_key / bs); blk <= last_pos / bs; blk++)
+        if (table[blk] < 0)
+            return pp_fail(PP_ERR_INVALID, "token %d: group %d has no block for position %d", t0, g, blk * (int)bs);
+    for (int i = t0; i < t1; i++) {
+        const int pos = b->positions[i];
+        if (slots[i] != table[pos / bs] * bs + pos % bs)
+            return pp_fail(PP_ERR_INVALID, "token %d: slot %d does not match group %d's block table", i, slots[i], g);
+    }
+    return PP_OK;
+}
+
 int pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *b) {
     if (!b || b->n_tokens < 1 || !b->token_ids || !b->positions || !b->slot_mapping ||
         !b->seq_index || !b->block_tables || b->n_seqs < 1 || b->max_blocks_per_seq < 1 ||
         b->n_logits < 0 || (b->n_logits > 0 && !b->logit_rows))
         return pp_fail(PP_ERR_INVALID, "malformed batch (empty or missing arrays)");
-    for (int i = 0; i < b->n_seqs * b->max_blocks_per_seq; i++)
+    const int32_t n_groups = b->n_groups > 0 ? b->n_groups : 1;
+    if (n_groups != cache->n_groups)
+        return pp_fail(PP_ERR_INVALID, "batch of %d layer groups for a KV cache of %d", n_groups, cache->n_groups);
+    for (size_t i = 0; i < (size_t)n_groups * b->n_seqs * b->max_blocks_per_seq; i++)
         if (b->block_tables[i] < -1 || b->block_tables[i] >= cache->num_blocks)
-            return pp_fail(PP_ERR_INVALID, "block table entry %d = %d outside the pool of %d blocks",
+            return pp_fail(PP_ERR_INVALID, "block table entry %zu = %d outside the pool of %d blocks",
                            i, b->block_tables[i], cache->num_blocks);
+    /* The window each group's layers attend over (all layers of a group share it). */
+    int32_t group_window[256] = {0};
+    for (int il = 0; il < m->hp.n_layer; il++) group_window[cache->layer_group[il]] = m->layer_window[il];
     const int64_t bs = cache->block_size;
     for (int i = 0; i < b->n_tokens; i++) {
         const int s = b->seq_index[i], pos = b->positions[i];
@@ -175,21 +204,24 @@ int pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *
         if (order != PP_OK) return order;
         if (pos < 0 || pos / bs >= b->max_blocks_per_seq)
             return pp_fail(PP_ERR_INVALID, "token %d: position %d beyond the block table", i, pos);
-        const int32_t *table = b->block_tables + (size_t)s * b->max_blocks_per_seq;
-        if (cache->paged) {
-            for (int blk = 0; blk <= pos / bs; blk++)
-                if (table[blk] < 0)
-                    return pp_fail(PP_ERR_INVALID, "token %d: no block for position %d", i, blk * (int)bs);
-            if (b->slot_mapping[i] != table[pos / bs] * bs + pos % bs)
-                return pp_fail(PP_ERR_INVALID, "token %d: slot %d does not match the block table", i,
-                               b->slot_mapping[i]);
-        } else {
+        if (!cache->paged) {
+            const int32_t *table = b->block_tables + (size_t)s * b->max_blocks_per_seq;
             if (table[0] < 0 || pos >= bs)
                 return pp_fail(PP_ERR_INVALID, "token %d: position %d outside its slab of %d", i, pos, (int)bs);
             if (b->slot_mapping[i] != table[0] * bs + pos)
                 return pp_fail(PP_ERR_INVALID, "token %d: slot %d does not match its slab", i,
                                b->slot_mapping[i]);
         }
+    }
+    /* Paged: per sequence run and group, the blocks its queries read and its slots. */
+    for (int t0 = 0; cache->paged && t0 < b->n_tokens;) {
+        int t1 = t0 + 1;
+        while (t1 < b->n_tokens && b->seq_index[t1] == b->seq_index[t0]) t1++;
+        for (int32_t g = 0; g < n_groups; g++) {
+            const int st = check_group_run(cache, b, g, group_window[g], t0, t1);
+            if (st != PP_OK) return st;
+        }
+        t0 = t1;
     }
     for (int i = 0; i < b->n_logits; i++)
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tokens)
@@ -204,9 +236,11 @@ int pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *
     return PP_OK;
 }
 
-/* Fill the slab path's masks: "mask.<first token>.<windowed>" per sequence
- * run; windowed layers of one model share a single window size. */
-static void fill_masks(struct ggml_cgraph *gf, const pp_batch *b, int swa_window) {
+/* Fill the flash-attention path's masks, "mask.<first token>.<windowed>" per
+ * sequence run (windowed layers of one model share a single window size),
+ * and, paged, the run's key slots "kv_idx.<first token>.<group>.<windowed>":
+ * keys from the first query's window (pp_gather_first_key) to the last query. */
+static void fill_flash_inputs(struct ggml_cgraph *gf, const pp_batch *b, int swa_window, const pp_kv_cache *cache) {
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg = ggml_fp32_to_fp16(-INFINITY);
     for (int t0 = 0; t0 < b->n_tokens;) {
         int t1 = t0;
@@ -217,18 +251,43 @@ static void fill_masks(struct ggml_cgraph *gf, const pp_batch *b, int swa_window
             struct ggml_tensor *mask = ggml_graph_get_tensor(gf, name);
             if (!mask) continue;
             const int window = windowed ? swa_window : 0;
+            const int k_lo = cache->paged ? pp_gather_first_key(b->positions[t0], window) : 0;
             ggml_fp16_t *data = mask->data;
             const int64_t n_kv = mask->ne[0];
             for (int i = t0; i < t1; i++) {
                 const int pos = b->positions[i];
-                for (int64_t k = 0; k < n_kv; k++) {
+                for (int64_t j = 0; j < n_kv; j++) {
+                    const int64_t k = k_lo + j;
                     const int visible = k <= pos && (window <= 0 || pos - k < window);
-                    data[(i - t0) * n_kv + k] = visible ? zero : neg;
+                    data[(i - t0) * n_kv + j] = visible ? zero : neg;
+                }
+            }
+            const int bs = cache->block_size;
+            const size_t table_stride = (size_t)b->n_seqs * b->max_blocks_per_seq;
+            for (int32_t g = 0; cache->paged && g < cache->n_groups; g++) {
+                char idx_name[48];
+                snprintf(idx_name, sizeof idx_name, "kv_idx.%d.%d.%d", t0, g, windowed);
+                struct ggml_tensor *idx = ggml_graph_get_tensor(gf, idx_name);
+                if (!idx) continue;
+                const int32_t *table = b->block_tables + g * table_stride +
+                                       (size_t)b->seq_index[t0] * b->max_blocks_per_seq;
+                int32_t *slots = idx->data;
+                for (int64_t j = 0; j < idx->ne[0]; j++) {
+                    const int64_t k = k_lo + j;
+                    slots[j] = table[k / bs] * bs + (int32_t)(k % bs);
                 }
             }
         }
         t0 = t1;
     }
+}
+
+int pp_context_set_attention_path(pp_context *c, int32_t path) {
+    if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_set_attention_path: context is NULL");
+    if (path != PP_ATTENTION_KERNEL && path != PP_ATTENTION_GATHER)
+        return pp_fail(PP_ERR_INVALID, "unknown attention path %d", path);
+    c->attention_path = path;
+    return PP_OK;
 }
 
 int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
@@ -251,7 +310,8 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     struct ggml_init_params params = {.mem_size = c->meta_size, .mem_buffer = c->meta_buf, .no_alloc = true};
     struct ggml_context *ctx = ggml_init(params);
     if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
-    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params, c->n_threads);
+    const int gather = c->cache->paged && c->attention_path == PP_ATTENTION_GATHER;
+    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params, c->n_threads, gather);
     if (!ggml_gallocr_alloc_graph(c->galloc, gf)) {
         ggml_free(ctx);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the compute buffer for %d tokens", b->n_tokens);
@@ -259,11 +319,11 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     memcpy(ggml_graph_get_tensor(gf, "tokens")->data, b->token_ids, sizeof(int32_t) * b->n_tokens);
     memcpy(ggml_graph_get_tensor(gf, "positions")->data, b->positions, sizeof(int32_t) * b->n_tokens);
     int64_t *slots = ggml_graph_get_tensor(gf, "slots")->data;
-    for (int i = 0; i < b->n_tokens; i++) slots[i] = b->slot_mapping[i];
+    for (int i = 0; i < b->n_tokens * c->cache->n_groups; i++) slots[i] = b->slot_mapping[i];
     int32_t *out_rows = ggml_graph_get_tensor(gf, "logit_rows")->data;
     if (b->n_logits > 0) memcpy(out_rows, b->logit_rows, sizeof(int32_t) * b->n_logits);
     if (b->n_hidden > 0) memcpy(out_rows + b->n_logits, b->hidden_rows, sizeof(int32_t) * b->n_hidden);
-    if (!c->cache->paged) fill_masks(gf, b, swa_window);
+    if (!c->cache->paged || gather) fill_flash_inputs(gf, b, swa_window, c->cache);
 
     enum ggml_status status = ggml_backend_graph_compute(c->backend, gf);
     atomic_store(&c->abort_requested, 0);   /* a request is consumed by the step it stopped */

@@ -53,7 +53,11 @@ struct pp_kv_cache {
     int64_t              num_slots;
     struct ggml_context *meta;
     ggml_backend_buffer_t buffer;
-    struct ggml_tensor **k;         /* per layer: [n_embd_kv, num_slots] */
+    int32_t              n_groups;          /* layer groups (1: ungrouped) */
+    int32_t              layers_per_group;  /* L: every group has as many layers */
+    int32_t             *layer_group;       /* per layer: its group */
+    struct ggml_tensor **kt, **vt;          /* the L distinct pools: [n_embd_kv, num_slots] each */
+    struct ggml_tensor **k;                 /* per layer: the pool it shares (kt[index in its group]) */
     struct ggml_tensor **v;
 };
 
@@ -84,6 +88,7 @@ typedef struct pp_attention_params {
     const pp_attention_scratch *scratch;   /* sized for the context's threads */
     int32_t block_size;
     int32_t window;        /* 0: full causal attention */
+    int32_t group;         /* the layer's group: which block tables and slots it uses */
     float   scale;
     int32_t n_head;
     int32_t n_head_kv;
@@ -117,10 +122,17 @@ int pp_check_token_order(const pp_batch *batch, int i);
 
 /* Build the forward graph of one step. Inputs are created with
  * ggml_set_input and named "tokens", "positions", "slots", "logit_rows",
- * and "mask.<s>" (non-paged only); the output is named "logits". */
+ * and, where GGML's flash attention runs (slabs, or paged with gather set),
+ * "mask.<t0>.<windowed>" per sequence run and "kv_idx.<t0>.<group>.<windowed>"
+ * (paged: the run's key slots, from pp_gather_first_key); the output is named
+ * "logits". gather: paged attention as GGML ops (pages gathered by slot, then
+ * flash attention) instead of our CPU operator. */
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *model,
                                    const pp_kv_cache *cache, const pp_batch *batch,
-                                   pp_attention_params *layer_params, int n_threads);
+                                   pp_attention_params *layer_params, int n_threads, int gather);
+
+/* First key position the gathered path reads for a run whose first query is at p0. */
+int pp_gather_first_key(int p0, int window);
 
 #define PP_MAX_GRAPH_NODES 8192
 

@@ -1,7 +1,9 @@
 /* The forward graph of one step for the supported architectures: plain
- * GGML ops for everything but attention, which is either our paged
- * operator (paged caches) or GGML's flash attention over a sequence's
- * contiguous slab (the paged=False baseline). */
+ * GGML ops for everything but attention, which is our paged operator (paged
+ * caches on the CPU), GGML's flash attention over a sequence's contiguous
+ * slab (the paged=False baseline), or the portable paged path: each
+ * sequence's pages gathered by slot with ggml_get_rows, then GGML's flash
+ * attention, so paging works on any backend GGML has. */
 #include "engine_internal.h"
 
 #include <math.h>
@@ -20,28 +22,54 @@ static struct ggml_tensor *input(struct ggml_context *ctx, enum ggml_type type, 
     return t;
 }
 
-/* GGML flash attention of each sequence's queries over its slab. */
-static struct ggml_tensor *slab_attention(struct ggml_context *ctx, const pp_kv_cache *cache,
-                                          const pp_batch *batch, struct ggml_tensor *q,
-                                          struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
-                                          const pp_attention_params *ap) {
+/* The keys a run of one sequence's queries (positions p0..) reads in the
+ * gathered path: from the first key of p0's window. */
+int pp_gather_first_key(int p0, int window) {
+    return window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
+}
+
+/* Rows [head_dim, n_kv, n_head_kv] of one sequence's keys (or values): a view
+ * of its slab, or its pages' rows gathered by slot ("kv_idx.<t0>.<group>.<windowed>",
+ * filled per step, shared by the group's layers). */
+static struct ggml_tensor *sequence_rows(struct ggml_context *ctx, const pp_kv_cache *cache,
+                                         const pp_batch *batch, struct ggml_tensor *pool,
+                                         const pp_attention_params *ap, int t0, int n_kv) {
+    if (!cache->paged) {
+        const int s = batch->seq_index[t0];
+        const int64_t slab = batch->block_tables[(size_t)s * batch->max_blocks_per_seq];
+        return ggml_view_3d(ctx, pool, ap->head_dim, n_kv, ap->n_head_kv, pool->nb[1],
+                            ggml_row_size(cache->type, ap->head_dim),
+                            (size_t)slab * cache->block_size * pool->nb[1]);
+    }
+    char name[48];
+    snprintf(name, sizeof name, "kv_idx.%d.%d.%d", t0, ap->group, ap->window > 0);
+    struct ggml_tensor *idx = ggml_get_tensor(ctx, name);
+    if (!idx) idx = input(ctx, GGML_TYPE_I32, n_kv, name);
+    struct ggml_tensor *rows = ggml_get_rows(ctx, pool, idx);   /* [n_embd_kv, n_kv] f32 */
+    return ggml_view_3d(ctx, rows, ap->head_dim, n_kv, ap->n_head_kv, rows->nb[1],
+                        ggml_row_size(rows->type, ap->head_dim), 0);
+}
+
+/* GGML flash attention of each sequence's queries over its keys: its slab
+ * (paged=False) or its gathered pages (the portable paged path). */
+static struct ggml_tensor *flash_attention(struct ggml_context *ctx, const pp_kv_cache *cache,
+                                           const pp_batch *batch, struct ggml_tensor *q,
+                                           struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
+                                           const pp_attention_params *ap) {
     struct ggml_tensor *out = NULL;
-    const size_t head_bytes = ggml_row_size(cache->type, ap->head_dim);
     for (int t0 = 0; t0 < batch->n_tokens;) {
         const int s = batch->seq_index[t0];
         int t1 = t0;
         while (t1 < batch->n_tokens && batch->seq_index[t1] == s) t1++;
         const int n_q = t1 - t0;
-        const int n_kv = batch->positions[t1 - 1] + 1;
-        const int64_t slab = batch->block_tables[(size_t)s * batch->max_blocks_per_seq];
-        const size_t offset = (size_t)slab * cache->block_size * k_pool->nb[1];
+        /* A slab is read from its start; gathered pages from the first query's window. */
+        const int k_lo = cache->paged ? pp_gather_first_key(batch->positions[t0], ap->window) : 0;
+        const int n_kv = batch->positions[t1 - 1] + 1 - k_lo;
         struct ggml_tensor *qs = ggml_view_3d(ctx, q, ap->head_dim, ap->n_head, n_q, q->nb[1],
                                               q->nb[2], (size_t)t0 * q->nb[2]);
         qs = ggml_permute(ctx, qs, 0, 2, 1, 3);  /* [head_dim, n_q, n_head] */
-        struct ggml_tensor *ks = ggml_view_3d(ctx, k_pool, ap->head_dim, n_kv, ap->n_head_kv,
-                                              k_pool->nb[1], head_bytes, offset);
-        struct ggml_tensor *vs = ggml_view_3d(ctx, v_pool, ap->head_dim, n_kv, ap->n_head_kv,
-                                              v_pool->nb[1], head_bytes, offset);
+        struct ggml_tensor *ks = sequence_rows(ctx, cache, batch, k_pool, ap, t0, n_kv);
+        struct ggml_tensor *vs = sequence_rows(ctx, cache, batch, v_pool, ap, t0, n_kv);
         /* Layers share masks: one per sequence run and window kind. */
         char name[32];
         snprintf(name, sizeof name, "mask.%d.%d", t0, ap->window > 0);
@@ -61,7 +89,7 @@ static struct ggml_tensor *slab_attention(struct ggml_context *ctx, const pp_kv_
 
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
                                    const pp_kv_cache *cache, const pp_batch *batch,
-                                   pp_attention_params *layer_params, int n_threads) {
+                                   pp_attention_params *layer_params, int n_threads, int gather) {
     const pp_model_hparams *hp = &m->hp;
     const int n_tokens = batch->n_tokens;
     const int head_dim = hp->head_dim;
@@ -69,7 +97,8 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
 
     struct ggml_tensor *tokens = input(ctx, GGML_TYPE_I32, n_tokens, "tokens");
     struct ggml_tensor *positions = input(ctx, GGML_TYPE_I32, n_tokens, "positions");
-    struct ggml_tensor *slots = input(ctx, GGML_TYPE_I64, n_tokens, "slots");
+    /* One run of slots per layer group (see pp_batch). */
+    struct ggml_tensor *slots = input(ctx, GGML_TYPE_I64, (int64_t)n_tokens * cache->n_groups, "slots");
     /* logit rows, then hidden rows (embeddings): the rows the last layer computes */
     struct ggml_tensor *logit_rows = input(ctx, GGML_TYPE_I32, batch->n_logits + batch->n_hidden, "logit_rows");
 
@@ -102,16 +131,18 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         struct ggml_tensor *k_rows = ggml_reshape_2d(ctx, k, head_dim * hp->n_head_kv, n_tokens);
         struct ggml_tensor *v_rows = ggml_reshape_2d(ctx, ggml_cont(ctx, v), head_dim * hp->n_head_kv,
                                                      n_tokens);
-        struct ggml_tensor *k_pool = ggml_set_rows(ctx, cache->k[il], k_rows, slots);
-        struct ggml_tensor *v_pool = ggml_set_rows(ctx, cache->v[il], v_rows, slots);
+        struct ggml_tensor *layer_slots = ggml_view_1d(ctx, slots, n_tokens,
+                                                       (size_t)ap->group * n_tokens * slots->nb[0]);
+        struct ggml_tensor *k_pool = ggml_set_rows(ctx, cache->k[il], k_rows, layer_slots);
+        struct ggml_tensor *v_pool = ggml_set_rows(ctx, cache->v[il], v_rows, layer_slots);
         ggml_build_forward_expand(gf, k_pool);
         ggml_build_forward_expand(gf, v_pool);
 
         struct ggml_tensor *attn;
-        if (cache->paged) {
+        if (cache->paged && !gather) {
             attn = pp_paged_attention(ctx, q, k_pool, v_pool, ap, n_threads);
         } else {
-            attn = slab_attention(ctx, cache, batch, q, k_pool, v_pool, ap);
+            attn = flash_attention(ctx, cache, batch, q, k_pool, v_pool, ap);
         }
         attn = ggml_reshape_2d(ctx, attn, head_dim * hp->n_head, n_tokens);
         if (il == hp->n_layer - 1) {

@@ -1,5 +1,7 @@
-/* KV pools: per layer one K and one V tensor of token rows, indexed by slot
- * (physical block id * block_size + offset). Each token row holds all KV
+/* KV pools: one K and one V tensor of token rows per layer of a group,
+ * indexed by slot (physical block id * block_size + offset); the layers of
+ * different groups at the same index share a tensor, a block holding the KV
+ * of the group it was taken for (see pp_kv_cache_create_grouped). Each token row holds all KV
  * heads, so a quantized row is whole quantization groups along the head
  * dimension and a page never shares a group with another page. */
 #include "engine_internal.h"
@@ -11,6 +13,39 @@
 
 int pp_kv_cache_create(const pp_model *m, int32_t kv_type, int32_t num_blocks,
                        int32_t block_size, int32_t paged, pp_kv_cache **out) {
+    if (!m) return pp_fail(PP_ERR_INVALID, "pp_kv_cache_create: NULL argument");
+    int32_t *one_group = calloc((size_t)m->hp.n_layer, sizeof(int32_t));
+    if (!one_group) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the KV cache tables");
+    int st = pp_kv_cache_create_grouped(m, kv_type, num_blocks, block_size, paged, 1, one_group, out);
+    free(one_group);
+    return st;
+}
+
+/* Check the grouping and give each layer its index inside its group. */
+static int group_layers(const pp_model *m, int32_t n_groups, const int32_t *layer_group, int32_t *index,
+                        int32_t *per_group) {
+    const int n_layer = m->hp.n_layer;
+    if (n_groups < 1 || n_groups > n_layer || !layer_group)
+        return pp_fail(PP_ERR_INVALID, "KV cache: %d layer groups for %d layers", n_groups, n_layer);
+    int32_t count[256] = {0};
+    if (n_groups > 256) return pp_fail(PP_ERR_INVALID, "KV cache: at most 256 layer groups, got %d", n_groups);
+    for (int il = 0; il < n_layer; il++) {
+        const int32_t g = layer_group[il];
+        if (g < 0 || g >= n_groups)
+            return pp_fail(PP_ERR_INVALID, "KV cache: layer %d in group %d, outside [0, %d)", il, g, n_groups);
+        index[il] = count[g]++;
+    }
+    for (int32_t g = 1; g < n_groups; g++)
+        if (count[g] != count[0])
+            return pp_fail(PP_ERR_INVALID, "KV cache: group %d has %d layers, group 0 has %d (groups share "
+                           "pools layer by layer, so they must be the same size)", g, count[g], count[0]);
+    *per_group = count[0];
+    return PP_OK;
+}
+
+int pp_kv_cache_create_grouped(const pp_model *m, int32_t kv_type, int32_t num_blocks,
+                               int32_t block_size, int32_t paged, int32_t n_groups,
+                               const int32_t *layer_group, pp_kv_cache **out) {
     if (!m || !out) return pp_fail(PP_ERR_INVALID, "pp_kv_cache_create: NULL argument");
     *out = NULL;
     enum ggml_type type = (enum ggml_type)kv_type;
@@ -19,6 +54,8 @@ int pp_kv_cache_create(const pp_model *m, int32_t kv_type, int32_t num_blocks,
     if (num_blocks < 1 || block_size < 1)
         return pp_fail(PP_ERR_INVALID, "KV cache needs num_blocks >= 1 and block_size >= 1 (got %d, %d)",
                        num_blocks, block_size);
+    if (!paged && n_groups != 1)
+        return pp_fail(PP_ERR_INVALID, "KV cache: slabs (paged=0) keep every layer: one group, got %d", n_groups);
     const int64_t head_dim = m->hp.head_dim;
     if (head_dim % ggml_blck_size(type) != 0)
         return pp_fail(PP_ERR_INVALID, "KV cache type %s quantizes groups of %lld values; head size %lld "
@@ -32,29 +69,47 @@ int pp_kv_cache_create(const pp_model *m, int32_t kv_type, int32_t num_blocks,
     c->num_blocks = num_blocks;
     c->block_size = block_size;
     c->paged = paged;
+    c->n_groups = n_groups;
     c->num_slots = (int64_t)num_blocks * block_size;
     c->k = calloc((size_t)n_layer, sizeof *c->k);
     c->v = calloc((size_t)n_layer, sizeof *c->v);
+    c->kt = calloc((size_t)n_layer, sizeof *c->kt);
+    c->vt = calloc((size_t)n_layer, sizeof *c->vt);
+    c->layer_group = malloc((size_t)n_layer * sizeof(int32_t));
+    int32_t *index = malloc((size_t)n_layer * sizeof(int32_t));
     struct ggml_init_params params = {
         .mem_size = (size_t)(2 * n_layer + 1) * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
     c->meta = ggml_init(params);
-    if (!c->k || !c->v || !c->meta) {
+    if (!c->k || !c->v || !c->kt || !c->vt || !c->layer_group || !index || !c->meta) {
+        free(index);
         pp_kv_cache_destroy(c);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the KV cache tables");
     }
-    const int64_t n_embd_kv = head_dim * m->hp.n_head_kv;
-    for (int il = 0; il < n_layer; il++) {
-        c->k[il] = ggml_new_tensor_2d(c->meta, type, n_embd_kv, c->num_slots);
-        c->v[il] = ggml_new_tensor_2d(c->meta, type, n_embd_kv, c->num_slots);
-        ggml_format_name(c->k[il], "cache_k_l%d", il);
-        ggml_format_name(c->v[il], "cache_v_l%d", il);
+    int st = group_layers(m, n_groups, layer_group, index, &c->layers_per_group);
+    if (st != PP_OK) {
+        free(index);
+        pp_kv_cache_destroy(c);
+        return st;
     }
+    memcpy(c->layer_group, layer_group, (size_t)n_layer * sizeof(int32_t));
+    const int64_t n_embd_kv = head_dim * m->hp.n_head_kv;
+    for (int j = 0; j < c->layers_per_group; j++) {
+        c->kt[j] = ggml_new_tensor_2d(c->meta, type, n_embd_kv, c->num_slots);
+        c->vt[j] = ggml_new_tensor_2d(c->meta, type, n_embd_kv, c->num_slots);
+        ggml_format_name(c->kt[j], "cache_k_%d", j);
+        ggml_format_name(c->vt[j], "cache_v_%d", j);
+    }
+    for (int il = 0; il < n_layer; il++) {
+        c->k[il] = c->kt[index[il]];
+        c->v[il] = c->vt[index[il]];
+    }
+    free(index);
     c->buffer = ggml_backend_alloc_ctx_tensors_from_buft(c->meta, ggml_backend_cpu_buffer_type());
     if (!c->buffer) {
         pp_kv_cache_destroy(c);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate KV pools of %lld tokens x %lld bytes",
                        (long long)num_blocks * block_size,
-                       (long long)(2 * n_layer * ggml_row_size(type, n_embd_kv)));
+                       (long long)(2 * c->layers_per_group * ggml_row_size(type, n_embd_kv)));
     }
     /* Zeroed pools keep never-written slots finite if a bug ever reads them. */
     ggml_backend_buffer_clear(c->buffer, 0);
@@ -68,12 +123,20 @@ void pp_kv_cache_destroy(pp_kv_cache *c) {
     if (c->meta) ggml_free(c->meta);
     free(c->k);
     free(c->v);
+    free(c->kt);
+    free(c->vt);
+    free(c->layer_group);
     free(c);
 }
 
 int64_t pp_kv_cache_bytes_per_token(const pp_kv_cache *c) {
     if (!c) return 0;
     return 2 * (int64_t)c->model->hp.n_layer * (int64_t)c->k[0]->nb[1];
+}
+
+int64_t pp_kv_cache_bytes_per_slot(const pp_kv_cache *c) {
+    if (!c) return 0;
+    return 2 * (int64_t)c->layers_per_group * (int64_t)c->k[0]->nb[1];
 }
 
 static size_t block_bytes(const pp_kv_cache *c) { return c->k[0]->nb[1] * (size_t)c->block_size; }
@@ -86,8 +149,8 @@ int pp_kv_cache_copy_blocks(pp_kv_cache *c, const pp_block_copy *copies, int32_t
             return pp_fail(PP_ERR_INVALID, "block copy %d -> %d invalid for %d blocks",
                            copies[i].src, copies[i].dst, c->num_blocks);
     const size_t bytes = block_bytes(c);
-    for (int il = 0; il < c->model->hp.n_layer; il++) {
-        char *k = c->k[il]->data, *v = c->v[il]->data;
+    for (int j = 0; j < c->layers_per_group; j++) {
+        char *k = c->kt[j]->data, *v = c->vt[j]->data;
         for (int32_t i = 0; i < n; i++) {
             memcpy(k + copies[i].dst * bytes, k + copies[i].src * bytes, bytes);
             memcpy(v + copies[i].dst * bytes, v + copies[i].src * bytes, bytes);
@@ -101,9 +164,9 @@ static int transfer_block(pp_kv_cache *c, int32_t block_id, char *host, int to_h
     if (block_id < 0 || block_id >= c->num_blocks)
         return pp_fail(PP_ERR_INVALID, "block id %d out of range [0, %d)", block_id, c->num_blocks);
     const size_t bytes = block_bytes(c);
-    for (int il = 0; il < c->model->hp.n_layer; il++) {
-        char *k = (char *)c->k[il]->data + block_id * bytes;
-        char *v = (char *)c->v[il]->data + block_id * bytes;
+    for (int j = 0; j < c->layers_per_group; j++) {
+        char *k = (char *)c->kt[j]->data + block_id * bytes;
+        char *v = (char *)c->vt[j]->data + block_id * bytes;
         if (to_host) {
             memcpy(host, k, bytes);
             memcpy(host + bytes, v, bytes);

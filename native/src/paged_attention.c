@@ -58,7 +58,9 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
     const int rows = (t1 - t0) * group;
     const int bs = ap->block_size;
     const size_t kv_head_bytes = ggml_row_size(kc->type, hd);
-    const int32_t *table = batch->block_tables + (size_t)batch->seq_index[t0] * batch->max_blocks_per_seq;
+    /* The layer's group's tables (group-major, see pp_batch). */
+    const int32_t *table = batch->block_tables +
+                           ((size_t)ap->group * batch->n_seqs + batch->seq_index[t0]) * batch->max_blocks_per_seq;
 
     /* q8_0 keys are dotted in int8 against queries quantized to q8_0 (their vec_dot_type). */
     const struct ggml_type_traits_cpu *k_traits = kc->type == GGML_TYPE_Q8_0 ? ggml_get_type_traits_cpu(kc->type) : NULL;

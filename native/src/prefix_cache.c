@@ -28,68 +28,109 @@ uint64_t pp_hash_block(uint64_t parent_hash, const int32_t *token_ids, int32_t n
 
 /* The pool's chained hash of one full block: pp_hash_block, narrowed only
  * when a test asks for collisions. */
-static uint64_t chain_hash(const pp_block_pool *p, uint64_t parent, const int32_t *token_ids) {
+uint64_t pp_prefix_chain_hash(const pp_block_pool *p, uint64_t parent, const int32_t *token_ids) {
     uint64_t h = pp_hash_block(parent, token_ids, p->block_size) & p->hash_mask;
     return h ? h : 1;
 }
 
+/* The map key of group g's block with chain hash h: the groups hold the same
+ * token chain in different blocks (their own layers' KV), so each group has
+ * its own entry. Group 0 keeps the plain hash. */
+static uint64_t group_key(uint64_t h, int32_t g) {
+    return g == 0 ? h : mix64(h + 0x9e3779b97f4a7c15ull * (uint64_t)g);
+}
+
 int pp_prefix_is_registered(const pp_block_pool *p, int32_t b) {
-    return p->has_hash[b] && pp_hash_map_get(&p->prefix_map, p->hash[b]) == b;
+    return p->has_hash[b] && pp_hash_map_get(&p->prefix_map, group_key(p->hash[b], p->block_group[b])) == b;
 }
 
 void pp_prefix_forget(pp_block_pool *p, int32_t b) {
-    if (pp_prefix_is_registered(p, b)) pp_hash_map_remove(&p->prefix_map, p->hash[b]);
+    if (pp_prefix_is_registered(p, b)) pp_hash_map_remove(&p->prefix_map, group_key(p->hash[b], p->block_group[b]));
     p->has_hash[b] = 0;
     p->hash[b] = 0;
     p->parent_hash[b] = 0;
 }
 
-void pp_prefix_register(pp_block_pool *p, int32_t b, uint64_t parent, const int32_t *tokens) {
-    uint64_t h = chain_hash(p, parent, tokens);
+void pp_prefix_register(pp_block_pool *p, int32_t b, uint64_t parent, uint64_t h) {
     p->hash[b] = h;
     p->parent_hash[b] = parent;
     p->has_hash[b] = 1;
     /* A duplicate of an already registered block keeps its hash (so the
      * chain continues) but the map keeps pointing at the first. */
-    if (pp_hash_map_get(&p->prefix_map, h) < 0) pp_hash_map_put(&p->prefix_map, h, b);
+    const uint64_t key = group_key(h, p->block_group[b]);
+    if (pp_hash_map_get(&p->prefix_map, key) < 0) pp_hash_map_put(&p->prefix_map, key, b);
 }
 
-/* The registered, computed block holding exactly these bs tokens after a
- * block hashed to parent, or -1. Blocks still waiting for their KV are never
- * reused. Comparing the tokens and the parent's hash (not only the block's
- * own hash) makes a hit exact by induction over the chain: a collision of
- * the chained hash cannot attach these tokens to another prefix's KV. */
-static int32_t lookup_block(const pp_block_pool *p, uint64_t h, uint64_t parent, const int32_t *token_ids) {
-    int32_t b = pp_hash_map_get(&p->prefix_map, h);
-    if (b < 0 || !p->computed[b] || p->parent_hash[b] != parent) return -1;
+/* Group g's registered, computed block holding exactly these bs tokens after
+ * a block hashed to parent, or -1. Blocks still waiting for their KV are
+ * never reused. Comparing the tokens and the parent's hash (not only the
+ * block's own hash) makes a hit exact by induction over the chain: a
+ * collision of the chained hash cannot attach these tokens to another
+ * prefix's KV. */
+static int32_t lookup_block(const pp_block_pool *p, int32_t g, uint64_t h, uint64_t parent,
+                            const int32_t *token_ids) {
+    int32_t b = pp_hash_map_get(&p->prefix_map, group_key(h, g));
+    if (b < 0 || p->block_group[b] != g || !p->computed[b] || p->parent_hash[b] != parent || p->hash[b] != h)
+        return -1;
     if (memcmp(&p->block_tokens[(size_t)b * p->block_size], token_ids,
                (size_t)p->block_size * sizeof(int32_t)) != 0)
         return -1;
     return b;
 }
 
-int32_t pp_prefix_lookup(const pp_block_pool *p, uint64_t *parent, const int32_t *tokens) {
-    uint64_t h = chain_hash(p, *parent, tokens);
-    int32_t b = lookup_block(p, h, *parent, tokens);
-    if (b >= 0) *parent = h;
-    return b;
-}
-
-int32_t pp_prefix_count_hits(const pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
-                             int32_t *num_hit_cached, int32_t *num_lookups) {
+void pp_prefix_plan_lookup(const pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
+                           int32_t *ids, pp_prefix_plan *plan) {
     /* The last token is always computed again (its logits start generation),
      * and a cached block is immutable: hits stop before the block holding it. */
     const int32_t max_hit = num_tokens > 0 ? (num_tokens - 1) / p->block_size : 0;
-    int32_t num_hit = 0;
-    uint64_t parent = 0;
-    *num_hit_cached = 0;
-    *num_lookups = max_hit;
-    for (; num_hit < max_hit; num_hit++) {
-        int32_t b = pp_prefix_lookup(p, &parent, token_ids + (size_t)num_hit * p->block_size);
-        if (b < 0) break;
-        if (p->state[b] == PP_BLOCK_CACHED) (*num_hit_cached)++;
+    const int32_t bs = p->block_size;
+    memset(plan, 0, sizeof *plan);
+    /* Full-attention groups need an unbroken chain from the first block; the
+     * chain of hashes is walked once and every group looked up along it. A
+     * window group's misses are remembered: H is valid for it only if no
+     * miss lies inside the window of the query at H * block_size. */
+    int32_t full_limit = max_hit;   /* first miss over the full-attention groups */
+    int32_t last_miss[PP_MAX_GROUPS];
+    for (int32_t g = 0; g < p->n_groups; g++) last_miss[g] = -1;
+    uint64_t parent = 0, chain_at_best = 0;
+    int32_t best = 0;
+    for (int32_t i = 0; i < max_hit && i < full_limit; i++) {
+        const int32_t *chunk = token_ids + (size_t)i * bs;
+        const uint64_t h = pp_prefix_chain_hash(p, parent, chunk);
+        for (int32_t g = 0; g < p->n_groups; g++) {
+            const int32_t b = lookup_block(p, g, h, parent, chunk);
+            ids[(size_t)g * max_hit + i] = b;
+            if (b >= 0) continue;
+            if (p->group_window[g] > 0) last_miss[g] = i;
+            else if (full_limit > i) full_limit = i;
+        }
+        parent = h;
+        if (i >= full_limit) break;
+        /* H = i + 1 is valid if every window group hit all of its window. */
+        int ok = 1;
+        for (int32_t g = 0; g < p->n_groups && ok; g++)
+            if (p->group_window[g] > 0 && last_miss[g] >= pp_group_first_needed(p, g, (int64_t)(i + 1) * bs))
+                ok = 0;
+        if (ok) {
+            best = i + 1;
+            chain_at_best = h;
+        }
     }
-    return num_hit;
+    plan->num_hit = best;
+    plan->chain_hash = chain_at_best;
+    for (int32_t g = 0; g < p->n_groups; g++) {
+        const int32_t lo = pp_group_first_needed(p, g, (int64_t)best * bs);
+        plan->num_lookups += max_hit - pp_group_first_needed(p, g, (int64_t)max_hit * bs);
+        for (int32_t i = 0; i < max_hit; i++) {
+            int32_t *id = &ids[(size_t)g * max_hit + i];
+            if (i < lo || i >= best) {
+                *id = -1;
+                continue;
+            }
+            plan->num_reused++;
+            if (p->state[*id] == PP_BLOCK_CACHED) plan->num_reused_cached++;
+        }
+    }
 }
 
 int pp_pool_weaken_hash(pp_block_pool *p, int32_t bits) {

@@ -35,6 +35,7 @@ class PoolStats:
     tokens_stored: int
     tokens_logical: int
     slots_held: int
+    n_groups: int = 1
 
     @property
     def utilization(self) -> float:
@@ -55,6 +56,7 @@ class BlockInfo:
     num_tokens: int
     hash: int | None
     is_computed: bool
+    group: int = 0
 
 
 def _token_array(token_ids: Sequence[int]):
@@ -64,18 +66,23 @@ def _token_array(token_ids: Sequence[int]):
 
 
 class BlockPool:
-    """A pool of num_blocks KV blocks of block_size tokens and the sequences in it."""
+    """A pool of num_blocks KV blocks of block_size tokens and the sequences in it.
+    group_window: one entry per layer group sharing the pool (0: the group keeps
+    every token; w: it gives back blocks once past the last w tokens)."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, group_window: Sequence[int] = (0,)):
         self._pool = None
         out = ffi.new("pp_block_pool **")
-        check(lib.pp_pool_create(num_blocks, block_size, out), "BlockPool")
+        windows = ffi.new("int32_t[]", list(group_window))
+        check(lib.pp_pool_create_grouped(num_blocks, block_size, len(group_window), windows, out), "BlockPool")
         self._pool = out[0]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.group_window = tuple(group_window)
+        self.n_groups = len(group_window)
         self._i32 = ffi.new("int32_t *")
         self._i32b = ffi.new("int32_t *")
-        self._copy = ffi.new("pp_block_copy[1]")
+        self._copy = ffi.new("pp_block_copy[]", self.n_groups)
 
     # lifecycle -------------------------------------------------------------
     def close(self) -> None:
@@ -111,7 +118,7 @@ class BlockPool:
         out = ffi.new("pp_block_info *")
         check(lib.pp_pool_block_info(self._handle, block_id, out), "block_info")
         return BlockInfo(BlockState(out.state), out.ref_count, out.num_tokens,
-                         out.hash if out.has_hash else None, bool(out.is_computed))
+                         out.hash if out.has_hash else None, bool(out.is_computed), out.group)
 
     @property
     def num_allocatable(self) -> int:
@@ -146,14 +153,26 @@ class BlockPool:
               "create_sequence")
         return self._i32[0], self._i32b[0]
 
+    def create_uncached(self, token_ids: Sequence[int]) -> int:
+        """New sequence holding token_ids in new blocks, without prefix-cache lookup."""
+        arr, ptr = _token_array(token_ids)
+        check(lib.pp_seq_create_uncached(self._handle, ptr, len(arr), self._i32), "create_uncached")
+        return self._i32[0]
+
+    def create_cached(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """New sequence holding only the prefix of token_ids found in the cache (taking no
+        new block); returns (seq_id, num_cached_tokens). Append the rest as it is computed."""
+        arr, ptr = _token_array(token_ids)
+        check(lib.pp_seq_create_cached(self._handle, ptr, len(arr), self._i32, self._i32b),
+              "create_cached")
+        return self._i32[0], self._i32b[0]
+
     def append(self, seq_id: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Append tokens; returns the copy-on-write (src, dst) block copies to do."""
         arr, ptr = _token_array(token_ids)
-        check(lib.pp_seq_append(self._handle, seq_id, ptr, len(arr), self._copy, 1, self._i32),
+        check(lib.pp_seq_append(self._handle, seq_id, ptr, len(arr), self._copy, self.n_groups, self._i32),
               "append")
-        if self._i32[0]:
-            return [(self._copy[0].src, self._copy[0].dst)]
-        return []
+        return [(self._copy[i].src, self._copy[i].dst) for i in range(self._i32[0])]
 
     def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         """Blocks that appending num_tokens would take (copy-on-write included)."""
@@ -179,9 +198,11 @@ class BlockPool:
         check(lib.pp_seq_length(self._handle, seq_id, self._i32), "length")
         return self._i32[0]
 
-    def block_table(self, seq_id: int) -> np.ndarray:
-        """The sequence's physical block ids in logical order."""
-        return self._read_ids(lib.pp_seq_block_table, seq_id, "block_table")
+    def block_table(self, seq_id: int, group: int = 0) -> np.ndarray:
+        """The sequence's physical block ids in logical order, in one layer group
+        (-1 where a window group gave a block back)."""
+        return self._read_ids(lambda *a: lib.pp_seq_group_block_table(a[0], a[1], group, *a[2:]), seq_id,
+                              "block_table")
 
     def tokens(self, seq_id: int) -> np.ndarray:
         """The sequence's token ids."""

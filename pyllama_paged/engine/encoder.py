@@ -46,6 +46,7 @@ class EncoderRunner:
         self.n_ctx = model.config.n_ctx_train
         self.kv = NoKV()
         self.kv_bytes_per_token = 0
+        self.kv_pool_bytes = 0
         self._enc = None
         out = ffi.new("pp_encoder **")
         check(lib.pp_encoder_create(model.native, n_threads, self.max_batch_tokens, out), "encoder context")

@@ -15,6 +15,7 @@ import numpy as np
 from .._native import check, ffi, lib
 from ..errors import OutOfBlocksError, PagedError
 from .block_pool import BlockPool
+from .kv_groups import KVGroups
 from .step_batch import StepBuffers
 
 
@@ -34,15 +35,26 @@ class PagedKV:
 
     paged = True
 
-    def __init__(self, num_blocks: int, block_size: int, max_seq_len: int):
-        self.pool = BlockPool(num_blocks, block_size)
+    def __init__(self, num_blocks: int, block_size: int, max_seq_len: int, groups: KVGroups | None = None):
+        groups = groups or KVGroups.single(1)
+        self.groups = groups
+        self.pool = BlockPool(num_blocks, block_size, groups.group_window)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.n_groups = groups.n_groups
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
 
     def create(self, token_ids: Sequence[int]) -> tuple[int, int]:
         """A sequence holding token_ids; returns (handle, tokens already cached)."""
         return self.pool.create_sequence(token_ids)
+
+    def create_cached(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """A sequence holding only the cached prefix of token_ids: (handle, its length)."""
+        return self.pool.create_cached(token_ids)
+
+    def create_uncached(self, token_ids: Sequence[int]) -> int:
+        """A sequence holding token_ids, every block new (no prefix-cache lookup)."""
+        return self.pool.create_uncached(token_ids)
 
     def append(self, handle: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         return self.pool.append(handle, token_ids)
@@ -58,22 +70,59 @@ class PagedKV:
 
     def can_create(self, num_tokens: int, reserve: int = 0) -> bool:
         """Whether a new sequence of num_tokens fits, keeping `reserve` blocks free."""
-        return -(-num_tokens // self.block_size) + reserve <= self.pool.num_allocatable
+        return -(-num_tokens // self.block_size) * self.n_groups + reserve <= self.pool.num_allocatable
+
+    def blocks_to_prefill(self, num_tokens: int, chunk: int) -> int:
+        """Blocks a sequence of num_tokens holds at most while prefilled chunk tokens at a
+        time: all of them in full-attention groups, a window plus a chunk in window groups."""
+        blocks = -(-num_tokens // self.block_size)
+        need = 0
+        for w in self.groups.group_window:
+            need += blocks if w <= 0 else min(blocks, -(-(w + chunk) // self.block_size) + 1)
+        return need
+
+    def blocks_needed(self, handle: int, num_tokens: int) -> int:
+        """Blocks appending num_tokens to a sequence takes (copy-on-write included)."""
+        return self.pool.blocks_needed(handle, num_tokens)
 
     def can_append_all(self, appends: Sequence[tuple[int, int]]) -> bool:
         """Whether every (handle, num_tokens) append fits at once (copy-on-write included)."""
         need = sum(self.pool.blocks_needed(handle, n) for handle, n in appends)
         return need <= self.pool.num_allocatable
 
+    @property
+    def num_allocatable(self) -> int:
+        """Blocks an allocation could take now."""
+        return self.pool.num_allocatable
+
     def capacity_tokens(self) -> int:
-        """The most tokens one sequence could ever hold here."""
-        return min(self.num_blocks, self.max_blocks_per_seq) * self.block_size
+        """The most tokens one sequence could ever hold here: its full-attention groups
+        grow with it, each window group holds at most its window plus a block."""
+        full = sum(1 for w in self.groups.group_window if w <= 0)
+        window_blocks = sum(-(-w // self.block_size) + 2 for w in self.groups.group_window if w > 0)
+        if full == 0:
+            blocks = self.max_blocks_per_seq if window_blocks <= self.num_blocks else 0
+        else:
+            blocks = max(0, self.num_blocks - window_blocks) // full
+        # a short sequence holds all groups' blocks for every token
+        blocks = max(blocks, self.num_blocks // self.n_groups)
+        return min(blocks, self.max_blocks_per_seq) * self.block_size
 
     def slot_mapping(self, handle: int, start: int, count: int) -> np.ndarray:
         return self.pool.slot_mapping(handle, start, count)
 
-    def block_table(self, handle: int) -> np.ndarray:
-        return self.pool.block_table(handle)
+    def block_table(self, handle: int, group: int = 0) -> np.ndarray:
+        return self.pool.block_table(handle, group)
+
+    def batch_arrays(self, handle: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(slot_mapping [n_groups * count], block_tables [n_groups, 1, max_blocks]) of one
+        sequence's tokens [start, start + count), for ModelRunner.forward."""
+        items = np.array([[handle, start, count]], dtype=np.int32)
+        buffers = StepBuffers()
+        buffers.reserve(count, 1, self.max_blocks_per_seq, self.n_groups)
+        n, _ = self.build_batch(items, buffers)
+        _, _, slots, _, tables, _ = buffers.arrays(n, 1, 0)
+        return slots.copy(), tables.copy()
 
     def build_batch(self, items: np.ndarray, buffers: StepBuffers) -> tuple[int, int]:
         """A step's batch for items [(handle, start, count)] into buffers, in one native
@@ -82,6 +131,7 @@ class PagedKV:
         check(lib.pp_pool_build_batch(self.pool._handle, ffi.cast("const pp_step_item *", ffi.from_buffer(items)),
                                       len(items), buffers.max_blocks_per_seq, buffers.capacity_tokens, b),
               "build_batch")
+        buffers.n_tokens = b.n_tokens
         return b.n_tokens, b.n_logits
 
     def commit_batch(self, items: np.ndarray) -> None:
@@ -97,6 +147,7 @@ class SlabKV:
     """One max_seq_len slab per sequence, reserved whole (the naive allocator)."""
 
     paged = False
+    n_groups = 1
 
     def __init__(self, num_slabs: int, max_seq_len: int):
         self.block_size = max_seq_len
@@ -113,6 +164,20 @@ class SlabKV:
         slab = self._free.pop()
         self._tokens[slab] = list(token_ids)
         return slab, 0
+
+    def create_cached(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """A slab holding all of token_ids (slabs are reserved whole; nothing is cached)."""
+        handle, _ = self.create(token_ids)
+        return handle, len(token_ids)
+
+    def create_uncached(self, token_ids: Sequence[int]) -> int:
+        return self.create(token_ids)[0]
+
+    def blocks_to_prefill(self, num_tokens: int, chunk: int) -> int:
+        return 1
+
+    def blocks_needed(self, handle: int, num_tokens: int) -> int:
+        return 0 if self.can_append(handle, num_tokens) else self.num_blocks + 1
 
     def append(self, handle: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         n = len(self._tokens[handle]) + len(token_ids)
@@ -144,19 +209,28 @@ class SlabKV:
         return self.block_size
 
     @property
+    def num_allocatable(self) -> int:
+        return len(self._free)
+
+    @property
     def num_in_use(self) -> int:
         return self.num_blocks - len(self._free)
 
     def slot_mapping(self, handle: int, start: int, count: int) -> np.ndarray:
         return np.arange(start, start + count, dtype=np.int32) + handle * self.block_size
 
-    def block_table(self, handle: int) -> np.ndarray:
+    def block_table(self, handle: int, group: int = 0) -> np.ndarray:
         return np.array([handle], dtype=np.int32)
+
+    def batch_arrays(self, handle: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.slot_mapping(handle, start, count), np.array([[[handle]]], dtype=np.int32)
 
     def build_batch(self, items: np.ndarray, buffers: StepBuffers) -> tuple[int, int]:
         """PagedKV.build_batch for slabs (in Python: this is the baseline)."""
         n = sum(int(count) for _, _, count in items)
+        buffers.n_tokens = n
         tok, pos, slots, seqs, tables, rows = buffers.arrays(n, len(items), len(items))
+        tables = tables[0]
         at, n_logits = 0, 0
         for i, (handle, start, count) in enumerate(items.tolist()):
             held = self._tokens.get(handle)

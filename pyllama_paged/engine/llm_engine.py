@@ -305,12 +305,16 @@ class LLMEngine:
              "step_seconds": self.step_seconds, "steps": self.num_steps,
              "itl_budget_seconds": self.scheduler.itl_budget_seconds(),
              "step_cost_seconds": self.scheduler.step_cost.coefficients}
+        s.update(kv_pool_bytes=self.runner.kv_pool_bytes,
+                 kv_bytes_per_token_dense=self.runner.kv_bytes_per_token)
         if kv.paged:
             ps = kv.pool.stats()
             s.update(blocks_total=ps.num_blocks, blocks_free=ps.num_free, blocks_used=ps.num_used,
                      blocks_cached=ps.num_cached, blocks_shared=ps.num_shared,
                      utilization=ps.utilization, prefix_hit_rate=ps.hit_rate,
-                     prefix_hits=ps.num_hits, cow_copies=ps.num_cow_copies)
+                     prefix_hits=ps.num_hits, cow_copies=ps.num_cow_copies,
+                     kv_bytes_used=ps.num_used * self.runner.block_bytes,
+                     kv_groups=self.runner.kv_bytes_by_group())
         else:
             s.update(blocks_total=kv.num_blocks, blocks_used=kv.num_in_use,
                      blocks_free=kv.num_blocks - kv.num_in_use)

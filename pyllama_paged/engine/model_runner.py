@@ -12,11 +12,27 @@ import numpy as np
 
 from .._native import check, ffi, lib
 from ..errors import PagedError
+from .kv_groups import KVGroups
 from .kv_manager import PagedKV, SeqState, SlabKV
 from .model import Model
 from .step_batch import StepBuffers
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type ids
+# Paged attention: our CPU operator, or GGML ops alone (pages gathered by slot, then GGML's
+# flash attention: the portable path for any backend).
+ATTENTION_PATHS = {"kernel": 0, "gather": 1}
+_KV_ROW = {"f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}   # (values, bytes) per quantization group
+
+
+def kv_row_bytes(kv_cache_type: str, n_values: int) -> int:
+    """Bytes of one K (or V) row of n_values in a KV cache type."""
+    per, size = _KV_ROW[kv_cache_type]
+    return n_values // per * size
+
+
+def dense_kv_bytes_per_token(config, kv_cache_type: str) -> int:
+    """K+V bytes of one token over every layer: what a cache that frees nothing holds."""
+    return 2 * config.n_layer * kv_row_bytes(kv_cache_type, config.head_dim * config.n_head_kv)
 
 
 def _ptr(arr: np.ndarray, ctype: str = "int32_t *"):
@@ -28,11 +44,14 @@ class ModelRunner:
 
     def __init__(self, model: Model, *, paged: bool = True, n_ctx: int = 4096, n_seq_max: int = 1,
                  n_threads: int = 2, n_batch: int = 512, block_size: int = 32,
-                 kv_cache_type: str = "f16", num_blocks: int | None = None):
+                 kv_cache_type: str = "f16", num_blocks: int | None = None, kv_bytes: int | None = None,
+                 free_window_blocks: bool = True, attention: str = "kernel"):
         if n_ctx < 1 or n_batch < 1 or n_seq_max < 1:
             raise PagedError("n_ctx, n_batch and n_seq_max must be >= 1")
         if paged and not 1 <= block_size <= 1024:
             raise PagedError(f"block_size {block_size} out of range [1, 1024]")
+        if attention not in ATTENTION_PATHS:
+            raise PagedError(f"attention '{attention}' unknown: choose one of {', '.join(ATTENTION_PATHS)}")
         if kv_cache_type not in KV_TYPES:
             raise PagedError(f"kv_cache_type '{kv_cache_type}' unsupported: choose one of "
                              f"{', '.join(KV_TYPES)}")
@@ -43,19 +62,32 @@ class ModelRunner:
         self.kv_cache_type = kv_cache_type
         self._cache = None
         self._ctx = None
+        cfg = model.config
+        # Sliding-window layers get their own block tables and give pages back
+        # (kv_groups.py); free_window_blocks=False keeps every layer's KV.
+        self.kv_groups = KVGroups.for_windows(cfg.layer_window) if paged and free_window_blocks \
+            else KVGroups.single(cfg.n_layer)
+        dense_token_bytes = dense_kv_bytes_per_token(cfg, kv_cache_type)
         if paged:
-            # Same KV budget as the slab baseline unless told otherwise.
-            num_blocks = num_blocks or -(-n_ctx * n_seq_max // block_size)
-            self.kv = PagedKV(num_blocks, block_size, n_ctx)
+            slot_bytes = dense_token_bytes // self.kv_groups.n_groups
+            if num_blocks is None:
+                # Same KV bytes as the slab baseline unless told otherwise.
+                budget = kv_bytes if kv_bytes is not None else n_ctx * n_seq_max * dense_token_bytes
+                num_blocks = max(1, budget // (slot_bytes * block_size))
+            self.kv = PagedKV(num_blocks, block_size, n_ctx, self.kv_groups)
         else:
             self.kv = SlabKV(n_seq_max, n_ctx)
         out = ffi.new("pp_kv_cache **")
-        check(lib.pp_kv_cache_create(model.native, KV_TYPES[kv_cache_type], self.kv.num_blocks,
-                                     self.kv.block_size, int(paged), out), "KV cache")
+        layer_group = ffi.new("int32_t[]", list(self.kv_groups.layer_group))
+        check(lib.pp_kv_cache_create_grouped(model.native, KV_TYPES[kv_cache_type], self.kv.num_blocks,
+                                             self.kv.block_size, int(paged), self.kv_groups.n_groups,
+                                             layer_group, out), "KV cache")
         self._cache = out[0]
         ctx = ffi.new("pp_context **")
         check(lib.pp_context_create(model.native, self._cache, n_threads, n_batch, ctx), "context")
         self._ctx = ctx[0]
+        check(lib.pp_context_set_attention_path(self._ctx, ATTENTION_PATHS[attention]), "attention path")
+        self.attention = attention
         self._batch = ffi.new("pp_batch *")
         self._buffers = StepBuffers()
         self._logits = np.empty((0, self.n_vocab), dtype=np.float32)   # grown to the most rows a step asked for
@@ -66,13 +98,38 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K+V bytes one token takes across all layers."""
+        """K+V bytes one token takes across all layers (what a cache that frees nothing holds)."""
         return lib.pp_kv_cache_bytes_per_token(self._cache)
 
     @property
+    def kv_slot_bytes(self) -> int:
+        """K+V bytes of one slot of a block: one token of one layer group."""
+        return lib.pp_kv_cache_bytes_per_slot(self._cache)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """Bytes of the whole KV pool."""
+        return self.kv_slot_bytes * self.kv.block_size * self.kv.num_blocks
+
+    @property
     def block_bytes(self) -> int:
-        """Host bytes one block's K and V take across all layers."""
-        return self.kv_bytes_per_token * self.kv.block_size
+        """Host bytes one block's K and V take (the layers of the group holding it)."""
+        return self.kv_slot_bytes * self.kv.block_size
+
+    def kv_bytes_by_group(self) -> list[dict]:
+        """Per layer group: its window and the KV bytes per token it costs in steady state
+        (a window group's cost stops growing past its window)."""
+        per_token = self.kv_slot_bytes
+        return [{"group": g, "window": w, "layers": self.kv_groups.layers_per_group,
+                 "bytes_per_token": per_token,
+                 "max_tokens": (-(-(w - 1) // self.kv.block_size) + 1) * self.kv.block_size if w > 0 else None}
+                for g, w in enumerate(self.kv_groups.group_window)]
+
+    def kv_bytes_for(self, num_tokens: int) -> int:
+        """KV bytes one sequence of num_tokens computed tokens holds here."""
+        if not self.kv.paged:
+            return self.kv_bytes_per_token * self.kv.block_size
+        return self.kv_groups.steady_bytes(self.kv_slot_bytes, self.kv.block_size, num_tokens)
 
     def set_threads(self, n_threads: int) -> None:
         check(lib.pp_context_set_threads(self._ctx, n_threads), "set_threads")
@@ -83,22 +140,27 @@ class ModelRunner:
         check(lib.pp_context_abort(self._ctx), "abort")
 
     # ---- sequences' KV -------------------------------------------------------
-    def add_sequence(self, token_ids: Sequence[int], reuse_prefix: bool = True) -> SeqState:
-        """Place a new sequence's tokens in the KV cache (prefix-cache hits are kept unless
-        reuse_prefix is False: an embedding needs every token's state computed)."""
+    def add_sequence(self, token_ids: Sequence[int]) -> SeqState:
+        """Place a new sequence's tokens in the KV cache (prefix-cache hits are kept)."""
         if len(token_ids) > self.n_ctx:
             raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
-        if not reuse_prefix and self.kv.paged:
-            handle, _ = self.kv.create(token_ids[:0])   # appended tokens are never looked up
-            try:
-                self.copy_blocks(self.kv.append(handle, token_ids))
-            except BaseException:
-                self.kv.free(handle)
-                raise
-            return SeqState(handle, 0, len(token_ids))
         handle, cached = self.kv.create(token_ids)
         # The pool never counts the last token as cached: its logits start generation.
         return SeqState(handle, cached, len(token_ids))
+
+    def add_sequence_cached(self, token_ids: Sequence[int]) -> SeqState:
+        """A new sequence holding only the cached prefix of token_ids (computed); the
+        scheduler places the rest chunk by chunk with append_tokens."""
+        if len(token_ids) > self.n_ctx:
+            raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
+        handle, cached = self.kv.create_cached(token_ids)
+        return SeqState(handle, cached if self.kv.paged else 0, cached)
+
+    def add_sequence_uncached(self, token_ids: Sequence[int]) -> SeqState:
+        """A new sequence holding token_ids in fresh blocks (nothing reused, nothing computed)."""
+        if len(token_ids) > self.n_ctx:
+            raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
+        return SeqState(self.kv.create_uncached(token_ids), 0, len(token_ids))
 
     def append_tokens(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         """Reserve KV room for new tokens (copy-on-write done here)."""
@@ -137,7 +199,7 @@ class ModelRunner:
         if total > self.n_batch:
             raise PagedError(f"step of {total} tokens exceeds n_batch {self.n_batch}")
         buffers = self._buffers
-        buffers.reserve(total, len(work), self.kv.max_blocks_per_seq)
+        buffers.reserve(total, len(work), self.kv.max_blocks_per_seq, self.kv.n_groups)
         items = buffers.items([(seq.handle, seq.num_computed, n) for seq, n in work])
         n_tokens, n_logits = self.kv.build_batch(items, buffers)
         if n_logits > self._logits.shape[0]:
@@ -168,15 +230,18 @@ class ModelRunner:
     def forward(self, token_ids, positions, slot_mapping, seq_index, block_tables,
                 logit_rows, out: np.ndarray | None = None) -> np.ndarray:
         """One native step over flat arrays; returns logits [len(logit_rows), n_vocab] as float32
-        (into out when given)."""
+        (into out when given). With layer groups, slot_mapping holds n_groups runs of the
+        tokens' slots and block_tables is [n_groups, n_seqs, max_blocks] (kv.batch_arrays)."""
         arrays = [np.ascontiguousarray(a, dtype=np.int32) for a in
                   (token_ids, positions, slot_mapping, seq_index, logit_rows)]
         tables = np.ascontiguousarray(block_tables, dtype=np.int32)
-        if tables.ndim != 2:
-            raise PagedError("block_tables must be 2-D [n_seqs, max_blocks]")
+        if tables.ndim == 2:
+            tables = tables[None]
+        if tables.ndim != 3:
+            raise PagedError("block_tables must be [n_seqs, max_blocks] or [n_groups, n_seqs, max_blocks]")
         tok, pos, slots, seqs, rows = arrays
         n = len(tok)
-        if not (len(pos) == len(slots) == len(seqs) == n):
+        if not (len(pos) == len(seqs) == n and len(slots) == n * tables.shape[0]):
             raise PagedError("token_ids, positions, slot_mapping and seq_index differ in length")
         if self._ctx is None:
             raise PagedError("this model runner is closed")
@@ -200,9 +265,10 @@ class ModelRunner:
         b.positions = _ptr(pos)
         b.slot_mapping = _ptr(slots)
         b.seq_index = _ptr(seqs)
-        b.n_seqs = tables.shape[0]
+        b.n_groups = tables.shape[0]
+        b.n_seqs = tables.shape[1]
         b.block_tables = _ptr(tables)
-        b.max_blocks_per_seq = tables.shape[1]
+        b.max_blocks_per_seq = tables.shape[2]
         b.n_logits = len(rows)
         b.logit_rows = _ptr(rows) if len(rows) else ffi.NULL
         n_hidden = 0 if hidden_rows is None else len(hidden_rows)
@@ -240,7 +306,9 @@ class ModelRunner:
             self.kv.close()
 
     def __del__(self):
-        self.close()
+        if hasattr(self, "_ctx"):   # a constructor that refused its arguments made nothing to free
+            self.close()
+
 
 
 def _split_rows(work, hidden, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

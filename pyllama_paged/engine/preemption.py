@@ -22,8 +22,12 @@ def release(runner: ModelRunner, seq: Sequence) -> None:
 
 
 def swap_out(runner: ModelRunner, seq: Sequence) -> None:
-    """Copy a sequence's pages to host memory, then free them."""
-    seq.swapped_blocks = [runner.read_block(int(b)) for b in runner.kv.block_table(seq.kv.handle)]
+    """Copy a sequence's pages (every layer group's, those it still holds) to host
+    memory, then free them."""
+    kv = runner.kv
+    seq.swapped_blocks = {(g, i): runner.read_block(int(b))
+                          for g in range(kv.n_groups)
+                          for i, b in enumerate(kv.block_table(seq.kv.handle, g)) if b >= 0}
     seq.swapped_num_computed = seq.kv.num_computed
     seq.swapped_tokens = seq.token_ids[:seq.kv.num_tokens]
     runner.free(seq.kv)
@@ -32,12 +36,16 @@ def swap_out(runner: ModelRunner, seq: Sequence) -> None:
 
 def swap_in(runner: ModelRunner, seq: Sequence) -> None:
     """Place a swapped-out sequence again and write its pages back (the caller
-    has checked that the pool holds them)."""
+    has checked that the pool holds them). Pages a window group had given back
+    are not restored: marking the tokens computed gives them back again."""
     kv = runner.kv
     handle, cached = kv.create(seq.swapped_tokens)
-    for i, block in enumerate(kv.block_table(handle)):
-        if i * kv.block_size >= cached:   # cached prefix blocks already hold this data
-            runner.write_block(int(block), seq.swapped_blocks[i])
+    for g in range(kv.n_groups):
+        for i, block in enumerate(kv.block_table(handle, g)):
+            data = seq.swapped_blocks.get((g, i))
+            # cached prefix blocks already hold this data
+            if block >= 0 and i * kv.block_size >= cached and data is not None:
+                runner.write_block(int(block), data)
     kv.mark_computed(handle, seq.swapped_num_computed)
     seq.kv = SeqState(handle, seq.swapped_num_computed, len(seq.swapped_tokens))
     seq.swapped_blocks = None

@@ -20,19 +20,17 @@ def prompt_logprobs(runner: ModelRunner, token_ids: Sequence[int],
     """(log-probability of token i given tokens < i, top_n best tokens there) per prompt
     token; the first has none. Call on the engine's thread, between steps."""
     ids = list(token_ids)
-    seq = runner.add_sequence(ids)
+    # every position's logits are wanted: a sequence of fresh pages, nothing reused
+    # from the prefix cache (whose window groups keep no early pages to start from)
+    seq = runner.add_sequence_uncached(ids)
     out: list[tuple[float | None, dict[int, float]]] = [(None, {})]
     try:
         kv = runner.kv
-        # every position's logits are wanted, so cached pages are recomputed too
-        # (same tokens, same positions: the same K/V are written again)
         for start in range(0, len(ids), _ROWS):
             n = min(_ROWS, len(ids) - start)
-            table = kv.block_table(seq.handle)
-            tables = np.full((1, kv.max_blocks_per_seq), -1, dtype=np.int32)
-            tables[0, :len(table)] = table
-            logits = runner.forward(ids[start:start + n], range(start, start + n),
-                                    kv.slot_mapping(seq.handle, start, n), [0] * n, tables, list(range(n)))
+            slots, tables = kv.batch_arrays(seq.handle, start, n)
+            logits = runner.forward(ids[start:start + n], range(start, start + n), slots, [0] * n, tables,
+                                    list(range(n)))
             kv.mark_computed(seq.handle, max(seq.num_computed, start + n))
             seq.num_computed = max(seq.num_computed, start + n)
             for k in range(n):

@@ -35,7 +35,7 @@ class Sequence:
     kv: SeqState | None = None           # None while waiting / preempted
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
-    swapped_blocks: list[np.ndarray] | None = None   # host copies while swapped out
+    swapped_blocks: dict[tuple[int, int], np.ndarray] | None = None   # (group, block) -> host copy when swapped
     swapped_num_computed: int = 0
     index: int = 0                       # which of its request's n samples it is
 

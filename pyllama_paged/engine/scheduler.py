@@ -1,7 +1,12 @@
 """Continuous-batching scheduler: waiting / running / swapped queues, FCFS
 admission under a block watermark, chunked prefill under a per-step token
 budget, and whole-request preemption by recompute or swap. Policy only:
-the KV placement lives in the engine's allocator."""
+the KV placement lives in the engine's allocator.
+
+A prompt's tokens are placed in the KV pool chunk by chunk, as they are
+scheduled (after the prefix cache's hits): a long prompt never holds pages
+for tokens it has not reached, and sliding-window groups give pages back as
+the chunks move past their window."""
 
 from __future__ import annotations
 
@@ -121,13 +126,28 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
 
-    def _blocks_for(self, seqs: list[Sequence], tokens_of) -> bool:
+    def _blocks_for(self, seqs: list[Sequence], blocks_of) -> bool:
         kv = self.runner.kv
         if not kv.paged:
             return kv.num_blocks - kv.num_in_use >= len(seqs)
-        need = sum(-(-len(tokens_of(s)) // kv.block_size) for s in seqs)
+        need = sum(blocks_of(s) for s in seqs)
         # the reserve keeps room for running sequences to grow; with none running it is not needed
         return need + (self.reserve_blocks if self.running else 0) <= kv.pool.num_allocatable
+
+    def _place_chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq's pending prefill to compute this step, placed in the pool first
+        (halved until their pages fit, keeping the reserve while others run); 0 if none fit."""
+        kv = self.runner.kv
+        n = min(len(seq.token_ids) - seq.kv.num_computed, budget)
+        reserve = self.reserve_blocks if len(self.running) > 1 else 0
+        while n > 0:
+            place = seq.kv.num_computed + n - seq.kv.num_tokens
+            if place <= 0 or kv.blocks_needed(seq.kv.handle, place) + reserve <= kv.num_allocatable:
+                break
+            n //= 2
+        if n > 0 and place > 0:
+            self.runner.append_tokens(seq.kv, seq.token_ids[seq.kv.num_tokens:seq.kv.num_computed + n])
+        return n
 
     # ---- the inter-token budget ------------------------------------------------
     def itl_budget_seconds(self) -> float | None:
@@ -162,12 +182,13 @@ class Scheduler:
                 continue   # preempted while making room for an earlier request
             appends = []
             for seq in request.live_seqs:
-                if seq.kv is None or seq.kv.num_computed < seq.kv.num_tokens or budget <= 0:
+                # a decode: its one new token (a prompt still being placed is a prefill)
+                if seq.kv is None or seq.kv.num_computed < seq.kv.num_tokens or budget <= 0 or \
+                        len(seq.token_ids) - seq.kv.num_tokens != 1:
                     continue
                 new = seq.token_ids[seq.kv.num_tokens:]
-                if new:
-                    appends.append((seq, new))
-                    budget -= len(new)
+                appends.append((seq, new))
+                budget -= len(new)
             if not appends:
                 continue
             while not self.runner.kv.can_append_all([(seq.kv.handle, len(new)) for seq, new in appends]):
@@ -200,19 +221,23 @@ class Scheduler:
                                    self.step_cost.prefill_tokens_within(num_decodes, itl_budget)))
             budget = min(budget, cap)
         decoding = {seq.seq_id for seq, _ in work}
+        starved = False   # a prefill whose next pages did not fit
         for request in self.running:
             for seq in request.live_seqs:
-                pending = seq.kv.num_tokens - seq.kv.num_computed if seq.kv else 0
+                pending = len(seq.token_ids) - seq.kv.num_computed if seq.kv else 0
                 if pending > 0 and budget > 0 and seq.seq_id not in decoding:
-                    n = min(pending, budget)
-                    work.append((seq, n))
-                    budget -= n
+                    n = self._place_chunk(seq, budget)
+                    starved |= n == 0
+                    if n > 0:
+                        work.append((seq, n))
+                        budget -= n
 
         # swapped requests come back before new ones (FCFS), unless we just preempted
         while self.swapped and not preempted:
             request = self.swapped[0]
             seqs = request.live_seqs
-            if not self._blocks_for(seqs, lambda s: s.swapped_tokens):
+            kv = self.runner.kv
+            if not self._blocks_for(seqs, lambda s: -(-len(s.swapped_tokens) // kv.block_size) * kv.n_groups):
                 break
             self.swapped.popleft()
             for seq in seqs:
@@ -231,12 +256,14 @@ class Scheduler:
             if itl_budget is not None and self.running and \
                     self.step_cost.predict(running_seqs + width) > itl_budget:
                 break   # one more stream would slow every running one past the budget
-            if not self._blocks_for(seqs, lambda s: s.token_ids):
+            chunk = max(budget, self.runner.kv.block_size)
+            if not self._blocks_for(seqs, lambda s: self.runner.kv.blocks_to_prefill(len(s.token_ids), chunk)):
                 break
             self.waiting.popleft()
             for seq in seqs:
                 try:
-                    seq.kv = self.runner.add_sequence(seq.token_ids, reuse_prefix=request.embed is None)
+                    # an embedding reads no prefix cache: every token's state is computed
+                    seq.kv = self.runner.add_sequence_cached(seq.token_ids if request.embed is None else [])
                 except OutOfBlocksError:   # raced the watermark estimate: undo, retry later
                     for s in seqs:
                         release(self.runner, s)
@@ -247,11 +274,24 @@ class Scheduler:
             self.running.append(request)
             running_seqs += width
             for seq in seqs:
-                pending = seq.kv.num_tokens - seq.kv.num_computed
-                if pending > 0 and budget > 0:
-                    n = min(pending, budget)
-                    work.append((seq, n))
-                    budget -= n
+                if len(seq.token_ids) - seq.kv.num_computed > 0 and budget > 0:
+                    n = self._place_chunk(seq, budget)
+                    if n > 0:
+                        work.append((seq, n))
+                        budget -= n
+
+        # Prefills hold pages but none can place its next chunk, and nothing else runs
+        # to free any: take the latest arrival's pages (recompute or swap) so the
+        # earlier ones finish; a request alone that cannot fit ends with an error.
+        if not work and starved and not preempted:
+            victim = self.running[-1]
+            if len(self.running) == 1:
+                victim.error = (f"out of KV blocks: the request needs more pages than the pool of "
+                                f"{self.runner.kv.num_blocks} holds")
+                self.remove(victim)
+                self.failed.append(victim)
+            else:
+                self._preempt(victim)
 
         # Nothing runs and the next request still does not fit: no block will ever be
         # freed for it (e.g. a preempted n>1 request whose samples now need their own

@@ -88,6 +88,8 @@ class Metrics:
             "kv_blocks_shared": ("blocks_shared", "KV blocks shared by several sequences."),
             "kv_blocks_cached": ("blocks_cached", "Evictable prefix-cache blocks."),
             "kv_utilization": ("utilization", "Tokens stored / slots held in used blocks."),
+            "kv_pool_bytes": ("kv_pool_bytes", "Bytes of the KV pool."),
+            "kv_bytes_used": ("kv_bytes_used", "KV bytes held by sequences."),
             "prefix_cache_hit_rate": ("prefix_hit_rate", "Prefix-cache block hit rate."),
             "preemptions_total": ("preemptions", "Requests preempted."),
         }

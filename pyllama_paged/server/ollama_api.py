@@ -286,8 +286,7 @@ def build_router(state) -> APIRouter:
         models = []
         for served in state.registry.models.values():
             stats = await asyncio.to_thread(served.loop.call, lambda llm: llm.stats())
-            kv_bytes = served.runner.kv_bytes_per_token * served.runner.kv.num_blocks * \
-                served.runner.kv.block_size
+            kv_bytes = served.runner.kv_pool_bytes
             models.append({**describe(served), "expires_at": served.expires_at(),
                            "size_vram": 0, "context_length": served.n_ctx,
                            "kv_cache": {"bytes": kv_bytes, "paged": served.runner.kv.paged, **stats}})

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..tokenizer.chat_template import ChatTemplate
-from ..engine.model_runner import ModelRunner
+from ..engine.model_runner import ModelRunner, dense_kv_bytes_per_token
 from ..engine.loop import EngineLoop
 from ..engine.llm_engine import LLMEngine
 from ..engine.encoder import encoder_engine
@@ -30,7 +30,8 @@ class EngineOptions:
     n_batch: int = 512
     block_size: int = 32
     kv_cache_type: str = "f16"
-    kv_budget_tokens: int = 32768       # the KV pool, in tokens, shared by all users
+    kv_budget_tokens: int = 32768       # the KV pool, in tokens of every layer, shared by all users
+    kv_budget_bytes: int | None = None  # the KV pool in bytes (wins over kv_budget_tokens)
     max_num_seqs: int = 64
     preemption_mode: str = "recompute"
     itl_budget: float | str | None = "auto"   # seconds, "auto" or None (see SchedulerConfig)
@@ -113,13 +114,16 @@ class ModelRegistry:
                                             runner, EngineLoop(engine))
             return
         n_ctx = min(o.n_ctx, model.config.n_ctx_train)
+        # Bytes are what users size; a budget in tokens is that many tokens of every layer
+        # (sliding-window groups then hold more tokens in the same bytes).
+        kv_bytes = o.kv_budget_bytes or o.kv_budget_tokens * dense_kv_bytes_per_token(model.config, o.kv_cache_type)
         if o.paged:
             runner = ModelRunner(model, paged=True, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
-                            block_size=o.block_size, kv_cache_type=o.kv_cache_type,
-                            num_blocks=max(1, o.kv_budget_tokens // o.block_size))
+                            block_size=o.block_size, kv_cache_type=o.kv_cache_type, kv_bytes=kv_bytes)
         else:
+            slab_bytes = n_ctx * dense_kv_bytes_per_token(model.config, o.kv_cache_type)
             runner = ModelRunner(model, paged=False, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
-                            kv_cache_type=o.kv_cache_type, n_seq_max=max(1, o.kv_budget_tokens // n_ctx))
+                            kv_cache_type=o.kv_cache_type, n_seq_max=max(1, kv_bytes // slab_bytes))
         tokenizer = Tokenizer.from_metadata(model.metadata)
         loop = EngineLoop(LLMEngine(runner, tokenizer.eot_ids, SchedulerConfig(
             max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs, preemption_mode=o.preemption_mode,
