@@ -78,7 +78,8 @@ def openai_list(vectors: list, model: str, prompt_tokens: int) -> dict:
 def embed_for_llama(llm, input, normalize: bool, truncate: bool, pooling: str | None,
                     dimensions: int | None) -> tuple[list, int]:
     """Llama.embed's work: (list[float] for a str or list[list[float]] for a list, tokens used)."""
-    from .engine.embedding import EmbedParams, default_pooling, run_embeddings
+    from .engine.embedding import POOLINGS, EmbedParams, default_pooling, run_embeddings
+    from .gguf.config import POOLING_TYPES
 
     if llm.runner is None:
         raise PagedError("this Llama is closed")
@@ -88,7 +89,10 @@ def embed_for_llama(llm, input, normalize: bool, truncate: bool, pooling: str | 
         raise PagedError("no input to embed")
     engine = llm.llm_engine
     ids = tokenize_inputs(llm.tokenizer, texts, max_input_tokens(engine), truncate)
-    params = EmbedParams(pooling or default_pooling(llm._model.config))
+    # Llama(pooling_type=...) (llama.cpp's numbers, kept as pooling_type_arg by the constructor
+    # once it takes llama-cpp-python's arguments) comes before the file's own pooling_type
+    asked = POOLING_TYPES.get(getattr(llm, "pooling_type_arg", -1))
+    params = EmbedParams(pooling or (asked if asked in POOLINGS else default_pooling(llm._model.config)))
     vectors = [finish_vector(v, normalize, dimensions).tolist() for v in run_embeddings(engine, ids, params)]
     count = sum(len(i) for i in ids)
     return (vectors[0] if single else vectors), count
