@@ -190,7 +190,9 @@ def cmd_info(args) -> int:
         print(f"  {key} = {value}".encode("utf-8", "backslashreplace").decode("utf-8"))
     print(f"config: {cfg}")
     groups = KVGroups.for_windows(cfg.layer_window)
-    for kv_type in KV_TYPES:
+    if cfg.is_encoder:
+        print(f"encoder-only ({cfg.arch}): embeddings with {cfg.pooling} pooling, no KV cache")
+    for kv_type in KV_TYPES if not cfg.is_encoder else ():
         dense = dense_kv_bytes_per_token(cfg, kv_type)
         per_group = dense // groups.n_groups
         line = f"KV bytes per token ({kv_type}): {dense} for a short sequence"

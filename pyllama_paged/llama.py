@@ -28,6 +28,8 @@ from .tokenizer.chat_template import ChatTemplate
 from .tokenizer.tokenizer import Tokenizer
 from .tools.messages import normalize_messages
 from .tools.prompt import prepare_chat
+from .embeddings import embed_for_llama, openai_list
+from .engine.encoder import encoder_engine
 
 
 def _default_threads() -> int:
@@ -71,14 +73,18 @@ class Llama:
         n_train = self._model.config.n_ctx_train
         self._n_ctx = min(n_ctx, n_train) if n_ctx > 0 else n_train   # 0: the training context
         self.n_batch = min(n_batch, self._n_ctx)
+        self.paged = paged
+        self._tokens: list[int] = []   # what the model has evaluated: the last prompt and its answer
+        if self._model.config.is_encoder:   # bert: embeddings only, no KV cache
+            self.runner, self.llm_engine = encoder_engine(self._model, self.n_threads)
+            self.chat_template = None
+            return
         self.runner = ModelRunner(self._model, paged=paged, n_ctx=self._n_ctx, n_seq_max=n_seq_max,
                                   n_threads=self.n_threads, n_batch=self.n_batch, block_size=block_size,
                                   kv_cache_type=kv_cache_type)
-        self.paged = paged
         self.chat_template = self._chat_template(chat_format)
         self.llm_engine = LLMEngine(self.runner, self._tokenizer.eot_ids,
                                     SchedulerConfig(max_num_batched_tokens=self.n_batch))
-        self._tokens: list[int] = []   # what the model has evaluated: the last prompt and its answer
 
     def _chat_template(self, chat_format: str | None) -> ChatTemplate:
         if chat_format is None or chat_format == "chat_template.default":
@@ -196,6 +202,21 @@ class Llama:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # ---- embeddings (pooled through the same scheduler; see embeddings.py) ---
+    def embed(self, input: str | Sequence[str], normalize: bool = True, truncate: bool = True,
+              return_count: bool = False, pooling: str | None = None, dimensions: int | None = None):
+        """llama-cpp-python's embed: a list of floats for a str, a list of them for a list
+        (and the token count too with return_count)."""
+        vectors, count = embed_for_llama(self, input, normalize, truncate, pooling, dimensions)
+        return (vectors, count) if return_count else vectors
+
+    def create_embedding(self, input: str | Sequence[str], model: str | None = None,
+                         pooling: str | None = None, dimensions: int | None = None) -> dict:
+        """OpenAI-shaped embedding list (llama-cpp-python's create_embedding)."""
+        batch = [input] if isinstance(input, str) else list(input)
+        vectors, count = embed_for_llama(self, batch, True, True, pooling, dimensions)
+        return openai_list(vectors, model or self.model_path, count)
 
     # ---- generation: every path goes through the scheduler -----------------
     def _params(self, logits_processor=None, stopping_criteria=None, **fields) -> tuple[SamplingParams, Any]:

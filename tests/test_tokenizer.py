@@ -368,7 +368,7 @@ def test_from_gguf_path_reader_and_metadata_agree(tmp_path, fixture_data):
 
 def test_rejects_unsupported_models():
     with pytest.raises(NotImplementedError):
-        Tokenizer(["a"], model="bert")
+        Tokenizer(["a"], model="t5")
     with pytest.raises(ValueError):
         Tokenizer.from_metadata({"tokenizer.ggml.tokens": ["a"]})
 

@@ -268,7 +268,9 @@ enum pp_arch {
     PP_ARCH_LLAMA  = 0,   /* Llama 2/3, Mistral, TinyLlama, SmolLM */
     PP_ARCH_QWEN2  = 1,   /* q/k/v biases */
     PP_ARCH_QWEN3  = 2,   /* per-head q/k RMS norm */
-    PP_ARCH_GEMMA3 = 3    /* q/k norm, post norms, sliding-window layers, GELU, scaled embeddings */
+    PP_ARCH_GEMMA3 = 3,   /* q/k norm, post norms, sliding-window layers, GELU, scaled embeddings */
+    PP_ARCH_BERT   = 4    /* encoder only (pp_encoder_*): learned positions, token types, layer norm
+                             with bias, GELU, bidirectional attention; no KV cache */
 };
 
 /* Hyper-parameters, read from the GGUF metadata by the caller. */
@@ -286,7 +288,7 @@ typedef struct pp_model_hparams {
     float   rope_freq_base;      /* global-attention layers */
     float   rope_freq_scale;     /* 1 / linear scaling factor */
     float   rope_freq_base_swa;  /* sliding-window layers */
-    float   rms_eps;
+    float   rms_eps;             /* bert: the layer-norm epsilon */
     float   attn_scale;          /* multiplies q.k before softmax */
     float   embd_scale;          /* multiplies token embeddings (1 unless gemma) */
     float   final_logit_softcap; /* 0 = none */
@@ -294,6 +296,7 @@ typedef struct pp_model_hparams {
                                     copied at pp_model_create */
     int32_t n_rot;               /* rotated dims of each head (rope.dimension_count), even,
                                     <= head_dim; 0 = head_dim */
+    int32_t n_token_types;       /* bert: rows of token_types.weight; 0 = 2 */
 } pp_model_hparams;
 
 typedef struct pp_model pp_model;
@@ -407,6 +410,13 @@ typedef struct pp_batch {
     int32_t        n_logits;
     const int32_t *logit_rows;
     int32_t        n_groups;
+    /* Rows whose final hidden state (after the output norm, before the
+     * output head) is wanted instead of logits: embeddings. n_hidden 0 and
+     * NULLs: none. hidden receives n_hidden * n_embd floats (row-major),
+     * owned by the caller. A row may be in both lists. */
+    int32_t        n_hidden;
+    const int32_t *hidden_rows;
+    float         *hidden;
 } pp_batch;
 
 typedef struct pp_context pp_context;
@@ -425,7 +435,8 @@ void pp_context_destroy(pp_context *ctx);
  * old one; no decode may be running on the context). */
 int pp_context_set_threads(pp_context *ctx, int32_t n_threads);
 
-/* Run one step; logits receives n_logits * n_vocab floats (row-major).
+/* Run one step; logits receives n_logits * n_vocab floats (row-major),
+ * batch->hidden the hidden rows asked for (see pp_batch).
  * PP_ERR_INVALID (nothing computed, cache untouched) for a malformed batch:
  * out-of-range ids, slots, positions or sequence indices.
  * PP_ERR_NO_MEMORY (nothing computed) if the step's buffers cannot be had.
@@ -453,6 +464,42 @@ int pp_context_set_attention_path(pp_context *ctx, int32_t path);
  * returns PP_ERR_COMPUTE. Safe to call from any thread (it only sets a
  * flag); PP_ERR_INVALID for NULL. */
 int pp_context_abort(pp_context *ctx);
+
+/* ---- encoder (embedding models) ----------------------------------------- */
+
+/* A compute context for an encoder-only model (PP_ARCH_BERT): bidirectional
+ * attention over each input, no KV cache, many inputs per graph (padded to
+ * the longest, masked). model is borrowed and must outlive it; one thread
+ * at a time. n_threads 1..512 (a pool of its own, sleeping when idle);
+ * max_batch_tokens bounds n_seqs * longest input per call. PP_ERR_INVALID for
+ * a decoder model, an unfinalized one or bad sizes, PP_ERR_NO_MEMORY if the
+ * backend or pool cannot be had. */
+typedef struct pp_encoder pp_encoder;
+
+int pp_encoder_create(pp_model *model, int32_t n_threads, int32_t max_batch_tokens, pp_encoder **out);
+
+/* Destroy an encoder context. NULL is accepted. */
+void pp_encoder_destroy(pp_encoder *enc);
+
+/* Pooling of an input's token states (llama.cpp's pooling_type values). */
+enum pp_pooling {
+    PP_POOLING_NONE = 0,   /* every token's state */
+    PP_POOLING_MEAN = 1,
+    PP_POOLING_CLS  = 2,   /* the first token's */
+    PP_POOLING_LAST = 3    /* the last token's */
+};
+
+/* Encode n_seqs inputs in one graph: input i is seq_lens[i] (>= 1, at most
+ * the model's context) tokens, the inputs' ids concatenated in token_ids;
+ * token_types the same layout or NULL (all 0). out receives n_seqs * n_embd
+ * floats for a pooling, or sum(seq_lens) * n_embd for PP_POOLING_NONE, the
+ * last layer's states, not normalized. Everything is checked before anything
+ * is computed: PP_ERR_INVALID for bad ids, lengths or pooling, or
+ * n_seqs * max(seq_lens) above max_batch_tokens; PP_ERR_NO_MEMORY if the
+ * compute buffer cannot be had; PP_ERR_COMPUTE if GGML failed (out is then
+ * undefined). */
+int pp_encoder_embed(pp_encoder *enc, const int32_t *token_ids, const int32_t *token_types,
+                     const int32_t *seq_lens, int32_t n_seqs, int32_t pooling, float *out);
 
 /* ---- sampling ------------------------------------------------------------ */
 

@@ -46,6 +46,8 @@ int pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
     if (!m || !cache || !out) return pp_fail(PP_ERR_INVALID, "pp_context_create: NULL argument");
     *out = NULL;
     if (!m->finalized) return pp_fail(PP_ERR_INVALID, "model not finalized (missing tensors?)");
+    if (m->hp.arch == PP_ARCH_BERT)
+        return pp_fail(PP_ERR_INVALID, "an encoder-only model has no decoding context: use pp_encoder_create");
     if (cache->model != m) return pp_fail(PP_ERR_INVALID, "KV cache was made for another model");
     if (n_threads < 1 || max_batch_tokens < 1)
         return pp_fail(PP_ERR_INVALID, "n_threads and max_batch_tokens must be >= 1 (got %d, %d)",
@@ -225,6 +227,12 @@ int pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tokens)
             return pp_fail(PP_ERR_INVALID, "logit row %d outside the batch of %d tokens",
                            b->logit_rows[i], b->n_tokens);
+    if (b->n_hidden < 0 || (b->n_hidden > 0 && (!b->hidden_rows || !b->hidden)))
+        return pp_fail(PP_ERR_INVALID, "malformed batch: %d hidden rows without their arrays", b->n_hidden);
+    for (int i = 0; i < b->n_hidden; i++)
+        if (b->hidden_rows[i] < 0 || b->hidden_rows[i] >= b->n_tokens)
+            return pp_fail(PP_ERR_INVALID, "hidden row %d outside the batch of %d tokens",
+                           b->hidden_rows[i], b->n_tokens);
     return PP_OK;
 }
 
@@ -312,8 +320,9 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     memcpy(ggml_graph_get_tensor(gf, "positions")->data, b->positions, sizeof(int32_t) * b->n_tokens);
     int64_t *slots = ggml_graph_get_tensor(gf, "slots")->data;
     for (int i = 0; i < b->n_tokens * c->cache->n_groups; i++) slots[i] = b->slot_mapping[i];
-    if (b->n_logits > 0)
-        memcpy(ggml_graph_get_tensor(gf, "logit_rows")->data, b->logit_rows, sizeof(int32_t) * b->n_logits);
+    int32_t *out_rows = ggml_graph_get_tensor(gf, "logit_rows")->data;
+    if (b->n_logits > 0) memcpy(out_rows, b->logit_rows, sizeof(int32_t) * b->n_logits);
+    if (b->n_hidden > 0) memcpy(out_rows + b->n_logits, b->hidden_rows, sizeof(int32_t) * b->n_hidden);
     if (!c->cache->paged || gather) fill_flash_inputs(gf, b, swa_window, c->cache);
 
     enum ggml_status status = ggml_backend_graph_compute(c->backend, gf);
@@ -327,6 +336,13 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     if (b->n_logits > 0) {
         struct ggml_tensor *out = ggml_graph_get_tensor(gf, "logits");
         memcpy(logits, out->data, sizeof(float) * (size_t)b->n_logits * m->hp.n_vocab);
+    }
+    if (b->n_hidden > 0) {
+        /* a view of the normed rows: copied row by row (its stride is the parent's) */
+        struct ggml_tensor *out = ggml_graph_get_tensor(gf, "hidden");
+        for (int i = 0; i < b->n_hidden; i++)
+            memcpy(b->hidden + (size_t)i * m->hp.n_embd, (const char *)out->data + (size_t)i * out->nb[1],
+                   sizeof(float) * m->hp.n_embd);
     }
     ggml_free(ctx);
     return PP_OK;

@@ -18,6 +18,11 @@ typedef struct pp_layer {
     struct ggml_tensor *ffn_norm;
     struct ggml_tensor *ffn_gate, *ffn_up, *ffn_down;
     struct ggml_tensor *post_ffw_norm;
+    /* encoder (bert) only: output bias, post-norms with biases, FFN biases */
+    struct ggml_tensor *bo;
+    struct ggml_tensor *attn_out_norm, *attn_out_norm_b;
+    struct ggml_tensor *ffn_up_b, *ffn_down_b;
+    struct ggml_tensor *layer_out_norm, *layer_out_norm_b;
 } pp_layer;
 
 struct pp_model {
@@ -29,6 +34,8 @@ struct pp_model {
     struct ggml_tensor *output;     /* NULL: tied to tok_embd */
     struct ggml_tensor *rope_freqs; /* NULL: none; else [n_rot / 2] f32 frequency divisors */
     pp_layer           *layers;
+    /* encoder (bert) only: learned positions, token types, embedding norm */
+    struct ggml_tensor *pos_embd, *tok_types, *embd_norm, *embd_norm_b;
     int                 finalized;
     /* Weights moved out of the mapping into GGML's CPU extra buffer types
      * (repacked layouts); the buffers own those tensors' bytes. */
@@ -128,5 +135,19 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *mod
 int pp_gather_first_key(int p0, int window);
 
 #define PP_MAX_GRAPH_NODES 8192
+
+/* encoder_model.c: where a bert tensor name goes (1, with *slot and its
+ * expected [ne0, ne1], ne1 0 for 1-D) or 0 for a name it does not use; and
+ * the check that every tensor bert needs is there (PP_OK or PP_ERR_INVALID
+ * naming the first missing one). Call only for PP_ARCH_BERT models. */
+int pp_encoder_resolve(pp_model *m, const char *name, struct ggml_tensor ***slot, int64_t *ne0, int64_t *ne1);
+int pp_encoder_finalize(const pp_model *m);
+
+/* encoder_graph.c: the bert forward over n_seqs inputs padded to max_len
+ * tokens each. Inputs "tokens", "types", "positions" ([n_seqs * max_len]
+ * i32) and "kq_mask" ([max_len, max_len, 1, n_seqs] f32); output "hidden"
+ * [n_embd, n_seqs * max_len]. */
+struct ggml_cgraph *pp_build_encoder_graph(struct ggml_context *ctx, const pp_model *m, int n_seqs,
+                                           int max_len);
 
 #endif

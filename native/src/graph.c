@@ -99,7 +99,8 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
     struct ggml_tensor *positions = input(ctx, GGML_TYPE_I32, n_tokens, "positions");
     /* One run of slots per layer group (see pp_batch). */
     struct ggml_tensor *slots = input(ctx, GGML_TYPE_I64, (int64_t)n_tokens * cache->n_groups, "slots");
-    struct ggml_tensor *logit_rows = input(ctx, GGML_TYPE_I32, batch->n_logits, "logit_rows");
+    /* logit rows, then hidden rows (embeddings): the rows the last layer computes */
+    struct ggml_tensor *logit_rows = input(ctx, GGML_TYPE_I32, batch->n_logits + batch->n_hidden, "logit_rows");
 
     struct ggml_tensor *x = ggml_get_rows(ctx, m->tok_embd, tokens);
     if (hp->embd_scale != 1.0f) x = ggml_scale(ctx, x, hp->embd_scale);
@@ -165,6 +166,16 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
     }
 
     x = norm(ctx, x, m->output_norm, hp->rms_eps);
+    if (batch->n_hidden > 0) {
+        ggml_set_output(x);   /* the allocator keeps the rows the hidden view reads */
+        struct ggml_tensor *hidden = ggml_view_2d(ctx, x, hp->n_embd, batch->n_hidden, x->nb[1],
+                                                  (size_t)batch->n_logits * x->nb[1]);
+        ggml_set_name(hidden, "hidden");
+        ggml_set_output(hidden);
+        ggml_build_forward_expand(gf, hidden);
+        if (batch->n_logits == 0) return gf;
+        x = ggml_view_2d(ctx, x, hp->n_embd, batch->n_logits, x->nb[1], 0);
+    }
     struct ggml_tensor *logits = ggml_mul_mat(ctx, m->output ? m->output : m->tok_embd, x);
     if (hp->final_logit_softcap > 0.0f) {
         logits = ggml_scale(ctx, logits, 1.0f / hp->final_logit_softcap);

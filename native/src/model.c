@@ -12,7 +12,7 @@ int pp_model_create(const pp_model_hparams *hp, pp_model **out) {
     if (!hp || !out) return pp_fail(PP_ERR_INVALID, "pp_model_create: NULL argument");
     *out = NULL;
 #define REQUIRE(cond, ...) do { if (!(cond)) return pp_fail(PP_ERR_INVALID, __VA_ARGS__); } while (0)
-    REQUIRE(hp->arch >= PP_ARCH_LLAMA && hp->arch <= PP_ARCH_GEMMA3, "unknown architecture id %d", hp->arch);
+    REQUIRE(hp->arch >= PP_ARCH_LLAMA && hp->arch <= PP_ARCH_BERT, "unknown architecture id %d", hp->arch);
     REQUIRE(hp->n_layer > 0 && hp->n_layer <= 512, "block_count %d out of range", hp->n_layer);
     REQUIRE(hp->n_embd > 0, "embedding_length %d must be positive", hp->n_embd);
     REQUIRE(hp->n_head > 0 && hp->n_head_kv > 0 && hp->n_head % hp->n_head_kv == 0,
@@ -64,6 +64,7 @@ typedef struct slot_spec {
 
 static int resolve(pp_model *m, const char *name, slot_spec *spec) {
     const pp_model_hparams *hp = &m->hp;
+    if (hp->arch == PP_ARCH_BERT) return pp_encoder_resolve(m, name, &spec->slot, &spec->ne0, &spec->ne1);
     const int64_t n_embd = hp->n_embd, q_dim = (int64_t)hp->n_head * hp->head_dim,
                   kv_dim = (int64_t)hp->n_head_kv * hp->head_dim;
     if (!strcmp(name, "token_embd.weight")) { *spec = (slot_spec){&m->tok_embd, n_embd, hp->n_vocab}; return 1; }
@@ -168,6 +169,11 @@ int pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const int64
 int pp_model_finalize(pp_model *m) {
     if (!m) return pp_fail(PP_ERR_INVALID, "pp_model_finalize: model is NULL");
     const int arch = m->hp.arch;
+    if (arch == PP_ARCH_BERT) {
+        const int st = pp_encoder_finalize(m);
+        if (st == PP_OK) m->finalized = 1;
+        return st;
+    }
     if (!m->tok_embd) return pp_fail(PP_ERR_INVALID, "missing tensor 'token_embd.weight'");
     if (!m->output_norm) return pp_fail(PP_ERR_INVALID, "missing tensor 'output_norm.weight'");
     for (int il = 0; il < m->hp.n_layer; il++) {

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .embedding import DecoderPooling, EmbedParams
 from .model_runner import ModelRunner
 from ..errors import PagedError, RequestError
 from .sampler import BatchSampler, Sampled, Sampler, SamplingParams
@@ -37,6 +38,7 @@ class RequestOutput:
     beams: list[tuple[list[int], float]] | None = None   # (output ids, score), best first
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    embedding: np.ndarray | None = None   # an embedding request's pooled vector, when it finishes
 
 
 class LLMEngine:
@@ -56,21 +58,24 @@ class LLMEngine:
         self.sample_seconds = 0.0
         self.step_seconds = 0.0               # whole steps (schedule to outputs)
         self.num_steps = 0
+        self.pooling = DecoderPooling()       # embedding requests' pooled states in flight
 
     # ---- requests ----------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | EmbedParams,
                     request_id: str | None = None) -> Request:
-        """Queue a request; a request that can never fit is returned already finished."""
+        """Queue a request (EmbedParams: an embedding); a request that can never fit is
+        returned already finished."""
         params.validate()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise PagedError(f"request id {request_id!r} is already in flight")
         prompt_ids = self._checked_tokens(prompt_ids)
-        if params.logit_bias and max(params.logit_bias) >= self.runner.n_vocab:
+        embed = params if isinstance(params, EmbedParams) else None
+        if not embed and params.logit_bias and max(params.logit_bias) >= self.runner.n_vocab:
             raise RequestError(f"logit_bias token id {max(params.logit_bias)} outside the vocabulary "
                                f"of {self.runner.n_vocab}")
-        request = Request(request_id, prompt_ids, params)
-        request.seqs = [Sequence(list(prompt_ids), len(prompt_ids), Sampler(params))]
+        request = Request(request_id, prompt_ids, SamplingParams() if embed else params, embed=embed)
+        request.seqs = [Sequence(list(prompt_ids), len(prompt_ids), Sampler(request.params))]
         self.scheduler.add(request)
         if request.status != RequestStatus.FINISHED:
             self.requests[request_id] = request
@@ -93,6 +98,8 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        for seq in request.seqs:
+            self.pooling.forget(seq.seq_id)
         self.scheduler.remove(request)
         return True
 
@@ -111,13 +118,18 @@ class LLMEngine:
         self.scheduler.failed.clear()
         if not work:
             return list(outputs.values())
+        owner = {s.seq_id: r for r in self.requests.values() for s in r.seqs}
         started = time.perf_counter()
-        logits = self.runner.step([(seq.kv, n) for seq, n in work])
+        embeds = [owner[seq.seq_id].embed for seq, _ in work]
+        if any(embeds):
+            logits = self._embedding_step(work, embeds, owner, outputs)
+        else:
+            logits = self.runner.step([(seq.kv, n) for seq, n in work])
         self.forward_seconds += time.perf_counter() - started
         self.num_computed_tokens += sum(n for _, n in work)
-        owner = {s.seq_id: r for r in self.requests.values() for s in r.seqs}
         ready: dict[str, list[tuple[Sequence, int]]] = {}   # request id -> (sequence, logits row)
-        finishing = [seq for seq, n in work if seq.kv.num_computed == len(seq.token_ids)]
+        finishing = [seq for (seq, n), e in zip(work, embeds)
+                     if e is None and seq.kv.num_computed == len(seq.token_ids)]
         for row, seq in enumerate(finishing):   # the runner returned a row for each, in order
             ready.setdefault(owner[seq.seq_id].request_id, []).append((seq, row))
         picks = []   # (request, sequence, row, sampler): every row of this step, drawn in one call
@@ -152,6 +164,29 @@ class LLMEngine:
         self.step_seconds += elapsed
         self.num_steps += 1
         return list(outputs.values())
+
+    def _embedding_step(self, work, embeds, owner: dict, outputs: dict) -> np.ndarray:
+        """The step when embedding requests are in it: their chunks return pooled rows, not
+        logits; a request whose last token is computed finishes with its vector (pages freed)."""
+        hidden, starts = [], []
+        for (seq, n), embed in zip(work, embeds):
+            starts.append(seq.kv.num_computed)
+            hidden.append(None if embed is None else
+                          self.pooling.rows_wanted(embed.pooling, seq.kv.num_computed, n, len(seq.token_ids)))
+        logits, rows = self.runner.step_with_hidden([(seq.kv, n) for seq, n in work], hidden)
+        at = 0
+        for (seq, _), embed, want, start in zip(work, embeds, hidden, starts):
+            if embed is None:
+                continue
+            self.pooling.add(seq.seq_id, embed.pooling, start, rows[at:at + want[1]])
+            at += want[1]
+            if seq.kv.num_computed == len(seq.token_ids):
+                request = owner[seq.seq_id]
+                seq.finish_reason = "stop"
+                out = outputs.setdefault(request.request_id, self._output(request))
+                out.embedding = self.pooling.pop(seq.seq_id)
+                self._finish(request, out)
+        return logits
 
     def _output(self, request: Request, finished: bool = False) -> RequestOutput:
         return RequestOutput(request.request_id, finished=finished, error=request.error,

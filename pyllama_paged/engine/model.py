@@ -45,6 +45,13 @@ class Model:
                 return int(t.shape[1])
         return None
 
+    def _rows_of(self, name: str) -> int:
+        """ne[1] of a 2-D tensor of the file (0 when absent): sizes the metadata does not give."""
+        for t in self.gguf.tensors:
+            if t.name == name and len(t.shape) == 2:
+                return int(min(t.shape[1], 2**31 - 1))
+        return 0
+
     def _create_native(self) -> None:
         cfg = self.config
         windows = ffi.new("int32_t[]", cfg.layer_window)
@@ -56,7 +63,7 @@ class Model:
             "rope_freq_scale": cfg.rope_freq_scale, "rope_freq_base_swa": cfg.rope_freq_base_swa,
             "rms_eps": cfg.rms_eps, "attn_scale": cfg.attn_scale, "embd_scale": cfg.embd_scale,
             "final_logit_softcap": cfg.final_logit_softcap, "layer_window": windows,
-            "n_rot": cfg.n_rot,
+            "n_rot": cfg.n_rot, "n_token_types": self._rows_of("token_types.weight"),
         })
         out = ffi.new("pp_model **")
         self._wrap(lib.pp_model_create(hp, out), "model")

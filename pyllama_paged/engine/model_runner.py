@@ -182,6 +182,14 @@ class ModelRunner:
         """Compute the next n tokens of each (seq, n). Returns the logits of the items that
         compute their sequence's last token, in work order: a non-final prefill chunk
         gets none. The rows are a view of a buffer the next step reuses."""
+        return self.step_with_hidden(work, None)[0]
+
+    def step_with_hidden(self, work: Sequence[tuple[SeqState, int]],
+                         hidden: Sequence[tuple[int, int] | None] | None) -> tuple[np.ndarray, np.ndarray]:
+        """step(), where hidden[i] = (first, count) marks item i as an embedding: it gets no
+        logits, and the final hidden states (after the output norm) of its tokens
+        [first, first + count) of this chunk come back instead, all such rows in work order:
+        (logits, hidden [rows, n_embd]); the hidden rows are a fresh array."""
         total = 0
         for seq, n in work:
             if n < 1 or seq.num_computed + n > seq.num_tokens:
@@ -196,12 +204,19 @@ class ModelRunner:
         n_tokens, n_logits = self.kv.build_batch(items, buffers)
         if n_logits > self._logits.shape[0]:
             self._logits = np.empty((max(n_logits, 2 * self._logits.shape[0]), self.n_vocab), dtype=np.float32)
+        tok, pos, slots, seqs, tables, rows = buffers.arrays(n_tokens, len(work), n_logits)
+        hidden_rows = None
+        if hidden is not None and any(h is not None for h in hidden):
+            rows, hidden_rows = _split_rows(work, hidden, rows)
+            n_logits = len(rows)
         logits = self._logits[:n_logits]
-        self._decode(*buffers.arrays(n_tokens, len(work), n_logits), logits)
+        hidden_out = np.empty((0 if hidden_rows is None else len(hidden_rows), self.model.config.n_embd),
+                              dtype=np.float32)
+        self._decode(tok, pos, slots, seqs, tables, rows, logits, hidden_rows, hidden_out)
         for seq, n in work:
             seq.num_computed += n
         self.kv.commit_batch(items)
-        return logits
+        return logits, hidden_out
 
     def prefill(self, seq: SeqState) -> np.ndarray:
         """Compute all of seq's pending tokens in n_batch chunks; returns (a copy of) the last logits row."""
@@ -236,8 +251,10 @@ class ModelRunner:
         self._decode(tok, pos, slots, seqs, tables, rows, logits)
         return logits
 
-    def _decode(self, tok, pos, slots, seqs, tables, rows, logits: np.ndarray) -> None:
-        """The native step over contiguous int32 arrays, logits into a matching float32 buffer."""
+    def _decode(self, tok, pos, slots, seqs, tables, rows, logits: np.ndarray, hidden_rows=None,
+                hidden: np.ndarray | None = None) -> None:
+        """The native step over contiguous int32 arrays, logits into a matching float32 buffer
+        (and the hidden states of hidden_rows into hidden, when given)."""
         if self._ctx is None:
             raise PagedError("this model runner is closed")
         self.model.native   # raises if the model was closed under us (its weights are gone)
@@ -254,6 +271,10 @@ class ModelRunner:
         b.max_blocks_per_seq = tables.shape[2]
         b.n_logits = len(rows)
         b.logit_rows = _ptr(rows) if len(rows) else ffi.NULL
+        n_hidden = 0 if hidden_rows is None else len(hidden_rows)
+        b.n_hidden = n_hidden
+        b.hidden_rows = _ptr(hidden_rows) if n_hidden else ffi.NULL
+        b.hidden = _ptr(hidden, "float *") if n_hidden else ffi.NULL
         check(lib.pp_context_decode(self._ctx, b, _ptr(logits, "float *")), "forward")
 
     # ---- KV pages as data ----------------------------------------------------
@@ -287,3 +308,16 @@ class ModelRunner:
     def __del__(self):
         if hasattr(self, "_ctx"):   # a constructor that refused its arguments made nothing to free
             self.close()
+
+
+
+def _split_rows(work, hidden, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The logit rows less those of embedding items, and the embedding items' hidden rows
+    (token indices in the flat batch)."""
+    ends = np.cumsum([n for _, n in work])
+    is_embed = np.array([h is not None for h in hidden])
+    keep = rows[~is_embed[np.searchsorted(ends, rows, side="right")]] if len(rows) else rows
+    wanted = [np.arange(first, first + count, dtype=np.int32) + (ends[i] - work[i][1])
+              for i, h in enumerate(hidden) if h is not None for first, count in (h,) if count > 0]
+    hidden_rows = np.concatenate(wanted).astype(np.int32) if wanted else np.empty(0, dtype=np.int32)
+    return np.ascontiguousarray(keep, dtype=np.int32), hidden_rows

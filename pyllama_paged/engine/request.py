@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .embedding import EmbedParams
 from .kv_manager import SeqState
 from .sampler import Sampler, SamplingParams
 
@@ -67,6 +68,7 @@ class Request:
     num_preemptions: int = 0
     is_forked: bool = False              # n>1 / beams created from the prompt sequence
     first_token_time: float | None = None
+    embed: EmbedParams | None = None     # an embedding: prefilled, pooled, never sampled
 
     @property
     def is_beam(self) -> bool:

@@ -262,7 +262,8 @@ class Scheduler:
             self.waiting.popleft()
             for seq in seqs:
                 try:
-                    seq.kv = self.runner.add_sequence_cached(seq.token_ids)
+                    # an embedding reads no prefix cache: every token's state is computed
+                    seq.kv = self.runner.add_sequence_cached(seq.token_ids if request.embed is None else [])
                 except OutOfBlocksError:   # raced the watermark estimate: undo, retry later
                     for s in seqs:
                         release(self.runner, s)

@@ -9,9 +9,11 @@ import numpy as np
 
 from ..errors import ModelLoadError
 
-__all__ = ["ARCH_IDS", "ModelConfig", "ModelLoadError", "config_from_metadata"]
+__all__ = ["ARCH_IDS", "ENCODER_ARCHS", "POOLING_TYPES", "ModelConfig", "ModelLoadError", "config_from_metadata"]
 
-ARCH_IDS = {"llama": 0, "qwen2": 1, "qwen3": 2, "gemma3": 3}
+ARCH_IDS = {"llama": 0, "qwen2": 1, "qwen3": 2, "gemma3": 3, "bert": 4}
+ENCODER_ARCHS = frozenset({"bert"})   # encoder-only: embeddings, no KV cache, no generation
+POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}   # llama.cpp's <arch>.pooling_type
 ROPE_NORMAL, ROPE_NEOX = 0, 2
 
 
@@ -36,6 +38,12 @@ class ModelConfig:
     final_logit_softcap: float
     layer_window: list[int] = field(default_factory=list)
     n_rot: int = 0            # rotated dims per head (rope.dimension_count); 0 = head_dim
+    pooling: str | None = None   # <arch>.pooling_type by name; None when the file says nothing
+
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder-only model (bert): it embeds, it cannot generate."""
+        return self.arch in ENCODER_ARCHS
 
     @property
     def n_embd_kv(self) -> int:
@@ -155,6 +163,10 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
         layer_window=[0] * n_layer,
         n_rot=n_rot,
     )
+    pooling = f.integer("pooling_type", -1, lo=-1, hi=max(POOLING_TYPES))
+    cfg.pooling = POOLING_TYPES.get(pooling)
+    if arch in ENCODER_ARCHS:
+        _encoder_fields(cfg, f)
     window = f.integer("attention.sliding_window", 0, lo=0)
     if arch == "gemma3":
         # Gemma 3 scales embeddings by sqrt(n_embd); five of every six layers
@@ -170,3 +182,14 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
     if n_head % n_head_kv:
         raise ModelLoadError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     return cfg
+
+
+def _encoder_fields(cfg: ModelConfig, f: _Fields) -> None:
+    """bert: a layer norm (not RMS) epsilon, learned positions over context_length, no RoPE,
+    bidirectional attention; mean pooling unless the file says otherwise."""
+    cfg.rms_eps = f.number("attention.layer_norm_epsilon", 1e-12, positive=True)
+    cfg.n_ctx_train = f.integer("context_length", 512)
+    if f.meta.get(f"{f.arch}.attention.causal") in (True, 1):
+        raise ModelLoadError(f"{f.path}: a causal {f.arch} model is not supported")
+    if cfg.pooling is None:
+        cfg.pooling = "mean"

@@ -19,7 +19,7 @@ from .dashboard import DASHBOARD_HTML
 from .generation import APIError, Limits
 from .metrics import Metrics
 from .registry import EngineOptions, ModelRegistry
-from ..server import ollama_api, ollama_manage, openai_api
+from ..server import embeddings_api, ollama_api, ollama_manage, openai_api
 
 
 @dataclass
@@ -207,6 +207,7 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
     app.include_router(ollama_api.build_router(state))
     app.include_router(ollama_manage.build_router(state))
     app.include_router(openai_api.build_router(state))
+    app.include_router(embeddings_api.build_router(state))
 
     @app.get("/", response_class=PlainTextResponse)
     async def root():

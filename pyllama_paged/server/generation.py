@@ -34,6 +34,7 @@ class Limits:
     max_n: int = 8
     max_queue: int = 256                    # requests waiting beyond those running
     max_prompts: int = 32                   # prompts in one /v1/completions request
+    max_embedding_inputs: int = 2048        # inputs in one embedding request (OpenAI's limit)
 
 
 @dataclass
@@ -130,6 +131,13 @@ class Generation:
                 "prompt_eval_count": len(self.prompt_ids),
                 "prompt_eval_duration": int(max(0.0, first - self.started - self.load_seconds) * 1e9),
                 "eval_count": self.num_generated, "eval_duration": int((end - first) * 1e9)}
+
+
+def require_generative(served: ServedModel) -> None:
+    """A 400 when a generation route is asked of an embedding-only model."""
+    if served.template is None:
+        raise APIError(400, f"\"{served.name}\" is an embedding model ({served.config.arch}): it does not "
+                       "generate text; use /api/embed or /v1/embeddings", "model")
 
 
 def request_params(surface: Surface, fields, **overrides) -> SamplingParams:

@@ -19,7 +19,7 @@ from ..sampling_options import OLLAMA
 from ..tools.calls import ToolCallStream
 from ..tools.messages import normalize_messages
 from ..tools.prompt import check_tools, render_chat
-from .generation import APIError, fit_prompt, request_params, start_generation
+from .generation import APIError, fit_prompt, request_params, require_generative, start_generation
 from .ollama_manage import OLLAMA_VERSION, NameRequest, describe, find_model, keep_alive_seconds, show_model
 
 
@@ -198,6 +198,7 @@ def build_router(state) -> APIRouter:
     @router.post("/api/generate")
     async def generate(body: GenerateRequest, request: Request):
         served = find(body.model)
+        require_generative(served)
         keep_alive = check_common(body, served)
         if body.images:
             raise APIError(400, "images are not supported by this model", "images")
@@ -248,6 +249,7 @@ def build_router(state) -> APIRouter:
     @router.post("/api/chat")
     async def chat(body: ChatRequest, request: Request):
         served = find(body.model)
+        require_generative(served)
         keep_alive = check_common(body, served)
         if not body.messages:   # Ollama loads (or unloads) the model for an empty chat
             await preload(served, keep_alive)

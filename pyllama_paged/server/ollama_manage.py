@@ -72,8 +72,8 @@ def show_model(served) -> dict[str, Any]:
             for k, v in served.metadata.items() if not k.startswith("tokenizer.ggml.")}
     info[f"{cfg.arch}.context_length"] = served.n_ctx
     return {"modelfile": f"FROM {served.path}\n", "parameters": f"num_ctx {served.n_ctx}",
-            "template": served.template.source, "details": served.details(), "model_info": info,
-            "capabilities": ["completion", "tools"],
+            "template": served.template.source if served.template else "", "details": served.details(),
+            "model_info": info, "capabilities": ["embedding"] if cfg.is_encoder else ["completion", "tools"],
             "kv_bytes_per_token": served.kv_bytes_per_token,
             "context_length": served.n_ctx, "architecture": cfg.arch,
             "modified_at": dt.datetime.fromtimestamp(served.loaded_at, dt.timezone.utc).isoformat()}

@@ -16,7 +16,7 @@ from ..errors import PagedError
 from ..tools.calls import ToolCallStream, parse_tool_calls
 from ..tools.messages import normalize_messages
 from ..tools.prompt import prepare_chat
-from .generation import APIError, fit_prompt, start_generation
+from .generation import APIError, fit_prompt, require_generative, start_generation
 from .openai_logprobs import chat_logprobs, completion_logprobs
 from .openai_schemas import ChatRequest, CompletionRequest
 
@@ -130,6 +130,7 @@ def build_router(state) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         served = find(body.model)
+        require_generative(served)
         body.refuse_unsupported(served.config.n_vocab)
         if body.suffix:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported by this model", "suffix")
@@ -206,6 +207,7 @@ def build_router(state) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         served = find(body.model)
+        require_generative(served)
         body.refuse_unsupported(served.config.n_vocab)
         def prepare():
             messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])

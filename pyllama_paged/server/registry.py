@@ -15,6 +15,7 @@ from ..tokenizer.chat_template import ChatTemplate
 from ..engine.model_runner import ModelRunner, dense_kv_bytes_per_token
 from ..engine.loop import EngineLoop
 from ..engine.llm_engine import LLMEngine
+from ..engine.encoder import encoder_engine
 from ..engine.model import Model, default_model_path
 from ..engine.scheduler import SchedulerConfig
 from ..tokenizer.tokenizer import Tokenizer
@@ -62,12 +63,21 @@ class ServedModel:
         self.metadata = {k: v for k, v in self.model.metadata.items() if isinstance(v, (str, int, float, bool))}
         self.n_ctx = self.runner.n_ctx
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
-        self.template = ChatTemplate.for_model(self.model.metadata, cfg.arch)
+        # None: an embedding model (it cannot chat)
+        self.template = None if cfg.is_encoder else ChatTemplate.for_model(self.model.metadata, cfg.arch)
 
     def _load(self) -> None:
         """Weights, KV pool, runner and engine loop (blocking: seconds)."""
         o = self.options
         model = Model(self.path)
+        if model.config.is_encoder:   # an embedding model: no KV pool, no chat template
+            runner, engine = encoder_engine(model, o.n_threads)
+            if self.tokenizer is None:
+                self.tokenizer = Tokenizer.from_metadata(model.metadata)
+            self.loop = EngineLoop(engine)
+            self.model, self.runner = model, runner
+            self.loaded_at = time.time()
+            return
         try:
             n_ctx = min(o.n_ctx, model.config.n_ctx_train)
             # Bytes are what users size; a budget in tokens is that many tokens of every layer

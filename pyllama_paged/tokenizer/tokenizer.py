@@ -45,6 +45,7 @@ from ..errors import ModelLoadError
 from ..gguf.reader import read_metadata
 from .bpe import BpeEncoder, bpe_text_to_bytes, pre_tokenizer_family, pre_tokenizer_flags
 from .spm import SPACE_MARK, SpmEncoder
+from .wordpiece import WordPieceEncoder
 
 __all__ = ["TokenType", "Tokenizer", "IncrementalDecoder"]
 
@@ -219,8 +220,18 @@ class Tokenizer:
             if ignore_merges is None:
                 ignore_merges = flags.get("ignore_merges", False)
             self._encoder = BpeEncoder(self._vocab, merges or [], family, ignore_merges)
+        elif model == "bert":
+            # WordPiece; [CLS] and [SEP] around every input (as BOS and EOS here: llama.cpp
+            # reads CLS as BOS), see wordpiece
+            self.model = "bert"
+            self.pre = pre
+            self.add_bos = True if add_bos is None else bool(add_bos)
+            self.add_eos = True if add_eos is None else bool(add_eos)
+            self.add_space_prefix = False
+            self._encoder = WordPieceEncoder(self._vocab, self.unk_id)
         else:
-            raise NotImplementedError(f"tokenizer model {model!r} is not supported (only 'llama' and 'gpt2')")
+            raise NotImplementedError(f"tokenizer model {model!r} is not supported (only 'llama', 'gpt2' "
+                                      "and 'bert')")
 
         self._special_groups: dict[bool, list] = {}
         self._pieces: dict[tuple[int, bool], bytes] = {}
@@ -269,8 +280,9 @@ class Tokenizer:
         model = md.get("tokenizer.ggml.model")
         if model is None:
             raise ModelLoadError("GGUF metadata has no tokenizer.ggml.model")
-        if not isinstance(model, str) or model not in ("llama", "gpt2"):  # (an array has no `in`)
-            raise ModelLoadError(f"tokenizer model {_short(model)} is not supported (only 'llama' and 'gpt2')")
+        if not isinstance(model, str) or model not in ("llama", "gpt2", "bert"):  # (an array has no `in`)
+            raise ModelLoadError(f"tokenizer model {_short(model)} is not supported (only 'llama', 'gpt2' "
+                                 "and 'bert')")
         if "tokenizer.ggml.tokens" not in md:
             raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens")
         tokens = _string_list(md, "tokenizer.ggml.tokens")
@@ -298,6 +310,8 @@ class Tokenizer:
         if pre is not None and not isinstance(pre, str):
             raise ModelLoadError(f"metadata field 'tokenizer.ggml.pre' must be a string, got {_short(pre)}")
         spm = model == "llama"  # llama.cpp's defaults for SentencePiece vocabularies
+        if model == "bert":
+            return cls._bert_from_metadata(md, tokens, get_id, get_flag)
         scores = _number_array(md, "tokenizer.ggml.scores", n, "biuf")
         types = _number_array(md, "tokenizer.ggml.token_type", n, "biu")
         return cls(
@@ -317,6 +331,21 @@ class Tokenizer:
             add_eos=get_flag("add_eos_token"),
             add_space_prefix=get_flag("add_space_prefix"),
         )
+
+    @classmethod
+    def _bert_from_metadata(cls, md, tokens, get_id, get_flag) -> "Tokenizer":
+        """WordPiece from GGUF metadata: [CLS] is bos_token_id (llama.cpp's reading), [SEP]
+        seperator_token_id (sic, llama.cpp's key) or eos_token_id; either found by its text
+        when the file names neither."""
+        n = len(tokens)
+        types = _number_array(md, "tokenizer.ggml.token_type", n, "biu")
+        texts = {_as_text(t): i for i, t in enumerate(tokens)}
+        sep = get_id("seperator_token_id", get_id("eos_token_id", texts.get("[SEP]")))
+        add_sep = get_flag("add_sep_token")   # llama.cpp adds [SEP] unless this says not to
+        return cls(tokens, token_types=None if types is None else types.tolist(), model="bert",
+                   bos_id=get_id("bos_token_id", texts.get("[CLS]")), eos_id=sep,
+                   unk_id=get_id("unknown_token_id", texts.get("[UNK]")), pad_id=get_id("padding_token_id"),
+                   add_bos=get_flag("add_bos_token"), add_eos=True if add_sep is None else add_sep)
 
     # -- properties -------------------------------------------------------------------------------
 
@@ -483,6 +512,8 @@ class Tokenizer:
         if ttype == TokenType.USER_DEFINED:
             return text.encode("utf-8", "surrogateescape")
         if ttype == TokenType.NORMAL:
+            if self.model == "bert":
+                return self._encoder.piece_text(text).encode("utf-8", "surrogateescape")
             if self.model == "llama":
                 return text.replace(SPACE_MARK, " ").encode("utf-8", "surrogateescape")
             return bpe_text_to_bytes(text)
@@ -494,7 +525,7 @@ class Tokenizer:
 
     def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
         """Concatenated pieces (see ``decode`` for the space-prefix rule)."""
-        strip = self.model == "llama" and self.add_space_prefix
+        strip = (self.model == "llama" and self.add_space_prefix) or self.model == "bert"
         out = bytearray()
         for tid in ids:
             tid = int(tid)

@@ -486,6 +486,7 @@ class ReferenceModel:
             x = x + f
 
         x = rms_norm(x, self.tensors["output_norm.weight"], eps)
+        self.last_hidden = x   # the final normed states (what embeddings pool), float64
         w_out = self.tensors.get("output.weight")
         if w_out is None:
             w_out = self.tensors["token_embd.weight"]  # tied embeddings

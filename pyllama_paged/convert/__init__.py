@@ -1,0 +1,1 @@
+"""Converters that write other formats' weights as GGUF files this package runs."""

@@ -1,0 +1,98 @@
+"""Embeddings as the APIs give them: inputs tokenized and fitted to the model's
+context (truncated, or refused with the reason), vectors shortened to
+`dimensions` and L2-normalized, and the llama-cpp-python / OpenAI response
+shapes. The engine does the pooling (engine/embedding.py)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Sequence
+
+import numpy as np
+
+from .errors import PagedError
+
+
+class InputTooLong(PagedError, ValueError):
+    """An input has more tokens than the model takes and truncation is off."""
+
+
+def max_input_tokens(engine) -> int:
+    """The most tokens one input may have on this engine (a decoder keeps one slot free)."""
+    limit = engine.limit
+    return limit if getattr(engine.runner.model.config, "is_encoder", False) else limit - 1
+
+
+def fit_input(ids: list[int], limit: int, truncate: bool, tail_id: int | None, index: int = 0) -> list[int]:
+    """ids within limit tokens: cut at the end (keeping a closing token the tokenizer added, such
+    as BERT's [SEP]) when truncate is set; InputTooLong otherwise."""
+    if len(ids) <= limit:
+        return ids
+    if not truncate:
+        raise InputTooLong(f"input {index} is {len(ids)} tokens; the model takes at most {limit} "
+                           "(set truncate to cut it)")
+    if tail_id is not None and ids and ids[-1] == tail_id:
+        return ids[:limit - 1] + [tail_id]
+    return ids[:limit]
+
+
+def tokenize_inputs(tokenizer, texts: Sequence[str], limit: int, truncate: bool) -> list[list[int]]:
+    """Each text's token ids (the model's special tokens added) fitted to limit."""
+    tail = tokenizer.eos_id if tokenizer.add_eos else None
+    out = []
+    for i, text in enumerate(texts):
+        ids = tokenizer.encode(text, add_special=True, parse_special=False)
+        if not ids:
+            raise PagedError(f"input {i} is empty")
+        out.append(fit_input(ids, limit, truncate, tail, i))
+    return out
+
+
+def finish_vector(vector: np.ndarray, normalize: bool = True, dimensions: int | None = None) -> np.ndarray:
+    """The first `dimensions` components (all when None), then scaled to unit length when
+    normalize is set (a zero vector stays zero)."""
+    if dimensions is not None:
+        if not 1 <= dimensions <= len(vector):
+            raise PagedError(f"dimensions {dimensions} must be between 1 and the model's {len(vector)}")
+        vector = vector[:dimensions]
+    vector = vector.astype(np.float32)
+    if normalize:
+        norm = float(np.linalg.norm(vector.astype(np.float64)))
+        if norm > 0:
+            vector = vector / norm
+    return vector
+
+
+def as_base64(vector: np.ndarray) -> str:
+    """OpenAI's encoding_format "base64": the little-endian float32 bytes, base64-encoded."""
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+
+
+def openai_list(vectors: list, model: str, prompt_tokens: int) -> dict:
+    """OpenAI's (and llama-cpp-python's create_embedding) response object."""
+    return {"object": "list",
+            "data": [{"object": "embedding", "embedding": v, "index": i} for i, v in enumerate(vectors)],
+            "model": model, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def embed_for_llama(llm, input, normalize: bool, truncate: bool, pooling: str | None,
+                    dimensions: int | None) -> tuple[list, int]:
+    """Llama.embed's work: (list[float] for a str or list[list[float]] for a list, tokens used)."""
+    from .engine.embedding import POOLINGS, EmbedParams, default_pooling, run_embeddings
+    from .gguf.config import POOLING_TYPES
+
+    if llm.runner is None:
+        raise PagedError("this Llama is closed")
+    single = isinstance(input, str)
+    texts = [input] if single else list(input)
+    if not texts:
+        raise PagedError("no input to embed")
+    engine = llm.llm_engine
+    ids = tokenize_inputs(llm._tokenizer, texts, max_input_tokens(engine), truncate)
+    # Llama(pooling_type=...) (llama.cpp's numbers, kept as pooling_type_arg by the constructor
+    # once it takes llama-cpp-python's arguments) comes before the file's own pooling_type
+    asked = POOLING_TYPES.get(getattr(llm, "pooling_type_arg", -1))
+    params = EmbedParams(pooling or (asked if asked in POOLINGS else default_pooling(llm._model.config)))
+    vectors = [finish_vector(v, normalize, dimensions).tolist() for v in run_embeddings(engine, ids, params)]
+    count = sum(len(i) for i in ids)
+    return (vectors[0] if single else vectors), count
