@@ -53,15 +53,19 @@ def peer(binary: str, model: str, args) -> dict[int, dict]:
 def ours(model_path: str | None, args) -> dict[int, dict]:
     from pyllama_paged.engine.llm_engine import LLMEngine
     from pyllama_paged.engine.model import Model
-    from pyllama_paged.engine.model_runner import ModelRunner
+    from pyllama_paged.engine.model_runner import ModelRunner, dense_kv_bytes_per_token
     from pyllama_paged.engine.sampler import SamplingParams
     from pyllama_paged.engine.scheduler import SchedulerConfig
 
     model = Model(model_path)
     per_seq = args.npp + args.ntg
+    # every sequence's tokens in every layer (as llama-batched-bench's -c), plus a little slack:
+    # the bench measures speed, never preemption
+    per_seq_blocks = -(-per_seq // args.block_size) + 1
     runner = ModelRunner(model, paged=True, n_ctx=per_seq, n_threads=args.threads, n_batch=512,
                          block_size=args.block_size,
-                         num_blocks=max(args.npl) * -(-per_seq // args.block_size) + 8)
+                         kv_bytes=max(args.npl) * per_seq_blocks * args.block_size
+                         * dense_kv_bytes_per_token(model.config, "f16"))
     engine = LLMEngine(runner, eot_ids=[], config=SchedulerConfig(max_num_batched_tokens=512,
                                                                    max_num_seqs=max(args.npl)))
     rng = np.random.default_rng(0)
@@ -82,6 +86,7 @@ def ours(model_path: str | None, args) -> dict[int, dict]:
                 engine.add_request(p, params)
             t_pp = None
             computed0 = engine.num_computed_tokens
+            preempted0 = engine.scheduler.num_preemptions
             while engine.has_work():
                 engine.step()
                 if t_pp is None and engine.num_computed_tokens - computed0 >= npl * args.npp:
@@ -89,9 +94,9 @@ def ours(model_path: str | None, args) -> dict[int, dict]:
             t = time.perf_counter() - t0
             if engine.num_generated_tokens and (best is None or t < best["t"]):
                 best = {"t": t, "s": npl * (args.npp + args.ntg) / t, "t_pp_approx": t_pp,
-                        "forward_s": None}
+                        "forward_s": None, "preemptions": engine.scheduler.num_preemptions - preempted0}
         rows[npl] = best
-        print(f"ours npl={npl}: {best['s']:.1f} t/s", flush=True)
+        print(f"ours npl={npl}: {best['s']:.1f} t/s, {best['preemptions']} preemptions", flush=True)
     runner.close()
     model.close()
     return rows
