@@ -379,3 +379,27 @@ def test_an_itl_budget_must_be_seconds_auto_or_none(model):
         with pytest.raises(ValueError, match="itl_budget"):
             LLMEngine(runner, EOT, SchedulerConfig(itl_budget=bad))
     runner.close()
+
+
+def test_step_logits_are_read_where_ggml_left_them_and_match_a_copied_step(model):
+    from pyllama_paged._native import ffi, lib
+    prompt = [2, 40, 41, 42, 43, 44, 45, 46, 47]
+    in_place, copied = (ModelRunner(model, n_ctx=64, n_threads=1, n_batch=64, block_size=16, num_blocks=16)
+                        for _ in range(2))
+    seq = in_place.add_sequence(prompt)
+    assert len(in_place.step([(seq, 4)])) == 0          # a non-final chunk: no logits row at all
+    view = in_place.step([(seq, len(prompt) - 4)])
+    assert view.shape == (1, in_place.n_vocab) and not view.flags.owndata
+    other = copied.add_sequence(prompt)
+    slots, tables = copied.kv.batch_arrays(other.handle, 0, len(prompt))
+    out = np.empty((1, copied.n_vocab), dtype=np.float32)
+    copied.forward(prompt, np.arange(len(prompt)), slots, np.zeros(len(prompt)), tables, [len(prompt) - 1], out=out)
+    np.testing.assert_allclose(view, out, atol=1e-4)
+    # a failed step leaves no rows behind to be mistaken for its own
+    with pytest.raises(Exception):
+        in_place.forward([in_place.n_vocab + 5], [9], [0], [0], np.zeros((1, 4), np.int32), [0])
+    n_rows = ffi.new("int32_t *")
+    assert lib.pp_context_step_logits(in_place._ctx, n_rows) == ffi.NULL
+    assert n_rows[0] == 0
+    in_place.close()
+    copied.close()

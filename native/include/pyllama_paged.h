@@ -436,7 +436,8 @@ void pp_context_destroy(pp_context *ctx);
 int pp_context_set_threads(pp_context *ctx, int32_t n_threads);
 
 /* Run one step; logits receives n_logits * n_vocab floats (row-major),
- * batch->hidden the hidden rows asked for (see pp_batch).
+ * batch->hidden the hidden rows asked for (see pp_batch). logits may be NULL:
+ * the rows are then read in place with pp_context_step_logits (no copy).
  * PP_ERR_INVALID (nothing computed, cache untouched) for a malformed batch:
  * out-of-range ids, slots, positions or sequence indices.
  * PP_ERR_NO_MEMORY (nothing computed) if the step's buffers cannot be had.
@@ -447,6 +448,12 @@ int pp_context_set_threads(pp_context *ctx, int32_t n_threads);
  * The step allocates no memory of its own beyond what GGML's graph allocator
  * reserved: the attention kernel's tiles are made with the context. */
 int pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);
+
+/* The last successful step's logits, n_rows x n_vocab floats (row-major), in
+ * the context's compute buffer: owned by the context, valid until the next
+ * pp_context_decode on it or its destruction. NULL (and *n_rows 0) before
+ * the first step, after a failed one, or when the step asked for no logits. */
+const float *pp_context_step_logits(const pp_context *ctx, int32_t *n_rows);
 
 /* How paged attention is computed. */
 enum pp_attention_path {

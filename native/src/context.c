@@ -27,6 +27,8 @@ struct pp_context {
     pp_attention_scratch scratch;      /* the kernel's tiles, one slice per thread */
     int32_t              attention_path;   /* enum pp_attention_path */
     atomic_int           abort_requested;
+    const float         *step_logits;  /* the last step's logits in the compute buffer, or NULL */
+    int32_t              step_n_logits;
 };
 
 /* GGML asks between graph nodes whether to stop (ggml_abort_callback). */
@@ -292,12 +294,15 @@ int pp_context_set_attention_path(pp_context *c, int32_t path) {
 
 int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_decode: context is NULL");
+    /* whatever happens next, the last step's rows are no longer this context's answer
+     * (and the compute buffer they live in is about to be reused) */
+    c->step_logits = NULL;
+    c->step_n_logits = 0;
     int st = pp_check_batch(c->model, c->cache, b);
     if (st != PP_OK) return st;
     if (b->n_tokens > c->max_batch_tokens)
         return pp_fail(PP_ERR_INVALID, "batch of %d tokens exceeds max_batch_tokens %d", b->n_tokens,
                        c->max_batch_tokens);
-    if (b->n_logits > 0 && !logits) return pp_fail(PP_ERR_INVALID, "logits buffer is NULL");
     st = pp_context_set_threads(c, c->n_threads);   /* a no-op unless this is a forked child */
     if (st != PP_OK) return st;
     const pp_model *m = c->model;
@@ -334,8 +339,12 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
                        (int)status);
     }
     if (b->n_logits > 0) {
+        /* the graph output stays in the allocator's buffer until the next step allocates:
+         * with no logits buffer the caller reads it there (no copy of n_logits x n_vocab) */
         struct ggml_tensor *out = ggml_graph_get_tensor(gf, "logits");
-        memcpy(logits, out->data, sizeof(float) * (size_t)b->n_logits * m->hp.n_vocab);
+        c->step_logits = out->data;
+        c->step_n_logits = b->n_logits;
+        if (logits) memcpy(logits, out->data, sizeof(float) * (size_t)b->n_logits * m->hp.n_vocab);
     }
     if (b->n_hidden > 0) {
         /* a view of the normed rows: copied row by row (its stride is the parent's) */
@@ -346,6 +355,11 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     }
     ggml_free(ctx);
     return PP_OK;
+}
+
+const float *pp_context_step_logits(const pp_context *c, int32_t *n_rows) {
+    if (n_rows) *n_rows = c ? c->step_n_logits : 0;
+    return c ? c->step_logits : NULL;
 }
 
 int pp_context_abort(pp_context *c) {

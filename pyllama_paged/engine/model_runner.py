@@ -90,7 +90,7 @@ class ModelRunner:
         self.attention = attention
         self._batch = ffi.new("pp_batch *")
         self._buffers = StepBuffers()
-        self._logits = np.empty((0, self.n_vocab), dtype=np.float32)   # grown to the most rows a step asked for
+        self._no_logits = np.empty((0, self.n_vocab), dtype=np.float32)
 
     @property
     def n_vocab(self) -> int:
@@ -181,7 +181,7 @@ class ModelRunner:
     def step(self, work: Sequence[tuple[SeqState, int]]) -> np.ndarray:
         """Compute the next n tokens of each (seq, n). Returns the logits of the items that
         compute their sequence's last token, in work order: a non-final prefill chunk
-        gets none. The rows are a view of a buffer the next step reuses."""
+        gets none. The rows are a view of the compute buffer, valid until the next step."""
         return self.step_with_hidden(work, None)[0]
 
     def step_with_hidden(self, work: Sequence[tuple[SeqState, int]],
@@ -202,17 +202,15 @@ class ModelRunner:
         buffers.reserve(total, len(work), self.kv.max_blocks_per_seq, self.kv.n_groups)
         items = buffers.items([(seq.handle, seq.num_computed, n) for seq, n in work])
         n_tokens, n_logits = self.kv.build_batch(items, buffers)
-        if n_logits > self._logits.shape[0]:
-            self._logits = np.empty((max(n_logits, 2 * self._logits.shape[0]), self.n_vocab), dtype=np.float32)
         tok, pos, slots, seqs, tables, rows = buffers.arrays(n_tokens, len(work), n_logits)
         hidden_rows = None
         if hidden is not None and any(h is not None for h in hidden):
             rows, hidden_rows = _split_rows(work, hidden, rows)
             n_logits = len(rows)
-        logits = self._logits[:n_logits]
         hidden_out = np.empty((0 if hidden_rows is None else len(hidden_rows), self.model.config.n_embd),
                               dtype=np.float32)
-        self._decode(tok, pos, slots, seqs, tables, rows, logits, hidden_rows, hidden_out)
+        self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out)
+        logits = self._step_logits()
         for seq, n in work:
             seq.num_computed += n
         self.kv.commit_batch(items)
@@ -251,10 +249,19 @@ class ModelRunner:
         self._decode(tok, pos, slots, seqs, tables, rows, logits)
         return logits
 
-    def _decode(self, tok, pos, slots, seqs, tables, rows, logits: np.ndarray, hidden_rows=None,
+    def _step_logits(self) -> np.ndarray:
+        """The last step's logits rows where GGML left them (no copy): valid until the next step."""
+        n_rows = ffi.new("int32_t *")
+        ptr = lib.pp_context_step_logits(self._ctx, n_rows)
+        if n_rows[0] == 0:
+            return self._no_logits
+        return np.frombuffer(ffi.buffer(ptr, 4 * n_rows[0] * self.n_vocab), dtype=np.float32).reshape(
+            n_rows[0], self.n_vocab)
+
+    def _decode(self, tok, pos, slots, seqs, tables, rows, logits: np.ndarray | None, hidden_rows=None,
                 hidden: np.ndarray | None = None) -> None:
         """The native step over contiguous int32 arrays, logits into a matching float32 buffer
-        (and the hidden states of hidden_rows into hidden, when given)."""
+        (None: left in place for _step_logits), and the hidden states of hidden_rows into hidden."""
         if self._ctx is None:
             raise PagedError("this model runner is closed")
         self.model.native   # raises if the model was closed under us (its weights are gone)
@@ -275,7 +282,8 @@ class ModelRunner:
         b.n_hidden = n_hidden
         b.hidden_rows = _ptr(hidden_rows) if n_hidden else ffi.NULL
         b.hidden = _ptr(hidden, "float *") if n_hidden else ffi.NULL
-        check(lib.pp_context_decode(self._ctx, b, _ptr(logits, "float *")), "forward")
+        check(lib.pp_context_decode(self._ctx, b, ffi.NULL if logits is None else _ptr(logits, "float *")),
+              "forward")
 
     # ---- KV pages as data ----------------------------------------------------
     def copy_blocks(self, copies) -> None:
