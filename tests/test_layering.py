@@ -30,7 +30,7 @@ LAYERS = [
     ["engine.model_runner"],
     ["engine.sampler"],
     ["engine.request"],
-    ["engine.preemption"],
+    ["engine.preemption", "engine.step_plan"],
     ["engine.step_cost"],
     ["engine.scheduler"],
     ["engine.llm_engine", "engine.prompt_logprobs"],
@@ -117,3 +117,16 @@ def test_no_import_cycles():
 
     for m in g:
         visit(m, [])
+
+
+def test_the_scheduler_keeps_books_and_never_reaches_the_model():
+    # it decides a StepPlan over the KV manager; the engine moves KV data and runs the model
+    for module in ("engine.scheduler", "engine.preemption", "engine.step_plan"):
+        reached = set()
+        todo = [module]
+        while todo:
+            for dep in graph()[todo.pop()]:
+                if dep not in reached:
+                    reached.add(dep)
+                    todo.append(dep)
+        assert not reached & {"engine.model_runner", "engine.model", "engine.llm_engine"}, module

@@ -403,3 +403,20 @@ def test_step_logits_are_read_where_ggml_left_them_and_match_a_copied_step(model
     assert n_rows[0] == 0
     in_place.close()
     copied.close()
+
+
+def test_a_padded_step_matches_its_sequences_in_a_full_batch_of_four_columns(model):
+    # 5 and 7 decodes run their matrix products over 8 columns (zero padding): the
+    # padding must not reach the real rows, which match the same sequences among 8
+    prompts = [[2] + [40 + i + j for j in range(6 + i)] for i in range(8)]
+    runners = [ModelRunner(model, n_ctx=64, n_threads=1, n_batch=128, block_size=16, num_blocks=200) for _ in range(2)]
+    rows = []
+    for runner, n in zip(runners, (5, 8)):
+        seqs = [runner.add_sequence(p) for p in prompts]
+        runner.step([(s, s.num_tokens) for s in seqs])
+        for s in seqs:
+            runner.append_tokens(s, [77])
+        rows.append(runner.step([(s, 1) for s in seqs[:n]]).copy())
+    np.testing.assert_allclose(rows[0], rows[1][:5], atol=1e-5)
+    for runner in runners:
+        runner.close()

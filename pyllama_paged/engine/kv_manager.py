@@ -30,6 +30,26 @@ class SeqState:
     num_tokens: int = 0                   # tokens placed (computed or not)
 
 
+def place_tokens(kv, seq: SeqState, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Place new tokens of seq in kv (pages taken, copy-on-write decided); returns the
+    block copies (src, dst) that must be made before the next step writes KV."""
+    if seq.num_tokens + len(token_ids) > kv.max_seq_len:
+        raise PagedError(f"sequence would exceed the context of {kv.max_seq_len} tokens")
+    copies = kv.append(seq.handle, token_ids)
+    seq.num_tokens += len(token_ids)
+    return copies
+
+
+def new_cached_sequence(kv, token_ids: Sequence[int]) -> SeqState:
+    """A new sequence in kv holding only the cached prefix of token_ids, computed (the
+    rest is placed chunk by chunk with place_tokens). Slabs are reserved whole and
+    hold every token, none computed."""
+    if len(token_ids) > kv.max_seq_len:
+        raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {kv.max_seq_len}")
+    handle, cached = kv.create_cached(token_ids)
+    return SeqState(handle, cached if kv.paged else 0, cached)
+
+
 class PagedKV:
     """KV placement through the block pool: pages, sharing, prefix cache."""
 
@@ -42,6 +62,7 @@ class PagedKV:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.n_groups = groups.n_groups
+        self.max_seq_len = max_seq_len
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
 
     def create(self, token_ids: Sequence[int]) -> tuple[int, int]:
@@ -151,6 +172,7 @@ class SlabKV:
 
     def __init__(self, num_slabs: int, max_seq_len: int):
         self.block_size = max_seq_len
+        self.max_seq_len = max_seq_len
         self.num_blocks = num_slabs
         self.max_blocks_per_seq = 1
         self._free = list(range(num_slabs - 1, -1, -1))

@@ -47,7 +47,7 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, eot_ids, config: SchedulerConfig | None = None):
         self.runner = runner
         self.eot_ids = frozenset(eot_ids)
-        self.scheduler = Scheduler(runner, config)
+        self.scheduler = Scheduler(runner.kv, runner.n_ctx, config)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_computed_tokens = 0          # tokens run through the model
@@ -110,7 +110,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the outputs of the requests that moved."""
         step_started = time.perf_counter()
-        work = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
+        plan.carry_out(self.runner)   # swaps and copy-on-write, before the step writes any KV
+        work = plan.work
         outputs: dict[str, RequestOutput] = {}
         for request in self.scheduler.failed:
             self.requests.pop(request.request_id, None)

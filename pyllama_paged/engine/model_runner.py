@@ -13,7 +13,7 @@ import numpy as np
 from .._native import check, ffi, lib
 from ..errors import PagedError
 from .kv_groups import KVGroups
-from .kv_manager import PagedKV, SeqState, SlabKV
+from .kv_manager import PagedKV, SeqState, SlabKV, new_cached_sequence, place_tokens
 from .model import Model
 from .step_batch import StepBuffers
 
@@ -150,11 +150,8 @@ class ModelRunner:
 
     def add_sequence_cached(self, token_ids: Sequence[int]) -> SeqState:
         """A new sequence holding only the cached prefix of token_ids (computed); the
-        scheduler places the rest chunk by chunk with append_tokens."""
-        if len(token_ids) > self.n_ctx:
-            raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
-        handle, cached = self.kv.create_cached(token_ids)
-        return SeqState(handle, cached if self.kv.paged else 0, cached)
+        rest is placed chunk by chunk with append_tokens."""
+        return new_cached_sequence(self.kv, token_ids)
 
     def add_sequence_uncached(self, token_ids: Sequence[int]) -> SeqState:
         """A new sequence holding token_ids in fresh blocks (nothing reused, nothing computed)."""
@@ -164,10 +161,7 @@ class ModelRunner:
 
     def append_tokens(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         """Reserve KV room for new tokens (copy-on-write done here)."""
-        if seq.num_tokens + len(token_ids) > self.n_ctx:
-            raise PagedError(f"sequence would exceed the context of {self.n_ctx} tokens")
-        self.copy_blocks(self.kv.append(seq.handle, token_ids))
-        seq.num_tokens += len(token_ids)
+        self.copy_blocks(place_tokens(self.kv, seq, token_ids))
 
     def fork(self, seq: SeqState) -> SeqState:
         """A sequence sharing all of seq's KV pages."""

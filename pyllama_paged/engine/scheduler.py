@@ -1,7 +1,11 @@
 """Continuous-batching scheduler: waiting / running / swapped queues, FCFS
 admission under a block watermark, chunked prefill under a per-step token
-budget, and whole-request preemption by recompute or swap. Policy only:
-the KV placement lives in the engine's allocator.
+budget, and whole-request preemption by recompute or swap.
+
+The scheduler keeps the books (which pages each sequence holds, through the
+KV manager) and returns the step as a plain StepPlan: the tokens each
+sequence computes and the KV data to move first (swaps, copy-on-write). It
+never touches KV data or the model: the engine carries the plan out.
 
 A prompt's tokens are placed in the KV pool chunk by chunk, as they are
 scheduled (after the prefix cache's hits): a long prompt never holds pages
@@ -14,9 +18,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .model_runner import ModelRunner
+from .kv_manager import new_cached_sequence, place_tokens
 from .preemption import PREEMPTION_MODES, release, swap_in, swap_out
 from .step_cost import StepCostModel
+from .step_plan import StepPlan
 from ..errors import OutOfBlocksError
 from .request import Request, RequestStatus, Sequence
 
@@ -49,18 +54,19 @@ ITL_AUTO_FACTOR = 4.0
 class Scheduler:
     """Decides which sequences compute how many tokens in the next step."""
 
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig | None = None):
-        self.runner = runner
+    def __init__(self, kv, n_ctx: int, config: SchedulerConfig | None = None):
+        self.kv = kv          # the KV manager (PagedKV or SlabKV): the books, never the data
+        self.n_ctx = n_ctx
         self.config = config or SchedulerConfig()
         if self.config.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
-        kv = runner.kv
         self.reserve_blocks = math.ceil(self.config.watermark * kv.num_blocks) if kv.paged else 0
+        self._plan = StepPlan()   # the step being decided
         self.num_preemptions = 0
-        self.failed: list[Request] = []   # ended by the scheduler; the runner reports them
+        self.failed: list[Request] = []   # ended by the scheduler; the engine reports them
         budget = self.config.itl_budget
         if not (budget is None or budget == "auto" or (isinstance(budget, (int, float)) and budget > 0)):
             raise ValueError(f"itl_budget must be a number of seconds > 0, 'auto' or None, got {budget!r}")
@@ -71,13 +77,13 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request, or finish it at once with an error if it can never fit."""
         n = len(request.prompt_ids)
-        limit = min(self.runner.n_ctx, self.runner.kv.capacity_tokens())
+        limit = min(self.n_ctx, self.kv.capacity_tokens())
         if n == 0:
             request.error = "the prompt is empty"
         elif n >= limit:
-            pool = self.runner.kv.capacity_tokens()
-            request.error = (f"prompt of {n} tokens does not fit the context of {self.runner.n_ctx} tokens"
-                             + (f" (the KV pool holds {pool} per sequence)" if pool < self.runner.n_ctx else ""))
+            pool = self.kv.capacity_tokens()
+            request.error = (f"prompt of {n} tokens does not fit the context of {self.n_ctx} tokens"
+                             + (f" (the KV pool holds {pool} per sequence)" if pool < self.n_ctx else ""))
         if request.error:
             request.status = RequestStatus.FINISHED
             return
@@ -106,7 +112,7 @@ class Scheduler:
             except ValueError:
                 pass   # failed before it was queued
         for seq in request.seqs + request.finished_beams:
-            release(self.runner, seq)
+            release(self.kv, seq)
         request.status = RequestStatus.FINISHED
 
     # ---- preemption (the moving is in preemption.py) -----------------------
@@ -117,17 +123,21 @@ class Scheduler:
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap":
             for seq in request.live_seqs:
-                swap_out(self.runner, seq)
+                self._plan.swap_out.append((seq, swap_out(self.kv, seq)))
             request.status = RequestStatus.SWAPPED
             self.swapped.appendleft(request)
         else:
             for seq in request.seqs:
-                release(self.runner, seq)
+                release(self.kv, seq)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
 
+    def _place(self, seq: Sequence, token_ids) -> None:
+        """Place tokens of seq in the pool; the copy-on-write copies join the plan."""
+        self._plan.block_copies += place_tokens(self.kv, seq.kv, token_ids)
+
     def _blocks_for(self, seqs: list[Sequence], blocks_of) -> bool:
-        kv = self.runner.kv
+        kv = self.kv
         if not kv.paged:
             return kv.num_blocks - kv.num_in_use >= len(seqs)
         need = sum(blocks_of(s) for s in seqs)
@@ -137,7 +147,7 @@ class Scheduler:
     def _place_chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of seq's pending prefill to compute this step, placed in the pool first
         (halved until their pages fit, keeping the reserve while others run); 0 if none fit."""
-        kv = self.runner.kv
+        kv = self.kv
         n = min(len(seq.token_ids) - seq.kv.num_computed, budget)
         reserve = self.reserve_blocks if len(self.running) > 1 else 0
         while n > 0:
@@ -146,7 +156,7 @@ class Scheduler:
                 break
             n //= 2
         if n > 0 and place > 0:
-            self.runner.append_tokens(seq.kv, seq.token_ids[seq.kv.num_tokens:seq.kv.num_computed + n])
+            self._place(seq, seq.token_ids[seq.kv.num_tokens:seq.kv.num_computed + n])
         return n
 
     # ---- the inter-token budget ------------------------------------------------
@@ -166,10 +176,12 @@ class Scheduler:
         self.step_cost.observe(*self._last_shape, seconds)
 
     # ---- one step ----------------------------------------------------------
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """The (sequence, tokens to compute) pairs of the next step."""
+    def schedule(self) -> StepPlan:
+        """The next step: which sequences compute how many tokens, and the KV data moves
+        the engine must make first (StepPlan.carry_out)."""
+        self._plan = plan = StepPlan()
         budget = self.config.max_num_batched_tokens
-        work: list[tuple[Sequence, int]] = []
+        work = plan.work
         preempted = False
 
         # decodes first: every running sequence whose prefill is done gets its
@@ -191,7 +203,7 @@ class Scheduler:
                 budget -= len(new)
             if not appends:
                 continue
-            while not self.runner.kv.can_append_all([(seq.kv.handle, len(new)) for seq, new in appends]):
+            while not self.kv.can_append_all([(seq.kv.handle, len(new)) for seq, new in appends]):
                 victim = self.running[-1]
                 if len(self.running) == 1:
                     # nothing left to take blocks from: the pool cannot hold it
@@ -208,11 +220,11 @@ class Scheduler:
                 budget += sum(len(new) for _, new in appends)
                 continue
             for seq, new in appends:
-                self.runner.append_tokens(seq.kv, new)
+                self._place(seq, new)
                 work.append((seq, len(new)))
 
         # prefill chunks of running requests still prefilling, then of admitted ones
-        num_decodes = len(work)
+        num_decodes = plan.num_decodes = len(work)
         itl_budget = self.itl_budget_seconds()
         if work:
             cap = self.config.max_prefill_tokens_with_decodes or budget
@@ -236,12 +248,12 @@ class Scheduler:
         while self.swapped and not preempted:
             request = self.swapped[0]
             seqs = request.live_seqs
-            kv = self.runner.kv
+            kv = self.kv
             if not self._blocks_for(seqs, lambda s: -(-len(s.swapped_tokens) // kv.block_size) * kv.n_groups):
                 break
             self.swapped.popleft()
             for seq in seqs:
-                swap_in(self.runner, seq)
+                plan.swap_in += swap_in(kv, seq)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
@@ -256,20 +268,20 @@ class Scheduler:
             if itl_budget is not None and self.running and \
                     self.step_cost.predict(running_seqs + width) > itl_budget:
                 break   # one more stream would slow every running one past the budget
-            chunk = max(budget, self.runner.kv.block_size)
-            if not self._blocks_for(seqs, lambda s: self.runner.kv.blocks_to_prefill(len(s.token_ids), chunk)):
+            chunk = max(budget, self.kv.block_size)
+            if not self._blocks_for(seqs, lambda s: self.kv.blocks_to_prefill(len(s.token_ids), chunk)):
                 break
             self.waiting.popleft()
             for seq in seqs:
                 try:
                     # an embedding reads no prefix cache: every token's state is computed
-                    seq.kv = self.runner.add_sequence_cached(seq.token_ids if request.embed is None else [])
+                    seq.kv = new_cached_sequence(self.kv, seq.token_ids if request.embed is None else [])
                 except OutOfBlocksError:   # raced the watermark estimate: undo, retry later
                     for s in seqs:
-                        release(self.runner, s)
+                        release(self.kv, s)
                     self.waiting.appendleft(request)
-                    self._last_shape = (num_decodes, sum(n for _, n in work) - num_decodes)
-                    return work
+                    self._last_shape = (num_decodes, plan.num_prefill_tokens)
+                    return plan
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             running_seqs += width
@@ -287,7 +299,7 @@ class Scheduler:
             victim = self.running[-1]
             if len(self.running) == 1:
                 victim.error = (f"out of KV blocks: the request needs more pages than the pool of "
-                                f"{self.runner.kv.num_blocks} holds")
+                                f"{self.kv.num_blocks} holds")
                 self.remove(victim)
                 self.failed.append(victim)
             else:
@@ -301,8 +313,8 @@ class Scheduler:
             if queue:
                 request = queue.popleft()
                 request.error = ("out of KV blocks: the request's sequences need more pages together "
-                                 f"than the pool of {self.runner.kv.num_blocks} holds")
+                                 f"than the pool of {self.kv.num_blocks} holds")
                 self.remove(request)
                 self.failed.append(request)
-        self._last_shape = (num_decodes, sum(n for _, n in work) - num_decodes)
-        return work
+        self._last_shape = (num_decodes, plan.num_prefill_tokens)
+        return plan
