@@ -12,7 +12,7 @@ from pyllama_paged.engine.kv_groups import KVGroups
 from pyllama_paged.engine.model import Model
 from pyllama_paged.engine.sampler import SamplingParams, log_softmax
 from pyllama_paged.engine.scheduler import SchedulerConfig
-from pyllama_paged.engine.step_cost import StepCostModel
+from pyllama_paged.engine.step_cost import StepCostModel, decode_columns
 from agreement import assert_greedy_agree, engine_logits
 from reference.tiny_gguf import write_tiny_model
 
@@ -366,11 +366,23 @@ def test_step_cost_model_learns_a_linear_machine():
     rng = np.random.default_rng(0)
     for _ in range(60):
         d, p = int(rng.integers(0, 40)), int(rng.integers(0, 200))
-        cost.observe(d, p, 0.004 + 0.002 * d + 0.0005 * p)
+        cost.observe(d, p, 0.004 + 0.002 * decode_columns(d, p) + 0.0005 * p)   # padding costs like decodes
     assert cost.ready
     assert cost.coefficients == pytest.approx((0.004, 0.002, 0.0005), rel=0.05)
     assert cost.predict(10, 100) == pytest.approx(0.074, rel=0.02)
     assert cost.prefill_tokens_within(10, 0.074) == pytest.approx(100, abs=3)
+
+
+def test_step_cost_counts_the_padded_columns_of_small_steps():
+    # 5 to 7 decodes compute 8 columns (pp_matmul_columns): they cost what 8 do
+    cost = StepCostModel(prior=(0.01, 0.005, 0.001), min_steps=0)
+    assert cost.predict(5) == cost.predict(8) > cost.predict(4)
+    assert cost.predict(2) < cost.predict(3) < cost.predict(4)
+    assert cost.predict(20) - cost.predict(19) == pytest.approx(0.005)
+    # 2 decodes and 3 prefill tokens compute 8 columns too: the padding counts as decode work
+    assert cost.predict(2, 3) == pytest.approx(0.01 + 0.005 * 5 + 0.001 * 3)
+    # ...so past the padding more prefill fits the same time: 2 + 18 columns cost 0.038 too
+    assert cost.prefill_tokens_within(2, cost.predict(2, 3)) == 18
 
 
 def test_an_itl_budget_must_be_seconds_auto_or_none(model):

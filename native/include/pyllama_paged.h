@@ -455,6 +455,11 @@ int pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);
  * the first step, after a failed one, or when the step asked for no logits. */
 const float *pp_context_step_logits(const pp_context *ctx, int32_t *n_rows);
 
+/* The columns a step's matrix products compute for n tokens (or logit rows):
+ * n, or n rounded up to a multiple of 4 where GGML's CPU GEMMs would take a
+ * slow path (see graph.c). The scheduler's step-cost model counts these. */
+int32_t pp_matmul_columns(int32_t n);
+
 /* How paged attention is computed. */
 enum pp_attention_path {
     PP_ATTENTION_KERNEL = 0,   /* our paged-attention operator (CPU; the default) */

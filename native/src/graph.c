@@ -98,11 +98,15 @@ static struct ggml_tensor *flash_attention(struct ggml_context *ctx, const pp_kv
 #define PP_MATMUL_COLUMNS 4
 #define PP_MATMUL_PAD_MAX 16
 
+int32_t pp_matmul_columns(int32_t n) {
+    if (n <= 3 || n >= PP_MATMUL_PAD_MAX) return n;
+    return (n + PP_MATMUL_COLUMNS - 1) / PP_MATMUL_COLUMNS * PP_MATMUL_COLUMNS;
+}
+
 static struct ggml_tensor *matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x) {
     const int64_t n = x->ne[1];
-    const int64_t pad = (PP_MATMUL_COLUMNS - n % PP_MATMUL_COLUMNS) % PP_MATMUL_COLUMNS;
-    if (pad == 0 || n <= 3 || n >= PP_MATMUL_PAD_MAX || x->ne[2] != 1 || x->ne[3] != 1)
-        return ggml_mul_mat(ctx, w, x);
+    const int64_t pad = pp_matmul_columns((int32_t)n) - n;
+    if (pad == 0 || x->ne[2] != 1 || x->ne[3] != 1) return ggml_mul_mat(ctx, w, x);
     struct ggml_tensor *y = ggml_mul_mat(ctx, w, ggml_pad(ctx, x, 0, (int)pad, 0, 0));
     return ggml_view_2d(ctx, y, y->ne[0], n, y->nb[1], 0);
 }

@@ -2,15 +2,24 @@
 scheduler's model for keeping every running stream's inter-token gap within
 a budget. A step's time is fitted as
 
-    seconds = fixed + per_decode * decode_tokens + per_prefill * prefill_tokens
+    seconds = fixed + per_decode * decode_columns + per_prefill * prefill_tokens
 
-by exponentially weighted least squares (recent steps count most, so the
+where decode_columns are the decode tokens plus the zero columns the step's
+matrix products are padded with (pp_matmul_columns: 5 to 7 decodes cost
+what 8 do), by exponentially weighted least squares (recent steps count most, so the
 model follows the machine's load), pulled gently toward a prior so that it
 answers sensibly from the first step."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from .._native import lib
+
+
+def decode_columns(decode_tokens: int, prefill_tokens: int) -> int:
+    """Decode tokens plus the padding columns a step of these tokens computes."""
+    return lib.pp_matmul_columns(decode_tokens + prefill_tokens) - prefill_tokens
 
 
 class StepCostModel:
@@ -41,7 +50,7 @@ class StepCostModel:
         """Learn from one step that computed these tokens in this many seconds."""
         if not (seconds > 0) or decode_tokens + prefill_tokens <= 0:
             return
-        x = np.array([1.0, decode_tokens, prefill_tokens])
+        x = np.array([1.0, decode_columns(decode_tokens, prefill_tokens), prefill_tokens])
         self._xtx = self.forgetting * self._xtx + np.outer(x, x)
         self._xty = self.forgetting * self._xty + x * seconds
         ridge = self._ridge * np.eye(3)
@@ -53,9 +62,14 @@ class StepCostModel:
     def predict(self, decode_tokens: int, prefill_tokens: int = 0) -> float:
         """Predicted seconds of a step computing these tokens."""
         fixed, per_decode, per_prefill = self._coef
-        return float(fixed + per_decode * decode_tokens + per_prefill * prefill_tokens)
+        return float(fixed + per_decode * decode_columns(decode_tokens, prefill_tokens)
+                     + per_prefill * prefill_tokens)
 
     def prefill_tokens_within(self, decode_tokens: int, seconds: float) -> int:
         """The most prefill tokens a step with these decodes can add and stay within seconds."""
-        room = seconds - self.predict(decode_tokens)
-        return max(0, int(room / self._coef[2]))
+        fixed, per_decode, per_prefill = self._coef
+        n = max(0, int((seconds - fixed - per_decode * decode_tokens) / per_prefill + 1e-9))
+        # in a small step, padding columns may push it over: take the largest that fits
+        while n > 0 and self.predict(decode_tokens, n) > seconds + 1e-12:
+            n -= 1
+        return n
