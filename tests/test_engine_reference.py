@@ -31,9 +31,9 @@ def reference_logits(tiny_models):
 
 
 def engine_logits(path, prompt, *, paged, kv_cache_type, block_size=16, chunks=(23, 1, 16),
-                  repack_weights=True, attention="kernel"):
+                  repack_weights=True, attention="kernel", pack_panels=True):
     """All-position logits, computed in prefill chunks then single-token steps."""
-    model = Model(path, repack_weights=repack_weights)
+    model = Model(path, repack_weights=repack_weights, pack_panels=pack_panels)
     runner = ModelRunner(model, paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=block_size,
                     kv_cache_type=kv_cache_type, attention=attention)
     try:
@@ -90,6 +90,15 @@ def _cpu_has_avx2() -> bool:
     return "avx2=1" in ffi.string(lib.pp_ggml_build_info()).decode()
 
 
+def _cpu_has_vnni() -> bool:
+    """What pp_panel_kernel_select looks for: AVX-512 VNNI (with VL) or AVX-VNNI."""
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        return False
+    return {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags
+
+
 @pytest.mark.parametrize("weight_type", ["q4_0", "q4_k"])
 def test_repacked_weights_give_the_same_logits(tmp_path, reference_logits, weight_type):
     """GGML's interleaved (repacked) Q4_0/Q4_K GEMM computes what the plain layout does."""
@@ -110,6 +119,58 @@ def test_repacked_weights_give_the_same_logits(tmp_path, reference_logits, weigh
     assert (repacked.argmax(-1) == plain.argmax(-1)).mean() > 0.9
     want = ReferenceModel.from_gguf(path).forward(prompt)
     assert np.abs(repacked - want).max() / (want.max() - want.min()) < TOLERANCE["f16"]
+
+
+@pytest.mark.parametrize("kernels", ["auto", "generic"])
+@pytest.mark.parametrize("weight_type,tied", [("q8_0", True), ("q8_0", False), ("q5_0", True)])
+def test_panel_gemm_gives_the_same_logits(tmp_path, reference_logits, monkeypatch, kernels, weight_type, tied):
+    """Q8_0/Q5_0 projections and output head packed into row panels (our VNNI GEMM where the CPU
+    has it, else, forced, the portable kernel) give GGML's logits; a tied head read back from the
+    panels is the input embedding too. The chunks (23, 1, 16 columns, then single tokens) run
+    every tile width."""
+    prompt, _ = reference_logits
+    path = write_tiny_model(tmp_path / f"llama-{weight_type}.gguf", "llama", weight_type=weight_type,
+                            n_layer=2, tie_embeddings=tied, strict=True)
+    if kernels == "generic":
+        monkeypatch.setenv("PYLLAMA_PAGED_KERNELS", "generic")
+    pack = "any-cpu" if kernels == "generic" else True
+    model = Model(path, pack_panels=pack)
+    kernel, n_packed = model.panel_kernel, model.n_panel_packed
+    model.close()
+    if kernels == "generic":
+        assert kernel == "portable"
+    elif _cpu_has_vnni():
+        assert kernel in ("avx-vnni", "avx512-vnni")
+    else:
+        assert kernel == "ggml"
+    if kernel != "ggml":
+        assert n_packed == 2 * 7 + 1   # q, k, v, o, gate, up, down of both layers; the head
+    plain = engine_logits(path, prompt, paged=True, kv_cache_type="f16", pack_panels=False)
+    packed = engine_logits(path, prompt, paged=True, kv_cache_type="f16", pack_panels=pack)
+    # The same activation bytes and scales as GGML's; the float sums run in another order, so
+    # the odd activation of a later layer rounds the other way (as with GGML's own repacking).
+    assert np.abs(packed - plain).max() / (plain.max() - plain.min()) < TOLERANCE["f16"]
+    assert (packed.argmax(-1) == plain.argmax(-1)).mean() > 0.9
+    want = ReferenceModel.from_gguf(path).forward(prompt)
+    assert np.abs(packed - want).max() / (want.max() - want.min()) < TOLERANCE["f16"]
+
+
+def test_logit_head_packing_is_refused_twice_or_after_repacking(tmp_path):
+    from pyllama_paged.engine.model import ModelLoadError
+    path = write_tiny_model(tmp_path / "llama-q8.gguf", "llama", weight_type="q8_0", n_layer=1, strict=True)
+    model = Model(path, pack_panels="any-cpu")
+    try:
+        assert model.panel_kernel != "ggml"
+        with pytest.raises(ModelLoadError, match="already packed"):
+            model._pack_panels(any_cpu=True)
+    finally:
+        model.close()
+    model = Model(path, pack_panels=False)
+    try:
+        with pytest.raises(ModelLoadError, match="before pp_model_repack_weights"):
+            model._pack_panels(any_cpu=True)
+    finally:
+        model.close()
 
 
 def test_repack_twice_is_refused(tiny_models):

@@ -343,6 +343,23 @@ int pp_model_finalize(pp_model *model);
  * for tensors not yet moved and remains usable). */
 int pp_model_repack_weights(pp_model *model, int32_t *n_repacked);
 
+/* Pack the weights our integer GEMM multiplies faster than GGML into row
+ * panels (q8_panels.h in the sources): Q8_0 and Q5_0 projections and the
+ * output head (output.weight, or token_embd.weight when tied: the input
+ * embedding is then read from the panels too) of whole 8-row panels and
+ * 32-value blocks. An exact change of layout in the same number of bytes.
+ * Done only where the CPU has AVX-512 VNNI (with VL and BW) or AVX-VNNI,
+ * unless any_cpu is set (then a portable, slow kernel runs elsewhere: for
+ * tests). Call once, after pp_model_finalize, before
+ * pp_model_repack_weights and before any context is created. *kernel (may
+ * be NULL) receives 0 when nothing was packed, else the kernel (1 portable,
+ * 2 AVX-VNNI, 3 AVX-512 VNNI); *n_packed (may be NULL) the number of
+ * weights packed. The model owns the panels; the packed weights' borrowed
+ * bytes are advised MADV_PAGEOUT. PP_ERR_NO_MEMORY: the weights packed so
+ * far stay packed and the model is usable; PP_ERR_INVALID: called twice, or
+ * after pp_model_repack_weights. */
+int pp_model_pack_panels(pp_model *model, int32_t any_cpu, int32_t *kernel, int32_t *n_packed);
+
 /* ---- KV cache ----------------------------------------------------------- */
 
 typedef struct pp_kv_cache pp_kv_cache;

@@ -3,6 +3,7 @@
 #include "engine_internal.h"
 #include "attention_math.h"
 #include "pp_internal.h"
+#include "q8_panels.h"
 #include "ggml-cpu.h"
 
 #include <math.h>
@@ -24,6 +25,7 @@ struct pp_context {
     int32_t              max_batch_tokens;
     int32_t              n_threads;
     pp_attention_params *layer_params;
+    pp_panel_gemm_state *gemm_states;   /* per model panel slot (NULL: the model has no panels) */
     pp_attention_scratch scratch;      /* the kernel's tiles, one slice per thread */
     int32_t              attention_path;   /* enum pp_attention_path */
     atomic_int           abort_requested;
@@ -85,6 +87,17 @@ int pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         ap->head_dim = m->hp.head_dim;
         ap->scratch = &c->scratch;
     }
+    if (m->panels) {
+        c->gemm_states = calloc((size_t)m->n_panel_slots, sizeof *c->gemm_states);
+        if (!c->gemm_states) {
+            pp_context_destroy(c);
+            return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the panel GEMM states");
+        }
+        for (int i = 0; i < m->n_panel_slots; i++) {
+            c->gemm_states[i].w = m->panels[i];
+            c->gemm_states[i].kernel = pp_panel_kernel_select();
+        }
+    }
     *out = c;
     return PP_OK;
 }
@@ -97,6 +110,7 @@ void pp_context_destroy(pp_context *c) {
     if (c->threadpool && c->pool_pid == getpid()) ggml_threadpool_free(c->threadpool);
     free(c->meta_buf);
     free(c->layer_params);
+    free(c->gemm_states);
     pp_attention_scratch_release(&c->scratch);
     free(c);
 }
@@ -316,7 +330,7 @@ int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     struct ggml_context *ctx = ggml_init(params);
     if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
     const int gather = c->cache->paged && c->attention_path == PP_ATTENTION_GATHER;
-    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params, c->n_threads, gather);
+    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params, c->gemm_states, c->n_threads, gather);
     if (!ggml_gallocr_alloc_graph(c->galloc, gf)) {
         ggml_free(ctx);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the compute buffer for %d tokens", b->n_tokens);

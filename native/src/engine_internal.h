@@ -9,6 +9,9 @@
 
 #define PP_MAX_REPACK_BUFTS 8
 
+struct pp_q8_panels;          /* q8_panels.h */
+struct pp_panel_gemm_state;
+
 typedef struct pp_layer {
     struct ggml_tensor *attn_norm;
     struct ggml_tensor *wq, *wk, *wv, *wo;
@@ -24,6 +27,14 @@ typedef struct pp_layer {
     struct ggml_tensor *ffn_up_b, *ffn_down_b;
     struct ggml_tensor *layer_out_norm, *layer_out_norm_b;
 } pp_layer;
+
+/* A decoder layer's matrix products, in the order of the model's panel slots. */
+enum pp_projection { PP_PROJ_Q, PP_PROJ_K, PP_PROJ_V, PP_PROJ_O, PP_PROJ_GATE, PP_PROJ_UP, PP_PROJ_DOWN, PP_N_PROJ };
+
+static inline struct ggml_tensor *pp_layer_weight(const pp_layer *L, int proj) {
+    struct ggml_tensor *const w[PP_N_PROJ] = {L->wq, L->wk, L->wv, L->wo, L->ffn_gate, L->ffn_up, L->ffn_down};
+    return w[proj];
+}
 
 struct pp_model {
     pp_model_hparams    hp;
@@ -42,6 +53,11 @@ struct pp_model {
     ggml_backend_buffer_t repack_buffers[PP_MAX_REPACK_BUFTS];
     int                 n_repack_buffers;   /* at most one per extra type, <= PP_MAX_REPACK_BUFTS */
     int                 repack_done;
+    /* Weights packed into row panels for our VNNI GEMM (q8_panels.h), by
+     * slot: layer il's projection p at il * PP_N_PROJ + p, then the output
+     * head (tied: the input embedding too). NULL slots: GGML's own ops. */
+    struct pp_q8_panels **panels;
+    int32_t             n_panel_slots;
 };
 
 struct pp_kv_cache {
@@ -129,7 +145,8 @@ int pp_check_token_order(const pp_batch *batch, int i);
  * flash attention) instead of our CPU operator. */
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *model,
                                    const pp_kv_cache *cache, const pp_batch *batch,
-                                   pp_attention_params *layer_params, int n_threads, int gather);
+                                   pp_attention_params *layer_params, struct pp_panel_gemm_state *gemm_states,
+                                   int n_threads, int gather);
 
 /* First key position the gathered path reads for a run whose first query is at p0. */
 int pp_gather_first_key(int p0, int window);

@@ -5,6 +5,7 @@
  * sequence's pages gathered by slot with ggml_get_rows, then GGML's flash
  * attention, so paging works on any backend GGML has. */
 #include "engine_internal.h"
+#include "q8_panels.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -111,9 +112,28 @@ static struct ggml_tensor *matmul(struct ggml_context *ctx, struct ggml_tensor *
     return ggml_view_2d(ctx, y, y->ne[0], n, y->nb[1], 0);
 }
 
+/* The quantized columns of the last input a panel GEMM read: q, k and v
+ * (gate and up) share one quantize op. */
+typedef struct panel_columns {
+    const struct ggml_tensor *x;
+    struct ggml_tensor *cols;
+} panel_columns;
+
+/* w x through the weight's panels when it has them (state non-NULL), else GGML's product. */
+static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor *w, pp_panel_gemm_state *state,
+                                   struct ggml_tensor *x, panel_columns *last) {
+    if (!state || !state->w) return matmul(ctx, w, x);
+    if (last->x != x) {
+        last->cols = pp_panel_quantize(ctx, x);
+        last->x = x;
+    }
+    return pp_panel_gemm(ctx, state, last->cols);
+}
+
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
                                    const pp_kv_cache *cache, const pp_batch *batch,
-                                   pp_attention_params *layer_params, int n_threads, int gather) {
+                                   pp_attention_params *layer_params, pp_panel_gemm_state *gemm_states,
+                                   int n_threads, int gather) {
     const pp_model_hparams *hp = &m->hp;
     const int n_tokens = batch->n_tokens;
     const int head_dim = hp->head_dim;
@@ -126,17 +146,23 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
     /* logit rows, then hidden rows (embeddings): the rows the last layer computes */
     struct ggml_tensor *logit_rows = input(ctx, GGML_TYPE_I32, batch->n_logits + batch->n_hidden, "logit_rows");
 
-    struct ggml_tensor *x = ggml_get_rows(ctx, m->tok_embd, tokens);
+    pp_panel_gemm_state *head = gemm_states ? &gemm_states[hp->n_layer * PP_N_PROJ] : NULL;
+    panel_columns last = {0};
+    /* A tied head packed into panels is the embedding too: its rows are read from there. */
+    struct ggml_tensor *x = head && head->w && !m->output ? pp_panel_embed(ctx, head->w, tokens)
+                                                          : ggml_get_rows(ctx, m->tok_embd, tokens);
     if (hp->embd_scale != 1.0f) x = ggml_scale(ctx, x, hp->embd_scale);
 
     for (int il = 0; il < hp->n_layer; il++) {
         const pp_layer *L = &m->layers[il];
         pp_attention_params *ap = &layer_params[il];
+        pp_panel_gemm_state *gs = gemm_states ? &gemm_states[il * PP_N_PROJ] : NULL;
+#define PROJECT(w, p, x) project(ctx, (w), gs ? &gs[(p)] : NULL, (x), &last)
         struct ggml_tensor *cur = norm(ctx, x, L->attn_norm, hp->rms_eps);
 
-        struct ggml_tensor *q = matmul(ctx, L->wq, cur);
-        struct ggml_tensor *k = matmul(ctx, L->wk, cur);
-        struct ggml_tensor *v = matmul(ctx, L->wv, cur);
+        struct ggml_tensor *q = PROJECT(L->wq, PP_PROJ_Q, cur);
+        struct ggml_tensor *k = PROJECT(L->wk, PP_PROJ_K, cur);
+        struct ggml_tensor *v = PROJECT(L->wv, PP_PROJ_V, cur);
         if (L->bq) q = ggml_add(ctx, q, L->bq);
         if (L->bk) k = ggml_add(ctx, k, L->bk);
         if (L->bv) v = ggml_add(ctx, v, L->bv);
@@ -176,17 +202,18 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
             attn = ggml_get_rows(ctx, attn, logit_rows);
             x = ggml_get_rows(ctx, x, logit_rows);
         }
-        cur = matmul(ctx, L->wo, attn);
+        cur = PROJECT(L->wo, PP_PROJ_O, attn);
         if (L->post_attn_norm) cur = norm(ctx, cur, L->post_attn_norm, hp->rms_eps);
         x = ggml_add(ctx, cur, x);
 
         cur = norm(ctx, x, L->ffn_norm, hp->rms_eps);
-        struct ggml_tensor *gate = matmul(ctx, L->ffn_gate, cur);
-        struct ggml_tensor *up = matmul(ctx, L->ffn_up, cur);
+        struct ggml_tensor *gate = PROJECT(L->ffn_gate, PP_PROJ_GATE, cur);
+        struct ggml_tensor *up = PROJECT(L->ffn_up, PP_PROJ_UP, cur);
         cur = hp->arch == PP_ARCH_GEMMA3 ? ggml_geglu_split(ctx, gate, up) : ggml_swiglu_split(ctx, gate, up);
-        cur = matmul(ctx, L->ffn_down, cur);
+        cur = PROJECT(L->ffn_down, PP_PROJ_DOWN, cur);
         if (L->post_ffw_norm) cur = norm(ctx, cur, L->post_ffw_norm, hp->rms_eps);
         x = ggml_add(ctx, cur, x);
+#undef PROJECT
     }
 
     x = norm(ctx, x, m->output_norm, hp->rms_eps);
@@ -200,7 +227,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         if (batch->n_logits == 0) return gf;
         x = ggml_view_2d(ctx, x, hp->n_embd, batch->n_logits, x->nb[1], 0);
     }
-    struct ggml_tensor *logits = matmul(ctx, m->output ? m->output : m->tok_embd, x);
+    struct ggml_tensor *logits = project(ctx, m->output ? m->output : m->tok_embd, head, x, &last);
     if (hp->final_logit_softcap > 0.0f) {
         logits = ggml_scale(ctx, logits, 1.0f / hp->final_logit_softcap);
         logits = ggml_tanh(ctx, logits);

@@ -1,6 +1,7 @@
 /* Model weights: hyper-parameter checks and the tensor registry. The bytes
  * stay in the caller's mapping of the GGUF file; we only describe them. */
 #include "engine_internal.h"
+#include "q8_panels.h"
 #include "pp_internal.h"
 #include "ggml-cpu.h"
 
@@ -50,6 +51,8 @@ int pp_model_create(const pp_model_hparams *hp, pp_model **out) {
 void pp_model_destroy(pp_model *m) {
     if (!m) return;
     for (int i = 0; i < m->n_repack_buffers; i++) ggml_backend_buffer_free(m->repack_buffers[i]);
+    for (int i = 0; m->panels && i < m->n_panel_slots; i++) pp_q8_panels_free(m->panels[i]);
+    free(m->panels);
     if (m->weights) ggml_free(m->weights);
     free(m->layer_window);
     free(m->layers);

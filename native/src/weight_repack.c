@@ -6,6 +6,7 @@
  * ggml_get_rows) never does, even when the output head is tied to it. */
 #include "engine_internal.h"
 #include "pp_internal.h"
+#include "q8_panels.h"
 #include "ggml-cpu.h"
 
 #include <stdbool.h>
@@ -34,12 +35,12 @@ static void release_mapped(const void *data, size_t size) {
 static int matmul_weights(const pp_model *m, struct ggml_tensor **out) {
     int n = 0;
     for (int il = 0; il < m->hp.n_layer; il++) {
-        const pp_layer *L = &m->layers[il];
-        struct ggml_tensor *w[] = {L->wq, L->wk, L->wv, L->wo, L->ffn_gate, L->ffn_up, L->ffn_down};
-        for (size_t i = 0; i < sizeof w / sizeof w[0]; i++)
-            if (w[i]) out[n++] = w[i];
+        for (int p = 0; p < PP_N_PROJ; p++) {
+            struct ggml_tensor *w = pp_layer_weight(&m->layers[il], p);
+            if (w && !(m->panels && m->panels[il * PP_N_PROJ + p])) out[n++] = w;
+        }
     }
-    if (m->output) out[n++] = m->output;
+    if (m->output && !(m->panels && m->panels[m->hp.n_layer * PP_N_PROJ])) out[n++] = m->output;
     return n;
 }
 
@@ -142,4 +143,41 @@ int pp_model_repack_weights(pp_model *m, int32_t *n_repacked) {
     free(w);
     free(choice);
     return status;
+}
+
+int pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int32_t *n_packed) {
+    if (kernel) *kernel = PP_PANEL_KERNEL_NONE;
+    if (n_packed) *n_packed = 0;
+    if (!m || !m->finalized) return pp_fail(PP_ERR_INVALID, "pp_model_pack_panels: model missing or not finalized");
+    if (m->hp.arch == PP_ARCH_BERT) return PP_OK;   /* the encoder runs its own graph */
+    if (m->panels) return pp_fail(PP_ERR_INVALID, "the model's weights are already packed into panels");
+    if (m->repack_done)
+        return pp_fail(PP_ERR_INVALID, "pack panels before pp_model_repack_weights (it moves weights away)");
+    enum pp_panel_kernel chosen = pp_panel_kernel_select();
+    if (chosen == PP_PANEL_KERNEL_NONE && any_cpu) chosen = PP_PANEL_KERNEL_SCALAR;
+    if (chosen == PP_PANEL_KERNEL_NONE) return PP_OK;
+    const int n_slots = m->hp.n_layer * PP_N_PROJ + 1;
+    m->panels = calloc((size_t)n_slots, sizeof *m->panels);
+    if (!m->panels) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the panel table");
+    m->n_panel_slots = n_slots;
+    int packed = 0;
+    for (int slot = 0; slot < n_slots; slot++) {
+        struct ggml_tensor *w = slot < n_slots - 1 ? pp_layer_weight(&m->layers[slot / PP_N_PROJ], slot % PP_N_PROJ)
+                                                   : (m->output ? m->output : m->tok_embd);
+        if (!w || !pp_q8_panels_fit(w->type, w->ne[0], w->ne[1])) continue;
+        pp_q8_panels *p = pp_q8_panels_pack(w->data, w->type, w->ne[0], w->ne[1]);
+        if (!p) {
+            /* the slots packed so far stay packed: the model remains usable */
+            if (n_packed) *n_packed = packed;
+            return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate %zu bytes for the panels of '%s'", ggml_nbytes(w),
+                           w->name);
+        }
+        /* From here on the graph reads the panels only (a tied head's embedding too). */
+        release_mapped(w->data, ggml_nbytes(w));
+        m->panels[slot] = p;
+        packed++;
+    }
+    if (kernel && packed) *kernel = chosen;
+    if (n_packed) *n_packed = packed;
+    return PP_OK;
 }

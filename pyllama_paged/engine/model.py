@@ -18,18 +18,27 @@ def default_model_path() -> str:
     return str(assemble())
 
 
+# pp_model_pack_panels' kernel ids, as `pyllama-paged info` names them ("ggml": nothing packed).
+PANEL_KERNELS = {0: "ggml", 1: "portable", 2: "avx-vnni", 3: "avx512-vnni"}
+
+
 class Model:
     """Weights of one GGUF model, described to the native core (data stays mapped)."""
 
-    def __init__(self, model_path: str | None = None, *, repack_weights: bool = True):
+    def __init__(self, model_path: str | None = None, *, repack_weights: bool = True,
+                 pack_panels: bool | str = True):
         self._native = None
         self.n_repacked = 0
+        self.panel_kernel = "ggml"
+        self.n_panel_packed = 0
         self.gguf = None
         self.path = str(model_path) if model_path else default_model_path()
         self.gguf = GGUFFile(self.path)
         self.metadata = self.gguf.metadata
         self.config: ModelConfig = config_from_metadata(self.metadata, self._vocab_size(), self.path)
         self._create_native()
+        if pack_panels:
+            self._pack_panels(any_cpu=pack_panels == "any-cpu")
         if repack_weights:
             self._repack()
 
@@ -84,6 +93,14 @@ class Model:
         n = ffi.new("int32_t *")
         self._wrap(lib.pp_model_repack_weights(self._native, n), "repacking weights")
         self.n_repacked = int(n[0])
+
+    def _pack_panels(self, any_cpu: bool) -> None:
+        # Q8_0/Q5_0 projections and head go to our VNNI GEMM (q8_panels.h) where the
+        # CPU has VNNI; "any-cpu" packs them elsewhere too, for the portable kernel (tests).
+        kernel, n = ffi.new("int32_t *"), ffi.new("int32_t *")
+        self._wrap(lib.pp_model_pack_panels(self._native, int(any_cpu), kernel, n), "packing weights into panels")
+        self.panel_kernel = PANEL_KERNELS[int(kernel[0])]
+        self.n_panel_packed = int(n[0])
 
     def _wrap(self, status: int, what: str) -> None:
         try:
