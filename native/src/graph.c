@@ -124,7 +124,7 @@ static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor 
                                    struct ggml_tensor *x, panel_columns *last) {
     if (!state || !state->w) return matmul(ctx, w, x);
     if (last->x != x) {
-        last->cols = pp_panel_quantize(ctx, x);
+        last->cols = pp_panel_quantize(ctx, x, state->kernel);
         last->x = x;
     }
     return pp_panel_gemm(ctx, state, last->cols);

@@ -128,4 +128,46 @@ PP_PANEL_KERNEL(pp_panel_gemm_avx512vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512
 /* AVX-VNNI (Alder Lake and later, Zen 5): 16 registers, 4 columns. */
 PP_PANEL_KERNEL(pp_panel_gemm_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32, 4, widen_q5_avx2)
 
+/* quantize_column of q8_panels.c on AVX2: the same bytes (GGML's x86
+ * quantizer: reciprocal 127 / amax, products rounded to nearest even). */
+__attribute__((target("avx2,fma,f16c"))) void pp_panel_quantize_column_avx2(const float *x, int64_t k, uint8_t *col) {
+    const int64_t nb = k / PP_PANEL_BLOCK;
+    int8_t *q = (int8_t *)col;
+    float *scale = (float *)(col + k);
+    int32_t *offset = (int32_t *)(col + k + 4 * nb);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + b * PP_PANEL_BLOCK + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float m = _mm_cvtss_f32(h);
+        const float d = m / 127.0f, id = m != 0.0f ? 127.0f / m : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i qi[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            qi[i] = _mm256_cvtps_epi32(
+                _mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            sum = _mm256_add_epi32(sum, qi[i]);
+        }
+        /* packs interleave 128-bit lanes: restore the order with one permute */
+        const __m256i q16a = _mm256_packs_epi32(qi[0], qi[1]), q16b = _mm256_packs_epi32(qi[2], qi[3]);
+        const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b),
+                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + b * PP_PANEL_BLOCK), q8);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        const float dh = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
+        memcpy(scale + b, &dh, sizeof dh);
+        const int32_t off = -128 * _mm_cvtsi128_si32(s4);
+        memcpy(offset + b, &off, sizeof off);
+    }
+}
+
 #endif

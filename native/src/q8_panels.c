@@ -141,7 +141,7 @@ void pp_q8_panels_row(const pp_q8_panels *p, int64_t row, float *out) {
 /* Q8_0 quantization of one column as GGML's x86 code does it (scale amax /
  * 127 kept as fp16, values rounded to nearest even), plus each block's
  * offset term (see pp_panel_column_bytes). */
-static void quantize_column(const float *x, int64_t k, uint8_t *col) {
+void pp_panel_quantize_column(const float *x, int64_t k, uint8_t *col) {
     const int64_t nb = k / PP_PANEL_BLOCK;
     int8_t *q = (int8_t *)col;
     float *scale = (float *)(col + k);
@@ -195,9 +195,13 @@ void pp_panel_gemm_scalar(const pp_q8_panels *w, int64_t p0, int64_t p1, const u
 /* Each thread quantizes every nth column. */
 static void quantize_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     const struct ggml_tensor *x = dst->src[0];
+    pp_panel_quantize_fn quantize = pp_panel_quantize_column;
+#if defined(__x86_64__)
+    /* every CPU with a VNNI kernel has AVX2; the portable kernel keeps the portable quantizer */
+    if (userdata) quantize = pp_panel_quantize_column_avx2;
+#endif
     for (int64_t c = ith; c < x->ne[1]; c += nth)
-        quantize_column((const float *)((const char *)x->data + c * x->nb[1]), x->ne[0],
-                        (uint8_t *)dst->data + c * dst->nb[1]);
+        quantize((const float *)((const char *)x->data + c * x->nb[1]), x->ne[0], (uint8_t *)dst->data + c * dst->nb[1]);
 }
 
 /* Panels per chunk a thread takes at a time: about eight chunks per thread
@@ -222,10 +226,13 @@ static void gemm_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     }
 }
 
-struct ggml_tensor *pp_panel_quantize(struct ggml_context *ctx, struct ggml_tensor *x) {
+struct ggml_tensor *pp_panel_quantize(struct ggml_context *ctx, struct ggml_tensor *x,
+                                      enum pp_panel_kernel kernel) {
     GGML_ASSERT(x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) && x->ne[2] == 1 && x->ne[3] == 1);
+    /* userdata: non-NULL for the AVX2 quantizer */
+    void *avx2 = kernel == PP_PANEL_KERNEL_AVX512VNNI || kernel == PP_PANEL_KERNEL_AVXVNNI ? (void *)1 : NULL;
     return ggml_custom_4d(ctx, GGML_TYPE_I8, (int64_t)pp_panel_column_bytes(x->ne[0]), x->ne[1], 1, 1, &x, 1,
-                          quantize_op, GGML_N_TASKS_MAX, NULL);
+                          quantize_op, GGML_N_TASKS_MAX, avx2);
 }
 
 struct ggml_tensor *pp_panel_gemm(struct ggml_context *ctx, pp_panel_gemm_state *state,

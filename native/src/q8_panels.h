@@ -80,7 +80,8 @@ typedef struct pp_panel_gemm_state {
  * pp_panel_gemm: those columns -> [n_rows, n] f32, panel chunks taken
  * dynamically by the threads; pp_panel_embed: tokens [n] i32 -> rows [k, n]
  * f32 of a (tied) head's panels. */
-struct ggml_tensor *pp_panel_quantize(struct ggml_context *ctx, struct ggml_tensor *x);
+struct ggml_tensor *pp_panel_quantize(struct ggml_context *ctx, struct ggml_tensor *x,
+                                      enum pp_panel_kernel kernel);
 struct ggml_tensor *pp_panel_gemm(struct ggml_context *ctx, pp_panel_gemm_state *state,
                                   struct ggml_tensor *cols);
 struct ggml_tensor *pp_panel_embed(struct ggml_context *ctx, const pp_q8_panels *w,
@@ -98,7 +99,11 @@ typedef void (*pp_panel_kernel_fn)(const pp_q8_panels *w, int64_t p0, int64_t p1
                                    size_t col_stride, int64_t n, float *out, size_t ldo);
 void pp_panel_gemm_scalar(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                           size_t col_stride, int64_t n, float *out, size_t ldo);
+/* One column into that layout: portable, and on AVX2 (the same bytes). */
+typedef void (*pp_panel_quantize_fn)(const float *x, int64_t k, uint8_t *col);
+void pp_panel_quantize_column(const float *x, int64_t k, uint8_t *col);
 #if defined(__x86_64__)
+void pp_panel_quantize_column_avx2(const float *x, int64_t k, uint8_t *col);
 void pp_panel_gemm_avx512vnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                               size_t col_stride, int64_t n, float *out, size_t ldo);
 void pp_panel_gemm_avxvnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,

@@ -22,6 +22,24 @@ def decode_columns(decode_tokens: int, prefill_tokens: int) -> int:
     return lib.pp_matmul_columns(decode_tokens + prefill_tokens) - prefill_tokens
 
 
+def _solve3(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """x with a x = b for a symmetric positive definite 3x3 a, without LAPACK.
+
+    np.linalg.solve would call OpenBLAS every step, whose idle threads then
+    spin on the cores GGML's workers need (measured: ~1% of a step)."""
+    m = [[float(a[i, j]) for j in range(3)] + [float(b[i])] for i in range(3)]
+    for col in range(3):
+        pivot = m[col][col]
+        for row in range(col + 1, 3):
+            f = m[row][col] / pivot
+            for j in range(col, 4):
+                m[row][j] -= f * m[col][j]
+    x = [0.0, 0.0, 0.0]
+    for row in (2, 1, 0):
+        x[row] = (m[row][3] - sum(m[row][j] * x[j] for j in range(row + 1, 3))) / m[row][row]
+    return np.array(x)
+
+
 class StepCostModel:
     """An online linear model of step time over (decode tokens, prefill tokens)."""
 
@@ -53,8 +71,7 @@ class StepCostModel:
         x = np.array([1.0, decode_columns(decode_tokens, prefill_tokens), prefill_tokens])
         self._xtx = self.forgetting * self._xtx + np.outer(x, x)
         self._xty = self.forgetting * self._xty + x * seconds
-        ridge = self._ridge * np.eye(3)
-        coef = np.linalg.solve(self._xtx + ridge, self._xty + ridge @ self._prior)
+        coef = _solve3(self._xtx + self._ridge * np.eye(3), self._xty + self._ridge * self._prior)
         # A cost is never negative; a collinear stretch of steps must not make it so.
         self._coef = np.maximum(coef, [1e-4, 1e-5, 1e-5])
         self.num_steps += 1
