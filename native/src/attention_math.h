@@ -8,7 +8,7 @@
 #include "ggml.h"
 
 typedef struct pp_attention_math {
-    const char *name;   /* "avx512", "avx2" or "generic" */
+    const char *name;   /* "avx2" or "generic" */
 
     /* One K or V row of a cache tensor (f16, q8_0 or any GGML type with a
      * to_float) to n floats. */
@@ -37,12 +37,11 @@ typedef struct pp_attention_math {
 extern const pp_attention_math pp_attention_math_generic;
 #ifdef PP_HAVE_AVX2_KERNELS
 extern const pp_attention_math pp_attention_math_avx2;
-extern const pp_attention_math pp_attention_math_avx512;
 #endif
 
-/* The fastest table this CPU runs (x86-64-v4's AVX-512, else AVX2 + FMA +
- * F16C, else generic), unless the environment variable PYLLAMA_PAGED_KERNELS
- * asks for "generic" (the portable one) or "avx2". Never NULL. */
+/* The fastest table this CPU runs (AVX2 + FMA + F16C, else generic), unless
+ * the environment variable PYLLAMA_PAGED_KERNELS=generic asks for the
+ * portable one. Never NULL. */
 const pp_attention_math *pp_attention_math_select(void);
 
 #endif

@@ -12,21 +12,15 @@ const pp_attention_math *pp_attention_math_select(void) {
     if (forced && strcmp(forced, "generic") == 0) return &pp_attention_math_generic;
 #ifdef PP_HAVE_AVX2_KERNELS
     __builtin_cpu_init();
-    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    /* PYLLAMA_PAGED_KERNELS=avx2 keeps an AVX-512 CPU on the AVX2 variant (tests, comparisons) */
-    if (avx2 && !(forced && strcmp(forced, "avx2") == 0) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
-        return &pp_attention_math_avx512;
-    if (avx2) return &pp_attention_math_avx2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return &pp_attention_math_avx2;
 #endif
     return &pp_attention_math_generic;
 }
 
 const pp_sampling_math *pp_sampling_math_select(void) {
 #ifdef PP_HAVE_AVX2_KERNELS
-    const pp_attention_math *attention = pp_attention_math_select();
-    if (attention == &pp_attention_math_avx512) return &pp_sampling_math_avx512;
-    if (attention == &pp_attention_math_avx2) return &pp_sampling_math_avx2;
+    if (pp_attention_math_select() == &pp_attention_math_avx2) return &pp_sampling_math_avx2;
 #endif
     return &pp_sampling_math_generic;
 }

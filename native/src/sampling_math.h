@@ -25,7 +25,7 @@ typedef struct pp_row_scan {
 } pp_row_scan;
 
 typedef struct pp_sampling_math {
-    const char *name;   /* "avx512", "avx2" or "generic" */
+    const char *name;   /* "avx2" or "generic" */
 
     /* One read of the row (block by block: each block's second look is in
      * L1) finding what a draw needs; see pp_row_scan. */
@@ -43,7 +43,6 @@ typedef struct pp_sampling_math {
 extern const pp_sampling_math pp_sampling_math_generic;
 #ifdef PP_HAVE_AVX2_KERNELS
 extern const pp_sampling_math pp_sampling_math_avx2;
-extern const pp_sampling_math pp_sampling_math_avx512;
 #endif
 
 /* The table matching pp_attention_math_select's choice. Never NULL. */

@@ -21,13 +21,8 @@ static inline __m256 pp_exp_nonpositive(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-#if defined(__AVX512F__) && defined(__AVX512VL__)
-    /* one instruction for p * 2^n (the sampler's row passes are mostly this function) */
-    return _mm256_andnot_ps(masked, _mm256_scalef_ps(p, n));
-#else
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(masked, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-#endif
 }
 
 #endif
