@@ -46,9 +46,10 @@ class Llama:
                  pooling_type: int = -1, logits_all: bool = False, last_n_tokens_size: int = 64,
                  lora_path: str | None = None, verbose: bool = False,
                  paged: bool = True, block_size: int = 32, kv_cache_type: str = "f16", n_seq_max: int = 1,
-                 repack_weights: bool = True, **llama_cpp_args: Any):
+                 repack_weights: bool = True, pack_panels: bool = True, **llama_cpp_args: Any):
         """Load a GGUF (model_path None: the embedded default model). llama-cpp-python's other
-        arguments are accepted; those that change nothing here warn once (llama_compat)."""
+        arguments are accepted; those that change nothing here warn once (llama_compat).
+        pack_panels=False keeps GGML's kernels for the weights our VNNI panel GEMM would take."""
         self.runner = self._model = None   # set first: close() is safe after a failed init
         self._warnings = CompatWarnings()
         self._warnings.constructor_args(llama_cpp_args)
@@ -66,7 +67,7 @@ class Llama:
         self.last_n_tokens_size = last_n_tokens_size
         self.chat_format, self.chat_handler = chat_format, chat_handler
         kv_cache_type = kv_cache_type_of(type_k, type_v, kv_cache_type)
-        self._model = Model(model_path, repack_weights=repack_weights)
+        self._model = Model(model_path, repack_weights=repack_weights, pack_panels=pack_panels)
         self.model_path = self._model.path
         self._tokenizer = Tokenizer.from_metadata(self._model.metadata)
         self.n_threads = n_threads or n_threads_batch or _default_threads()

@@ -213,6 +213,15 @@ def test_constructor_accepts_llama_cpp_arguments_and_warns_once():
         Llama(n_ctx=64, lora_path="adapter.gguf")
 
 
+def test_panel_gemm_can_be_turned_off():
+    """pack_panels=False keeps GGML's kernels; both answer the same greedy continuation's first token."""
+    with Llama(n_ctx=128, n_threads=2, pack_panels=False) as plain:
+        assert plain._model.panel_kernel == "ggml" and plain._model.n_panel_packed == 0
+        want = plain("The capital of France is", max_tokens=1, temperature=0)["choices"][0]["text"]
+    with Llama(n_ctx=128, n_threads=2) as packed:
+        assert packed("The capital of France is", max_tokens=1, temperature=0)["choices"][0]["text"] == want
+
+
 def test_llama_grammar(llm, tmp_path):
     import json
 
