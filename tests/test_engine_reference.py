@@ -155,6 +155,18 @@ def test_panel_gemm_gives_the_same_logits(tmp_path, reference_logits, monkeypatc
     assert np.abs(packed - want).max() / (want.max() - want.min()) < TOLERANCE["f16"]
 
 
+def test_forced_portable_kernels_leave_the_weights_to_ggml(tmp_path, monkeypatch):
+    """PYLLAMA_PAGED_KERNELS=generic makes our own math portable; the panel GEMM's portable kernel
+    is slower than GGML's, so weights are packed for it only when asked (pack_panels="any-cpu")."""
+    monkeypatch.setenv("PYLLAMA_PAGED_KERNELS", "generic")
+    path = write_tiny_model(tmp_path / "llama-q8.gguf", "llama", weight_type="q8_0", n_layer=1, strict=True)
+    model = Model(path)
+    try:
+        assert model.panel_kernel == "ggml" and model.n_panel_packed == 0
+    finally:
+        model.close()
+
+
 def test_logit_head_packing_is_refused_twice_or_after_repacking(tmp_path):
     from pyllama_paged.engine.model import ModelLoadError
     path = write_tiny_model(tmp_path / "llama-q8.gguf", "llama", weight_type="q8_0", n_layer=1, strict=True)

@@ -154,6 +154,8 @@ int pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int32_t 
     if (m->repack_done)
         return pp_fail(PP_ERR_INVALID, "pack panels before pp_model_repack_weights (it moves weights away)");
     enum pp_panel_kernel chosen = pp_panel_kernel_select();
+    /* The portable kernel is for tests (any_cpu): where no VNNI kernel runs, GGML's are faster. */
+    if (chosen == PP_PANEL_KERNEL_SCALAR && !any_cpu) chosen = PP_PANEL_KERNEL_NONE;
     if (chosen == PP_PANEL_KERNEL_NONE && any_cpu) chosen = PP_PANEL_KERNEL_SCALAR;
     if (chosen == PP_PANEL_KERNEL_NONE) return PP_OK;
     const int n_slots = m->hp.n_layer * PP_N_PROJ + 1;
