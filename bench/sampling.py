@@ -71,6 +71,19 @@ def micro(args):
     return rows
 
 
+# --prompts text: the starts of ordinary English sentences, continued by the model.
+TEXT_PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when",
+    "To make a good cup of tea, first warm the pot, then",
+    "The main difference between a virus and a bacterium is that",
+    "In the morning the fishermen left the harbour and",
+    "A balanced diet should include vegetables, grains and",
+    "The committee met on Tuesday to discuss the budget, and after a long debate",
+    "Photosynthesis is the process by which plants",
+    "When I was a child, my grandmother used to tell me",
+]
+
+
 def in_engine(args):
     from pyllama_paged import LLMEngine, Model, ModelRunner, SamplingParams, SchedulerConfig
 
@@ -78,11 +91,15 @@ def in_engine(args):
     runner = ModelRunner(model, n_ctx=512, n_threads=args.threads, n_batch=512, block_size=32,
                          num_blocks=args.rows * 512 // 32 + 64)
     rows = []
+    if args.prompts == "text":
+        from pyllama_paged.tokenizer.tokenizer import Tokenizer
+        tok = Tokenizer.from_metadata(model.metadata)
+        texts = [tok.encode(f"{TEXT_PROMPTS[i % len(TEXT_PROMPTS)]} ({i})") for i in range(args.rows)]
     for name in ("t0.8 top-p 0.95 top-k 0", "t0.8 top-p 0.95 top-k 40"):
         llm = LLMEngine(runner, set(), SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=args.rows))
         rng = np.random.default_rng(1)
         for i in range(args.rows):
-            prompt = [2] + rng.integers(1000, 200000, size=24).tolist()
+            prompt = texts[i] if args.prompts == "text" else [2] + rng.integers(1000, 200000, size=24).tolist()
             llm.add_request(prompt, SamplingParams(max_tokens=args.decode_steps + 1, seed=i, **SETTINGS[name]))
         while any(len(r.seqs[0].output_ids) == 0 for r in llm.requests.values()):
             llm.step()   # prefill
@@ -93,7 +110,7 @@ def in_engine(args):
         forward, sample = llm.forward_seconds - f0, llm.sample_seconds - s0
         while llm.has_work():
             llm.step()
-        rows.append({"setting": name, "sequences": args.rows, "decode steps": steps,
+        rows.append({"setting": f"{name} ({args.prompts} prompts)", "sequences": args.rows, "decode steps": steps,
                      "forward ms/step": 1e3 * forward / steps, "sampling ms/step": 1e3 * sample / steps,
                      "sampling share of step": sample / (forward + sample)})
     runner.close()
@@ -108,6 +125,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--prompts", choices=("random", "text"), default="random",
+                    help="the engine's prompts: random tokens (flat next-token distributions, the "
+                         "default) or English sentences (peaked, as in chat)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     micro_rows = micro(args)
