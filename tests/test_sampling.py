@@ -140,6 +140,46 @@ def test_wide_rows_follow_the_reference(row, kw, best_at):
         assert got[tail].sum() == pytest.approx(want[tail].sum(), abs=0.02)
 
 
+def flat_row(seed):
+    """A vocabulary-sized row with no peak: at temperature 1 a top-p 0.95 nucleus holds
+    most of it, and a small top-p or a deep min-p holds a sliver of the mass."""
+    return np.random.default_rng(seed).standard_normal(262144).astype(np.float32)
+
+
+def rank_group_masses(probs, order, groups=20):
+    """The probability mass of each of `groups` runs of tokens in `order`."""
+    return np.array([probs[part].sum() for part in np.array_split(order, groups)])
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0),     # draws kept half the time; a huge nucleus
+    dict(temperature=1.0, top_k=0, top_p=0.01, min_p=0.0),    # draws nearly never kept: the nucleus outright
+    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.05),    # min-p alone, deep in a flat row
+    dict(temperature=1.0, top_k=3000, top_p=1.0, min_p=0.0),  # a k beyond the row's 1,024 blocks
+])
+def test_flat_rows_follow_the_reference(kw):
+    logits = flat_row(6)
+    params = SamplingParams(seed=12, **kw)
+    want = reference_probs(logits, [], params)
+    n = 1500 if kw["top_k"] else 6000   # a top-k this large heaps most of a flat row
+    got = np.bincount(draws(params, logits, n), minlength=len(logits)) / n
+    assert set(np.flatnonzero(got)) <= set(np.flatnonzero(want))
+    # no token is likely enough to test alone: compare the mass of runs of tokens, likeliest first
+    kept = np.argsort(-want, kind="stable")[:np.count_nonzero(want)]
+    assert np.abs(rank_group_masses(got, kept) - rank_group_masses(want, kept)).max() < (0.05 if n < 6000 else 0.025)
+
+
+def test_top_k_in_a_row_with_fewer_live_blocks_than_k():
+    # every token but 12 masked, all in the first of 1,024 blocks: the block maxima give no floor
+    logits = np.full(262144, -np.inf, dtype=np.float32)
+    logits[3:15] = np.linspace(0.0, 2.0, 12, dtype=np.float32)
+    params = SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.0, seed=2)
+    got = np.bincount(draws(params, logits, 4000), minlength=len(logits)) / 4000
+    want = reference_probs(logits, [], params)
+    assert set(np.flatnonzero(got)) <= set(range(3, 15))
+    assert np.abs(got - want).max() < 0.03
+
+
 def test_logprobs_of_a_penalized_wide_row_are_the_raw_distribution():
     logits = wide_row(4, 200000)
     want = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64) - logits.max()).sum()) - logits.max()

@@ -4,15 +4,15 @@
  * generator per sequence, and log-probabilities only for rows that ask.
  *
  * The vocabulary is never sorted and never copied. A row is a megabyte that
- * is not in cache, so each step of a row is one vectorized read of it
- * (sampling_math.c): the argmax; the whole row's mass (top-p is measured
- * against it) fused with the selection of the tokens above a probability
- * threshold; top-k from the tokens within a logit margin of the best. Only
- * those few candidates are weighed one by one and sorted. If the candidates
- * do not yet hold the nucleus, the threshold is lowered and the row read
- * again (every token left out is less likely than every token kept, so the
- * result is exact). Temperature alone draws by cumulative mass from partial
- * sums of the same pass. */
+ * is not in cache, so each row is read once by a vectorized pass
+ * (sampling_math.c) that finds the argmax and, as the parameters need,
+ * per-block maxima (top-k then reads only the blocks that can hold its
+ * candidates; only those few are weighed and sorted) or every token's
+ * weight with per-block sums. Temperature, top-p and min-p then draw from the whole distribution
+ * by cumulative mass and keep the draw only if it lies in the nucleus,
+ * which one pass over the stored weights tells (rejection sampling: exact,
+ * and a draw is kept at least top_p of the time); after a few misses the
+ * nucleus is found outright. */
 #include "pp_internal.h"
 #include "sampling_math.h"
 #include "pyllama_paged.h"
@@ -28,11 +28,12 @@ typedef struct sampler_scratch {
     int32_t *history;    /* a row's history, sorted for counting; grown on demand */
     int32_t  history_capacity;
     float   *row;        /* [n_vocab] the row after penalties and mask */
-    float   *weights;    /* [n_vocab] exp((logit - max) / temperature), set for candidates only */
+    float   *weights;    /* [n_vocab] exp((logit - max) / temperature): every token's, or top-k's candidates' */
     int32_t *cand;       /* [n_vocab] candidate ids, best first */
     int32_t *selected;   /* [n_vocab] ids a selection pass found, in id order */
     float   *block_sums; /* [n_vocab / PP_SUM_BLOCK + 1] partial masses of a row */
     float   *block_refs; /* [n_vocab / PP_SUM_BLOCK + 1] the scan's scratch */
+    float   *block_maxes;/* [n_vocab / PP_SUM_BLOCK + 1] each block's largest logit */
 } sampler_scratch;
 
 struct pp_sampler {
@@ -63,7 +64,9 @@ int pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out) {
             sc->selected = malloc(sizeof(int32_t) * (size_t)n_vocab);
             sc->block_sums = malloc(sizeof(float) * ((size_t)n_vocab / PP_SUM_BLOCK + 1));
             sc->block_refs = malloc(sizeof(float) * ((size_t)n_vocab / PP_SUM_BLOCK + 1));
-            ok = sc->row && sc->weights && sc->cand && sc->selected && sc->block_sums && sc->block_refs;
+            sc->block_maxes = malloc(sizeof(float) * ((size_t)n_vocab / PP_SUM_BLOCK + 1));
+            ok = sc->row && sc->weights && sc->cand && sc->selected && sc->block_sums && sc->block_refs &&
+                 sc->block_maxes;
         }
     }
     if (!ok) {
@@ -84,6 +87,7 @@ void pp_sampler_destroy(pp_sampler *s) {
         free(s->scratch[t].selected);
         free(s->scratch[t].block_sums);
         free(s->scratch[t].block_refs);
+        free(s->scratch[t].block_maxes);
     }
     free(s->scratch);
     free(s);
@@ -160,31 +164,39 @@ static void top_k_ids(const float *x, const int32_t *from, int32_t n, int32_t k,
     sort_desc(ids, size, x);
 }
 
-/* Top-k first looks at the tokens within this many logits of the best. */
-#define TOP_K_MARGIN 8.0f
-
-/* Keeps the selected ids whose value is at least cut; returns how many. */
-static int32_t keep_at_least(const float *x, int32_t *sel, int32_t n_sel, float cut) {
-    int32_t kept = 0;
-    for (int32_t i = 0; i < n_sel; i++)
-        if (x[sel[i]] >= cut) sel[kept++] = sel[i];
-    return kept;
-}
-
-/* The k highest of the n entries of x into ids, highest first. The heap only
- * sees the tokens within a logit margin of the best, m (a row has few tokens
- * near its best): sel holds a scan's selection, a superset of them (room for
- * n). The margin is widened, with a new selection pass, until it holds k. */
-static int32_t top_k_near_best(const pp_sampling_math *math, const float *x, int32_t n, int32_t k, float m,
-                               float margin, int32_t *sel, int32_t n_sel, int32_t *ids) {
-    float cut = m - margin;
-    n_sel = keep_at_least(x, sel, n_sel, cut);
-    while (n_sel < k && cut > -INFINITY) {
-        margin *= 2.0f;
-        cut = margin < 1e30f ? m - margin : -INFINITY;
-        n_sel = math->select_at_least(x, n, cut, sel);
+/* The k highest of the n entries of x into ids, highest first; returns how
+ * many (NaNs never count). The k-th largest of the per-block maxima is a
+ * floor for the k-th largest entry (k blocks each hold an entry at least as
+ * large), so only the blocks reaching it are read, and only their entries
+ * reaching it meet the heap: about k of a row's 262,144. A k beyond the
+ * number of blocks widens a logit margin below the best, m, instead. sel
+ * and ids have room for n. */
+static int32_t top_k_of_row(const pp_sampling_math *math, const float *x, int32_t n, int32_t k, float m,
+                            const float *block_maxes, int32_t *sel, int32_t *ids) {
+    const int32_t n_blocks = (n + PP_SUM_BLOCK - 1) / PP_SUM_BLOCK;
+    int32_t n_sel = 0;
+    float floor_v = -INFINITY;
+    if (k <= n_blocks) {
+        top_k_ids(block_maxes, NULL, n_blocks, k, ids);
+        /* fewer than k blocks hold a finite entry: every finite entry is a candidate */
+        floor_v = block_maxes[ids[k - 1]] > -INFINITY ? block_maxes[ids[k - 1]] : -FLT_MAX;
     }
-    if (k > n_sel) k = n_sel;   /* NaNs are never selected */
+    if (floor_v > -INFINITY) {
+        for (int32_t start = 0, b = 0; start < n; start += PP_SUM_BLOCK, b++) {
+            if (!(block_maxes[b] >= floor_v)) continue;
+            const int32_t len = start + PP_SUM_BLOCK < n ? PP_SUM_BLOCK : n - start;
+            const int32_t got = math->select_at_least(x + start, len, floor_v, sel + n_sel);
+            for (int32_t i = n_sel; i < n_sel + got; i++) sel[i] += start;
+            n_sel += got;
+        }
+    } else {
+        for (float margin = 8.0f;; margin *= 8.0f) {
+            const float cut = margin < 1e30f ? m - margin : -FLT_MAX;
+            n_sel = math->select_at_least(x, n, cut, sel);
+            if (n_sel >= k || cut == -FLT_MAX) break;
+        }
+    }
+    if (k > n_sel) k = n_sel;
     top_k_ids(x, sel, n_sel, k, ids);
     return k;
 }
@@ -281,19 +293,33 @@ static void apply_penalties(float *row, const pp_sample_row *r, int32_t *scratch
 
 /* ---- one row ------------------------------------------------------------- */
 
-/* The logit at or above which a token weighs at least threshold relative to
- * the best (weight = e^((logit - m) / T)), a hair lower so that rounding
- * never leaves out a token the exact weights would keep. */
-static float logit_cut(float m, float temperature, float threshold) {
-    const float cut = m + temperature * logf(threshold);
-    return cut - fabsf(cut) * 1e-6f - 1e-6f;
+/* Draws one of ids[0, n_cand) with weights w (a few candidates: top-k's):
+ * sorted by weight, then min-p (relative to the best candidate) and top-p
+ * (against z, the whole row's mass) applied. */
+static int32_t draw_sorted(int32_t *ids, int32_t n_cand, const float *w, const pp_sampling_params *sp, double z,
+                           uint64_t *rng) {
+    sort_desc(ids, n_cand, w);
+    int32_t keep = n_cand;
+    if (sp->min_p > 0.0f) {
+        const float cut = w[ids[0]] * sp->min_p;
+        keep = 0;
+        while (keep < n_cand && w[ids[keep]] >= cut) keep++;
+    }
+    if (sp->top_p < 1.0f) {
+        double cum = 0.0;
+        int32_t i = 0;
+        while (i < keep) {
+            cum += w[ids[i++]];
+            if (cum >= (double)sp->top_p * z) break;
+        }
+        keep = i;
+    }
+    return draw(ids, keep, w, next_uniform(rng));
 }
 
-/* Temperature alone: the token where the cumulative mass passes u * z, found
- * from the row's partial sums; only the block holding it is weighed token by
- * token. */
-static int32_t draw_by_mass(const float *row, int32_t n, float m, float inv_t, const float *block_sums,
-                            double target, int32_t fallback) {
+/* The token where the cumulative weight passes target, found from the row's
+ * block sums; only the block holding it is walked token by token. */
+static int32_t draw_weighted(const float *w, int32_t n, const float *block_sums, double target, int32_t fallback) {
     double cum = 0.0;
     for (int32_t start = 0; start < n; start += PP_SUM_BLOCK) {
         const float bs = block_sums[start / PP_SUM_BLOCK];
@@ -304,15 +330,83 @@ static int32_t draw_by_mass(const float *row, int32_t n, float m, float inv_t, c
         const int32_t end = start + PP_SUM_BLOCK < n ? start + PP_SUM_BLOCK : n;
         int32_t token = fallback;
         for (int32_t i = start; i < end; i++) {
-            const float wi = expf((row[i] - m) * inv_t);
-            if (!(wi > 0.0f)) continue;
+            if (!(w[i] > 0.0f)) continue;
             token = i;
-            cum += wi;
+            cum += w[i];
             if (cum > target) break;
         }
         return token;   /* rounding between the two sums: the block's last weighed token */
     }
     return fallback;
+}
+
+/* The mass of the tokens a sort by weight (ties: lower id first) puts
+ * before token t. Blocks whose best logit is clearly below t's hold none:
+ * their weights are good to about 1e-5, far inside e^-0.001. */
+static double mass_before(const pp_sampling_math *math, const float *row, const float *w, int32_t n,
+                          const float *block_maxes, int32_t t, float inv_t) {
+    const float wt = w[t];
+    double mass = 0.0;
+    for (int32_t start = 0, b = 0; start < n; start += PP_SUM_BLOCK, b++) {
+        if ((row[t] - block_maxes[b]) * inv_t > 1e-3f) continue;
+        const int32_t end = start + PP_SUM_BLOCK < n ? start + PP_SUM_BLOCK : n;
+        if (end <= t) {
+            mass += math->mass_above(w + start, end - start, wt, 1);
+        } else if (start > t) {
+            mass += math->mass_above(w + start, end - start, wt, 0);
+        } else {
+            mass += math->mass_above(w + start, t - start, wt, 1);
+            mass += math->mass_above(w + t + 1, end - t - 1, wt, 0);
+        }
+    }
+    return mass;
+}
+
+/* Draws from the whole distribution are kept only if in the nucleus; kept
+ * draws then follow the nucleus exactly (rejection sampling), and a draw
+ * is kept with the nucleus's share of the mass: at least top_p when min-p
+ * does not cut deeper. After this many misses the nucleus is found outright. */
+#define NUCLEUS_TRIES 4
+
+/* The nucleus outright: the tokens weighing at least a threshold, lowered
+ * until they hold it; a few are sorted, many are bucketed (nucleus_front). */
+static int32_t draw_nucleus_outright(const pp_sampling_math *math, sampler_scratch *sc, int32_t n,
+                                     const pp_sampling_params *sp, const pp_row_scan *scan, uint64_t *rng) {
+    const float *w = sc->weights;
+    const float wb = w[scan->best];
+    const double z = scan->mass;
+    /* Down from the top in small steps: the draws missed, so the nucleus
+     * is likely a small share of a flat row, and every token let in is counted. */
+    float threshold = sp->min_p > 0.5f ? sp->min_p : 0.5f;
+    int32_t *ids = sc->cand, n_cand;
+    for (;;) {
+        n_cand = math->select_at_least(w, n, threshold * wb, ids);
+        double mass = 0.0;
+        for (int32_t i = 0; i < n_cand; i++) mass += w[ids[i]];
+        if (mass >= (double)sp->top_p * z || threshold <= sp->min_p || threshold < 1e-30f) break;
+        threshold = threshold / 4.0f > sp->min_p ? threshold / 4.0f : sp->min_p;
+    }
+    if (n_cand == 0) return scan->best;   /* only when the best itself weighs nothing */
+    if (n_cand <= SORT_LIMIT) return draw_sorted(ids, n_cand, w, sp, z, rng);
+    /* A flat row (a high temperature) puts much of the vocabulary in the
+     * nucleus: find it without sorting it. */
+    int32_t keep = sp->min_p > 0.0f ? keep_weighing_at_least(ids, n_cand, w, sp->min_p * wb) : n_cand;
+    if (sp->top_p < 1.0f) keep = nucleus_front(ids, keep, w, (double)sp->top_p * z, sc->selected);
+    return draw(ids, keep, w, next_uniform(rng));
+}
+
+static int32_t draw_nucleus(const pp_sampling_math *math, sampler_scratch *sc, const float *row, int32_t n,
+                            const pp_sampling_params *sp, const pp_row_scan *scan, uint64_t *rng) {
+    const float *w = sc->weights;
+    const float wb = w[scan->best], inv_t = 1.0f / sp->temperature;
+    for (int attempt = 0; attempt < NUCLEUS_TRIES; attempt++) {
+        const int32_t t = draw_weighted(w, n, sc->block_sums, next_uniform(rng) * scan->mass, scan->best);
+        if (w[t] < sp->min_p * wb) continue;
+        if (sp->top_p >= 1.0f ||
+            mass_before(math, row, w, n, sc->block_maxes, t, inv_t) < (double)sp->top_p * scan->mass)
+            return t;
+    }
+    return draw_nucleus_outright(math, sc, n, sp, scan, rng);
 }
 
 static int sample_row(const pp_sampler *s, sampler_scratch *sc, const float *logits, const pp_sample_row *r,
@@ -332,113 +426,51 @@ static int sample_row(const pp_sampler *s, sampler_scratch *sc, const float *log
         row = sc->row;
     }
     /* One read of the row finds the best token and, depending on the
-     * parameters, the mass, partial masses and candidates. */
+     * parameters, every token's weight or top-k's candidates. Below 1e-6 a
+     * temperature only separates ties the argmax already broke; dividing by
+     * it would overflow. */
     const int greedy = sp->temperature <= 1e-6f;
     const int top_k = !greedy && sp->top_k > 0 && sp->top_k < n;
-    const int mass_only = !greedy && !top_k && sp->top_p >= 1.0f && sp->min_p <= 0.0f;
-    const int nucleus = !greedy && !top_k && !mass_only;
-    const float floor_p = sp->min_p > 0.0f ? sp->min_p : 0.0f;   /* the best weighs 1 */
-    float threshold = floor_p > 1e-4f ? floor_p : 1e-4f;           /* nucleus candidates weigh at least this */
+    const int nucleus = !greedy && !top_k;
     pp_row_scan scan = {
-        .scale = greedy || top_k ? 0.0f : 1.0f / sp->temperature,
-        /* a weight of at least threshold is a logit within -T ln(threshold) of the best */
-        .margin = top_k ? TOP_K_MARGIN : nucleus ? -sp->temperature * logf(threshold) * (1.0f + 1e-6f) + 1e-6f : 0.0f,
-        .ids = top_k || nucleus ? sc->selected : NULL,
-        .block_sums = mass_only ? sc->block_sums : NULL,
-        .block_refs = mass_only ? sc->block_refs : NULL,
+        .scale = nucleus ? 1.0f / sp->temperature : 0.0f,
+        .block_sums = nucleus ? sc->block_sums : NULL,
+        .block_refs = nucleus ? sc->block_refs : NULL,
+        .block_maxes = greedy ? NULL : sc->block_maxes,
+        .weights = nucleus ? sc->weights : NULL,
     };
     math->scan_row(row, n, &scan);
     const int32_t best = scan.best;
     if (!(row[best] > -INFINITY)) return PP_ERR_INVALID;   /* the caller names the row */
-    const float m = row[best];
 
-    /* Below 1e-6 a temperature only separates ties the argmax already broke;
-     * dividing by it would overflow. */
     if (greedy) {
         out->token = best;
-    } else {
-        const float inv_t = 1.0f / sp->temperature;
+    } else if (top_k) {
+        const float m = row[best], inv_t = 1.0f / sp->temperature;
         float *w = sc->weights;
         int32_t *ids = sc->cand;
-        int32_t n_cand;
-        double z = scan.mass;            /* the mass the nucleus is measured against */
-        if (top_k) {
-            n_cand = top_k_near_best(math, row, n, sp->top_k, m, TOP_K_MARGIN, sc->selected, scan.n_ids, ids);
-            z = 0.0;
-            for (int32_t i = 0; i < n_cand; i++) {
-                w[ids[i]] = expf((row[ids[i]] - m) * inv_t);
-                z += w[ids[i]];
-            }
-        } else if (mass_only) {
-            out->token = draw_by_mass(row, n, m, inv_t, sc->block_sums, next_uniform(r->rng_state) * z, best);
-            goto logprobs;
-        } else {
-            /* The scan selected the tokens above the threshold (and a few
-             * more); lower it until they hold the nucleus. */
-            int32_t *sel = sc->selected;
-            n_cand = keep_at_least(row, sel, scan.n_ids, logit_cut(m, sp->temperature, threshold));
-            int weighed_all = 0;   /* many candidates: every weight from one vector pass */
-            for (;;) {
-                double mass = 0.0;
-                if (!weighed_all && n_cand > SORT_LIMIT) {
-                    math->weigh_row(row, n, m, inv_t, w);
-                    weighed_all = 1;
-                }
-                for (int32_t i = 0; i < n_cand; i++) {
-                    if (!weighed_all) w[sel[i]] = expf((row[sel[i]] - m) * inv_t);
-                    mass += w[sel[i]];
-                }
-                if (mass >= (double)sp->top_p * z || threshold <= floor_p || threshold < 1e-30f) break;
-                /* a gentle step: the nucleus is rarely far below, and every token let in is weighed */
-                threshold = threshold / 16.0f > floor_p ? threshold / 16.0f : floor_p;
-                n_cand = math->select_at_least(row, n, logit_cut(m, sp->temperature, threshold), sel);
-            }
-            if (n_cand == 0) {   /* only when the best itself is not finite */
-                sel[n_cand++] = best;
-                w[best] = 1.0f;
-            }
-            memcpy(ids, sel, sizeof(int32_t) * (size_t)n_cand);
-            if (n_cand > SORT_LIMIT) {
-                /* A flat row (a high temperature) puts much of the vocabulary
-                 * in the nucleus: find it without sorting it. The best weighs 1. */
-                int32_t keep = sp->min_p > 0.0f ? keep_weighing_at_least(ids, n_cand, w, sp->min_p) : n_cand;
-                if (sp->top_p < 1.0f) keep = nucleus_front(ids, keep, w, (double)sp->top_p * z, sc->selected);
-                out->token = draw(ids, keep, w, next_uniform(r->rng_state));
-                goto logprobs;
-            }
-            sort_desc(ids, n_cand, w);
+        const int32_t n_cand = top_k_of_row(math, row, n, sp->top_k, m, sc->block_maxes, sc->selected, ids);
+        double z = 0.0;
+        for (int32_t i = 0; i < n_cand; i++) {
+            w[ids[i]] = expf((row[ids[i]] - m) * inv_t);
+            z += w[ids[i]];
         }
-        /* min-p, then top-p over the candidates (probabilities relative to z) */
-        int32_t keep = n_cand;
-        if (sp->min_p > 0.0f) {
-            const float cut = w[ids[0]] * sp->min_p;
-            keep = 0;
-            while (keep < n_cand && w[ids[keep]] >= cut) keep++;
-        }
-        if (sp->top_p < 1.0f) {
-            double cum = 0.0;
-            int32_t i = 0;
-            while (i < keep) {
-                cum += w[ids[i++]];
-                if (cum >= (double)sp->top_p * z) break;
-            }
-            keep = i;
-        }
-        out->token = draw(ids, keep, w, next_uniform(r->rng_state));
+        out->token = draw_sorted(ids, n_cand, w, sp, z, r->rng_state);
+    } else {
+        out->token = draw_nucleus(math, sc, row, n, sp, &scan, r->rng_state);
     }
-logprobs:
     out->n_top = 0;
     out->logprob = 0.0f;
     if (sp->n_logprobs >= 0) {
         /* The model's own distribution: the raw row, before penalties and temperature. */
         const int32_t k = sp->n_logprobs < PP_SAMPLE_MAX_TOP ? sp->n_logprobs : PP_SAMPLE_MAX_TOP;
-        pp_row_scan raw = {.scale = 1.0f, .margin = TOP_K_MARGIN, .ids = k > 0 ? sc->selected : NULL};
+        pp_row_scan raw = {.scale = 1.0f, .block_maxes = sc->block_maxes};
         math->scan_row(logits, n, &raw);
         const double lse = (double)logits[raw.best] + log(raw.mass);
         out->logprob = (float)(logits[out->token] - lse);
         if (k > 0) {
-            const int32_t got = top_k_near_best(math, logits, n, k, logits[raw.best], TOP_K_MARGIN, sc->selected,
-                                                raw.n_ids, sc->cand);
+            const int32_t got = top_k_of_row(math, logits, n, k, logits[raw.best], sc->block_maxes, sc->selected,
+                                             sc->cand);
             for (int32_t j = 0; j < got; j++) {
                 out->top_ids[j] = sc->cand[j];
                 out->top_logprobs[j] = (float)(logits[sc->cand[j]] - lse);

@@ -6,22 +6,21 @@
 
 #include <stdint.h>
 
-/* Entries per partial sum of exp_sum_select's block_sums. */
+/* Entries per block of pp_row_scan's partial sums and maxima. */
 #define PP_SUM_BLOCK 256
 
 /* What scan_row computes over a row x[0..n), n >= 1. */
 typedef struct pp_row_scan {
     /* in */
     float    scale;        /* > 0: weigh every entry as e^((x[j] - max) * scale); 0: weigh nothing */
-    float    margin;       /* with ids: select x[j] >= (the largest entry so far) - margin */
-    int32_t *ids;          /* NULL, or room for n selected indices (increasing) */
     float   *block_sums;   /* NULL, or room for ceil(n / PP_SUM_BLOCK) partial masses (with scale > 0) */
     float   *block_refs;   /* scratch of the same size, when block_sums is given */
+    float   *block_maxes;  /* NULL, or room for each block's largest entry (-inf: none above -inf) */
+    float   *weights;      /* NULL, or (with block_sums) room for n: every entry's weight */
     /* out */
     int32_t  best;         /* first index of the largest entry; NaN never wins, and a row with
                             * nothing above -inf gives an entry that is not above -inf either */
     double   mass;         /* the sum of the weights (scale > 0) */
-    int32_t  n_ids;        /* entries selected: a superset of x[j] >= x[best] - margin */
 } pp_row_scan;
 
 typedef struct pp_sampling_math {
@@ -31,9 +30,9 @@ typedef struct pp_sampling_math {
      * L1) finding what a draw needs; see pp_row_scan. */
     void (*scan_row)(const float *x, int32_t n, pp_row_scan *scan);
 
-    /* w[j] = e^((x[j] - m) * scale) for every j < n (x[j] <= m, scale > 0): a
-     * flat row's many candidates weighed in one vector pass. */
-    void (*weigh_row)(const float *x, int32_t n, float m, float scale, float *w);
+    /* The sum of the w[j] at least v (inclusive) or above v over w[0..n):
+     * the mass of the tokens heavier than one token, from stored weights. */
+    float (*mass_above)(const float *w, int32_t n, float v, int inclusive);
 
     /* The indices of x[j] >= cut in increasing order into ids (room for n);
      * returns how many. */
