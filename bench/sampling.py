@@ -11,7 +11,7 @@ Part 2 (in the engine): --rows concurrent greedy-free requests (temperature
 0.8, top-p 0.95, top-k 0 and 40) on the default model, 2 threads; the
 LLMEngine's own counters split each decode step into forward and sampling.
 
-Outputs: bench/results/sampling.{json,md}. Run: python bench/sampling.py
+Outputs: bench/results/sampling.{json,md,png}. Run: python bench/sampling.py
 """
 
 from __future__ import annotations
@@ -134,8 +134,31 @@ def main():
     print(markdown_table(micro_rows))
     engine_rows = in_engine(args)
     print(markdown_table(engine_rows))
-    write_results("sampling", {"micro": micro_rows, "engine": engine_rows, "args": vars(args)},
-                  micro_rows + engine_rows, **({"out_dir": Path(args.out)} if args.out else {}))
+    paths = write_results("sampling", {"micro": micro_rows, "engine": engine_rows, "args": vars(args)},
+                          micro_rows + engine_rows, **({"out_dir": Path(args.out)} if args.out else {}))
+    plot(micro_rows, engine_rows, paths["json"].with_suffix(".png"))
+
+
+def plot(micro_rows, engine_rows, path: Path) -> None:
+    """Native ms per step by setting, and the sampling share of real decode steps against the 5% bound."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 3.8))
+    names = [r["setting"] for r in micro_rows]
+    left.barh(names, [r["native ms/step"] for r in micro_rows], color="tab:blue")
+    left.set(xlabel="ms per call", title=f"native sampler: {micro_rows[0]['rows']} rows of 262,144 logits")
+    left.invert_yaxis()
+    names = [r["setting"] for r in engine_rows]
+    right.barh(names, [100 * r["sampling share of step"] for r in engine_rows], color="tab:orange")
+    right.axvline(5.0, color="black", linestyle="--", label="bound: 5% of a step")
+    right.set(xlabel="% of a decode step", xlim=(0, 10),
+              title=f"in the engine: {engine_rows[0]['sequences']} sequences")
+    right.invert_yaxis()
+    right.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
