@@ -298,6 +298,7 @@ class ReferenceModel:
     bos_id: int | None = None
     eos_id: int | None = None
     _piece_to_id: dict[str, int] | None = field(default=None, repr=False)
+    _head64: tuple | None = field(default=None, repr=False)   # (head, its float64 copy)
 
     # ----------------------------------------------------------------- loading
 
@@ -406,6 +407,22 @@ class ReferenceModel:
     def _w(self, name: str) -> np.ndarray | None:
         return self.tensors.get(name)
 
+    # Heads up to this many weights are multiplied in float64 (a tiny model's head is a
+    # few MB): float32 GEMM results depend on the BLAS kernel and the matrix shape
+    # (OPENBLAS_CORETYPE, thread count), so only float64 makes the reference the same
+    # for a prompt run whole or in pieces.
+    FLOAT64_HEAD_MAX = 1 << 24
+
+    def _head(self, x: np.ndarray, w_out: np.ndarray) -> np.ndarray:
+        """Logits of the final states. A real model's head (262k x 640) stays float32:
+        upcasting it per call would dominate the run time, and its accumulation error
+        (~1e-6 relative, shape-dependent) is far below any engine tolerance."""
+        if w_out.size > self.FLOAT64_HEAD_MAX:
+            return (x.astype(np.float32) @ w_out.T).astype(np.float64)
+        if self._head64 is None or self._head64[0] is not w_out:
+            self._head64 = (w_out, w_out.astype(np.float64))
+        return x @ self._head64[1].T
+
     def _linear(self, x: np.ndarray, prefix: str) -> np.ndarray:
         y = x @ self.tensors[prefix + ".weight"].T.astype(np.float64)
         b = self.tensors.get(prefix + ".bias")
@@ -490,10 +507,7 @@ class ReferenceModel:
         w_out = self.tensors.get("output.weight")
         if w_out is None:
             w_out = self.tensors["token_embd.weight"]  # tied embeddings
-        # The output head alone runs as a float32 GEMM: upcasting a 262k x 640 matrix
-        # to float64 on every call would dominate the run time, and the float32
-        # accumulation error (~1e-6 relative) is far below any engine tolerance.
-        logits = (x.astype(np.float32) @ w_out.T).astype(np.float64)
+        logits = self._head(x, w_out)
         if self.final_logit_softcap is not None:
             c = self.final_logit_softcap
             logits = c * np.tanh(logits / c)
