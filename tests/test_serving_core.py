@@ -4,13 +4,13 @@ prefix caching, n>1 copy-on-write, beam search, abort."""
 import numpy as np
 import pytest
 
-from pyllama_paged.errors import ComputeError
+from pyllama_paged.errors import ComputeError, PagedError
 
 from pyllama_paged.engine.model_runner import ModelRunner
 from pyllama_paged.engine.llm_engine import LLMEngine
 from pyllama_paged.engine.kv_groups import KVGroups
 from pyllama_paged.engine.model import Model
-from pyllama_paged.engine.sampler import SamplingParams, log_softmax
+from pyllama_paged.engine.sampler import MAX_BEAM_WIDTH, SamplingParams, log_softmax
 from pyllama_paged.engine.scheduler import SchedulerConfig
 from pyllama_paged.engine.step_cost import StepCostModel, decode_columns
 from agreement import assert_greedy_agree, engine_logits
@@ -181,7 +181,7 @@ def reference_beam_search(model, prompt, width, max_tokens, length_penalty=1.0):
     return [(o, s) for s, o in ranked[:width]]
 
 
-@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("width", [2, 4, MAX_BEAM_WIDTH])   # the maximum: 2 x width top entries per row
 def test_beam_search_matches_reference(model, width):
     prompt = list(range(20, 45))
     llm = make_engine(model)
@@ -432,3 +432,19 @@ def test_a_padded_step_matches_its_sequences_in_a_full_batch_of_four_columns(mod
     np.testing.assert_allclose(rows[0], rows[1][:5], atol=1e-5)
     for runner in runners:
         runner.close()
+
+
+def test_beam_width_and_logprobs_bounded_by_the_native_result(model):
+    """The native result holds PP_SAMPLE_MAX_TOP entries; wider requests are refused
+    before any sampling (a width of 17 once wrote 34 entries into 20)."""
+    from pyllama_paged._native import ffi, lib
+    from pyllama_paged.engine.sampler import MAX_LOGPROBS
+    assert ffi.sizeof("pp_sample_result") >= lib.PP_SAMPLE_MAX_TOP * 8
+    assert 2 * MAX_BEAM_WIDTH <= lib.PP_SAMPLE_MAX_TOP and MAX_LOGPROBS <= lib.PP_SAMPLE_MAX_TOP
+    llm = make_engine(model)
+    with pytest.raises(PagedError, match="beam_width"):
+        llm.add_request([5, 6, 7], SamplingParams(beam_width=MAX_BEAM_WIDTH + 1))
+    with pytest.raises(PagedError, match="logprobs"):
+        llm.add_request([5, 6, 7], SamplingParams(logprobs=MAX_LOGPROBS + 1))
+    assert llm.stats()["blocks_used"] == 0
+    llm.runner.close()

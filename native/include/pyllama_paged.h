@@ -537,7 +537,10 @@ int pp_encoder_embed(pp_encoder *enc, const int32_t *token_ids, const int32_t *t
  * step); it spreads the rows over up to n_threads threads of its own. */
 typedef struct pp_sampler pp_sampler;
 
-enum { PP_SAMPLE_MAX_TOP = 32 };   /* most top log-probabilities a row may ask for (beam search: 2 x 16) */
+/* Most top log-probabilities a row may ask for; it sizes pp_sample_result's
+ * arrays, and Python reads it to bound both logprobs and beam search (which
+ * asks for 2 x beam_width). */
+enum { PP_SAMPLE_MAX_TOP = 32 };
 
 /* How one row is sampled. temperature 0 is greedy (the argmax after
  * penalties and mask). top_k 0, top_p 1 and min_p 0 each turn a filter off. */
@@ -572,8 +575,8 @@ typedef struct pp_sample_result {
     int32_t token;
     float   logprob;
     int32_t n_top;
-    int32_t top_ids[20];
-    float   top_logprobs[20];
+    int32_t top_ids[PP_SAMPLE_MAX_TOP];
+    float   top_logprobs[PP_SAMPLE_MAX_TOP];
 } pp_sample_result;
 
 /* Create a sampler for n_vocab tokens using up to n_threads threads (1..64);

@@ -14,6 +14,11 @@ from .._native import check, ffi, lib
 from ..constrain.masks import MaskBuffer
 from ..errors import PagedError, RequestError
 
+# The native result holds PP_SAMPLE_MAX_TOP top entries per row: a request may ask for
+# OpenAI's 20 top log-probabilities, and beam search asks for 2 x beam_width.
+MAX_LOGPROBS = min(20, lib.PP_SAMPLE_MAX_TOP)
+MAX_BEAM_WIDTH = lib.PP_SAMPLE_MAX_TOP // 2
+
 
 @dataclass
 class SamplingParams:
@@ -56,9 +61,10 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("repeat_penalty", self.repeat_penalty > 0, "must be > 0"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must be in [0, {MAX_LOGPROBS}]"),
             ("n", 1 <= self.n <= 64, "must be in [1, 64]"),
-            ("beam_width", 1 <= self.beam_width <= 16, "must be in [1, 16]"),
+            ("beam_width", 1 <= self.beam_width <= MAX_BEAM_WIDTH, f"must be in [1, {MAX_BEAM_WIDTH}]"),
             ("beam_width", self.beam_width == 1 or self.constraint is None,
              "must be 1 with a grammar or response format"),
             ("logit_bias", self.logit_bias is None or all(
