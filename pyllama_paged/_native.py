@@ -1,7 +1,11 @@
-"""cffi binding of the native library: the one C header is the whole contract."""
+"""cffi binding of the native library: the one C header is the whole contract.
+
+PYLLAMA_PAGED_LIBRARY, when set, names the shared library to load instead of the one beside this module.
+"""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -11,7 +15,9 @@ from .errors import ComputeError, NativeError, NativeMemoryError, OutOfBlocksErr
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 HEADER_PATH = _PACKAGE_DIR / "include" / "pyllama_paged.h"
-LIBRARY_PATH = _PACKAGE_DIR / "libpyllama_paged.so"
+# The header is always the installed one; the library may be another build of it
+# (e.g. tests/test_asan.py's AddressSanitizer build).
+LIBRARY_PATH = Path(os.environ.get("PYLLAMA_PAGED_LIBRARY") or _PACKAGE_DIR / "libpyllama_paged.so")
 
 PP_OK = 0
 PP_ERR_INVALID = 1
@@ -36,6 +42,8 @@ def _cdef_source(header: str) -> str:
 
 def _load():
     if not LIBRARY_PATH.exists():
+        if os.environ.get("PYLLAMA_PAGED_LIBRARY"):
+            raise ImportError(f"PYLLAMA_PAGED_LIBRARY names {LIBRARY_PATH}, which does not exist")
         raise ImportError(
             f"pyllama-paged's native library is missing at {LIBRARY_PATH}: "
             "install the package with `pip install .` rather than importing the source tree"
