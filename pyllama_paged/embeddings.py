@@ -81,8 +81,7 @@ def embed_for_llama(llm, input, normalize: bool, truncate: bool, pooling: str | 
     from .engine.embedding import POOLINGS, EmbedParams, default_pooling, run_embeddings
     from .gguf.config import POOLING_TYPES
 
-    if llm.runner is None:
-        raise PagedError("this Llama is closed")
+    steps = llm._shared_steps()
     single = isinstance(input, str)
     texts = [input] if single else list(input)
     if not texts:
@@ -93,6 +92,6 @@ def embed_for_llama(llm, input, normalize: bool, truncate: bool, pooling: str | 
     # once it takes llama-cpp-python's arguments) comes before the file's own pooling_type
     asked = POOLING_TYPES.get(getattr(llm, "pooling_type_arg", -1))
     params = EmbedParams(pooling or (asked if asked in POOLINGS else default_pooling(llm._model.config)))
-    vectors = [finish_vector(v, normalize, dimensions).tolist() for v in run_embeddings(engine, ids, params)]
+    vectors = [finish_vector(v, normalize, dimensions).tolist() for v in run_embeddings(steps, ids, params)]
     count = sum(len(i) for i in ids)
     return (vectors[0] if single else vectors), count

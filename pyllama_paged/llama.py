@@ -16,6 +16,7 @@ from .engine.model import Model
 from .engine.model_runner import ModelRunner
 from .engine.sampler import SamplingParams
 from .engine.scheduler import SchedulerConfig
+from .engine.shared_steps import SharedSteps
 from .errors import PagedError, RequestError
 from .llama_chat import chat_chunks, collect_chat, legacy_functions
 from .llama_completion import collect_completion, completion_chunks
@@ -50,7 +51,7 @@ class Llama:
         """Load a GGUF (model_path None: the embedded default model). llama-cpp-python's other
         arguments are accepted; those that change nothing here warn once (llama_compat).
         pack_panels=False keeps GGML's kernels for the weights our VNNI panel GEMM would take."""
-        self.runner = self._model = None   # set first: close() is safe after a failed init
+        self.runner = self._model = self._steps = None   # set first: close() is safe after a failed init
         self._warnings = CompatWarnings()
         self._warnings.constructor_args(llama_cpp_args)
         if lora_path is not None:
@@ -78,6 +79,7 @@ class Llama:
         self._tokens: list[int] = []   # what the model has evaluated: the last prompt and its answer
         if self._model.config.is_encoder:   # bert: embeddings only, no KV cache
             self.runner, self.llm_engine = encoder_engine(self._model, self.n_threads)
+            self._steps = SharedSteps(self.llm_engine)
             self.chat_template = None
             return
         self.runner = ModelRunner(self._model, paged=paged, n_ctx=self._n_ctx, n_seq_max=n_seq_max,
@@ -86,6 +88,7 @@ class Llama:
         self.chat_template = self._chat_template(chat_format)
         self.llm_engine = LLMEngine(self.runner, self._tokenizer.eot_ids,
                                     SchedulerConfig(max_num_batched_tokens=self.n_batch))
+        self._steps = SharedSteps(self.llm_engine)
 
     def _chat_template(self, chat_format: str | None) -> ChatTemplate:
         if chat_format is None or chat_format == "chat_template.default":
@@ -152,7 +155,7 @@ class Llama:
 
     def stats(self) -> dict:
         """KV pool and scheduler figures (pages used/free/shared/cached, hit rate, ...)."""
-        return self.llm_engine.stats()
+        return self._shared_steps().call(lambda engine: engine.stats())
 
     # ---- state ---------------------------------------------------------------
     @property
@@ -190,7 +193,14 @@ class Llama:
         self._seed = state.seed
 
     def close(self) -> None:
-        """Free the runner and the model."""
+        """Free the runner and the model (between steps: other threads' calls then fail cleanly)."""
+        steps = getattr(self, "_steps", None)
+        if steps is not None:
+            steps.close(self._free)
+        else:   # a failed __init__
+            self._free()
+
+    def _free(self) -> None:
         if getattr(self, "runner", None) is not None:
             self.runner.close()
             self.runner = None
@@ -296,53 +306,61 @@ class Llama:
     def stream_texts(self, prompts_ids: Sequence[Sequence[int]], params: SamplingParams, criteria=None):
         """Run prompts together through the scheduler; yield (prompt index, sample index,
         text delta, finish reason or None, token event or None) as text becomes available.
-        criteria: (StopWatch, stopping criteria) for one prompt with one sample."""
-        if self.runner is None:
-            raise PagedError("this Llama is closed")
-        llm = self.llm_engine
+        criteria: (StopWatch, stopping criteria) for one prompt with one sample. Safe from
+        many threads at once: their requests share the engine's steps."""
+        steps = self._shared_steps()
+        if criteria is not None and (len(prompts_ids) > 1 or params.n > 1 or params.beam_width > 1):
+            raise RequestError("stopping_criteria applies to one prompt with one sample")
         requests = []
         try:
             for i, ids in enumerate(prompts_ids):
-                requests.append(llm.add_request(list(ids), params))
+                requests.append(steps.add_request(list(ids), params))
                 if requests[-1].error:
                     raise RequestError(f"prompt {i}: {requests[-1].error}")
         except BaseException:
             for r in requests:
-                llm.abort(r.request_id)
+                steps.abort(r.request_id)
             raise
-        if criteria is not None and (len(requests) > 1 or params.n > 1 or params.beam_width > 1):
-            llm.abort(requests[0].request_id)
-            raise RequestError("stopping_criteria applies to one prompt with one sample")
-        self._tokens = list(prompts_ids[0])
+        tokens = list(prompts_ids[0])
+        self._tokens = tokens
         index = {r.request_id: i for i, r in enumerate(requests)}
         assemblers = [TextAssembler(self._tokenizer, params.stop) for _ in requests]
         width = params.beam_width if params.beam_width > 1 else params.n
         try:
-            while any(r.request_id in llm.requests for r in requests):
-                for out in llm.step():
-                    i = index.get(out.request_id)
-                    if i is None:
-                        continue
+            while outputs := steps.next_outputs(index):
+                for out in outputs:
+                    i = index[out.request_id]
                     if out.error:
                         raise PagedError(out.error)
                     if criteria is not None and out.events and self._stopped(criteria):
-                        llm.abort(out.request_id)   # the token drawn is dropped, as llama-cpp-python does
+                        steps.abort(out.request_id)   # the token drawn is dropped, as llama-cpp-python does
                         out = RequestOutput(out.request_id, finished=True, finish_reasons=["stop"])
                     assembler = assemblers[i]
                     if i == 0:
-                        self._tokens += [e.token_id for e in out.events if e.seq_index == 0]
+                        tokens += [e.token_id for e in out.events if e.seq_index == 0]
                     for d in assembler.feed(out):
                         yield i, d.index, d.text, d.finish_reason, d.event
-                    if not out.finished and params.stop and assembler.all_stopped(width):
-                        llm.abort(out.request_id)   # every sample hit a stop string
+                    if out.finished:
+                        del index[out.request_id]
+                    elif params.stop and assembler.all_stopped(width):
+                        steps.abort(out.request_id)   # every sample hit a stop string
+                        del index[out.request_id]
+                if not index:
+                    break
         finally:
             for r in requests:
-                llm.abort(r.request_id)
+                steps.abort(r.request_id)
+
+    def _shared_steps(self) -> SharedSteps:
+        if self.runner is None:
+            raise PagedError("this Llama is closed")
+        return self._steps
 
     @staticmethod
     def _stopped(criteria) -> bool:
         watch, stopping_criteria = criteria
-        return watch.scores is not None and bool(stopping_criteria(watch.input_ids, watch.scores))
+        row = watch.next_row()
+        return row is not None and bool(stopping_criteria(*row))
 
     def create_chat_completion(self, messages: list[dict], functions: list | None = None, function_call=None,
                                tools: list | None = None, tool_choice=None, temperature: float = 0.2,

@@ -5,7 +5,8 @@ stopping criteria, tokenizer). Nothing here runs the model."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 import numpy as np
@@ -208,12 +209,16 @@ LlamaCache = LlamaRAMCache
 class StopWatch:
     """A logits processor that records the raw row (and the ids before it) of each
     step, so stopping criteria can be asked after the token is drawn, as
-    llama-cpp-python asks them."""
+    llama-cpp-python asks them. Rows are queued: another thread sharing the steps
+    may run the next step before this request's caller reads the token."""
 
     inner: Optional[LogitsProcessor] = None
-    input_ids: Optional[np.ndarray] = None
-    scores: Optional[np.ndarray] = None
+    rows: deque = field(default_factory=deque)   # (input_ids, scores) per drawn token, oldest first
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        self.input_ids, self.scores = input_ids, scores.copy()
+        self.rows.append((input_ids, scores.copy()))
         return self.inner(input_ids, scores) if self.inner is not None else scores
+
+    def next_row(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The oldest recorded row not yet asked about (None if none)."""
+        return self.rows.popleft() if self.rows else None

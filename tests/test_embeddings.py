@@ -173,7 +173,8 @@ def test_decoder_embedding_matches_reference(tiny_decoders, arch, pooling):
 def _embed_ids(llm, prompts, pooling):
     from pyllama_paged.embeddings import finish_vector
     from pyllama_paged.engine.embedding import run_embeddings
-    return [finish_vector(v) for v in run_embeddings(llm.llm_engine, prompts, EmbedParams(pooling))]
+    from pyllama_paged.engine.shared_steps import SharedSteps
+    return [finish_vector(v) for v in run_embeddings(SharedSteps(llm.llm_engine), prompts, EmbedParams(pooling))]
 
 
 def test_decoder_embeddings_beside_generation_and_prefix_cache(tiny_decoders):

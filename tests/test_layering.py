@@ -34,7 +34,7 @@ LAYERS = [
     ["engine.step_cost"],
     ["engine.scheduler"],
     ["engine.llm_engine", "engine.prompt_logprobs"],
-    ["engine.loop", "engine.encoder"],
+    ["engine.loop", "engine.encoder", "engine.shared_steps"],
     ["text_stream", "sampling_options", "tools.calls", "tools.messages", "embeddings"],
     ["tools.prompt"],
     ["llama_compat", "llama_grammar", "llama_pretrained", "llama_chat", "llama_completion"],

@@ -448,3 +448,30 @@ def test_beam_width_and_logprobs_bounded_by_the_native_result(model):
         llm.add_request([5, 6, 7], SamplingParams(logprobs=MAX_LOGPROBS + 1))
     assert llm.stats()["blocks_used"] == 0
     llm.runner.close()
+
+
+@pytest.mark.parametrize("bad", ["all_minus_inf", "raises"])
+def test_a_bad_row_fails_its_own_request_only(model, bad):
+    """A row that allows no finite logit, or whose logits processor raises, ends its
+    request with an error; the request sampled beside it in the same step goes on."""
+    def processor(ids, row):
+        if bad == "raises":
+            raise ValueError("user code failed")
+        return np.full_like(row, -np.inf)
+
+    llm = make_engine(model)
+    good = llm.add_request(list(range(10, 30)), SamplingParams(max_tokens=6, temperature=0))
+    broken = llm.add_request(list(range(40, 60)), SamplingParams(max_tokens=6, temperature=0,
+                                                                 logits_processor=processor))
+    results = {}
+    while llm.has_work():
+        for out in llm.step():
+            got = results.setdefault(out.request_id, {"tokens": 0, "error": None, "finished": False})
+            got["tokens"] += len(out.events)
+            got["error"] = got["error"] or out.error
+            got["finished"] = got["finished"] or out.finished
+    assert results[broken.request_id]["finished"] and results[broken.request_id]["tokens"] == 0
+    assert ("user code failed" if bad == "raises" else "no token can be sampled") in results[broken.request_id]["error"]
+    assert results[good.request_id] == {"tokens": 6, "error": None, "finished": True}
+    assert llm.stats()["blocks_used"] == 0
+    llm.runner.close()

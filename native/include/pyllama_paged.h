@@ -592,8 +592,9 @@ uint64_t pp_sampler_seed(uint64_t seed);
 /* Sample n_rows rows of logits [n_logit_rows][n_vocab] into out[0..n_rows).
  * Every row is checked before any is sampled: PP_ERR_INVALID (nothing
  * sampled, no generator advanced) for a bad row index, parameter or history
- * token. PP_ERR_INVALID also if a row allows no finite logit (then the
- * other rows are sampled). The vocabulary is never sorted (see sampler.c). */
+ * token. PP_ERR_INVALID also if a row allows no finite logit: the other rows
+ * are sampled, and each such row's result has token -1, so the caller can fail
+ * only the sequences whose rows failed. The vocabulary is never sorted (see sampler.c). */
 int pp_sample(pp_sampler *sampler, const float *logits, int32_t n_logit_rows, const pp_sample_row *rows,
               int32_t n_rows, pp_sample_result *out);
 

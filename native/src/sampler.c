@@ -497,8 +497,11 @@ static void *sample_rows(void *arg) {
     for (int32_t i = job->first; i < job->n_rows; i += job->stride) {
         const pp_sample_row *r = &job->rows[i];
         if (sample_row(job->s, job->scratch, job->logits + (size_t)r->logit_row * job->s->n_vocab, r,
-                       &job->out[i]) != PP_OK && job->failed_row < 0)
-            job->failed_row = i;
+                       &job->out[i]) != PP_OK) {
+            job->out[i].token = -1;   /* tells the caller which rows failed */
+            job->out[i].n_top = 0;
+            if (job->failed_row < 0) job->failed_row = i;
+        }
     }
     return NULL;
 }

@@ -85,29 +85,30 @@ class DecoderPooling:
         self.states.pop(seq_id, None)
 
 
-def run_embeddings(engine, inputs: list[list[int]], params: EmbedParams) -> list[np.ndarray]:
-    """Embed many token lists through an engine (LLMEngine or EncoderEngine) on this thread,
-    all queued at once so the scheduler batches them; returns the pooled vectors in order.
-    PagedError (every request aborted) if one fails."""
+def run_embeddings(steps, inputs: list[list[int]], params: EmbedParams) -> list[np.ndarray]:
+    """Embed many token lists through an engine's SharedSteps (LLMEngine or EncoderEngine),
+    all queued at once so the scheduler batches them (with whatever else is running);
+    returns the pooled vectors in order. PagedError (every input aborted) if one fails."""
     requests = []
     try:
         for i, ids in enumerate(inputs):
-            request = engine.add_request(list(ids), params)
+            request = steps.add_request(list(ids), params)
             if request.error:
                 raise PagedError(f"input {i}: {request.error}")
             requests.append(request)
         index = {r.request_id: i for i, r in enumerate(requests)}
         vectors: list[np.ndarray | None] = [None] * len(inputs)
-        while any(v is None for v in vectors):
-            for out in engine.step():
-                i = index.get(out.request_id)
-                if i is None:
-                    continue
+        while outputs := steps.next_outputs(index):
+            for out in outputs:
+                i = index[out.request_id]
                 if out.error:
                     raise PagedError(f"input {i}: {out.error}")
                 if out.embedding is not None:
                     vectors[i] = out.embedding
+        missing = [i for i, v in enumerate(vectors) if v is None]
+        if missing:
+            raise PagedError(f"input {missing[0]}: finished without an embedding")
         return vectors
     finally:
         for r in requests:
-            engine.abort(r.request_id)
+            steps.abort(r.request_id)

@@ -151,15 +151,20 @@ class LLMEngine:
         started = time.perf_counter()
         drawn = self.sampler.sample(logits, [(row, sampler, seq.token_ids) for _, seq, row, sampler in picks])
         self.sample_seconds += time.perf_counter() - started
+        failed = {request.request_id: (request, sampled.error)
+                  for (request, _, _, _), sampled in zip(picks, drawn) if sampled.error}
+        for request, error in failed.values():   # one request's bad row fails it alone
+            self._fail(request, outputs[request.request_id], error)
         for (request, seq, _, _), sampled in zip(picks, drawn):
-            if not request.is_beam:
+            if not request.is_beam and request.request_id not in failed:
                 self._accept(request, seq, sampled, outputs[request.request_id])
         for request_id, items in beams.items():
-            self._beam_step(self.requests[request_id], [(seq, drawn[i].top) for seq, i in items],
-                            outputs[request_id])
+            if request_id not in failed:
+                self._beam_step(self.requests[request_id], [(seq, drawn[i].top) for seq, i in items],
+                                outputs[request_id])
         for request_id in ready:
-            request = self.requests[request_id]
-            if not request.live_seqs:
+            request = self.requests.get(request_id)
+            if request is not None and not request.live_seqs:
                 self._finish(request, outputs[request_id])
         elapsed = time.perf_counter() - step_started
         self.scheduler.observe_step(elapsed)
@@ -205,6 +210,13 @@ class LLMEngine:
             scored = [(s.output_ids, s.cumulative_logprob / max(len(s.output_ids), 1) ** penalty)
                       for s in request.finished_beams]
             out.beams = sorted(scored, key=lambda b: -b[1])[:request.params.beam_width]
+
+    def _fail(self, request: Request, out: RequestOutput, error: str) -> None:
+        """End one request with an error (its pages freed); the step goes on for the rest."""
+        request.error = out.error = error
+        for seq in request.seqs:
+            self.pooling.forget(seq.seq_id)
+        self._finish(request, out)
 
     def _accept(self, request: Request, seq: Sequence, sampled: Sampled, out: RequestOutput) -> None:
         """Append a sampled token, report it, and finish the sequence if it ended."""

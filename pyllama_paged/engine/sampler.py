@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .._native import check, ffi, lib
+from .._native import PP_OK, check, ffi, lib
 from ..constrain.masks import MaskBuffer
 from ..errors import PagedError, RequestError
 
@@ -131,6 +131,7 @@ class Sampled:
     token: int
     logprob: float | None = None
     top: dict[int, float] | None = None
+    error: str | None = None   # this row could not be drawn (its request fails alone); token is -1
 
 
 _TINY, _HUGE = 1e-30, 1e30
@@ -153,16 +154,23 @@ class BatchSampler:
         self._native = out[0]
 
     def sample(self, logits: np.ndarray, picks) -> list[Sampled]:
-        """picks: (logits row, Sampler, token history) per sequence to sample."""
-        n = len(picks)
-        if n == 0:
+        """picks: (logits row, Sampler, token history) per sequence to sample. A row whose
+        logits processor or grammar fails, or that allows no finite logit, comes back with
+        an error and the others are drawn as usual."""
+        if not picks:
             return []
         if logits.dtype != np.float32 or not logits.flags.c_contiguous or logits.shape[-1] != self.n_vocab:
             raise PagedError(f"logits must be C-contiguous float32 rows of {self.n_vocab}")
-        self._adjust_logits(logits, picks)
-        rows, results = self._arrays(n)
-        keep = self._allowed_masks(rows, picks)   # these arrays must outlive the call
-        for r, (row_index, sampler, history) in zip(rows, picks):
+        out: list[Sampled | None] = [None] * len(picks)
+        for k, message in self._adjust_logits(logits, picks).items():
+            out[k] = Sampled(-1, error=message)
+        live = [k for k in range(len(picks)) if out[k] is None]
+        if not live:
+            return out
+        rows, results = self._arrays(len(live))
+        keep = self._allowed_masks(rows, [picks[k] for k in live], out, live)   # must outlive the call
+        for r, k in zip(rows, live):
+            row_index, sampler, history = picks[k]
             r.logit_row = row_index
             r.params = self._params_of(sampler)[0]
             counted = sampler.history(history)
@@ -172,23 +180,38 @@ class BatchSampler:
                 r.history = ffi.cast("const int32_t *", ffi.from_buffer(arr))
                 r.n_history = len(arr)
             r.rng_state = sampler.rng_ptr
-        check(lib.pp_sample(self._native, ffi.cast("const float *", ffi.from_buffer(logits)),
-                            logits.shape[0] if logits.ndim == 2 else 1, self._rows, n, self._results), "sample")
-        out = []
-        for res, (_, sampler, _) in zip(results, picks):
+        status = lib.pp_sample(self._native, ffi.cast("const float *", ffi.from_buffer(logits)),
+                               logits.shape[0] if logits.ndim == 2 else 1, self._rows, len(live), self._results)
+        failed_rows = status != PP_OK and any(res.token < 0 for res in results)
+        if status != PP_OK and not failed_rows:
+            check(status, "sample")
+        for res, k in zip(results, live):
+            sampler = picks[k][1]
+            if out[k] is not None:   # its grammar failed before the call
+                continue
+            if res.token < 0:
+                out[k] = Sampled(-1, error="no token can be sampled: every allowed token's logit is -inf "
+                                           "or not finite (logit_bias, grammar or logits processor)")
+                continue
             if sampler.constraint is not None:
-                sampler.constraint.accept(res.token)
+                try:
+                    sampler.constraint.accept(res.token)
+                except Exception as e:  # the grammar engine's failure is this request's
+                    out[k] = Sampled(-1, error=f"grammar: {type(e).__name__}: {e}")
+                    continue
             if sampler.params.logprobs is None:
-                out.append(Sampled(res.token))
+                out[k] = Sampled(res.token)
             else:
                 top = {int(res.top_ids[j]): float(res.top_logprobs[j]) for j in range(res.n_top)}
-                out.append(Sampled(res.token, float(res.logprob), top))
+                out[k] = Sampled(res.token, float(res.logprob), top)
         return out
 
-    def _adjust_logits(self, logits: np.ndarray, picks) -> None:
+    def _adjust_logits(self, logits: np.ndarray, picks) -> dict[int, str]:
         """Apply each row's logit_bias, then its logits processor, in place (the rows are
-        the runner's buffer of this step, read by nothing after sampling)."""
-        for row_index, sampler, history in picks:
+        the runner's buffer of this step, read by nothing after sampling). Returns the
+        rows whose processor failed, with why."""
+        failed: dict[int, str] = {}
+        for k, (row_index, sampler, history) in enumerate(picks):
             if not sampler.adjusts_logits:
                 continue
             row = logits.reshape(-1, self.n_vocab)[row_index]
@@ -197,9 +220,13 @@ class BatchSampler:
                 row[ids] += bias
             processor = sampler.params.logits_processor
             if processor is not None:
-                out = processor(np.asarray(history, dtype=np.intc), row)
-                if out is not row:
-                    row[:] = out
+                try:
+                    adjusted = processor(np.asarray(history, dtype=np.intc), row)
+                    if adjusted is not row:
+                        row[:] = adjusted
+                except Exception as e:  # the caller's code: it fails its own request only
+                    failed[k] = f"logits_processor raised {type(e).__name__}: {e}"
+        return failed
 
     def _arrays(self, n: int):
         """The rows and results of a call of n rows: reused, grown as needed, rows zeroed."""
@@ -231,8 +258,9 @@ class BatchSampler:
         sampler.native_params = (self.n_vocab, sp)
         return sp
 
-    def _allowed_masks(self, rows, picks) -> list:
-        """Point each constrained row at its grammar's token mask, all computed in one batch."""
+    def _allowed_masks(self, rows, picks, out, live) -> list:
+        """Point each constrained row at its grammar's token mask, all computed in one batch.
+        A grammar that fails marks its row (out[live[i]]) and lets it allow nothing."""
         constrained = [i for i, (_, sampler, _) in enumerate(picks) if sampler.constraint is not None]
         if not constrained:
             return []
