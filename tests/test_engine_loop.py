@@ -154,3 +154,50 @@ def test_work_queued_when_the_loop_stops_gets_an_error(own_loop):
     assert "stopped" in str(results["call"].value)
     with pytest.raises(PagedError, match="stopped"):
         finishes(lambda: list(stream))
+
+
+def test_long_work_runs_in_pieces_between_steps(loop):
+    """run_in_steps: a step of the running streams goes between each piece of long
+    work (prompt scoring), so a stream keeps moving while it runs."""
+    from pyllama_paged.engine.prompt_logprobs import prompt_logprobs, score_prompt
+    prompt = [(7 * i) % 200 + 3 for i in range(150)]   # five 32-row pieces
+    stream = loop.submit([5, 6, 7], SamplingParams(max_tokens=60, temperature=0))
+    steps_seen = []
+
+    def scoring(llm):
+        pieces = score_prompt(llm.runner, prompt, 3)
+        while True:
+            steps_seen.append(llm.num_steps)
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+            yield
+
+    got = loop.run_in_steps(scoring).result(timeout=120)
+    tokens_of(stream)
+    want = loop.call(lambda llm: prompt_logprobs(llm.runner, prompt, 3))
+    assert len(got) == len(want) == len(prompt)
+    for (lp_a, top_a), (lp_b, top_b) in zip(got[1:], want[1:]):
+        assert abs(lp_a - lp_b) < 1e-4 and list(top_a) == list(top_b)
+    assert len(steps_seen) == 5 and len(set(steps_seen)) == 5   # a step between every two pieces
+    assert loop.call(lambda llm: llm.stats()["blocks_used"]) == 0
+
+
+def test_cancelled_long_work_frees_its_pages(loop):
+    from pyllama_paged.engine.prompt_logprobs import score_prompt
+    started = threading.Event()
+
+    def scoring(llm):
+        pieces = score_prompt(llm.runner, list(range(3, 200)), 0)
+        next(pieces)
+        started.set()
+        while True:   # never finishes on its own
+            yield
+
+    future = loop.run_in_steps(scoring)
+    assert started.wait(30)
+    assert loop.call(lambda llm: llm.stats()["blocks_used"]) > 0
+    assert future.cancel()
+    loop.call(lambda llm: None)   # the loop passes its tasks once between two calls
+    assert loop.call(lambda llm: llm.stats()["blocks_used"]) == 0

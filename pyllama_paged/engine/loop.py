@@ -6,6 +6,7 @@ once. The loop sleeps on a condition variable when there is no work."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -16,6 +17,17 @@ from .llm_engine import LLMEngine, RequestOutput
 from .sampler import SamplingParams
 
 _END = object()
+
+
+def _settle(future: concurrent.futures.Future, value=None, error: BaseException | None = None) -> None:
+    """Give a task's future its outcome unless the caller cancelled it meanwhile."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass   # cancelled: nobody is waiting
 
 
 class RequestStream:
@@ -78,8 +90,9 @@ class EngineLoop:
     def __init__(self, llm: LLMEngine):
         self.llm = llm
         self._cv = threading.Condition()
-        self._commands: deque = deque()   # ("add", id, prompt, params) | ("abort", id) | ("call", fn, box, done)
+        self._commands: deque = deque()   # ("add", id, prompt, params) | ("abort", id) | ("call", fn, box, done) | ("task", work, future)
         self._streams: dict[str, RequestStream] = {}
+        self._tasks: list[tuple] = []     # (generator, Future): long work run a piece per step
         self._ids = itertools.count()
         self._stopped = False
         self._death: str | None = None    # why the loop thread ended, if not by stop()
@@ -123,6 +136,16 @@ class EngineLoop:
             raise box["error"]
         return box["value"]
 
+    def run_in_steps(self, work) -> concurrent.futures.Future:
+        """Run work(llm), a generator function, on the loop thread one piece (up to its next
+        yield) at a time with a step of everyone's requests between pieces, so long work
+        (prompt scoring) never freezes the streams. The future gets its return value or
+        error; cancelling the future closes the generator (its finally frees what it held)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._enqueue(("task", work, future))
+        return future
+
     def stop(self) -> None:
         """Finish the thread; pending streams and calls end with an error."""
         with self._cv:
@@ -146,19 +169,26 @@ class EngineLoop:
             if command[0] == "call":
                 command[2]["error"] = PagedError(reason)
                 command[3].set()
+            elif command[0] == "task":
+                _settle(command[2], error=PagedError(reason))
+        for generator, future in self._tasks:
+            generator.close()
+            _settle(future, error=PagedError(reason))
+        self._tasks = []
         for request_id in list(self._streams):
             self._close(request_id, PagedError(reason))
 
     def _serve_once(self) -> bool:
         """Carry out the queued commands, then one step; False once stopped."""
         with self._cv:
-            while not (self._commands or self._stopped or self.llm.has_work()):
+            while not (self._commands or self._stopped or self.llm.has_work() or self._tasks):
                 self._cv.wait()
             if self._stopped:
                 return False
             commands, self._commands = self._commands, deque()
         for command in commands:
             self._carry_out(command)
+        self._advance_tasks()
         if not self.llm.has_work():
             return True
         try:
@@ -172,9 +202,35 @@ class EngineLoop:
             self._deliver(out)
         return True
 
+    def _advance_tasks(self) -> None:
+        """One piece of each long task; finished, failed and cancelled ones leave."""
+        still = []
+        for generator, future in self._tasks:
+            if future.cancelled():
+                generator.close()
+                continue
+            try:
+                next(generator)
+            except StopIteration as done:
+                _settle(future, value=done.value)
+                continue
+            except Exception as e:  # handed back to the caller
+                _settle(future, error=e)
+                continue
+            still.append((generator, future))
+        self._tasks = still
+
     def _carry_out(self, command: tuple) -> None:
         kind = command[0]
-        if kind == "call":
+        if kind == "task":
+            _, work, future = command
+            # the future stays pending until settled, so the caller can cancel it meanwhile
+            if not future.cancelled():
+                try:
+                    self._tasks.append((work(self.llm), future))
+                except Exception as e:  # handed back to the caller
+                    _settle(future, error=e)
+        elif kind == "call":
             _, fn, box, done = command
             try:
                 box["value"] = fn(self.llm)
