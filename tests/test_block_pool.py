@@ -3,6 +3,7 @@
 import pytest
 
 from pyllama_paged import BlockPool, BlockState, NativeError, OutOfBlocksError
+from pyllama_paged.errors import PagedError
 
 
 def test_create_rejects_bad_sizes():
@@ -167,15 +168,32 @@ def test_explicit_evict_and_reset():
 
 
 def test_hash_chain_is_deterministic_and_parent_sensitive():
-    h1 = BlockPool.hash_block(0, [1, 2, 3])
-    assert h1 == BlockPool.hash_block(0, [1, 2, 3])
-    assert h1 != BlockPool.hash_block(0, [1, 2, 4])
-    assert BlockPool.hash_block(h1, [5]) != BlockPool.hash_block(0, [5])
     with BlockPool(4, 3) as pool:
+        h1 = pool.hash_block(0, [1, 2, 3])
+        assert h1 == pool.hash_block(0, [1, 2, 3])
+        assert h1 != pool.hash_block(0, [1, 2, 4])
+        assert pool.hash_block(h1, [5]) != pool.hash_block(0, [5])
         seq, _ = pool.create_sequence([1, 2, 3, 5, 6, 7])
         t = pool.block_table(seq)
         assert pool.block_info(t[0]).hash == h1
-        assert pool.block_info(t[1]).hash == BlockPool.hash_block(h1, [5, 6, 7])
+        assert pool.block_info(t[1]).hash == pool.hash_block(h1, [5, 6, 7])
+
+
+def test_block_hash_is_keyed_per_pool():
+    """A secret key per pool: nobody outside can aim a chain collision at a shared
+    prefix (an unkeyed invertible chain let a crafted prompt poison others' KV)."""
+    with BlockPool(4, 3) as a, BlockPool(4, 3) as b:
+        tokens = [11, 12, 13]
+        assert a.hash_block(0, tokens) != b.hash_block(0, tokens)
+        a.set_hash_key(1, 2)
+        b.set_hash_key(1, 2)
+        assert a.hash_block(0, tokens) == b.hash_block(0, tokens)
+        b.set_hash_key(1, 3)
+        assert a.hash_block(0, tokens) != b.hash_block(0, tokens)
+        seq, _ = a.create_sequence(tokens + [1])
+        with pytest.raises(PagedError, match="empty"):
+            a.set_hash_key(5, 6)
+        a.free(seq)
 
 
 def test_empty_sequence_and_many_sequences():
@@ -238,8 +256,10 @@ def test_a_hash_collision_never_attaches_a_block_to_another_prefix():
     bits = 10
     mask = (1 << bits) - 1
 
+    keyed = BlockPool(16, 4)   # the pool whose key the search below aims at
+
     def h(parent, tokens):
-        return BlockPool.hash_block(parent, tokens) & mask or 1
+        return keyed.hash_block(parent, tokens) & mask or 1
 
     x1 = [1, 2, 3, 4]
     h1 = h(0, x1)
@@ -250,7 +270,7 @@ def test_a_hash_collision_never_attaches_a_block_to_another_prefix():
         if parents:
             break
     x2 = next([5, 6, 8, i] for i in range(1 << 20) if h(0, [5, 6, 8, i]) == parents[0])
-    with BlockPool(16, 4) as pool:
+    with keyed as pool:
         pool.weaken_hash(bits)
         a, _ = pool.create_sequence(x1 + tail + [0])
         b, _ = pool.create_sequence(x2 + [0])

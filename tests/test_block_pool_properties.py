@@ -128,7 +128,7 @@ class PoolMachine(RuleBasedStateMachine):
             for i in range(len(expected) // self.block_size):
                 block_tokens = tuple(expected[: (i + 1) * self.block_size])
                 h = self.pool.block_info(int(table[i])).hash
-                assert h == BlockPool.hash_block(parent, block_tokens[-self.block_size:])
+                assert h == self.pool.hash_block(parent, block_tokens[-self.block_size:])
                 assert self.hash_of_prefix.setdefault(block_tokens, h) == h
                 parent = h
 

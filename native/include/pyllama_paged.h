@@ -135,10 +135,19 @@ int pp_pool_weaken_hash(pp_block_pool *pool, int32_t bits);
  * keep their data but will not be found by later lookups. */
 int pp_pool_reset_prefix_cache(pp_block_pool *pool);
 
-/* Hash of a full block's token ids chained to its parent's hash (0 for the
- * first block). Pure function; exposed so callers and tests can check the
- * chain. Returns the hash (cannot fail). */
-uint64_t pp_hash_block(uint64_t parent_hash, const int32_t *token_ids, int32_t num_tokens);
+/* The pool's hash of a full block's token ids chained to its parent's hash
+ * (0 for the first block): SipHash-2-4 under the pool's secret key, which is
+ * random per pool, so nobody outside the process can construct a prefix whose
+ * chain collides with another user's. Exposed so callers and tests can check
+ * the chain. Returns the hash, never 0 (cannot fail; a NULL pool hashes with
+ * the all-zero key). */
+uint64_t pp_hash_block(const pp_block_pool *pool, uint64_t parent_hash, const int32_t *token_ids,
+                       int32_t num_tokens);
+
+/* Set the pool's hash key (random at creation), e.g. so processes that share
+ * block hashes agree. PP_ERR_INVALID unless the pool holds no sequence and no
+ * cached block. */
+int pp_pool_set_hash_key(pp_block_pool *pool, uint64_t k0, uint64_t k1);
 
 /* ---- sequences --------------------------------------------------------- */
 

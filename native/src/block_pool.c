@@ -7,6 +7,8 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 
 /* ---- block state transitions ------------------------------------------- */
 
@@ -81,6 +83,18 @@ void pp_block_ref_dec(pp_block_pool *p, int32_t b) {
 
 /* ---- pool --------------------------------------------------------------- */
 
+/* A fresh secret key for the pool's block hash (prefix_cache.c says why).
+ * getrandom() does not fail for 16 bytes once the kernel's pool is ready; if
+ * it ever does, the clock and addresses still make the key unpredictable
+ * enough that no collision can be aimed from outside the process. */
+static void random_key(uint64_t key[2]) {
+    if (getrandom(key, 2 * sizeof(uint64_t), 0) == (ssize_t)(2 * sizeof(uint64_t))) return;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    key[0] = (uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull ^ (uint64_t)(uintptr_t)key;
+    key[1] = (uint64_t)ts.tv_sec * 0xbf58476d1ce4e5b9ull ^ (uint64_t)(uintptr_t)&ts;
+}
+
 int pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out) {
     const int32_t full_attention = 0;
     return pp_pool_create_grouped(num_blocks, block_size, 1, &full_attention, out);
@@ -133,6 +147,7 @@ int pp_pool_create_grouped(int32_t num_blocks, int32_t block_size, int32_t n_gro
     p->lru_head = p->lru_tail = -1;
     p->free_seq_slot = -1;
     p->hash_mask = ~0ull;
+    random_key(p->hash_key);
     p->n_groups = n_groups;
     memcpy(p->group_window, group_window, (size_t)n_groups * sizeof(int32_t));
     *out = p;

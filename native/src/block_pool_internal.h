@@ -63,6 +63,7 @@ struct pp_block_pool {
     int32_t      num_seqs;
 
     uint64_t hash_mask;        /* all ones, unless a test weakens the hash */
+    uint64_t hash_key[2];      /* the block hash's secret key: random per pool */
 
     int32_t num_shared;
     int64_t num_hits, num_misses, num_evictions, num_cow_copies;

@@ -17,11 +17,46 @@ static uint64_t mix64(uint64_t x) {
     return x;
 }
 
-uint64_t pp_hash_block(uint64_t parent_hash, const int32_t *token_ids, int32_t num_tokens) {
-    uint64_t h = mix64(parent_hash ^ 0x9e3779b97f4a7c15ull);
-    for (int32_t i = 0; i < num_tokens; i++) {
-        h = mix64(h ^ (uint64_t)(uint32_t)token_ids[i]) + 0x9e3779b97f4a7c15ull;
-    }
+/* The block hash is SipHash-2-4 keyed with the pool's secret key. An unkeyed
+ * chain of invertible mixes let anyone compute a second prefix with the same
+ * chain hash as a shared system prompt, register a block after it, and have
+ * later users' prompts reuse that block's KV (computed after the attacker's
+ * prefix). With a secret key per pool, collisions cannot be aimed. */
+typedef struct sip_state { uint64_t v0, v1, v2, v3; } sip_state;
+
+static inline uint64_t rotl64(uint64_t x, int b) { return (x << b) | (x >> (64 - b)); }
+
+static inline void sip_round(sip_state *s) {
+    s->v0 += s->v1; s->v1 = rotl64(s->v1, 13); s->v1 ^= s->v0; s->v0 = rotl64(s->v0, 32);
+    s->v2 += s->v3; s->v3 = rotl64(s->v3, 16); s->v3 ^= s->v2;
+    s->v0 += s->v3; s->v3 = rotl64(s->v3, 21); s->v3 ^= s->v0;
+    s->v2 += s->v1; s->v1 = rotl64(s->v1, 17); s->v1 ^= s->v2; s->v2 = rotl64(s->v2, 32);
+}
+
+static inline void sip_word(sip_state *s, uint64_t m) {
+    s->v3 ^= m;
+    sip_round(s);
+    sip_round(s);
+    s->v0 ^= m;
+}
+
+uint64_t pp_hash_block(const pp_block_pool *pool, uint64_t parent_hash, const int32_t *token_ids,
+                       int32_t num_tokens) {
+    const uint64_t k0 = pool ? pool->hash_key[0] : 0, k1 = pool ? pool->hash_key[1] : 0;
+    sip_state s = {k0 ^ 0x736f6d6570736575ull, k1 ^ 0x646f72616e646f6dull,
+                   k0 ^ 0x6c7967656e657261ull, k1 ^ 0x7465646279746573ull};
+    /* The message: the parent's hash, then the tokens two to a word; the last
+     * word carries the message length in bytes in its top byte, as SipHash's does. */
+    sip_word(&s, parent_hash);
+    int32_t i = 0;
+    for (; i + 1 < num_tokens; i += 2)
+        sip_word(&s, (uint64_t)(uint32_t)token_ids[i] | (uint64_t)(uint32_t)token_ids[i + 1] << 32);
+    uint64_t last = (uint64_t)((8 + 4 * (uint64_t)num_tokens) & 0xff) << 56;
+    if (i < num_tokens) last |= (uint64_t)(uint32_t)token_ids[i];
+    sip_word(&s, last);
+    s.v2 ^= 0xff;
+    for (int r = 0; r < 4; r++) sip_round(&s);
+    const uint64_t h = s.v0 ^ s.v1 ^ s.v2 ^ s.v3;
     /* Zero is the "no parent" value; keep real hashes away from it. */
     return h ? h : 1;
 }
@@ -29,7 +64,7 @@ uint64_t pp_hash_block(uint64_t parent_hash, const int32_t *token_ids, int32_t n
 /* The pool's chained hash of one full block: pp_hash_block, narrowed only
  * when a test asks for collisions. */
 uint64_t pp_prefix_chain_hash(const pp_block_pool *p, uint64_t parent, const int32_t *token_ids) {
-    uint64_t h = pp_hash_block(parent, token_ids, p->block_size) & p->hash_mask;
+    uint64_t h = pp_hash_block(p, parent, token_ids, p->block_size) & p->hash_mask;
     return h ? h : 1;
 }
 
@@ -131,6 +166,15 @@ void pp_prefix_plan_lookup(const pp_block_pool *p, const int32_t *token_ids, int
             if (p->state[*id] == PP_BLOCK_CACHED) plan->num_reused_cached++;
         }
     }
+}
+
+int pp_pool_set_hash_key(pp_block_pool *p, uint64_t k0, uint64_t k1) {
+    if (!p) return pp_fail(PP_ERR_INVALID, "pp_pool_set_hash_key: pool is NULL");
+    if (p->num_seqs > 0 || p->num_cached > 0)
+        return pp_fail(PP_ERR_INVALID, "the hash key can only change while the pool is empty");
+    p->hash_key[0] = k0;
+    p->hash_key[1] = k1;
+    return PP_OK;
 }
 
 int pp_pool_weaken_hash(pp_block_pool *p, int32_t bits) {

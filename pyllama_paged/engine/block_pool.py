@@ -139,11 +139,14 @@ class BlockPool:
         (only while the pool is empty)."""
         check(lib.pp_pool_weaken_hash(self._handle, bits), "weaken_hash")
 
-    @staticmethod
-    def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
-        """The chained hash of one full block of token ids."""
+    def hash_block(self, parent_hash: int, token_ids: Sequence[int]) -> int:
+        """This pool's (keyed) chained hash of one full block of token ids."""
         arr, ptr = _token_array(token_ids)
-        return lib.pp_hash_block(parent_hash, ptr, len(arr))
+        return lib.pp_hash_block(self._handle, parent_hash, ptr, len(arr))
+
+    def set_hash_key(self, k0: int, k1: int) -> None:
+        """Replace the pool's random hash key (only while the pool is empty)."""
+        check(lib.pp_pool_set_hash_key(self._handle, k0, k1), "set_hash_key")
 
     # sequences -------------------------------------------------------------
     def create_sequence(self, token_ids: Sequence[int] = ()) -> tuple[int, int]:
