@@ -105,6 +105,31 @@ def test_preemption_keeps_outputs_and_frees_everything(model, alone, mode):
     llm.runner.close()
 
 
+def test_swap_space_bounds_host_memory(model, alone):
+    """Swapped KV never holds more host bytes than swap_space_bytes: past it, a
+    preemption recomputes instead; answers and pages as with unbounded swap."""
+    llm = make_engine(model, num_blocks=14, mode="swap")
+    budget = 4 * llm.runner.block_bytes
+    llm.scheduler.config.swap_space_bytes = budget
+    requests = [llm.add_request(p, GREEDY) for p in PROMPTS]
+    outputs = {r.request_id: [] for r in requests}
+    most = swaps = 0
+    while llm.has_work():
+        for out in llm.step():
+            outputs[out.request_id] += [e.token_id for e in out.events]
+        most = max(most, llm.scheduler.swapped_bytes)
+        swaps += bool(llm.scheduler.swapped_bytes)
+    assert 0 < most <= budget and swaps > 0   # it did swap, within the budget
+    assert llm.scheduler.swapped_bytes == 0
+    assert_agree_with_alone(model, PROMPTS, [{0: outputs[r.request_id]} for r in requests], alone)
+    assert llm.stats()["blocks_used"] == 0 and llm.stats()["preemptions"] > swaps_seen(llm)
+    llm.runner.close()
+
+
+def swaps_seen(llm) -> int:
+    return llm.scheduler.num_swaps
+
+
 def test_prefix_cache_skips_shared_prefill(model):
     llm = make_engine(model)
     system = list(range(100, 164))                        # 4 full blocks

@@ -47,7 +47,7 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, eot_ids, config: SchedulerConfig | None = None):
         self.runner = runner
         self.eot_ids = frozenset(eot_ids)
-        self.scheduler = Scheduler(runner.kv, runner.n_ctx, config)
+        self.scheduler = Scheduler(runner.kv, runner.n_ctx, config, block_bytes=runner.block_bytes)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_computed_tokens = 0          # tokens run through the model

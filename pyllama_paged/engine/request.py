@@ -37,6 +37,7 @@ class Sequence:
     finish_reason: str | None = None
     swapped_blocks: dict[tuple[int, int], np.ndarray] | None = None   # (group, block) -> host copy when swapped
     swapped_num_computed: int = 0
+    swapped_tokens: list[int] | None = None   # the tokens whose KV the host copy holds
     index: int = 0                       # which of its request's n samples it is
 
     @property
@@ -66,6 +67,7 @@ class Request:
     finished_beams: list[Sequence] = field(default_factory=list)
     error: str | None = None
     num_preemptions: int = 0
+    swapped_bytes: int = 0               # host memory its swapped-out KV holds (0 unless swapped)
     is_forked: bool = False              # n>1 / beams created from the prompt sequence
     first_token_time: float | None = None
     embed: EmbedParams | None = None     # an embedding: prefilled, pooled, never sampled

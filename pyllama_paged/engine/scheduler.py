@@ -44,6 +44,9 @@ class SchedulerConfig:
     # first, for offline batches).
     itl_budget: float | str | None = None
     min_prefill_tokens_with_decodes: int = 16   # waiting users progress even at the budget
+    # Host memory that swapped-out KV may hold (vLLM's swap_space); a preemption that
+    # would pass it recomputes instead, so swapping never grows the process unbounded.
+    swap_space_bytes: int = 4 << 30
 
 
 # "auto" budget: a running stream may slow to this many times a lone stream's
@@ -54,9 +57,11 @@ ITL_AUTO_FACTOR = 4.0
 class Scheduler:
     """Decides which sequences compute how many tokens in the next step."""
 
-    def __init__(self, kv, n_ctx: int, config: SchedulerConfig | None = None):
+    def __init__(self, kv, n_ctx: int, config: SchedulerConfig | None = None, block_bytes: int = 0):
         self.kv = kv          # the KV manager (PagedKV or SlabKV): the books, never the data
         self.n_ctx = n_ctx
+        self.block_bytes = block_bytes   # one block's K and V in all layers: a swapped block's host copy
+        self.swapped_bytes = 0           # host bytes held by swapped-out requests
         self.config = config or SchedulerConfig()
         if self.config.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
@@ -66,6 +71,7 @@ class Scheduler:
         self.reserve_blocks = math.ceil(self.config.watermark * kv.num_blocks) if kv.paged else 0
         self._plan = StepPlan()   # the step being decided
         self.num_preemptions = 0
+        self.num_swaps = 0                # preemptions by swap (the others recomputed)
         self.failed: list[Request] = []   # ended by the scheduler; the engine reports them
         budget = self.config.itl_budget
         if not (budget is None or budget == "auto" or (isinstance(budget, (int, float)) and budget > 0)):
@@ -113,6 +119,7 @@ class Scheduler:
                 pass   # failed before it was queued
         for seq in request.seqs + request.finished_beams:
             release(self.kv, seq)
+        self._release_swap_space(request)
         request.status = RequestStatus.FINISHED
 
     # ---- preemption (the moving is in preemption.py) -----------------------
@@ -121,16 +128,31 @@ class Scheduler:
         self.running.remove(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        if self.config.preemption_mode == "swap":
+        host_bytes = self._swap_bytes(request) if self.config.preemption_mode == "swap" else None
+        if host_bytes is not None and self.swapped_bytes + host_bytes <= self.config.swap_space_bytes:
             for seq in request.live_seqs:
                 self._plan.swap_out.append((seq, swap_out(self.kv, seq)))
+            request.swapped_bytes = host_bytes
+            self.swapped_bytes += host_bytes
+            self.num_swaps += 1
             request.status = RequestStatus.SWAPPED
             self.swapped.appendleft(request)
-        else:
+        else:   # recompute (also when the swap space is full)
             for seq in request.seqs:
                 release(self.kv, seq)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
+
+    def _swap_bytes(self, request: Request) -> int:
+        """Host bytes a swap-out of request would take: one copy per block it holds."""
+        kv = self.kv
+        return self.block_bytes * sum(int((kv.block_table(seq.kv.handle, g) >= 0).sum())
+                                      for seq in request.live_seqs if seq.kv is not None
+                                      for g in range(kv.n_groups))
+
+    def _release_swap_space(self, request: Request) -> None:
+        self.swapped_bytes -= request.swapped_bytes
+        request.swapped_bytes = 0
 
     def _place(self, seq: Sequence, token_ids) -> None:
         """Place tokens of seq in the pool; the copy-on-write copies join the plan."""
@@ -252,6 +274,7 @@ class Scheduler:
             if not self._blocks_for(seqs, lambda s: -(-len(s.swapped_tokens) // kv.block_size) * kv.n_groups):
                 break
             self.swapped.popleft()
+            self._release_swap_space(request)
             for seq in seqs:
                 plan.swap_in += swap_in(kv, seq)
             request.status = RequestStatus.RUNNING
