@@ -1,4 +1,4 @@
-"""Command line: `pyllama-paged run|info`."""
+"""Command line: `pyllama-paged run|chat|serve|info`."""
 
 from __future__ import annotations
 
@@ -133,23 +133,48 @@ def _itl_budget(text: str) -> float | str | None:
     return ms / 1000 if ms > 0 else None
 
 
-def cmd_serve(args) -> int:
+def serve_settings(args) -> tuple:
+    """(EngineOptions, Limits, API key, extra origins) from `serve`'s arguments and environment."""
+    import dataclasses
     import os
 
-    from .server.app import serve
+    from .server.app import ORIGINS_ENV, origins_from
     from .server.generation import Limits
-    from .server.registry import EngineOptions
+    from .server.registry import MAX_THREADS, EngineOptions, default_threads
 
-    options = EngineOptions(paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads or os.cpu_count() or 1,
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        raise SystemExit(f"--threads must be between 1 and {MAX_THREADS} (the native sampler's limit), "
+                         f"got {args.threads}")
+    options = EngineOptions(paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads or default_threads(),
                             block_size=args.block_size, kv_cache_type=args.kv_type,
                             kv_budget_tokens=args.kv_budget[0] or 0, kv_budget_bytes=args.kv_budget[1],
                             max_num_seqs=args.max_seqs,
                             preemption_mode=args.preemption, itl_budget=_itl_budget(args.itl_budget_ms))
-    limits = Limits(max_body_bytes=args.max_body, max_tokens=args.max_tokens, max_n=args.max_n,
-                    max_queue=args.max_queue)
+    limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     api_key = args.api_key or os.environ.get("PYLLAMA_API_KEY") or None
-    serve(args.model, args.host, args.port, api_key, options, limits)
+    origins = origins_from(os.environ.get(ORIGINS_ENV)) + origins_from(args.origins)
+    return options, limits, api_key, origins
+
+
+def cmd_serve(args) -> int:
+    from .server.app import serve
+
+    options, limits, api_key, origins = serve_settings(args)
+    serve(args.model, args.host, args.port, api_key, options, limits, origins)
     return 0
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """One option per Limits field: the flag and help live beside the field (server/generation.py)."""
+    import dataclasses
+
+    from .server.generation import Limits
+
+    for f in dataclasses.fields(Limits):
+        default = f.default
+        shown = "the model's context" if default is None else default
+        p.add_argument(f.metadata["flag"], dest=f.name, type=f.metadata["type"], default=default,
+                       help=f"{f.metadata['help']} (default {shown})")
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -215,8 +240,8 @@ def cmd_info(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `pyllama-paged` console script."""
+def build_parser() -> argparse.ArgumentParser:
+    """The console script's argument parser (every subcommand)."""
     parser = argparse.ArgumentParser(prog="pyllama-paged", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="stream a completion of PROMPT")
@@ -241,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=11434)
     srv.add_argument("--api-key", default=None, help="require this key (or set PYLLAMA_API_KEY)")
-    srv.add_argument("--threads", "-t", type=int, default=None)
+    srv.add_argument("--threads", "-t", type=int, default=None,
+                     help="CPU threads (default: the CPUs this process may use, at most 64)")
     srv.add_argument("--ctx", type=int, default=4096, help="context length per sequence")
     srv.add_argument("--block-size", type=int, default=32)
     srv.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"])
@@ -255,15 +281,20 @@ def main(argv: list[str] | None = None) -> int:
                      help="inter-token budget of running streams: new users are admitted (and prompts "
                           "prefilled) only as far as every stream keeps this gap; 'auto' = 4x a lone "
                           "stream's step on this machine, 'off' = throughput first")
-    srv.add_argument("--max-body", type=int, default=1 << 20, help="request body limit in bytes")
-    srv.add_argument("--max-tokens", type=int, default=4096, help="cap on max_tokens / num_predict")
-    srv.add_argument("--max-n", type=int, default=8)
-    srv.add_argument("--max-queue", type=int, default=256)
+    srv.add_argument("--origins", default=None,
+                     help="browser origins allowed besides localhost, 127.0.0.1, app://, file://, tauri:// and "
+                          "browser extensions: comma-separated, * as a wildcard (also PYLLAMA_PAGED_ORIGINS)")
+    _add_limit_args(srv)
     srv.set_defaults(func=cmd_serve)
     info = sub.add_parser("info", help="print a model's metadata and KV bytes per token")
     info.add_argument("path", nargs="?", default=None)
     info.set_defaults(func=cmd_info)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `pyllama-paged` console script."""
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (PagedError, OSError) as e:

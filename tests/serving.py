@@ -3,9 +3,12 @@
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
+
+from reference.tiny_gguf import write_tiny_model
 
 
 def free_port() -> int:
@@ -47,3 +50,20 @@ def wait_pool_empty(url, timeout=120):
             return True
         time.sleep(0.1)
     return False
+
+
+def tiny_registry(directory, name: str = "tiny", **options):
+    """A ModelRegistry serving a tiny random-weight Gemma 3 (loads in milliseconds) as `name`."""
+    from pyllama_paged.server.registry import EngineOptions, ModelRegistry
+
+    path = write_tiny_model(Path(directory) / f"{name}.gguf", "gemma3", weight_type="q8_0")
+    settings = dict(n_ctx=512, n_threads=2, n_batch=128, kv_budget_tokens=2048, max_num_seqs=8)
+    return ModelRegistry([path], EngineOptions(**{**settings, **options}))
+
+
+def wait_until(condition, timeout=20.0, what="condition"):
+    """Poll condition() until true; the deadline only turns a hang into a failure."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"{what} never happened"
+        time.sleep(0.02)

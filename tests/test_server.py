@@ -12,7 +12,7 @@ import pytest
 
 from agreement import assert_greedy_agree, engine_logits
 from loop_control import paused
-from serving import Running, pool_used, wait_pool_empty
+from serving import Running, pool_used, tiny_registry, wait_pool_empty, wait_until
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
@@ -140,10 +140,21 @@ def test_bad_requests_get_clear_4xx(server, path, body, status, needle):
 
 
 def test_api_key_checked_on_every_route(keyed_server):
-    for method, path in (("GET", "/api/tags"), ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/dashboard"),
-                         ("POST", "/api/generate")):
+    routes = (("GET", "/api/tags"), ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/dashboard"),
+              ("POST", "/api/generate"), ("GET", "/api/pool"), ("GET", "/openapi.json"), ("GET", "/api/ps"))
+    ways = {"query": lambda k: {"params": {"key": k}}, "x-api-key": lambda k: {"headers": {"X-API-Key": k}},
+            "bearer": lambda k: {"headers": {"Authorization": f"Bearer {k}"}}}
+    for method, path in routes:
         r = httpx.request(method, keyed_server.url + path, json={"model": DEFAULT_MODEL_NAME, "prompt": "x"})
         assert r.status_code == 401, path
+        for way, given in ways.items():
+            r = httpx.request(method, keyed_server.url + path, **given("wrong"))
+            assert r.status_code == 401, (path, way)
+    for way, given in ways.items():
+        for path in ("/api/pool", "/openapi.json", "/api/tags", "/dashboard"):
+            r = httpx.get(keyed_server.url + path, **given(KEY))
+            assert r.status_code == 200, (path, way)
+        assert "blocks" in httpx.get(keyed_server.url + "/api/pool", **given(KEY)).json()
     client = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
@@ -153,16 +164,30 @@ def test_api_key_checked_on_every_route(keyed_server):
     assert ok.list().models
 
 
-def test_client_hanging_up_mid_stream_returns_its_pages(server):
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Write a long essay about rivers.", "max_tokens": 256, "ignore_eos": True,
+                         "temperature": 0, "stream": True}),
+    ("/api/generate", {"prompt": "Write a long essay about rivers.", "options": {"num_predict": 256, "temperature": 0}}),
+])
+def test_client_hanging_up_mid_stream_returns_its_pages(server, registry, path, body):
+    # The pages must come back because the client left, not because the answer ran to its
+    # end: the request stops well short of max_tokens (ignore_eos: it cannot end earlier).
+    def stats():
+        return httpx.get(server.url + "/api/pool").json()["stats"]
+
+    assert wait_pool_empty(server.url)
+    before = stats()
     with httpx.Client(timeout=60) as client:
-        with client.stream("POST", server.url + "/api/generate",
-                           json={"model": DEFAULT_MODEL_NAME, "prompt": "Write a long essay about rivers.",
-                                 "options": {"num_predict": 200, "temperature": 0}}) as r:
+        with client.stream("POST", server.url + path, json={"model": DEFAULT_MODEL_NAME, **body}) as r:
             lines = r.iter_lines()
             for _ in range(3):
                 next(lines)
-            assert pool_used(server.url) > 0
-    assert wait_pool_empty(server.url)
+            assert pool_used(server.url) > before["blocks_used"]
+    loop = registry.get(DEFAULT_MODEL_NAME).loop
+    wait_until(lambda: loop.call(lambda llm: llm.has_work()) is False, timeout=120, what="the abort")
+    after = stats()
+    assert after["blocks_used"] == before["blocks_used"]
+    assert after["generated_tokens"] - before["generated_tokens"] < 128
 
 
 @pytest.mark.parametrize("path, body", [
@@ -301,18 +326,34 @@ def test_metrics_and_dashboard(server):
     assert all(g["bytes_per_token"] == 3072 for g in groups)
 
 
-def test_queue_full_is_503_with_retry_hint(registry):
-    # 64 may run; a queue limit of -64 leaves no room at all, so the next request is refused
-    s = Running(create_app(registry, Limits(max_queue=-64)))
+def test_queue_full_is_503_with_retry_hint(tmp_path):
+    # A real limit and a real burst: 2 may run and 2 wait, and the engine is held so that
+    # none finishes. The check used to be apart from the count (an await between them), so
+    # a burst overshot it, and embedding requests were not counted at all.
+    reg = tiny_registry(tmp_path, max_num_seqs=2)
+    s = Running(create_app(reg, Limits(max_queue=2)))
+    body = {"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
     try:
-        body = {"model": DEFAULT_MODEL_NAME, "prompt": "hi", "options": {"num_predict": 4}}
-        r = httpx.post(s.url + "/api/generate", json=body)
-        assert r.status_code == 503 and r.headers["retry-after"] == "1"
-        assert "retry" in r.json()["error"]
-        r = httpx.post(s.url + "/v1/completions", json={"model": DEFAULT_MODEL_NAME, "prompt": "hi"})
-        assert r.status_code == 503 and r.json()["error"]["type"] == "server_busy"
+        with concurrent.futures.ThreadPoolExecutor(12) as ex:
+            with paused(reg.get("tiny").loop):
+                burst = [ex.submit(httpx.post, s.url + "/api/generate", json=body, timeout=60) for _ in range(12)]
+                wait_until(lambda: sum(f.done() for f in burst) >= 8, what="the refusals")
+                for r in [f.result() for f in burst if f.done()]:
+                    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                    assert "retry" in r.json()["error"]
+                r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
+                assert r.status_code == 503 and r.json()["error"]["type"] == "server_busy"
+                for path in ("/api/embed", "/v1/embeddings"):
+                    r = httpx.post(s.url + path, json={"model": "tiny", "input": "hi"})
+                    assert r.status_code == 503, path
+            assert sorted(f.result().status_code for f in burst) == [200] * 4 + [503] * 8
+        # every place is given back
+        assert s.app.state.pp.metrics.inflight["tiny"] == 0
+        assert httpx.post(s.url + "/api/embed", json={"model": "tiny", "input": "hi"}).status_code == 200
+        assert httpx.post(s.url + "/api/generate", json=body, timeout=60).status_code == 200
     finally:
         s.close()
+        reg.close()
 
 
 # ---- found by fuzzing (tests/test_fuzz_http.py) -----------------------------

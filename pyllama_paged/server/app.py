@@ -1,13 +1,16 @@
-"""The HTTP server: app factory, API-key and body-size guards, error shapes,
-metrics, the live block-pool dashboard, and `serve`."""
+"""The HTTP server: app factory, Host/Origin, API-key and body-size guards, error
+shapes, metrics, the live block-pool dashboard, and `serve`."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import ipaddress
+import logging
+import re
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,10 +19,82 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException
 
 from .dashboard import DASHBOARD_HTML
-from .generation import APIError, Limits
+from .generation import APIError, Limits, limit_flag
 from .metrics import Metrics
 from .registry import EngineOptions, ModelRegistry
 from ..server import embeddings_api, ollama_api, ollama_manage, openai_api
+
+log = logging.getLogger("pyllama_paged.server")
+
+# Ollama's default allow-list (OLLAMA_ORIGINS adds to it): local pages on any port, desktop
+# app shells and browser extensions
+DEFAULT_ORIGINS = tuple(f"{scheme}://{host}{port}" for host in ("localhost", "127.0.0.1", "0.0.0.0", "[::1]")
+                        for scheme in ("http", "https") for port in ("", ":*")) + (
+    "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*",
+    "chrome-extension://*", "moz-extension://*", "safari-extension://*", "ms-browser-extension://*")
+ORIGINS_ENV = "PYLLAMA_PAGED_ORIGINS"
+
+
+def origins_from(text: str | None) -> list[str]:
+    """Origins from a comma-separated list (the --origins option, the PYLLAMA_PAGED_ORIGINS variable)."""
+    return [o.strip() for o in (text or "").split(",") if o.strip()]
+
+
+class OriginPolicy:
+    """Which browser origins may call the server: the defaults plus the extra patterns
+    (`*` matches anything, a `:*` port any port; a lone `*` allows every origin)."""
+
+    def __init__(self, extra: list[str] | tuple[str, ...] = ()):
+        self.patterns = list(DEFAULT_ORIGINS) + list(extra)
+        parts = []
+        for pattern in self.patterns:
+            rx = re.escape(pattern.lower())
+            rx = rx[:-len(r":\*")] + r":\d+" if rx.endswith(r":\*") else rx
+            parts.append(rx.replace(r"\*", ".*"))
+        self._rx = re.compile("|".join(f"(?:{p})" for p in parts))
+
+    def allows(self, origin: str) -> bool:
+        """Whether a request with this Origin header may be served."""
+        return self._rx.fullmatch(origin.strip().lower()) is not None
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(host_header: str) -> str:
+    """The name in a Host header, without its port ("[::1]:80" -> "::1")."""
+    if host_header.startswith("["):
+        return host_header[1:host_header.find("]")] if "]" in host_header else host_header
+    return host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
+
+
+class RedactKey(logging.Filter):
+    """Hides the API key of `?key=` in uvicorn's access log lines."""
+
+    _KEY = re.compile(r"([?&]key=)[^&\s\"]*")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite the record's arguments; never drops it."""
+        if isinstance(record.args, tuple):
+            record.args = tuple(self._KEY.sub(r"\1<redacted>", a) if isinstance(a, str) else a
+                                for a in record.args)
+        elif isinstance(record.msg, str):
+            record.msg = self._KEY.sub(r"\1<redacted>", record.msg)
+        return True
+
+
+def _redact_access_log() -> None:
+    access = logging.getLogger("uvicorn.access")
+    # a filter on the logger (not a handler) outlives uvicorn's logging setup; added once per process
+    if not any(isinstance(f, RedactKey) for f in access.filters):
+        access.addFilter(RedactKey())
 
 
 @dataclass
@@ -28,6 +103,14 @@ class ServerState:
     limits: Limits
     metrics: Metrics
     api_key: str | None = None
+    origins: OriginPolicy = field(default_factory=OriginPolicy)
+    bind_host: str | None = None   # None: the address each connection came in on
+    # tokenizing, templates, grammars, tool-call parsing: a few threads of their own
+    prep: ThreadPoolExecutor | None = None
+
+    def __post_init__(self):
+        if self.prep is None:
+            self.prep = ThreadPoolExecutor(max(1, self.limits.prep_threads), thread_name_prefix="pyllama-prep")
 
 
 def _is_openai(path: str) -> bool:
@@ -46,34 +129,75 @@ def error_response(path: str, status: int, message: str, param: str | None = Non
 
 
 class GuardMiddleware:
-    """API key on every route (when set) and a cap on request body size."""
+    """Host and Origin checks (DNS rebinding, cross-site pages), the API key on every route
+    (when set), CORS for allowed origins, and a cap on request body size."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
+
+    def _host_refused(self, scope, host_header: str) -> bool:
+        """Bound to a loopback address, only loopback names may be asked for: a page whose
+        name was rebound to 127.0.0.1 sends its own name, and is refused."""
+        bound = self.state.bind_host or (scope.get("server") or ("",))[0] or ""
+        if not _is_loopback(bound):
+            return False
+        return bool(host_header) and not _is_loopback(_host_name(host_header))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        # latin-1: the bytes HTTP allows in a header, any of which must not be a 500
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self._host_refused(scope, headers.get("host", "")):
+            resp = error_response(path, 403, f"host {headers['host']!r} is not allowed: a server bound to a "
+                                  "loopback address answers only to localhost, 127.0.0.1 or [::1]")
+            return await resp(scope, receive, send)
+        origin = headers.get("origin")
+        if origin is not None and not self.state.origins.allows(origin):
+            resp = error_response(path, 403, f"origin {origin!r} is not allowed (add it with --origins or "
+                                  f"{ORIGINS_ENV})")
+            return await resp(scope, receive, send)
+        cors = {"access-control-allow-origin": origin, "vary": "Origin"} if origin is not None else {}
+        if origin is not None and scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+            # a browser's preflight carries no credentials: answered before the key check
+            resp = Response(status_code=204, headers={
+                **cors, "access-control-allow-methods": "GET, POST, PUT, DELETE, HEAD, OPTIONS",
+                "access-control-allow-headers": headers.get("access-control-request-headers", "*"),
+                "access-control-max-age": "600"})
+            return await resp(scope, receive, send)
+        if cors:
+            inner_send = send
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": list(message.get("headers", [])) +
+                               [(k.encode("latin-1"), v.encode("latin-1")) for k, v in cors.items()]}
+                await inner_send(message)
         if self.state.api_key:
             auth = headers.get("authorization", "")
             given = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
             if not given:
-                query = scope.get("query_string", b"").decode()
+                query = scope.get("query_string", b"").decode("latin-1")
                 given = next((p[4:] for p in query.split("&") if p.startswith("key=")), "")
-            if not hmac.compare_digest(given.encode(), self.state.api_key.encode()):
+            if not hmac.compare_digest(given.encode("latin-1", "replace"), self.state.api_key.encode()):
                 resp = error_response(path, 401, "invalid or missing API key", None, "invalid_request_error",
                                       code="invalid_api_key")
                 return await resp(scope, receive, send)
         if scope["method"] == "POST" and "json" not in headers.get("content-type", ""):
-            # Ollama's own examples post JSON with curl -d (form content type): parse it as JSON
+            # Ollama's own examples post JSON with curl -d (form content type): parse it as JSON.
+            # A page of another site cannot get here: its Origin was refused above.
             scope = dict(scope)
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
             scope["headers"].append((b"content-type", b"application/json"))
         limit = self.state.limits.max_body_bytes
-        if int(headers.get("content-length", "0") or 0) > limit:
-            resp = error_response(path, 413, f"request body larger than {limit} bytes")
+        too_big = f"request body larger than {limit} bytes (the server's {limit_flag('max_body_bytes')} option)"
+        try:
+            declared = int(headers.get("content-length", "0") or 0)
+        except ValueError:
+            declared = 0   # h11 refuses a malformed length before we see it; be safe anyway
+        if declared > limit:
+            resp = error_response(path, 413, too_big, code="limit_exceeded")
             return await resp(scope, receive, send)
         seen = 0
 
@@ -85,7 +209,7 @@ class GuardMiddleware:
                 if seen > limit:
                     # Starlette's type: FastAPI re-raises it from body parsing, where any
                     # other exception becomes a vague 400
-                    raise HTTPException(413, f"request body larger than {limit} bytes")
+                    raise HTTPException(413, too_big)
             return message
 
         return await self.app(scope, capped_receive, send)
@@ -141,8 +265,11 @@ def _expire_idle_models(app: FastAPI, registry: ModelRegistry, every: float = 0.
             await asyncio.sleep(every)
             now = time.time()
             for served in list(registry.models.values()):
-                if served.expired(now):
-                    await served.unload_if_idle()
+                try:
+                    if served.expired(now):
+                        await served.unload_if_idle()
+                except Exception:   # one failure must not end the watching (models would never go)
+                    log.exception("keep_alive: unloading %s failed; still watching", served.name)
 
     async def start():
         tasks.append(asyncio.get_running_loop().create_task(watch()))
@@ -156,16 +283,26 @@ def _expire_idle_models(app: FastAPI, registry: ModelRegistry, every: float = 0.
     app.router.on_shutdown.append(stop)
 
 
-def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: str | None = None) -> FastAPI:
-    """The ASGI app serving the registry's models."""
-    state = ServerState(registry, limits or Limits(), Metrics(), api_key)
+def route_label(scope) -> str:
+    """The metrics label of a request: its route's template, never the raw path (one series
+    per probed URL would grow without bound)."""
+    route = scope.get("route")
+    return getattr(route, "path_format", None) or getattr(route, "path", None) or "(unmatched)"
+
+
+def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: str | None = None,
+               origins: list[str] | tuple[str, ...] = (), host: str | None = None) -> FastAPI:
+    """The ASGI app serving the registry's models. origins: browser origins allowed beside
+    the defaults; host: the address the server is bound to (None: each connection's)."""
+    state = ServerState(registry, limits or Limits(), Metrics(), api_key, OriginPolicy(origins), host)
     app = FastAPI(title="pyllama-paged", version="0.1.0")
     app.state.pp = state
     app.add_middleware(GuardMiddleware, state=state)
+    _redact_access_log()
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        state.metrics.count_request(request.url.path, exc.status)
+        state.metrics.count_request(route_label(request.scope), exc.status)
         return error_response(request.url.path, exc.status, exc.message, exc.param, exc.type, exc.headers,
                               exc.code)
 
@@ -175,9 +312,9 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
         message = str(exc.detail)
         if isinstance(exc.__cause__, UnicodeDecodeError):
             message = f"malformed JSON: the body is not UTF-8 ({exc.__cause__.reason} at byte {exc.__cause__.start})"
-        # an unknown path is not a metrics label (one per probed URL would grow without bound)
-        route = request.url.path if request.scope.get("route") else "(unmatched)"
-        state.metrics.count_request(route, exc.status_code)
+        elif isinstance(exc.__cause__, RecursionError):
+            message = "malformed JSON: the body is nested too deeply"
+        state.metrics.count_request(route_label(request.scope), exc.status_code)
         return error_response(request.url.path, exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
@@ -189,7 +326,7 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
             message = f"malformed JSON: {first.get('msg', '')}"
         else:
             message = f"{field or 'body'}: {first.get('msg', 'invalid')}"
-        state.metrics.count_request(request.url.path, 400)
+        state.metrics.count_request(route_label(request.scope), 400)
         return error_response(request.url.path, 400, message, field)
 
     @app.middleware("http")
@@ -197,13 +334,18 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
         try:
             response = await call_next(request)
         except Exception:   # unhandled: the client gets a 500, so /metrics counts one
-            state.metrics.count_request(request.url.path, 500)
+            state.metrics.count_request(route_label(request.scope), 500)
             raise
         if response.status_code < 400:
-            state.metrics.count_request(request.url.path, response.status_code)
+            state.metrics.count_request(route_label(request.scope), response.status_code)
         return response
 
     _expire_idle_models(app, registry)
+
+    async def stop_prep():
+        state.prep.shutdown(wait=False, cancel_futures=True)
+
+    app.router.on_shutdown.append(stop_prep)
     app.include_router(ollama_api.build_router(state))
     app.include_router(ollama_manage.build_router(state))
     app.include_router(openai_api.build_router(state))
@@ -218,9 +360,11 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
         return Response()
 
     async def all_stats() -> dict[str, dict]:
-        """Each loaded model's engine figures (a model keep_alive dropped has none)."""
-        found = {name: await m.call_if_loaded(lambda llm: llm.stats()) for name, m in registry.models.items()}
-        return {name: stats for name, stats in found.items() if stats is not None}
+        """Each loaded model's engine figures (a model keep_alive dropped has none), the
+        models read together so that one busy engine costs one timeout, not one each."""
+        models = list(registry.models.items())
+        found = await asyncio.gather(*(m.figures(state.limits.stats_timeout) for _, m in models))
+        return {name: figures["stats"] for (name, _), (figures, _) in zip(models, found) if figures is not None}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
@@ -232,24 +376,17 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
         served = registry.get(model)
         if served is None:
             raise APIError(404, f"model '{model}' not found", "model")
-
-        def snapshot(llm):
-            kv = llm.runner.kv
-            states = []
-            if kv.paged:
-                for b in range(kv.num_blocks):
-                    info = kv.pool.block_info(b)
-                    states.append("shared" if info.ref_count > 1 else info.state.name.lower())
-            else:
-                states = ["used"] * kv.num_in_use + ["free"] * (kv.num_blocks - kv.num_in_use)
-            return {"model": served.name, "paged": kv.paged, "block_size": kv.block_size,
-                    "blocks": states, "stats": llm.stats()}
-
-        found = await served.call_if_loaded(snapshot)
+        found, current = await served.figures(state.limits.stats_timeout)
         if found is None:   # dropped by keep_alive: no pages held (the next request loads it)
             return {"model": served.name, "paged": served.options.paged, "block_size": served.options.block_size,
-                    "blocks": [], "loaded": False, "stats": {"blocks_used": 0, "blocks_total": 0}}
-        return {**found, "loaded": True}
+                    "blocks": [], "counts": {}, "loaded": served.is_loaded, "current": current,
+                    "stats": {"blocks_used": 0, "blocks_total": 0}}
+        stats = found["stats"]
+        counts = block_counts(stats)
+        # the cells in state order, from the pool's counters (which block is which is not shown)
+        blocks = [name for name in ("used", "shared", "cached", "free") for _ in range(counts[name])]
+        return {"model": served.name, "paged": found["paged"], "block_size": found["block_size"],
+                "blocks": blocks, "counts": counts, "stats": stats, "loaded": True, "current": current}
 
     @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard():
@@ -259,13 +396,20 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
     return app
 
 
+def block_counts(stats: dict) -> dict[str, int]:
+    """Blocks by dashboard state (a shared block is used, counted apart) from engine stats."""
+    shared = stats.get("blocks_shared", 0)
+    return {"used": stats.get("blocks_used", 0) - shared, "shared": shared,
+            "cached": stats.get("blocks_cached", 0), "free": stats.get("blocks_free", 0)}
+
+
 def serve(model_paths: list[str] | None, host: str, port: int, api_key: str | None,
-          options: EngineOptions, limits: Limits) -> None:
+          options: EngineOptions, limits: Limits, origins: list[str] | tuple[str, ...] = ()) -> None:
     """Load the models and run uvicorn until interrupted."""
     import uvicorn
 
     registry = ModelRegistry(model_paths, options)
-    app = create_app(registry, limits, api_key)
+    app = create_app(registry, limits, api_key, origins, host)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:

@@ -17,11 +17,14 @@ DASHBOARD_HTML = """<!doctype html>
 <span><i class="shared"></i>shared</span><span><i class="cached"></i>cached (evictable)</span></div>
 <p id="summary"></p><div id="grid"></div><pre id="stats"></pre>
 <script>
-const key = new URLSearchParams(location.search).get("key");
-const query = key ? "?key=" + encodeURIComponent(key) : "";
+// The key comes from the page's address (?key= or #key=) and goes in a header: in a query
+// it would be written to the server's access log with every poll.
+const key = new URLSearchParams(location.hash.slice(1)).get("key") || new URLSearchParams(location.search).get("key");
+if (key) history.replaceState(null, "", location.pathname);
+const headers = key ? {"X-API-Key": key} : {};
 async function refresh() {
   try {
-    const r = await fetch("/api/pool" + query);
+    const r = await fetch("/api/pool", {headers});
     const d = await r.json();
     document.getElementById("model").textContent = d.model + (d.paged ? " (paged, " + d.block_size + " tokens/block)" : " (slabs)") + (d.loaded === false ? ", not loaded (keep_alive let it go)" : "");
     const grid = document.getElementById("grid");
@@ -29,9 +32,8 @@ async function refresh() {
       grid.innerHTML = "";
       for (let i = 0; i < d.blocks.length; i++) { const c = document.createElement("div"); grid.appendChild(c); }
     }
-    const counts = {};
-    d.blocks.forEach((s, i) => { grid.children[i].className = "b " + s; counts[s] = (counts[s] || 0) + 1; });
-    document.getElementById("summary").textContent = Object.entries(counts).map(([k, v]) => k + ": " + v).join("  ");
+    d.blocks.forEach((s, i) => { grid.children[i].className = "b " + s; });
+    document.getElementById("summary").textContent = Object.entries(d.counts || {}).map(([k, v]) => k + ": " + v).join("  ") + (d.current === false ? "  (engine busy: last known figures)" : "");
     document.getElementById("stats").textContent = JSON.stringify(d.stats, null, 1);
   } catch (e) { document.getElementById("summary").textContent = "error: " + e; }
 }

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..embeddings import as_base64, finish_vector, max_input_tokens, openai_list, tokenize_inputs
 from ..engine.embedding import EmbedParams, default_pooling
 from ..errors import PagedError
-from .generation import APIError
+from .generation import APIError, admit, off_loop, refuse_over
 from .ollama_manage import find_model, keep_alive_seconds
 from .openai_tokens import decode_openai_tokens
 from .registry import ServedModel
@@ -83,11 +83,17 @@ async def embed_ids(served: ServedModel, inputs: list[list[int]], pooling: str |
             s.abort()
 
 
-def _tokenized(served: ServedModel, texts: list[str], truncate: bool, num_ctx: int | None, limits) -> list[list[int]]:
-    if not texts:
+def check_inputs(inputs: list, limits) -> None:
+    """The embedding limits (number of inputs, their total size), before any work: a 400
+    naming the option. A string counts its characters, a token array its tokens."""
+    if not inputs:
         raise APIError(400, "input is empty: give a string or a non-empty list of strings", "input")
-    if len(texts) > limits.max_embedding_inputs:
-        raise APIError(400, f"{len(texts)} inputs; the limit is {limits.max_embedding_inputs}", "input")
+    refuse_over(limits, "max_embedding_inputs", len(inputs), "the number of inputs", "input")
+    refuse_over(limits, "max_embedding_chars", sum(len(i) for i in inputs), "the total size of the inputs",
+                "input")
+
+
+def _tokenized(served: ServedModel, texts: list[str], truncate: bool, num_ctx: int | None) -> list[list[int]]:
     limit = max_input_tokens(served.loop.llm)
     if num_ctx:
         limit = min(limit, num_ctx)
@@ -116,14 +122,19 @@ def build_router(state) -> APIRouter:
             await served.unload_if_idle()
 
     async def embed_texts(served: ServedModel, texts, truncate, num_ctx, pooling):
-        """(token lists, pooled vectors, load seconds), holding the engine (loaded if it was dropped)."""
-        took = await served.acquire()
+        """(token lists, pooled vectors, load seconds), holding the engine (loaded if it was dropped)
+        and one of the model's queue places, as a generation does."""
+        admit(served, state.limits, state.metrics)
         try:
-            ids = await asyncio.to_thread(_tokenized, served, texts, truncate, num_ctx,
-                                          state.limits)   # off the event loop: a big batch takes a while
-            return ids, await embed_ids(served, ids, pooling), took
+            took = await served.acquire()
+            try:
+                # off the event loop: a big batch takes a while
+                ids = await off_loop(state.prep, _tokenized, served, texts, truncate, num_ctx)
+                return ids, await embed_ids(served, ids, pooling), took
+            finally:
+                served.release()
         finally:
-            served.release()
+            state.metrics.leave(served.name)
 
     @router.post("/api/embed")
     async def embed(body: OllamaEmbedRequest):
@@ -136,6 +147,7 @@ def build_router(state) -> APIRouter:
             return {"model": body.model, "embeddings": [], "total_duration": 0, "load_duration": 0,
                     "prompt_eval_count": 0}
         texts = [body.input] if isinstance(body.input, str) else body.input
+        check_inputs(texts, state.limits)
         ids, pooled, took = await embed_texts(served, texts, body.truncate is not False, options.num_ctx,
                                               options.pooling)
         vectors = _finished(pooled, True, body.dimensions)
@@ -155,6 +167,7 @@ def build_router(state) -> APIRouter:
         if not body.prompt:   # Ollama answers an empty prompt with an empty vector (a load)
             await touch(served, keep_alive)
             return {"embedding": []}
+        check_inputs([body.prompt], state.limits)
         ids, vectors, _ = await embed_texts(served, [body.prompt], True, options.num_ctx, options.pooling)
         await touch(served, keep_alive)
         state.metrics.add_tokens(len(ids[0]), 0)
@@ -174,7 +187,8 @@ def build_router(state) -> APIRouter:
             raw = [raw]
         elif raw and isinstance(raw[0], int):
             raw = [raw]
-        texts = await asyncio.to_thread(_texts_of, raw)
+        check_inputs(raw, state.limits)
+        texts = await off_loop(state.prep, _texts_of, raw)
         ids, pooled, _ = await embed_texts(served, texts, bool(body.truncate), None, body.pooling)
         vectors = _finished(pooled, True, body.dimensions)
         served.last_used = time.time()

@@ -1,11 +1,15 @@
-"""One generation as the HTTP handlers run it: limits, submission to the
-model's engine loop, text assembly, timing, and abort on disconnect."""
+"""One generation as the HTTP handlers run it: limits, admission, submission to
+the model's engine loop, text assembly, timing, and abort on disconnect."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import Executor
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from ..engine.sampler import SamplingParams
 from ..errors import PagedError
@@ -26,15 +30,127 @@ class APIError(Exception):
         self.code = code
 
 
+def _option(default, flag: str, help_text: str, kind=int):
+    # the `serve` flag lives beside the field so that the CLI and every refusal name the same option
+    return field(default=default, metadata={"flag": flag, "help": help_text, "type": kind})
+
+
 @dataclass
 class Limits:
-    max_body_bytes: int = 1 << 20
-    max_prompt_tokens: int | None = None    # None: the model's context
-    max_tokens: int = 4096
-    max_n: int = 8
-    max_queue: int = 256                    # requests waiting beyond those running
-    max_prompts: int = 32                   # prompts in one /v1/completions request
-    max_embedding_inputs: int = 2048        # inputs in one embedding request (OpenAI's limit)
+    """What one request may ask of the server, and how the server shields its users from
+    each other; every field is a `pyllama-paged serve` option (its metadata names it)."""
+    max_body_bytes: int = _option(1 << 20, "--max-body", "request body limit in bytes (413 above it)")
+    max_prompt_tokens: int | None = _option(None, "--max-prompt-tokens",
+                                            "prompt tokens of one request")
+    max_tokens: int = _option(4096, "--max-tokens", "cap on max_tokens / num_predict")
+    max_n: int = _option(8, "--max-n", "samples (n, beam width) of one request")
+    max_queue: int = _option(256, "--max-queue", "requests waiting beyond those running, per model "
+                             "(503 when full); an embedding request takes one place")
+    max_prompts: int = _option(32, "--max-prompts", "prompts in one /v1/completions request")
+    max_messages: int = _option(2048, "--max-messages", "messages in one chat request")
+    max_stop: int = _option(16, "--max-stop", "stop strings of one request")
+    max_stop_chars: int = _option(256, "--max-stop-chars", "characters of one stop string")
+    max_tools: int = _option(128, "--max-tools", "tools offered in one request")
+    max_tools_bytes: int = _option(256 * 1024, "--max-tools-bytes", "size of a request's tools as JSON, in bytes")
+    max_logit_bias: int = _option(1024, "--max-logit-bias", "logit_bias entries of one request")
+    max_grammar_bytes: int = _option(64 * 1024, "--max-grammar-bytes",
+                                     "size of a GBNF grammar or a JSON schema (format, response_format, "
+                                     "json_schema), in bytes")
+    max_schema_depth: int = _option(64, "--max-schema-depth",
+                                    "nesting depth of a JSON schema or of tool parameters (JSON levels)")
+    max_embedding_inputs: int = _option(2048, "--max-embedding-inputs",
+                                        "inputs in one embedding request (OpenAI's limit)")
+    max_embedding_chars: int = _option(1 << 20, "--max-embedding-chars",
+                                       "characters of all inputs of one embedding request "
+                                       "(a token of a token-array input counts as one)")
+    prep_threads: int = _option(4, "--prep-threads",
+                                "worker threads that tokenize, render chat templates, compile grammars "
+                                "and parse tool calls (kept off the event loop and its shared pool)")
+    stats_timeout: float = _option(2.0, "--stats-timeout",
+                                   "seconds /metrics, /api/ps and /api/pool wait for a busy engine before "
+                                   "answering with its last known figures", float)
+
+
+def limit_flag(name: str) -> str:
+    """The `serve` option that sets Limits field `name`."""
+    return next(f.metadata["flag"] for f in fields(Limits) if f.name == name)
+
+
+def refuse_over(limits: Limits, name: str, value: int, what: str, param: str | None,
+                status: int = 400) -> None:
+    """An error naming the limit and the option that raises it when value exceeds limits.<name>."""
+    limit = getattr(limits, name)
+    if limit is not None and value > limit:
+        raise APIError(status, f"{what} is {value}; the limit is {limit} (the server's {limit_flag(name)} option)",
+                       param, code="limit_exceeded")
+
+
+def json_depth(value: Any, stop_after: int) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion (a deep
+    value must not blow the stack); stops counting past stop_after."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > stop_after:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _check_json(limits: Limits, value: Any, size_limit: str, what: str, param: str) -> None:
+    refuse_over(limits, "max_schema_depth", json_depth(value, limits.max_schema_depth),
+                f"the nesting depth of {what}", param)
+    # within the depth limit json.dumps cannot recurse too deeply
+    size = len(value.encode()) if isinstance(value, str) else \
+        len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+    refuse_over(limits, size_limit, size, f"the size of {what} in bytes", param)
+
+
+def check_request(limits: Limits, *, stop: Any = None, messages: list | None = None, tools: list | None = None,
+                  logit_bias: dict | None = None, grammars: dict[str, Any] | None = None) -> None:
+    """The per-request limits, checked before any work (tokenizing, rendering, compiling):
+    a 400 that names the limit and the option that raises it."""
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        refuse_over(limits, "max_stop", len(stops), "the number of stop strings", "stop")
+        longest = max((len(s) for s in stops), default=0)
+        refuse_over(limits, "max_stop_chars", longest, "the length of a stop string", "stop")
+    if messages is not None:
+        refuse_over(limits, "max_messages", len(messages), "the number of messages", "messages")
+    if tools:
+        refuse_over(limits, "max_tools", len(tools), "the number of tools", "tools")
+        dumped = [t.model_dump(exclude_none=True, by_alias=True) if hasattr(t, "model_dump") else t for t in tools]
+        _check_json(limits, dumped, "max_tools_bytes", "tools", "tools")
+    if logit_bias:
+        refuse_over(limits, "max_logit_bias", len(logit_bias), "the number of logit_bias entries", "logit_bias")
+    for param, value in (grammars or {}).items():
+        if value is not None:
+            _check_json(limits, value, "max_grammar_bytes", param, param)
+
+
+async def off_loop(pool: Executor, fn, *args):
+    """fn(*args) on the server's bounded worker pool: tokenizing, rendering and parsing
+    never run on the event loop (which would stall every route) nor on the loop's
+    default pool (which every route shares)."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+    except RecursionError:   # json or a template walking a value nested too deeply
+        raise APIError(400, "the request is nested too deeply to be processed") from None
+
+
+def admit(served: ServedModel, limits: Limits, metrics: Metrics) -> None:
+    """Take one of the model's places (running or queued) now, or a 503. The check and the
+    count are one step with no await between, so a burst cannot overshoot the limit."""
+    if not metrics.admit(served.name, limits.max_queue + served.options.max_num_seqs):
+        raise APIError(503, "server busy: the request queue is full, retry shortly", None,
+                       "server_busy", {"Retry-After": "1"})
 
 
 @dataclass
@@ -50,21 +166,32 @@ class Generation:
     finish_reasons: dict[int, str] = field(default_factory=dict)
     output_ids: list[int] = field(default_factory=list)   # sample 0's tokens, end-of-turn excluded
     load_seconds: float = 0.0   # loading the model again (keep_alive had dropped it)
+    admitted: bool = False      # holds one of the model's queue places (see admit)
+
+    def leave(self) -> None:
+        """Give back the queue place (once, however the request ends)."""
+        if self.admitted:
+            self.admitted = False
+            self.metrics.leave(self.served.name)
+
+    def __del__(self):
+        # a generation dropped before it was iterated (a later prompt of its request was
+        # refused, the client left before the body started) must not keep its place forever
+        self.leave()
 
     async def deltas(self):
         """Async iterator of TextDelta; aborts the request if the consumer goes away."""
         served = self.served
-        self.metrics.inflight[served.name] += 1
         try:
             self.load_seconds = await served.acquire()
         except BaseException:
-            self.metrics.inflight[served.name] -= 1
+            self.leave()
             raise
         try:
             stream = served.loop.submit(self.prompt_ids, self.params)
         except BaseException:
             served.release()
-            self.metrics.inflight[served.name] -= 1
+            self.leave()
             raise
         assembler = TextAssembler(served.tokenizer, self.params.stop)
         width = self.params.beam_width if self.params.beam_width > 1 else self.params.n
@@ -95,7 +222,7 @@ class Generation:
             # normal end, stop string, error or client gone: the pages go back now
             stream.abort()
             served.release()
-            self.metrics.inflight[served.name] -= 1
+            self.leave()
             self.metrics.add_tokens(len(self.prompt_ids), self.num_generated)
 
     async def collect(self, request) -> list[TextDelta]:
@@ -159,7 +286,9 @@ def fit_prompt(served: ServedModel, prompt_ids: list[int], limits: Limits, trunc
     if len(prompt_ids) <= max_prompt:
         return prompt_ids
     if not truncate:
-        raise APIError(400, f"prompt is {len(prompt_ids)} tokens; the limit is {max_prompt}", "prompt")
+        by = (f"the server's {limit_flag('max_prompt_tokens')} option" if max_prompt == limits.max_prompt_tokens
+              else "the context, less one token for the answer")
+        raise APIError(400, f"prompt is {len(prompt_ids)} tokens; the limit is {max_prompt} ({by})", "prompt")
     keep = 1 if prompt_ids and prompt_ids[0] == served.tokenizer.bos_id else 0
     return prompt_ids[:keep] + prompt_ids[len(prompt_ids) - (max_prompt - keep):]
 
@@ -182,11 +311,9 @@ def start_generation(served: ServedModel, prompt_ids: list[int], params: Samplin
         params.max_tokens = min(params.max_tokens, room) if params.max_tokens else room
     if params.n > limits.max_n or params.beam_width > limits.max_n:
         raise APIError(400, f"n {max(params.n, params.beam_width)} exceeds the limit {limits.max_n}", "n")
-    if metrics.inflight[served.name] >= limits.max_queue + served.options.max_num_seqs:
-        raise APIError(503, "server busy: the request queue is full, retry shortly", None,
-                       "server_busy", {"Retry-After": "1"})
+    admit(served, limits, metrics)
     served.keep_alive = keep_alive
-    return Generation(served, prompt_ids, params, metrics)
+    return Generation(served, prompt_ids, params, metrics, admitted=True)
 
 
 def final_text(deltas: list[TextDelta], n: int) -> list[str]:

@@ -9,6 +9,11 @@ from collections import defaultdict
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+def label_value(value) -> str:
+    """A label value as the Prometheus text format writes it (backslash, quote and newline escaped)."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class Histogram:
     def __init__(self, buckets=LATENCY_BUCKETS):
         self.buckets = buckets
@@ -28,8 +33,9 @@ class Histogram:
             cum += count
             out.append(f'{name}_bucket{{{labels}{sep}le="{bound}"}} {cum}')
         out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.n}')
-        out.append(f"{name}_sum{{{labels}}} {self.total}")
-        out.append(f"{name}_count{{{labels}}} {self.n}")
+        braces = f"{{{labels}}}" if labels else ""
+        out.append(f"{name}_sum{braces} {self.total}")
+        out.append(f"{name}_count{braces} {self.n}")
         return out
 
 
@@ -41,13 +47,28 @@ class Metrics:
         self.requests = defaultdict(int)          # (route, status) -> count
         self.prompt_tokens = 0
         self.generated_tokens = 0
-        self.inflight = defaultdict(int)          # model -> requests submitted, not finished
+        self.inflight = defaultdict(int)          # model -> requests admitted, not finished
         self.ttft = Histogram()
         self.itl = Histogram()
 
     def count_request(self, route: str, status: int) -> None:
+        """One answer; route is the route's template (/v1/models/{model}), never the raw path,
+        so that probing URLs cannot add series without bound."""
         with self._lock:
             self.requests[(route, status)] += 1
+
+    def admit(self, model: str, capacity: int) -> bool:
+        """Count one more request of model in flight if fewer than capacity are (one atomic step)."""
+        with self._lock:
+            if self.inflight[model] >= capacity:
+                return False
+            self.inflight[model] += 1
+            return True
+
+    def leave(self, model: str) -> None:
+        """One request of model is no longer in flight."""
+        with self._lock:
+            self.inflight[model] -= 1
 
     def add_tokens(self, prompt: int = 0, generated: int = 0) -> None:
         with self._lock:
@@ -68,7 +89,7 @@ class Metrics:
                  "# TYPE pyllama_requests_total counter"]
         with self._lock:
             for (route, status), n in sorted(self.requests.items()):
-                lines.append(f'pyllama_requests_total{{route="{route}",status="{status}"}} {n}')
+                lines.append(f'pyllama_requests_total{{route="{label_value(route)}",status="{status}"}} {n}')
             lines += ["# TYPE pyllama_prompt_tokens_total counter",
                       f"pyllama_prompt_tokens_total {self.prompt_tokens}",
                       "# TYPE pyllama_generated_tokens_total counter",
@@ -97,5 +118,5 @@ class Metrics:
             lines += [f"# HELP pyllama_{metric} {help_text}", f"# TYPE pyllama_{metric} gauge"]
             for model, stats in engine_stats.items():
                 if key in stats:
-                    lines.append(f'pyllama_{metric}{{model="{model}"}} {float(stats[key])}')
+                    lines.append(f'pyllama_{metric}{{model="{label_value(model)}"}} {float(stats[key])}')
         return "\n".join(lines) + "\n"

@@ -19,7 +19,8 @@ from ..sampling_options import OLLAMA
 from ..tools.calls import ToolCallStream
 from ..tools.messages import normalize_messages
 from ..tools.prompt import check_tools, render_chat
-from .generation import APIError, fit_prompt, request_params, require_generative, start_generation
+from .generation import (APIError, check_request, fit_prompt, off_loop, request_params, require_generative,
+                         start_generation)
 from .ollama_manage import OLLAMA_VERSION, NameRequest, describe, find_model, keep_alive_seconds, show_model
 
 
@@ -168,7 +169,7 @@ def build_router(state) -> APIRouter:
                         if text:
                             yield json.dumps(shape(text, False)) + "\n"
                     if calls_of:
-                        rest, calls = calls_of.finish()
+                        rest, calls = await off_loop(state.prep, calls_of.finish)
                         if rest or calls:
                             yield json.dumps(shape(rest, False, calls)) + "\n"
                 except APIError as e:   # after the 200 header: end the stream with Ollama's error line
@@ -184,8 +185,10 @@ def build_router(state) -> APIRouter:
             await after(gen.served, keep_alive)
         calls = []
         if calls_of:
-            calls_of.feed(text)
-            text, calls = calls_of.finish()
+            def parse():
+                calls_of.feed(text)
+                return calls_of.finish()
+            text, calls = await off_loop(state.prep, parse)
         out = final(gen, shape)
         out.update({k: v for k, v in shape(text, True, calls).items() if k in ("response", "message")})
         return JSONResponse(out)
@@ -197,6 +200,8 @@ def build_router(state) -> APIRouter:
 
     @router.post("/api/generate")
     async def generate(body: GenerateRequest, request: Request):
+        check_request(state.limits, stop=body.options.stop if body.options else None,
+                      grammars={"format": body.format})
         served = find(body.model)
         require_generative(served)
         keep_alive = check_common(body, served)
@@ -210,18 +215,21 @@ def build_router(state) -> APIRouter:
         if not body.prompt:   # Ollama answers an empty prompt by loading (or unloading) the model
             await preload(served, keep_alive)
             return loaded(body, served, "unload" if keep_alive == 0 else "load")
-        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
-            constraint = await asyncio.to_thread(from_ollama, served.tokenizer, body.format)
-        except PagedError as e:
-            raise APIError(400, str(e), "format") from None
-        if body.raw:   # the prompt as given, its special tokens included
-            text = body.prompt
-        else:
-            messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-                       [{"role": "user", "content": body.prompt}]
-            text = served.template.render(messages)
-        ids = list(body.context or []) + served.tokenizer.encode(text, add_special=not body.context,
-                                                                  parse_special=True)
+        def prepare():
+            try:   # a first grammar prepares the vocabulary (about a second)
+                constraint = from_ollama(served.tokenizer, body.format)
+            except PagedError as e:
+                raise APIError(400, str(e), "format") from None
+            if body.raw:   # the prompt as given, its special tokens included
+                text = body.prompt
+            else:
+                messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
+                           [{"role": "user", "content": body.prompt}]
+                text = served.template.render(messages)
+            return constraint, list(body.context or []) + served.tokenizer.encode(
+                text, add_special=not body.context, parse_special=True)
+
+        constraint, ids = await off_loop(state.prep, prepare)   # a long prompt: never on the event loop
         n_ctx = body.options.num_ctx if body.options else None
         ids = fit_prompt(served, ids, state.limits, body.truncate is not False, n_ctx)
         params = _params(body.options, state.limits.max_tokens, constraint)   # unset: to the context
@@ -238,16 +246,39 @@ def build_router(state) -> APIRouter:
         """The rendered chat within the context: with truncate, Ollama drops the oldest
         turns (never the system prompt or the last message) before cutting tokens."""
         n_ctx = min(body.options.num_ctx if body.options and body.options.num_ctx else served.n_ctx, served.n_ctx)
-        while True:
-            text = render_chat(served.template, served.tokenizer, messages, tools)
-            ids = served.tokenizer.encode(text, add_special=True, parse_special=True)
-            droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
-            if len(ids) < n_ctx or body.truncate is False or not droppable:
-                return fit_prompt(served, ids, state.limits, body.truncate is not False, n_ctx)
-            del messages[droppable[0]]
+        truncate = body.truncate is not False
+        droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
+
+        def ids_without(k: int) -> list[int]:
+            """The chat's tokens with its k oldest droppable turns left out."""
+            gone = set(droppable[:k])
+            kept = [m for i, m in enumerate(messages) if i not in gone]
+            text = render_chat(served.template, served.tokenizer, kept, tools)
+            return served.tokenizer.encode(text, add_special=True, parse_special=True)
+
+        ids = ids_without(0)
+        if len(ids) < n_ctx or not truncate or not droppable:
+            return fit_prompt(served, ids, state.limits, truncate, n_ctx)
+        # The fewest turns to drop, by bisection: the prompt shrinks as turns go, so this is
+        # what dropping one at a time finds, in a logarithmic number of renders (one at a
+        # time re-rendered the whole chat per turn: quadratic, minutes for a long chat)
+        fewest, best = len(droppable), ids_without(len(droppable))
+        if len(best) >= n_ctx:   # even the system prompt and last message alone: cut tokens
+            return fit_prompt(served, best, state.limits, truncate, n_ctx)
+        low = 1   # dropping fewer than low does not fit; dropping `fewest` does
+        while low < fewest:
+            mid = (low + fewest) // 2
+            candidate = ids_without(mid)
+            if len(candidate) < n_ctx:
+                fewest, best = mid, candidate
+            else:
+                low = mid + 1
+        return fit_prompt(served, best, state.limits, truncate, n_ctx)
 
     @router.post("/api/chat")
     async def chat(body: ChatRequest, request: Request):
+        check_request(state.limits, stop=body.options.stop if body.options else None, messages=body.messages,
+                      tools=body.tools, grammars={"format": body.format})
         served = find(body.model)
         require_generative(served)
         keep_alive = check_common(body, served)
@@ -261,7 +292,7 @@ def build_router(state) -> APIRouter:
             return tools, from_ollama(served.tokenizer, body.format), chat_prompt(served, messages, tools, body)
 
         try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
-            tools, constraint, ids = await asyncio.to_thread(prepare)
+            tools, constraint, ids = await off_loop(state.prep, prepare)
         except PagedError as e:
             raise APIError(400, str(e), "messages") from None
         n_ctx = body.options.num_ctx if body.options else None
@@ -287,17 +318,20 @@ def build_router(state) -> APIRouter:
 
     @router.get("/api/ps")
     async def ps():
+        # an unloaded model is not running: /api/ps lists loaded models only, as Ollama's
+        loaded = [m for m in state.registry.models.values() if m.is_loaded]
+        # read together: a busy engine costs one timeout (then its last figures), not one each
+        found = await asyncio.gather(*(m.figures(state.limits.stats_timeout) for m in loaded))
         models = []
-        for served in state.registry.models.values():
-            # an unloaded model is not running: /api/ps lists loaded models only, as Ollama's
-            found = await served.call_if_loaded(lambda llm: (llm.stats(), llm.runner.kv_pool_bytes,
-                                                             llm.runner.kv.paged))
-            if found is None:
+        for served, (figures, current) in zip(loaded, found):
+            if figures is None and not served.is_loaded:   # dropped meanwhile
                 continue
-            stats, kv_bytes, paged = found
-            models.append({**describe(served), "expires_at": served.expires_at(),
-                           "size_vram": 0, "context_length": served.n_ctx,
-                           "kv_cache": {"bytes": kv_bytes, "paged": paged, **stats}})
+            entry = {**describe(served), "expires_at": served.expires_at(),
+                     "size_vram": 0, "context_length": served.n_ctx}
+            if figures is not None:
+                entry["kv_cache"] = {"bytes": figures["kv_pool_bytes"], "paged": figures["paged"],
+                                     **figures["stats"], "current": current}
+            models.append(entry)
         return {"models": models}
 
     @router.get("/api/version")

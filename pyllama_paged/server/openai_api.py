@@ -16,7 +16,7 @@ from ..errors import PagedError
 from ..tools.calls import ToolCallStream, parse_tool_calls
 from ..tools.messages import normalize_messages
 from ..tools.prompt import prepare_chat
-from .generation import APIError, fit_prompt, require_generative, start_generation
+from .generation import APIError, check_request, fit_prompt, off_loop, require_generative, start_generation
 from .openai_logprobs import chat_logprobs, completion_logprobs
 from .openai_schemas import ChatRequest, CompletionRequest
 
@@ -89,9 +89,9 @@ def build_router(state) -> APIRouter:
     async def models():
         return {"object": "list", "data": [card(m) for m in state.registry.models.values()]}
 
-    @router.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        return card(find(model_id))
+    @router.get("/v1/models/{model:path}")
+    async def model(model: str):
+        return card(find(model))
 
     def usage(gens) -> dict:
         prompt = sum(len(g.prompt_ids) for g in gens)
@@ -105,7 +105,7 @@ def build_router(state) -> APIRouter:
             async def events():
                 try:
                     async for i, d in _merged(gens):
-                        for c in chunk_choices(i * n + d.index, d):
+                        for c in await chunk_choices(i * n + d.index, d):
                             yield _sse({**head, "choices": [c]})
                     for c in final_chunks():
                         yield _sse({**head, "choices": [c]})
@@ -119,16 +119,18 @@ def build_router(state) -> APIRouter:
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         collected = await asyncio.gather(*(g.collect(request) for g in gens))
-        choices = []
-        for i, (gen, deltas) in enumerate(zip(gens, collected)):
-            for j in range(n):
-                mine = [d for d in deltas if d.index == j]
-                choices.append(choice(i * n + j, i, mine, gen.finish_reasons.get(j, "length")))
+
+        def every_choice():
+            return [choice(i * n + j, i, [d for d in deltas if d.index == j], gen.finish_reasons.get(j, "length"))
+                    for i, (gen, deltas) in enumerate(zip(gens, collected)) for j in range(n)]
+
+        choices = await off_loop(state.prep, every_choice)   # tool calls parsed, log-probs formatted
         return JSONResponse({**head, "object": head["object"].replace(".chunk", ""), "choices": choices,
                              "usage": usage(gens)})
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_request(state.limits, stop=body.stop, logit_bias=body.logit_bias, grammars=body.grammars())
         served = find(body.model)
         require_generative(served)
         body.refuse_unsupported(served.config.n_vocab)
@@ -144,14 +146,19 @@ def build_router(state) -> APIRouter:
         if len(prompts) > state.limits.max_prompts:
             raise APIError(400, f"{len(prompts)} prompts; the limit is {state.limits.max_prompts}", "prompt")
         n_vocab = served.config.n_vocab
-        ids_of = []
-        for p in prompts:
-            if isinstance(p, str):
-                ids_of.append(served.tokenizer.encode(p, add_special=True, parse_special=True))
-            elif any(not 0 <= t < n_vocab for t in p):
-                raise APIError(400, "prompt token id outside the vocabulary", "prompt")
-            else:
-                ids_of.append(list(p))
+
+        def tokenized():
+            ids_of = []
+            for p in prompts:
+                if isinstance(p, str):
+                    ids_of.append(served.tokenizer.encode(p, add_special=True, parse_special=True))
+                elif any(not 0 <= t < n_vocab for t in p):
+                    raise APIError(400, "prompt token id outside the vocabulary", "prompt")
+                else:
+                    ids_of.append(list(p))
+            return ids_of
+
+        ids_of = await off_loop(state.prep, tokenized)   # a long prompt: never on the event loop
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens 0 generates nothing: it is only allowed with echo, to score the prompt",
                            "max_tokens")
@@ -173,12 +180,19 @@ def build_router(state) -> APIRouter:
         if body.max_tokens == 0:
             return scored_only(body, head, tok, ids_of, echo_text, echo_lps)
         try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
-            constraint = await asyncio.to_thread(body.constraint, tok)
+            constraint = await off_loop(state.prep, body.constraint, tok)
         except PagedError as e:
             raise APIError(400, str(e)) from None
-        gens = [start_generation(served, ids, body.params(min(16, state.limits.max_tokens), body.logprobs,
-                                                          constraint), state.limits, state.metrics)
-                for ids in ids_of]
+        gens = []
+        try:
+            for ids in ids_of:
+                gens.append(start_generation(served, ids, body.params(min(16, state.limits.max_tokens),
+                                                                      body.logprobs, constraint),
+                                             state.limits, state.metrics))
+        except BaseException:   # a later prompt refused (queue full): the earlier ones give their places back
+            for gen in gens:
+                gen.leave()
+            raise
 
         def choice(index, i, deltas, finish):
             lps = None
@@ -190,7 +204,7 @@ def build_router(state) -> APIRouter:
 
         echoed: set[int] = set()
 
-        def chunk_choices(index, d):
+        async def chunk_choices(index, d):
             text = d.text
             if body.echo and index not in echoed:
                 echoed.add(index)
@@ -206,20 +220,22 @@ def build_router(state) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        check_request(state.limits, stop=body.stop, logit_bias=body.logit_bias, messages=body.messages,
+                      tools=body.tools, grammars=body.grammars())
         served = find(body.model)
         require_generative(served)
         body.refuse_unsupported(served.config.n_vocab)
         def prepare():
             messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            return prepare_chat(served.template, served.tokenizer, messages, tools, body.tool_choice,
-                                body.constraint(served.tokenizer))
+            text, constraint, names = prepare_chat(served.template, served.tokenizer, messages, tools,
+                                                   body.tool_choice, body.constraint(served.tokenizer))
+            return served.tokenizer.encode(text, add_special=True, parse_special=True), constraint, names
 
         try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
-            text, constraint, names = await asyncio.to_thread(prepare)
+            ids, constraint, names = await off_loop(state.prep, prepare)
         except PagedError as e:
             raise APIError(400, str(e), "messages" if "messages" in str(e) else None) from None
-        ids = served.tokenizer.encode(text, add_special=True, parse_special=True)
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -244,14 +260,14 @@ def build_router(state) -> APIRouter:
         started: set[int] = set()
         streams: dict[int, ToolCallStream] = {}
 
-        def chunk_choices(index, d):
+        async def chunk_choices(index, d):
             text = d.text
             out = []
             if names:
                 stream = streams.setdefault(index, ToolCallStream(names))
                 text = stream.feed(text)
                 if d.finish_reason:
-                    rest, calls = stream.finish()
+                    rest, calls = await off_loop(state.prep, stream.finish)
                     text += rest
                     if calls:
                         out.append({"tool_calls": [c.openai(k) for k, c in enumerate(calls)]})

@@ -81,10 +81,17 @@ class Sampling(BaseModel):
             return compile_constraint(tokenizer, "json_schema", self.json_schema)
         return from_openai(tokenizer, fmt)
 
+    def grammars(self) -> dict[str, Any]:
+        """The structured-output fields as given, for the size and depth limits."""
+        return {"grammar": self.grammar, "json_schema": self.json_schema,
+                "response_format": self.response_format.spec() if self.response_format else None}
+
     def refuse_unsupported(self, n_vocab: int) -> None:
         """A 400 for fields we would otherwise silently ignore, or that the model cannot take."""
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= n_vocab:
+            # ASCII digits only: str.isdigit() takes "²" (which int() refuses) and int() takes
+            # other scripts' digits, neither of which is a token id a client means
+            if not (key.isascii() and key.isdigit()) or int(key) >= n_vocab:
                 raise APIError(400, f"logit_bias key {key!r} is not a token id of this model (0 to {n_vocab - 1})",
                                "logit_bias")
             if not -100 <= bias <= 100:

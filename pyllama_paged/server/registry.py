@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hashlib
+import logging
+import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,13 +24,34 @@ from ..engine.scheduler import SchedulerConfig
 from ..tokenizer.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "gemma3:270m"
+log = logging.getLogger("pyllama_paged.server")
+MAX_THREADS = 64   # the native sampler's limit (it shares the engine's thread count)
+FOREVER = "2318-01-01T00:00:00Z"   # Ollama's expires_at for a model kept loaded
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on, at most MAX_THREADS (a bigger host would make the
+    engine refuse to start)."""
+    try:
+        available = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # not on Linux
+        available = os.cpu_count() or 1
+    return max(1, min(available, MAX_THREADS))
+
+
+def _engine_figures(llm) -> dict:
+    """What /metrics, /api/ps and /api/pool show of an engine, read in one call on its thread
+    (counts from the pool's own counters: no walk over the blocks)."""
+    kv = llm.runner.kv
+    return {"stats": llm.stats(), "kv_pool_bytes": llm.runner.kv_pool_bytes, "paged": kv.paged,
+            "block_size": kv.block_size}
 
 
 @dataclass
 class EngineOptions:
     paged: bool = True
     n_ctx: int = 4096
-    n_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    n_threads: int = field(default_factory=default_threads)
     n_batch: int = 512
     block_size: int = 32
     kv_cache_type: str = "f16"
@@ -53,8 +77,14 @@ class ServedModel:
         self.loaded_at = time.time()
         self.keep_alive: float | None = None   # the last request's keep_alive in seconds (None: forever)
         self.last_used = time.time()
-        self.active = 0                        # generations and engine calls holding the engine now
+        self.active = 0                        # requests holding (or waiting to hold) the engine now
         self._lock = asyncio.Lock()            # orders loads and unloads on the server's event loop
+        self._loading: asyncio.Task | None = None   # the one load in progress, shared by every waiter
+        self.loads = 0                         # engines built (the first included)
+        self._figures: asyncio.Future | None = None  # the one engine-figures call in flight
+        self.last_figures: dict | None = None  # what the engine last said (for a busy engine's readers)
+        # one thread of its own for figures calls, so a stuck engine holds no shared thread
+        self._figures_thread = ThreadPoolExecutor(1, thread_name_prefix="pyllama-figures")
         self.tokenizer: Tokenizer | None = None
         self._load()
         # what describes the model without its engine
@@ -68,6 +98,7 @@ class ServedModel:
 
     def _load(self) -> None:
         """Weights, KV pool, runner and engine loop (blocking: seconds)."""
+        self.loads += 1
         o = self.options
         model = Model(self.path)
         if model.config.is_encoder:   # an embedding model: no KV pool, no chat template
@@ -108,15 +139,34 @@ class ServedModel:
     async def acquire(self) -> float:
         """Hold the engine (loading it first if it was dropped); returns the seconds the
         load took (0 when it was loaded). Pair with release()."""
-        async with self._lock:
-            took = 0.0
-            if not self.is_loaded:
+        # counted before any await: an unload never drops an engine someone waits for
+        self.active += 1
+        took = 0.0
+        try:
+            while not self.is_loaded:
+                if self._loading is None:
+                    self._loading = asyncio.get_running_loop().create_task(self._load_shared())
+                    self._loading.add_done_callback(_retrieve)
+                # a waiter that goes away (its client hung up) leaves the load running for the
+                # others and for the next request: never a second copy of the model
+                took = await asyncio.shield(self._loading)
+        except BaseException:
+            self.active -= 1
+            raise
+        self.last_used = time.time()
+        return took
+
+    async def _load_shared(self) -> float:
+        """The one load every waiting request awaits; its seconds."""
+        try:
+            async with self._lock:   # after an unload that is still closing the last engine
+                if self.is_loaded:
+                    return 0.0
                 started = time.perf_counter()
-                await asyncio.to_thread(self._load)
-                took = time.perf_counter() - started
-            self.active += 1
-            self.last_used = time.time()
-            return took
+                await asyncio.get_running_loop().run_in_executor(None, self._load)
+                return time.perf_counter() - started
+        finally:
+            self._loading = None
 
     def release(self) -> None:
         """Stop holding the engine (it stays loaded until unload_if_idle)."""
@@ -134,14 +184,40 @@ class ServedModel:
     async def call_if_loaded(self, fn):
         """fn(llm) on the engine's loop thread, or None when the engine is not loaded
         (what /api/ps, /metrics and the dashboard read must not load a model)."""
-        async with self._lock:
-            if not self.is_loaded:
-                return None
-            self.active += 1
+        if not self.is_loaded:
+            return None
+        self.active += 1
         try:
             return await asyncio.to_thread(self.loop.call, fn)
         finally:
             self.active -= 1
+
+    async def figures(self, timeout: float) -> tuple[dict | None, bool]:
+        """(the engine's figures, whether they are current): read on the engine thread, at
+        most one call in flight; an engine busy for longer than timeout (a long step, a
+        held loop) is answered with the last figures it gave (None: not loaded, or none
+        yet). A figures reader never loads a model."""
+        if not self.is_loaded:
+            return None, True
+        if self._figures is None or self._figures.done():
+            self.active += 1   # no unload while the call waits on the engine thread
+            loop = self.loop
+            call = asyncio.get_running_loop().run_in_executor(self._figures_thread, loop.call, _engine_figures)
+
+            def landed(done: asyncio.Future) -> None:
+                self.active -= 1
+                if not done.cancelled() and done.exception() is None:
+                    self.last_figures = done.result()
+
+            call.add_done_callback(landed)
+            self._figures = call
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._figures), timeout), True
+        except asyncio.TimeoutError:
+            return self.last_figures, False
+        except Exception:   # the loop stopped under the call, or failed: a reader never fails for it
+            log.exception("engine figures of %s", self.name)
+            return self.last_figures, False
 
     def expired(self, now: float) -> bool:
         """Whether keep_alive has run out with nothing in flight."""
@@ -153,21 +229,30 @@ class ServedModel:
         async with self._lock:
             if not self.is_loaded or self.active:
                 return False
-            await asyncio.to_thread(self._unload)
+            # detached here, with no await since the check: a request arriving now sees the
+            # engine gone and waits for a load (which waits for this lock) instead of using it
+            parts = self._detach()
+            await asyncio.get_running_loop().run_in_executor(None, _close, parts)
+            self.last_figures = None
             return True
 
-    def _unload(self) -> None:
-        loop, runner, model = self.loop, self.runner, self.model
+    def _detach(self) -> tuple:
+        parts = self.loop, self.runner, self.model
         self.loop = self.runner = self.model = None
-        loop.stop()
-        runner.close()
-        model.close()
+        return parts
+
+    def _unload(self) -> None:
+        _close(self._detach())
 
     def expires_at(self) -> str:
         """Ollama's expires_at: when keep_alive would let the model go (never: far future)."""
-        if self.keep_alive is None or self.keep_alive < 0:
-            return "2318-01-01T00:00:00Z"
-        when = dt.datetime.fromtimestamp(self.last_used + self.keep_alive, dt.timezone.utc)
+        keep = self.keep_alive
+        if keep is None or not math.isfinite(keep) or keep < 0:
+            return FOREVER
+        try:
+            when = dt.datetime.fromtimestamp(self.last_used + keep, dt.timezone.utc)
+        except (OverflowError, OSError, ValueError):   # past what a timestamp can say: as good as never
+            return FOREVER
         return when.isoformat().replace("+00:00", "Z")
 
     @property
@@ -189,6 +274,20 @@ class ServedModel:
     def close(self) -> None:
         if self.is_loaded:
             self._unload()
+        self._figures_thread.shutdown(wait=False)
+
+
+def _close(parts: tuple) -> None:
+    loop, runner, model = parts
+    loop.stop()
+    runner.close()
+    model.close()
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    # a load whose every waiter went away still ends: its failure is not "never retrieved"
+    if not task.cancelled():
+        task.exception()
 
 
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 7: "Q8_0", 8: "Q5_0", 15: "Q4_K_M", 17: "Q5_K_M",
