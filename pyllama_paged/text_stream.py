@@ -9,33 +9,105 @@ from .engine.llm_engine import RequestOutput, TokenEvent
 from .tokenizer.tokenizer import IncrementalDecoder, Tokenizer
 
 
-class StopMatcher:
-    """Cuts generated text at the first stop string, holding back a possible partial match."""
+class StopStrings:
+    """The stop strings as one Aho-Corasick automaton, built once per request and shared
+    by its samples: a piece of text costs the same whatever the number of stops, where
+    searching for each stop in turn cost (stops x longest stop) per token."""
 
     def __init__(self, stops):
         self.stops = [s for s in stops if s]
+        # Node 0 is the root; a node is a distinct prefix of some stop. Transitions live in
+        # one dict keyed by (node << 21 | code point): one small dict per node would take
+        # several times the memory for thousands of long stops.
+        next_: dict[int, int] = {}
+        # per node: its depth, parent, last character, and the length of the stop it is (or 0)
+        depth, parent, code, ends = [0], [0], [0], [0]
+        for stop in self.stops:
+            node, i = 0, 0
+            while i < len(stop) and (child := next_.get(node << 21 | ord(stop[i]))) is not None:
+                node, i = child, i + 1
+            if i < len(stop):
+                # the rest of the stop is a fresh chain of nodes: added in bulk, since
+                # that is most of the build for long stops
+                first, codes = len(depth), [ord(c) for c in stop[i:]]
+                ids = range(first, first + len(codes))
+                parents = [node, *ids[:-1]]
+                next_.update(zip([p << 21 | c for p, c in zip(parents, codes)], ids))
+                depth.extend(range(depth[node] + 1, depth[node] + 1 + len(codes)))
+                parent += parents
+                code += codes
+                ends += [0] * len(codes)
+                node = ids[-1]
+            ends[node] = len(stop)
+        fail = [0] * len(depth)
+        # longest stop that is a suffix of this node's text (0: none): found by the
+        # failure links, so a match is seen at the character that completes it
+        match = ends[:]
+        # by depth: a node's failure link goes to a shallower node, already linked
+        for node in sorted(range(1, len(depth)), key=depth.__getitem__):
+            up = parent[node]
+            if up:
+                f, c = fail[up], code[node]
+                while (child := next_.get(f << 21 | c)) is None and f:
+                    f = fail[f]
+                fail[node] = f = child or 0
+                if not match[node]:
+                    match[node] = match[f]
+        self._next, self._fail, self._match, self._depth = next_, fail, match, depth
+
+    def scan(self, node: int, text: str) -> tuple[int, int, int]:
+        """(node after text, index in text just past the first completed stop or -1, that
+        stop's length: the longest of those completing there)."""
+        next_, fail, match = self._next, self._fail, self._match
+        for i, ch in enumerate(text):
+            code = ord(ch)
+            while True:
+                child = next_.get(node << 21 | code)
+                if child is not None:
+                    node = child
+                    break
+                if node == 0:
+                    break
+                node = fail[node]
+            if match[node]:
+                return node, i + 1, match[node]
+        return node, -1, 0
+
+    def held(self, node: int) -> int:
+        """How many trailing characters may still begin a stop (held back, not emitted)."""
+        return self._depth[node]
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop string to complete, holding back a possible
+    partial match. Among stops completing at the same character the longest wins, so the
+    text is the same however it was split into pieces."""
+
+    def __init__(self, stops):
+        self.strings = stops if isinstance(stops, StopStrings) else StopStrings(stops)
+        self.stops = self.strings.stops
         self.pending = ""
+        self._node = 0
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, stopped)."""
-        self.pending += text
-        for s in self.stops:
-            i = self.pending.find(s)
-            if i >= 0:
-                out, self.pending = self.pending[:i], ""
-                return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
+        if not self.stops:
+            return text, False
+        # Only the new text is scanned: the automaton's node already stands for the
+        # pending text, which cannot hold a whole stop (it would have matched).
+        self._node, end, length = self.strings.scan(self._node, text)
+        pending = self.pending + text
+        if end >= 0:
+            cut = len(self.pending) + end - length
+            self.pending, self._node = "", 0
+            return pending[:cut], True
+        cut = len(pending) - self.strings.held(self._node)
+        out, self.pending = pending[:cut], pending[cut:]
         return out, False
 
     def flush(self) -> str:
-        out, self.pending = self.pending, ""
+        """The held-back text, at the end of the answer."""
+        out, self.pending, self._node = self.pending, "", 0
         return out
 
 
@@ -53,6 +125,7 @@ class TextAssembler:
     def __init__(self, tokenizer: Tokenizer, stops=()):
         self.tokenizer = tokenizer
         self.stops = list(stops)
+        self._stop_strings = StopStrings(self.stops)   # built once, shared by the samples
         self._decoders: dict[int, IncrementalDecoder] = {}
         self._stoppers: dict[int, StopMatcher] = {}
         self.stopped: set[int] = set()
@@ -61,7 +134,7 @@ class TextAssembler:
     def _pair(self, index: int):
         if index not in self._decoders:
             self._decoders[index] = IncrementalDecoder(self.tokenizer, skip_special=True)
-            self._stoppers[index] = StopMatcher(self.stops)
+            self._stoppers[index] = StopMatcher(self._stop_strings)
         return self._decoders[index], self._stoppers[index]
 
     def feed(self, out: RequestOutput) -> list[TextDelta]:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import secrets
 from pathlib import Path
 
 import gguf
@@ -113,7 +115,35 @@ def convert(model_dir: str | Path, out_path: str | Path, dtype: str = "f16", nam
     if config.get("hidden_act", "gelu") != "gelu":
         raise ValueError(f"{model_dir}: hidden_act {config['hidden_act']!r}; the bert graph uses GELU")
     weights = read_safetensors(model_dir / "model.safetensors")
-    writer = gguf.GGUFWriter(str(out_path), "bert")
+    # Written beside out_path under a temporary name, then renamed over it in one step: a
+    # failure part way (a full disk, an interrupt) leaves an existing file as it was and
+    # never a truncated GGUF that would only fail when loaded.
+    tmp_path = _create_temp_beside(out_path)
+    try:
+        _write_gguf(tmp_path, model_dir, config, weights, dtype, name)
+        with open(tmp_path, "rb") as f:
+            os.fsync(f.fileno())   # the bytes on disk before the name points at them
+        os.replace(tmp_path, out_path)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+def _create_temp_beside(out_path: Path) -> Path:
+    """A new empty file in out_path's folder (same file system, so the rename is atomic),
+    created with the usual permissions (the umask applies, as it would to out_path)."""
+    while True:
+        tmp = out_path.with_name(f".{out_path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _write_gguf(path: Path, model_dir: Path, config: dict, weights: dict, dtype: str, name: str | None) -> None:
+    writer = gguf.GGUFWriter(str(path), "bert")
     writer.add_name(name or model_dir.name)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -133,11 +163,12 @@ def convert(model_dir: str | Path, out_path: str | Path, dtype: str = "f16", nam
         if dtype == "f16" and array.ndim == 2:
             array = array.astype(np.float16)
         writer.add_tensor(target, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_path
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
 
 
 def main(argv: list[str] | None = None) -> None:

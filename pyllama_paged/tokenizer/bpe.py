@@ -23,7 +23,7 @@ import unicodedata
 import warnings
 from typing import Iterable, Optional
 
-from .spm import bigram_merge, encode_words
+from .spm import WordCache, bigram_merge, encode_words
 
 
 
@@ -198,7 +198,7 @@ class BpeEncoder:
                 self._ranks.setdefault(merge, rank)
         self._pre = PreTokenizer(family)
         self._ignore_merges = ignore_merges
-        self._cache: dict[str, tuple[int, ...]] = {}
+        self._cache = WordCache()
 
     def _encode_word(self, word: str) -> tuple[int, ...]:
         vocab_get = self._vocab.get

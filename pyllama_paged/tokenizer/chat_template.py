@@ -1,12 +1,130 @@
 """Chat prompts: the GGUF's own Jinja template when it has one, else a
-built-in template for the architecture (the default Gemma 3 file has none)."""
+built-in template for the architecture (the default Gemma 3 file has none).
+
+Request text never becomes control tokens. A template renders markup (``<start_of_turn>``,
+``<|im_end|>``...) around strings the client sent: message content, tool results, tool
+definitions, call arguments. Tokenizing the rendered text with special-token parsing would
+turn a user's literal ``<end_of_turn>`` into the control token and let them forge turns. So
+``render`` returns a ``ChatPrompt``: the text, which can render itself a second time with
+every control-token text inside those strings swapped for a placeholder; that text is cut at
+the template's own control tokens, and only then are the placeholders put back, in fragments
+tokenized without special parsing. Strings holding no control-token text are not touched, so
+the template sees the very same values and the tokens are the ones it always gave.
+"""
 
 from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from typing import Any, Callable
 
 import jinja2
 import jinja2.sandbox
 
 from ..errors import ModelLoadError, PagedError
+
+Escape = Callable[[Any], Any]
+
+# A string that still holds control-token text after this many passes is left as it is
+# (each pass swaps every occurrence found; a second pass is only ever needed when a
+# placeholder happens to complete another token, which no real vocabulary does).
+_MAX_PASSES = 8
+
+
+def no_escape(value: Any) -> Any:
+    """The identity: what a plain (unguarded) render passes its strings through."""
+    return value
+
+
+class ContentGuard:
+    """Swaps control-token texts inside request strings for placeholders, for one render."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        # A placeholder is the nonce, a fixed-width index (unambiguous when two are adjacent)
+        # and \x01: no whitespace, so trim/strip see the string as before, and a character
+        # JSON escapes, so one that went through the template's tojson is told apart (and
+        # gets its text back JSON-escaped, as tojson would have written it).
+        self.nonce = "".join(secrets.choice(string.ascii_lowercase) for _ in range(24))
+        self._placeholder = re.compile(self.nonce + r"(\d{8})(\x01|\\u0001)")
+        self.literals: list[str] = []
+
+    def escape(self, value: Any) -> Any:
+        """value with control-token texts in every string (dict keys included) swapped out."""
+        if isinstance(value, str):
+            return self._escape_text(value)
+        if isinstance(value, dict):
+            return {self.escape(k): self.escape(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.escape(v) for v in value)
+        return value
+
+    def _escape_text(self, text: str) -> str:
+        for _ in range(_MAX_PASSES):
+            spans = self.tokenizer.control_spans(text)
+            if not spans:
+                break
+            pieces, pos = [], 0
+            for start, end in spans:
+                pieces += [text[pos:start], f"{self.nonce}{len(self.literals):08d}\x01"]
+                self.literals.append(text[start:end])
+                pos = end
+            pieces.append(text[pos:])
+            text = "".join(pieces)
+        return text
+
+    def count(self, text: str) -> int:
+        """How many placeholders text holds."""
+        return text.count(self.nonce)
+
+    def restore(self, text: str) -> str:
+        """text with the placeholders' original texts put back."""
+        for _ in range(_MAX_PASSES):   # a literal may itself hold a placeholder of an earlier pass
+            if self.nonce not in text:
+                break
+            text = self._placeholder.sub(self._literal, text)
+        return text
+
+    def _literal(self, match: "re.Match[str]") -> str:
+        index = int(match.group(1))
+        if index >= len(self.literals):
+            return match.group(0)
+        if match.group(2) == "\x01":
+            return self.literals[index]
+        return _tojson_text(self.literals[index])
+
+
+def _tojson_text(text: str) -> str:
+    """text inside a JSON string as Jinja's tojson writes it (HTML-safe)."""
+    quoted = json.dumps(text)[1:-1]
+    return (quoted.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+            .replace("'", "\\u0027"))
+
+
+class ChatPrompt(str):
+    """The rendered prompt text (a ``str``: everything that took the old text still works),
+    plus ``token_ids``: the tokens with only the template's own markup parsed as control
+    tokens. ``Tokenizer.encode(prompt, parse_special=True)`` calls ``token_ids`` itself.
+    Any string operation on it gives a plain ``str``, which tokenizes as before."""
+
+    _render: Callable[[Escape], str]
+
+    def __new__(cls, text: str, render: Callable[[Escape], str]):
+        self = super().__new__(cls, text)
+        self._render = render   # render(escape): the same prompt, request strings through escape
+        return self
+
+    def token_ids(self, tokenizer, add_special: bool = True) -> list[int]:
+        """Token ids of the prompt: BOS/EOS per the model when add_special; control-token
+        texts only from the template, never from the request's strings."""
+        guard = ContentGuard(tokenizer)
+        marked = self._render(guard.escape)
+        if not guard.literals:   # nothing to keep out: exactly the old tokens
+            return tokenizer.encode(str(self), add_special=add_special, parse_special=True)
+        return tokenizer.encode_guarded(marked, guard, add_special=add_special)
+
 
 # Literal text is emitted through {{ '...' }} so whitespace control never eats newlines.
 # Gemma: system text is folded into the first user turn; the assistant role is "model".
@@ -91,9 +209,26 @@ class ChatTemplate:
             raise ModelLoadError(f"metadata field 'tokenizer.chat_template' does not parse: {e}") from e
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None) -> ChatPrompt:
         """Prompt text for messages (the tokenizer adds BOS itself); tools, when given, are
-        passed to the template as transformers passes them."""
+        passed to the template as transformers passes them. The text is a ``ChatPrompt``:
+        ``tokenizer.encode(text, parse_special=True)`` parses control tokens only where the
+        template put them, never inside message content or tools."""
+        return self.render_with(lambda escape: (escape(messages), escape(tools) if tools else None),
+                                add_generation_prompt)
+
+    def render_with(self, inputs: Callable[[Escape], tuple[list[dict], list[dict] | None]],
+                    add_generation_prompt: bool = True) -> ChatPrompt:
+        """Render ``inputs(escape)``: (messages, tools) built with every string the request
+        supplied passed through escape (markup of our own, e.g. a tool call written out as
+        text, is left out of it so that it keeps its control tokens)."""
+        messages, tools = inputs(no_escape)
+        self._check(messages)
+        text = self._render_text(messages, tools, add_generation_prompt)
+        return ChatPrompt(text, lambda escape: self._render_text(*inputs(escape), add_generation_prompt))
+
+    @staticmethod
+    def _check(messages: list[dict]) -> None:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise PagedError(f"messages[{i}] must be an object with 'role' and 'content'")
@@ -101,6 +236,8 @@ class ChatTemplate:
                 raise PagedError(f"messages[{i}].role '{m['role']}' is not one of system, user, assistant, tool")
             if not isinstance(m["content"], str):
                 raise PagedError(f"messages[{i}].content must be a string")
+
+    def _render_text(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         extra = {"tools": tools} if tools else {}
         try:
             text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,

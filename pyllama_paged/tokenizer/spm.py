@@ -20,43 +20,62 @@ from __future__ import annotations
 
 import heapq
 import re
+import sys
 from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
 
 SPACE_MARK = "\u2581"  # "▁", SentencePiece's visible space
 
-_WORD_CACHE_LIMIT = 200_000
+# What a word cache may hold, in (estimated) bytes: bounding entries instead let a few
+# thousand long words (a prompt of 1 MiB "words") hold gigabytes.
+WORD_CACHE_BYTES = 32 << 20
 
 
-def bigram_merge(symbols: Sequence[str], priority: Mapping[str, Any], sep: str = "") -> list[str]:
+def bigram_merge(symbols: Sequence[str], priority: Mapping[str, int], sep: str = "") -> list[str]:
     """Merge adjacent symbols greedily; return the final pieces in order.
 
     Two neighbours ``a`` and ``b`` may merge when ``a + sep + b`` is a key of ``priority``; its
-    value orders the merges (smaller first) and the leftmost pair wins ties. A heap holds the
-    candidates, invalidated lazily: a candidate is stale once either of its symbols has changed
-    length (symbols only grow, by absorbing their right neighbour, or become empty when absorbed).
+    value, a non-negative integer rank, orders the merges (smaller first) and the leftmost pair
+    wins ties. A heap holds the candidates, invalidated lazily: a candidate is stale once either
+    of its symbols has changed length (symbols only grow, by absorbing their right neighbour, or
+    become empty when absorbed). O(n log n) in the number of symbols.
     """
     n = len(symbols)
     if n < 2:
         return list(symbols)
     syms = list(symbols)
+    # A candidate is one int, rank | left | size in bit fields, not a tuple: the heap then
+    # compares machine-sized ints, several times faster on a long word's million candidates.
+    # A symbol is named by the index it started at; its right neighbour is looked up when
+    # the candidate comes out (the size says whether the pair is still the one pushed).
+    bits = (n if isinstance(symbols, str) else max(n, sum(map(len, syms)))).bit_length()   # fits any size
+    mask = (1 << bits) - 1
+    shift = 2 * bits
+    prio = priority.get
+    ranks = list(map(prio, [a + sep + b for a, b in zip(syms, syms[1:])]))
+    if isinstance(symbols, str):   # one character each: every pair's size is 2
+        heap = [rank << shift | i << bits | 2 for i, rank in enumerate(ranks) if rank is not None]
+    else:
+        heap = [rank << shift | i << bits | len(syms[i]) + len(syms[i + 1])
+                for i, rank in enumerate(ranks) if rank is not None]
+    if not heap:
+        return syms
     nxt = list(range(1, n + 1))
     nxt[-1] = -1
     prv = list(range(-1, n - 1))
-    prio = priority.get
-    heap = []
-    for i in range(n - 1):
-        key = prio(syms[i] + sep + syms[i + 1])
-        if key is not None:
-            heap.append((key, i, i + 1, len(syms[i]) + len(syms[i + 1])))
-    if not heap:
-        return syms
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
     while heap:
-        _, left, right, size = pop(heap)
-        a, b = syms[left], syms[right]
-        if not a or not b or len(a) + len(b) != size:
-            continue  # stale candidate
+        entry = pop(heap)
+        left = entry >> bits & mask
+        a = syms[left]
+        right = nxt[left]
+        if not a or right < 0:
+            continue  # stale: absorbed, or its neighbour was
+        b = syms[right]
+        if len(a) + len(b) != entry & mask:
+            continue  # stale: one of the two grew since
         merged = a + b
         syms[left] = merged
         syms[right] = ""
@@ -65,15 +84,15 @@ def bigram_merge(symbols: Sequence[str], priority: Mapping[str, Any], sep: str =
         if after >= 0:
             prv[after] = left
             c = syms[after]
-            key = prio(merged + sep + c)
-            if key is not None:
-                push(heap, (key, left, after, len(merged) + len(c)))
+            rank = prio(merged + sep + c)
+            if rank is not None:
+                push(heap, rank << shift | left << bits | len(merged) + len(c))
         before = prv[left]
         if before >= 0:
             c = syms[before]
-            key = prio(c + sep + merged)
-            if key is not None:
-                push(heap, (key, before, left, len(c) + len(merged)))
+            rank = prio(c + sep + merged)
+            if rank is not None:
+                push(heap, rank << shift | before << bits | len(c) + len(merged))
     return [s for s in syms if s]
 
 
@@ -82,11 +101,13 @@ class SpmEncoder:
 
     def __init__(self, vocab: dict[str, int], scores: Sequence[float], unk_id: Optional[int]):
         self._vocab = vocab
-        # merge priority of every vocabulary text: higher score merges first
-        self._priority = {text: -scores[tid] for text, tid in vocab.items()}
+        # merge priority of every vocabulary text as an integer rank: higher score merges
+        # first, equal scores share a rank (the leftmost pair wins among them)
+        order = np.unique(-np.asarray(scores, dtype=np.float64), return_inverse=True)[1].ravel().tolist()
+        self._priority = {text: order[tid] for text, tid in vocab.items()}
         self._unk_id = unk_id
         self._byte_ids = [self._find_byte_token(b) for b in range(256)]
-        self._cache: dict[str, tuple[int, ...]] = {}
+        self._cache = WordCache()
         # Characters that some vocabulary entry joins to a following "▁" (e.g. ">▁</" in
         # Gemma 3). A "▁" after any other character starts a new, independent word.
         joiners = set()
@@ -127,16 +148,48 @@ class SpmEncoder:
         return encode_words(self._word_split.split(text), self._cache, self._encode_word)
 
 
-def encode_words(words, cache: dict, encode_word) -> list[int]:
+class WordCache:
+    """Token ids of words already encoded, bounded by an estimate of the bytes held: when
+    full it starts again empty; a word too big to be worth keeping is not kept."""
+
+    def __init__(self, budget: int = WORD_CACHE_BYTES):
+        self.budget = budget
+        self.bytes = 0
+        self._ids: dict[str, Sequence[int]] = {}
+
+    def get(self, word: str):
+        """The cached ids of word, or None."""
+        return self._ids.get(word)
+
+    def put(self, word: str, ids: Sequence[int]) -> None:
+        """Keep word's ids while they fit."""
+        # the two objects plus the dict slot and its hash-table share
+        cost = sys.getsizeof(word) + sys.getsizeof(ids) + 100
+        if cost > self.budget // 16:
+            return
+        if self.bytes + cost > self.budget:
+            self.clear()
+        self._ids[word] = ids
+        self.bytes += cost
+
+    def clear(self) -> None:
+        """Forget every word."""
+        self._ids.clear()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def encode_words(words, cache: WordCache, encode_word) -> list[int]:
     """The ids of words in order, each distinct word encoded once while it stays in the
     (bounded) cache: shared by the SPM and BPE encoders."""
     out: list[int] = []
+    get = cache.get
     for word in words:
-        ids = cache.get(word)
+        ids = get(word)
         if ids is None:
             ids = encode_word(word)
-            if len(cache) >= _WORD_CACHE_LIMIT:
-                cache.clear()
-            cache[word] = ids
+            cache.put(word, ids)
         out.extend(ids)
     return out

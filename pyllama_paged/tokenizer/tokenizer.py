@@ -44,6 +44,7 @@ import numpy as np
 from ..errors import ModelLoadError
 from ..gguf.reader import read_metadata
 from .bpe import BpeEncoder, bpe_text_to_bytes, pre_tokenizer_family, pre_tokenizer_flags
+from .chat_template import ChatPrompt, ContentGuard
 from .spm import SPACE_MARK, SpmEncoder
 from .wordpiece import WordPieceEncoder
 
@@ -376,16 +377,60 @@ class Tokenizer:
 
     def encode(self, text: Union[str, bytes], add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids of ``text``. ``add_special`` adds BOS/EOS as the model asks; ``parse_special``
-        turns control-token texts in ``text`` (e.g. ``<start_of_turn>``) into those tokens.
+        turns control-token texts in ``text`` (e.g. ``<start_of_turn>``) into those tokens --
+        for a rendered chat (a ``ChatPrompt``) only those of the template's own markup.
         ``bytes`` are read as UTF-8; bytes that are not valid UTF-8 become byte tokens."""
         if isinstance(text, (bytes, bytearray)):
             text = bytes(text).decode("utf-8", "surrogateescape")
+        if parse_special and isinstance(text, ChatPrompt):
+            return text.token_ids(self, add_special)
+        return self._encode_parts(self._partition(text, parse_special), add_special)
+
+    def encode_chat(self, prompt: ChatPrompt, add_special: bool = True) -> list[int]:
+        """Token ids of a rendered chat: the template's markup as control tokens, the
+        request's strings (messages, tool results and definitions) as plain text."""
+        return prompt.token_ids(self, add_special)
+
+    def encode_guarded(self, marked: str, guard: ContentGuard, add_special: bool = True) -> list[int]:
+        """Token ids of a chat rendered with ``guard``'s placeholders: control tokens are cut
+        where the template wrote them, then each fragment gets its request text back and is
+        tokenized without special parsing (user-defined tokens still apply, as in llama.cpp)."""
+        parts: list[Union[str, int]] = []
+        restored = 0
+        for frag in self._partition(marked, True):
+            if isinstance(frag, int) or guard.nonce not in frag:
+                parts.append(frag)
+                continue
+            restored += guard.count(frag)
+            parts += self._partition(guard.restore(frag), False)
+        if restored != guard.count(marked):
+            # a control token of the template's ran into a placeholder (no real vocabulary has
+            # one that could): nothing of the request may become a control token, so no text does
+            return self.encode(guard.restore(marked), add_special, parse_special=False)
+        return self._encode_parts(parts, add_special)
+
+    def control_spans(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) of each text that special-token parsing would make a control (or
+        unknown) token and plain encoding would not, in order."""
+        spans, pos = [], 0
+        for frag in self._partition(text, True):
+            if isinstance(frag, str):
+                pos += len(frag)
+                continue
+            size = len(self.tokens[frag])
+            if self.token_types[frag] != TokenType.USER_DEFINED:
+                spans.append((pos, pos + size))
+            pos += size
+        return spans
+
+    def _encode_parts(self, parts: Iterable[Union[str, int]], add_special: bool) -> list[int]:
+        """Ids of text fragments and special ids in order, with BOS/EOS when add_special."""
         out: list[int] = []
         if add_special and self.add_bos and self.bos_id is not None:
             out.append(self.bos_id)
         spm = self.model == "llama"
         after_special = True
-        for frag in self._partition(text, parse_special):
+        for frag in parts:
             if isinstance(frag, int):
                 out.append(frag)
                 after_special = True

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import unicodedata
 
+from .spm import WordCache
+
 MAX_WORD_CHARS = 100     # longer words are one unknown token (BERT's max_input_chars_per_word)
 WORD_START = "\u2581"
 
@@ -96,7 +98,7 @@ class WordPieceEncoder:
         self.lowercase = lowercase
         # llama.cpp's spelling marks word starts; vocab.txt's marks continuations
         self.marks_word_start = any(t.startswith(WORD_START) for t in vocab)
-        self._cache: dict[str, list[int]] = {}
+        self._cache = WordCache()
 
     def _piece_id(self, piece: str, first: bool) -> int | None:
         if self.marks_word_start:
@@ -111,8 +113,7 @@ class WordPieceEncoder:
         ids = self._cut(word) if len(word) <= MAX_WORD_CHARS else None
         if ids is None:
             ids = [self.unk_id] if self.unk_id is not None else []
-        if len(self._cache) < 100_000:
-            self._cache[word] = ids
+        self._cache.put(word, ids)
         return ids
 
     def _cut(self, word: str) -> list[int] | None:

@@ -12,9 +12,12 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-_FENCE = re.compile(r"^```[a-zA-Z_]*\s*(.*?)\s*```$", re.S)
-_TOOL_CODE = re.compile(r"^```tool_code\s*(.*?)\s*```$", re.S)
+# Scanning is done with str.find/strip and slices, never with a regex holding a
+# lazy body between whitespace runs: a model (or a user's grammar) can write "```"
+# and thousands of spaces, and such a regex backtracks in cubic time on it.
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_FENCE_LANG = re.compile(r"[a-zA-Z_]*")   # one greedy run: linear, nothing to backtrack into
+_BETWEEN_CALLS = re.compile(r"[ \n\t;,]*")
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 # text that may open a tool call: held back while streaming until the answer ends
 _OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```")
@@ -47,33 +50,58 @@ def _as_call(obj, names: set[str]) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(name, str) or not isinstance(args, dict) or (names and name not in names):
         return None
     return ToolCall(name, args)
 
 
+def _hermes_blocks(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, stripped body) of each <tool_call> block; an unclosed one runs to the end."""
+    blocks, pos = [], 0
+    while (start := text.find(_OPEN, pos)) != -1:
+        body = start + len(_OPEN)
+        close = text.find(_CLOSE, body)
+        stop, end = (len(text), len(text)) if close == -1 else (close, close + len(_CLOSE))
+        blocks.append((start, end, text[body:stop].strip()))
+        pos = end
+    return blocks
+
+
+def _fenced_body(text: str, lang: str | None = None) -> str | None:
+    """The stripped body of a whole-text ``` fence (with the given language tag, or any
+    ASCII one), or None when the text is not one fence."""
+    if not text.startswith("```") or not text.endswith("```"):
+        return None
+    head = 3 + len(lang) if lang is not None else _FENCE_LANG.match(text, 3).end()
+    if lang is not None and text[3:head] != lang:
+        return None
+    if len(text) - 3 < head:   # the opening and closing fences overlap
+        return None
+    return text[head:len(text) - 3].strip()
+
+
 def _calls_in_json(text: str, names: set[str]) -> list[ToolCall] | None:
     text = text.strip()
-    fenced = _FENCE.match(text)
-    if fenced:
-        text = fenced.group(1)
+    fenced = _fenced_body(text)
+    if fenced is not None:
+        text = fenced
     for marker in ("[TOOL_CALLS]", "<|python_tag|>"):
         text = text.removeprefix(marker).strip()
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except RecursionError:
+        return None   # nested deeper than the decoder goes: no call of ours looks like that
+    except ValueError:   # JSONDecodeError, or an integer too long to convert
         # several JSON objects one after another (Llama 3.x may separate them with ';')
         value, decoder, pos = [], json.JSONDecoder(), 0
         try:
             while pos < len(text):
                 obj, end = decoder.raw_decode(text, pos)
                 value.append(obj)
-                pos = end
-                while pos < len(text) and text[pos] in " \n\t;,":
-                    pos += 1
-        except json.JSONDecodeError:
+                pos = _BETWEEN_CALLS.match(text, end).end()
+        except (ValueError, RecursionError):
             return None
     items = value if isinstance(value, list) else [value]
     calls = [_as_call(v, names) for v in items]
@@ -120,19 +148,22 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
     """(content left, tool calls) of a whole answer; names, when given, are the only
     functions a call may name (anything else stays content)."""
     names = names or set()
-    if "<tool_call>" in text:
-        calls = []
-        for body in _HERMES.findall(text):
+    if _OPEN in text:
+        calls, kept, pos = [], [], 0
+        for start, end, body in _hermes_blocks(text):
             found = _calls_in_json(body, names)
             if found is None:
                 return text, []
             calls += found
-        return _HERMES.sub("", text).strip(), calls
+            kept.append(text[pos:start])
+            pos = end
+        kept.append(text[pos:])
+        return "".join(kept).strip(), calls
     found = _calls_in_json(text, names)
     if found:
         return "", found
-    tool_code = _TOOL_CODE.match(text.strip())
-    found = _calls_in_python(tool_code.group(1), names) if tool_code else None
+    tool_code = _fenced_body(text.strip(), "tool_code")
+    found = _calls_in_python(tool_code, names) if tool_code is not None else None
     if found:
         return "", found
     return text, []
@@ -147,35 +178,49 @@ class ToolCallStream:
         self.held = ""
         self.holding = False
         self.started = False   # some non-space content was already let through
+        # Pieces kept as lists, joined once: growing one string piece by piece copies it
+        # every time (quadratic over a long answer).
+        self._space: list[str] = []   # leading whitespace, before anything else came
+        self._parts: list[str] = []   # everything held once holding
 
     def feed(self, text: str) -> str:
         """Content safe to stream now."""
-        if self.holding:
-            self.held += text
+        if not text:
             return ""
+        if self.holding:
+            self._parts.append(text)
+            return ""
+        if not self.started and not self.held and text.isspace():
+            self._space.append(text)
+            return ""
+        if self._space:
+            self.held, self._space = "".join(self._space) + self.held, []
         self.held += text
-        if "<tool_call>" in self.held:
-            before, _, after = self.held.partition("<tool_call>")
-            self.holding, self.held = True, "<tool_call>" + after
+        if _OPEN in self.held:
+            before, _, after = self.held.partition(_OPEN)
+            self._hold(_OPEN + after)
             return before
-        stripped = self.held.lstrip()
         if not self.started:
-            if not stripped:
-                return ""
+            stripped = self.held.lstrip()
             if any(stripped.startswith(o) or o.startswith(stripped) for o in _OPENERS):
                 if any(stripped.startswith(o) for o in _OPENERS):
-                    self.holding = True
+                    self._hold(self.held)
                 return ""
             self.started = True
         # keep a possible partial "<tool_call>" at the end
-        keep = next((k for k in range(min(len(self.held), 10), 0, -1)
-                     if "<tool_call>".startswith(self.held[-k:])), 0)
+        keep = next((k for k in range(min(len(self.held), len(_OPEN) - 1), 0, -1)
+                     if _OPEN.startswith(self.held[-k:])), 0)
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return out
 
+    def _hold(self, text: str) -> None:
+        self.holding, self._parts, self.held = True, [text], ""
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content still held, tool calls) at the end of the answer."""
-        text, self.held = self.held, ""
         if not self.holding:
+            text = "".join(self._space) + self.held
+            self._space, self.held = [], ""
             return text, []
+        text, self._parts = "".join(self._parts), []
         return parse_tool_calls(text, self.names)

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from ..constrain.grammar import Constraint, ConstraintError, closed_objects, compile_constraint
-from ..tokenizer.chat_template import ChatTemplate
+from ..tokenizer.chat_template import ChatPrompt, ChatTemplate, Escape, no_escape
 from ..tokenizer.tokenizer import Tokenizer
 
 FAMILIES = ("hermes", "llama3", "mistral", "json")
@@ -37,7 +37,7 @@ def _args_key(family: str) -> str:
     return "parameters" if family == "llama3" else "arguments"
 
 
-def _describe(tools: list[dict], family: str) -> str:
+def _describe(tools: list[dict], family: str, escape: Escape = no_escape) -> str:
     key = _args_key(family)
     example = {"name": "function_name", key: {"argument": "value"}}
     if family == "hermes":
@@ -46,26 +46,29 @@ def _describe(tools: list[dict], family: str) -> str:
         how = json.dumps([example])
     else:
         how = json.dumps(example)
-    listing = "\n".join(json.dumps(t) for t in tools)
+    # escaped as serialized: the JSON text is what the prompt holds, so its strings come back as written
+    listing = "\n".join(escape(json.dumps(t)) for t in tools)
     return ("You can call these functions:\n" + listing + "\n\nTo call one, answer with only\n" + how +
             "\nand nothing else. Otherwise answer normally.")
 
 
-def _tool_history_as_text(messages: list[dict], family: str) -> list[dict]:
+def _tool_history_as_text(messages: list[dict], family: str, escape: Escape = no_escape) -> list[dict]:
+    """The messages with tool calls and results written out as text; what the request sent
+    goes through escape, our own markup around it does not."""
     key = _args_key(family)
     out = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [{"name": c["function"]["name"], key: c["function"]["arguments"]} for c in m["tool_calls"]]
-            text = json.dumps(calls if len(calls) > 1 or family == "mistral" else calls[0])
+            text = escape(json.dumps(calls if len(calls) > 1 or family == "mistral" else calls[0]))
             if family == "hermes":
-                text = "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
-            out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + text).strip()})
+                text = "\n".join(f"<tool_call>\n{escape(json.dumps(c))}\n</tool_call>" for c in calls)
+            out.append({"role": "assistant", "content": (escape(m.get("content") or "") + "\n" + text).strip()})
         elif m["role"] == "tool":
-            name = m.get("name") or m.get("tool_name") or "the function"
-            out.append({"role": "user", "content": f"Result of {name}: {m.get('content') or ''}"})
+            name = escape(m.get("name") or m.get("tool_name") or "the function")
+            out.append({"role": "user", "content": f"Result of {name}: {escape(m.get('content') or '')}"})
         else:
-            out.append({"role": m["role"], "content": m.get("content") or ""})
+            out.append({"role": m["role"], "content": escape(m.get("content") or "")})
     return out
 
 
@@ -75,19 +78,25 @@ def knows_tools(template: ChatTemplate) -> bool:
 
 
 def render_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict],
-                tools: list[dict] | None = None) -> str:
-    """Prompt text for messages (with tool history) and the tools offered, if any."""
+                tools: list[dict] | None = None) -> ChatPrompt:
+    """Prompt text for messages (with tool history) and the tools offered, if any: a
+    ``ChatPrompt``, whose tokens (``tokenizer.encode(text, parse_special=True)``) hold control
+    tokens only where the template or our tool markup put them."""
     if knows_tools(template):
         return template.render(messages, tools=tools or None)
     family = tool_family(template, tokenizer)
-    plain = _tool_history_as_text(messages, family)
-    if tools:
-        system = _describe(tools, family)
-        if plain and plain[0]["role"] == "system":
-            plain[0] = {"role": "system", "content": plain[0]["content"] + "\n\n" + system}
-        else:
-            plain.insert(0, {"role": "system", "content": system})
-    return template.render(plain)
+
+    def inputs(escape: Escape):
+        plain = _tool_history_as_text(messages, family, escape)
+        if tools:
+            system = _describe(tools, family, escape)
+            if plain and plain[0]["role"] == "system":
+                plain[0] = {"role": "system", "content": plain[0]["content"] + "\n\n" + system}
+            else:
+                plain.insert(0, {"role": "system", "content": system})
+        return plain, None
+
+    return template.render_with(inputs)
 
 
 def _call_schema(tool: dict, family: str) -> dict:
@@ -132,9 +141,11 @@ def check_tools(tools: Any) -> list[dict]:
 
 def prepare_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], tools: Any = None,
                  tool_choice: Any = None, constraint: Constraint | None = None
-                 ) -> tuple[str, Constraint | None, set[str]]:
+                 ) -> tuple[ChatPrompt, Constraint | None, set[str]]:
     """(prompt text, the constraint to decode with, names of the tools whose calls to parse)
-    for OpenAI-shaped chat fields; ConstraintError for a tool_choice that cannot be met.
+    for OpenAI-shaped chat fields; ConstraintError for a tool_choice that cannot be met. The
+    text is a ``ChatPrompt``: ``tokenizer.encode(text, parse_special=True)`` (or
+    ``text.token_ids(tokenizer)``) keeps request text out of control tokens.
     tool_choice: None (auto when tools are given), "none", "auto", "required", or
     {"type": "function", "function": {"name": ...}}."""
     tools = check_tools(tools)
