@@ -343,6 +343,10 @@ def test_queue_full_is_503_with_retry_hint(tmp_path):
                     assert "retry" in r.json()["error"]
                 r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
                 assert r.status_code == 503 and r.json()["error"]["type"] == "server_busy"
+                # prompt scoring takes a place too (it used to skip the queue and wait on the engine)
+                r = httpx.post(s.url + "/v1/completions", timeout=30, json={
+                    "model": "tiny", "prompt": "hi there", "max_tokens": 0, "echo": True, "logprobs": 1})
+                assert r.status_code == 503 and r.json()["error"]["type"] == "server_busy"
                 for path in ("/api/embed", "/v1/embeddings"):
                     r = httpx.post(s.url + path, json={"model": "tiny", "input": "hi"})
                     assert r.status_code == 503, path

@@ -11,12 +11,12 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.prompt_logprobs import prompt_logprobs
+from ..engine.prompt_logprobs import score_prompt
 from ..errors import PagedError
 from ..tools.calls import ToolCallStream, parse_tool_calls
 from ..tools.messages import normalize_messages
 from ..tools.prompt import prepare_chat
-from .generation import APIError, check_request, fit_prompt, off_loop, require_generative, start_generation
+from .generation import APIError, admit, check_request, fit_prompt, off_loop, require_generative, start_generation
 from .openai_logprobs import chat_logprobs, completion_logprobs
 from .openai_schemas import ChatRequest, CompletionRequest
 
@@ -54,6 +54,18 @@ async def _merged(gens):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def score(served, ids: list[int], top_n: int, state) -> list:
+    """A prompt's own log-probabilities: a queue place like any request, and the scoring
+    run a chunk at a time between the engine's steps, so streams keep moving."""
+    admit(served, state.limits, state.metrics)
+    try:
+        return await served.run_in_steps(lambda llm: score_prompt(llm.runner, ids, top_n))
+    except PagedError as e:
+        raise APIError(503, f"no room to score the prompt now: {e}", "prompt", "server_busy") from None
+    finally:
+        state.metrics.leave(served.name)
 
 
 def scored_only(body, head: dict, tok, ids_of, echo_text, echo_lps):
@@ -165,15 +177,12 @@ def build_router(state) -> APIRouter:
         ids_of = [fit_prompt(served, ids, state.limits) for ids in ids_of]
         if not all(ids_of):
             raise APIError(400, "prompt is empty", "prompt")
-        echo_text = [(p if isinstance(p, str) else served.tokenizer.decode(p, skip_special=True)) if body.echo else ""
-                     for p in prompts]
+        echo_text = await off_loop(state.prep, lambda: [
+            (p if isinstance(p, str) else served.tokenizer.decode(p, skip_special=True)) if body.echo else ""
+            for p in prompts])
         echo_lps = [None] * len(ids_of)
         if body.echo and body.logprobs is not None:
-            try:
-                echo_lps = [await served.call(lambda llm, ids=ids: prompt_logprobs(llm.runner, ids, body.logprobs))
-                            for ids in ids_of]
-            except PagedError as e:
-                raise APIError(503, f"no room to score the prompt now: {e}", "prompt", "server_busy") from None
+            echo_lps = [await score(served, ids, body.logprobs, state) for ids in ids_of]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": served.name}
         tok = served.tokenizer

@@ -181,6 +181,16 @@ class ServedModel:
         finally:
             self.release()
 
+    async def run_in_steps(self, work):
+        """work(llm), a generator function, on the engine thread a piece at a time with a
+        step of everyone's requests between pieces (EngineLoop.run_in_steps); cancelling
+        (a client that hangs up) stops it and frees what it held."""
+        await self.acquire()
+        try:
+            return await asyncio.wrap_future(self.loop.run_in_steps(work))
+        finally:
+            self.release()
+
     async def call_if_loaded(self, fn):
         """fn(llm) on the engine's loop thread, or None when the engine is not loaded
         (what /api/ps, /metrics and the dashboard read must not load a model)."""
