@@ -35,7 +35,6 @@ import multiprocessing
 import queue
 import random
 import shutil
-import signal
 import socket
 import string
 import subprocess
@@ -51,6 +50,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import RESULTS_DIR, write_results  # noqa: E402
+from chat_trace import stop as stop_server  # noqa: E402
 
 NAME = "noisy_neighbour"
 HOSTILE_TIMEOUT = 60.0     # client timeout of one hostile request (per read/write, as httpx counts)
@@ -104,16 +104,6 @@ def start_server(args, log: Path) -> tuple[subprocess.Popen, str, str]:
     except BaseException:
         stop_server(proc)
         raise
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ---- the benign user -------------------------------------------------------------
