@@ -253,10 +253,11 @@ def test_engine_step_failure_ends_every_answer_with_an_api_error(server, registr
 
 
 def test_unhandled_error_is_counted_as_500(server, registry, monkeypatch):
-    def broken(messages):
+    def broken(*args, **kwargs):
         raise RuntimeError("injected template failure")
 
-    monkeypatch.setattr(registry.models[DEFAULT_MODEL_NAME].template, "render", broken)
+    # every chat is rendered through render_with (render and render_chat call it)
+    monkeypatch.setattr(registry.models[DEFAULT_MODEL_NAME].template, "render_with", broken)
     r = httpx.post(server.url + "/api/chat", timeout=60, json={"model": DEFAULT_MODEL_NAME,
                                                                "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 500
