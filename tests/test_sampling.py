@@ -223,3 +223,15 @@ def test_bad_rows_are_refused_before_anything_is_drawn():
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(PagedError, match=field):
         SamplingParams(**{field: value}).validate()
+
+
+def test_more_threads_than_the_sampler_spreads_over_still_sample():
+    """A host (or n_threads) past PP_SAMPLER_MAX_THREADS gets a sampler at the maximum,
+    not an error (a 96-core host could not start the server)."""
+    from pyllama_paged._native import lib
+    from pyllama_paged.engine.sampler import BatchSampler, Sampler, SamplingParams
+    sampler = BatchSampler(64, lib.PP_SAMPLER_MAX_THREADS + 32)
+    logits = np.zeros((1, 64), dtype=np.float32)
+    logits[0, 7] = 5.0
+    assert sampler.sample(logits, [(0, Sampler(SamplingParams(temperature=0)), [])])[0].token == 7
+    sampler.close()

@@ -588,7 +588,11 @@ typedef struct pp_sample_result {
     float   top_logprobs[PP_SAMPLE_MAX_TOP];
 } pp_sample_result;
 
-/* Create a sampler for n_vocab tokens using up to n_threads threads (1..64);
+/* Most threads one sampler spreads its rows over; Python reads it to clamp. */
+enum { PP_SAMPLER_MAX_THREADS = 64 };
+
+/* Create a sampler for n_vocab tokens using up to n_threads threads
+ * (1..PP_SAMPLER_MAX_THREADS);
  * free it with pp_sampler_destroy. PP_ERR_INVALID for a bad size or thread
  * count, PP_ERR_NO_MEMORY if its buffers cannot be had. */
 int pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out);

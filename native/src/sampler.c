@@ -47,7 +47,8 @@ int pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out) {
     if (!out) return pp_fail(PP_ERR_INVALID, "pp_sampler_create: out is NULL");
     *out = NULL;
     if (n_vocab < 1) return pp_fail(PP_ERR_INVALID, "n_vocab must be >= 1, got %d", n_vocab);
-    if (n_threads < 1 || n_threads > 64) return pp_fail(PP_ERR_INVALID, "n_threads must be in [1, 64], got %d", n_threads);
+    if (n_threads < 1 || n_threads > PP_SAMPLER_MAX_THREADS)
+        return pp_fail(PP_ERR_INVALID, "n_threads must be in [1, %d], got %d", PP_SAMPLER_MAX_THREADS, n_threads);
     pp_sampler *s = calloc(1, sizeof *s);
     int ok = s != NULL;
     if (ok) {
@@ -541,9 +542,9 @@ int pp_sample(pp_sampler *s, const float *logits, int32_t n_logit_rows, const pp
             sc->history_capacity = longest;
         }
     }
-    sample_job jobs[64];
-    pthread_t workers[64];
-    int started[64] = {0};
+    sample_job jobs[PP_SAMPLER_MAX_THREADS];
+    pthread_t workers[PP_SAMPLER_MAX_THREADS];
+    int started[PP_SAMPLER_MAX_THREADS] = {0};
     for (int32_t t = 0; t < n_threads; t++)
         jobs[t] = (sample_job){s, &s->scratch[t], logits, rows, n_rows, out, t, n_threads, -1};
     for (int32_t t = 1; t < n_threads; t++)   /* a thread that cannot start leaves its rows to us */

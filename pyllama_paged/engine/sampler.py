@@ -150,7 +150,9 @@ class BatchSampler:
         self._masks: MaskBuffer | None = None
         self._capacity = 0
         out = ffi.new("pp_sampler **")
-        check(lib.pp_sampler_create(n_vocab, n_threads, out), "sampler")
+        # a host with more cores than the sampler spreads rows over still gets a sampler
+        threads = max(1, min(n_threads, lib.PP_SAMPLER_MAX_THREADS))
+        check(lib.pp_sampler_create(n_vocab, threads, out), "sampler")
         self._native = out[0]
 
     def sample(self, logits: np.ndarray, picks) -> list[Sampled]:
