@@ -54,6 +54,17 @@ class SchedulerConfig:
 ITL_AUTO_FACTOR = 4.0
 
 
+@dataclass
+class _StepState:
+    """What the phases of one schedule() share: the token budget left, the inter-token
+    budget in force, whether a request was preempted, whether a prefill starved."""
+
+    budget: int
+    itl_budget: float | None = None
+    preempted: bool = False
+    starved: bool = False
+
+
 class Scheduler:
     """Decides which sequences compute how many tokens in the next step."""
 
@@ -200,16 +211,31 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------
     def schedule(self) -> StepPlan:
         """The next step: which sequences compute how many tokens, and the KV data moves
-        the engine must make first (StepPlan.carry_out)."""
+        the engine must make first (StepPlan.carry_out). Its phases, in order: decodes,
+        prefill chunks of running requests, swapped requests back, waiting ones admitted,
+        and a way out when nothing can move."""
         self._plan = plan = StepPlan()
-        budget = self.config.max_num_batched_tokens
-        work = plan.work
-        preempted = False
+        step = _StepState(budget=self.config.max_num_batched_tokens)
+        self._schedule_decodes(step)
+        plan.num_decodes = len(plan.work)
+        step.itl_budget = self.itl_budget_seconds()
+        self._cap_prefill(step)
+        self._schedule_running_prefills(step)
+        if not step.preempted:
+            self._resume_swapped()
+            if not self._admit_waiting(step):
+                self._last_shape = (plan.num_decodes, plan.num_prefill_tokens)
+                return plan
+        if not plan.work and not step.preempted:
+            self._unstick(step.starved)
+        self._last_shape = (plan.num_decodes, plan.num_prefill_tokens)
+        return plan
 
-        # decodes first: every running sequence whose prefill is done gets its
-        # newest token's slot, preempting the latest arrival when blocks run out.
-        # A request's sequences (n>1, beams) get their slots together or not at
-        # all: capacity is checked for all of them before any is appended.
+    def _schedule_decodes(self, step: "_StepState") -> None:
+        """Decodes first: every running sequence whose prefill is done gets its newest
+        token's slot, preempting the latest arrival when blocks run out. A request's
+        sequences (n>1, beams) get their slots together or not at all: capacity is
+        checked for all of them before any is appended."""
         self.running.sort(key=lambda r: r.arrival)
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING:
@@ -217,81 +243,91 @@ class Scheduler:
             appends = []
             for seq in request.live_seqs:
                 # a decode: its one new token (a prompt still being placed is a prefill)
-                if seq.kv is None or seq.kv.num_computed < seq.kv.num_tokens or budget <= 0 or \
+                if seq.kv is None or seq.kv.num_computed < seq.kv.num_tokens or step.budget <= 0 or \
                         len(seq.token_ids) - seq.kv.num_tokens != 1:
                     continue
                 new = seq.token_ids[seq.kv.num_tokens:]
                 appends.append((seq, new))
-                budget -= len(new)
-            if not appends:
-                continue
-            while not self.kv.can_append_all([(seq.kv.handle, len(new)) for seq, new in appends]):
-                victim = self.running[-1]
-                if len(self.running) == 1:
-                    # nothing left to take blocks from: the pool cannot hold it
-                    request.error = ("out of KV blocks: the request alone needs more pages "
-                                     "than the pool holds")
-                    self.remove(request)
-                    self.failed.append(request)
-                    break
-                preempted = True
-                self._preempt(victim)
-                if victim is request:
-                    break
-            if request.status != RequestStatus.RUNNING:
-                budget += sum(len(new) for _, new in appends)
-                continue
-            for seq, new in appends:
-                self._place(seq, new)
-                work.append((seq, len(new)))
+                step.budget -= len(new)
+            if appends and self._make_room(request, appends, step):
+                for seq, new in appends:
+                    self._place(seq, new)
+                    self._plan.work.append((seq, len(new)))
+            elif appends:
+                step.budget += sum(len(new) for _, new in appends)
 
-        # prefill chunks of running requests still prefilling, then of admitted ones
-        num_decodes = plan.num_decodes = len(work)
-        itl_budget = self.itl_budget_seconds()
-        if work:
-            cap = self.config.max_prefill_tokens_with_decodes or budget
-            if itl_budget is not None:
-                cap = min(cap, max(self.config.min_prefill_tokens_with_decodes,
-                                   self.step_cost.prefill_tokens_within(num_decodes, itl_budget)))
-            budget = min(budget, cap)
-        decoding = {seq.seq_id for seq, _ in work}
-        starved = False   # a prefill whose next pages did not fit
+    def _make_room(self, request: Request, appends, step: "_StepState") -> bool:
+        """Preempt the latest arrivals until request's appends fit; False if request itself
+        was preempted, or failed because the pool cannot hold it even alone."""
+        while not self.kv.can_append_all([(seq.kv.handle, len(new)) for seq, new in appends]):
+            victim = self.running[-1]
+            if len(self.running) == 1:
+                # nothing left to take blocks from: the pool cannot hold it
+                request.error = ("out of KV blocks: the request alone needs more pages "
+                                 "than the pool holds")
+                self.remove(request)
+                self.failed.append(request)
+                break
+            step.preempted = True
+            self._preempt(victim)
+            if victim is request:
+                break
+        return request.status == RequestStatus.RUNNING
+
+    def _cap_prefill(self, step: "_StepState") -> None:
+        """While decodes run, prefill may add only so many tokens: the configured cap, and
+        what keeps the predicted step within the inter-token budget."""
+        if not self._plan.work:
+            return
+        cap = self.config.max_prefill_tokens_with_decodes or step.budget
+        if step.itl_budget is not None:
+            cap = min(cap, max(self.config.min_prefill_tokens_with_decodes,
+                               self.step_cost.prefill_tokens_within(self._plan.num_decodes, step.itl_budget)))
+        step.budget = min(step.budget, cap)
+
+    def _schedule_running_prefills(self, step: "_StepState") -> None:
+        """Next prefill chunks of running requests still prefilling."""
+        decoding = {seq.seq_id for seq, _ in self._plan.work}
         for request in self.running:
             for seq in request.live_seqs:
                 pending = len(seq.token_ids) - seq.kv.num_computed if seq.kv else 0
-                if pending > 0 and budget > 0 and seq.seq_id not in decoding:
-                    n = self._place_chunk(seq, budget)
-                    starved |= n == 0
+                if pending > 0 and step.budget > 0 and seq.seq_id not in decoding:
+                    n = self._place_chunk(seq, step.budget)
+                    step.starved |= n == 0
                     if n > 0:
-                        work.append((seq, n))
-                        budget -= n
+                        self._plan.work.append((seq, n))
+                        step.budget -= n
 
-        # swapped requests come back before new ones (FCFS), unless we just preempted
-        while self.swapped and not preempted:
+    def _resume_swapped(self) -> None:
+        """Swapped requests come back before new ones (FCFS) while the pool holds them."""
+        kv = self.kv
+        while self.swapped:
             request = self.swapped[0]
             seqs = request.live_seqs
-            kv = self.kv
             if not self._blocks_for(seqs, lambda s: -(-len(s.swapped_tokens) // kv.block_size) * kv.n_groups):
                 break
             self.swapped.popleft()
             self._release_swap_space(request)
             for seq in seqs:
-                plan.swap_in += swap_in(kv, seq)
+                self._plan.swap_in += swap_in(kv, seq)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
-        # admit waiting requests first-come-first-served while blocks (and the budget) allow
+    def _admit_waiting(self, step: "_StepState") -> bool:
+        """Admit waiting requests first-come-first-served while blocks, the sequence limit
+        and the inter-token budget allow, with their first prefill chunks. False if an
+        admission raced the pool (the request waits again; the plan is final)."""
         running_seqs = self.num_running_seqs()
-        while self.waiting and budget > 0 and not preempted:
+        while self.waiting and step.budget > 0:
             request = self.waiting[0]
             seqs = request.live_seqs or request.seqs
             width = self._width(request, seqs)
             if running_seqs + width > self.config.max_num_seqs and self.running:
                 break
-            if itl_budget is not None and self.running and \
-                    self.step_cost.predict(running_seqs + width) > itl_budget:
+            if step.itl_budget is not None and self.running and \
+                    self.step_cost.predict(running_seqs + width) > step.itl_budget:
                 break   # one more stream would slow every running one past the budget
-            chunk = max(budget, self.kv.block_size)
+            chunk = max(step.budget, self.kv.block_size)
             if not self._blocks_for(seqs, lambda s: self.kv.blocks_to_prefill(len(s.token_ids), chunk)):
                 break
             self.waiting.popleft()
@@ -303,22 +339,26 @@ class Scheduler:
                     for s in seqs:
                         release(self.kv, s)
                     self.waiting.appendleft(request)
-                    self._last_shape = (num_decodes, plan.num_prefill_tokens)
-                    return plan
+                    return False
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             running_seqs += width
             for seq in seqs:
-                if len(seq.token_ids) - seq.kv.num_computed > 0 and budget > 0:
-                    n = self._place_chunk(seq, budget)
+                if len(seq.token_ids) - seq.kv.num_computed > 0 and step.budget > 0:
+                    n = self._place_chunk(seq, step.budget)
                     if n > 0:
-                        work.append((seq, n))
-                        budget -= n
+                        self._plan.work.append((seq, n))
+                        step.budget -= n
+        return True
 
-        # Prefills hold pages but none can place its next chunk, and nothing else runs
-        # to free any: take the latest arrival's pages (recompute or swap) so the
-        # earlier ones finish; a request alone that cannot fit ends with an error.
-        if not work and starved and not preempted:
+    def _unstick(self, starved: bool) -> None:
+        """Nothing to compute this step. Prefills that hold pages but cannot place their
+        next chunk: take the latest arrival's pages so the earlier ones finish. Nothing
+        running and the next request still does not fit: no block will ever be freed for
+        it (e.g. a preempted n>1 request whose samples now need their own prompt copies),
+        so it ends with an error rather than wait forever; so does a request alone that
+        cannot fit (both may happen in one step)."""
+        if starved:
             victim = self.running[-1]
             if len(self.running) == 1:
                 victim.error = (f"out of KV blocks: the request needs more pages than the pool of "
@@ -327,11 +367,7 @@ class Scheduler:
                 self.failed.append(victim)
             else:
                 self._preempt(victim)
-
-        # Nothing runs and the next request still does not fit: no block will ever be
-        # freed for it (e.g. a preempted n>1 request whose samples now need their own
-        # copies of the prompt). End it with an error rather than wait forever.
-        if not work and not self.running and not preempted:
+        if not self.running:
             queue = self.swapped or self.waiting
             if queue:
                 request = queue.popleft()
@@ -339,5 +375,3 @@ class Scheduler:
                                  f"than the pool of {self.kv.num_blocks} holds")
                 self.remove(request)
                 self.failed.append(request)
-        self._last_shape = (num_decodes, plan.num_prefill_tokens)
-        return plan

@@ -1,0 +1,172 @@
+"""The scheduler alone, on a small PagedKV and no model: admission order, chunked
+prefill, decodes first, preemption order, swaps and copy-on-write in the plan.
+A step is carried out by hand (what the runner and sampler would do: the computed
+tokens are marked, a sequence that reached its last token gets one more)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyllama_paged.engine.kv_manager import PagedKV
+from pyllama_paged.engine.request import Request, RequestStatus, Sequence
+from pyllama_paged.engine.sampler import Sampler, SamplingParams
+from pyllama_paged.engine.scheduler import Scheduler, SchedulerConfig
+
+BLOCK = 4
+
+
+def make(num_blocks=16, budget=64, mode="recompute", max_num_seqs=64, block_bytes=0, **config):
+    kv = PagedKV(num_blocks, BLOCK, max_seq_len=64)
+    return Scheduler(kv, 64, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode,
+                                             max_num_seqs=max_num_seqs, watermark=0.0, **config),
+                     block_bytes=block_bytes)
+
+
+def request(sched: Scheduler, rid: str, n_prompt: int, arrival: float) -> Request:
+    """A request whose prompt shares no prefix with another's (the prefix cache stays out)."""
+    params = SamplingParams(max_tokens=8, temperature=0)
+    first = 100 * (1 + int(arrival))
+    r = Request(rid, list(range(first, first + n_prompt)), params, arrival=arrival)
+    r.seqs = [Sequence(list(r.prompt_ids), n_prompt, Sampler(params))]
+    sched.add(r)
+    return r
+
+
+def carry_out(sched: Scheduler, plan) -> None:
+    """What the engine does after schedule(): the KV is computed, and a sequence whose
+    last token was computed draws one more (a made-up token id)."""
+    for seq, n in plan.work:
+        seq.kv.num_computed += n
+        sched.kv.mark_computed(seq.kv.handle, seq.kv.num_computed)
+        if seq.kv.num_computed == len(seq.token_ids):
+            seq.token_ids.append(7)
+
+
+def ids(plan) -> list[tuple[int, int]]:
+    return [(seq.seq_id, n) for seq, n in plan.work]
+
+
+def test_admission_is_first_come_first_served_within_the_pool():
+    sched = make(num_blocks=6)
+    a = request(sched, "a", 8, arrival=1.0)     # 2 blocks
+    b = request(sched, "b", 12, arrival=2.0)    # 3 blocks
+    c = request(sched, "c", 8, arrival=3.0)     # 2 more would pass the pool's 6
+    plan = sched.schedule()
+    assert [s.seq_id for s, _ in plan.work] == [a.seqs[0].seq_id, b.seqs[0].seq_id]
+    assert [r.request_id for r in sched.running] == ["a", "b"] and list(sched.waiting) == [c]
+    assert c.status == RequestStatus.WAITING
+
+
+def test_long_prompts_are_prefilled_in_chunks_of_the_budget():
+    sched = make(budget=8)
+    r = request(sched, "long", 20, arrival=1.0)
+    chunks = []
+    for _ in range(3):
+        plan = sched.schedule()
+        chunks.append([n for _, n in plan.work])
+        carry_out(sched, plan)
+    assert chunks == [[8], [8], [4]]
+    assert r.seqs[0].kv.num_computed == 20 and len(r.seqs[0].token_ids) == 21   # its first token drawn
+
+
+def test_decodes_come_first_and_cap_the_prefill_beside_them():
+    sched = make(budget=6)
+    old = request(sched, "old", 4, arrival=1.0)
+    carry_out(sched, sched.schedule())            # prefilled; one token drawn
+    new = request(sched, "new", 12, arrival=2.0)
+    plan = sched.schedule()
+    assert plan.num_decodes == 1 and plan.work[0] == (old.seqs[0], 1)
+    assert plan.work[1][0] is new.seqs[0] and plan.work[1][1] == 5    # what the budget leaves
+    assert plan.num_prefill_tokens == 5
+
+
+def test_the_latest_arrival_is_preempted_when_decodes_run_out_of_blocks():
+    sched = make(num_blocks=4)
+    early = request(sched, "early", 7, arrival=1.0)
+    late = request(sched, "late", 7, arrival=2.0)
+    carry_out(sched, sched.schedule())            # both prefilled: 2 blocks each, full pool
+    assert len(early.seqs[0].token_ids) == 8 and len(late.seqs[0].token_ids) == 8
+    carry_out(sched, sched.schedule())            # 8 tokens each: the last slot of each block
+    plan = sched.schedule()                       # the 9th token needs a new block for each
+    assert late.status == RequestStatus.WAITING and late.num_preemptions == 1 and late.seqs[0].kv is None
+    assert early.status == RequestStatus.RUNNING and [s for s, _ in plan.work] == [early.seqs[0]]
+    assert sched.num_preemptions == 1
+
+
+def test_swap_mode_plans_host_copies_and_brings_them_back():
+    sched = make(num_blocks=4, mode="swap", block_bytes=100)
+    early = request(sched, "early", 7, arrival=1.0)
+    late = request(sched, "late", 7, arrival=2.0)
+    carry_out(sched, sched.schedule())
+    carry_out(sched, sched.schedule())
+    held = [int(b) for b in sched.kv.block_table(late.seqs[0].kv.handle, 0)]
+    plan = sched.schedule()
+    assert late.status == RequestStatus.SWAPPED and sched.swapped_bytes == 200
+    [(seq, blocks)] = plan.swap_out
+    assert seq is late.seqs[0] and sorted(blocks.values()) == sorted(held)   # these pages go to host
+    seq.swapped_blocks = {key: b"kv" for key in blocks}                      # the engine's copy
+    carry_out(sched, plan)
+    sched.remove(early)                                                      # frees the pool
+    plan = sched.schedule()
+    assert late.status == RequestStatus.RUNNING and sched.swapped_bytes == 0
+    # its full first block stayed in the prefix cache: only the half-full one is written back
+    assert len(plan.swap_in) == 1 and all(data == b"kv" for _, data in plan.swap_in)
+    table = [int(b) for b in sched.kv.block_table(late.seqs[0].kv.handle, 0)]
+    assert len(table) == 2 and plan.swap_in[0][0] == table[1]
+
+
+def test_swap_space_full_recomputes_instead():
+    sched = make(num_blocks=4, mode="swap", block_bytes=100, swap_space_bytes=150)
+    request(sched, "early", 7, arrival=1.0)
+    late = request(sched, "late", 7, arrival=2.0)
+    carry_out(sched, sched.schedule())
+    carry_out(sched, sched.schedule())
+    plan = sched.schedule()
+    assert late.status == RequestStatus.WAITING and not plan.swap_out and sched.swapped_bytes == 0
+
+
+def test_a_shared_last_block_is_copied_before_it_is_written():
+    sched = make()
+    r = request(sched, "n2", 6, arrival=1.0)     # 1 full block + 2 tokens in a second
+    carry_out(sched, sched.schedule())
+    parent = r.seqs[0]
+    child = Sequence(list(parent.token_ids), parent.num_prompt, Sampler(r.params), index=1)
+    child.kv = type(parent.kv)(sched.kv.fork(parent.kv.handle), parent.kv.num_computed, parent.kv.num_tokens)
+    r.seqs.append(child)
+    child.token_ids[-1] = 8                       # the samples drew different tokens
+    plan = sched.schedule()
+    assert [s for s, _ in plan.work] == [parent, child]
+    # the first to write the shared half-full block keeps it; the other gets a copy
+    assert len(plan.block_copies) == 1
+    src, dst = plan.block_copies[0]
+    tables = [sched.kv.block_table(s.kv.handle, 0) for s in (parent, child)]
+    assert tables[0][0] == tables[1][0]           # the full block stays shared
+    assert {src, dst} == {int(tables[0][1]), int(tables[1][1])}
+
+
+def test_max_num_seqs_bounds_admission():
+    sched = make(max_num_seqs=2)
+    for i in range(3):
+        request(sched, f"r{i}", 4, arrival=float(i))
+    sched.schedule()
+    assert [r.request_id for r in sched.running] == ["r0", "r1"] and len(sched.waiting) == 1
+
+
+def test_a_request_the_pool_can_never_hold_fails_alone():
+    sched = make(num_blocks=2)
+    too_long = request(sched, "too long", 30, arrival=1.0)
+    assert too_long.status == RequestStatus.FINISHED and "does not fit" in too_long.error   # refused at once
+    grows = request(sched, "grows", 7, arrival=2.0)    # fits, then its answer outgrows the pool
+    for _ in range(4):
+        carry_out(sched, sched.schedule())
+    assert grows.status == RequestStatus.FINISHED and "out of KV blocks" in grows.error
+    assert grows in sched.failed and not sched.has_work()
+    assert sched.kv.pool.stats().num_free + sched.kv.pool.stats().num_cached == 2
+
+
+@pytest.mark.parametrize("n_prompt", [1, 4, 5])
+def test_an_empty_pool_admits_a_prompt_that_fits(n_prompt):
+    sched = make(num_blocks=2)
+    r = request(sched, "fits", n_prompt, arrival=1.0)
+    plan = sched.schedule()
+    assert plan.work == [(r.seqs[0], n_prompt)]
