@@ -30,7 +30,7 @@ LAYERS = [
     ["engine.model_runner"],
     ["engine.sampler"],
     ["engine.request"],
-    ["engine.preemption", "engine.step_plan"],
+    ["engine.preemption", "engine.step_plan", "engine.beam_search"],
     ["engine.step_cost"],
     ["engine.scheduler"],
     ["engine.llm_engine", "engine.prompt_logprobs"],

@@ -19,7 +19,7 @@ from .embedding import EmbedParams
 from .llm_engine import RequestOutput
 from .model import Model
 
-_POOLING_IDS = {"mean": 1, "cls": 2, "last": 3}   # enum pp_pooling
+_POOLING_IDS = {"mean": lib.PP_POOLING_MEAN, "cls": lib.PP_POOLING_CLS, "last": lib.PP_POOLING_LAST}   # enum pp_pooling
 
 
 class NoKV:
@@ -169,6 +169,10 @@ class EncoderEngine:
         self.num_steps += 1
         self.forward_seconds += time.perf_counter() - started
         return outputs
+
+    def pool_figures(self) -> dict:
+        """LLMEngine.pool_figures's shape: no KV pool."""
+        return {"stats": self.stats(), "kv_pool_bytes": 0, "paged": False, "block_size": 0}
 
     def stats(self) -> dict:
         """Queue and work figures in LLMEngine.stats()'s names (no KV pool: zero blocks)."""

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .beam_search import advance_beams, expansion_sampler, ranked_beams
 from .embedding import DecoderPooling, EmbedParams
 from .model_runner import ModelRunner
+from .prompt_logprobs import score_prompt
 from ..errors import PagedError, RequestError
 from .sampler import BatchSampler, Sampled, Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -143,7 +145,7 @@ class LLMEngine:
                 request.first_token_time = time.monotonic()
             if request.is_beam:
                 # a beam's row yields its 2 x width likeliest continuations and their log-probabilities
-                expand = Sampler(SamplingParams(temperature=0.0, logprobs=2 * request.params.beam_width))
+                expand = expansion_sampler(request.params.beam_width)
                 beams[request_id] = [(seq, len(picks) + i) for i, (seq, _) in enumerate(items)]
                 picks += [(request, seq, row, expand) for seq, row in items]
             else:
@@ -160,8 +162,9 @@ class LLMEngine:
                 self._accept(request, seq, sampled, outputs[request.request_id])
         for request_id, items in beams.items():
             if request_id not in failed:
-                self._beam_step(self.requests[request_id], [(seq, drawn[i].top) for seq, i in items],
-                                outputs[request_id])
+                live = advance_beams(self.requests[request_id], [(seq, drawn[i].top) for seq, i in items],
+                                     self.runner, self.eot_ids, self.limit)
+                outputs[request_id].events.extend(TokenEvent(i, s.token_ids[-1]) for i, s in enumerate(live))
         for request_id in ready:
             request = self.requests.get(request_id)
             if request is not None and not request.live_seqs:
@@ -206,10 +209,7 @@ class LLMEngine:
         out.finished = True
         out.finish_reasons = [s.finish_reason for s in request.seqs]
         if request.is_beam:
-            penalty = request.params.length_penalty
-            scored = [(s.output_ids, s.cumulative_logprob / max(len(s.output_ids), 1) ** penalty)
-                      for s in request.finished_beams]
-            out.beams = sorted(scored, key=lambda b: -b[1])[:request.params.beam_width]
+            out.beams = ranked_beams(request)
 
     def _fail(self, request: Request, out: RequestOutput, error: str) -> None:
         """End one request with an error (its pages freed); the step goes on for the rest."""
@@ -249,65 +249,18 @@ class LLMEngine:
             picks.append((request, seq, row))
         return picks
 
-    def _beam_step(self, request: Request, items, out: RequestOutput) -> None:
-        """Keep the beam_width best continuations; forked beams share pages. items:
-        (beam, its 2 x width likeliest next tokens -> log-probability)."""
-        width = request.params.beam_width
-        candidates = []
-        for seq, top in items:
-            for tok, lp in top.items():
-                candidates.append((seq.cumulative_logprob + lp, seq, tok))
-        candidates.sort(key=lambda c: -c[0])
-        chosen = []
-        for score, parent, tok in candidates:
-            if len(chosen) == width:
-                break
-            if tok in self.eot_ids:
-                done = Sequence(parent.token_ids + [tok], parent.num_prompt, parent.sampler,
-                                cumulative_logprob=score, finish_reason="stop")
-                request.finished_beams.append(done)
-                continue
-            chosen.append((score, parent, tok))
-        # assign: a parent's first continuation reuses it, the others fork it
-        used: set[int] = set()
-        new_seqs = []
-        for score, parent, tok in chosen:
-            if parent.seq_id in used:
-                seq = Sequence(list(parent.token_ids), parent.num_prompt, parent.sampler,
-                               kv=self.runner.fork(parent.kv))
-            else:
-                seq = parent
-                used.add(parent.seq_id)
-            new_seqs.append((seq, score, tok))
-        # parents are forked before any of them grows, so copies see the old tokens
-        for seq, score, tok in new_seqs:
-            seq.token_ids.append(tok)
-            seq.cumulative_logprob = score
-        for seq, _ in items:
-            if seq.seq_id not in used and seq.kv is not None:
-                self.runner.free(seq.kv)
-                seq.kv = None
-                seq.finish_reason = "pruned"
-        live = [s for s, _, _ in new_seqs]
-        request.seqs = live + [s for s in request.seqs if s.is_finished and s not in live]
-        out.events.extend(TokenEvent(i, s.token_ids[-1]) for i, s in enumerate(live))
-        max_tokens = request.params.max_tokens or self.limit
-        length_done = live and (len(live[0].output_ids) >= max_tokens or len(live[0].token_ids) >= self.limit)
-        penalty = request.params.length_penalty
-        best_live = max((s.cumulative_logprob / len(s.output_ids) ** penalty for s in live), default=None)
-        enough = len(request.finished_beams) >= width and request.params.early_stopping
-        if best_live is not None and len(request.finished_beams) >= width and not enough:
-            worst_kept = sorted((b.cumulative_logprob / len(b.output_ids) ** penalty
-                                 for b in request.finished_beams), reverse=True)[width - 1]
-            enough = best_live < worst_kept
-        if length_done or enough or not live:
-            for s in live:
-                if length_done:
-                    request.finished_beams.append(s)
-                s.finish_reason = s.finish_reason or "length"
-                if s.kv is not None:
-                    self.runner.free(s.kv)
-                    s.kv = None
+    # ---- what callers read through the engine (never its runner or pool) ----
+    def pool_figures(self) -> dict:
+        """The pool as /api/pool and /metrics show it: stats and the pool's shape (counts
+        from the pool's own counters, no walk over its blocks)."""
+        kv = self.runner.kv
+        return {"stats": self.stats(), "kv_pool_bytes": self.runner.kv_pool_bytes, "paged": kv.paged,
+                "block_size": kv.block_size}
+
+    def score_prompt(self, token_ids: list[int], top_n: int = 0):
+        """A prompt's own log-probabilities as a generator of chunks (prompt_logprobs.score_prompt):
+        for EngineLoop.run_in_steps, on the engine's thread between steps."""
+        return score_prompt(self.runner, token_ids, top_n)
 
     # ---- statistics --------------------------------------------------------
     def stats(self) -> dict:

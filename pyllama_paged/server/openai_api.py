@@ -11,7 +11,6 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.prompt_logprobs import score_prompt
 from ..errors import PagedError
 from ..tools.calls import ToolCallStream, parse_tool_calls
 from ..tools.messages import normalize_messages
@@ -61,7 +60,7 @@ async def score(served, ids: list[int], top_n: int, state) -> list:
     run a chunk at a time between the engine's steps, so streams keep moving."""
     admit(served, state.limits, state.metrics)
     try:
-        return await served.run_in_steps(lambda llm: score_prompt(llm.runner, ids, top_n))
+        return await served.run_in_steps(lambda llm: llm.score_prompt(ids, top_n))
     except PagedError as e:
         raise APIError(503, f"no room to score the prompt now: {e}", "prompt", "server_busy") from None
     finally:

@@ -42,9 +42,7 @@ def default_threads() -> int:
 def _engine_figures(llm) -> dict:
     """What /metrics, /api/ps and /api/pool show of an engine, read in one call on its thread
     (counts from the pool's own counters: no walk over the blocks)."""
-    kv = llm.runner.kv
-    return {"stats": llm.stats(), "kv_pool_bytes": llm.runner.kv_pool_bytes, "paged": kv.paged,
-            "block_size": kv.block_size}
+    return llm.pool_figures()
 
 
 @dataclass
