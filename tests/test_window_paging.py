@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pyllama_paged.engine.block_pool import BlockPool, BlockState
-from pyllama_paged.engine.kv_groups import KVGroups
+from pyllama_paged.engine.kv_groups import KVGroups, first_needed_block, window_blocks_held
 from pyllama_paged.engine.kv_manager import PagedKV
 from pyllama_paged.engine.llm_engine import LLMEngine
 from pyllama_paged.engine.model import Model
@@ -67,6 +67,8 @@ def test_window_groups_give_back_what_no_later_query_sees():
         assert len(held) <= -(-window // BS) + 1                          # the window, plus a block
         # exactly the blocks a query at position n sees are kept
         first = max(0, n - window + 1) // BS
+        assert first_needed_block(window, BS, n) == first                 # the engine's rule is the pool's
+        assert len(held) <= window_blocks_held(window, BS, BS)
         table = kv.block_table(handle, 1)
         assert all(b < 0 for b in table[:first]) and all(b >= 0 for b in table[first:])
     stats = kv.pool.stats()

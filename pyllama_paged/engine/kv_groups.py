@@ -59,11 +59,22 @@ class KVGroups:
         """KV bytes one sequence of num_tokens computed tokens holds (all groups), the
         window groups holding only their window's blocks plus the current one."""
         blocks = -(-num_tokens // block_size)
-        total = 0
-        for w in self.group_window:
-            held = blocks
-            if w > 0 and num_tokens > 0:
-                first = max(0, num_tokens - w + 1) // block_size   # first block a later query sees
-                held = blocks - first
-            total += held
-        return total * slot_bytes * block_size
+        held = sum(blocks - first_needed_block(w, block_size, num_tokens) for w in self.group_window)
+        return held * slot_bytes * block_size
+
+
+# The sliding-window block rules, in one place (the native pool applies the first as
+# pp_group_first_needed when it gives a window group's blocks back).
+def first_needed_block(window: int, block_size: int, num_computed: int) -> int:
+    """The first block of a window group that a query after num_computed computed tokens
+    can still see (0 for full attention): the blocks before it are given back."""
+    if window <= 0 or num_computed - window + 1 <= 0:
+        return 0
+    return (num_computed - window + 1) // block_size
+
+
+def window_blocks_held(window: int, block_size: int, placed: int) -> int:
+    """The most blocks a window group holds while `placed` more tokens are placed at once
+    beyond what its queries still see: the window and those tokens, plus one block that
+    the window's start leaves partly used."""
+    return -(-(window + placed) // block_size) + 1

@@ -15,7 +15,7 @@ import numpy as np
 from .._native import check, ffi, lib
 from ..errors import OutOfBlocksError, PagedError
 from .block_pool import BlockPool
-from .kv_groups import KVGroups
+from .kv_groups import KVGroups, window_blocks_held
 from .step_batch import StepBuffers
 
 
@@ -99,7 +99,7 @@ class PagedKV:
         blocks = -(-num_tokens // self.block_size)
         need = 0
         for w in self.groups.group_window:
-            need += blocks if w <= 0 else min(blocks, -(-(w + chunk) // self.block_size) + 1)
+            need += blocks if w <= 0 else min(blocks, window_blocks_held(w, self.block_size, chunk))
         return need
 
     def blocks_needed(self, handle: int, num_tokens: int) -> int:
@@ -120,7 +120,9 @@ class PagedKV:
         """The most tokens one sequence could ever hold here: its full-attention groups
         grow with it, each window group holds at most its window plus a block."""
         full = sum(1 for w in self.groups.group_window if w <= 0)
-        window_blocks = sum(-(-w // self.block_size) + 2 for w in self.groups.group_window if w > 0)
+        # a decode places one token at a time: at most a block beyond the window's
+        window_blocks = sum(window_blocks_held(w, self.block_size, self.block_size)
+                            for w in self.groups.group_window if w > 0)
         if full == 0:
             blocks = self.max_blocks_per_seq if window_blocks <= self.num_blocks else 0
         else:
