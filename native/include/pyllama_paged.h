@@ -5,14 +5,26 @@
  * no macros inside declarations, no C++ types, fixed-width integers only.
  *
  * Conventions for every function below:
- *   - The return value is a status (PP_OK = 0, otherwise a PP_ERR_* code).
+ *   - A function that can fail returns an int32_t status (enum pp_status):
+ *     PP_OK = 0; a positive code is a condition the caller may recover from
+ *     and retry; a negative code is an error. The few functions that return
+ *     something else (a count, a hash, a handle's property) say so.
  *   - On failure, pp_last_error() returns a message that says what went wrong;
  *     the message is per thread and lives until that thread's next failing call.
- *   - A failing call changes nothing: no half-done allocation is left behind.
+ *   - A failing call changes nothing: no half-done allocation is left behind
+ *     (the few exceptions say what they leave).
+ *   - Unless a function says otherwise: a NULL handle or required pointer,
+ *     an unknown sequence or block id, or an out-of-range size fails with
+ *     PP_ERR_INVALID; a failed host allocation with PP_ERR_NO_MEMORY.
  *   - Pointers passed in are borrowed for the duration of the call only.
  *   - Output arrays are written by the callee and owned by the caller.
+ *   - A handle made by pp_X_create is owned by the caller and freed with
+ *     pp_X_destroy, which accepts NULL; handles it borrowed must outlive it.
  *   - A pool is not thread safe: callers serialize access to one pool
  *     (the Python scheduler owns it from one thread).
+ *
+ * Functions only tests and benchmarks need live in pyllama_paged_testing.h;
+ * the same library exports them.
  */
 #ifndef PYLLAMA_PAGED_H
 #define PYLLAMA_PAGED_H
@@ -25,13 +37,26 @@ extern "C" {
 
 /* ---- status codes ------------------------------------------------------ */
 
+/* Split by sign, as llama.h's are:
+ *   0         PP_OK: done.
+ *   positive  recoverable: nothing changed, and the same call can succeed
+ *             once the caller frees something (blocks) or gives a bigger
+ *             output buffer (the size needed is reported where the function
+ *             says so). `status > 0` means "retry after making room".
+ *   negative  an error the caller must handle (a bad argument, the host out
+ *             of memory, a failed or aborted computation); making room will
+ *             not fix it.
+ * A status is returned as int32_t; compare it with these names, never with
+ * literal numbers. */
 enum pp_status {
     PP_OK                 = 0,
-    PP_ERR_INVALID        = 1,  /* bad argument: unknown id, negative size, ... */
-    PP_ERR_OUT_OF_BLOCKS  = 2,  /* the pool cannot satisfy the request right now */
-    PP_ERR_NO_MEMORY      = 3,  /* the host allocator failed */
-    PP_ERR_CAPACITY       = 4,  /* an output array passed in is too small */
-    PP_ERR_COMPUTE        = 5   /* a computation started and failed or was aborted: the
+    PP_ERR_OUT_OF_BLOCKS  = 1,  /* the pool cannot satisfy the request right now: free or
+                                   preempt sequences (or evict cached blocks) and retry */
+    PP_ERR_CAPACITY       = 2,  /* an output array passed in is too small: retry with a
+                                   bigger one */
+    PP_ERR_INVALID        = -1, /* bad argument: unknown id, negative size, ... */
+    PP_ERR_NO_MEMORY      = -2, /* the host allocator failed */
+    PP_ERR_COMPUTE        = -3  /* a computation started and failed or was aborted: the
                                    KV rows of that step's slots are undefined */
 };
 
@@ -39,7 +64,10 @@ enum pp_status {
  * The string is owned by the library. */
 const char *pp_last_error(void);
 
-/* The library's version string, owned by the library. */
+/* The library's version string ("MAJOR.MINOR.PATCH", the Python package's
+ * __version__ it was built with), owned by the library; never NULL. The
+ * Python binding refuses to load a library whose version differs from the
+ * package's (a stale build). */
 const char *pp_version(void);
 
 /* ---- block pool -------------------------------------------------------- */
@@ -93,7 +121,7 @@ typedef struct pp_block_info {
 /* Create a pool. On success *out owns the pool; free it with
  * pp_pool_destroy. Fails with PP_ERR_INVALID for num_blocks < 1 or
  * block_size < 1, PP_ERR_NO_MEMORY if the host cannot hold it. */
-int pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out);
+int32_t pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out);
 
 /* A pool shared by n_groups layer groups (1..256): every sequence has one
  * block table per group over the same logical blocks, all drawing physical
@@ -105,35 +133,31 @@ int pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out);
  * needs only the blocks in the window of the first token computed again.
  * group_window is copied. pp_pool_create is this with one group, window 0.
  * PP_ERR_INVALID for a bad count or a negative window. */
-int pp_pool_create_grouped(int32_t num_blocks, int32_t block_size, int32_t n_groups,
-                           const int32_t *group_window, pp_block_pool **out);
+int32_t pp_pool_create_grouped(int32_t num_blocks, int32_t block_size, int32_t n_groups,
+                               const int32_t *group_window, pp_block_pool **out);
 
 /* Destroy a pool and every sequence in it. NULL is accepted. */
 void pp_pool_destroy(pp_block_pool *pool);
 
-/* Fill *out with the pool's counters. Never fails for a valid pool. */
-int pp_pool_stats_get(const pp_block_pool *pool, pp_pool_stats *out);
+/* Fill *out with the pool's counters. Never fails for a valid pool and out
+ * (PP_ERR_INVALID for NULL). */
+int32_t pp_pool_stats_get(const pp_block_pool *pool, pp_pool_stats *out);
 
 /* Fill *out with the state of one physical block (PP_ERR_INVALID if the
  * id is out of range). */
-int pp_pool_block_info(const pp_block_pool *pool, int32_t block_id, pp_block_info *out);
+int32_t pp_pool_block_info(const pp_block_pool *pool, int32_t block_id, pp_block_info *out);
 
-/* Number of blocks an allocation could take now: free plus evictable cached. */
+/* Number of blocks an allocation could take now: free plus evictable cached.
+ * A count, not a status: cannot fail (0 for a NULL pool). */
 int32_t pp_pool_num_allocatable(const pp_block_pool *pool);
 
 /* Evict up to max_blocks cached blocks, least recently used first, turning
  * them into free blocks; *num_evicted (may be NULL) gets how many. */
-int pp_pool_evict(pp_block_pool *pool, int32_t max_blocks, int32_t *num_evicted);
-
-/* Keep only the low `bits` bits (1..64) of every block hash this pool
- * computes, so tests can produce hash collisions on purpose (64: full
- * strength, the default). PP_ERR_INVALID unless the pool holds no sequence
- * and no cached block. Not for production use. */
-int pp_pool_weaken_hash(pp_block_pool *pool, int32_t bits);
+int32_t pp_pool_evict(pp_block_pool *pool, int32_t max_blocks, int32_t *num_evicted);
 
 /* Forget every prefix-cache entry (cached blocks become free). Used blocks
  * keep their data but will not be found by later lookups. */
-int pp_pool_reset_prefix_cache(pp_block_pool *pool);
+int32_t pp_pool_reset_prefix_cache(pp_block_pool *pool);
 
 /* The pool's hash of a full block's token ids chained to its parent's hash
  * (0 for the first block): SipHash-2-4 under the pool's secret key, which is
@@ -147,7 +171,7 @@ uint64_t pp_hash_block(const pp_block_pool *pool, uint64_t parent_hash, const in
 /* Set the pool's hash key (random at creation), e.g. so processes that share
  * block hashes agree. PP_ERR_INVALID unless the pool holds no sequence and no
  * cached block. */
-int pp_pool_set_hash_key(pp_block_pool *pool, uint64_t k0, uint64_t k1);
+int32_t pp_pool_set_hash_key(pp_block_pool *pool, uint64_t k0, uint64_t k1);
 
 /* ---- sequences --------------------------------------------------------- */
 
@@ -160,21 +184,21 @@ int pp_pool_set_hash_key(pp_block_pool *pool, uint64_t k0, uint64_t k1);
  * *num_cached_tokens (may be NULL) the number of leading tokens whose KV is
  * already in the reused blocks. PP_ERR_OUT_OF_BLOCKS if the pool is short;
  * then nothing changes (hit/miss counters included). */
-int pp_seq_create(pp_block_pool *pool, const int32_t *token_ids, int32_t num_tokens,
-                  int32_t *seq_id, int32_t *num_cached_tokens);
+int32_t pp_seq_create(pp_block_pool *pool, const int32_t *token_ids, int32_t num_tokens,
+                      int32_t *seq_id, int32_t *num_cached_tokens);
 
 /* Like pp_seq_create, but the new sequence holds only the reused prefix
  * (*num_cached_tokens tokens, possibly none): the caller appends the rest
  * chunk by chunk as it is computed, so a long prompt never holds every
  * window group's blocks for all of its tokens at once. Takes no new block. */
-int pp_seq_create_cached(pp_block_pool *pool, const int32_t *token_ids, int32_t num_tokens,
-                         int32_t *seq_id, int32_t *num_cached_tokens);
+int32_t pp_seq_create_cached(pp_block_pool *pool, const int32_t *token_ids, int32_t num_tokens,
+                             int32_t *seq_id, int32_t *num_cached_tokens);
 
 /* Like pp_seq_create without looking up the prefix cache: every token gets
  * a new block in every group (for recomputing a whole prompt, e.g. its
  * per-position log-probabilities, when window groups keep no early blocks). */
-int pp_seq_create_uncached(pp_block_pool *pool, const int32_t *token_ids, int32_t num_tokens,
-                           int32_t *seq_id);
+int32_t pp_seq_create_uncached(pp_block_pool *pool, const int32_t *token_ids, int32_t num_tokens,
+                               int32_t *seq_id);
 
 /* Append num_tokens tokens to a sequence. A block (one per group) is
  * allocated only when the last one is full. If the last block of a group is
@@ -182,49 +206,50 @@ int pp_seq_create_uncached(pp_block_pool *pool, const int32_t *token_ids, int32_
  * and the (src, dst) pair is written to copies[0..*num_copies); at most one
  * copy per group per call (PP_ERR_CAPACITY if max_copies is short).
  * PP_ERR_OUT_OF_BLOCKS if the pool is short; then nothing changes. */
-int pp_seq_append(pp_block_pool *pool, int32_t seq_id, const int32_t *token_ids,
-                  int32_t num_tokens, pp_block_copy *copies, int32_t max_copies,
-                  int32_t *num_copies);
+int32_t pp_seq_append(pp_block_pool *pool, int32_t seq_id, const int32_t *token_ids,
+                      int32_t num_tokens, pp_block_copy *copies, int32_t max_copies,
+                      int32_t *num_copies);
 
 /* Number of blocks pp_seq_append would take for num_tokens more tokens
  * (including a copy-on-write block). */
-int pp_seq_blocks_needed(const pp_block_pool *pool, int32_t seq_id, int32_t num_tokens,
-                         int32_t *num_blocks);
+int32_t pp_seq_blocks_needed(const pp_block_pool *pool, int32_t seq_id, int32_t num_tokens,
+                             int32_t *num_blocks);
 
 /* Record that the KV of a sequence's first num_tokens tokens is written:
  * its full blocks in that range become reusable by prefix lookups (blocks
  * never marked are not cached when freed), and window groups give back the
  * blocks no query at position >= num_tokens can see. */
-int pp_seq_mark_computed(pp_block_pool *pool, int32_t seq_id, int32_t num_tokens);
+int32_t pp_seq_mark_computed(pp_block_pool *pool, int32_t seq_id, int32_t num_tokens);
 
-/* Fork: the new sequence *child_id shares every block of parent_id (ref++). */
-int pp_seq_fork(pp_block_pool *pool, int32_t parent_id, int32_t *child_id);
+/* Fork: the new sequence *child_id shares every block of parent_id (ref++).
+ * Takes no block (copy-on-write happens at the next append). */
+int32_t pp_seq_fork(pp_block_pool *pool, int32_t parent_id, int32_t *child_id);
 
 /* Free a sequence: ref-- on each of its blocks. A block whose count drops to
  * zero becomes cached if it holds a registered hash, otherwise free. */
-int pp_seq_free(pp_block_pool *pool, int32_t seq_id);
+int32_t pp_seq_free(pp_block_pool *pool, int32_t seq_id);
 
-/* Length in tokens of a sequence. */
-int pp_seq_length(const pp_block_pool *pool, int32_t seq_id, int32_t *num_tokens);
+/* Length in tokens of a sequence, into *num_tokens. */
+int32_t pp_seq_length(const pp_block_pool *pool, int32_t seq_id, int32_t *num_tokens);
 
-/* Copy a sequence's block table (group 0's; physical block ids, logical order) into
+/* Copy a sequence's block table in layer group `group` (physical block ids,
+ * logical order; -1 where a window group gave a block back) into
  * out[0..capacity); *num_blocks gets its length. PP_ERR_CAPACITY if
- * capacity is too small (then *num_blocks still tells the size needed). */
-int pp_seq_block_table(const pp_block_pool *pool, int32_t seq_id, int32_t *out,
-                       int32_t capacity, int32_t *num_blocks);
+ * capacity is too small: nothing is copied, but *num_blocks still tells the
+ * size needed (so out may be NULL with capacity 0 to ask for it).
+ * PP_ERR_INVALID for an unknown sequence or group, or a NULL num_blocks. */
+int32_t pp_seq_group_block_table(const pp_block_pool *pool, int32_t seq_id, int32_t group, int32_t *out,
+                                 int32_t capacity, int32_t *num_blocks);
 
-/* pp_seq_block_table for layer group `group` (released entries are -1). */
-int pp_seq_group_block_table(const pp_block_pool *pool, int32_t seq_id, int32_t group, int32_t *out,
-                             int32_t capacity, int32_t *num_blocks);
-
-/* Copy a sequence's token ids into out[0..capacity), like pp_seq_block_table. */
-int pp_seq_tokens(const pp_block_pool *pool, int32_t seq_id, int32_t *out,
-                  int32_t capacity, int32_t *num_tokens);
+/* Copy a sequence's token ids into out[0..capacity); *num_tokens gets their
+ * count. PP_ERR_CAPACITY (and PP_ERR_INVALID) as pp_seq_group_block_table. */
+int32_t pp_seq_tokens(const pp_block_pool *pool, int32_t seq_id, int32_t *out,
+                      int32_t capacity, int32_t *num_tokens);
 
 /* Slot (block_id * block_size + offset, group 0) of positions [start, start + count)
  * of a sequence, written to out[0..count). */
-int pp_seq_slot_mapping(const pp_block_pool *pool, int32_t seq_id, int32_t start,
-                        int32_t count, int32_t *out);
+int32_t pp_seq_slot_mapping(const pp_block_pool *pool, int32_t seq_id, int32_t start,
+                            int32_t count, int32_t *out);
 
 /* ---- a step's batch ---------------------------------------------------- */
 
@@ -261,14 +286,14 @@ typedef struct pp_step_buffers {
  * group that gave back a block the item's queries see; PP_ERR_CAPACITY when
  * the tokens exceed capacity_tokens or a block table exceeds
  * max_blocks_per_seq. */
-int pp_pool_build_batch(const pp_block_pool *pool, const pp_step_item *items, int32_t n_items,
-                        int32_t max_blocks_per_seq, int32_t capacity_tokens, pp_step_buffers *out);
+int32_t pp_pool_build_batch(const pp_block_pool *pool, const pp_step_item *items, int32_t n_items,
+                            int32_t max_blocks_per_seq, int32_t capacity_tokens, pp_step_buffers *out);
 
 /* After a step computed the items: pp_seq_mark_computed(start + count) for
  * each, in one call, which also gives back every window group's blocks that
  * no query at or after start + count can see. PP_ERR_INVALID (nothing
  * marked) for a bad item. */
-int pp_pool_commit_batch(pp_block_pool *pool, const pp_step_item *items, int32_t n_items);
+int32_t pp_pool_commit_batch(pp_block_pool *pool, const pp_step_item *items, int32_t n_items);
 
 /* ---- model -------------------------------------------------------------- */
 
@@ -312,7 +337,7 @@ typedef struct pp_model pp_model;
 
 /* Create an empty model for these hyper-parameters; weights are attached
  * with pp_model_set_tensor. PP_ERR_INVALID names the bad field. */
-int pp_model_create(const pp_model_hparams *hparams, pp_model **out);
+int32_t pp_model_create(const pp_model_hparams *hparams, pp_model **out);
 
 /* Destroy a model. NULL is accepted. Contexts and caches using it must be
  * destroyed first. */
@@ -328,13 +353,13 @@ void pp_model_destroy(pp_model *model);
  * or an unsupported type fails with a message naming the tensor. The
  * optional "rope_freqs.weight" ([n_rot / 2] f32 divisors of each rotary
  * pair's frequency, Llama 3.1's rope scaling) applies to every layer. */
-int pp_model_set_tensor(pp_model *model, const char *name, int32_t type,
-                        const int64_t *ne, int32_t n_dims, const void *data, int64_t n_bytes,
-                        int32_t *used);
+int32_t pp_model_set_tensor(pp_model *model, const char *name, int32_t type,
+                            const int64_t *ne, int32_t n_dims, const void *data, int64_t n_bytes,
+                            int32_t *used);
 
 /* Check that every tensor the architecture needs is attached; the error
  * names the first missing one. Must succeed before a context is created. */
-int pp_model_finalize(pp_model *model);
+int32_t pp_model_finalize(pp_model *model);
 
 /* Move the weights that only feed matrix multiplications (attention and
  * FFN projections, an untied output head) into GGML's CPU "extra" buffer
@@ -350,7 +375,15 @@ int pp_model_finalize(pp_model *model);
  * so a file mapping's pages for them leave the resident set.
  * PP_ERR_NO_MEMORY if a buffer cannot be allocated (the model is unchanged
  * for tensors not yet moved and remains usable). */
-int pp_model_repack_weights(pp_model *model, int32_t *n_repacked);
+int32_t pp_model_repack_weights(pp_model *model, int32_t *n_repacked);
+
+/* The kernel pp_model_pack_panels packed the weights for. */
+enum pp_panel_kernel {
+    PP_PANEL_KERNEL_NONE       = 0,  /* nothing packed: GGML's own products are faster here */
+    PP_PANEL_KERNEL_SCALAR     = 1,  /* portable C: for tests on any CPU, never chosen for speed */
+    PP_PANEL_KERNEL_AVXVNNI    = 2,  /* AVX-VNNI (256-bit, 16 registers) */
+    PP_PANEL_KERNEL_AVX512VNNI = 3   /* AVX-512 VNNI (with VL and BW) */
+};
 
 /* Pack the weights our integer GEMM multiplies faster than GGML into row
  * panels (q8_panels.h in the sources): Q8_0 and Q5_0 projections and the
@@ -361,56 +394,58 @@ int pp_model_repack_weights(pp_model *model, int32_t *n_repacked);
  * unless any_cpu is set (then a portable, slow kernel runs elsewhere: for
  * tests). Call once, after pp_model_finalize, before
  * pp_model_repack_weights and before any context is created. *kernel (may
- * be NULL) receives 0 when nothing was packed, else the kernel (1 portable,
- * 2 AVX-VNNI, 3 AVX-512 VNNI); *n_packed (may be NULL) the number of
+ * be NULL) receives the kernel (enum pp_panel_kernel; PP_PANEL_KERNEL_NONE
+ * when nothing was packed); *n_packed (may be NULL) the number of
  * weights packed. The model owns the panels; the packed weights' borrowed
  * bytes are advised MADV_PAGEOUT. PP_ERR_NO_MEMORY: the weights packed so
  * far stay packed and the model is usable; PP_ERR_INVALID: called twice, or
  * after pp_model_repack_weights. */
-int pp_model_pack_panels(pp_model *model, int32_t any_cpu, int32_t *kernel, int32_t *n_packed);
+int32_t pp_model_pack_panels(pp_model *model, int32_t any_cpu, int32_t *kernel, int32_t *n_packed);
 
 /* ---- KV cache ----------------------------------------------------------- */
 
 typedef struct pp_kv_cache pp_kv_cache;
 
-/* K and V pools of num_blocks * block_size token rows per layer, of
- * kv_type (a ggml_type: F16, Q8_0 or Q4_0). For paged=0 each block is one
- * sequence's contiguous slab (block_size = n_ctx) and attention uses GGML's
- * own flash-attention op instead of the paged kernel. Fails with
- * PP_ERR_INVALID naming the problem (e.g. a head size that is not whole
- * quantization groups), PP_ERR_NO_MEMORY if the pools cannot be allocated. */
-int pp_kv_cache_create(const pp_model *model, int32_t kv_type, int32_t num_blocks,
-                       int32_t block_size, int32_t paged, pp_kv_cache **out);
-
-/* The KV pools of a grouped block pool (pp_pool_create_grouped): layer il
- * belongs to group layer_group[il] (n_layer entries, copied), every group
- * has the same number of layers L, and the cache holds L K and L V tensors
- * of num_blocks * block_size rows: the i-th layer of every group shares the
- * i-th tensor, each physical block holding the group it was taken for. So
- * one block costs L layers' rows, whatever its group. PP_ERR_INVALID if the
- * groups differ in size or a group id is outside [0, n_groups); otherwise
- * as pp_kv_cache_create (which is this with every layer in group 0). */
-int pp_kv_cache_create_grouped(const pp_model *model, int32_t kv_type, int32_t num_blocks,
-                               int32_t block_size, int32_t paged, int32_t n_groups,
-                               const int32_t *layer_group, pp_kv_cache **out);
+/* K and V pools of num_blocks * block_size token rows, of kv_type (a
+ * ggml_type: F16, Q8_0 or Q4_0), for the block pool of the same shape
+ * (pp_pool_create_grouped). Layer il belongs to group layer_group[il]
+ * (n_layer entries, copied; all 0 for an ungrouped pool, n_groups 1), every
+ * group has the same number of layers L, and the cache holds L K and L V
+ * tensors of num_blocks * block_size rows: the i-th layer of every group
+ * shares the i-th tensor, each physical block holding the group it was taken
+ * for. So one block costs L layers' rows, whatever its group. For paged=0
+ * each block is one sequence's contiguous slab (block_size = n_ctx, one
+ * group) and attention uses GGML's own flash-attention op instead of the
+ * paged kernel. On success *out owns the cache; free it with
+ * pp_kv_cache_destroy, before the model. Fails with PP_ERR_INVALID naming
+ * the problem (a head size that is not whole quantization groups, groups of
+ * different sizes, a group id outside [0, n_groups)), PP_ERR_NO_MEMORY if
+ * the pools cannot be allocated. */
+int32_t pp_kv_cache_create_grouped(const pp_model *model, int32_t kv_type, int32_t num_blocks,
+                                   int32_t block_size, int32_t paged, int32_t n_groups,
+                                   const int32_t *layer_group, pp_kv_cache **out);
 
 void pp_kv_cache_destroy(pp_kv_cache *cache);
 
-/* Bytes of K plus V one token occupies across all layers (without freeing). */
+/* Bytes of K plus V one token occupies across all layers (without freeing).
+ * A size, not a status: 0 for a NULL cache. */
 int64_t pp_kv_cache_bytes_per_token(const pp_kv_cache *cache);
 
 /* Bytes of K plus V one slot of a block holds: one token of one group
- * (all layers for an ungrouped cache). A block is block_size slots. */
+ * (all layers for an ungrouped cache). A block is block_size slots. A size,
+ * not a status: 0 for a NULL cache. */
 int64_t pp_kv_cache_bytes_per_slot(const pp_kv_cache *cache);
 
 /* Copy whole blocks (all layers, K and V): the copy-on-write pairs the
- * block pool reported. Pairs are validated before any copy is made. */
-int pp_kv_cache_copy_blocks(pp_kv_cache *cache, const pp_block_copy *copies, int32_t n_copies);
+ * block pool reported. Pairs are validated before any copy is made:
+ * PP_ERR_INVALID (nothing copied) for an id out of range or src == dst. */
+int32_t pp_kv_cache_copy_blocks(pp_kv_cache *cache, const pp_block_copy *copies, int32_t n_copies);
 
 /* Copy one block's K and V rows (the layers of the group holding it) out to
- * host memory `dst` of pp_kv_cache_bytes_per_slot * block_size bytes, or back in. */
-int pp_kv_cache_read_block(const pp_kv_cache *cache, int32_t block_id, void *dst);
-int pp_kv_cache_write_block(pp_kv_cache *cache, int32_t block_id, const void *src);
+ * host memory `dst` of pp_kv_cache_bytes_per_slot * block_size bytes, or back in
+ * from `src` (the caller's, borrowed). PP_ERR_INVALID for a block id out of range. */
+int32_t pp_kv_cache_read_block(const pp_kv_cache *cache, int32_t block_id, void *dst);
+int32_t pp_kv_cache_write_block(pp_kv_cache *cache, int32_t block_id, const void *src);
 
 /* ---- forward step ------------------------------------------------------- */
 
@@ -452,14 +487,16 @@ typedef struct pp_context pp_context;
  * cache are borrowed and must outlive it. A context is used by one thread
  * at a time. After fork() the child's first call gives the context a new
  * pool (the parent's workers do not exist there). */
-int pp_context_create(pp_model *model, pp_kv_cache *cache, int32_t n_threads,
-                      int32_t max_batch_tokens, pp_context **out);
+int32_t pp_context_create(pp_model *model, pp_kv_cache *cache, int32_t n_threads,
+                          int32_t max_batch_tokens, pp_context **out);
 
 void pp_context_destroy(pp_context *ctx);
 
 /* Change the number of worker threads (starts a new pool and joins the
- * old one; no decode may be running on the context). */
-int pp_context_set_threads(pp_context *ctx, int32_t n_threads);
+ * old one; no decode may be running on the context). PP_ERR_INVALID for
+ * n_threads outside 1..512, PP_ERR_NO_MEMORY if the new pool cannot be
+ * started (the old one is kept). */
+int32_t pp_context_set_threads(pp_context *ctx, int32_t n_threads);
 
 /* Run one step; logits receives n_logits * n_vocab floats (row-major),
  * batch->hidden the hidden rows asked for (see pp_batch). logits may be NULL:
@@ -473,7 +510,7 @@ int pp_context_set_threads(pp_context *ctx, int32_t n_threads);
  * the slot mapping (a shared prefix, cached blocks) are never written.
  * The step allocates no memory of its own beyond what GGML's graph allocator
  * reserved: the attention kernel's tiles are made with the context. */
-int pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);
+int32_t pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);
 
 /* The last successful step's logits, n_rows x n_vocab floats (row-major), in
  * the context's compute buffer: owned by the context, valid until the next
@@ -483,7 +520,8 @@ const float *pp_context_step_logits(const pp_context *ctx, int32_t *n_rows);
 
 /* The columns a step's matrix products compute for n tokens (or logit rows):
  * n, or n rounded up to a multiple of 4 where GGML's CPU GEMMs would take a
- * slow path (see graph.c). The scheduler's step-cost model counts these. */
+ * slow path (see graph.c). The scheduler's step-cost model counts these.
+ * A count, not a status: cannot fail. */
 int32_t pp_matmul_columns(int32_t n);
 
 /* How paged attention is computed. */
@@ -496,12 +534,12 @@ enum pp_attention_path {
 
 /* Choose the attention path of later steps (paged caches; slabs always use
  * GGML's flash attention). PP_ERR_INVALID for an unknown path. */
-int pp_context_set_attention_path(pp_context *ctx, int32_t path);
+int32_t pp_context_set_attention_path(pp_context *ctx, int32_t path);
 
 /* Ask the step running on ctx, or the next one if none runs, to stop; it
  * returns PP_ERR_COMPUTE. Safe to call from any thread (it only sets a
  * flag); PP_ERR_INVALID for NULL. */
-int pp_context_abort(pp_context *ctx);
+int32_t pp_context_abort(pp_context *ctx);
 
 /* ---- encoder (embedding models) ----------------------------------------- */
 
@@ -514,7 +552,7 @@ int pp_context_abort(pp_context *ctx);
  * backend or pool cannot be had. */
 typedef struct pp_encoder pp_encoder;
 
-int pp_encoder_create(pp_model *model, int32_t n_threads, int32_t max_batch_tokens, pp_encoder **out);
+int32_t pp_encoder_create(pp_model *model, int32_t n_threads, int32_t max_batch_tokens, pp_encoder **out);
 
 /* Destroy an encoder context. NULL is accepted. */
 void pp_encoder_destroy(pp_encoder *enc);
@@ -536,8 +574,8 @@ enum pp_pooling {
  * n_seqs * max(seq_lens) above max_batch_tokens; PP_ERR_NO_MEMORY if the
  * compute buffer cannot be had; PP_ERR_COMPUTE if GGML failed (out is then
  * undefined). */
-int pp_encoder_embed(pp_encoder *enc, const int32_t *token_ids, const int32_t *token_types,
-                     const int32_t *seq_lens, int32_t n_seqs, int32_t pooling, float *out);
+int32_t pp_encoder_embed(pp_encoder *enc, const int32_t *token_ids, const int32_t *token_types,
+                         const int32_t *seq_lens, int32_t n_seqs, int32_t pooling, float *out);
 
 /* ---- sampling ------------------------------------------------------------ */
 
@@ -595,7 +633,7 @@ enum { PP_SAMPLER_MAX_THREADS = 64 };
  * (1..PP_SAMPLER_MAX_THREADS);
  * free it with pp_sampler_destroy. PP_ERR_INVALID for a bad size or thread
  * count, PP_ERR_NO_MEMORY if its buffers cannot be had. */
-int pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out);
+int32_t pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out);
 void pp_sampler_destroy(pp_sampler *sampler);
 
 /* The generator state for a seed: the same seed gives the same draws,
@@ -608,42 +646,10 @@ uint64_t pp_sampler_seed(uint64_t seed);
  * token. PP_ERR_INVALID also if a row allows no finite logit: the other rows
  * are sampled, and each such row's result has token -1, so the caller can fail
  * only the sequences whose rows failed. The vocabulary is never sorted (see sampler.c). */
-int pp_sample(pp_sampler *sampler, const float *logits, int32_t n_logit_rows, const pp_sample_row *rows,
-              int32_t n_rows, pp_sample_result *out);
+int32_t pp_sample(pp_sampler *sampler, const float *logits, int32_t n_logit_rows, const pp_sample_row *rows,
+                  int32_t n_rows, pp_sample_result *out);
 
-/* ---- attention harness (tests and benchmarks) ---------------------------- */
-
-/* The attention operators alone, on a KV pool of num_slots token rows of
- * kv_type, outside any model: for checking the paged kernel against a plain
- * softmax(QK^T)V and timing it against GGML's contiguous flash attention. */
-typedef struct pp_attention_harness pp_attention_harness;
-
-int pp_attention_harness_create(int32_t kv_type, int32_t num_slots, int32_t n_head,
-                                int32_t n_head_kv, int32_t head_dim, int32_t n_threads,
-                                pp_attention_harness **out);
-
-void pp_attention_harness_destroy(pp_attention_harness *h);
-
-/* Store n token rows of K and V (f32, [n][n_head_kv * head_dim]) at the
- * given slots, converted to the pool's type. */
-int pp_attention_harness_write(pp_attention_harness *h, const int32_t *slots, int32_t n,
-                               const float *k, const float *v);
-
-/* The pool's K or V rows at slots, converted back to f32 (what the kernel sees). */
-int pp_attention_harness_read(const pp_attention_harness *h, const int32_t *slots, int32_t n,
-                              float *k, float *v);
-
-/* Paged attention for the batch's tokens (token_ids and slot_mapping are
- * ignored; positions, seq_index and block tables are used) with pages of
- * block_size slots. q and out: [n_tokens][n_head][head_dim] f32. */
-int pp_attention_harness_paged(pp_attention_harness *h, const pp_batch *batch, int32_t block_size,
-                               int32_t window, float scale, const float *q, float *out);
-
-/* GGML's flash attention of n_q queries at positions over the contiguous
- * slots [first_slot, first_slot + n_kv), with a causal (and window) mask. */
-int pp_attention_harness_contiguous(pp_attention_harness *h, int32_t first_slot, int32_t n_kv,
-                                    int32_t n_q, const int32_t *positions, int32_t window,
-                                    float scale, const float *q, float *out);
+/* ---- GGML: logging and build ------------------------------------------- */
 
 /* Route GGML's log messages through a filter that prints to stderr only
  * those at or above level (a ggml_log_level: 1 debug, 2 info, 3 warn,
@@ -654,7 +660,10 @@ int pp_attention_harness_contiguous(pp_attention_harness *h, int32_t first_slot,
  * first call) should happen before other threads use GGML. */
 void pp_set_ggml_log_level(int32_t level);
 
-/* Description of the GGML build this library runs on (CPU features). */
+/* Description of the GGML build this library runs on (its version, CPU
+ * features, the attention math variant chosen). Cannot fail; the string is
+ * owned by the library (a static buffer rewritten by each call) and never
+ * NULL. */
 const char *pp_ggml_build_info(void);
 
 #ifdef __cplusplus

@@ -1,4 +1,5 @@
 /* The attention operators outside a model, for tests and benchmarks. */
+#include "pyllama_paged_testing.h"
 #include "engine_internal.h"
 #include "pp_internal.h"
 #include "ggml-cpu.h"
@@ -20,9 +21,9 @@ struct pp_attention_harness {
     pp_attention_scratch  scratch;
 };
 
-int pp_attention_harness_create(int32_t kv_type, int32_t num_slots, int32_t n_head,
-                                int32_t n_head_kv, int32_t head_dim, int32_t n_threads,
-                                pp_attention_harness **out) {
+int32_t pp_attention_harness_create(int32_t kv_type, int32_t num_slots, int32_t n_head,
+                                    int32_t n_head_kv, int32_t head_dim, int32_t n_threads,
+                                    pp_attention_harness **out) {
     if (!out) return pp_fail(PP_ERR_INVALID, "pp_attention_harness_create: out is NULL");
     *out = NULL;
     enum ggml_type type = (enum ggml_type)kv_type;
@@ -83,8 +84,8 @@ static int check_slots(const pp_attention_harness *h, const int32_t *slots, int3
     return PP_OK;
 }
 
-int pp_attention_harness_write(pp_attention_harness *h, const int32_t *slots, int32_t n,
-                               const float *k, const float *v) {
+int32_t pp_attention_harness_write(pp_attention_harness *h, const int32_t *slots, int32_t n,
+                                   const float *k, const float *v) {
     if (!h || !slots || !k || !v) return pp_fail(PP_ERR_INVALID, "harness write: NULL argument");
     int st = check_slots(h, slots, n);
     if (st) return st;
@@ -97,8 +98,8 @@ int pp_attention_harness_write(pp_attention_harness *h, const int32_t *slots, in
     return PP_OK;
 }
 
-int pp_attention_harness_read(const pp_attention_harness *h, const int32_t *slots, int32_t n,
-                              float *k, float *v) {
+int32_t pp_attention_harness_read(const pp_attention_harness *h, const int32_t *slots, int32_t n,
+                                  float *k, float *v) {
     if (!h || !slots || !k || !v) return pp_fail(PP_ERR_INVALID, "harness read: NULL argument");
     int st = check_slots(h, slots, n);
     if (st) return st;
@@ -127,8 +128,8 @@ static int run_graph(pp_attention_harness *h, struct ggml_context *ctx, struct g
     return PP_OK;
 }
 
-int pp_attention_harness_paged(pp_attention_harness *h, const pp_batch *b, int32_t block_size,
-                               int32_t window, float scale, const float *q, float *out) {
+int32_t pp_attention_harness_paged(pp_attention_harness *h, const pp_batch *b, int32_t block_size,
+                                   int32_t window, float scale, const float *q, float *out) {
     if (!h || !b || !q || !out || block_size < 1 || b->n_tokens < 1)
         return pp_fail(PP_ERR_INVALID, "harness paged: invalid argument (or an empty batch)");
     for (int i = 0; i < b->n_tokens; i++) {
@@ -155,9 +156,9 @@ int pp_attention_harness_paged(pp_attention_harness *h, const pp_batch *b, int32
     return st;
 }
 
-int pp_attention_harness_contiguous(pp_attention_harness *h, int32_t first_slot, int32_t n_kv,
-                                    int32_t n_q, const int32_t *positions, int32_t window,
-                                    float scale, const float *q, float *out) {
+int32_t pp_attention_harness_contiguous(pp_attention_harness *h, int32_t first_slot, int32_t n_kv,
+                                        int32_t n_q, const int32_t *positions, int32_t window,
+                                        float scale, const float *q, float *out) {
     if (!h || !positions || !q || !out || n_q < 1 || n_kv < 1 || first_slot < 0 ||
         (int64_t)first_slot + n_kv > h->num_slots)
         return pp_fail(PP_ERR_INVALID, "harness contiguous: invalid argument");

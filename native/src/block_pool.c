@@ -95,13 +95,13 @@ static void random_key(uint64_t key[2]) {
     key[1] = (uint64_t)ts.tv_sec * 0xbf58476d1ce4e5b9ull ^ (uint64_t)(uintptr_t)&ts;
 }
 
-int pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out) {
+int32_t pp_pool_create(int32_t num_blocks, int32_t block_size, pp_block_pool **out) {
     const int32_t full_attention = 0;
     return pp_pool_create_grouped(num_blocks, block_size, 1, &full_attention, out);
 }
 
-int pp_pool_create_grouped(int32_t num_blocks, int32_t block_size, int32_t n_groups,
-                           const int32_t *group_window, pp_block_pool **out) {
+int32_t pp_pool_create_grouped(int32_t num_blocks, int32_t block_size, int32_t n_groups,
+                               const int32_t *group_window, pp_block_pool **out) {
     if (!out) return pp_fail(PP_ERR_INVALID, "pp_pool_create: out is NULL");
     *out = NULL;
     if (num_blocks < 1) return pp_fail(PP_ERR_INVALID, "num_blocks must be >= 1, got %d", num_blocks);
@@ -179,7 +179,7 @@ void pp_pool_destroy(pp_block_pool *p) {
     free(p);
 }
 
-int pp_pool_stats_get(const pp_block_pool *p, pp_pool_stats *out) {
+int32_t pp_pool_stats_get(const pp_block_pool *p, pp_pool_stats *out) {
     if (!p || !out) return pp_fail(PP_ERR_INVALID, "pp_pool_stats_get: NULL argument");
     out->num_blocks = p->num_blocks;
     out->block_size = p->block_size;
@@ -199,7 +199,7 @@ int pp_pool_stats_get(const pp_block_pool *p, pp_pool_stats *out) {
     return PP_OK;
 }
 
-int pp_pool_block_info(const pp_block_pool *p, int32_t b, pp_block_info *out) {
+int32_t pp_pool_block_info(const pp_block_pool *p, int32_t b, pp_block_info *out) {
     if (!p || !out) return pp_fail(PP_ERR_INVALID, "pp_pool_block_info: NULL argument");
     if (b < 0 || b >= p->num_blocks)
         return pp_fail(PP_ERR_INVALID, "block id %d out of range [0, %d)", b, p->num_blocks);
@@ -217,7 +217,7 @@ int32_t pp_pool_num_allocatable(const pp_block_pool *p) {
     return p ? p->num_free + p->num_cached : 0;
 }
 
-int pp_pool_evict(pp_block_pool *p, int32_t max_blocks, int32_t *num_evicted) {
+int32_t pp_pool_evict(pp_block_pool *p, int32_t max_blocks, int32_t *num_evicted) {
     if (!p) return pp_fail(PP_ERR_INVALID, "pp_pool_evict: pool is NULL");
     int32_t n = 0;
     while (n < max_blocks && p->lru_head >= 0) {

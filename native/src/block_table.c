@@ -205,17 +205,17 @@ static int create_seq(pp_block_pool *p, const int32_t *token_ids, int32_t num_to
     return PP_OK;
 }
 
-int pp_seq_create(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
-                  int32_t *seq_id, int32_t *num_cached_tokens) {
+int32_t pp_seq_create(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
+                      int32_t *seq_id, int32_t *num_cached_tokens) {
     return create_seq(p, token_ids, num_tokens, 1, 1, seq_id, num_cached_tokens);
 }
 
-int pp_seq_create_uncached(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens, int32_t *seq_id) {
+int32_t pp_seq_create_uncached(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens, int32_t *seq_id) {
     return create_seq(p, token_ids, num_tokens, 0, 1, seq_id, NULL);
 }
 
-int pp_seq_create_cached(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
-                         int32_t *seq_id, int32_t *num_cached_tokens) {
+int32_t pp_seq_create_cached(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
+                             int32_t *seq_id, int32_t *num_cached_tokens) {
     return create_seq(p, token_ids, num_tokens, 1, 0, seq_id, num_cached_tokens);
 }
 
@@ -225,8 +225,8 @@ static int32_t append_cost(const pp_block_pool *p, const pp_sequence *s, int32_t
     return grow * p->n_groups + pp_cow_needed(p, s);
 }
 
-int pp_seq_blocks_needed(const pp_block_pool *p, int32_t seq_id, int32_t num_tokens,
-                         int32_t *num_blocks) {
+int32_t pp_seq_blocks_needed(const pp_block_pool *p, int32_t seq_id, int32_t num_tokens,
+                             int32_t *num_blocks) {
     SEQ_OR_FAIL(s, p, seq_id);
     if (num_tokens < 0 || !num_blocks)
         return pp_fail(PP_ERR_INVALID, "pp_seq_blocks_needed: invalid argument");
@@ -234,9 +234,9 @@ int pp_seq_blocks_needed(const pp_block_pool *p, int32_t seq_id, int32_t num_tok
     return PP_OK;
 }
 
-int pp_seq_append(pp_block_pool *p, int32_t seq_id, const int32_t *token_ids,
-                  int32_t num_tokens, pp_block_copy *copies, int32_t max_copies,
-                  int32_t *num_copies) {
+int32_t pp_seq_append(pp_block_pool *p, int32_t seq_id, const int32_t *token_ids,
+                      int32_t num_tokens, pp_block_copy *copies, int32_t max_copies,
+                      int32_t *num_copies) {
     SEQ_OR_FAIL(s, p, seq_id);
     if (num_tokens < 0 || (num_tokens > 0 && !token_ids))
         return pp_fail(PP_ERR_INVALID, "pp_seq_append: invalid token list (%d tokens)", num_tokens);
@@ -263,7 +263,7 @@ int pp_seq_append(pp_block_pool *p, int32_t seq_id, const int32_t *token_ids,
     return PP_OK;
 }
 
-int pp_seq_fork(pp_block_pool *p, int32_t parent_id, int32_t *child_id) {
+int32_t pp_seq_fork(pp_block_pool *p, int32_t parent_id, int32_t *child_id) {
     if (!child_id) return pp_fail(PP_ERR_INVALID, "pp_seq_fork: child_id is NULL");
     if (!live_seq(p, parent_id)) return pp_fail(PP_ERR_INVALID, "unknown sequence id %d", parent_id);
     int32_t slot;
@@ -292,7 +292,7 @@ int pp_seq_fork(pp_block_pool *p, int32_t parent_id, int32_t *child_id) {
     return PP_OK;
 }
 
-int pp_seq_free(pp_block_pool *p, int32_t seq_id) {
+int32_t pp_seq_free(pp_block_pool *p, int32_t seq_id) {
     SEQ_OR_FAIL(s, p, seq_id);
     /* Last blocks first, so they are the first evicted: the shared prefix of
      * a conversation is worth more to later requests than its tail. */
@@ -309,7 +309,7 @@ int pp_seq_free(pp_block_pool *p, int32_t seq_id) {
     return PP_OK;
 }
 
-int pp_seq_length(const pp_block_pool *p, int32_t seq_id, int32_t *num_tokens) {
+int32_t pp_seq_length(const pp_block_pool *p, int32_t seq_id, int32_t *num_tokens) {
     SEQ_OR_FAIL(s, p, seq_id);
     if (!num_tokens) return pp_fail(PP_ERR_INVALID, "pp_seq_length: num_tokens is NULL");
     *num_tokens = s->num_tokens;
@@ -326,27 +326,22 @@ static int copy_out(const int32_t *src, int32_t n, int32_t *out, int32_t capacit
     return PP_OK;
 }
 
-int pp_seq_block_table(const pp_block_pool *p, int32_t seq_id, int32_t *out,
-                       int32_t capacity, int32_t *num_blocks) {
-    return pp_seq_group_block_table(p, seq_id, 0, out, capacity, num_blocks);
-}
-
-int pp_seq_group_block_table(const pp_block_pool *p, int32_t seq_id, int32_t group, int32_t *out,
-                             int32_t capacity, int32_t *num_blocks) {
+int32_t pp_seq_group_block_table(const pp_block_pool *p, int32_t seq_id, int32_t group, int32_t *out,
+                                 int32_t capacity, int32_t *num_blocks) {
     SEQ_OR_FAIL(s, p, seq_id);
     if (group < 0 || group >= p->n_groups)
         return pp_fail(PP_ERR_INVALID, "group %d outside the pool's %d", group, p->n_groups);
-    return copy_out(pp_seq_table(s, group), s->num_blocks, out, capacity, num_blocks, "pp_seq_block_table");
+    return copy_out(pp_seq_table(s, group), s->num_blocks, out, capacity, num_blocks, "pp_seq_group_block_table");
 }
 
-int pp_seq_tokens(const pp_block_pool *p, int32_t seq_id, int32_t *out,
-                  int32_t capacity, int32_t *num_tokens) {
+int32_t pp_seq_tokens(const pp_block_pool *p, int32_t seq_id, int32_t *out,
+                      int32_t capacity, int32_t *num_tokens) {
     SEQ_OR_FAIL(s, p, seq_id);
     return copy_out(s->token_ids, s->num_tokens, out, capacity, num_tokens, "pp_seq_tokens");
 }
 
-int pp_seq_slot_mapping(const pp_block_pool *p, int32_t seq_id, int32_t start,
-                        int32_t count, int32_t *out) {
+int32_t pp_seq_slot_mapping(const pp_block_pool *p, int32_t seq_id, int32_t start,
+                            int32_t count, int32_t *out) {
     SEQ_OR_FAIL(s, p, seq_id);
     if (start < 0 || count < 0 || (int64_t)start + count > s->num_tokens || (count > 0 && !out))
         return pp_fail(PP_ERR_INVALID, "slot range [%d, %d) outside sequence %d of %d tokens",
@@ -359,7 +354,7 @@ int pp_seq_slot_mapping(const pp_block_pool *p, int32_t seq_id, int32_t start,
     return PP_OK;
 }
 
-int pp_seq_mark_computed(pp_block_pool *p, int32_t seq_id, int32_t num_tokens) {
+int32_t pp_seq_mark_computed(pp_block_pool *p, int32_t seq_id, int32_t num_tokens) {
     SEQ_OR_FAIL(s, p, seq_id);
     if (num_tokens < 0 || num_tokens > s->num_tokens)
         return pp_fail(PP_ERR_INVALID, "cannot mark %d tokens computed in sequence %d of %d tokens",

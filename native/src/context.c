@@ -45,8 +45,8 @@ static ggml_backend_t new_backend(pp_context *c) {
     return backend;
 }
 
-int pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
-                      int32_t max_batch_tokens, pp_context **out) {
+int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
+                          int32_t max_batch_tokens, pp_context **out) {
     if (!m || !cache || !out) return pp_fail(PP_ERR_INVALID, "pp_context_create: NULL argument");
     *out = NULL;
     if (!m->finalized) return pp_fail(PP_ERR_INVALID, "model not finalized (missing tensors?)");
@@ -129,7 +129,7 @@ static int forget_parent_pool(pp_context *c) {
     return PP_OK;
 }
 
-int pp_context_set_threads(pp_context *c, int32_t n_threads) {
+int32_t pp_context_set_threads(pp_context *c, int32_t n_threads) {
     if (!c || n_threads < 1) return pp_fail(PP_ERR_INVALID, "n_threads must be >= 1");
     if (n_threads > GGML_MAX_N_THREADS)
         return pp_fail(PP_ERR_INVALID, "n_threads %d above GGML's limit of %d", n_threads, GGML_MAX_N_THREADS);
@@ -160,7 +160,7 @@ int pp_context_set_threads(pp_context *c, int32_t n_threads) {
     return PP_OK;
 }
 
-int pp_check_token_order(const pp_batch *b, int i) {
+int32_t pp_check_token_order(const pp_batch *b, int i) {
     const int s = b->seq_index[i];
     if (s < 0 || s >= b->n_seqs)
         return pp_fail(PP_ERR_INVALID, "token %d: sequence index %d outside [0, %d)", i, s, b->n_seqs);
@@ -195,7 +195,7 @@ static int check_group_run(const pp_kv_cache *cache, const pp_batch *b, int32_t 
     return PP_OK;
 }
 
-int pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *b) {
+int32_t pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *b) {
     if (!b || b->n_tokens < 1 || !b->token_ids || !b->positions || !b->slot_mapping ||
         !b->seq_index || !b->block_tables || b->n_seqs < 1 || b->max_blocks_per_seq < 1 ||
         b->n_logits < 0 || (b->n_logits > 0 && !b->logit_rows))
@@ -298,7 +298,7 @@ static void fill_flash_inputs(struct ggml_cgraph *gf, const pp_batch *b, int swa
     }
 }
 
-int pp_context_set_attention_path(pp_context *c, int32_t path) {
+int32_t pp_context_set_attention_path(pp_context *c, int32_t path) {
     if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_set_attention_path: context is NULL");
     if (path != PP_ATTENTION_KERNEL && path != PP_ATTENTION_GATHER)
         return pp_fail(PP_ERR_INVALID, "unknown attention path %d", path);
@@ -306,7 +306,7 @@ int pp_context_set_attention_path(pp_context *c, int32_t path) {
     return PP_OK;
 }
 
-int pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
+int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_decode: context is NULL");
     /* whatever happens next, the last step's rows are no longer this context's answer
      * (and the compute buffer they live in is about to be reused) */
@@ -376,7 +376,7 @@ const float *pp_context_step_logits(const pp_context *c, int32_t *n_rows) {
     return c ? c->step_logits : NULL;
 }
 
-int pp_context_abort(pp_context *c) {
+int32_t pp_context_abort(pp_context *c) {
     if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_abort: context is NULL");
     atomic_store(&c->abort_requested, 1);
     return PP_OK;

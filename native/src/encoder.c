@@ -30,7 +30,7 @@ void pp_encoder_destroy(pp_encoder *e) {
     free(e);
 }
 
-int pp_encoder_create(pp_model *m, int32_t n_threads, int32_t max_batch_tokens, pp_encoder **out) {
+int32_t pp_encoder_create(pp_model *m, int32_t n_threads, int32_t max_batch_tokens, pp_encoder **out) {
     if (!m || !out) return pp_fail(PP_ERR_INVALID, "pp_encoder_create: NULL argument");
     *out = NULL;
     if (m->hp.arch != PP_ARCH_BERT) return pp_fail(PP_ERR_INVALID, "pp_encoder_create: not an encoder model");
@@ -138,8 +138,8 @@ static void pool(const float *hidden, const int32_t *lens, int n_seqs, int max_l
     }
 }
 
-int pp_encoder_embed(pp_encoder *e, const int32_t *ids, const int32_t *types, const int32_t *lens, int32_t n_seqs,
-                     int32_t pooling, float *out) {
+int32_t pp_encoder_embed(pp_encoder *e, const int32_t *ids, const int32_t *types, const int32_t *lens, int32_t n_seqs,
+                         int32_t pooling, float *out) {
     if (!e || !out) return pp_fail(PP_ERR_INVALID, "pp_encoder_embed: NULL argument");
     int max_len = 0;
     int st = check_inputs(e, ids, types, lens, n_seqs, pooling, &max_len);

@@ -66,7 +66,7 @@ int pp_encoder_resolve(pp_model *m, const char *name, struct ggml_tensor ***slot
     return 0;
 }
 
-int pp_encoder_finalize(const pp_model *m) {
+int32_t pp_encoder_finalize(const pp_model *m) {
     if (m->hp.n_head * m->hp.head_dim != m->hp.n_embd || m->hp.n_head_kv != m->hp.n_head)
         return pp_fail(PP_ERR_INVALID, "bert: head_count %d x key_length %d must equal embedding_length %d, "
                        "without grouped keys", m->hp.n_head, m->hp.head_dim, m->hp.n_embd);

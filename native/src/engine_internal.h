@@ -94,7 +94,7 @@ typedef struct pp_attention_scratch {
 
 /* (Re)size s for n_threads threads and head_dim; on failure
  * PP_ERR_NO_MEMORY and s is unchanged. Release with pp_attention_scratch_release. */
-int pp_attention_scratch_init(pp_attention_scratch *s, int32_t head_dim, int32_t n_threads);
+int32_t pp_attention_scratch_init(pp_attention_scratch *s, int32_t head_dim, int32_t n_threads);
 void pp_attention_scratch_release(pp_attention_scratch *s);
 
 /* What the paged-attention operator of one layer needs besides its tensors.
@@ -130,11 +130,11 @@ struct ggml_tensor *pp_paged_attention(struct ggml_context *ctx, struct ggml_ten
                                        struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
                                        pp_attention_params *ap, int n_threads);
 
-int pp_check_batch(const pp_model *model, const pp_kv_cache *cache, const pp_batch *batch);
+int32_t pp_check_batch(const pp_model *model, const pp_kv_cache *cache, const pp_batch *batch);
 
 /* Token i's sequence index is in range, its sequence's tokens are contiguous
  * and their positions increase: what the kernel's query tiles rely on. */
-int pp_check_token_order(const pp_batch *batch, int i);
+int32_t pp_check_token_order(const pp_batch *batch, int i);
 
 /* Build the forward graph of one step. Inputs are created with
  * ggml_set_input and named "tokens", "positions", "slots", "logit_rows",
@@ -158,7 +158,7 @@ int pp_gather_first_key(int p0, int window);
  * the check that every tensor bert needs is there (PP_OK or PP_ERR_INVALID
  * naming the first missing one). Call only for PP_ARCH_BERT models. */
 int pp_encoder_resolve(pp_model *m, const char *name, struct ggml_tensor ***slot, int64_t *ne0, int64_t *ne1);
-int pp_encoder_finalize(const pp_model *m);
+int32_t pp_encoder_finalize(const pp_model *m);
 
 /* encoder_graph.c: the bert forward over n_seqs inputs padded to max_len
  * tokens each. Inputs "tokens", "types", "positions" ([n_seqs * max_len]

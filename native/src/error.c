@@ -7,7 +7,7 @@
 
 static _Thread_local char last_error[512];
 
-int pp_fail(int status, const char *fmt, ...) {
+int32_t pp_fail(int32_t status, const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
     vsnprintf(last_error, sizeof last_error, fmt, args);
@@ -17,4 +17,8 @@ int pp_fail(int status, const char *fmt, ...) {
 
 const char *pp_last_error(void) { return last_error; }
 
-const char *pp_version(void) { return "0.1.0"; }
+#ifndef PP_VERSION
+#error "PP_VERSION must be defined by the build (CMakeLists.txt reads it from pyllama_paged/_version.py)"
+#endif
+
+const char *pp_version(void) { return PP_VERSION; }

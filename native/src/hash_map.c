@@ -11,7 +11,7 @@ static uint32_t slot_of(uint64_t key, uint32_t mask) {
     return (uint32_t)(key ^ (key >> 32)) & mask;
 }
 
-int pp_hash_map_init(pp_hash_map *map, int32_t max_entries) {
+int32_t pp_hash_map_init(pp_hash_map *map, int32_t max_entries) {
     uint32_t capacity = 16;
     /* Load factor at most 1/2 keeps probe chains short. */
     while (capacity < (uint32_t)max_entries * 2u) capacity <<= 1;

@@ -11,16 +11,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-int pp_kv_cache_create(const pp_model *m, int32_t kv_type, int32_t num_blocks,
-                       int32_t block_size, int32_t paged, pp_kv_cache **out) {
-    if (!m) return pp_fail(PP_ERR_INVALID, "pp_kv_cache_create: NULL argument");
-    int32_t *one_group = calloc((size_t)m->hp.n_layer, sizeof(int32_t));
-    if (!one_group) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the KV cache tables");
-    int st = pp_kv_cache_create_grouped(m, kv_type, num_blocks, block_size, paged, 1, one_group, out);
-    free(one_group);
-    return st;
-}
-
 /* Check the grouping and give each layer its index inside its group. */
 static int group_layers(const pp_model *m, int32_t n_groups, const int32_t *layer_group, int32_t *index,
                         int32_t *per_group) {
@@ -43,10 +33,10 @@ static int group_layers(const pp_model *m, int32_t n_groups, const int32_t *laye
     return PP_OK;
 }
 
-int pp_kv_cache_create_grouped(const pp_model *m, int32_t kv_type, int32_t num_blocks,
-                               int32_t block_size, int32_t paged, int32_t n_groups,
-                               const int32_t *layer_group, pp_kv_cache **out) {
-    if (!m || !out) return pp_fail(PP_ERR_INVALID, "pp_kv_cache_create: NULL argument");
+int32_t pp_kv_cache_create_grouped(const pp_model *m, int32_t kv_type, int32_t num_blocks,
+                                   int32_t block_size, int32_t paged, int32_t n_groups,
+                                   const int32_t *layer_group, pp_kv_cache **out) {
+    if (!m || !out) return pp_fail(PP_ERR_INVALID, "pp_kv_cache_create_grouped: NULL argument");
     *out = NULL;
     enum ggml_type type = (enum ggml_type)kv_type;
     if (type != GGML_TYPE_F16 && type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q4_0)
@@ -141,7 +131,7 @@ int64_t pp_kv_cache_bytes_per_slot(const pp_kv_cache *c) {
 
 static size_t block_bytes(const pp_kv_cache *c) { return c->k[0]->nb[1] * (size_t)c->block_size; }
 
-int pp_kv_cache_copy_blocks(pp_kv_cache *c, const pp_block_copy *copies, int32_t n) {
+int32_t pp_kv_cache_copy_blocks(pp_kv_cache *c, const pp_block_copy *copies, int32_t n) {
     if (!c || (n > 0 && !copies)) return pp_fail(PP_ERR_INVALID, "pp_kv_cache_copy_blocks: NULL argument");
     for (int32_t i = 0; i < n; i++)
         if (copies[i].src < 0 || copies[i].src >= c->num_blocks || copies[i].dst < 0 ||
@@ -179,10 +169,10 @@ static int transfer_block(pp_kv_cache *c, int32_t block_id, char *host, int to_h
     return PP_OK;
 }
 
-int pp_kv_cache_read_block(const pp_kv_cache *c, int32_t block_id, void *dst) {
+int32_t pp_kv_cache_read_block(const pp_kv_cache *c, int32_t block_id, void *dst) {
     return transfer_block((pp_kv_cache *)c, block_id, dst, 1);
 }
 
-int pp_kv_cache_write_block(pp_kv_cache *c, int32_t block_id, const void *src) {
+int32_t pp_kv_cache_write_block(pp_kv_cache *c, int32_t block_id, const void *src) {
     return transfer_block(c, block_id, (char *)src, 0);
 }

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int pp_model_create(const pp_model_hparams *hp, pp_model **out) {
+int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
     if (!hp || !out) return pp_fail(PP_ERR_INVALID, "pp_model_create: NULL argument");
     *out = NULL;
 #define REQUIRE(cond, ...) do { if (!(cond)) return pp_fail(PP_ERR_INVALID, __VA_ARGS__); } while (0)
@@ -114,8 +114,8 @@ static int resolve(pp_model *m, const char *name, slot_spec *spec) {
     return 0;
 }
 
-int pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const int64_t *ne,
-                        int32_t n_dims, const void *data, int64_t n_bytes, int32_t *used) {
+int32_t pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const int64_t *ne,
+                            int32_t n_dims, const void *data, int64_t n_bytes, int32_t *used) {
     if (!m || !name || !ne || !data) return pp_fail(PP_ERR_INVALID, "pp_model_set_tensor: NULL argument");
     if (used) *used = 0;
     if (n_dims < 1 || n_dims > GGML_MAX_DIMS)
@@ -169,7 +169,7 @@ int pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const int64
     return PP_OK;
 }
 
-int pp_model_finalize(pp_model *m) {
+int32_t pp_model_finalize(pp_model *m) {
     if (!m) return pp_fail(PP_ERR_INVALID, "pp_model_finalize: model is NULL");
     const int arch = m->hp.arch;
     if (arch == PP_ARCH_BERT) {

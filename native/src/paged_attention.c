@@ -163,7 +163,7 @@ static size_t tile_floats(int rows, int hd) {
            q8_floats;
 }
 
-int pp_attention_scratch_init(pp_attention_scratch *s, int32_t head_dim, int32_t n_threads) {
+int32_t pp_attention_scratch_init(pp_attention_scratch *s, int32_t head_dim, int32_t n_threads) {
     const size_t per_thread = tile_floats(PP_ATTN_MAX_ROWS, head_dim);
     float *data = malloc(sizeof(float) * per_thread * (size_t)n_threads);
     if (!data) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate attention tiles for %d threads", n_threads);

@@ -6,7 +6,7 @@
 
 /* Record a printf-style message as the calling thread's last error and
  * return status, so failures read as `return pp_fail(PP_ERR_..., ...)`. */
-int pp_fail(int status, const char *fmt, ...)
+int32_t pp_fail(int32_t status, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
 /* Map from a 64-bit block hash to a physical block id (open addressing,

@@ -4,6 +4,7 @@
  * the parent's hash, so it is exact by induction; cached blocks (ref count 0)
  * stay until the LRU evicts them (block_pool.c). */
 #include "block_pool_internal.h"
+#include "pyllama_paged_testing.h"   /* pp_pool_weaken_hash */
 
 #include <string.h>
 
@@ -168,7 +169,7 @@ void pp_prefix_plan_lookup(const pp_block_pool *p, const int32_t *token_ids, int
     }
 }
 
-int pp_pool_set_hash_key(pp_block_pool *p, uint64_t k0, uint64_t k1) {
+int32_t pp_pool_set_hash_key(pp_block_pool *p, uint64_t k0, uint64_t k1) {
     if (!p) return pp_fail(PP_ERR_INVALID, "pp_pool_set_hash_key: pool is NULL");
     if (p->num_seqs > 0 || p->num_cached > 0)
         return pp_fail(PP_ERR_INVALID, "the hash key can only change while the pool is empty");
@@ -177,7 +178,7 @@ int pp_pool_set_hash_key(pp_block_pool *p, uint64_t k0, uint64_t k1) {
     return PP_OK;
 }
 
-int pp_pool_weaken_hash(pp_block_pool *p, int32_t bits) {
+int32_t pp_pool_weaken_hash(pp_block_pool *p, int32_t bits) {
     if (!p) return pp_fail(PP_ERR_INVALID, "pp_pool_weaken_hash: pool is NULL");
     if (bits < 1 || bits > 64) return pp_fail(PP_ERR_INVALID, "hash bits must be in [1, 64], got %d", bits);
     if (p->num_seqs > 0 || p->num_cached > 0)
@@ -186,7 +187,7 @@ int pp_pool_weaken_hash(pp_block_pool *p, int32_t bits) {
     return PP_OK;
 }
 
-int pp_pool_reset_prefix_cache(pp_block_pool *p) {
+int32_t pp_pool_reset_prefix_cache(pp_block_pool *p) {
     if (!p) return pp_fail(PP_ERR_INVALID, "pp_pool_reset_prefix_cache: pool is NULL");
     pp_pool_evict(p, p->num_blocks, NULL);
     pp_hash_map_clear(&p->prefix_map);

@@ -25,6 +25,7 @@
 #ifndef PP_Q8_PANELS_H
 #define PP_Q8_PANELS_H
 
+#include "pyllama_paged.h"
 #include "ggml.h"
 
 #include <stdatomic.h>
@@ -45,13 +46,8 @@ typedef struct pp_q8_panels {
     uint8_t *data;         /* n_rows / 8 panels of k / 32 blocks; owned */
 } pp_q8_panels;
 
-/* The kernel a CPU runs: which instruction set multiplies the panels. */
-enum pp_panel_kernel {
-    PP_PANEL_KERNEL_NONE = 0,     /* no VNNI: GGML's own products are faster than ours */
-    PP_PANEL_KERNEL_SCALAR = 1,   /* portable C: for tests on any CPU, never chosen for speed */
-    PP_PANEL_KERNEL_AVXVNNI = 2,  /* AVX-VNNI (256-bit, 16 registers) */
-    PP_PANEL_KERNEL_AVX512VNNI = 3,
-};
+/* The kernel a CPU runs, which instruction set multiplies the panels: enum
+ * pp_panel_kernel of pyllama_paged.h (pp_model_pack_panels reports it). */
 
 /* The fastest kernel this CPU has (PYLLAMA_PAGED_KERNELS=generic: scalar). */
 enum pp_panel_kernel pp_panel_kernel_select(void);

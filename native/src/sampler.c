@@ -43,7 +43,7 @@ struct pp_sampler {
     const pp_sampling_math *math;    /* the vectorized passes over a row */
 };
 
-int pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out) {
+int32_t pp_sampler_create(int32_t n_vocab, int32_t n_threads, pp_sampler **out) {
     if (!out) return pp_fail(PP_ERR_INVALID, "pp_sampler_create: out is NULL");
     *out = NULL;
     if (n_vocab < 1) return pp_fail(PP_ERR_INVALID, "n_vocab must be >= 1, got %d", n_vocab);
@@ -507,8 +507,8 @@ static void *sample_rows(void *arg) {
     return NULL;
 }
 
-int pp_sample(pp_sampler *s, const float *logits, int32_t n_logit_rows, const pp_sample_row *rows,
-              int32_t n_rows, pp_sample_result *out) {
+int32_t pp_sample(pp_sampler *s, const float *logits, int32_t n_logit_rows, const pp_sample_row *rows,
+                  int32_t n_rows, pp_sample_result *out) {
     if (!s || !logits || (n_rows > 0 && (!rows || !out)) || n_rows < 0)
         return pp_fail(PP_ERR_INVALID, "pp_sample: NULL or negative argument");
     for (int32_t i = 0; i < n_rows; i++) {

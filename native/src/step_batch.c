@@ -13,8 +13,8 @@ static const pp_sequence *live_seq(const pp_block_pool *p, int32_t seq_id) {
     return &p->seqs[seq_id];
 }
 
-int pp_pool_build_batch(const pp_block_pool *p, const pp_step_item *items, int32_t n_items,
-                        int32_t max_blocks_per_seq, int32_t capacity_tokens, pp_step_buffers *out) {
+int32_t pp_pool_build_batch(const pp_block_pool *p, const pp_step_item *items, int32_t n_items,
+                            int32_t max_blocks_per_seq, int32_t capacity_tokens, pp_step_buffers *out) {
     if (!p || !out || n_items < 0 || (n_items > 0 && !items) || max_blocks_per_seq < 1 || capacity_tokens < 0)
         return pp_fail(PP_ERR_INVALID, "pp_pool_build_batch: NULL or negative argument");
     /* Check everything first: a malformed item leaves the buffers untouched. */
@@ -73,7 +73,7 @@ int pp_pool_build_batch(const pp_block_pool *p, const pp_step_item *items, int32
     return PP_OK;
 }
 
-int pp_pool_commit_batch(pp_block_pool *p, const pp_step_item *items, int32_t n_items) {
+int32_t pp_pool_commit_batch(pp_block_pool *p, const pp_step_item *items, int32_t n_items) {
     if (!p || n_items < 0 || (n_items > 0 && !items))
         return pp_fail(PP_ERR_INVALID, "pp_pool_commit_batch: NULL or negative argument");
     for (int32_t i = 0; i < n_items; i++) {

@@ -97,7 +97,7 @@ static int move_into(pp_model *m, ggml_backend_buffer_type_t buft, struct ggml_t
     return moved;
 }
 
-int pp_model_repack_weights(pp_model *m, int32_t *n_repacked) {
+int32_t pp_model_repack_weights(pp_model *m, int32_t *n_repacked) {
     if (n_repacked) *n_repacked = 0;
     if (!m || !m->finalized) return pp_fail(PP_ERR_INVALID, "pp_model_repack_weights: model missing or not finalized");
     if (m->repack_done) return pp_fail(PP_ERR_INVALID, "the model's weights are already repacked");
@@ -145,7 +145,7 @@ int pp_model_repack_weights(pp_model *m, int32_t *n_repacked) {
     return status;
 }
 
-int pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int32_t *n_packed) {
+int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int32_t *n_packed) {
     if (kernel) *kernel = PP_PANEL_KERNEL_NONE;
     if (n_packed) *n_packed = 0;
     if (!m || !m->finalized) return pp_fail(PP_ERR_INVALID, "pp_model_pack_panels: model missing or not finalized");

@@ -14,9 +14,10 @@ from ..errors import PagedError
 
 
 class BlockState(enum.IntEnum):
-    FREE = 0
-    USED = 1
-    CACHED = 2
+    """enum pp_block_state, its values read from the library."""
+    FREE = lib.PP_BLOCK_FREE
+    USED = lib.PP_BLOCK_USED
+    CACHED = lib.PP_BLOCK_CACHED
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ class BlockPool:
     def _read_ids(self, fn, seq_id: int, what: str) -> np.ndarray:
         # First call sizes the array (PP_ERR_CAPACITY still reports the count).
         status = fn(self._handle, seq_id, ffi.NULL, 0, self._i32)
-        if status not in (0, 4):
+        if status not in (lib.PP_OK, lib.PP_ERR_CAPACITY):
             check(status, what)
         out = np.empty(self._i32[0], dtype=np.int32)
         check(fn(self._handle, seq_id, ffi.cast("int32_t *", ffi.from_buffer(out)), len(out),

@@ -19,7 +19,8 @@ def default_model_path() -> str:
 
 
 # pp_model_pack_panels' kernel ids, as `pyllama-paged info` names them ("ggml": nothing packed).
-PANEL_KERNELS = {0: "ggml", 1: "portable", 2: "avx-vnni", 3: "avx512-vnni"}
+PANEL_KERNELS = {lib.PP_PANEL_KERNEL_NONE: "ggml", lib.PP_PANEL_KERNEL_SCALAR: "portable",
+                 lib.PP_PANEL_KERNEL_AVXVNNI: "avx-vnni", lib.PP_PANEL_KERNEL_AVX512VNNI: "avx512-vnni"}
 
 
 class Model:

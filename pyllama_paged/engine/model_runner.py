@@ -20,7 +20,7 @@ from .step_batch import StepBuffers
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type ids
 # Paged attention: our CPU operator, or GGML ops alone (pages gathered by slot, then GGML's
 # flash attention: the portable path for any backend).
-ATTENTION_PATHS = {"kernel": 0, "gather": 1}
+ATTENTION_PATHS = {"kernel": lib.PP_ATTENTION_KERNEL, "gather": lib.PP_ATTENTION_GATHER}   # enum pp_attention_path
 _KV_ROW = {"f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}   # (values, bytes) per quantization group
 
 

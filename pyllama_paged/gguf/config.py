@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._native import lib
 from ..errors import ModelLoadError
 
 __all__ = ["ARCH_IDS", "ENCODER_ARCHS", "POOLING_TYPES", "ModelConfig", "ModelLoadError", "config_from_metadata"]
 
-ARCH_IDS = {"llama": 0, "qwen2": 1, "qwen3": 2, "gemma3": 3, "bert": 4}
+ARCH_IDS = {"llama": lib.PP_ARCH_LLAMA, "qwen2": lib.PP_ARCH_QWEN2, "qwen3": lib.PP_ARCH_QWEN3,
+            "gemma3": lib.PP_ARCH_GEMMA3, "bert": lib.PP_ARCH_BERT}   # enum pp_arch
 ENCODER_ARCHS = frozenset({"bert"})   # encoder-only: embeddings, no KV cache, no generation
 POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}   # llama.cpp's <arch>.pooling_type
 ROPE_NORMAL, ROPE_NEOX = 0, 2
