@@ -6,9 +6,10 @@ class PagedError(Exception):
 
 
 class NativeError(PagedError):
-    """A native call failed; the message carries the C library's error text."""
+    """A native call failed; the message carries the C library's error text and status
+    its code (pp_status: > 0 recoverable, < 0 an error)."""
 
-    def __init__(self, message: str, status: int = 1):
+    def __init__(self, message: str, status: int):
         super().__init__(message)
         self.status = status
 
