@@ -12,6 +12,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -122,8 +123,13 @@ int32_t pp_model_repack_weights(pp_model *m, int32_t *n_repacked) {
     for (int i = 0; i < n; i++) choice[i] = -1;
     int n_bufts = 0;
     while (n_bufts < PP_MAX_REPACK_BUFTS && bufts[n_bufts]) n_bufts++;
-    /* The first extra type that takes a tensor gets it, as in GGML's own order. */
+    /* The first extra type that takes a tensor gets it, as in GGML's own order,
+     * except AMX: a GGML built natively on a Sapphire Rapids CPU lists it first,
+     * and its mul_mat segfaults on the first step with our Q4_K_M weights (GGML's
+     * AMX kernel, reported upstream as llama.cpp#20824 with no fix). The repack
+     * type after it takes those tensors instead. */
     for (int b = 0; b < n_bufts; b++) {
+        if (strcmp(ggml_backend_buft_name(bufts[b]), "AMX") == 0) continue;
         ggml_backend_buffer_t probe = ggml_backend_buft_alloc_buffer(bufts[b], 0);
         if (!probe) continue;
         for (int i = 0; i < n; i++)
