@@ -84,7 +84,7 @@ class OursSide:
     """Our engine (paged or slab), loaded once; one_round() times pp then tg."""
 
     def __init__(self, paged: bool, ids: list[int], args):
-        from pyllama_paged.llama import Llama
+        from pyllama_paged.api.llama import Llama
 
         self.paged, self.ids, self.args = paged, ids, args
         self.llm = Llama(args.model, paged=paged, n_ctx=args.n_ctx, n_threads=args.threads,
@@ -295,7 +295,7 @@ def main() -> None:
     sides_wanted = [s.strip() for s in args.sides.split(",") if s.strip()]
 
     from pyllama_paged._native import ffi, lib
-    from pyllama_paged.llama import Llama
+    from pyllama_paged.api.llama import Llama
 
     our_build = ffi.string(lib.pp_ggml_build_info()).decode()
     tok_llm = Llama(args.model, paged=True, n_ctx=args.n_ctx, n_threads=args.threads)

@@ -43,7 +43,7 @@ import numpy as np
 from _report import BENCH_DIR, RESULTS_DIR, markdown_table, write_results
 
 import pyllama_paged
-from pyllama_paged import BlockPool
+from pyllama_paged.engine.block_pool import BlockPool
 from pyllama_paged import _native
 
 OPS = ("create", "append", "fork", "free", "cycle")

@@ -85,7 +85,11 @@ TEXT_PROMPTS = [
 
 
 def in_engine(args):
-    from pyllama_paged import LLMEngine, Model, ModelRunner, SamplingParams, SchedulerConfig
+    from pyllama_paged.engine.llm_engine import LLMEngine
+    from pyllama_paged.engine.model import Model
+    from pyllama_paged.engine.model_runner import ModelRunner
+    from pyllama_paged.engine.sampler import SamplingParams
+    from pyllama_paged.engine.scheduler import SchedulerConfig
 
     model = Model()
     runner = ModelRunner(model, n_ctx=512, n_threads=args.threads, n_batch=512, block_size=32,

@@ -1,26 +1,21 @@
-"""pyllama-paged: quantized GGUF models on GGML with a paged KV cache."""
+"""pyllama-paged: quantized GGUF models on GGML with a paged KV cache.
 
-from .engine.block_pool import BlockInfo, BlockPool, BlockState, PoolStats
-from .engine.llm_engine import LLMEngine, RequestOutput
+The package root is the user API: `Llama` (llama-cpp-python's) and its companion classes,
+`EngineLoop` for many callers of one engine, and the errors. The engine's parts live in
+`pyllama_paged.engine` (block pool, runner, scheduler), the server in `pyllama_paged.server`."""
+
+from .api.llama import Llama
+from .api.llama_compat import (LlamaCache, LlamaRAMCache, LlamaState, LlamaTokenizer, LogitsProcessor,
+                               LogitsProcessorList, MinTokensLogitsProcessor, StoppingCriteria, StoppingCriteriaList)
+from .api.llama_grammar import LlamaGrammar
 from .engine.loop import EngineLoop, RequestStream
-from .engine.model import Model
-from .engine.model_runner import ModelRunner
 from .engine.sampler import SamplingParams
-from .engine.scheduler import SchedulerConfig
 from .errors import ComputeError, ModelLoadError, NativeError, OutOfBlocksError, PagedError, RequestError
-from .llama import Llama
-from .llama_compat import (LlamaCache, LlamaRAMCache, LlamaState, LlamaTokenizer, LogitsProcessor,
-                           LogitsProcessorList, MinTokensLogitsProcessor, StoppingCriteria, StoppingCriteriaList)
-from .llama_grammar import LlamaGrammar
 from ._version import __version__
 
 __all__ = [
-    "BlockInfo",
-    "BlockPool",
-    "BlockState",
     "ComputeError",
     "EngineLoop",
-    "LLMEngine",
     "Llama",
     "LlamaCache",
     "LlamaGrammar",
@@ -30,18 +25,14 @@ __all__ = [
     "LogitsProcessor",
     "LogitsProcessorList",
     "MinTokensLogitsProcessor",
-    "Model",
     "ModelLoadError",
-    "ModelRunner",
     "NativeError",
     "OutOfBlocksError",
     "PagedError",
-    "PoolStats",
     "RequestError",
-    "RequestOutput",
     "RequestStream",
     "SamplingParams",
-    "SchedulerConfig",
     "StoppingCriteria",
     "StoppingCriteriaList",
+    "__version__",
 ]

@@ -25,7 +25,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args) -> int:
-    from .llama import Llama
+    from .api.llama import Llama
 
     with Llama(args.model, paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads,
                block_size=args.block_size, kv_cache_type=args.kv_type) as llm:
@@ -62,7 +62,7 @@ def _print_stats(llm, last_rate: float | None) -> None:
 
 
 def cmd_chat(args) -> int:
-    from .llama import Llama
+    from .api.llama import Llama
 
     with Llama(args.model, paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads,
                block_size=args.block_size, kv_cache_type=args.kv_type) as llm:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from pyllama_paged import BlockPool, BlockState, NativeError, OutOfBlocksError
+from pyllama_paged import NativeError, OutOfBlocksError
+from pyllama_paged.engine.block_pool import BlockPool, BlockState
 from pyllama_paged.errors import PagedError
 
 

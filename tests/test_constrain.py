@@ -12,7 +12,7 @@ import pytest
 from pyllama_paged.constrain.grammar import ConstraintError, closed_objects, compile_constraint
 from pyllama_paged.constrain.masks import MaskBuffer
 from pyllama_paged.errors import PagedError
-from pyllama_paged.llama import Llama
+from pyllama_paged.api.llama import Llama
 
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 12},

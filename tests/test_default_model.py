@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agreement import assert_greedy_agree, engine_logits
-from pyllama_paged.llama import Llama
+from pyllama_paged.api.llama import Llama
 from pyllama_paged.engine.sampler import SamplingParams
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "greedy_gemma3_llamacpp.json").read_text())

@@ -9,7 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from pyllama_paged import EngineLoop, Llama, Model, PagedError, SamplingParams
+from pyllama_paged import EngineLoop, Llama, PagedError, SamplingParams
+from pyllama_paged.engine.model import Model
 from pyllama_paged.convert.bert_gguf import convert, gguf_tensor_name, llama_cpp_token
 from pyllama_paged.engine.embedding import EmbedParams
 from pyllama_paged.engine.encoder import pack
@@ -171,7 +172,7 @@ def test_decoder_embedding_matches_reference(tiny_decoders, arch, pooling):
 
 
 def _embed_ids(llm, prompts, pooling):
-    from pyllama_paged.embeddings import finish_vector
+    from pyllama_paged.api.embeddings import finish_vector
     from pyllama_paged.engine.embedding import run_embeddings
     from pyllama_paged.engine.shared_steps import SharedSteps
     return [finish_vector(v) for v in run_embeddings(SharedSteps(llm.llm_engine), prompts, EmbedParams(pooling))]

@@ -4,8 +4,8 @@ stop strings, seeds, logprobs, echo, errors."""
 import pytest
 
 from pyllama_paged.errors import PagedError
-from pyllama_paged.llama import Llama
-from pyllama_paged.text_stream import StopMatcher
+from pyllama_paged.api.llama import Llama
+from pyllama_paged.api.text_stream import StopMatcher
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 from agreement import NEAR_TIE
 from pyllama_paged.errors import PagedError
-from pyllama_paged.llama import Llama
+from pyllama_paged.api.llama import Llama
 from reference.tiny_gguf import write_tiny_model
 
 N_THREADS = 8

@@ -13,7 +13,7 @@ import pytest
 from serving import Running, wait_pool_empty
 from pyllama_paged.constrain.grammar import ConstraintError
 from pyllama_paged.constrain.masks import MaskBuffer
-from pyllama_paged.llama import Llama
+from pyllama_paged.api.llama import Llama
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry

@@ -13,7 +13,7 @@ import numpy as np
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..embeddings import as_base64, finish_vector, max_input_tokens, openai_list, tokenize_inputs
+from ..api.embeddings import as_base64, finish_vector, max_input_tokens, openai_list, tokenize_inputs
 from ..engine.embedding import EmbedParams, default_pooling
 from ..errors import PagedError
 from .generation import APIError, admit, off_loop, refuse_over

@@ -13,8 +13,8 @@ from typing import Any
 
 from ..engine.sampler import SamplingParams
 from ..errors import PagedError
-from ..sampling_options import Surface, sampling_params
-from ..text_stream import TextAssembler, TextDelta
+from ..api.sampling_options import Surface, sampling_params
+from ..api.text_stream import TextAssembler, TextDelta
 from .metrics import Metrics
 from .registry import ServedModel
 

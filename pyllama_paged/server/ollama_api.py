@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..constrain.formats import from_ollama
 from ..engine.sampler import SamplingParams
 from ..errors import PagedError
-from ..sampling_options import OLLAMA
+from ..api.sampling_options import OLLAMA
 from ..tools.calls import ToolCallStream
 from ..tools.messages import normalize_messages
 from ..tools.prompt import check_tools, render_chat

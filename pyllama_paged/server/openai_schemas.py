@@ -11,7 +11,7 @@ from ..constrain.formats import from_openai
 from ..constrain.grammar import Constraint, ConstraintError, compile_constraint
 from ..engine.sampler import SamplingParams
 from ..tokenizer.tokenizer import Tokenizer
-from ..sampling_options import OPENAI
+from ..api.sampling_options import OPENAI
 from .generation import APIError, request_params
 
 

@@ -9,15 +9,15 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ._native import GGML_LOG_DEBUG, lib
-from .constrain.formats import from_python
-from .engine.llm_engine import LLMEngine, RequestOutput
-from .engine.model import Model
-from .engine.model_runner import ModelRunner
-from .engine.sampler import SamplingParams
-from .engine.scheduler import SchedulerConfig
-from .engine.shared_steps import SharedSteps
-from .errors import PagedError, RequestError
+from .._native import GGML_LOG_DEBUG, lib
+from ..constrain.formats import from_python
+from ..engine.llm_engine import LLMEngine, RequestOutput
+from ..engine.model import Model
+from ..engine.model_runner import ModelRunner
+from ..engine.sampler import SamplingParams
+from ..engine.scheduler import SchedulerConfig
+from ..engine.shared_steps import SharedSteps
+from ..errors import PagedError, RequestError
 from .llama_chat import chat_chunks, collect_chat, legacy_functions
 from .llama_completion import collect_completion, completion_chunks
 from .llama_compat import (CHAT_FORMATS, LLAMA_DEFAULT_SEED, CompatWarnings, LlamaState, LlamaTokenizer,
@@ -25,12 +25,12 @@ from .llama_compat import (CHAT_FORMATS, LLAMA_DEFAULT_SEED, CompatWarnings, Lla
 from .llama_pretrained import find_pretrained
 from .sampling_options import PYTHON, sampling_params
 from .text_stream import TextAssembler
-from .tokenizer.chat_template import ChatTemplate
-from .tokenizer.tokenizer import Tokenizer
-from .tools.messages import normalize_messages
-from .tools.prompt import prepare_chat
+from ..tokenizer.chat_template import ChatTemplate
+from ..tokenizer.tokenizer import Tokenizer
+from ..tools.messages import normalize_messages
+from ..tools.prompt import prepare_chat
 from .embeddings import embed_for_llama, openai_list
-from .engine.encoder import encoder_engine
+from ..engine.encoder import encoder_engine
 
 
 def _default_threads() -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 import llguidance
 
-from .constrain.grammar import ConstraintError
+from ..constrain.grammar import ConstraintError
 
 LLAMA_GRAMMAR_DEFAULT_ROOT = "root"
 

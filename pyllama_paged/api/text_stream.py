@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .engine.llm_engine import RequestOutput, TokenEvent
-from .tokenizer.tokenizer import IncrementalDecoder, Tokenizer
+from ..engine.llm_engine import RequestOutput, TokenEvent
+from ..tokenizer.tokenizer import IncrementalDecoder, Tokenizer
 
 
 class StopStrings:

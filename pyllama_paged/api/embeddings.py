@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import PagedError
+from ..errors import PagedError
 
 
 class InputTooLong(PagedError, ValueError):
@@ -78,8 +78,8 @@ def openai_list(vectors: list, model: str, prompt_tokens: int) -> dict:
 def embed_for_llama(llm, input, normalize: bool, truncate: bool, pooling: str | None,
                     dimensions: int | None) -> tuple[list, int]:
     """Llama.embed's work: (list[float] for a str or list[list[float]] for a list, tokens used)."""
-    from .engine.embedding import POOLINGS, EmbedParams, default_pooling, run_embeddings
-    from .gguf.config import POOLING_TYPES
+    from ..engine.embedding import POOLINGS, EmbedParams, default_pooling, run_embeddings
+    from ..gguf.config import POOLING_TYPES
 
     steps = llm._shared_steps()
     single = isinstance(input, str)

@@ -11,7 +11,7 @@ import importlib.metadata
 import os
 from pathlib import Path
 
-from .errors import RequestError
+from ..errors import RequestError
 
 
 def _matches(names: list[str], pattern: str) -> list[str]:

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Iterator
 
-from .tools.calls import ToolCallStream
+from ..tools.calls import ToolCallStream
 
 
 def token_logprob(tokenizer, event) -> dict:

@@ -11,8 +11,8 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 
-from .errors import RequestError
-from .tokenizer.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA2_TEMPLATE, LLAMA3_TEMPLATE
+from ..errors import RequestError
+from ..tokenizer.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA2_TEMPLATE, LLAMA3_TEMPLATE
 
 # llama.cpp's "no seed given": each generation draws a random one
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
