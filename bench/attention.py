@@ -68,8 +68,7 @@ def time_calls(fn, n: int, flush) -> list[float]:
 
 
 def bench_shape(shape_name: str, kv: str, args, rng: np.random.Generator) -> list[dict]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))   # the harness lives with the tests
-    from attention_harness import AttentionHarness
+    from pyllama_paged.testing.attention_harness import AttentionHarness
 
     n_head, n_head_kv, head_dim = SHAPES[shape_name]
     max_ctx = max(args.contexts)

@@ -27,7 +27,6 @@ import numpy as np
 
 from _report import RESULTS_DIR, markdown_table, write_results
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 ST = "sentence-transformers (torch CPU)"
@@ -68,7 +67,7 @@ def main(argv=None) -> int:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from embedding_sentences import sentences
+    from pyllama_paged.testing.embedding_sentences import sentences
     from pyllama_paged import Llama
     from pyllama_paged.convert.bert_gguf import convert
 
@@ -134,7 +133,7 @@ class served:
 
         from pyllama_paged.server.app import create_app
         from pyllama_paged.server.registry import EngineOptions, ModelRegistry
-        from serving import Running
+        from pyllama_paged.testing.serving import Running
 
         self.registry = ModelRegistry([str(path)], EngineOptions(n_threads=threads))
         self.server = Running(create_app(self.registry))

@@ -38,7 +38,6 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-sys.path.insert(1, str(BENCH_DIR.parent / "tests"))  # for reference.tiny_gguf
 
 import fuzz_gguf_mutate as mut  # noqa: E402
 
@@ -92,7 +91,7 @@ SEED_SPECS = {
 
 def make_seeds(directory: str | os.PathLike) -> dict[str, mut.Doc]:
     """Write the seed models into directory and parse them (deterministic)."""
-    from reference.tiny_gguf import write_tiny_model
+    from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
     docs = {}
     for name, (kwargs, ops) in SEED_SPECS.items():

@@ -25,7 +25,6 @@ import numpy as np
 
 from _report import markdown_table, write_results
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 SETTINGS = {
     "t0.8 top-p 0.95 top-k 0": dict(temperature=0.8, top_p=0.95, top_k=0, min_p=0.0),
@@ -45,7 +44,7 @@ def model_like_logits(rng, rows, n_vocab):
 
 def micro(args):
     from pyllama_paged.engine.sampler import BatchSampler, Sampler, SamplingParams
-    from reference.sampling_reference import reference_probs
+    from pyllama_paged.testing.reference.sampling_reference import reference_probs
 
     rng = np.random.default_rng(0)
     logits = model_like_logits(rng, args.rows, args.vocab)

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 import numpy as np
 from pyllama_paged.engine.model import Model
@@ -20,7 +19,7 @@ from pyllama_paged.engine.sampler import SamplingParams
 from pyllama_paged.engine.scheduler import SchedulerConfig
 from pyllama_paged.tokenizer.tokenizer import Tokenizer
 from window_capacity import make_conversations
-from agreement import assert_greedy_agree, engine_logits
+from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 m = Model(None)
 tok = Tokenizer.from_metadata(m.metadata)
 convs = make_conversations(tok, 24, 300, 32, 0)

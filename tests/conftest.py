@@ -1,5 +1,6 @@
-"""Test-wide setup: make tests/ importable (for the shared reference helpers)
-while the package under test is always the installed one."""
+"""Test-wide setup: make tests/ importable (for cuda_harness, which builds from the
+repository's native/cuda sources) while the package under test is always the installed one.
+What tests and benchmarks share lives in pyllama_paged.testing."""
 
 import sys
 from pathlib import Path

@@ -11,8 +11,8 @@ import ollama
 import openai
 import pytest
 
-from agreement import NEAR_TIE, engine_logits
-from serving import Running, wait_pool_empty
+from pyllama_paged.testing.agreement import NEAR_TIE, engine_logits
+from pyllama_paged.testing.serving import Running, wait_pool_empty
 from pyllama_paged.engine.sampler import log_softmax
 from pyllama_paged.api.sampling_options import OLLAMA, OPENAI, sampling_params
 from pyllama_paged.server.app import create_app

@@ -19,14 +19,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-TESTS = REPO / "tests"
 
 # The child's work: arguments are the model path and the libggml-python directory.
 SCRIPT = r"""
 import sys
 from pathlib import Path
-sys.path.insert(0, {tests!r})
-from reference.tiny_gguf import write_tiny_model
+from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 import pyllama_paged
 from pyllama_paged import _native
 from pyllama_paged.engine.sampler import MAX_BEAM_WIDTH
@@ -89,7 +87,7 @@ def run_under_asan(library: Path, libasan: str, workdir: Path) -> subprocess.Com
     env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
                PYLLAMA_PAGED_LIBRARY=str(library))
     script = workdir / "asan_child.py"
-    script.write_text(SCRIPT.format(tests=str(TESTS)))
+    script.write_text(SCRIPT.format())   # the doubled braces are the script's own
     return subprocess.run([sys.executable, str(script), str(workdir / "tiny-gemma3.gguf"), str(libggml_dir())],
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
 

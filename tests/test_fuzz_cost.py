@@ -23,7 +23,7 @@ from schemathesis import GenerationMode
 
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from serving import Running, tiny_registry
+from pyllama_paged.testing.serving import Running, tiny_registry
 
 pytestmark = pytest.mark.slow
 

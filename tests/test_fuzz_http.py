@@ -28,7 +28,7 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
-from test_server import Running
+from pyllama_paged.testing.serving import Running
 
 # Per operation and mode; FUZZ_HTTP_EXAMPLES=200 for a longer local run.
 MAX_EXAMPLES = int(os.environ.get("FUZZ_HTTP_EXAMPLES", "25"))

@@ -7,7 +7,7 @@ import pytest
 
 from pyllama_paged.engine.model import Model
 from pyllama_paged.gguf.config import ModelLoadError
-from reference.tiny_gguf import write_tiny_model
+from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -334,7 +334,7 @@ def test_tool_aware_templates_get_the_same_protection():
 # ---- 5. the BERT converter writes atomically ----------------------------------------------
 def test_bert_converter_never_leaves_a_half_written_file(tmp_path):
     from pyllama_paged.convert.bert_gguf import convert
-    from reference.tiny_bert import write_tiny_bert
+    from pyllama_paged.testing.reference.tiny_bert import write_tiny_bert
 
     write_tiny_bert(tmp_path / "hf")
     size = convert(tmp_path / "hf", tmp_path / "good.gguf", "f32").stat().st_size

@@ -45,6 +45,10 @@ LAYERS = [
     ["server.openai_schemas", "server.openai_logprobs", "server.ollama_manage"],
     ["server.ollama_api", "server.openai_api", "server.embeddings_api"],
     ["server.app"],
+    # what tests and benchmarks share (oracles, harnesses, a server runner): above all it checks
+    ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.sampling_reference",
+     "testing.reference.bert_reference", "testing.reference.tiny_bert", "testing.agreement",
+     "testing.attention_harness", "testing.serving", "testing.loop_control", "testing.embedding_sentences"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer
 ]

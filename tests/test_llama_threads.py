@@ -10,10 +10,10 @@ import threading
 import numpy as np
 import pytest
 
-from agreement import NEAR_TIE
+from pyllama_paged.testing.agreement import NEAR_TIE
 from pyllama_paged.errors import PagedError
 from pyllama_paged.api.llama import Llama
-from reference.tiny_gguf import write_tiny_model
+from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 N_THREADS = 8
 KINDS = ("completion", "chat", "n2", "stream", "embed")

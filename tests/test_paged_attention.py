@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pyllama_paged._native import ffi, lib
-from attention_harness import AttentionHarness
+from pyllama_paged.testing.attention_harness import AttentionHarness
 
 
 def gathered_attention(q, k_rows, v_rows, positions, n_head_kv, window, scale):

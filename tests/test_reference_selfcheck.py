@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import gguf
 
-from reference.numpy_model import (
+from pyllama_paged.testing.reference.numpy_model import (
     ReferenceModel,
     attention,
     read_gguf,
     rope,
 )
-from reference.tiny_gguf import SUPPORTED_ARCHS, WEIGHT_TYPES, build_vocab, write_tiny_model
+from pyllama_paged.testing.reference.tiny_gguf import SUPPORTED_ARCHS, WEIGHT_TYPES, build_vocab, write_tiny_model
 
 QT = gguf.GGMLQuantizationType
 

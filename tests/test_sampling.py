@@ -6,7 +6,7 @@ import pytest
 
 from pyllama_paged.engine.sampler import BatchSampler, Sampler, SamplingParams
 from pyllama_paged.errors import NativeError, PagedError
-from reference.sampling_reference import reference_probs
+from pyllama_paged.testing.reference.sampling_reference import reference_probs
 
 
 def draws(params, logits, n=400, history=()):

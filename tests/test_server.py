@@ -10,9 +10,9 @@ import ollama
 import openai
 import pytest
 
-from agreement import assert_greedy_agree, engine_logits
-from loop_control import paused
-from serving import Running, pool_used, tiny_registry, wait_pool_empty, wait_until
+from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
+from pyllama_paged.testing.loop_control import paused
+from pyllama_paged.testing.serving import Running, pool_used, tiny_registry, wait_pool_empty, wait_until
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry

@@ -10,8 +10,8 @@ import re
 import httpx
 import pytest
 
-from reference.tiny_gguf import write_tiny_model
-from serving import Running, tiny_registry, wait_until
+from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
+from pyllama_paged.testing.serving import Running, tiny_registry, wait_until
 from pyllama_paged.cli import build_parser, serve_settings
 from pyllama_paged.server.app import ORIGINS_ENV, create_app
 from pyllama_paged.server.generation import Limits

@@ -9,8 +9,8 @@ import threading
 import httpx
 import pytest
 
-from loop_control import paused
-from serving import Running, tiny_registry, wait_until
+from pyllama_paged.testing.loop_control import paused
+from pyllama_paged.testing.serving import Running, tiny_registry, wait_until
 from pyllama_paged.engine.block_pool import BlockPool
 from pyllama_paged.engine.loop import EngineLoop
 from pyllama_paged.server import ollama_api

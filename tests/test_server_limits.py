@@ -7,7 +7,7 @@ import os
 import httpx
 import pytest
 
-from serving import Running, tiny_registry
+from pyllama_paged.testing.serving import Running, tiny_registry
 from pyllama_paged.cli import build_parser, serve_settings
 from pyllama_paged.server import ollama_api, openai_api
 from pyllama_paged.server.app import create_app

@@ -13,8 +13,8 @@ from pyllama_paged.engine.model import Model
 from pyllama_paged.engine.sampler import MAX_BEAM_WIDTH, SamplingParams, log_softmax
 from pyllama_paged.engine.scheduler import SchedulerConfig
 from pyllama_paged.engine.step_cost import StepCostModel, decode_columns
-from agreement import assert_greedy_agree, engine_logits
-from reference.tiny_gguf import write_tiny_model
+from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
+from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 EOT = {1}
 

@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from serving import Running, wait_pool_empty
+from pyllama_paged.testing.serving import Running, wait_pool_empty
 from pyllama_paged.constrain.grammar import ConstraintError
 from pyllama_paged.constrain.masks import MaskBuffer
 from pyllama_paged.api.llama import Llama

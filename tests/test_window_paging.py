@@ -14,8 +14,8 @@ from pyllama_paged.engine.model_runner import ModelRunner
 from pyllama_paged.engine.sampler import SamplingParams
 from pyllama_paged.engine.scheduler import SchedulerConfig
 from pyllama_paged.engine.step_batch import StepBuffers
-from agreement import assert_greedy_agree, engine_logits
-from reference.tiny_gguf import write_tiny_model
+from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
+from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 BS = 4
 

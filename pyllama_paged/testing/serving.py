@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from reference.tiny_gguf import write_tiny_model
+from .reference.tiny_gguf import write_tiny_model
 
 
 def free_port() -> int:
