@@ -3,7 +3,7 @@
     python bench/fuzz_gguf.py --cases 20000 --seed 1 [--workers 2] [--save-dir DIR]
     python bench/fuzz_gguf.py --replay '{"seed": "llama-q8_0", "ops": [["truncate", 100]]}'
 
-Every case starts from a tiny valid model (tests/reference/tiny_gguf.py) and applies
+Every case starts from a tiny valid model (pyllama_paged/testing/reference/tiny_gguf.py) and applies
 1-3 mutations (bench/fuzz_gguf_mutate.py): header counts, metadata types/lengths/
 values, array counts, tensor dims/types/offsets/names, truncations, byte flips.
 A case passes when opening it — ``Model(path)``, the tokenizer and chat template

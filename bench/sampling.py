@@ -5,7 +5,7 @@ model's 262,144-token vocabulary, and as a share of real decode steps.
 Part 1 (micro): --rows rows of model-like logits (a peaked head over noise);
 each setting is timed over --repeats calls, best of them reported:
 native BatchSampler.sample (all rows in one call) vs the NumPy reference
-(tests/reference/sampling_reference.py, the old per-row algorithm).
+(pyllama_paged/testing/reference/sampling_reference.py, the old per-row algorithm).
 
 Part 2 (in the engine): --rows concurrent greedy-free requests (temperature
 0.8, top-p 0.95, top-k 0 and 40) on the default model, 2 threads; the

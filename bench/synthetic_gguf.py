@@ -130,7 +130,7 @@ def write(out: Path, n_embd: int = 2048, n_layer: int = 18, n_head: int = 8, n_h
         n_params += n
 
     n_vocab = len(tokens)
-    # The scales of tests/reference/tiny_gguf.py's gemma3: small embeddings (gemma multiplies
+    # The scales of pyllama_paged/testing/reference/tiny_gguf.py's gemma3: small embeddings (gemma multiplies
     # them by sqrt(n_embd) and ties the head), output_norm ~4, post-norms ~2.
     matrix("token_embd.weight", n_vocab, n_embd, 0.5 / np.sqrt(n_embd), q6=True)
     norm("output_norm.weight", n_embd, 4.0)

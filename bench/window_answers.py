@@ -1,7 +1,7 @@
 """Are the answers of window_capacity.py's conversations intact when 20 run at
 once in llama-server's 84 MiB? Each of the 24 greedy conversations is run alone
 and all together on the engine (same pool bytes); an answer that differs must
-part only where the two best logits are within a near-tie (tests/agreement.py),
+part only where the two best logits are within a near-tie (pyllama_paged/testing/agreement.py),
 as batch shapes round differently. Writes bench/results/window_answers.{json,md}.
 
     python bench/window_answers.py
@@ -53,5 +53,5 @@ row = {"conversations": 24, "KV MiB": 84, "most running at once": peak, "identic
 write_results("window_answers", row, [row], title="Conversations in 84 MiB: answers together vs alone",
               notes="Greedy, 32 tokens each, the window_capacity.py conversations (seed 0). Every answer that "
                     "differs from the same conversation run alone parts where both tokens are within 0.5 "
-                    "logit of the best (checked by tests/agreement.py's assert_greedy_agree).")
+                    "logit of the best (checked by pyllama_paged/testing/agreement.py's assert_greedy_agree).")
 print(row)

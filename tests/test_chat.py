@@ -72,7 +72,7 @@ def test_batch_matches_single_greedy(llm):
     batch = llm.generate_batch(prompts, max_tokens=6, temperature=0)
     assert len(batch) == 3 and all(len(b) == 1 and b[0] for b in batch)
     # The tokens behind generate_batch (the scheduler, prompts batched together)
-    # against each prompt alone: equal up to near-ties (tests/agreement.py).
+    # against each prompt alone: equal up to near-ties (pyllama_paged/testing/agreement.py).
     ids = [llm.tokenize(p, special=True) for p in prompts]
     params = SamplingParams(max_tokens=6, temperature=0)
     together = [[] for _ in prompts]

@@ -54,7 +54,7 @@ def test_many_threads_get_the_single_user_answers(loop):
         t.start()
     for t in threads:
         t.join()
-    # equal to each answer alone, up to near-ties (tests/agreement.py)
+    # equal to each answer alone, up to near-ties (pyllama_paged/testing/agreement.py)
     logits_of = lambda ids: loop.call(lambda llm: engine_logits(llm.runner)(ids))
     for prompt, alone, got in zip(prompts, single, results):
         assert_greedy_agree(prompt, alone, got, logits_of, {2})

@@ -1,5 +1,5 @@
 """One Llama, many threads: every caller's answer is the one it gets alone (up to
-near-ties of the logits, as in tests/agreement.py), nothing crashes, and the
+near-ties of the logits, as in pyllama_paged/testing/agreement.py), nothing crashes, and the
 pages come back. Callers share the engine's steps (engine/shared_steps.py)."""
 
 from __future__ import annotations

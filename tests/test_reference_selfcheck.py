@@ -1,4 +1,4 @@
-"""Self-checks of the correctness oracles in tests/reference (tiny GGUF writer and the
+"""Self-checks of the correctness oracles in pyllama_paged/testing/reference (tiny GGUF writer and the
 NumPy reference forward).  Fast except the one test marked ``slow`` (real 270M model).
 """
 

@@ -1,5 +1,5 @@
 """The native batched sampler on hand-made logits and against a NumPy
-reference of the same rules (tests/reference/sampling_reference.py)."""
+reference of the same rules (pyllama_paged/testing/reference/sampling_reference.py)."""
 
 import numpy as np
 import pytest

@@ -283,7 +283,7 @@ def test_many_concurrent_clients_match_single_user(server, registry):
     with concurrent.futures.ThreadPoolExecutor(16) as ex:
         together = list(ex.map(ask, prompts))
     # Each answer beside 15 others equals the one given alone, up to near-ties
-    # of the logits (GGML's kernels differ by batch shape; tests/agreement.py).
+    # of the logits (GGML's kernels differ by batch shape; pyllama_paged/testing/agreement.py).
     served = registry.get(DEFAULT_MODEL_NAME)
     logits_of = lambda ids: served.loop.call(lambda llm: engine_logits(llm.runner)(ids))
     for (prompt, alone), (prompt_again, got) in zip(single, together[:4]):

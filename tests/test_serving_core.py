@@ -58,7 +58,7 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0)
 
 
 def assert_agree_with_alone(model, prompts, got, alone):
-    """Each greedy answer equals the one computed alone, up to near-ties (tests/agreement.py)."""
+    """Each greedy answer equals the one computed alone, up to near-ties (pyllama_paged/testing/agreement.py)."""
     llm = make_engine(model)
     logits_of = engine_logits(llm.runner)
     for prompt, g, a in zip(prompts, got, alone):
