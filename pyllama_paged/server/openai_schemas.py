@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..constrain.formats import from_openai
 from ..constrain.grammar import Constraint, ConstraintError, compile_constraint
-from ..engine.sampler import SamplingParams
+from ..engine.sampler import MAX_LOGPROBS, SamplingParams
 from ..tokenizer.tokenizer import Tokenizer
 from ..api.sampling_options import OPENAI
 from .generation import APIError, request_params
@@ -160,7 +160,7 @@ class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # OpenAI's 20, as the engine bounds it
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
