@@ -32,18 +32,24 @@ def request(sched: Scheduler, rid: str, n_prompt: int, arrival: float) -> Reques
     return r
 
 
+def seqs_of(sched: Scheduler) -> dict[int, Sequence]:
+    return {s.seq_id: s for r in sched.running for s in r.seqs}
+
+
 def carry_out(sched: Scheduler, plan) -> None:
-    """What the engine does after schedule(): the KV is computed, and a sequence whose
-    last token was computed draws one more (a made-up token id)."""
-    for seq, n in plan.work:
-        seq.kv.num_computed += n
-        sched.kv.mark_computed(seq.kv.handle, seq.kv.num_computed)
+    """What the engine does after schedule(): the KV is computed (update_from_output),
+    and a sequence whose last token was computed draws one more (a made-up token id)."""
+    seqs = seqs_of(sched)
+    sched.update_from_output(plan, seqs)
+    for seq_id in plan.seq_ids:
+        seq = seqs[seq_id]
         if seq.kv.num_computed == len(seq.token_ids):
             seq.token_ids.append(7)
 
 
-def ids(plan) -> list[tuple[int, int]]:
-    return [(seq.seq_id, n) for seq, n in plan.work]
+def work(plan) -> list[tuple[int, int]]:
+    """(sequence id, tokens it computes) in batch order."""
+    return list(zip(plan.seq_ids, plan.num_tokens))
 
 
 def test_admission_is_first_come_first_served_within_the_pool():
@@ -52,7 +58,7 @@ def test_admission_is_first_come_first_served_within_the_pool():
     b = request(sched, "b", 12, arrival=2.0)    # 3 blocks
     c = request(sched, "c", 8, arrival=3.0)     # 2 more would pass the pool's 6
     plan = sched.schedule()
-    assert [s.seq_id for s, _ in plan.work] == [a.seqs[0].seq_id, b.seqs[0].seq_id]
+    assert plan.seq_ids == [a.seqs[0].seq_id, b.seqs[0].seq_id]
     assert [r.request_id for r in sched.running] == ["a", "b"] and list(sched.waiting) == [c]
     assert c.status == RequestStatus.WAITING
 
@@ -63,7 +69,7 @@ def test_long_prompts_are_prefilled_in_chunks_of_the_budget():
     chunks = []
     for _ in range(3):
         plan = sched.schedule()
-        chunks.append([n for _, n in plan.work])
+        chunks.append(plan.num_tokens)
         carry_out(sched, plan)
     assert chunks == [[8], [8], [4]]
     assert r.seqs[0].kv.num_computed == 20 and len(r.seqs[0].token_ids) == 21   # its first token drawn
@@ -75,8 +81,8 @@ def test_decodes_come_first_and_cap_the_prefill_beside_them():
     carry_out(sched, sched.schedule())            # prefilled; one token drawn
     new = request(sched, "new", 12, arrival=2.0)
     plan = sched.schedule()
-    assert plan.num_decodes == 1 and plan.work[0] == (old.seqs[0], 1)
-    assert plan.work[1][0] is new.seqs[0] and plan.work[1][1] == 5    # what the budget leaves
+    assert plan.num_decodes == 1 and work(plan)[0] == (old.seqs[0].seq_id, 1)
+    assert work(plan)[1] == (new.seqs[0].seq_id, 5)                   # what the budget leaves
     assert plan.num_prefill_tokens == 5
 
 
@@ -89,7 +95,7 @@ def test_the_latest_arrival_is_preempted_when_decodes_run_out_of_blocks():
     carry_out(sched, sched.schedule())            # 8 tokens each: the last slot of each block
     plan = sched.schedule()                       # the 9th token needs a new block for each
     assert late.status == RequestStatus.WAITING and late.num_preemptions == 1 and late.seqs[0].kv is None
-    assert early.status == RequestStatus.RUNNING and [s for s, _ in plan.work] == [early.seqs[0]]
+    assert early.status == RequestStatus.RUNNING and plan.seq_ids == [early.seqs[0].seq_id]
     assert sched.num_preemptions == 1
 
 
@@ -102,17 +108,18 @@ def test_swap_mode_plans_host_copies_and_brings_them_back():
     held = [int(b) for b in sched.kv.block_table(late.seqs[0].kv.handle, 0)]
     plan = sched.schedule()
     assert late.status == RequestStatus.SWAPPED and sched.swapped_bytes == 200
-    [(seq, blocks)] = plan.swap_out
-    assert seq is late.seqs[0] and sorted(blocks.values()) == sorted(held)   # these pages go to host
-    seq.swapped_blocks = {key: b"kv" for key in blocks}                      # the engine's copy
+    assert {m.seq_id for m in plan.swap_out} == {late.seqs[0].seq_id}
+    assert sorted(m.block_id for m in plan.swap_out) == sorted(held)         # these pages go to host
+    copied = {(m.group, m.index) for m in plan.swap_out}                     # the engine's host copies
     carry_out(sched, plan)
     sched.remove(early)                                                      # frees the pool
     plan = sched.schedule()
     assert late.status == RequestStatus.RUNNING and sched.swapped_bytes == 0
     # its full first block stayed in the prefix cache: only the half-full one is written back
-    assert len(plan.swap_in) == 1 and all(data == b"kv" for _, data in plan.swap_in)
+    assert len(plan.swap_in) == 1 and all((m.group, m.index) in copied for m in plan.swap_in)
+    assert plan.resumed_seq_ids == [late.seqs[0].seq_id]
     table = [int(b) for b in sched.kv.block_table(late.seqs[0].kv.handle, 0)]
-    assert len(table) == 2 and plan.swap_in[0][0] == table[1]
+    assert len(table) == 2 and plan.swap_in[0].block_id == table[1]
 
 
 def test_swap_space_full_recomputes_instead():
@@ -135,7 +142,7 @@ def test_a_shared_last_block_is_copied_before_it_is_written():
     r.seqs.append(child)
     child.token_ids[-1] = 8                       # the samples drew different tokens
     plan = sched.schedule()
-    assert [s for s, _ in plan.work] == [parent, child]
+    assert plan.seq_ids == [parent.seq_id, child.seq_id]
     # the first to write the shared half-full block keeps it; the other gets a copy
     assert len(plan.block_copies) == 1
     src, dst = plan.block_copies[0]
@@ -157,10 +164,13 @@ def test_a_request_the_pool_can_never_hold_fails_alone():
     too_long = request(sched, "too long", 30, arrival=1.0)
     assert too_long.status == RequestStatus.FINISHED and "does not fit" in too_long.error   # refused at once
     grows = request(sched, "grows", 7, arrival=2.0)    # fits, then its answer outgrows the pool
+    failed = []
     for _ in range(4):
-        carry_out(sched, sched.schedule())
+        plan = sched.schedule()
+        failed += plan.failed_request_ids
+        carry_out(sched, plan)
     assert grows.status == RequestStatus.FINISHED and "out of KV blocks" in grows.error
-    assert grows in sched.failed and not sched.has_work()
+    assert failed == ["grows"] and not sched.has_work()
     assert sched.kv.pool.stats().num_free + sched.kv.pool.stats().num_cached == 2
 
 
@@ -169,4 +179,4 @@ def test_an_empty_pool_admits_a_prompt_that_fits(n_prompt):
     sched = make(num_blocks=2)
     r = request(sched, "fits", n_prompt, arrival=1.0)
     plan = sched.schedule()
-    assert plan.work == [(r.seqs[0], n_prompt)]
+    assert work(plan) == [(r.seqs[0].seq_id, n_prompt)]

@@ -15,10 +15,11 @@ def expansion_sampler(width: int) -> Sampler:
     return Sampler(SamplingParams(temperature=0.0, logprobs=2 * width))
 
 
-def advance_beams(request: Request, items, runner, eot_ids, limit: int) -> list[Sequence]:
+def advance_beams(request: Request, items, scheduler, eot_ids, limit: int) -> list[Sequence]:
     """Keep the beam_width best continuations; forked beams share pages. items: (beam,
-    its 2 x width likeliest next tokens -> log-probability). Returns the live beams, in
-    the order their new tokens are reported."""
+    its 2 x width likeliest next tokens -> log-probability); the scheduler keeps the KV
+    books (fork_sequence, free_sequence). Returns the live beams, in the order their new
+    tokens are reported."""
     width = request.params.beam_width
     candidates = []
     for seq, top in items:
@@ -41,7 +42,7 @@ def advance_beams(request: Request, items, runner, eot_ids, limit: int) -> list[
     for score, parent, tok in chosen:
         if parent.seq_id in used:
             seq = Sequence(list(parent.token_ids), parent.num_prompt, parent.sampler,
-                           kv=runner.fork(parent.kv))
+                           kv=scheduler.fork_sequence(parent))
         else:
             seq = parent
             used.add(parent.seq_id)
@@ -52,8 +53,7 @@ def advance_beams(request: Request, items, runner, eot_ids, limit: int) -> list[
         seq.cumulative_logprob = score
     for seq, _ in items:
         if seq.seq_id not in used and seq.kv is not None:
-            runner.free(seq.kv)
-            seq.kv = None
+            scheduler.free_sequence(seq)
             seq.finish_reason = "pruned"
     live = [s for s, _, _ in new_seqs]
     request.seqs = live + [s for s in request.seqs if s.is_finished and s not in live]
@@ -71,9 +71,7 @@ def advance_beams(request: Request, items, runner, eot_ids, limit: int) -> list[
             if length_done:
                 request.finished_beams.append(s)
             s.finish_reason = s.finish_reason or "length"
-            if s.kv is not None:
-                runner.free(s.kv)
-                s.kv = None
+            scheduler.free_sequence(s)
     return live
 
 

@@ -40,6 +40,20 @@ def place_tokens(kv, seq: SeqState, token_ids: Sequence[int]) -> list[tuple[int,
     return copies
 
 
+def fork_state(kv, seq: SeqState) -> SeqState:
+    """A new sequence in kv sharing every page of seq (copy-on-write on its last block)."""
+    return SeqState(kv.fork(seq.handle), seq.num_computed, seq.num_tokens)
+
+
+def commit_chunks(kv, work: Sequence[tuple[SeqState, int]]) -> None:
+    """Mark a step's chunks [(seq, n)] computed, in the sequences and in the pool: for
+    callers driving a ModelRunner without a scheduler (tests, benchmarks, direct use)."""
+    items = np.array([(seq.handle, seq.num_computed, n) for seq, n in work], dtype=np.int32).reshape(-1, 3)
+    for seq, n in work:
+        seq.num_computed += n
+    kv.commit_batch(items)
+
+
 def new_cached_sequence(kv, token_ids: Sequence[int]) -> SeqState:
     """A new sequence in kv holding only the cached prefix of token_ids, computed (the
     rest is placed chunk by chunk with place_tokens). Slabs are reserved whole and

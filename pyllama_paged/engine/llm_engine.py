@@ -1,6 +1,7 @@
-"""LLMEngine: one step = schedule, run the batched forward, then sample,
-fork (n>1, beams) and finish sequences. Single-threaded; EngineLoop runs it
-for many callers."""
+"""LLMEngine: one step = Scheduler.schedule() (plain data), the KV moves it asks
+for, ModelRunner.execute() over the batch, Scheduler.update_from_output()
+(progress), then sample, fork (n>1, beams) and finish sequences.
+Single-threaded; EngineLoop runs it for many callers."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from .model_runner import ModelRunner
 from .prompt_logprobs import score_prompt
 from ..errors import PagedError, RequestError
 from .sampler import BatchSampler, Sampled, Sampler, SamplingParams
+from .preemption import SwapSpace
 from .scheduler import Scheduler, SchedulerConfig
+from .scheduler_output import SchedulerOutput
 from .request import Request, RequestStatus, Sequence
 
 
@@ -61,6 +64,7 @@ class LLMEngine:
         self.step_seconds = 0.0               # whole steps (schedule to outputs)
         self.num_steps = 0
         self.pooling = DecoderPooling()       # embedding requests' pooled states in flight
+        self.swap_space = SwapSpace()         # host copies of swapped-out pages
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | EmbedParams,
@@ -100,47 +104,84 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        self.scheduler.remove(request)
+        self._forget(request)
+        return True
+
+    def _forget(self, request: Request) -> None:
+        """Drop what the engine holds for an ended request's sequences (pooled embedding
+        rows, host copies of swapped pages)."""
         for seq in request.seqs:
             self.pooling.forget(seq.seq_id)
-        self.scheduler.remove(request)
-        return True
+            self.swap_space.drop(seq.seq_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- one step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns the outputs of the requests that moved."""
+        """One turn: schedule(), the KV moves it asks for, the runner over the batch,
+        update_from_output() (progress), then sampling, forks and finishes. Returns the
+        outputs of the requests that moved."""
         step_started = time.perf_counter()
-        plan = self.scheduler.schedule()
-        plan.carry_out(self.runner)   # swaps and copy-on-write, before the step writes any KV
-        work = plan.work
+        output = self.scheduler.schedule()
+        self._move_kv(output)   # swaps and copy-on-write, before the step writes any KV
         outputs: dict[str, RequestOutput] = {}
-        for request in self.scheduler.failed:
-            self.requests.pop(request.request_id, None)
-            outputs[request.request_id] = self._output(request, finished=True)
-        self.scheduler.failed.clear()
-        if not work:
+        for request_id in output.failed_request_ids:
+            request = self.requests.pop(request_id)
+            self._forget(request)
+            outputs[request_id] = self._output(request, finished=True)
+        if not output.seq_ids:
             return list(outputs.values())
         owner = {s.seq_id: r for r in self.requests.values() for s in r.seqs}
+        seqs = {s.seq_id: s for r in self.requests.values() for s in r.seqs}
+        embeds = [owner[seq_id].embed for seq_id in output.seq_ids]
         started = time.perf_counter()
-        embeds = [owner[seq.seq_id].embed for seq, _ in work]
         if any(embeds):
-            logits = self._embedding_step(work, embeds, owner, outputs)
+            hidden = [None if e is None else self.pooling.rows_wanted(e.pooling, start, n, len(seqs[i].token_ids))
+                      for i, e, (_, start, n) in zip(output.seq_ids, embeds, output.items)]
+            logits, rows = self.runner.execute(output.items_array(), hidden)
         else:
-            logits = self.runner.step([(seq.kv, n) for seq, n in work])
+            hidden, rows = None, None
+            logits, _ = self.runner.execute(output.items_array())
         self.forward_seconds += time.perf_counter() - started
-        self.num_computed_tokens += sum(n for _, n in work)
+        self.scheduler.update_from_output(output, seqs)
+        self.num_computed_tokens += sum(output.num_tokens)
+        if hidden is not None:
+            self._pool_embeddings(output, hidden, rows, owner, seqs, outputs)
+        finishing = [seqs[i] for i, e in zip(output.seq_ids, embeds)
+                     if e is None and seqs[i].kv.num_computed == len(seqs[i].token_ids)]
+        self._postprocess(finishing, logits, owner, outputs)
+        elapsed = time.perf_counter() - step_started
+        self.scheduler.observe_step(elapsed)
+        self.step_seconds += elapsed
+        self.num_steps += 1
+        return list(outputs.values())
+
+    def _move_kv(self, output: SchedulerOutput) -> None:
+        """The KV data moves of a step, in the one safe order: read every swapped-out page
+        (its block may be handed to another sequence in this same step), then write
+        swapped-in pages, then copy-on-write."""
+        for move in output.swap_out:
+            self.swap_space.save(move, self.runner.read_block(move.block_id))
+        for move in output.swap_in:
+            self.runner.write_block(move.block_id, self.swap_space.take(move))
+        for seq_id in output.resumed_seq_ids:
+            self.swap_space.drop(seq_id)   # pages the prefix cache held came back without a write
+        self.runner.copy_blocks(output.block_copies)
+
+    def _postprocess(self, finishing: list[Sequence], logits: np.ndarray, owner: dict,
+                     outputs: dict[str, RequestOutput]) -> None:
+        """Sample every sequence that reached its last token (the runner returned a row for
+        each, in order) in one call; append, fork (n>1), advance beams, finish."""
         ready: dict[str, list[tuple[Sequence, int]]] = {}   # request id -> (sequence, logits row)
-        finishing = [seq for (seq, n), e in zip(work, embeds)
-                     if e is None and seq.kv.num_computed == len(seq.token_ids)]
-        for row, seq in enumerate(finishing):   # the runner returned a row for each, in order
+        for row, seq in enumerate(finishing):
             ready.setdefault(owner[seq.seq_id].request_id, []).append((seq, row))
         picks = []   # (request, sequence, row, sampler): every row of this step, drawn in one call
         beams: dict[str, list] = {}
         for request_id, items in ready.items():
             request = self.requests[request_id]
-            out = outputs.setdefault(request_id, self._output(request))
+            outputs.setdefault(request_id, self._output(request))
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             if request.is_beam:
@@ -163,40 +204,29 @@ class LLMEngine:
         for request_id, items in beams.items():
             if request_id not in failed:
                 live = advance_beams(self.requests[request_id], [(seq, drawn[i].top) for seq, i in items],
-                                     self.runner, self.eot_ids, self.limit)
+                                     self.scheduler, self.eot_ids, self.limit)
                 outputs[request_id].events.extend(TokenEvent(i, s.token_ids[-1]) for i, s in enumerate(live))
         for request_id in ready:
             request = self.requests.get(request_id)
             if request is not None and not request.live_seqs:
                 self._finish(request, outputs[request_id])
-        elapsed = time.perf_counter() - step_started
-        self.scheduler.observe_step(elapsed)
-        self.step_seconds += elapsed
-        self.num_steps += 1
-        return list(outputs.values())
 
-    def _embedding_step(self, work, embeds, owner: dict, outputs: dict) -> np.ndarray:
-        """The step when embedding requests are in it: their chunks return pooled rows, not
-        logits; a request whose last token is computed finishes with its vector (pages freed)."""
-        hidden, starts = [], []
-        for (seq, n), embed in zip(work, embeds):
-            starts.append(seq.kv.num_computed)
-            hidden.append(None if embed is None else
-                          self.pooling.rows_wanted(embed.pooling, seq.kv.num_computed, n, len(seq.token_ids)))
-        logits, rows = self.runner.step_with_hidden([(seq.kv, n) for seq, n in work], hidden)
+    def _pool_embeddings(self, output: SchedulerOutput, hidden, rows: np.ndarray, owner: dict, seqs: dict,
+                         outputs: dict[str, RequestOutput]) -> None:
+        """Embedding chunks returned pooled rows, not logits; a request whose last token is
+        computed finishes with its vector (pages freed)."""
         at = 0
-        for (seq, _), embed, want, start in zip(work, embeds, hidden, starts):
-            if embed is None:
+        for seq_id, want, (_, start, _) in zip(output.seq_ids, hidden, output.items):
+            if want is None:
                 continue
-            self.pooling.add(seq.seq_id, embed.pooling, start, rows[at:at + want[1]])
+            seq, request = seqs[seq_id], owner[seq_id]
+            self.pooling.add(seq_id, request.embed.pooling, start, rows[at:at + want[1]])
             at += want[1]
             if seq.kv.num_computed == len(seq.token_ids):
-                request = owner[seq.seq_id]
                 seq.finish_reason = "stop"
                 out = outputs.setdefault(request.request_id, self._output(request))
-                out.embedding = self.pooling.pop(seq.seq_id)
+                out.embedding = self.pooling.pop(seq_id)
                 self._finish(request, out)
-        return logits
 
     def _output(self, request: Request, finished: bool = False) -> RequestOutput:
         return RequestOutput(request.request_id, finished=finished, error=request.error,
@@ -206,6 +236,7 @@ class LLMEngine:
     def _finish(self, request: Request, out: RequestOutput) -> None:
         self.scheduler.remove(request)
         self.requests.pop(request.request_id, None)
+        self._forget(request)
         out.finished = True
         out.finish_reasons = [s.finish_reason for s in request.seqs]
         if request.is_beam:
@@ -214,8 +245,6 @@ class LLMEngine:
     def _fail(self, request: Request, out: RequestOutput, error: str) -> None:
         """End one request with an error (its pages freed); the step goes on for the rest."""
         request.error = out.error = error
-        for seq in request.seqs:
-            self.pooling.forget(seq.seq_id)
         self._finish(request, out)
 
     def _accept(self, request: Request, seq: Sequence, sampled: Sampled, out: RequestOutput) -> None:
@@ -229,9 +258,8 @@ class LLMEngine:
         elif len(seq.output_ids) >= (request.params.max_tokens or self.limit) or \
                 len(seq.token_ids) >= self.limit:
             seq.finish_reason = "length"
-        if seq.is_finished and seq.kv is not None:
-            self.runner.free(seq.kv)   # finished sequences give their pages back at once
-            seq.kv = None
+        if seq.is_finished:
+            self.scheduler.free_sequence(seq)   # finished sequences give their pages back at once
 
     def _samples_of(self, request: Request, items) -> list[tuple[Request, Sequence, int]]:
         """The sequences to sample for a request this step; an n>1 request forks its
@@ -243,7 +271,7 @@ class LLMEngine:
                 request.is_forked = True
                 for i in range(1, params.n):
                     child = Sequence(list(seq.token_ids), seq.num_prompt, Sampler(params.for_sample(i)),
-                                     kv=self.runner.fork(seq.kv), index=i)
+                                     kv=self.scheduler.fork_sequence(seq), index=i)
                     request.seqs.append(child)
                     picks.append((request, child, row))
             picks.append((request, seq, row))

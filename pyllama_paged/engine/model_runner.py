@@ -13,7 +13,7 @@ import numpy as np
 from .._native import check, ffi, lib
 from ..errors import PagedError
 from .kv_groups import KVGroups
-from .kv_manager import PagedKV, SeqState, SlabKV, new_cached_sequence, place_tokens
+from .kv_manager import PagedKV, SeqState, SlabKV, commit_chunks, fork_state, new_cached_sequence, place_tokens
 from .model import Model
 from .step_batch import StepBuffers
 
@@ -165,50 +165,55 @@ class ModelRunner:
 
     def fork(self, seq: SeqState) -> SeqState:
         """A sequence sharing all of seq's KV pages."""
-        return SeqState(self.kv.fork(seq.handle), seq.num_computed, seq.num_tokens)
+        return fork_state(self.kv, seq)
 
     def free(self, seq: SeqState) -> None:
         """Release a sequence's KV (computed full pages stay in the prefix cache)."""
         self.kv.free(seq.handle)
 
     # ---- the step ------------------------------------------------------------
-    def step(self, work: Sequence[tuple[SeqState, int]]) -> np.ndarray:
-        """Compute the next n tokens of each (seq, n). Returns the logits of the items that
-        compute their sequence's last token, in work order: a non-final prefill chunk
-        gets none. The rows are a view of the compute buffer, valid until the next step."""
-        return self.step_with_hidden(work, None)[0]
+    def execute(self, items: np.ndarray, hidden: Sequence[tuple[int, int] | None] | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """Run one step over items [(kv handle, first token, count)], whose tokens are placed in
+        the KV manager. Touches no sequence state: the caller marks the tokens computed
+        (Scheduler.update_from_output, or commit_chunks).
 
-    def step_with_hidden(self, work: Sequence[tuple[SeqState, int]],
-                         hidden: Sequence[tuple[int, int] | None] | None) -> tuple[np.ndarray, np.ndarray]:
-        """step(), where hidden[i] = (first, count) marks item i as an embedding: it gets no
-        logits, and the final hidden states (after the output norm) of its tokens
-        [first, first + count) of this chunk come back instead, all such rows in work order:
-        (logits, hidden [rows, n_embd]); the hidden rows are a fresh array."""
-        total = 0
+        Returns (logits, hidden). logits: a row for each item that computes its sequence's
+        last placed token, in item order (a non-final prefill chunk gets none), a view of
+        the compute buffer valid until the next step. hidden[i] = (first, count) marks item
+        i as an embedding: it gets no logits, and the final hidden states (after the output
+        norm) of its tokens [first, first + count) of this chunk come back instead, all such
+        rows in item order, as a fresh [rows, n_embd] array."""
+        items = np.ascontiguousarray(items, dtype=np.int32).reshape(-1, 3)
+        total = int(items[:, 2].sum())
+        if (items[:, 2] < 1).any():
+            raise PagedError("every step item must compute at least one token")
+        if total > self.n_batch:
+            raise PagedError(f"step of {total} tokens exceeds n_batch {self.n_batch}")
+        buffers = self._buffers
+        buffers.reserve(total, len(items), self.kv.max_blocks_per_seq, self.kv.n_groups)
+        items = buffers.items(items)
+        n_tokens, n_logits = self.kv.build_batch(items, buffers)
+        tok, pos, slots, seqs, tables, rows = buffers.arrays(n_tokens, len(items), n_logits)
+        hidden_rows = None
+        if hidden is not None and any(h is not None for h in hidden):
+            rows, hidden_rows = _split_rows(items[:, 2].tolist(), hidden, rows)
+        hidden_out = np.empty((0 if hidden_rows is None else len(hidden_rows), self.model.config.n_embd),
+                              dtype=np.float32)
+        self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out)
+        return self._step_logits(), hidden_out
+
+    def step(self, work: Sequence[tuple[SeqState, int]]) -> np.ndarray:
+        """Direct use without a scheduler (tests, benchmarks): compute the next n tokens of
+        each (seq, n) and mark them computed; returns execute()'s logits rows."""
         for seq, n in work:
             if n < 1 or seq.num_computed + n > seq.num_tokens:
                 raise PagedError(f"cannot compute {n} tokens at {seq.num_computed} of a "
                                  f"{seq.num_tokens}-token sequence")
-            total += n
-        if total > self.n_batch:
-            raise PagedError(f"step of {total} tokens exceeds n_batch {self.n_batch}")
-        buffers = self._buffers
-        buffers.reserve(total, len(work), self.kv.max_blocks_per_seq, self.kv.n_groups)
-        items = buffers.items([(seq.handle, seq.num_computed, n) for seq, n in work])
-        n_tokens, n_logits = self.kv.build_batch(items, buffers)
-        tok, pos, slots, seqs, tables, rows = buffers.arrays(n_tokens, len(work), n_logits)
-        hidden_rows = None
-        if hidden is not None and any(h is not None for h in hidden):
-            rows, hidden_rows = _split_rows(work, hidden, rows)
-            n_logits = len(rows)
-        hidden_out = np.empty((0 if hidden_rows is None else len(hidden_rows), self.model.config.n_embd),
-                              dtype=np.float32)
-        self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out)
-        logits = self._step_logits()
-        for seq, n in work:
-            seq.num_computed += n
-        self.kv.commit_batch(items)
-        return logits, hidden_out
+        logits, _ = self.execute(np.array([(seq.handle, seq.num_computed, n) for seq, n in work],
+                                          dtype=np.int32).reshape(-1, 3))
+        commit_chunks(self.kv, work)
+        return logits
 
     def prefill(self, seq: SeqState) -> np.ndarray:
         """Compute all of seq's pending tokens in n_batch chunks; returns (a copy of) the last logits row."""
@@ -313,13 +318,13 @@ class ModelRunner:
 
 
 
-def _split_rows(work, hidden, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _split_rows(counts: list[int], hidden, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The logit rows less those of embedding items, and the embedding items' hidden rows
-    (token indices in the flat batch)."""
-    ends = np.cumsum([n for _, n in work])
+    (token indices in the flat batch). counts: each item's token count."""
+    ends = np.cumsum(counts)
     is_embed = np.array([h is not None for h in hidden])
     keep = rows[~is_embed[np.searchsorted(ends, rows, side="right")]] if len(rows) else rows
-    wanted = [np.arange(first, first + count, dtype=np.int32) + (ends[i] - work[i][1])
+    wanted = [np.arange(first, first + count, dtype=np.int32) + (ends[i] - counts[i])
               for i, h in enumerate(hidden) if h is not None for first, count in (h,) if count > 0]
     hidden_rows = np.concatenate(wanted).astype(np.int32) if wanted else np.empty(0, dtype=np.int32)
     return np.ascontiguousarray(keep, dtype=np.int32), hidden_rows

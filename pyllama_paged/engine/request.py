@@ -7,8 +7,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .embedding import EmbedParams
 from .kv_manager import SeqState
 from .sampler import Sampler, SamplingParams
@@ -35,7 +33,7 @@ class Sequence:
     kv: SeqState | None = None           # None while waiting / preempted
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
-    swapped_blocks: dict[tuple[int, int], np.ndarray] | None = None   # (group, block) -> host copy when swapped
+    swapped_pages: set[tuple[int, int]] | None = None   # (group, table index) with a host copy, when swapped
     swapped_num_computed: int = 0
     swapped_tokens: list[int] | None = None   # the tokens whose KV the host copy holds
     index: int = 0                       # which of its request's n samples it is

@@ -3,9 +3,11 @@ admission under a block watermark, chunked prefill under a per-step token
 budget, and whole-request preemption by recompute or swap.
 
 The scheduler keeps the books (which pages each sequence holds, through the
-KV manager) and returns the step as a plain StepPlan: the tokens each
-sequence computes and the KV data to move first (swaps, copy-on-write). It
-never touches KV data or the model: the engine carries the plan out.
+KV manager) and returns the step as plain data (SchedulerOutput: sequence
+ids, token counts, block ids to swap and copy). It never touches KV data or
+the model: the engine carries the moves out and runs the model, then hands
+the output back to update_from_output, which advances every sequence's
+computed tokens (the one place progress is written).
 
 A prompt's tokens are placed in the KV pool chunk by chunk, as they are
 scheduled (after the prefix cache's hits): a long prompt never holds pages
@@ -18,10 +20,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .kv_manager import new_cached_sequence, place_tokens
+from .kv_manager import SeqState, fork_state, new_cached_sequence, place_tokens
 from .preemption import PREEMPTION_MODES, release, swap_in, swap_out
 from .step_cost import StepCostModel
-from .step_plan import StepPlan
+from .scheduler_output import SchedulerOutput
 from ..errors import OutOfBlocksError
 from .request import Request, RequestStatus, Sequence
 
@@ -80,10 +82,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.reserve_blocks = math.ceil(self.config.watermark * kv.num_blocks) if kv.paged else 0
-        self._plan = StepPlan()   # the step being decided
+        self._plan = SchedulerOutput()   # the step being decided
         self.num_preemptions = 0
         self.num_swaps = 0                # preemptions by swap (the others recomputed)
-        self.failed: list[Request] = []   # ended by the scheduler; the engine reports them
         budget = self.config.itl_budget
         if not (budget is None or budget == "auto" or (isinstance(budget, (int, float)) and budget > 0)):
             raise ValueError(f"itl_budget must be a number of seconds > 0, 'auto' or None, got {budget!r}")
@@ -142,7 +143,7 @@ class Scheduler:
         host_bytes = self._swap_bytes(request) if self.config.preemption_mode == "swap" else None
         if host_bytes is not None and self.swapped_bytes + host_bytes <= self.config.swap_space_bytes:
             for seq in request.live_seqs:
-                self._plan.swap_out.append((seq, swap_out(self.kv, seq)))
+                self._plan.swap_out += swap_out(self.kv, seq)
             request.swapped_bytes = host_bytes
             self.swapped_bytes += host_bytes
             self.num_swaps += 1
@@ -168,6 +169,15 @@ class Scheduler:
     def _place(self, seq: Sequence, token_ids) -> None:
         """Place tokens of seq in the pool; the copy-on-write copies join the plan."""
         self._plan.block_copies += place_tokens(self.kv, seq.kv, token_ids)
+
+    def _add_chunk(self, seq: Sequence, num_tokens: int) -> None:
+        """seq computes its next num_tokens tokens this step (they are placed already)."""
+        self._plan.add_chunk(seq.seq_id, seq.kv.handle, seq.kv.num_computed, num_tokens)
+
+    def _fail(self, request: Request) -> None:
+        """End a request with the error already set on it; the engine reports it."""
+        self.remove(request)
+        self._plan.failed_request_ids.append(request.request_id)
 
     def _blocks_for(self, seqs: list[Sequence], blocks_of) -> bool:
         kv = self.kv
@@ -208,16 +218,35 @@ class Scheduler:
         """The engine's report of how long the step last scheduled took."""
         self.step_cost.observe(*self._last_shape, seconds)
 
+    # ---- after the step ------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
+        """The step of output ran: each chunk's tokens are computed (the pool marks them, and
+        its full blocks become prefix-cache hits). seqs: the step's sequences by id."""
+        for seq_id, (_, start, n) in zip(output.seq_ids, output.items):
+            state = seqs[seq_id].kv
+            assert state.num_computed == start, "a sequence moved between schedule and update"
+            state.num_computed = start + n
+        if output.items:
+            self.kv.commit_batch(output.items_array())
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """A finished (or pruned) sequence gives its pages back at once."""
+        release(self.kv, seq)
+
+    def fork_sequence(self, seq: Sequence) -> SeqState:
+        """KV for a new sequence sharing every page of seq (n>1 samples, beams)."""
+        return fork_state(self.kv, seq.kv)
+
     # ---- one step ----------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> SchedulerOutput:
         """The next step: which sequences compute how many tokens, and the KV data moves
-        the engine must make first (StepPlan.carry_out). Its phases, in order: decodes,
-        prefill chunks of running requests, swapped requests back, waiting ones admitted,
-        and a way out when nothing can move."""
-        self._plan = plan = StepPlan()
+        the engine must make first. Its phases, in order: decodes, prefill chunks of
+        running requests, swapped requests back, waiting ones admitted, and a way out
+        when nothing can move."""
+        self._plan = plan = SchedulerOutput()
         step = _StepState(budget=self.config.max_num_batched_tokens)
         self._schedule_decodes(step)
-        plan.num_decodes = len(plan.work)
+        plan.num_decodes = len(plan.seq_ids)
         step.itl_budget = self.itl_budget_seconds()
         self._cap_prefill(step)
         self._schedule_running_prefills(step)
@@ -226,7 +255,7 @@ class Scheduler:
             if not self._admit_waiting(step):
                 self._last_shape = (plan.num_decodes, plan.num_prefill_tokens)
                 return plan
-        if not plan.work and not step.preempted:
+        if not plan.seq_ids and not step.preempted:
             self._unstick(step.starved)
         self._last_shape = (plan.num_decodes, plan.num_prefill_tokens)
         return plan
@@ -252,7 +281,7 @@ class Scheduler:
             if appends and self._make_room(request, appends, step):
                 for seq, new in appends:
                     self._place(seq, new)
-                    self._plan.work.append((seq, len(new)))
+                    self._add_chunk(seq, len(new))
             elif appends:
                 step.budget += sum(len(new) for _, new in appends)
 
@@ -265,8 +294,7 @@ class Scheduler:
                 # nothing left to take blocks from: the pool cannot hold it
                 request.error = ("out of KV blocks: the request alone needs more pages "
                                  "than the pool holds")
-                self.remove(request)
-                self.failed.append(request)
+                self._fail(request)
                 break
             step.preempted = True
             self._preempt(victim)
@@ -277,7 +305,7 @@ class Scheduler:
     def _cap_prefill(self, step: "_StepState") -> None:
         """While decodes run, prefill may add only so many tokens: the configured cap, and
         what keeps the predicted step within the inter-token budget."""
-        if not self._plan.work:
+        if not self._plan.seq_ids:
             return
         cap = self.config.max_prefill_tokens_with_decodes or step.budget
         if step.itl_budget is not None:
@@ -287,7 +315,7 @@ class Scheduler:
 
     def _schedule_running_prefills(self, step: "_StepState") -> None:
         """Next prefill chunks of running requests still prefilling."""
-        decoding = {seq.seq_id for seq, _ in self._plan.work}
+        decoding = set(self._plan.seq_ids)
         for request in self.running:
             for seq in request.live_seqs:
                 pending = len(seq.token_ids) - seq.kv.num_computed if seq.kv else 0
@@ -295,7 +323,7 @@ class Scheduler:
                     n = self._place_chunk(seq, step.budget)
                     step.starved |= n == 0
                     if n > 0:
-                        self._plan.work.append((seq, n))
+                        self._add_chunk(seq, n)
                         step.budget -= n
 
     def _resume_swapped(self) -> None:
@@ -310,6 +338,7 @@ class Scheduler:
             self._release_swap_space(request)
             for seq in seqs:
                 self._plan.swap_in += swap_in(kv, seq)
+                self._plan.resumed_seq_ids.append(seq.seq_id)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
@@ -347,7 +376,7 @@ class Scheduler:
                 if len(seq.token_ids) - seq.kv.num_computed > 0 and step.budget > 0:
                     n = self._place_chunk(seq, step.budget)
                     if n > 0:
-                        self._plan.work.append((seq, n))
+                        self._add_chunk(seq, n)
                         step.budget -= n
         return True
 
@@ -363,8 +392,7 @@ class Scheduler:
             if len(self.running) == 1:
                 victim.error = (f"out of KV blocks: the request needs more pages than the pool of "
                                 f"{self.kv.num_blocks} holds")
-                self.remove(victim)
-                self.failed.append(victim)
+                self._fail(victim)
             else:
                 self._preempt(victim)
         if not self.running:
@@ -373,5 +401,4 @@ class Scheduler:
                 request = queue.popleft()
                 request.error = ("out of KV blocks: the request's sequences need more pages together "
                                  f"than the pool of {self.kv.num_blocks} holds")
-                self.remove(request)
-                self.failed.append(request)
+                self._fail(request)
