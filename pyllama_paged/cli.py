@@ -49,7 +49,7 @@ def _print_stats(llm, last_rate: float | None) -> None:
     s = llm.stats()
     if "blocks_cached" in s:
         print(f"[pages: {s['blocks_used']} used, {s['blocks_free']} free, {s['blocks_shared']} shared, "
-              f"{s['blocks_cached']} cached of {s['blocks_total']} x {llm.runner.kv.block_size} tokens; "
+              f"{s['blocks_cached']} cached of {s['blocks_total']} x {s['block_size']} tokens; "
               f"utilization {s['utilization']:.1%}; prefix-cache hit rate {s['prefix_hit_rate']:.1%}]")
         groups = s.get("kv_groups") or []
         if len(groups) > 1:

@@ -256,7 +256,7 @@ def test_keep_alive_zero_and_expiry_really_unload(server, registry, oai):
     client = ollama.Client(host=server.url)
     served = registry.get(M)
     client.generate(model=M, prompt="Tell me about dogs.", options={"num_predict": 8})
-    engine = [weakref.ref(x) for x in (served.model, served.runner, served.loop, served.loop.llm)]
+    engine = [weakref.ref(x) for x in (served.model, served.engine, served.loop, served.loop.llm)]
     gc.collect()
     before = _rss_bytes()
     r = client.generate(model=M, prompt="hi", keep_alive=0, options={"num_predict": 2})

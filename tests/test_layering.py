@@ -30,11 +30,14 @@ LAYERS = [
     ["engine.model_runner"],
     ["engine.sampler"],
     ["engine.request"],
-    ["engine.preemption", "engine.step_plan", "engine.beam_search"],
+    ["engine.scheduler_output"],
+    ["engine.preemption", "engine.beam_search"],
     ["engine.step_cost"],
     ["engine.scheduler"],
+    ["engine.config"],
     ["engine.llm_engine", "engine.prompt_logprobs"],
     ["engine.loop", "engine.encoder", "engine.shared_steps"],
+    ["engine.builder"],
     ["api.text_stream", "api.sampling_options", "tools.calls", "tools.messages", "api.embeddings"],
     ["tools.prompt"],
     ["api.llama_compat", "api.llama_grammar", "api.llama_pretrained", "api.llama_chat", "api.llama_completion"],
@@ -124,8 +127,8 @@ def test_no_import_cycles():
 
 
 def test_the_scheduler_keeps_books_and_never_reaches_the_model():
-    # it decides a StepPlan over the KV manager; the engine moves KV data and runs the model
-    for module in ("engine.scheduler", "engine.preemption", "engine.step_plan"):
+    # it decides a SchedulerOutput over the KV manager; the engine moves KV data and runs the model
+    for module in ("engine.scheduler", "engine.preemption", "engine.scheduler_output"):
         reached = set()
         todo = [module]
         while todo:

@@ -20,7 +20,7 @@ class InputTooLong(PagedError, ValueError):
 def max_input_tokens(engine) -> int:
     """The most tokens one input may have on this engine (a decoder keeps one slot free)."""
     limit = engine.limit
-    return limit if getattr(engine.runner.model.config, "is_encoder", False) else limit - 1
+    return limit if engine.is_encoder else limit - 1
 
 
 def fit_input(ids: list[int], limit: int, truncate: bool, tail_id: int | None, index: int = 0) -> list[int]:

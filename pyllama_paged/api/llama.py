@@ -11,9 +11,10 @@ import numpy as np
 
 from .._native import GGML_LOG_DEBUG, lib
 from ..constrain.formats import from_python
-from ..engine.llm_engine import LLMEngine, RequestOutput
+from ..engine.llm_engine import RequestOutput
 from ..engine.model import Model
-from ..engine.model_runner import ModelRunner
+from ..engine.builder import build_engine
+from ..engine.config import EngineConfig
 from ..engine.sampler import SamplingParams
 from ..engine.scheduler import SchedulerConfig
 from ..engine.shared_steps import SharedSteps
@@ -30,7 +31,6 @@ from ..tokenizer.tokenizer import Tokenizer
 from ..tools.messages import normalize_messages
 from ..tools.prompt import prepare_chat
 from .embeddings import embed_for_llama, openai_list
-from ..engine.encoder import encoder_engine
 
 
 def _default_threads() -> int:
@@ -51,7 +51,7 @@ class Llama:
         """Load a GGUF (model_path None: the embedded default model). llama-cpp-python's other
         arguments are accepted; those that change nothing here warn once (llama_compat).
         pack_panels=False keeps GGML's kernels for the weights our VNNI panel GEMM would take."""
-        self.runner = self._model = self._steps = None   # set first: close() is safe after a failed init
+        self.llm_engine = self._model = self._steps = None   # set first: close() is safe after a failed init
         self._warnings = CompatWarnings()
         self._warnings.constructor_args(llama_cpp_args)
         if lora_path is not None:
@@ -77,18 +77,13 @@ class Llama:
         self.n_batch = min(n_batch, self._n_ctx)
         self.paged = paged
         self._tokens: list[int] = []   # what the model has evaluated: the last prompt and its answer
-        if self._model.config.is_encoder:   # bert: embeddings only, no KV cache
-            self.runner, self.llm_engine = encoder_engine(self._model, self.n_threads)
-            self._steps = SharedSteps(self.llm_engine)
-            self.chat_template = None
-            return
-        self.runner = ModelRunner(self._model, paged=paged, n_ctx=self._n_ctx, n_seq_max=n_seq_max,
-                                  n_threads=self.n_threads, n_batch=self.n_batch, block_size=block_size,
-                                  kv_cache_type=kv_cache_type)
-        self.chat_template = self._chat_template(chat_format)
-        self.llm_engine = LLMEngine(self.runner, self._tokenizer.eot_ids,
-                                    SchedulerConfig(max_num_batched_tokens=self.n_batch))
+        config = EngineConfig(paged=paged, n_ctx=self._n_ctx, n_seq_max=n_seq_max, n_threads=self.n_threads,
+                              n_batch=self.n_batch, block_size=block_size, kv_cache_type=kv_cache_type,
+                              scheduler=SchedulerConfig(max_num_batched_tokens=self.n_batch))
+        self.llm_engine = build_engine(config, self._model, self._tokenizer.eot_ids)
         self._steps = SharedSteps(self.llm_engine)
+        # bert: embeddings only, no KV cache and no chat
+        self.chat_template = None if self._model.config.is_encoder else self._chat_template(chat_format)
 
     def _chat_template(self, chat_format: str | None) -> ChatTemplate:
         if chat_format is None or chat_format == "chat_template.default":
@@ -200,10 +195,15 @@ class Llama:
         else:   # a failed __init__
             self._free()
 
+    @property
+    def runner(self):
+        """The engine's model runner (for tests and tools that drive the model directly)."""
+        return None if self.llm_engine is None else self.llm_engine.runner
+
     def _free(self) -> None:
-        if getattr(self, "runner", None) is not None:
-            self.runner.close()
-            self.runner = None
+        if getattr(self, "llm_engine", None) is not None:
+            self.llm_engine.close()
+            self.llm_engine = None
         if getattr(self, "_model", None) is not None:
             self._model.close()
             self._model = None
@@ -352,7 +352,7 @@ class Llama:
                 steps.abort(r.request_id)
 
     def _shared_steps(self) -> SharedSteps:
-        if self.runner is None:
+        if self.llm_engine is None:
             raise PagedError("this Llama is closed")
         return self._steps
 

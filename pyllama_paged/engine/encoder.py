@@ -170,6 +170,18 @@ class EncoderEngine:
         self.forward_seconds += time.perf_counter() - started
         return outputs
 
+    @property
+    def n_ctx(self) -> int:
+        """Tokens one input may hold."""
+        return self.runner.n_ctx
+
+    kv_bytes_per_token = 0   # no KV cache
+    is_encoder = True
+
+    def close(self) -> None:
+        """Free the encoder's compute context (the model is its caller's)."""
+        self.runner.close()
+
     def pool_figures(self) -> dict:
         """LLMEngine.pool_figures's shape: no KV pool."""
         return {"stats": self.stats(), "kv_pool_bytes": 0, "paged": False, "block_size": 0}

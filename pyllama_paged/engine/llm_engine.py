@@ -13,7 +13,9 @@ import numpy as np
 
 from .beam_search import advance_beams, expansion_sampler, ranked_beams
 from .embedding import DecoderPooling, EmbedParams
-from .model_runner import ModelRunner
+from .config import EngineConfig
+from .model import Model
+from .model_runner import ModelRunner, dense_kv_bytes_per_token
 from .prompt_logprobs import score_prompt
 from ..errors import PagedError, RequestError
 from .sampler import BatchSampler, Sampled, Sampler, SamplingParams
@@ -21,6 +23,7 @@ from .preemption import SwapSpace
 from .scheduler import Scheduler, SchedulerConfig
 from .scheduler_output import SchedulerOutput
 from .request import Request, RequestStatus, Sequence
+from ..tokenizer.tokenizer import Tokenizer
 
 
 @dataclass
@@ -65,6 +68,56 @@ class LLMEngine:
         self.num_steps = 0
         self.pooling = DecoderPooling()       # embedding requests' pooled states in flight
         self.swap_space = SwapSpace()         # host copies of swapped-out pages
+        self._owned_model = None              # a model from_config loaded (closed with the engine)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, model: Model | None = None, eot_ids=None) -> "LLMEngine":
+        """The engine config describes: its model (loaded from config.model_path unless given;
+        one loaded here is closed with the engine), KV pool, runner and scheduler. eot_ids:
+        the ids that end generation (None: the GGUF tokenizer's)."""
+        owned = model is None
+        model = model or Model(config.model_path, repack_weights=config.repack_weights,
+                               pack_panels=config.pack_panels)
+        try:
+            n_ctx = config.context_for(model.config.n_ctx_train)
+            budget = config.kv_budget_bytes(n_ctx, dense_kv_bytes_per_token(model.config, config.kv_cache_type))
+            if config.paged:
+                sizes = dict(num_blocks=config.num_blocks, kv_bytes=budget)
+            else:   # the baseline: the same bytes as whole n_ctx slabs
+                dense_slab = n_ctx * dense_kv_bytes_per_token(model.config, config.kv_cache_type)
+                sizes = dict(n_seq_max=max(1, budget // dense_slab))
+            runner = ModelRunner(model, paged=config.paged, n_ctx=n_ctx, n_threads=config.n_threads,
+                                 n_batch=config.n_batch, block_size=config.block_size,
+                                 kv_cache_type=config.kv_cache_type, free_window_blocks=config.free_window_blocks,
+                                 attention=config.attention, **sizes)
+            if eot_ids is None:
+                eot_ids = Tokenizer.from_metadata(model.metadata).eot_ids
+        except BaseException:
+            if owned:
+                model.close()
+            raise
+        engine = cls(runner, eot_ids, config.scheduler)
+        engine._owned_model = model if owned else None
+        return engine
+
+    is_encoder = False   # EncoderEngine's counterpart: this engine generates
+
+    @property
+    def n_ctx(self) -> int:
+        """Tokens one sequence may hold."""
+        return self.runner.n_ctx
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K+V bytes one token takes across all layers."""
+        return self.runner.kv_bytes_per_token
+
+    def close(self) -> None:
+        """Free the runner (KV pools, compute context) and a model from_config loaded."""
+        self.runner.close()
+        if self._owned_model is not None:
+            self._owned_model.close()
+            self._owned_model = None
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | EmbedParams,
@@ -307,7 +360,8 @@ class LLMEngine:
                  kv_bytes_per_token_dense=self.runner.kv_bytes_per_token)
         if kv.paged:
             ps = kv.pool.stats()
-            s.update(blocks_total=ps.num_blocks, blocks_free=ps.num_free, blocks_used=ps.num_used,
+            s.update(block_size=kv.block_size, blocks_total=ps.num_blocks, blocks_free=ps.num_free,
+                     blocks_used=ps.num_used,
                      blocks_cached=ps.num_cached, blocks_shared=ps.num_shared,
                      utilization=ps.utilization, prefix_hit_rate=ps.hit_rate,
                      prefix_hits=ps.num_hits, cow_copies=ps.num_cow_copies,

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..tokenizer.chat_template import ChatTemplate
-from ..engine.model_runner import ModelRunner, dense_kv_bytes_per_token
 from ..engine.loop import EngineLoop
+from ..engine.builder import build_engine
+from ..engine.config import EngineConfig
+from ..engine.encoder import EncoderEngine
 from ..engine.llm_engine import LLMEngine
-from ..engine.encoder import encoder_engine
 from ..engine.model import Model, default_model_path
 from ..engine.scheduler import SchedulerConfig
 from ..tokenizer.tokenizer import Tokenizer
@@ -70,7 +71,7 @@ class ServedModel:
     def __init__(self, name: str, path: str, options: EngineOptions):
         self.name, self.path, self.options = name, str(path), options
         self.model: Model | None = None
-        self.runner: ModelRunner | None = None
+        self.engine: LLMEngine | EncoderEngine | None = None
         self.loop: EngineLoop | None = None
         self.loaded_at = time.time()
         self.keep_alive: float | None = None   # the last request's keep_alive in seconds (None: forever)
@@ -89,46 +90,38 @@ class ServedModel:
         cfg = self.model.config
         self.config = cfg
         self.metadata = {k: v for k, v in self.model.metadata.items() if isinstance(v, (str, int, float, bool))}
-        self.n_ctx = self.runner.n_ctx
-        self.kv_bytes_per_token = self.runner.kv_bytes_per_token
+        self.n_ctx = self.engine.n_ctx
+        self.kv_bytes_per_token = self.engine.kv_bytes_per_token
         # None: an embedding model (it cannot chat)
         self.template = None if cfg.is_encoder else ChatTemplate.for_model(self.model.metadata, cfg.arch)
 
     def _load(self) -> None:
         """Weights, KV pool, runner and engine loop (blocking: seconds)."""
         self.loads += 1
-        o = self.options
         model = Model(self.path)
-        if model.config.is_encoder:   # an embedding model: no KV pool, no chat template
-            runner, engine = encoder_engine(model, o.n_threads)
-            if self.tokenizer is None:
-                self.tokenizer = Tokenizer.from_metadata(model.metadata)
-            self.loop = EngineLoop(engine)
-            self.model, self.runner = model, runner
-            self.loaded_at = time.time()
-            return
         try:
-            n_ctx = min(o.n_ctx, model.config.n_ctx_train)
-            # Bytes are what users size; a budget in tokens is that many tokens of every layer
-            # (sliding-window groups then hold more tokens in the same bytes).
-            dense = dense_kv_bytes_per_token(model.config, o.kv_cache_type)
-            kv_bytes = o.kv_budget_bytes or o.kv_budget_tokens * dense
-            if o.paged:
-                runner = ModelRunner(model, paged=True, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
-                                     block_size=o.block_size, kv_cache_type=o.kv_cache_type, kv_bytes=kv_bytes)
-            else:
-                runner = ModelRunner(model, paged=False, n_ctx=n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
-                                     kv_cache_type=o.kv_cache_type, n_seq_max=max(1, kv_bytes // (n_ctx * dense)))
+            if self.tokenizer is None:   # kept across unloads, like the metadata
+                self.tokenizer = Tokenizer.from_metadata(model.metadata)
+            engine = build_engine(self.engine_config(), model, self.tokenizer.eot_ids)
         except BaseException:
             model.close()
             raise
-        if self.tokenizer is None:   # kept across unloads, like the metadata
-            self.tokenizer = Tokenizer.from_metadata(model.metadata)
-        self.loop = EngineLoop(LLMEngine(runner, self.tokenizer.eot_ids, SchedulerConfig(
-            max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs, preemption_mode=o.preemption_mode,
-            itl_budget=o.itl_budget, max_prefill_tokens_with_decodes=o.max_prefill_tokens_with_decodes)))
-        self.model, self.runner = model, runner
+        self.loop = EngineLoop(engine)
+        self.model, self.engine = model, engine
         self.loaded_at = time.time()
+
+    def engine_config(self) -> EngineConfig:
+        """The engine these options describe. Bytes are what users size; a budget in tokens
+        is that many tokens of every layer (sliding-window groups then hold more tokens in
+        the same bytes)."""
+        o = self.options
+        return EngineConfig(
+            model_path=self.path, paged=o.paged, n_ctx=o.n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
+            block_size=o.block_size, kv_cache_type=o.kv_cache_type, kv_bytes=o.kv_budget_bytes,
+            kv_tokens=o.kv_budget_tokens,
+            scheduler=SchedulerConfig(max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs,
+                                      preemption_mode=o.preemption_mode, itl_budget=o.itl_budget,
+                                      max_prefill_tokens_with_decodes=o.max_prefill_tokens_with_decodes))
 
     @property
     def is_loaded(self) -> bool:
@@ -245,8 +238,8 @@ class ServedModel:
             return True
 
     def _detach(self) -> tuple:
-        parts = self.loop, self.runner, self.model
-        self.loop = self.runner = self.model = None
+        parts = self.loop, self.engine, self.model
+        self.loop = self.engine = self.model = None
         return parts
 
     def _unload(self) -> None:
@@ -286,9 +279,9 @@ class ServedModel:
 
 
 def _close(parts: tuple) -> None:
-    loop, runner, model = parts
+    loop, engine, model = parts
     loop.stop()
-    runner.close()
+    engine.close()
     model.close()
 
 

@@ -1,0 +1,56 @@
+"""EngineConfig: everything that builds one engine (the model file, its KV cache,
+the compute context and the scheduler), in one place, so the Python API, the
+server and the benchmarks wire an engine the same way (LLMEngine.from_config,
+build_engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import PagedError
+from .scheduler import SchedulerConfig
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """One engine's settings. The KV budget is, first match: num_blocks (paged: exactly
+    that many pages), kv_bytes, kv_tokens tokens of every layer, else n_seq_max
+    sequences of n_ctx tokens. paged=False spends the same budget on whole n_ctx slabs."""
+
+    model_path: str | None = None       # None: the embedded default model
+    n_ctx: int = 4096                   # tokens per sequence; <= 0: the model's training context (never more)
+    n_batch: int = 512                  # tokens per forward step
+    n_threads: int = 2
+    paged: bool = True
+    block_size: int = 32
+    kv_cache_type: str = "f16"
+    num_blocks: int | None = None
+    kv_bytes: int | None = None
+    kv_tokens: int | None = None
+    n_seq_max: int = 1
+    free_window_blocks: bool = True     # sliding-window layers give pages back (per-layer-group paging)
+    attention: str = "kernel"           # "kernel": our CPU operator; "gather": GGML ops alone
+    repack_weights: bool = True
+    pack_panels: bool | str = True
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self):
+        for name in ("n_batch", "n_threads", "n_seq_max", "block_size"):
+            if getattr(self, name) < 1:
+                raise PagedError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_blocks", "kv_bytes", "kv_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise PagedError(f"EngineConfig.{name} must be >= 1 or None, got {value}")
+
+    def context_for(self, n_ctx_train: int) -> int:
+        """The context a model trained on n_ctx_train tokens runs with here."""
+        return min(self.n_ctx, n_ctx_train) if self.n_ctx > 0 else n_ctx_train
+
+    def kv_budget_bytes(self, n_ctx: int, dense_bytes_per_token: int) -> int:
+        """The KV budget in bytes (dense_bytes_per_token: one token of every layer)."""
+        if self.kv_bytes is not None:
+            return self.kv_bytes
+        if self.kv_tokens is not None:
+            return self.kv_tokens * dense_bytes_per_token
+        return n_ctx * self.n_seq_max * dense_bytes_per_token
