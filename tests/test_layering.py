@@ -29,6 +29,7 @@ LAYERS = [
     ["engine.model"],
     ["engine.model_runner"],
     ["engine.sampler"],
+    ["engine.scoring"],
     ["engine.request"],
     ["engine.scheduler_output"],
     ["engine.preemption", "engine.beam_search"],

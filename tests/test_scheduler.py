@@ -11,6 +11,7 @@ from pyllama_paged.engine.kv_manager import PagedKV
 from pyllama_paged.engine.request import Request, RequestStatus, Sequence
 from pyllama_paged.engine.sampler import Sampler, SamplingParams
 from pyllama_paged.engine.scheduler import Scheduler, SchedulerConfig
+from pyllama_paged.engine.scoring import MAX_SCORE_ROWS, ScoreParams
 
 BLOCK = 4
 
@@ -180,3 +181,31 @@ def test_an_empty_pool_admits_a_prompt_that_fits(n_prompt):
     r = request(sched, "fits", n_prompt, arrival=1.0)
     plan = sched.schedule()
     assert work(plan) == [(r.seqs[0].seq_id, n_prompt)]
+
+
+def test_schedule_moves_no_progress_and_update_from_output_does():
+    sched = make(budget=8)
+    r = request(sched, "r", 12, arrival=1.0)
+    plan = sched.schedule()
+    seq = r.seqs[0]
+    assert seq.kv.num_computed == 0 and work(plan) == [(seq.seq_id, 8)] and plan.items == [(seq.kv.handle, 0, 8)]
+    sched.update_from_output(plan, seqs_of(sched))
+    assert seq.kv.num_computed == 8
+    plan = sched.schedule()
+    assert plan.items == [(seq.kv.handle, 8, 4)]
+
+
+def test_scoring_takes_fresh_pages_a_capped_chunk_at_a_time():
+    sched = make(budget=64, num_blocks=64)
+    done = request(sched, "cached", 40, arrival=1.0)       # its prompt's full blocks enter the prefix cache
+    carry_out(sched, sched.schedule())
+    sched.remove(done)
+    score = Request("score", list(done.prompt_ids), SamplingParams(), arrival=2.0, score=ScoreParams())
+    score.seqs = [Sequence(list(score.prompt_ids), 40, Sampler(score.params))]
+    sched.add(score)
+    chunks = []
+    while score.seqs[0].kv is None or score.seqs[0].kv.num_computed < 40:
+        plan = sched.schedule()
+        chunks.append(plan.num_tokens)
+        carry_out(sched, plan)
+    assert chunks == [[MAX_SCORE_ROWS], [40 - MAX_SCORE_ROWS]]   # no prefix-cache hit, at most 32 rows a step

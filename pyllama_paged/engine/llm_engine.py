@@ -16,9 +16,9 @@ from .embedding import DecoderPooling, EmbedParams
 from .config import EngineConfig
 from .model import Model
 from .model_runner import ModelRunner, dense_kv_bytes_per_token
-from .prompt_logprobs import score_prompt
 from ..errors import PagedError, RequestError
 from .sampler import BatchSampler, Sampled, Sampler, SamplingParams
+from .scoring import PromptScores, ScoreParams
 from .preemption import SwapSpace
 from .scheduler import Scheduler, SchedulerConfig
 from .scheduler_output import SchedulerOutput
@@ -47,6 +47,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     embedding: np.ndarray | None = None   # an embedding request's pooled vector, when it finishes
+    prompt_logprobs: list | None = None   # a scoring request's [(logprob, top)] per prompt token, when it finishes
 
 
 class LLMEngine:
@@ -68,6 +69,7 @@ class LLMEngine:
         self.num_steps = 0
         self.pooling = DecoderPooling()       # embedding requests' pooled states in flight
         self.swap_space = SwapSpace()         # host copies of swapped-out pages
+        self.scores = PromptScores()          # scoring requests' scores in flight
         self._owned_model = None              # a model from_config loaded (closed with the engine)
 
     @classmethod
@@ -120,20 +122,23 @@ class LLMEngine:
             self._owned_model = None
 
     # ---- requests ----------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | EmbedParams,
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | EmbedParams | ScoreParams,
                     request_id: str | None = None) -> Request:
-        """Queue a request (EmbedParams: an embedding); a request that can never fit is
-        returned already finished."""
+        """Queue a request (EmbedParams: an embedding; ScoreParams: the prompt's own
+        log-probabilities); a request that can never fit is returned already finished."""
         params.validate()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise PagedError(f"request id {request_id!r} is already in flight")
         prompt_ids = self._checked_tokens(prompt_ids)
         embed = params if isinstance(params, EmbedParams) else None
-        if not embed and params.logit_bias and max(params.logit_bias) >= self.runner.n_vocab:
+        score = params if isinstance(params, ScoreParams) else None
+        sampled = not (embed or score)
+        if sampled and params.logit_bias and max(params.logit_bias) >= self.runner.n_vocab:
             raise RequestError(f"logit_bias token id {max(params.logit_bias)} outside the vocabulary "
                                f"of {self.runner.n_vocab}")
-        request = Request(request_id, prompt_ids, SamplingParams() if embed else params, embed=embed)
+        request = Request(request_id, prompt_ids, params if sampled else SamplingParams(), embed=embed,
+                          score=score)
         request.seqs = [Sequence(list(prompt_ids), len(prompt_ids), Sampler(request.params))]
         self.scheduler.add(request)
         if request.status != RequestStatus.FINISHED:
@@ -166,6 +171,7 @@ class LLMEngine:
         rows, host copies of swapped pages)."""
         for seq in request.seqs:
             self.pooling.forget(seq.seq_id)
+            self.scores.forget(seq.seq_id)
             self.swap_space.drop(seq.seq_id)
 
     def has_work(self) -> bool:
@@ -188,23 +194,21 @@ class LLMEngine:
             return list(outputs.values())
         owner = {s.seq_id: r for r in self.requests.values() for s in r.seqs}
         seqs = {s.seq_id: s for r in self.requests.values() for s in r.seqs}
-        embeds = [owner[seq_id].embed for seq_id in output.seq_ids]
+        requests = [owner[seq_id] for seq_id in output.seq_ids]
+        hidden = None
+        if any(r.embed is not None for r in requests):
+            hidden = [None if r.embed is None else
+                      self.pooling.rows_wanted(r.embed.pooling, start, n, len(seqs[seq_id].token_ids))
+                      for seq_id, r, (_, start, n) in zip(output.seq_ids, requests, output.items)]
         started = time.perf_counter()
-        if any(embeds):
-            hidden = [None if e is None else self.pooling.rows_wanted(e.pooling, start, n, len(seqs[i].token_ids))
-                      for i, e, (_, start, n) in zip(output.seq_ids, embeds, output.items)]
-            logits, rows = self.runner.execute(output.items_array(), hidden)
-        else:
-            hidden, rows = None, None
-            logits, _ = self.runner.execute(output.items_array())
+        logits, rows = self.runner.execute(output.items_array(), hidden,
+                                           [r.score is not None for r in requests])
         self.forward_seconds += time.perf_counter() - started
         self.scheduler.update_from_output(output, seqs)
         self.num_computed_tokens += sum(output.num_tokens)
         if hidden is not None:
             self._pool_embeddings(output, hidden, rows, owner, seqs, outputs)
-        finishing = [seqs[i] for i, e in zip(output.seq_ids, embeds)
-                     if e is None and seqs[i].kv.num_computed == len(seqs[i].token_ids)]
-        self._postprocess(finishing, logits, owner, outputs)
+        self._postprocess(self._logit_rows(output, requests, seqs, logits, outputs), logits, owner, outputs)
         elapsed = time.perf_counter() - step_started
         self.scheduler.observe_step(elapsed)
         self.step_seconds += elapsed
@@ -223,12 +227,41 @@ class LLMEngine:
             self.swap_space.drop(seq_id)   # pages the prefix cache held came back without a write
         self.runner.copy_blocks(output.block_copies)
 
-    def _postprocess(self, finishing: list[Sequence], logits: np.ndarray, owner: dict,
+    def _logit_rows(self, output: SchedulerOutput, requests: list[Request], seqs: dict, logits: np.ndarray,
+                    outputs: dict[str, RequestOutput]) -> list[tuple[Sequence, int]]:
+        """Walk the step's logits rows in item order: a scoring chunk has one per token
+        (scored here), a chunk that reached its sequence's last placed token one, an
+        embedding none. Returns the (sequence, row) pairs to sample: those whose every
+        token is computed."""
+        at, finishing = 0, []
+        for seq_id, request, (_, start, n) in zip(output.seq_ids, requests, output.items):
+            seq = seqs[seq_id]
+            if request.score is not None:
+                self._score_chunk(request, seq, start, logits[at:at + n], outputs)
+                at += n
+            elif request.embed is None and seq.kv.num_computed == seq.kv.num_tokens:
+                if seq.kv.num_computed == len(seq.token_ids):
+                    finishing.append((seq, at))
+                at += 1
+        return finishing
+
+    def _score_chunk(self, request: Request, seq: Sequence, start: int, logits: np.ndarray,
                      outputs: dict[str, RequestOutput]) -> None:
-        """Sample every sequence that reached its last token (the runner returned a row for
-        each, in order) in one call; append, fork (n>1), advance beams, finish."""
+        """A scoring chunk's rows scored; the request finishes with them all (pages freed)
+        when its last token is computed."""
+        self.scores.add(seq.seq_id, seq.token_ids, start, logits, request.score.top_n)
+        if seq.kv.num_computed == len(seq.token_ids):
+            seq.finish_reason = "stop"
+            out = outputs.setdefault(request.request_id, self._output(request))
+            out.prompt_logprobs = self.scores.pop(seq.seq_id)
+            self._finish(request, out)
+
+    def _postprocess(self, finishing: list[tuple[Sequence, int]], logits: np.ndarray, owner: dict,
+                     outputs: dict[str, RequestOutput]) -> None:
+        """Sample every (sequence, logits row) that reached its last token in one call;
+        append, fork (n>1), advance beams, finish."""
         ready: dict[str, list[tuple[Sequence, int]]] = {}   # request id -> (sequence, logits row)
-        for row, seq in enumerate(finishing):
+        for seq, row in finishing:
             ready.setdefault(owner[seq.seq_id].request_id, []).append((seq, row))
         picks = []   # (request, sequence, row, sampler): every row of this step, drawn in one call
         beams: dict[str, list] = {}
@@ -337,11 +370,6 @@ class LLMEngine:
         kv = self.runner.kv
         return {"stats": self.stats(), "kv_pool_bytes": self.runner.kv_pool_bytes, "paged": kv.paged,
                 "block_size": kv.block_size}
-
-    def score_prompt(self, token_ids: list[int], top_n: int = 0):
-        """A prompt's own log-probabilities as a generator of chunks (prompt_logprobs.score_prompt):
-        for EngineLoop.run_in_steps, on the engine's thread between steps."""
-        return score_prompt(self.runner, token_ids, top_n)
 
     # ---- statistics --------------------------------------------------------
     def stats(self) -> dict:

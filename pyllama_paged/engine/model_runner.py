@@ -172,8 +172,8 @@ class ModelRunner:
         self.kv.free(seq.handle)
 
     # ---- the step ------------------------------------------------------------
-    def execute(self, items: np.ndarray, hidden: Sequence[tuple[int, int] | None] | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
+    def execute(self, items: np.ndarray, hidden: Sequence[tuple[int, int] | None] | None = None,
+                all_logits: Sequence[bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Run one step over items [(kv handle, first token, count)], whose tokens are placed in
         the KV manager. Touches no sequence state: the caller marks the tokens computed
         (Scheduler.update_from_output, or commit_chunks).
@@ -183,7 +183,8 @@ class ModelRunner:
         the compute buffer valid until the next step. hidden[i] = (first, count) marks item
         i as an embedding: it gets no logits, and the final hidden states (after the output
         norm) of its tokens [first, first + count) of this chunk come back instead, all such
-        rows in item order, as a fresh [rows, n_embd] array."""
+        rows in item order, as a fresh [rows, n_embd] array. all_logits[i] gives item i a
+        logits row for every one of its tokens (prompt scoring), in place of its one row."""
         items = np.ascontiguousarray(items, dtype=np.int32).reshape(-1, 3)
         total = int(items[:, 2].sum())
         if (items[:, 2] < 1).any():
@@ -196,8 +197,10 @@ class ModelRunner:
         n_tokens, n_logits = self.kv.build_batch(items, buffers)
         tok, pos, slots, seqs, tables, rows = buffers.arrays(n_tokens, len(items), n_logits)
         hidden_rows = None
-        if hidden is not None and any(h is not None for h in hidden):
-            rows, hidden_rows = _split_rows(items[:, 2].tolist(), hidden, rows)
+        hidden = hidden if hidden is not None and any(h is not None for h in hidden) else None
+        all_logits = all_logits if all_logits is not None and any(all_logits) else None
+        if hidden is not None or all_logits is not None:
+            rows, hidden_rows = _select_rows(items[:, 2].tolist(), rows, hidden, all_logits)
         hidden_out = np.empty((0 if hidden_rows is None else len(hidden_rows), self.model.config.n_embd),
                               dtype=np.float32)
         self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out)
@@ -318,13 +321,20 @@ class ModelRunner:
 
 
 
-def _split_rows(counts: list[int], hidden, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The logit rows less those of embedding items, and the embedding items' hidden rows
-    (token indices in the flat batch). counts: each item's token count."""
+def _select_rows(counts: list[int], rows: np.ndarray, hidden, all_logits) -> tuple[np.ndarray, np.ndarray]:
+    """The step's logit rows and hidden rows (token indices in the flat batch; counts: each
+    item's token count): an embedding item (hidden[i] set) has no logit rows and its
+    wanted hidden rows, an all_logits item every one of its rows, the others their
+    default row (rows) if they have one."""
     ends = np.cumsum(counts)
-    is_embed = np.array([h is not None for h in hidden])
-    keep = rows[~is_embed[np.searchsorted(ends, rows, side="right")]] if len(rows) else rows
-    wanted = [np.arange(first, first + count, dtype=np.int32) + (ends[i] - counts[i])
-              for i, h in enumerate(hidden) if h is not None for first, count in (h,) if count > 0]
-    hidden_rows = np.concatenate(wanted).astype(np.int32) if wanted else np.empty(0, dtype=np.int32)
-    return np.ascontiguousarray(keep, dtype=np.int32), hidden_rows
+    starts = ends - np.asarray(counts)
+    n = len(counts)
+    is_embed = np.array([hidden is not None and hidden[i] is not None for i in range(n)])
+    is_all = np.array([all_logits is not None and bool(all_logits[i]) for i in range(n)])
+    keep = rows[~(is_embed | is_all)[np.searchsorted(ends, rows, side="right")]] if len(rows) else rows
+    every = [np.arange(starts[i], ends[i]) for i in np.flatnonzero(is_all)]
+    logit_rows = np.sort(np.concatenate([keep, *every])) if every else keep
+    wanted = [np.arange(first, first + count) + starts[i]
+              for i in np.flatnonzero(is_embed) for first, count in (hidden[i],) if count > 0]
+    hidden_rows = np.concatenate(wanted) if wanted else np.empty(0)
+    return np.ascontiguousarray(logit_rows, dtype=np.int32), np.ascontiguousarray(hidden_rows, dtype=np.int32)

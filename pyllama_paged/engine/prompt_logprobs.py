@@ -1,18 +1,13 @@
-"""Log-probabilities of a prompt's own tokens (OpenAI completions' echo with
-logprobs, as lm-evaluation-harness asks for them): a prefill that keeps every
-position's logits, a few rows at a time so a long prompt never holds a
-[prompt, vocabulary] array."""
+"""A prompt's own log-probabilities straight from a ModelRunner, without a
+scheduler: for direct use and as the oracle of the engine's scoring requests
+(scoring.py), which is what the server and the Python API use."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
 from .model_runner import ModelRunner
-from .sampler import log_softmax
-
-_ROWS = 32   # positions per forward: 32 x 262,144 floats is 32 MiB
+from .scoring import MAX_SCORE_ROWS as _ROWS, score_rows
 
 
 def prompt_logprobs(runner: ModelRunner, token_ids: Sequence[int],
@@ -29,9 +24,8 @@ def prompt_logprobs(runner: ModelRunner, token_ids: Sequence[int],
 
 def score_prompt(runner: ModelRunner, token_ids: Sequence[int], top_n: int = 0):
     """prompt_logprobs as a generator that yields after each chunk of _ROWS positions and
-    returns the list: EngineLoop.run_in_steps runs a step of everyone else's work between
-    chunks, so scoring a long prompt never freezes the streams. Closing it early frees
-    the sequence's pages."""
+    returns the list (for EngineLoop.run_in_steps). Closing it early frees the
+    sequence's pages."""
     ids = list(token_ids)
     # every position's logits are wanted: a sequence of fresh pages, nothing reused
     # from the prefix cache (whose window groups keep no early pages to start from)
@@ -46,16 +40,7 @@ def score_prompt(runner: ModelRunner, token_ids: Sequence[int], top_n: int = 0):
                                     list(range(n)))
             kv.mark_computed(seq.handle, max(seq.num_computed, start + n))
             seq.num_computed = max(seq.num_computed, start + n)
-            for k in range(n):
-                nxt = start + k + 1
-                if nxt >= len(ids):
-                    break
-                lp = log_softmax(logits[k])
-                top = {}
-                if top_n > 0:
-                    best = np.argpartition(-lp, top_n)[:top_n]
-                    top = {int(t): float(lp[t]) for t in best[np.argsort(-lp[best])]}
-                out.append((float(lp[ids[nxt]]), top))
+            out += score_rows(logits, ids, start, top_n)
             if start + n < len(ids):
                 yield
     finally:

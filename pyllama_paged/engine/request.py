@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .embedding import EmbedParams
 from .kv_manager import SeqState
 from .sampler import Sampler, SamplingParams
+from .scoring import MAX_SCORE_ROWS, ScoreParams
 
 
 class RequestStatus(enum.Enum):
@@ -69,6 +70,18 @@ class Request:
     is_forked: bool = False              # n>1 / beams created from the prompt sequence
     first_token_time: float | None = None
     embed: EmbedParams | None = None     # an embedding: prefilled, pooled, never sampled
+    score: ScoreParams | None = None     # prompt scoring: prefilled, every position's logits scored, never sampled
+
+    @property
+    def is_prefill_only(self) -> bool:
+        """Embeddings and scoring: computed on fresh pages (every position's output is
+        wanted, so nothing comes from the prefix cache), never sampled."""
+        return self.embed is not None or self.score is not None
+
+    @property
+    def max_chunk_tokens(self) -> int | None:
+        """The most tokens one step may compute for it (None: the step's budget)."""
+        return MAX_SCORE_ROWS if self.score is not None else None
 
     @property
     def is_beam(self) -> bool:

@@ -67,6 +67,12 @@ class _StepState:
     starved: bool = False
 
 
+def _chunk_budget(request: Request, budget: int) -> int:
+    """The tokens request may compute this step out of the step's budget left."""
+    cap = request.max_chunk_tokens
+    return budget if cap is None else min(cap, budget)
+
+
 class Scheduler:
     """Decides which sequences compute how many tokens in the next step."""
 
@@ -320,7 +326,7 @@ class Scheduler:
             for seq in request.live_seqs:
                 pending = len(seq.token_ids) - seq.kv.num_computed if seq.kv else 0
                 if pending > 0 and step.budget > 0 and seq.seq_id not in decoding:
-                    n = self._place_chunk(seq, step.budget)
+                    n = self._place_chunk(seq, _chunk_budget(request, step.budget))
                     step.starved |= n == 0
                     if n > 0:
                         self._add_chunk(seq, n)
@@ -362,8 +368,7 @@ class Scheduler:
             self.waiting.popleft()
             for seq in seqs:
                 try:
-                    # an embedding reads no prefix cache: every token's state is computed
-                    seq.kv = new_cached_sequence(self.kv, seq.token_ids if request.embed is None else [])
+                    seq.kv = new_cached_sequence(self.kv, [] if request.is_prefill_only else seq.token_ids)
                 except OutOfBlocksError:   # raced the watermark estimate: undo, retry later
                     for s in seqs:
                         release(self.kv, s)
@@ -374,7 +379,7 @@ class Scheduler:
             running_seqs += width
             for seq in seqs:
                 if len(seq.token_ids) - seq.kv.num_computed > 0 and step.budget > 0:
-                    n = self._place_chunk(seq, step.budget)
+                    n = self._place_chunk(seq, _chunk_budget(request, step.budget))
                     if n > 0:
                         self._add_chunk(seq, n)
                         step.budget -= n

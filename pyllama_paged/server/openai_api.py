@@ -56,11 +56,11 @@ async def _merged(gens):
 
 
 async def score(served, ids: list[int], top_n: int, state) -> list:
-    """A prompt's own log-probabilities: a queue place like any request, and the scoring
-    run a chunk at a time between the engine's steps, so streams keep moving."""
+    """A prompt's own log-probabilities: a queue place like any request, and a scoring
+    request the engine computes a chunk per step beside everyone's work."""
     admit(served, state.limits, state.metrics)
     try:
-        return await served.run_in_steps(lambda llm: llm.score_prompt(ids, top_n))
+        return await served.score_prompt(ids, top_n)
     except PagedError as e:
         raise APIError(503, f"no room to score the prompt now: {e}", "prompt", "server_busy") from None
     finally:

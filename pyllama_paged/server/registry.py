@@ -22,6 +22,8 @@ from ..engine.encoder import EncoderEngine
 from ..engine.llm_engine import LLMEngine
 from ..engine.model import Model, default_model_path
 from ..engine.scheduler import SchedulerConfig
+from ..engine.scoring import ScoreParams
+from ..errors import PagedError
 from ..tokenizer.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "gemma3:270m"
@@ -172,14 +174,21 @@ class ServedModel:
         finally:
             self.release()
 
-    async def run_in_steps(self, work):
-        """work(llm), a generator function, on the engine thread a piece at a time with a
-        step of everyone's requests between pieces (EngineLoop.run_in_steps); cancelling
-        (a client that hangs up) stops it and frees what it held."""
+    async def score_prompt(self, ids: list[int], top_n: int) -> list:
+        """The prompt's own log-probabilities: a scoring request on the engine, computed in
+        the steps beside everyone's work; cancelling (a client that hangs up) aborts it and
+        frees its pages. PagedError with the engine's reason when it cannot be scored."""
         await self.acquire()
+        stream = self.loop.submit(ids, ScoreParams(top_n))
         try:
-            return await asyncio.wrap_future(self.loop.run_in_steps(work))
+            async for out in stream:
+                if out.error:
+                    raise PagedError(out.error)
+                if out.prompt_logprobs is not None:
+                    return out.prompt_logprobs
+            raise PagedError("the engine ended the scoring request without a result")
         finally:
+            stream.abort()   # finished: a no-op; otherwise its pages are freed now
             self.release()
 
     async def call_if_loaded(self, fn):
