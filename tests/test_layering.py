@@ -29,7 +29,7 @@ LAYERS = [
     ["engine.model"],
     ["engine.model_runner"],
     ["engine.sampler"],
-    ["engine.scoring"],
+    ["engine.scoring", "engine.outputs"],
     ["engine.request"],
     ["engine.scheduler_output"],
     ["engine.preemption", "engine.beam_search"],

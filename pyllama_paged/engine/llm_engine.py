@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from .beam_search import advance_beams, expansion_sampler, ranked_beams
@@ -16,6 +14,7 @@ from .embedding import DecoderPooling, EmbedParams
 from .config import EngineConfig
 from .model import Model
 from .model_runner import ModelRunner, dense_kv_bytes_per_token
+from .outputs import RequestOutput, TokenEvent
 from ..errors import PagedError, RequestError
 from .sampler import BatchSampler, Sampled, Sampler, SamplingParams
 from .scoring import PromptScores, ScoreParams
@@ -24,30 +23,6 @@ from .scheduler import Scheduler, SchedulerConfig
 from .scheduler_output import SchedulerOutput
 from .request import Request, RequestStatus, Sequence
 from ..tokenizer.tokenizer import Tokenizer
-
-
-@dataclass
-class TokenEvent:
-    seq_index: int
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    events: list[TokenEvent] = field(default_factory=list)
-    finished: bool = False
-    finish_reasons: list[str | None] = field(default_factory=list)
-    error: str | None = None
-    beams: list[tuple[list[int], float]] | None = None   # (output ids, score), best first
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    embedding: np.ndarray | None = None   # an embedding request's pooled vector, when it finishes
-    prompt_logprobs: list | None = None   # a scoring request's [(logprob, top)] per prompt token, when it finishes
 
 
 class LLMEngine:
