@@ -53,7 +53,8 @@ def peer(binary: str, model: str, args) -> dict[int, dict]:
 def ours(model_path: str | None, args) -> dict[int, dict]:
     from pyllama_paged.engine.llm_engine import LLMEngine
     from pyllama_paged.engine.model import Model
-    from pyllama_paged.engine.model_runner import ModelRunner, dense_kv_bytes_per_token
+    from pyllama_paged.engine.config import EngineConfig
+    from pyllama_paged.engine.model_runner import dense_kv_bytes_per_token
     from pyllama_paged.engine.sampler import SamplingParams
     from pyllama_paged.engine.scheduler import SchedulerConfig
 
@@ -62,14 +63,13 @@ def ours(model_path: str | None, args) -> dict[int, dict]:
     # every sequence's tokens in every layer (as llama-batched-bench's -c), plus a little slack:
     # the bench measures speed, never preemption
     per_seq_blocks = -(-per_seq // args.block_size) + 1
-    runner = ModelRunner(model, paged=True, n_ctx=per_seq, n_threads=args.threads, n_batch=512,
-                         block_size=args.block_size,
-                         kv_bytes=max(args.npl) * per_seq_blocks * args.block_size
-                         * dense_kv_bytes_per_token(model.config, "f16"))
-    engine = LLMEngine(runner, eot_ids=[], config=SchedulerConfig(max_num_batched_tokens=512,
-                                                                   max_num_seqs=max(args.npl)))
+    config = EngineConfig(n_ctx=per_seq, n_threads=args.threads, n_batch=512, block_size=args.block_size,
+                          kv_bytes=max(args.npl) * per_seq_blocks * args.block_size
+                          * dense_kv_bytes_per_token(model.config, "f16"),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max(args.npl)))
+    engine = LLMEngine.from_config(config, model=model, eot_ids=[])
     rng = np.random.default_rng(0)
-    n_vocab = runner.n_vocab
+    n_vocab = model.config.n_vocab
     params = SamplingParams(temperature=0.0, max_tokens=args.ntg, ignore_eos=True)
     # warm up: graph allocation and first touches, outside the clock
     engine.add_request(rng.integers(1000, n_vocab // 2, size=args.npp).tolist(),
@@ -97,7 +97,7 @@ def ours(model_path: str | None, args) -> dict[int, dict]:
                         "forward_s": None, "preemptions": engine.scheduler.num_preemptions - preempted0}
         rows[npl] = best
         print(f"ours npl={npl}: {best['s']:.1f} t/s, {best['preemptions']} preemptions", flush=True)
-    runner.close()
+    engine.close()
     model.close()
     return rows
 

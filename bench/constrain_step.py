@@ -23,7 +23,7 @@ from pyllama_paged.constrain import masks as masks_mod
 from pyllama_paged.constrain.grammar import compile_constraint
 from pyllama_paged.engine.llm_engine import LLMEngine
 from pyllama_paged.engine.model import Model, default_model_path
-from pyllama_paged.engine.model_runner import ModelRunner
+from pyllama_paged.engine.config import EngineConfig
 from pyllama_paged.engine.sampler import SamplingParams
 from pyllama_paged.engine.scheduler import SchedulerConfig
 from pyllama_paged.tokenizer.tokenizer import Tokenizer
@@ -96,9 +96,11 @@ def main() -> None:
     args = ap.parse_args()
     model = Model(default_model_path())
     tok = Tokenizer.from_metadata(model.metadata)
-    runner = ModelRunner(model, paged=True, n_ctx=2048, n_threads=args.threads, n_batch=512, block_size=32,
-                         num_blocks=(args.rows * 1024) // 32)
-    engine = LLMEngine(runner, tok.eot_ids, SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=args.rows))
+    engine = LLMEngine.from_config(
+        EngineConfig(n_ctx=2048, n_threads=args.threads, n_batch=512, block_size=32,
+                     num_blocks=(args.rows * 1024) // 32,
+                     scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=args.rows)),
+        model=model, eot_ids=tok.eot_ids)
     compile_constraint(tok, "json")   # the vocabulary is prepared once per model, outside the steps
     results = {"free": run(engine, tok, args.rows, args.steps, False),
                "constrained": run(engine, tok, args.rows, args.steps, True)}
@@ -123,7 +125,7 @@ def main() -> None:
              f"differ between the runs by machine load (2 shared cores), not by the masks, which run after it.")
     write_results("constrain_step", {"rows": args.rows, "results": results}, rows,
                   title=f"Token-mask cost per decode step at {args.rows} constrained sequences", notes=notes)
-    runner.close()
+    engine.close()
     model.close()
 
 

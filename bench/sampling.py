@@ -86,20 +86,21 @@ TEXT_PROMPTS = [
 def in_engine(args):
     from pyllama_paged.engine.llm_engine import LLMEngine
     from pyllama_paged.engine.model import Model
-    from pyllama_paged.engine.model_runner import ModelRunner
+    from pyllama_paged.engine.config import EngineConfig
     from pyllama_paged.engine.sampler import SamplingParams
     from pyllama_paged.engine.scheduler import SchedulerConfig
 
     model = Model()
-    runner = ModelRunner(model, n_ctx=512, n_threads=args.threads, n_batch=512, block_size=32,
-                         num_blocks=args.rows * 512 // 32 + 64)
+    config = EngineConfig(n_ctx=512, n_threads=args.threads, n_batch=512, block_size=32,
+                          num_blocks=args.rows * 512 // 32 + 64,
+                          scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=args.rows))
     rows = []
     if args.prompts == "text":
         from pyllama_paged.tokenizer.tokenizer import Tokenizer
         tok = Tokenizer.from_metadata(model.metadata)
         texts = [tok.encode(f"{TEXT_PROMPTS[i % len(TEXT_PROMPTS)]} ({i})") for i in range(args.rows)]
     for name in ("t0.8 top-p 0.95 top-k 0", "t0.8 top-p 0.95 top-k 40"):
-        llm = LLMEngine(runner, set(), SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=args.rows))
+        llm = LLMEngine.from_config(config, model=model, eot_ids=set())
         rng = np.random.default_rng(1)
         for i in range(args.rows):
             prompt = texts[i] if args.prompts == "text" else [2] + rng.integers(1000, 200000, size=24).tolist()
@@ -116,7 +117,7 @@ def in_engine(args):
         rows.append({"setting": f"{name} ({args.prompts} prompts)", "sequences": args.rows, "decode steps": steps,
                      "forward ms/step": 1e3 * forward / steps, "sampling ms/step": 1e3 * sample / steps,
                      "sampling share of step": sample / (forward + sample)})
-    runner.close()
+        llm.close()
     model.close()
     return rows
 

@@ -242,24 +242,23 @@ def _cpu_busy_s() -> float | None:
 
 
 def run_side(name: str, paged: bool, model, tok, trace: list[ClientRequest], args) -> dict:
-    from pyllama_paged.engine.model_runner import ModelRunner
+    from pyllama_paged.engine.config import EngineConfig
     from pyllama_paged.engine.llm_engine import LLMEngine
     from pyllama_paged.engine.sampler import SamplingParams
     from pyllama_paged.engine.scheduler import SchedulerConfig
     from pyllama_paged.engine.request import RequestStatus
 
     budget = args.budget_tokens
-    if paged:
-        runner = ModelRunner(model, paged=True, n_ctx=args.n_ctx, n_threads=args.threads,
-                        n_batch=args.max_batched_tokens, block_size=args.block_size,
-                        num_blocks=budget // args.block_size)
-    else:
-        runner = ModelRunner(model, paged=False, n_ctx=args.n_ctx, n_threads=args.threads,
-                        n_batch=args.max_batched_tokens, n_seq_max=budget // args.n_ctx)
+    # paged: budget // block_size pages; slabs: the same tokens as whole n_ctx slabs
+    llm = LLMEngine.from_config(EngineConfig(
+        paged=paged, n_ctx=args.n_ctx, n_threads=args.threads, n_batch=args.max_batched_tokens,
+        block_size=args.block_size, num_blocks=budget // args.block_size if paged else None,
+        n_seq_max=max(1, budget // args.n_ctx),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, preemption_mode="recompute")),
+        model=model, eot_ids=tok.eot_ids)
+    runner = llm.runner
     assert runner.kv.paged == paged
-    llm = LLMEngine(runner, tok.eot_ids, SchedulerConfig(
-        max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
-        preemption_mode="recompute"))
     slots_total = runner.kv.num_blocks * runner.kv.block_size
     # warm-up outside the clock (a started server has done its first graph allocation):
     # one prompt shorter than a block, so the prefix cache sees nothing
@@ -371,7 +370,7 @@ def run_side(name: str, paged: bool, model, tok, trace: list[ClientRequest], arg
                  else max(0.0, (busy1 - busy0) - (own1 - own0)) / (makespan * ncpu))
     load_end = os.getloadavg()
     final_stats = llm.stats()
-    runner.close()
+    llm.close()
 
     # ---- summary
     dts = np.array([s["dt"] for s in samples])

@@ -13,6 +13,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import numpy as np
 from pyllama_paged.engine.model import Model
+from pyllama_paged.engine.config import EngineConfig
 from pyllama_paged.engine.model_runner import ModelRunner
 from pyllama_paged.engine.llm_engine import LLMEngine
 from pyllama_paged.engine.sampler import SamplingParams
@@ -26,8 +27,9 @@ convs = make_conversations(tok, 24, 300, 32, 0)
 prompts = [tok.encode(c["prompt"], add_special=True) for c in convs]
 P = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 def run(prompts, kv_bytes):
-    r = ModelRunner(m, n_ctx=2048, n_threads=2, n_batch=512, block_size=32, kv_bytes=kv_bytes)
-    llm = LLMEngine(r, tok.eot_ids, SchedulerConfig(max_num_batched_tokens=512))
+    llm = LLMEngine.from_config(EngineConfig(n_ctx=2048, n_threads=2, n_batch=512, block_size=32, kv_bytes=kv_bytes,
+                                             scheduler=SchedulerConfig(max_num_batched_tokens=512)),
+                                model=m, eot_ids=tok.eot_ids)
     reqs = [llm.add_request(p, P) for p in prompts]
     outs = {q.request_id: [] for q in reqs}
     peak = 0
@@ -35,7 +37,7 @@ def run(prompts, kv_bytes):
         for o in llm.step():
             outs[o.request_id] += [e.token_id for e in o.events]
         peak = max(peak, llm.stats()["running_seqs"])
-    r.close()
+    llm.close()
     return [outs[q.request_id] for q in reqs], peak
 together, peak = run(prompts, 88080384)
 alone = [run([p], 88080384)[0][0] for p in prompts]

@@ -253,7 +253,7 @@ def part_longctx(args, model_path, binary, out_dir) -> dict:
 def part_long(args, model_path, binary, out_dir) -> dict:
     from pyllama_paged.engine.llm_engine import LLMEngine
     from pyllama_paged.engine.model import Model
-    from pyllama_paged.engine.model_runner import ModelRunner
+    from pyllama_paged.engine.config import EngineConfig
     from pyllama_paged.engine.sampler import SamplingParams
     from pyllama_paged.engine.scheduler import SchedulerConfig
     n = args.long_tokens
@@ -263,22 +263,24 @@ def part_long(args, model_path, binary, out_dir) -> dict:
     m = Model(args.model)
     out = {"context": n, "llama_server_kv_mib": mib, "llama_server_bytes": llama_bytes}
     for free in (True, False):
-        runner = ModelRunner(m, n_ctx=n + 64, n_threads=args.threads, n_batch=512, block_size=32,
-                             kv_bytes=4 * n * 18432, free_window_blocks=free)
-        llm = LLMEngine(runner, set(), SchedulerConfig(max_num_batched_tokens=512))
+        llm = LLMEngine.from_config(EngineConfig(n_ctx=n + 64, n_threads=args.threads, n_batch=512, block_size=32,
+                                                 kv_bytes=4 * n * 18432, free_window_blocks=free,
+                                                 scheduler=SchedulerConfig(max_num_batched_tokens=512)),
+                                    model=m, eot_ids=set())
+        runner = llm.runner
         prompt = list(np.random.default_rng(1).integers(100, 20000, size=n - 16))
         llm.add_request(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
         peak, held = 0, 0
-        compute = runner.step
+        compute = runner.execute
 
-        def step_noting_peak(work):
+        def execute_noting_peak(*args, **kwargs):
             # pages are placed before a step computes and window pages given back after
             # it: the most a sequence holds is just before the compute
             nonlocal peak
             peak = max(peak, runner.kv.pool.stats().num_used * runner.block_bytes)
-            return compute(work)
+            return compute(*args, **kwargs)
 
-        runner.step = step_noting_peak
+        runner.execute = execute_noting_peak
         t = time.perf_counter()
         while llm.has_work():
             llm.step()
@@ -288,7 +290,7 @@ def part_long(args, model_path, binary, out_dir) -> dict:
         out[label] = {"bytes_held_at_end": held, "peak_bytes": peak, "seconds": time.perf_counter() - t,
                       "groups": runner.kv_bytes_by_group()}
         print(label, out[label]["bytes_held_at_end"] / 2**20, "MiB held,", peak / 2**20, "MiB peak", flush=True)
-        runner.close()
+        llm.close()
     m.close()
     return out
 
