@@ -12,14 +12,15 @@ PACKAGE = Path(pyllama_paged.__file__).resolve().parent
 LAYERS = [
     ["errors", "_version"],
     ["_native.library"],
-    ["_native.status", "_native.ggml_log"],
+    ["_native.status", "_native.ggml_log", "_native.handle"],
     ["_native"],   # the binding's facade (_native/__init__.py) re-exports its modules
     ["gguf.config"],
     ["gguf.reader"],
     ["convert.safetensors_file"],
     ["convert.bert_gguf"],
+    ["tokenizer.vocab"],
     ["tokenizer.spm"],
-    ["tokenizer.bpe", "tokenizer.wordpiece"],
+    ["tokenizer.bpe", "tokenizer.wordpiece", "tokenizer.special"],
     ["tokenizer.tokenizer", "tokenizer.chat_template"],
     ["constrain.vocab"],
     ["constrain.grammar"],
