@@ -1,7 +1,7 @@
 """cffi binding of the native library: the one C header is the whole contract.
 
 `library` binds the headers and opens the library, `status` turns status codes into
-exceptions (`check`), `ggml_log` quiets GGML's logger. Status codes and other C enums are
+exceptions (`check`), `ggml_log` quiets GGML's logger, `handle` frees what a wrapper owns. Status codes and other C enums are
 read from `lib` (lib.PP_OK, lib.PP_ERR_*, ...), never restated here.
 
 The library must report the package's version (pp_version()), else the import fails: a stale build.
@@ -16,6 +16,7 @@ from .library import HEADER_PATH, LIBRARY_PATH, TESTING_HEADER_PATH, check_versi
 check_version(library_version(), _version.__version__)
 
 from .ggml_log import GGML_LOG_DEBUG, GGML_LOG_WARN  # noqa: E402  (after the version check)
+from .handle import NativeHandle  # noqa: E402
 from .status import (  # noqa: E402
     PP_ERR_CAPACITY,
     PP_ERR_COMPUTE,
@@ -29,7 +30,7 @@ from .status import (  # noqa: E402
 
 __all__ = [
     "HEADER_PATH", "LIBRARY_PATH", "TESTING_HEADER_PATH", "check_version", "ffi", "lib", "library_version",
-    "GGML_LOG_DEBUG", "GGML_LOG_WARN",
+    "GGML_LOG_DEBUG", "GGML_LOG_WARN", "NativeHandle",
     "PP_OK", "PP_ERR_OUT_OF_BLOCKS", "PP_ERR_CAPACITY", "PP_ERR_INVALID", "PP_ERR_NO_MEMORY", "PP_ERR_COMPUTE",
     "check", "last_error",
 ]
