@@ -11,13 +11,16 @@ PACKAGE = Path(pyllama_paged.__file__).resolve().parent
 # Bottom first; a module may import from its own layer or any layer below.
 LAYERS = [
     ["errors", "_version"],
-    ["_native"],
+    ["_native.library"],
+    ["_native.status", "_native.ggml_log", "_native.handle"],
+    ["_native"],   # the binding's facade (_native/__init__.py) re-exports its modules
     ["gguf.config"],
     ["gguf.reader"],
     ["convert.safetensors_file"],
     ["convert.bert_gguf"],
+    ["tokenizer.vocab"],
     ["tokenizer.spm"],
-    ["tokenizer.bpe", "tokenizer.wordpiece"],
+    ["tokenizer.bpe", "tokenizer.wordpiece", "tokenizer.special"],
     ["tokenizer.tokenizer", "tokenizer.chat_template"],
     ["constrain.vocab"],
     ["constrain.grammar"],
@@ -94,8 +97,8 @@ def graph() -> dict[str, set[str]]:
     modules = {}
     for path in PACKAGE.rglob("*.py"):
         name = module_name(path)
-        if path.name == "__init__.py" and path.parent != PACKAGE:
-            continue   # subpackage docstrings: nothing to import
+        if path.name == "__init__.py" and path.parent != PACKAGE and name not in LAYER:
+            continue   # subpackage docstrings: nothing to import (a facade that re-exports is a layer)
         modules[name] = {m for m in imports_of(path) if m != name}
     return modules
 

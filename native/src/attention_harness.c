@@ -35,11 +35,8 @@ int32_t pp_attention_harness_create(int32_t kv_type, int32_t num_slots, int32_t 
                        num_slots, n_head, n_head_kv, head_dim);
     pp_attention_harness *h = calloc(1, sizeof *h);
     if (!h) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the harness");
-    h->type = type;
-    h->num_slots = num_slots;
-    h->n_head = n_head;
-    h->n_head_kv = n_head_kv;
-    h->head_dim = head_dim;
+    *h = (pp_attention_harness){.type = type, .num_slots = num_slots, .n_head = n_head, .n_head_kv = n_head_kv,
+                                .head_dim = head_dim};
     struct ggml_init_params params = {.mem_size = 3 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
     h->meta = ggml_init(params);
     h->graph_size = ggml_tensor_overhead() * 64 + ggml_graph_overhead_custom(64, false);
@@ -77,7 +74,10 @@ void pp_attention_harness_destroy(pp_attention_harness *h) {
     free(h);
 }
 
-static int check_slots(const pp_attention_harness *h, const int32_t *slots, int32_t n) {
+/* The arguments of a write or read of n K/V rows at slots (what names the call). */
+static int32_t check_rows(const pp_attention_harness *h, const int32_t *slots, int32_t n, const void *k,
+                          const void *v, const char *what) {
+    if (!h || !slots || !k || !v) return pp_fail(PP_ERR_INVALID, "harness %s: NULL argument", what);
     for (int32_t i = 0; i < n; i++)
         if (slots[i] < 0 || slots[i] >= h->num_slots)
             return pp_fail(PP_ERR_INVALID, "slot %d outside the pool of %d", slots[i], h->num_slots);
@@ -86,8 +86,7 @@ static int check_slots(const pp_attention_harness *h, const int32_t *slots, int3
 
 int32_t pp_attention_harness_write(pp_attention_harness *h, const int32_t *slots, int32_t n,
                                    const float *k, const float *v) {
-    if (!h || !slots || !k || !v) return pp_fail(PP_ERR_INVALID, "harness write: NULL argument");
-    int st = check_slots(h, slots, n);
+    const int32_t st = check_rows(h, slots, n, k, v, "write");
     if (st) return st;
     const int64_t row = (int64_t)h->head_dim * h->n_head_kv;
     const ggml_from_float_t convert = ggml_get_type_traits_cpu(h->type)->from_float;
@@ -100,8 +99,7 @@ int32_t pp_attention_harness_write(pp_attention_harness *h, const int32_t *slots
 
 int32_t pp_attention_harness_read(const pp_attention_harness *h, const int32_t *slots, int32_t n,
                                   float *k, float *v) {
-    if (!h || !slots || !k || !v) return pp_fail(PP_ERR_INVALID, "harness read: NULL argument");
-    int st = check_slots(h, slots, n);
+    const int32_t st = check_rows(h, slots, n, k, v, "read");
     if (st) return st;
     const int64_t row = (int64_t)h->head_dim * h->n_head_kv;
     const ggml_to_float_t convert = ggml_get_type_traits(h->type)->to_float;

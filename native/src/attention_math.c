@@ -10,17 +10,7 @@
  * and runs on CPUs without AVX2. */
 #include "attention_math.h"
 #include "ggml-cpu.h"
-
-#ifndef PP_ATTENTION_MATH_VARIANT
-#define PP_ATTENTION_MATH_VARIANT generic
-#endif
-#define PP_CONCAT_(a, b) a##_##b
-#define PP_CONCAT(a, b) PP_CONCAT_(a, b)
-#define PP_STR_(a) #a
-#define PP_STR(a) PP_STR_(a)
-/* Every function of a variant carries its name, so a disassembly shows
- * which code may use which instructions (tests/test_portability.py). */
-#define FN(name) PP_CONCAT(name, PP_ATTENTION_MATH_VARIANT)
+#include "math_variant.h"
 
 #include <math.h>
 #include <string.h>

@@ -163,19 +163,11 @@ void pp_pool_destroy(pp_block_pool *p) {
     }
     free(p->seqs);
     pp_hash_map_release(&p->prefix_map);
-    free(p->ref_count);
-    free(p->num_filled);
-    free(p->state);
-    free(p->has_hash);
-    free(p->computed);
-    free(p->hash);
-    free(p->parent_hash);
-    free(p->block_tokens);
-    free(p->free_stack);
-    free(p->lru_prev);
-    free(p->lru_next);
-    free(p->block_group);
-    free(p->group_window);
+    /* the per-block arrays and the groups' windows, as pp_pool_create_grouped makes them */
+    void *arrays[] = {p->ref_count, p->num_filled, p->state, p->has_hash, p->computed, p->hash,
+                      p->parent_hash, p->block_tokens, p->free_stack, p->lru_prev, p->lru_next,
+                      p->block_group, p->group_window};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) free(arrays[i]);
     free(p);
 }
 

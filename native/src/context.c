@@ -102,12 +102,16 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
     return PP_OK;
 }
 
+void pp_compute_release(ggml_gallocr_t galloc, ggml_backend_t backend, ggml_threadpool_t threadpool,
+                        pid_t pool_pid) {
+    if (galloc) ggml_gallocr_free(galloc);
+    if (backend) ggml_backend_free(backend);
+    if (threadpool && pool_pid == getpid()) ggml_threadpool_free(threadpool);
+}
+
 void pp_context_destroy(pp_context *c) {
     if (!c) return;
-    if (c->galloc) ggml_gallocr_free(c->galloc);
-    if (c->backend) ggml_backend_free(c->backend);
-    /* A forked child must not join its parent's workers. */
-    if (c->threadpool && c->pool_pid == getpid()) ggml_threadpool_free(c->threadpool);
+    pp_compute_release(c->galloc, c->backend, c->threadpool, c->pool_pid);
     free(c->meta_buf);
     free(c->layer_params);
     free(c->gemm_states);

@@ -23,9 +23,7 @@ struct pp_encoder {
 
 void pp_encoder_destroy(pp_encoder *e) {
     if (!e) return;
-    if (e->galloc) ggml_gallocr_free(e->galloc);
-    if (e->backend) ggml_backend_free(e->backend);
-    if (e->threadpool && e->pool_pid == getpid()) ggml_threadpool_free(e->threadpool);
+    pp_compute_release(e->galloc, e->backend, e->threadpool, e->pool_pid);
     free(e->meta_buf);
     free(e);
 }

@@ -6,43 +6,16 @@
 
 #include <string.h>
 
-int pp_encoder_resolve(pp_model *m, const char *name, struct ggml_tensor ***slot, int64_t *ne0, int64_t *ne1) {
+/* bert's layer tensors, each weight beside its bias; see pp_layer_slots_fn. */
+static size_t encoder_layer_slots(const pp_model *m, pp_layer *L, pp_tensor_slot *out) {
     const pp_model_hparams *hp = &m->hp;
-    const int64_t n_embd = hp->n_embd, n_types = hp->n_token_types > 0 ? hp->n_token_types : 2;
-    const struct { const char *name; struct ggml_tensor **slot; int64_t ne0, ne1; } globals[] = {
-        {"token_embd.weight", &m->tok_embd, n_embd, hp->n_vocab},
-        {"token_types.weight", &m->tok_types, n_embd, n_types},
-        {"position_embd.weight", &m->pos_embd, n_embd, hp->n_ctx_train},
-        {"token_embd_norm.weight", &m->embd_norm, n_embd, 0},
-        {"token_embd_norm.bias", &m->embd_norm_b, n_embd, 0},
-    };
-    for (size_t i = 0; i < sizeof globals / sizeof globals[0]; i++) {
-        if (!strcmp(name, globals[i].name)) {
-            *slot = globals[i].slot;
-            *ne0 = globals[i].ne0;
-            *ne1 = globals[i].ne1;
-            return 1;
-        }
-    }
-    /* "blk.<decimal layer>.<suffix>", parsed by hand as model.c does (no
-     * sscanf overflow on a fuzzed layer number) */
-    if (strncmp(name, "blk.", 4) != 0) return 0;
-    const char *p = name + 4;
-    long il = 0;
-    if (*p < '0' || *p > '9') return 0;
-    for (; *p >= '0' && *p <= '9'; p++) {
-        il = il * 10 + (*p - '0');
-        if (il >= hp->n_layer) return 0;
-    }
-    if (*p != '.') return 0;
-    pp_layer *L = &m->layers[il];
-    const char *rest = p + 1;
-    const struct { const char *suffix; struct ggml_tensor **slot; int64_t ne0, ne1; } table[] = {
+    const int64_t n_embd = hp->n_embd;
+    const pp_tensor_slot table[] = {
         {"attn_q.weight", &L->wq, n_embd, n_embd},
-        {"attn_k.weight", &L->wk, n_embd, n_embd},
-        {"attn_v.weight", &L->wv, n_embd, n_embd},
         {"attn_q.bias", &L->bq, n_embd, 0},
+        {"attn_k.weight", &L->wk, n_embd, n_embd},
         {"attn_k.bias", &L->bk, n_embd, 0},
+        {"attn_v.weight", &L->wv, n_embd, n_embd},
         {"attn_v.bias", &L->bv, n_embd, 0},
         {"attn_output.weight", &L->wo, n_embd, n_embd},
         {"attn_output.bias", &L->bo, n_embd, 0},
@@ -55,15 +28,22 @@ int pp_encoder_resolve(pp_model *m, const char *name, struct ggml_tensor ***slot
         {"layer_output_norm.weight", &L->layer_out_norm, n_embd, 0},
         {"layer_output_norm.bias", &L->layer_out_norm_b, n_embd, 0},
     };
-    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
-        if (!strcmp(rest, table[i].suffix)) {
-            *slot = table[i].slot;
-            *ne0 = table[i].ne0;
-            *ne1 = table[i].ne1;
-            return 1;
-        }
-    }
-    return 0;
+    _Static_assert(sizeof table <= PP_MAX_LAYER_SLOTS * sizeof table[0], "raise PP_MAX_LAYER_SLOTS");
+    memcpy(out, table, sizeof table);
+    return sizeof table / sizeof table[0];
+}
+
+int pp_encoder_resolve(pp_model *m, const char *name, pp_tensor_slot *spec) {
+    const pp_model_hparams *hp = &m->hp;
+    const int64_t n_embd = hp->n_embd, n_types = hp->n_token_types > 0 ? hp->n_token_types : 2;
+    const pp_tensor_slot globals[] = {
+        {"token_embd.weight", &m->tok_embd, n_embd, hp->n_vocab},
+        {"token_types.weight", &m->tok_types, n_embd, n_types},
+        {"position_embd.weight", &m->pos_embd, n_embd, hp->n_ctx_train},
+        {"token_embd_norm.weight", &m->embd_norm, n_embd, 0},
+        {"token_embd_norm.bias", &m->embd_norm_b, n_embd, 0},
+    };
+    return pp_resolve_tensor(m, name, globals, sizeof globals / sizeof globals[0], encoder_layer_slots, spec);
 }
 
 int32_t pp_encoder_finalize(const pp_model *m) {

@@ -7,6 +7,8 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 
+#include <sys/types.h>   /* pid_t */
+
 #define PP_MAX_REPACK_BUFTS 8
 
 struct pp_q8_panels;          /* q8_panels.h */
@@ -153,11 +155,37 @@ int pp_gather_first_key(int p0, int window);
 
 #define PP_MAX_GRAPH_NODES 8192
 
-/* encoder_model.c: where a bert tensor name goes (1, with *slot and its
- * expected [ne0, ne1], ne1 0 for 1-D) or 0 for a name it does not use; and
- * the check that every tensor bert needs is there (PP_OK or PP_ERR_INVALID
- * naming the first missing one). Call only for PP_ARCH_BERT models. */
-int pp_encoder_resolve(pp_model *m, const char *name, struct ggml_tensor ***slot, int64_t *ne0, int64_t *ne1);
+/* context.c: frees a compute context's allocator, backend and thread pool
+ * (each may be NULL). A forked child must not join its parent's workers, so
+ * a pool made by another process than pool_pid's is left alone. */
+void pp_compute_release(ggml_gallocr_t galloc, ggml_backend_t backend, ggml_threadpool_t threadpool,
+                        pid_t pool_pid);
+
+/* A GGUF tensor name, where the tensor goes in pp_model and the 2-D shape it
+ * must have (ne1 = 0: 1-D). Tables of these map names to slots. */
+typedef struct pp_tensor_slot {
+    const char *name;
+    struct ggml_tensor **slot;
+    int64_t ne0, ne1;
+} pp_tensor_slot;
+
+/* The most tensors one layer has, in any architecture's layer table. */
+#define PP_MAX_LAYER_SLOTS 24
+/* An architecture's layer table: writes layer L's slots, keyed by the name's
+ * suffix after "blk.<il>.", to out (room for PP_MAX_LAYER_SLOTS) and returns
+ * how many it wrote. */
+typedef size_t (*pp_layer_slots_fn)(const pp_model *m, pp_layer *L, pp_tensor_slot *out);
+/* model.c: where name goes (1, with *spec) or 0 for a name the model does not
+ * use: an entry of globals[0..n_globals), or for "blk.<il>.<suffix>" with
+ * il < n_layer the entry of layer il's table named suffix. */
+int pp_resolve_tensor(pp_model *m, const char *name, const pp_tensor_slot *globals, size_t n_globals,
+                      pp_layer_slots_fn layer_slots, pp_tensor_slot *spec);
+
+/* encoder_model.c: where a bert tensor name goes (1, with *spec) or 0 for a
+ * name it does not use; and the check that every tensor bert needs is there
+ * (PP_OK or PP_ERR_INVALID naming the first missing one). Call only for
+ * PP_ARCH_BERT models. */
+int pp_encoder_resolve(pp_model *m, const char *name, pp_tensor_slot *spec);
 int32_t pp_encoder_finalize(const pp_model *m);
 
 /* encoder_graph.c: the bert forward over n_seqs inputs padded to max_len

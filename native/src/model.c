@@ -59,35 +59,48 @@ void pp_model_destroy(pp_model *m) {
     free(m);
 }
 
-/* Where a named tensor goes and the 2-D shape it must have (ne1 = 0: 1-D). */
-typedef struct slot_spec {
-    struct ggml_tensor **slot;
-    int64_t ne0, ne1;
-} slot_spec;
+static const pp_tensor_slot *find_slot(const pp_tensor_slot *table, size_t n, const char *name) {
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(name, table[i].name)) return &table[i];
+    return NULL;
+}
 
-static int resolve(pp_model *m, const char *name, slot_spec *spec) {
-    const pp_model_hparams *hp = &m->hp;
-    if (hp->arch == PP_ARCH_BERT) return pp_encoder_resolve(m, name, &spec->slot, &spec->ne0, &spec->ne1);
-    const int64_t n_embd = hp->n_embd, q_dim = (int64_t)hp->n_head * hp->head_dim,
-                  kv_dim = (int64_t)hp->n_head_kv * hp->head_dim;
-    if (!strcmp(name, "token_embd.weight")) { *spec = (slot_spec){&m->tok_embd, n_embd, hp->n_vocab}; return 1; }
-    if (!strcmp(name, "output_norm.weight")) { *spec = (slot_spec){&m->output_norm, n_embd, 0}; return 1; }
-    if (!strcmp(name, "output.weight")) { *spec = (slot_spec){&m->output, n_embd, hp->n_vocab}; return 1; }
-    if (!strcmp(name, "rope_freqs.weight")) { *spec = (slot_spec){&m->rope_freqs, hp->n_rot / 2, 0}; return 1; }
-    /* "blk.<decimal layer>.<suffix>"; parsed by hand because sscanf's %d has
-     * undefined behaviour on overflow (a fuzzed "blk.99999999999.") */
-    if (strncmp(name, "blk.", 4) != 0) return 0;
+/* The layer of a "blk.<decimal layer>.<suffix>" name, with *suffix pointing
+ * into name; -1 for any other name or a layer >= n_layer. */
+static int32_t tensor_layer(const char *name, int32_t n_layer, const char **suffix) {
+    /* parsed by hand because sscanf's %d has undefined behaviour on overflow
+     * (a fuzzed "blk.99999999999."): the layer stops growing at n_layer */
+    if (strncmp(name, "blk.", 4) != 0) return -1;
     const char *p = name + 4;
-    long il = 0;
-    if (*p < '0' || *p > '9') return 0;
+    int64_t il = 0;
+    if (*p < '0' || *p > '9') return -1;
     for (; *p >= '0' && *p <= '9'; p++) {
         il = il * 10 + (*p - '0');
-        if (il >= hp->n_layer) return 0;
+        if (il >= n_layer) return -1;
     }
-    if (*p != '.') return 0;
-    pp_layer *L = &m->layers[il];
-    const char *rest = p + 1;
-    const struct { const char *suffix; struct ggml_tensor **slot; int64_t ne0, ne1; } table[] = {
+    if (*p != '.') return -1;
+    *suffix = p + 1;
+    return (int32_t)il;
+}
+
+int pp_resolve_tensor(pp_model *m, const char *name, const pp_tensor_slot *globals, size_t n_globals,
+                      pp_layer_slots_fn layer_slots, pp_tensor_slot *spec) {
+    const pp_tensor_slot *found = find_slot(globals, n_globals, name);
+    pp_tensor_slot layer[PP_MAX_LAYER_SLOTS];
+    const char *suffix = NULL;
+    const int32_t il = found ? -1 : tensor_layer(name, m->hp.n_layer, &suffix);
+    if (il >= 0) found = find_slot(layer, layer_slots(m, &m->layers[il], layer), suffix);
+    if (!found) return 0;
+    *spec = *found;
+    return 1;
+}
+
+/* The decoder layers' tensors (llama, qwen2, qwen3, gemma3); see pp_layer_slots_fn. */
+static size_t decoder_layer_slots(const pp_model *m, pp_layer *L, pp_tensor_slot *out) {
+    const pp_model_hparams *hp = &m->hp;
+    const int64_t n_embd = hp->n_embd, q_dim = (int64_t)hp->n_head * hp->head_dim,
+                  kv_dim = (int64_t)hp->n_head_kv * hp->head_dim;
+    const pp_tensor_slot table[] = {
         {"attn_norm.weight", &L->attn_norm, n_embd, 0},
         {"attn_q.weight", &L->wq, n_embd, q_dim},
         {"attn_k.weight", &L->wk, n_embd, kv_dim},
@@ -105,13 +118,22 @@ static int resolve(pp_model *m, const char *name, slot_spec *spec) {
         {"ffn_down.weight", &L->ffn_down, hp->n_ff, n_embd},
         {"post_ffw_norm.weight", &L->post_ffw_norm, n_embd, 0},
     };
-    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
-        if (!strcmp(rest, table[i].suffix)) {
-            *spec = (slot_spec){table[i].slot, table[i].ne0, table[i].ne1};
-            return 1;
-        }
-    }
-    return 0;
+    _Static_assert(sizeof table <= PP_MAX_LAYER_SLOTS * sizeof table[0], "raise PP_MAX_LAYER_SLOTS");
+    memcpy(out, table, sizeof table);
+    return sizeof table / sizeof table[0];
+}
+
+/* Where a named tensor goes (1, with *spec) or 0 for a name the model does not use. */
+static int resolve(pp_model *m, const char *name, pp_tensor_slot *spec) {
+    const pp_model_hparams *hp = &m->hp;
+    if (hp->arch == PP_ARCH_BERT) return pp_encoder_resolve(m, name, spec);
+    const pp_tensor_slot globals[] = {
+        {"token_embd.weight", &m->tok_embd, hp->n_embd, hp->n_vocab},
+        {"output_norm.weight", &m->output_norm, hp->n_embd, 0},
+        {"output.weight", &m->output, hp->n_embd, hp->n_vocab},
+        {"rope_freqs.weight", &m->rope_freqs, hp->n_rot / 2, 0},
+    };
+    return pp_resolve_tensor(m, name, globals, sizeof globals / sizeof globals[0], decoder_layer_slots, spec);
 }
 
 int32_t pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const int64_t *ne,
@@ -121,7 +143,7 @@ int32_t pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const i
     if (n_dims < 1 || n_dims > GGML_MAX_DIMS)
         return pp_fail(PP_ERR_INVALID, "tensor '%s': %d dimensions (GGML takes 1 to %d)", name, n_dims,
                        GGML_MAX_DIMS);
-    slot_spec spec;
+    pp_tensor_slot spec;
     if (!resolve(m, name, &spec)) return PP_OK;
     if (type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size((enum ggml_type)type) == 0 ||
         ggml_type_size((enum ggml_type)type) == 0)

@@ -202,7 +202,6 @@ void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *use
     const pp_attention_params *ap = userdata;
     const pp_batch *batch = ap->batch;
     const int hd = ap->head_dim;
-    const int n_kv = ap->n_head_kv;
     const int group = ap->n_head / ap->n_head_kv;
     const int tq = tile_tokens(ap, nth);
     GGML_ASSERT(group <= PP_ATTN_MAX_ROWS);
@@ -214,7 +213,7 @@ void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *use
     for (int t0 = 0; t0 < batch->n_tokens;) {
         int t1 = t0 + 1;
         while (t1 < batch->n_tokens && t1 - t0 < tq && batch->seq_index[t1] == batch->seq_index[t0]) t1++;
-        for (int kvh = 0; kvh < n_kv; kvh++, item++) {
+        for (int kvh = 0; kvh < ap->n_head_kv; kvh++, item++) {
             if (item % nth != ith) continue;
             const int k_lo = key_begin(ap, batch->positions[t0]), k_hi = batch->positions[t1 - 1] + 1;
             attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t0, t1, kvh, k_lo, k_hi, &st);

@@ -11,15 +11,7 @@
  * (scalar loops; table pp_sampling_math_generic) and -march=x86-64-v3
  * (pp_sampling_math_avx2). */
 #include "sampling_math.h"
-
-#ifndef PP_ATTENTION_MATH_VARIANT
-#define PP_ATTENTION_MATH_VARIANT generic
-#endif
-#define PP_CONCAT_(a, b) a##_##b
-#define PP_CONCAT(a, b) PP_CONCAT_(a, b)
-#define PP_STR_(a) #a
-#define PP_STR(a) PP_STR_(a)
-#define FN(name) PP_CONCAT(name, PP_ATTENTION_MATH_VARIANT)
+#include "math_variant.h"
 
 #include <math.h>
 #include <string.h>

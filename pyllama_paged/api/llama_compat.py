@@ -25,14 +25,19 @@ _GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_
 CHAT_FORMATS = {"gemma": GEMMA_TEMPLATE, "chatml": CHATML_TEMPLATE, "qwen": CHATML_TEMPLATE,
                 "llama-3": LLAMA3_TEMPLATE, "llama-2": LLAMA2_TEMPLATE}
 
+
+def _unused(why: str, **neutral: Any) -> dict[str, tuple[Any, str]]:
+    """UNUSED_ARGS rows of arguments that share a reason."""
+    return {name: (value, why) for name, value in neutral.items()}
+
+
 # Constructor arguments that are accepted but change nothing here: name -> (the
 # value that asks for nothing, why another value is not honoured). A value other
 # than the neutral one warns once.
 UNUSED_ARGS: dict[str, tuple[Any, str]] = {
     "n_gpu_layers": (0, "this build runs on the CPU (the GPU path does not exist yet)"),
-    "split_mode": (1, "there is one device"),
+    **_unused("there is one device", split_mode=1, tensor_split=None),
     "main_gpu": (0, "this build runs on the CPU"),
-    "tensor_split": (None, "there is one device"),
     "vocab_only": (False, "the whole model is loaded"),
     "use_mmap": (True, "the weights are always memory-mapped"),
     "use_mlock": (False, "memory is not locked"),
@@ -40,11 +45,8 @@ UNUSED_ARGS: dict[str, tuple[Any, str]] = {
     "rope_scaling_type": (-1, "the GGUF's RoPE scaling is used"),
     "rope_freq_base": (0.0, "the GGUF's RoPE frequency base is used"),
     "rope_freq_scale": (0.0, "the GGUF's RoPE frequency scale is used"),
-    "yarn_ext_factor": (-1.0, "YaRN settings come from the GGUF"),
-    "yarn_attn_factor": (1.0, "YaRN settings come from the GGUF"),
-    "yarn_beta_fast": (32.0, "YaRN settings come from the GGUF"),
-    "yarn_beta_slow": (1.0, "YaRN settings come from the GGUF"),
-    "yarn_orig_ctx": (0, "YaRN settings come from the GGUF"),
+    **_unused("YaRN settings come from the GGUF", yarn_ext_factor=-1.0, yarn_attn_factor=1.0,
+              yarn_beta_fast=32.0, yarn_beta_slow=1.0, yarn_orig_ctx=0),
     "attention_type": (-1, "attention is causal for the models we run"),
     "n_ubatch": (512, "a step is sized by n_batch alone"),
     "numa": (False, "no NUMA placement is done"),
@@ -52,8 +54,7 @@ UNUSED_ARGS: dict[str, tuple[Any, str]] = {
     "tokenizer": (None, "the GGUF's own tokenizer is used"),
     "spm_infill": (False, "fill-in-the-middle is not supported"),
     "swa_full": (None, "the KV cache is paged"),
-    "lora_base": (None, "LoRA adapters are not supported"),
-    "lora_scale": (1.0, "LoRA adapters are not supported"),
+    **_unused("LoRA adapters are not supported", lora_base=None, lora_scale=1.0),
 }
 # Accepted silently: their effect is already what this engine does (a fused
 # attention kernel, KV on the compute device, no perf counters to turn off).
@@ -117,6 +118,7 @@ def seed_of(seed: int | None) -> int | None:
     return None if seed is None or seed in (LLAMA_DEFAULT_SEED, -1) else seed
 
 
+@dataclass(eq=False, repr=False)   # compared by identity, like llama-cpp-python's (it holds arrays)
 class LlamaState:
     """What save_state returns and load_state takes: the tokens the model has
     evaluated. NOTE(state): no KV bytes are stored (llama_state is b""): a
@@ -124,14 +126,12 @@ class LlamaState:
     cache holds recent prefixes, so restoring the tokens is exact and a later
     generation recomputes only what the cache no longer holds."""
 
-    def __init__(self, input_ids: np.ndarray, scores: np.ndarray, n_tokens: int, llama_state: bytes = b"",
-                 llama_state_size: int = 0, seed: int | None = None):
-        self.input_ids = input_ids
-        self.scores = scores
-        self.n_tokens = n_tokens
-        self.llama_state = llama_state
-        self.llama_state_size = llama_state_size
-        self.seed = seed
+    input_ids: np.ndarray
+    scores: np.ndarray
+    n_tokens: int
+    llama_state: bytes = b""
+    llama_state_size: int = 0
+    seed: int | None = None
 
 
 LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]

@@ -5,13 +5,12 @@ vocabulary when a generation asks for it."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import llguidance
 
-from ..constrain.grammar import ConstraintError
+from ..constrain.grammar import ConstraintError, json_schema_object
 
 LLAMA_GRAMMAR_DEFAULT_ROOT = "root"
 
@@ -51,15 +50,7 @@ class LlamaGrammar:
     @classmethod
     def from_json_schema(cls, json_schema: str, verbose: bool = True) -> "LlamaGrammar":
         """A JSON schema (as JSON text, or a dict) the output must validate against."""
-        schema = json_schema
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, dict):
-            raise ConstraintError("the JSON schema must be an object")
-        return cls(_json_schema=schema)
+        return cls(_json_schema=json_schema_object(json_schema))
 
     def constraint_spec(self) -> tuple[str, Any]:
         """(kind, source) as constrain.grammar.compile_constraint takes them."""

@@ -52,17 +52,23 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
+def json_schema_object(spec: Any) -> dict:
+    """A JSON schema given as JSON text or a dict, as a dict; ConstraintError otherwise."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ConstraintError("the JSON schema must be an object")
+    return spec
+
+
 def _grammar(kind: str, spec: Any) -> str:
     if kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
     if kind == "json_schema":
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(spec, dict):
-            raise ConstraintError("the JSON schema must be an object")
+        spec = json_schema_object(spec)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(spec), defaults=_JSON_OPTIONS)
         except ValueError as e:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._native import check, ffi, lib
+from .._native import NativeHandle, check, ffi, lib
 from ..errors import PagedError
 from .embedding import EmbedParams
 from .llm_engine import RequestOutput
@@ -34,8 +34,11 @@ class NoKV:
         return 0
 
 
-class EncoderRunner:
-    """One encoder model's compute context: inputs in, pooled token states out."""
+class EncoderRunner(NativeHandle):
+    """One encoder model's compute context: inputs in, pooled token states out. close() frees
+    the native context (the model is the caller's)."""
+
+    _destroy = staticmethod(lib.pp_encoder_destroy)
 
     def __init__(self, model: Model, n_threads: int = 2, max_batch_tokens: int = 4096):
         if not model.config.is_encoder:
@@ -47,10 +50,9 @@ class EncoderRunner:
         self.kv = NoKV()
         self.kv_bytes_per_token = 0
         self.kv_pool_bytes = 0
-        self._enc = None
         out = ffi.new("pp_encoder **")
         check(lib.pp_encoder_create(model.native, n_threads, self.max_batch_tokens, out), "encoder context")
-        self._enc = out[0]
+        self._handle = out[0]
 
     @property
     def n_vocab(self) -> int:
@@ -59,25 +61,16 @@ class EncoderRunner:
     def embed(self, inputs: list[list[int]], pooling: str = "mean") -> np.ndarray:
         """Pooled last-layer states [len(inputs), n_embd] of inputs that fit one call
         (len(inputs) * longest <= max_batch_tokens)."""
-        if self._enc is None:
+        if self._handle is None:
             raise PagedError("this encoder is closed")
         lens = np.array([len(ids) for ids in inputs], dtype=np.int32)
         flat = np.fromiter(itertools.chain.from_iterable(inputs), dtype=np.int32, count=int(lens.sum()))
         out = np.empty((len(inputs), self.model.config.n_embd), dtype=np.float32)
         i32 = "int32_t *"
-        check(lib.pp_encoder_embed(self._enc, ffi.cast(i32, ffi.from_buffer(flat)), ffi.NULL,
+        check(lib.pp_encoder_embed(self._handle, ffi.cast(i32, ffi.from_buffer(flat)), ffi.NULL,
                                    ffi.cast(i32, ffi.from_buffer(lens)), len(inputs), _POOLING_IDS[pooling],
                                    ffi.cast("float *", ffi.from_buffer(out))), "encoder")
         return out
-
-    def close(self) -> None:
-        """Free the native context (the model is the caller's)."""
-        if self._enc is not None:
-            lib.pp_encoder_destroy(self._enc)
-            self._enc = None
-
-    def __del__(self):
-        self.close()
 
 
 @dataclass

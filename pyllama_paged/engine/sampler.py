@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .._native import PP_OK, check, ffi, lib
+from .._native import PP_OK, NativeHandle, check, ffi, lib
 from ..constrain.masks import MaskBuffer
 from ..errors import PagedError, RequestError
 
@@ -141,19 +141,20 @@ def _clamp(value: float, low: float) -> float:
     return min(max(value, low), _HUGE) if value != 0 else 0.0
 
 
-class BatchSampler:
+class BatchSampler(NativeHandle):
     """Every row of a step sampled in one native call; buffers reused across steps."""
+
+    _destroy = staticmethod(lib.pp_sampler_destroy)
 
     def __init__(self, n_vocab: int, n_threads: int = 1):
         self.n_vocab = n_vocab
-        self._native = None
         self._masks: MaskBuffer | None = None
         self._capacity = 0
         out = ffi.new("pp_sampler **")
         # a host with more cores than the sampler spreads rows over still gets a sampler
         threads = max(1, min(n_threads, lib.PP_SAMPLER_MAX_THREADS))
         check(lib.pp_sampler_create(n_vocab, threads, out), "sampler")
-        self._native = out[0]
+        self._handle = out[0]
 
     def sample(self, logits: np.ndarray, picks) -> list[Sampled]:
         """picks: (logits row, Sampler, token history) per sequence to sample. A row whose
@@ -182,7 +183,7 @@ class BatchSampler:
                 r.history = ffi.cast("const int32_t *", ffi.from_buffer(arr))
                 r.n_history = len(arr)
             r.rng_state = sampler.rng_ptr
-        status = lib.pp_sample(self._native, ffi.cast("const float *", ffi.from_buffer(logits)),
+        status = lib.pp_sample(self._handle, ffi.cast("const float *", ffi.from_buffer(logits)),
                                logits.shape[0] if logits.ndim == 2 else 1, self._rows, len(live), self._results)
         failed_rows = status != PP_OK and any(res.token < 0 for res in results)
         if status != PP_OK and not failed_rows:
@@ -272,11 +273,3 @@ class BatchSampler:
         for k, i in enumerate(constrained):
             rows[i].allowed = ffi.cast("const uint8_t *", ffi.from_buffer(allowed[k]))
         return [allowed]
-
-    def close(self) -> None:
-        if self._native is not None:
-            lib.pp_sampler_destroy(self._native)
-            self._native = None
-
-    def __del__(self):
-        self.close()

@@ -39,6 +39,27 @@ class Histogram:
         return out
 
 
+# The engine and pool gauges, one series per model: metric name -> (key in the engine's
+# stats, help text). The pool's block counts are named after the block states.
+_BLOCK_GAUGES = {f"kv_blocks_{state}": (f"blocks_{state}", help_text) for state, help_text in (
+    ("free", "Free KV blocks."),
+    ("used", "KV blocks held by sequences."),
+    ("shared", "KV blocks shared by several sequences."),
+    ("cached", "Evictable prefix-cache blocks."),
+)}
+GAUGES = {
+    "queue_depth": ("waiting_requests", "Requests waiting for admission."),
+    "running_sequences": ("running_seqs", "Sequences decoding now."),
+    "swapped_requests": ("swapped_requests", "Requests swapped out of the pool."),
+    **_BLOCK_GAUGES,
+    "kv_utilization": ("utilization", "Tokens stored / slots held in used blocks."),
+    "kv_pool_bytes": ("kv_pool_bytes", "Bytes of the KV pool."),
+    "kv_bytes_used": ("kv_bytes_used", "KV bytes held by sequences."),
+    "prefix_cache_hit_rate": ("prefix_hit_rate", "Prefix-cache block hit rate."),
+    "preemptions_total": ("preemptions", "Requests preempted."),
+}
+
+
 class Metrics:
     """Counters and latency histograms updated by the request handlers."""
 
@@ -100,21 +121,7 @@ class Metrics:
             lines += ["# HELP pyllama_inter_token_latency_seconds Gap between streamed tokens.",
                       "# TYPE pyllama_inter_token_latency_seconds histogram"]
             lines += self.itl.lines("pyllama_inter_token_latency_seconds", "")
-        gauges = {
-            "queue_depth": ("waiting_requests", "Requests waiting for admission."),
-            "running_sequences": ("running_seqs", "Sequences decoding now."),
-            "swapped_requests": ("swapped_requests", "Requests swapped out of the pool."),
-            "kv_blocks_free": ("blocks_free", "Free KV blocks."),
-            "kv_blocks_used": ("blocks_used", "KV blocks held by sequences."),
-            "kv_blocks_shared": ("blocks_shared", "KV blocks shared by several sequences."),
-            "kv_blocks_cached": ("blocks_cached", "Evictable prefix-cache blocks."),
-            "kv_utilization": ("utilization", "Tokens stored / slots held in used blocks."),
-            "kv_pool_bytes": ("kv_pool_bytes", "Bytes of the KV pool."),
-            "kv_bytes_used": ("kv_bytes_used", "KV bytes held by sequences."),
-            "prefix_cache_hit_rate": ("prefix_hit_rate", "Prefix-cache block hit rate."),
-            "preemptions_total": ("preemptions", "Requests preempted."),
-        }
-        for metric, (key, help_text) in gauges.items():
+        for metric, (key, help_text) in GAUGES.items():
             lines += [f"# HELP pyllama_{metric} {help_text}", f"# TYPE pyllama_{metric} gauge"]
             for model, stats in engine_stats.items():
                 if key in stats:

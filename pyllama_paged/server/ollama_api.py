@@ -22,6 +22,7 @@ from ..tools.prompt import check_tools, render_chat
 from .generation import (APIError, check_request, fit_prompt, off_loop, request_params, require_generative,
                          start_generation)
 from .ollama_manage import OLLAMA_VERSION, NameRequest, describe, find_model, keep_alive_seconds, show_model
+from .openai_schemas import ToolFunction
 
 
 class Options(BaseModel):
@@ -95,15 +96,9 @@ class Message(_Loose):
     thinking: str | None = None
 
 
-class FunctionDef(_Loose):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-
-
 class Tool(_Loose):
     type: Literal["function"] = "function"
-    function: FunctionDef
+    function: ToolFunction
 
 
 class ChatRequest(_Common):

@@ -144,10 +144,14 @@ class ChatMessage(_Loose):
     name: str | None = None
 
 
-class FunctionDef(_Loose):
+class ToolFunction(_Loose):
+    """A tool's function as a chat request declares it: Ollama's fields (OpenAI's add strict)."""
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+
+
+class FunctionDef(ToolFunction):
     strict: bool | None = None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pyllama_paged._native import check, ffi, lib
+from pyllama_paged._native import NativeHandle, check, ffi, lib
 from pyllama_paged.engine.model_runner import KV_TYPES
 
 
@@ -19,31 +19,37 @@ def _f32(a) -> tuple[np.ndarray, object]:
     return arr, ffi.cast("float *", ffi.from_buffer(arr))
 
 
-class AttentionHarness:
+class AttentionHarness(NativeHandle):
     """A KV pool of num_slots rows plus the paged and contiguous attention ops."""
+
+    _destroy = staticmethod(lib.pp_attention_harness_destroy)
 
     def __init__(self, kv_cache_type: str, num_slots: int, n_head: int, n_head_kv: int,
                  head_dim: int, n_threads: int = 1):
-        self._h = None
         out = ffi.new("pp_attention_harness **")
         check(lib.pp_attention_harness_create(KV_TYPES[kv_cache_type], num_slots, n_head, n_head_kv,
                                               head_dim, n_threads, out), "AttentionHarness")
-        self._h = out[0]
+        self._handle = out[0]
         self.n_head, self.n_head_kv, self.head_dim = n_head, n_head_kv, head_dim
+
+    @property
+    def _h(self):
+        """The native harness, for tests that call its C functions themselves."""
+        return self._handle
 
     def write(self, slots, k: np.ndarray, v: np.ndarray) -> None:
         """Store f32 K/V rows [n, n_head_kv * head_dim] at slots."""
         s, sp = _i32(slots)
         k, kp = _f32(k)
         v, vp = _f32(v)
-        check(lib.pp_attention_harness_write(self._h, sp, len(s), kp, vp), "write")
+        check(lib.pp_attention_harness_write(self._handle, sp, len(s), kp, vp), "write")
 
     def read(self, slots) -> tuple[np.ndarray, np.ndarray]:
         """K/V rows at slots as the kernel sees them (dequantized to f32)."""
         s, sp = _i32(slots)
         k = np.empty((len(s), self.n_head_kv * self.head_dim), np.float32)
         v = np.empty_like(k)
-        check(lib.pp_attention_harness_read(self._h, sp, len(s), _f32(k)[1], _f32(v)[1]), "read")
+        check(lib.pp_attention_harness_read(self._handle, sp, len(s), _f32(k)[1], _f32(v)[1]), "read")
         return k, v
 
     def paged(self, q: np.ndarray, positions, seq_index, block_tables, block_size: int,
@@ -62,7 +68,7 @@ class AttentionHarness:
         b.block_tables = tp
         b.max_blocks_per_seq = tables.shape[1]
         scale = scale if scale is not None else self.head_dim ** -0.5
-        check(lib.pp_attention_harness_paged(self._h, b, block_size, window, scale, qp, _f32(out)[1]),
+        check(lib.pp_attention_harness_paged(self._handle, b, block_size, window, scale, qp, _f32(out)[1]),
               "paged attention")
         return out
 
@@ -73,14 +79,6 @@ class AttentionHarness:
         pos, pp = _i32(positions)
         out = np.empty_like(q)
         scale = scale if scale is not None else self.head_dim ** -0.5
-        check(lib.pp_attention_harness_contiguous(self._h, first_slot, n_kv, len(pos), pp, window,
+        check(lib.pp_attention_harness_contiguous(self._handle, first_slot, n_kv, len(pos), pp, window,
                                                   scale, qp, _f32(out)[1]), "contiguous attention")
         return out
-
-    def close(self) -> None:
-        if self._h is not None:
-            lib.pp_attention_harness_destroy(self._h)
-            self._h = None
-
-    def __del__(self):
-        self.close()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import re
 import sys
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 

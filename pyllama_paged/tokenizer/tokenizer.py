@@ -27,124 +27,24 @@ Decoding choices (llama.cpp leaves these to the caller):
 * Control and unknown tokens decode to their text unless ``skip_special=True``; unused tokens
   decode to nothing.
 
-``Tokenizer.from_gguf`` accepts a path (read with the package's one, bounds-checked GGUF
-reader, ``pyllama_paged.gguf.reader``), a ``gguf.GGUFReader``, an object with a ``metadata`` dict, or a
-``{key: value}`` metadata dict.
+The GGUF metadata is read and checked in ``vocab`` (``Tokenizer.from_gguf`` accepts what
+``read_tokenizer_metadata`` does: a path, a ``gguf.GGUFReader``, an object with a ``metadata``
+dict, or a metadata dict); this module encodes and decodes.
 """
 
 from __future__ import annotations
 
 import codecs
-import os
-from enum import IntEnum
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
-import numpy as np
-
-from ..errors import ModelLoadError
-from ..gguf.reader import read_metadata
 from .bpe import BpeEncoder, bpe_text_to_bytes, pre_tokenizer_family, pre_tokenizer_flags
 from .chat_template import ChatPrompt, ContentGuard
+from .special import SpecialTokens
 from .spm import SPACE_MARK, SpmEncoder
+from .vocab import TokenType, Vocab, as_text, end_of_generation, read_tokenizer_metadata, vocab_from_metadata
 from .wordpiece import WordPieceEncoder
 
 __all__ = ["TokenType", "Tokenizer", "IncrementalDecoder"]
-
-
-class TokenType(IntEnum):
-    """Values of ``tokenizer.ggml.token_type``."""
-
-    UNDEFINED = 0
-    NORMAL = 1
-    UNKNOWN = 2
-    CONTROL = 3
-    USER_DEFINED = 4
-    UNUSED = 5
-    BYTE = 6
-
-
-# Token texts that llama.cpp treats as end of generation (and then as control tokens, so they
-# are only parsed with parse_special) -- even "</s>", which Gemma 3 has as an HTML tag.
-_END_OF_GENERATION_TEXTS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
-)
-# Of those, the ones that may serve as the EOT id when the GGUF names none.
-_END_OF_TURN_TEXTS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-    "<EOT>", "_<EOT>", "[EOT]", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>",
-)
-
-# --- GGUF metadata ----------------------------------------------------------------------------
-
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def _tokenizer_key(key: str) -> bool:
-    return key.startswith("tokenizer.") or key == "general.architecture"
-
-
-def _metadata_from_reader(reader) -> dict[str, Any]:
-    """Tokenizer metadata from a ``gguf.GGUFReader``."""
-    out = {}
-    for key, field in reader.fields.items():
-        if not _tokenizer_key(key):
-            continue
-        types = list(field.types)
-        if types[0] == _GGUF_ARRAY:
-            if len(types) > 1 and types[1] == _GGUF_STRING:
-                out[key] = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
-            elif field.data:
-                out[key] = np.concatenate([np.asarray(field.parts[i]).reshape(-1) for i in field.data])
-            else:
-                out[key] = np.zeros(0)
-        elif types[0] == _GGUF_STRING:
-            out[key] = bytes(field.parts[field.data[0]]).decode("utf-8", "surrogateescape")
-        else:
-            out[key] = field.parts[field.data[0]][0].item()
-    return out
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _string_list(md: Mapping[str, Any], key: str) -> Optional[list]:
-    """A GGUF string array (a list of str/bytes), or None when absent."""
-    value = md.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, (str, bytes)) for v in value):
-        raise ModelLoadError(f"metadata field '{key}' must be an array of strings, got {_short(value)}")
-    return list(value)
-
-
-def _number_array(md: Mapping[str, Any], key: str, n: int, kinds: str) -> Optional[np.ndarray]:
-    """A 1-D numeric array of n items (numpy dtype kind in kinds), or None when absent."""
-    value = md.get(key)
-    if value is None:
-        return None
-    arr = value if isinstance(value, np.ndarray) else None
-    if arr is None and isinstance(value, (list, tuple)):
-        try:
-            arr = np.asarray(value)
-        except (ValueError, TypeError):  # ragged or mixed lists
-            arr = None
-    if arr is None or arr.ndim != 1 or arr.dtype.kind not in kinds:
-        what = "numbers" if "f" in kinds else "integers"
-        raise ModelLoadError(f"metadata field '{key}' must be an array of {what}, got {_short(value)}")
-    if len(arr) != n:
-        raise ModelLoadError(f"metadata field '{key}' has {len(arr)} entries for {n} tokens")
-    return arr
-
-
-# --- the tokenizer ----------------------------------------------------------------------------
-
-def _as_text(token: Union[str, bytes]) -> str:
-    return token.decode("utf-8", "surrogateescape") if isinstance(token, bytes) else token
 
 
 class Tokenizer:
@@ -183,7 +83,7 @@ class Tokenizer:
         n = len(tokens)
         if n == 0:
             raise ValueError("empty vocabulary")
-        self.tokens: list[str] = [_as_text(t) for t in tokens]
+        self.tokens: list[str] = [as_text(t) for t in tokens]
         self.scores: list[float] = [0.0] * n if scores is None else [float(s) for s in scores]
         if token_types is None:
             types = [int(TokenType.NORMAL)] * n
@@ -200,7 +100,8 @@ class Tokenizer:
         self.bos_id, self.eos_id, self.unk_id = valid(bos_id), valid(eos_id), valid(unk_id)
         self.eot_id, self.eom_id, self.pad_id = valid(eot_id), valid(eom_id), valid(pad_id)
 
-        self._find_end_of_generation(types)
+        self.eot_id, self.eom_id, self._eot_ids = end_of_generation(
+            self._vocab, types, self.eos_id, self.eot_id, self.eom_id)
         self.token_types: list[int] = types
 
         if model == "llama":
@@ -234,30 +135,8 @@ class Tokenizer:
             raise NotImplementedError(f"tokenizer model {model!r} is not supported (only 'llama', 'gpt2' "
                                       "and 'bert')")
 
-        self._special_groups: dict[bool, list] = {}
+        self._special = SpecialTokens(self.tokens, self.token_types)
         self._pieces: dict[tuple[int, bool], bytes] = {}
-
-    def _find_end_of_generation(self, types: list[int]) -> None:
-        """Set ``eot_id`` (if the GGUF names none) and the end-of-generation ids the way
-        llama.cpp does, marking the tokens found by text as control tokens."""
-        vocab = self._vocab
-        if self.eot_id is None:
-            self.eot_id = next((vocab[t] for t in _END_OF_TURN_TEXTS if t in vocab), None)
-        if self.eom_id is None:
-            self.eom_id = vocab.get("<|eom_id|>")
-        found = {t: vocab[t] for t in _END_OF_GENERATION_TEXTS if t in vocab}
-        for tid in found.values():
-            types[tid] = int(TokenType.CONTROL)
-        # llama.cpp's exceptions: with <|return|>+<|call|> (or <|calls|>+<|flush|>), <|end|> is
-        # plain text; next to <|tool_response>, </s> is a normal token.
-        if "<|end|>" in found and (("<|return|>" in found and "<|call|>" in found)
-                                   or ("<|calls|>" in found and "<|flush|>" in found)):
-            types[found.pop("<|end|>")] = int(TokenType.USER_DEFINED)
-        if "</s>" in found and "<|tool_response>" in found:
-            types[found.pop("</s>")] = int(TokenType.NORMAL)
-        eog = set(found.values())
-        eog.update(t for t in (self.eos_id, self.eot_id, self.eom_id) if t is not None)
-        self._eot_ids = frozenset(eog)
 
     # -- construction from GGUF -----------------------------------------------------------------
 
@@ -265,88 +144,21 @@ class Tokenizer:
     def from_gguf(cls, source) -> "Tokenizer":
         """From a GGUF path, a ``gguf.GGUFReader``, an object with a ``metadata`` dict (our
         ``GGUFFile``) or a metadata dict."""
-        if isinstance(source, Mapping):
-            return cls.from_metadata(source)
-        if isinstance(getattr(source, "metadata", None), Mapping):
-            return cls.from_metadata(source.metadata)
-        if hasattr(source, "fields"):
-            return cls.from_metadata(_metadata_from_reader(source))
-        # metadata only, strings lossless: vocabularies may hold bytes that are not UTF-8
-        return cls.from_metadata(read_metadata(os.fspath(source), errors="surrogateescape"))
+        return cls.from_metadata(read_tokenizer_metadata(source))
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
         """From GGUF metadata. A missing or mistyped field (e.g. scores that are strings, or
         fewer token types than tokens) raises ``ModelLoadError`` (a ``ValueError``) naming it."""
-        model = md.get("tokenizer.ggml.model")
-        if model is None:
-            raise ModelLoadError("GGUF metadata has no tokenizer.ggml.model")
-        if not isinstance(model, str) or model not in ("llama", "gpt2", "bert"):  # (an array has no `in`)
-            raise ModelLoadError(f"tokenizer model {_short(model)} is not supported (only 'llama', 'gpt2' "
-                                 "and 'bert')")
-        if "tokenizer.ggml.tokens" not in md:
-            raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens")
-        tokens = _string_list(md, "tokenizer.ggml.tokens")
-        if not tokens:
-            raise ModelLoadError("metadata field 'tokenizer.ggml.tokens' is empty")
-        n = len(tokens)
-
-        def get_id(name: str, default: Optional[int] = None) -> Optional[int]:
-            value = md.get(f"tokenizer.ggml.{name}")
-            if value is None:
-                return default
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-                raise ModelLoadError(f"metadata field 'tokenizer.ggml.{name}' must be an integer, "
-                                     f"got {_short(value)}")
-            return int(value)  # out of range: absent (see __init__)
-
-        def get_flag(name: str) -> Optional[bool]:
-            value = md.get(f"tokenizer.ggml.{name}")
-            if value is not None and not isinstance(value, (bool, int, np.bool_, np.integer)):
-                raise ModelLoadError(f"metadata field 'tokenizer.ggml.{name}' must be a boolean, "
-                                     f"got {_short(value)}")
-            return None if value is None else bool(value)
-
-        pre = md.get("tokenizer.ggml.pre")
-        if pre is not None and not isinstance(pre, str):
-            raise ModelLoadError(f"metadata field 'tokenizer.ggml.pre' must be a string, got {_short(pre)}")
-        spm = model == "llama"  # llama.cpp's defaults for SentencePiece vocabularies
-        if model == "bert":
-            return cls._bert_from_metadata(md, tokens, get_id, get_flag)
-        scores = _number_array(md, "tokenizer.ggml.scores", n, "biuf")
-        types = _number_array(md, "tokenizer.ggml.token_type", n, "biu")
-        return cls(
-            tokens,
-            scores=None if scores is None else scores.astype(np.float32).tolist(),
-            token_types=None if types is None else types.tolist(),
-            merges=_string_list(md, "tokenizer.ggml.merges"),
-            model=model,
-            pre=pre,
-            bos_id=get_id("bos_token_id", 1 if spm else None),
-            eos_id=get_id("eos_token_id", 2 if spm else None),
-            unk_id=get_id("unknown_token_id", 0 if spm else None),
-            eot_id=get_id("eot_token_id"),
-            eom_id=get_id("eom_token_id"),
-            pad_id=get_id("padding_token_id"),
-            add_bos=get_flag("add_bos_token"),
-            add_eos=get_flag("add_eos_token"),
-            add_space_prefix=get_flag("add_space_prefix"),
-        )
+        return cls.from_vocab(vocab_from_metadata(md))
 
     @classmethod
-    def _bert_from_metadata(cls, md, tokens, get_id, get_flag) -> "Tokenizer":
-        """WordPiece from GGUF metadata: [CLS] is bos_token_id (llama.cpp's reading), [SEP]
-        seperator_token_id (sic, llama.cpp's key) or eos_token_id; either found by its text
-        when the file names neither."""
-        n = len(tokens)
-        types = _number_array(md, "tokenizer.ggml.token_type", n, "biu")
-        texts = {_as_text(t): i for i, t in enumerate(tokens)}
-        sep = get_id("seperator_token_id", get_id("eos_token_id", texts.get("[SEP]")))
-        add_sep = get_flag("add_sep_token")   # llama.cpp adds [SEP] unless this says not to
-        return cls(tokens, token_types=None if types is None else types.tolist(), model="bert",
-                   bos_id=get_id("bos_token_id", texts.get("[CLS]")), eos_id=sep,
-                   unk_id=get_id("unknown_token_id", texts.get("[UNK]")), pad_id=get_id("padding_token_id"),
-                   add_bos=get_flag("add_bos_token"), add_eos=True if add_sep is None else add_sep)
+    def from_vocab(cls, vocab: Vocab) -> "Tokenizer":
+        """From a vocabulary read from GGUF metadata."""
+        return cls(vocab.tokens, vocab.scores, vocab.token_types, vocab.merges, model=vocab.model,
+                   pre=vocab.pre, bos_id=vocab.bos_id, eos_id=vocab.eos_id, unk_id=vocab.unk_id,
+                   eot_id=vocab.eot_id, eom_id=vocab.eom_id, pad_id=vocab.pad_id, add_bos=vocab.add_bos,
+                   add_eos=vocab.add_eos, add_space_prefix=vocab.add_space_prefix)
 
     # -- properties -------------------------------------------------------------------------------
 
@@ -445,95 +257,9 @@ class Tokenizer:
             out.append(self.eos_id)
         return out
 
-    def _special_index(self, parse_special: bool) -> list[tuple[str, Any]]:
-        """The special-token texts matched in this mode, grouped by first character: a small
-        group is a list of ``(text, id)`` (each looked for with ``str.find``), a big one (e.g.
-        Gemma's 6000 ``<unused..>`` tokens) a character trie whose terminal nodes hold the id
-        under the key ``""``."""
-        if parse_special not in self._special_groups:
-            wanted = (TokenType.USER_DEFINED, TokenType.CONTROL, TokenType.UNKNOWN) if parse_special \
-                else (TokenType.USER_DEFINED,)
-            by_first: dict[str, list[tuple[str, int]]] = {}
-            # Select by type in NumPy: a Python loop over a 262k vocabulary made
-            # the first request of a process ~0.4 s slower.
-            special_ids = np.flatnonzero(np.isin(np.asarray(self.token_types), [int(t) for t in wanted]))
-            for tid in special_ids.tolist():
-                text = self.tokens[tid]
-                if text:
-                    by_first.setdefault(text[0], []).append((text, tid))
-            groups = []
-            for ch, members in by_first.items():
-                if len(members) <= 64:
-                    groups.append((ch, members))
-                    continue
-                trie: dict = {}
-                for text, tid in members:
-                    node = trie
-                    for c in text[1:]:
-                        node = node.setdefault(c, {})
-                    node.setdefault("", tid)
-                groups.append((ch, trie))
-            self._special_groups[parse_special] = groups
-        return self._special_groups[parse_special]
-
     def _partition(self, text: str, parse_special: bool) -> list[Union[str, int]]:
-        """Cut special tokens out of ``text``, as llama.cpp does: special tokens are taken
-        longest (in bytes) first, each at every non-overlapping place, leftmost first, where it
-        lies wholly in text not already taken by a longer one."""
-        if not text:
-            return []
-        n = len(text)
-        present = set()  # special tokens that occur somewhere in the text
-        for ch, group in self._special_index(parse_special):
-            pos = text.find(ch)
-            if pos < 0:
-                continue
-            if isinstance(group, list):
-                present.update(tid for special, tid in group if special in text)
-                continue
-            while pos >= 0:  # walk the trie from every place the first character occurs
-                node, end = group, pos + 1
-                while node is not None:
-                    tid = node.get("")
-                    if tid is not None:
-                        present.add(tid)
-                    if end >= n:
-                        break
-                    node = node.get(text[end])
-                    end += 1
-                pos = text.find(ch, pos + 1)
-        if not present:
-            return [text]
-
-        def longest_first(tid: int):
-            return (-len(self.tokens[tid].encode("utf-8", "surrogateescape")), tid)
-
-        taken = bytearray(n)
-        chosen = []
-        for tid in sorted(present, key=longest_first):
-            special = self.tokens[tid]
-            size = len(special)
-            pos = text.find(special)
-            while pos >= 0:
-                blocked = taken.find(1, pos, pos + size)
-                if blocked < 0:
-                    taken[pos:pos + size] = b"\x01" * size
-                    chosen.append((pos, tid))
-                    pos = text.find(special, pos + size)
-                else:  # overlaps a longer token: resume after that token
-                    free = taken.find(0, blocked)
-                    pos = -1 if free < 0 else text.find(special, free)
-        chosen.sort()
-        out: list[Union[str, int]] = []
-        pos = 0
-        for start, tid in chosen:
-            if start > pos:
-                out.append(text[pos:start])
-            out.append(tid)
-            pos = start + len(self.tokens[tid])
-        if pos < n:
-            out.append(text[pos:])
-        return out
+        """``text`` as plain text fragments and the ids of the special tokens cut out of it."""
+        return self._special.split(text, parse_special)
 
     # -- decoding ---------------------------------------------------------------------------------
 

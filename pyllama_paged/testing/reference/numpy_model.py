@@ -369,28 +369,16 @@ class ReferenceModel:
         softcap = hp("final_logit_softcapping", None)
         softcap = float(softcap) if softcap is not None and float(softcap) > 0 else None
 
-        tokens = list(meta.get("tokenizer.ggml.tokens", []))
         return cls(
-            arch=arch,
-            n_layer=n_layer,
-            n_embd=n_embd,
-            n_head=n_head,
-            n_head_kv=n_head_kv,
-            head_dim=head_dim,
-            head_dim_v=head_dim_v,
-            n_ff=int(hp("feed_forward_length")),
-            n_vocab=n_vocab,
-            n_rot=n_rot,
-            rms_eps=float(hp("attention.layer_norm_rms_epsilon")),
-            context_length=int(hp("context_length", 0)),
-            sliding_window=sliding_window,
-            attn_scale=attn_scale,
-            final_logit_softcap=softcap,
-            layers=layers,
-            tensors=tensors,
-            metadata=meta,
-            tokens=tokens,
-            bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+            arch=arch, tensors=tensors, metadata=meta,
+            # the shapes
+            n_layer=n_layer, n_embd=n_embd, n_ff=int(hp("feed_forward_length")), n_vocab=n_vocab,
+            n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, head_dim_v=head_dim_v, n_rot=n_rot,
+            # attention and normalization
+            rms_eps=float(hp("attention.layer_norm_rms_epsilon")), context_length=int(hp("context_length", 0)),
+            sliding_window=sliding_window, attn_scale=attn_scale, final_logit_softcap=softcap, layers=layers,
+            # the vocabulary
+            tokens=list(meta.get("tokenizer.ggml.tokens", [])), bos_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_id=meta.get("tokenizer.ggml.eos_token_id"),
         )
 

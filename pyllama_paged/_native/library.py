@@ -1,11 +1,11 @@
-"""cffi binding of the native library: the one C header is the whole contract.
+"""Loading the native library: the headers' declarations bound with cffi, the shared
+library opened, and the check that it was built from this package's version.
 
 pyllama_paged.h is bound first, then pyllama_paged_testing.h (functions only tests and
-benchmarks call, exported by the same library). Status codes and other C enums are read
-from `lib` (lib.PP_OK, lib.PP_ERR_*, ...), never restated here.
+benchmarks call, exported by the same library).
 
-PYLLAMA_PAGED_LIBRARY, when set, names the shared library to load instead of the one beside this module.
-The library must report the package's version (pp_version()), else the import fails: a stale build.
+PYLLAMA_PAGED_LIBRARY, when set, names the shared library to load instead of the one the
+package installs (beside the package's modules).
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from pathlib import Path
 
 import cffi
 
-from . import _version
-from .errors import ComputeError, NativeError, NativeMemoryError, OutOfBlocksError
-
-_PACKAGE_DIR = Path(__file__).resolve().parent
+# CMakeLists.txt installs the library and the headers at the package's top, not in this folder.
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
 HEADER_PATH = _PACKAGE_DIR / "include" / "pyllama_paged.h"
 TESTING_HEADER_PATH = _PACKAGE_DIR / "include" / "pyllama_paged_testing.h"
 # The header is always the installed one; the library may be another build of it
@@ -66,36 +64,8 @@ def check_version(library_version: str, package_version: str) -> None:
 
 
 ffi, lib = _load()
-check_version(ffi.string(lib.pp_version()).decode("utf-8", "replace"), _version.__version__)
-
-# Status codes (enum pp_status): 0 success, > 0 recoverable (retry after freeing blocks or with a
-# bigger buffer), < 0 an error. Re-exported for callers that compare statuses.
-PP_OK = lib.PP_OK
-PP_ERR_OUT_OF_BLOCKS = lib.PP_ERR_OUT_OF_BLOCKS
-PP_ERR_CAPACITY = lib.PP_ERR_CAPACITY
-PP_ERR_INVALID = lib.PP_ERR_INVALID
-PP_ERR_NO_MEMORY = lib.PP_ERR_NO_MEMORY
-PP_ERR_COMPUTE = lib.PP_ERR_COMPUTE
-
-GGML_LOG_DEBUG, GGML_LOG_WARN = 1, 3   # ggml_log_level values
-# GGML's default logger prints debug lines (one per repacked weight) to stderr.
-lib.pp_set_ggml_log_level(GGML_LOG_WARN)
 
 
-def last_error() -> str:
-    """The calling thread's last error text from the native library."""
-    return ffi.string(lib.pp_last_error()).decode("utf-8", "replace")
-
-
-def check(status: int, what: str) -> None:
-    """Raise the exception matching a native status code, with the C error text."""
-    if status == PP_OK:
-        return
-    message = f"{what}: {last_error()}"
-    if status == PP_ERR_OUT_OF_BLOCKS:
-        raise OutOfBlocksError(message)
-    if status == PP_ERR_NO_MEMORY:
-        raise NativeMemoryError(message, status)
-    if status == PP_ERR_COMPUTE:
-        raise ComputeError(message, status)
-    raise NativeError(message, status)
+def library_version() -> str:
+    """The version the loaded library was built from (pp_version())."""
+    return ffi.string(lib.pp_version()).decode("utf-8", "replace")
