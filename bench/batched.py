@@ -25,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import RESULTS_DIR, markdown_table, write_results  # noqa: E402
+from _report import RESULTS_DIR, markdown_table, write_results
 
 BENCH = Path(__file__).resolve().parent
 

@@ -40,8 +40,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -50,8 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import RESULTS_DIR, write_results  # noqa: E402
+from _report import RESULTS_DIR, markdown_table, write_results
+from pyllama_paged.testing.serving import free_port, stop_server, wait_healthy
 
 BENCH = Path(__file__).resolve().parent
 
@@ -77,12 +75,6 @@ QUESTIONS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_trace(args) -> list[dict]:
     rng = np.random.default_rng(args.seed)
     gaps = rng.exponential(1.0 / args.rate, size=args.requests)
@@ -93,31 +85,6 @@ def make_trace(args) -> list[dict]:
     return [{"arrival": float(arrivals[i]), "max_tokens": int(lengths[i]),
              "system": SYSTEM_PROMPTS[int(rng.integers(len(SYSTEM_PROMPTS)))],
              "question": QUESTIONS[int(rng.integers(len(QUESTIONS)))]} for i in range(args.requests)]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, path: str, timeout: float = 300) -> None:
-    import httpx
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"server not ready after {timeout} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def start_llama_server(binary: str, model: str, args, log: Path):
@@ -133,7 +100,7 @@ def start_llama_server(binary: str, model: str, args, log: Path):
         if not mib:
             raise RuntimeError(f"no KV buffer size in {log}")
     except BaseException:
-        stop(proc)
+        stop_server(proc)
         raise
     return proc, url, "default", int(sum(mib) * 1024 * 1024)
 
@@ -165,7 +132,7 @@ def start_ours(model: str | None, kv_tokens: int, args, log: Path):
         import httpx
         name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     except BaseException:
-        stop(proc)
+        stop_server(proc)
         raise
     return proc, url, name
 
@@ -299,7 +266,7 @@ def main(argv=None) -> int:
                 runs[label] = res
                 print({k: v for k, v in res.items() if k != "per_request"}, flush=True)
         finally:
-            stop(proc)
+            stop_server(proc)
 
     rows = []
     for label, r in runs.items():
@@ -333,8 +300,6 @@ def main(argv=None) -> int:
     plot(out_dir / "chat_trace.png", runs)
     return 0
 
-
-from _report import markdown_table  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

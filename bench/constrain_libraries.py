@@ -166,7 +166,6 @@ and imports torch at module level (measured here with stand-in modules; see the 
 
 
 def report() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _report import markdown_table, write_results
 
     runs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("constrain_libraries_*.raw.json"))]

@@ -17,11 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(BENCH.parent / "tests"))
-from _report import RESULTS_DIR, write_results  # noqa: E402
-from cuda_harness import CudaHarness, build  # noqa: E402
+from _report import REPO_ROOT, RESULTS_DIR, write_results
+from pyllama_paged.testing.cuda_harness import CudaHarness, build
 
 
 def device_name() -> str:
@@ -45,7 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
-    path = build(Path(tempfile.mkdtemp()), args.arch)
+    path = build(Path(tempfile.mkdtemp()), REPO_ROOT / "native" / "cuda", args.arch)
     if path is None:
         print("nvcc is not installed: nothing measured")
         return 1

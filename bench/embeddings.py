@@ -2,7 +2,7 @@
 our encoder (GGML graph, padded batches sorted by length), against sentence-transformers
 (PyTorch, CPU) on the same weights, sentences/s at batch 64, same threads, one process.
 
-Both embed the same --sentences sentences (tests/embedding_sentences.py) in batches of
+Both embed the same --sentences sentences (pyllama_paged/testing/embedding_sentences.py) in batches of
 --batch, normalized; each side is timed --rounds times (round-robin, best and median
 reported) after one warm-up batch. The agreement of the two sides' vectors (cosine per
 sentence, min and mean) is recorded with the timings. Our side also runs through the HTTP

@@ -48,9 +48,8 @@ from typing import Callable
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import RESULTS_DIR, write_results  # noqa: E402
-from chat_trace import stop as stop_server  # noqa: E402
+from _report import RESULTS_DIR, write_results
+from pyllama_paged.testing.serving import free_port, stop_server, wait_healthy
 
 NAME = "noisy_neighbour"
 HOSTILE_TIMEOUT = 60.0     # client timeout of one hostile request (per read/write, as httpx counts)
@@ -71,12 +70,6 @@ WORDS = ("the of and to in is was for on that with as by at from his her they th
 
 # ---- the server ----------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args, log: Path) -> tuple[subprocess.Popen, str, str]:
     """`pyllama-paged serve` with its default options; (process, base URL, model name)."""
     port = args.port or free_port()
@@ -87,20 +80,9 @@ def start_server(args, log: Path) -> tuple[subprocess.Popen, str, str]:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} before it was ready (see {log})")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready after 300 s (see {log})")
-            try:
-                r = httpx.get(url + "/v1/models", timeout=2)
-                if r.status_code == 200:
-                    return proc, url, r.json()["data"][0]["id"]
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(url, proc, "/v1/models", 300, log=log)
+        return proc, url, httpx.get(url + "/v1/models", timeout=2).json()["data"][0]["id"]
     except BaseException:
         stop_server(proc)
         raise

@@ -10,53 +10,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
-import uvicorn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import RESULTS_DIR, write_results  # noqa: E402
+from _report import RESULTS_DIR, write_results
 
-from pyllama_paged.server.app import create_app  # noqa: E402
-from pyllama_paged.server.generation import Limits  # noqa: E402
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry  # noqa: E402
+from pyllama_paged.server.app import create_app
+from pyllama_paged.server.generation import Limits
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.testing.serving import Running, free_port, wait_healthy
 
 QUESTIONS = ["Why is the sky blue?", "Write a haiku about rivers.", "What is a prime number?",
              "Describe a cat in three sentences.", "How do airplanes fly?", "Name five fruits.",
              "What is the capital of Japan?", "Explain photosynthesis simply."]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_ours(paged: bool, args):
     opts = EngineOptions(paged=paged, n_ctx=args.n_ctx, n_threads=args.threads, n_batch=256,
                          block_size=16, kv_budget_tokens=args.budget_tokens, max_num_seqs=64)
     registry = ModelRegistry(None, opts)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(registry, Limits(max_queue=1024)), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    server = Running(create_app(registry, Limits(max_queue=1024)))
 
     def stop():
-        server.should_exit = True
-        thread.join(10)
+        server.close()
         registry.close()
-    return f"http://127.0.0.1:{port}", DEFAULT_MODEL_NAME, stop
+    return server.url, DEFAULT_MODEL_NAME, stop
 
 
 def start_llama_server(binary: str, args):
@@ -67,13 +49,7 @@ def start_llama_server(binary: str, args):
                              "-c", str(slots * args.n_ctx), "-np", str(slots)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+    wait_healthy(url, proc, "/health", 60)
 
     def stop():
         proc.terminate()

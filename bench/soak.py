@@ -61,7 +61,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -73,8 +72,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import RESULTS_DIR, markdown_table, write_results  # noqa: E402
+from _report import RESULTS_DIR, markdown_table, write_results
+from pyllama_paged.testing.serving import free_port, wait_healthy
 
 APIS = ("ollama/generate", "ollama/chat", "openai/chat", "openai/completions")
 PATHS = {"ollama/generate": "/api/generate", "ollama/chat": "/api/chat",
@@ -145,12 +144,6 @@ PASSAGES = [
 
 CHAT_HISTORY = [{"role": "user", "content": "Hello, are you there?"},
                 {"role": "assistant", "content": "Yes, I am here. What would you like to know?"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the request mix -----------------------------------------------------------
@@ -519,20 +512,6 @@ def server_command(args, port: int, budget: int) -> list[str]:
     return cmd + ["serve", "--host", "127.0.0.1", "--port", str(port), "--threads", str(args.threads),
                   "--ctx", str(args.ctx), "--block-size", str(args.block_size), "--kv-budget", str(budget),
                   "--max-seqs", str(args.max_seqs), "--preemption", args.preemption]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} while starting")
-        try:
-            if httpx.get(url + "/", timeout=2).status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"the server did not answer within {timeout:.0f} s")
 
 
 def proc_figures(pid: int) -> dict:
@@ -952,7 +931,7 @@ def main() -> int:
     sampler = prober = None
     rec_ = None
     try:
-        startup_s = wait_ready(url, proc, 600)
+        startup_s = wait_healthy(url, proc, "/", 600)
         model = httpx.get(url + "/api/tags", timeout=30).json()["models"][0]["name"]
         print(f"server up in {startup_s:.1f} s, model {model}, KV budget {budget} tokens", flush=True)
         end["startup_s"] = startup_s

@@ -6,11 +6,6 @@ as batch shapes round differently. Writes bench/results/window_answers.{json,md}
 
     python bench/window_answers.py
 """
-import sys
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 import numpy as np
 from pyllama_paged.engine.model import Model
 from pyllama_paged.engine.config import EngineConfig

@@ -42,9 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import RESULTS_DIR, markdown_table, write_results  # noqa: E402
-from chat_trace import free_port, stop, wait_healthy  # noqa: E402
+from _report import RESULTS_DIR, markdown_table, write_results
+from pyllama_paged.testing.serving import free_port, stop_server, wait_healthy
 
 BENCH = Path(__file__).resolve().parent
 WORDS = ("river mountain quiet morning letter garden winter window story market bright silver engine "
@@ -70,7 +69,7 @@ def start_llama_server(binary, model, threads, ctx, np_, log: Path):
         if not mib:
             raise RuntimeError(f"no KV buffer size in {log}")
     except BaseException:
-        stop(proc)
+        stop_server(proc)
         raise
     return proc, url, mib
 
@@ -90,7 +89,7 @@ def start_ours(model, threads, ctx, kv_bytes, log: Path, max_seqs=64):
         import httpx
         name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     except BaseException:
-        stop(proc)
+        stop_server(proc)
         raise
     return proc, url, name
 
@@ -198,14 +197,14 @@ def part_chat(args, model_path, binary, out_dir) -> dict:
         print(f"llama-server -c 8192 -np 4: KV {mib} MiB", flush=True)
         runs["llama-server"] = run_burst("llama-server", url, "default", convs)
     finally:
-        stop(proc)
+        stop_server(proc)
     proc, url, name = start_ours(args.model, args.threads, 2048, kv_bytes, out_dir / "window_capacity.ours.log")
     try:
         runs["ours"] = run_burst("ours", url, name, convs)
         import httpx
         runs["ours"]["engine_stats"] = httpx.get(url + "/api/pool", timeout=30).json()["stats"]
     finally:
-        stop(proc)
+        stop_server(proc)
     # intact: both servers answered every conversation with the same greedy text
     same = sum(1 for a, b in zip(runs["ours"]["per_request"], runs["llama-server"]["per_request"])
                if "text" in a and "text" in b and a["text"] == b["text"])
@@ -237,13 +236,13 @@ def part_longctx(args, model_path, binary, out_dir) -> dict:
             mib = kv_mib_from_log(log)
             runs = {"llama-server": run_burst("llama-server", url, "default", convs)}
         finally:
-            stop(proc)
+            stop_server(proc)
         kv_bytes = int(sum(mib) * 2**20)
         proc, url, name = start_ours(args.model, args.threads, 8192, kv_bytes, out_dir / f"window_capacity.longctx-ours-{setup}.log")
         try:
             runs["ours"] = run_burst("ours", url, name, convs)
         finally:
-            stop(proc)
+            stop_server(proc)
         for r in runs.values():
             print(setup, {k: v for k, v in r.items() if k not in ("per_request", "concurrency_samples")}, flush=True)
         out["setups"][setup] = {"llama_server_kv_mib": mib, "kv_bytes": kv_bytes, "runs": runs}
@@ -258,7 +257,7 @@ def part_long(args, model_path, binary, out_dir) -> dict:
     from pyllama_paged.engine.scheduler import SchedulerConfig
     n = args.long_tokens
     proc, url, mib = start_llama_server(binary, model_path, args.threads, n, 1, out_dir / "window_capacity.long.log")
-    stop(proc)
+    stop_server(proc)
     llama_bytes = int(sum(mib) * 2**20)
     m = Model(args.model)
     out = {"context": n, "llama_server_kv_mib": mib, "llama_server_bytes": llama_bytes}

@@ -1,6 +1,9 @@
-"""A real uvicorn server on a loopback port for the HTTP tests, and waits on its pool."""
+"""A real uvicorn server on a loopback port for the HTTP tests, and waits on its pool; for the
+benchmarks, a server process (ours or llama-server) waited for and stopped."""
 
+import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -37,6 +40,33 @@ class Running:
     def close(self):
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, path: str, timeout: float = 300, log: Path | None = None) -> float:
+    """Poll url + path until it answers 200 while the server process runs; the seconds it took."""
+    see = f" (see {log})" if log else ""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready{see}")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server not ready after {timeout} s{see}")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGINT (a server's clean shutdown), killed if it has not exited within timeout."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def pool_used(url) -> int:

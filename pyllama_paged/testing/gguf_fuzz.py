@@ -1,10 +1,14 @@
 """Structure-aware fuzzer for the GGUF loading path.
 
-    python bench/fuzz_gguf.py --cases 20000 --seed 1 [--workers 2] [--save-dir DIR]
-    python bench/fuzz_gguf.py --replay '{"seed": "llama-q8_0", "ops": [["truncate", 100]]}'
+    python -m pyllama_paged.testing.gguf_fuzz --cases 20000 --seed 1 [--workers 2] [--save-dir DIR]
+        [--out bench/results/fuzz_gguf.json]
+    python -m pyllama_paged.testing.gguf_fuzz --replay '{"seed": "llama-q8_0", "ops": [["truncate", 100]]}'
+
+(From a source checkout's root, `python -P -m ...` keeps the source tree, which has no native
+library, off sys.path.)
 
 Every case starts from a tiny valid model (pyllama_paged/testing/reference/tiny_gguf.py) and applies
-1-3 mutations (bench/fuzz_gguf_mutate.py): header counts, metadata types/lengths/
+1-3 mutations (gguf_mutate.py): header counts, metadata types/lengths/
 values, array counts, tensor dims/types/offsets/names, truncations, byte flips.
 A case passes when opening it — ``Model(path)``, the tokenizer and chat template
 from its metadata, the tokenizer's own GGUF reader and, for files that open, a
@@ -36,10 +40,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-
-import fuzz_gguf_mutate as mut  # noqa: E402
+from . import gguf_mutate as mut
 
 # --------------------------------------------------------------------------- seeds
 
@@ -194,11 +195,14 @@ def worker_main(exercise: bool, mem_limit_mb: int) -> None:
 class _Worker:
     def __init__(self, exercise: bool, mem_limit_mb: int, log_dir: str):
         self.log = tempfile.NamedTemporaryFile("w+", dir=log_dir, suffix=".log", delete=False)
-        args = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mem-limit-mb", str(mem_limit_mb)]
+        args = [sys.executable, "-m", "pyllama_paged.testing.gguf_fuzz", "--worker",
+                "--mem-limit-mb", str(mem_limit_mb)]
         if not exercise:
             args.append("--no-exercise")
+        # run in log_dir: `-m` puts the working directory first on sys.path, and a source
+        # checkout's root would shadow the installed package (which carries the native library)
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, bufsize=1)
+                                     stderr=self.log, text=True, bufsize=1, cwd=log_dir)
         self._replies: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -332,7 +336,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-exercise", action="store_true", help="only open files, no forward step")
     ap.add_argument("--save-dir", help="write failing cases (.gguf + recipe .json) here")
     ap.add_argument("--replay", help="run one recipe (JSON) or a file of them (one per line)")
-    ap.add_argument("--out", help="summary JSON path (default bench/results/fuzz_gguf.json + .md)")
+    ap.add_argument("--out", help="write the summary JSON here (the benchmarks keep bench/results/fuzz_gguf.json)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -351,11 +355,6 @@ def main(argv=None) -> int:
         print(json.dumps(f)[:600])
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
-    elif not args.replay:
-        from _report import write_results
-        write_results("fuzz_gguf", summary, [{k: summary[k] for k in keys}], title="GGUF loader fuzzing",
-                      notes="`python bench/fuzz_gguf.py --cases N --seed S`; see the JSON for the "
-                            "error kinds seen and any failing recipes.")
     bad = summary["crashes"] + summary["hangs"] + summary["wrong_exceptions"]
     return 1 if bad else 0
 

@@ -1,4 +1,4 @@
-"""Structure-aware GGUF mutations for bench/fuzz_gguf.py.
+"""Structure-aware GGUF mutations for the GGUF loader fuzzer (gguf_fuzz.py).
 
 A seed file is parsed into a ``Doc`` (header, key/values with their GGUF types,
 tensor infos, data blob). A case is a *recipe*: the seed's name plus a list of

@@ -3,15 +3,19 @@ softmax(QK^T)V on the gathered K/V: shuffled pages, lengths that are not
 multiples of the block, windows, pages shared by two sequences, GQA, split-K.
 Compiles wherever nvcc is; runs only with a GPU (skipped otherwise)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from cuda_harness import CudaHarness, build
+from pyllama_paged.testing.cuda_harness import CudaHarness, build
+
+CUDA_SOURCES = Path(__file__).resolve().parents[2] / "native" / "cuda"
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    path = build(tmp_path_factory.mktemp("cuda"))
+    path = build(tmp_path_factory.mktemp("cuda"), CUDA_SOURCES)
     if path is None:
         pytest.skip("nvcc is not installed")
     h = CudaHarness(path)
@@ -21,7 +25,7 @@ def harness(tmp_path_factory):
 
 
 def test_the_cuda_source_compiles(tmp_path):
-    if build(tmp_path) is None:
+    if build(tmp_path, CUDA_SOURCES) is None:
         pytest.skip("nvcc is not installed")
     assert (tmp_path / "libpp_cuda_attention.so").stat().st_size > 0
 

@@ -58,6 +58,6 @@ def test_the_portable_variant_passes_the_kernel_tests():
     for tests in (["test_paged_attention.py"],
                   ["test_sampling.py", "-k", "reference_distribution or fewer_live or logprobs or seed"]):
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              "-c", str(TESTS_DIR.parent / "pyproject.toml"), str(TESTS_DIR / tests[0]), *tests[1:]],
+                              "-c", str(TESTS_DIR.parents[1] / "pyproject.toml"), str(TESTS_DIR / tests[0]), *tests[1:]],
                              capture_output=True, text=True, env=env, cwd="/")
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

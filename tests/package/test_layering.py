@@ -55,7 +55,8 @@ LAYERS = [
     # what tests and benchmarks share (oracles, harnesses, a server runner): above all it checks
     ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.sampling_reference",
      "testing.reference.bert_reference", "testing.reference.tiny_bert", "testing.agreement",
-     "testing.attention_harness", "testing.serving", "testing.loop_control", "testing.embedding_sentences"],
+     "testing.attention_harness", "testing.cuda_harness", "testing.serving", "testing.loop_control",
+     "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer
 ]

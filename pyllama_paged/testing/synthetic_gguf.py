@@ -10,8 +10,11 @@ centred, with the standard deviation a trained model's layers have. Q4_K for eve
 matrix, Q6_K for the tied embedding/output head and for attn_v and ffn_down in the
 layers llama.cpp's Q4_K_M gives more bits.
 
-    python bench/synthetic_gguf.py [--out bench/.models/gemma3-synthetic-1.6b-q4_k_m.gguf]
+    python -m pyllama_paged.testing.synthetic_gguf [--out bench/.models/gemma3-synthetic-1.6b-q4_k_m.gguf]
         [--n-embd 2048] [--n-layer 18] [--n-head 8] [--n-head-kv 4] [--n-ff 8192] [--seed 0]
+
+--out is relative to the working directory (a source checkout's root, run as `python -P -m ...`
+there so that the source tree, which has no native library, does not shadow the installed package).
 """
 
 from __future__ import annotations
@@ -161,7 +164,7 @@ def write(out: Path, n_embd: int = 2048, n_layer: int = 18, n_head: int = 8, n_h
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / ".models" / "gemma3-synthetic-1.6b-q4_k_m.gguf"))
+    ap.add_argument("--out", default=str(Path("bench") / ".models" / "gemma3-synthetic-1.6b-q4_k_m.gguf"))
     ap.add_argument("--n-embd", type=int, default=2048)
     ap.add_argument("--n-layer", type=int, default=18)
     ap.add_argument("--n-head", type=int, default=8)

@@ -1,16 +1,12 @@
-"""bench/synthetic_gguf.py: the random-weight Gemma 3 GGUF that benchmarks use as a
+"""pyllama_paged/testing/synthetic_gguf.py: the random-weight Gemma 3 GGUF that benchmarks use as a
 realistically sized model. Checked small: its blocks decode to the intended values, the
 Q4_K_M type mix is llama.cpp's, and the engine runs it with the real tokenizer."""
-
-import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import synthetic_gguf  # noqa: E402
+from pyllama_paged.testing import synthetic_gguf
 
 SHAPE = dict(n_embd=256, n_layer=8, n_head=2, n_head_kv=1, n_ff=512)
 

@@ -1,5 +1,6 @@
-"""Loading the CUDA paged-attention harness (native/cuda/) for tests and the
-GPU benchmark: built with nvcc into a directory, bound with cffi (ABI mode)."""
+"""Loading the CUDA paged-attention harness (native/cuda/ of a source checkout) for tests
+and the GPU benchmark: built with nvcc into a directory, bound with cffi (ABI mode). The
+CUDA sources are not installed with the package: callers name the checkout's native/cuda."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 import numpy as np
 from cffi import FFI
 
-ROOT = Path(__file__).resolve().parent.parent
 CDEF = """
 const char *pp_cuda_last_error(void);
 int pp_cuda_device_count(void);
@@ -21,11 +21,13 @@ int pp_cuda_paged_decode(const float *q, const uint16_t *k_pool, const uint16_t 
 """
 
 
-def build(out_dir: Path, arch: str = "sm_90") -> Path | None:
-    """The harness library built into out_dir, or None without nvcc."""
+def build(out_dir: Path, cuda_sources: Path, arch: str = "sm_90") -> Path | None:
+    """The harness library built into out_dir from cuda_sources (a checkout's native/cuda), or None
+    without nvcc."""
     if shutil.which("nvcc") is None:
         return None
-    subprocess.run([str(ROOT / "native/cuda/build.sh"), arch, str(out_dir)], check=True, capture_output=True)
+    subprocess.run([str(Path(cuda_sources) / "build.sh"), arch, str(Path(out_dir).resolve())], check=True,
+                   capture_output=True)
     return out_dir / "libpp_cuda_attention.so"
 
 

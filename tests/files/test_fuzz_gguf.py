@@ -1,18 +1,15 @@
-"""GGUF loader fuzzing (bench/fuzz_gguf.py): a fixed corpus of the bugs the
+"""GGUF loader fuzzing (pyllama_paged/testing/gguf_fuzz.py): a fixed corpus of the bugs the
 fuzzer found, then a deterministic random budget. Cases run in worker
 subprocesses, so a regression that crashes the loader fails a test instead of
 killing pytest. Every case must open cleanly or raise the project's own error.
 """
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import fuzz_gguf  # noqa: E402
-from fuzz_gguf_mutate import ARRAY, BOOL, F32, I32, STRING, U32, U64  # noqa: E402
+from pyllama_paged.testing import gguf_fuzz
+from pyllama_paged.testing.gguf_mutate import ARRAY, BOOL, F32, I32, STRING, U32, U64
 
 L, G, Q2, Q3 = "llama-q8_0", "gemma3-f16", "qwen2-q4_0", "qwen3-q4_k-bpe"
 
@@ -100,7 +97,7 @@ def _bad(summary):
 
 def test_regression_corpus():
     recipes = [{"seed": seed, "ops": ops} for seed, ops, _ in CORPUS]
-    summary = fuzz_gguf.run_fuzz(len(recipes), 0, workers=2, recipes=recipes)
+    summary = gguf_fuzz.run_fuzz(len(recipes), 0, workers=2, recipes=recipes)
     assert summary["cases"] == len(CORPUS)
     results = {f["case"]: f for f in summary["failures"]}
     assert not results, results
@@ -116,7 +113,7 @@ def test_regression_corpus():
 
 def test_random_budget():
     """4000 deterministic random cases: none may crash, hang or raise a foreign type."""
-    summary = fuzz_gguf.run_fuzz(4000, 0, workers=2)
+    summary = gguf_fuzz.run_fuzz(4000, 0, workers=2)
     assert summary["cases"] == 4000
     assert _bad(summary) == 0, summary["failures"][:5]
     # The mutations must reach both outcomes and many different checks, or the
@@ -127,5 +124,5 @@ def test_random_budget():
 
 @pytest.mark.slow
 def test_random_budget_long():
-    summary = fuzz_gguf.run_fuzz(20000, 1, workers=2)
+    summary = gguf_fuzz.run_fuzz(20000, 1, workers=2)
     assert _bad(summary) == 0, summary["failures"][:5]
