@@ -103,7 +103,8 @@ import numpy as np
 
 from _report import RESULTS_DIR, markdown_table, write_results
 
-from pyllama_paged import BlockPool, OutOfBlocksError
+from pyllama_paged.engine.block_pool import BlockPool
+from pyllama_paged.errors import OutOfBlocksError
 
 
 # ---- trace ---------------------------------------------------------------------

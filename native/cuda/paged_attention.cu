@@ -13,7 +13,7 @@
  * log-sum-exp. The window (sliding-window layers) limits the key range.
  *
  * Status: compiled here (nvcc), checked against a NumPy reference by
- * tests/test_cuda_attention.py on a machine with a GPU (skipped without
+ * tests/native/test_cuda_attention.py on a machine with a GPU (skipped without
  * one). Not yet wired into the engine: that needs GGML built with CUDA. */
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

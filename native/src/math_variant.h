@@ -13,7 +13,7 @@
 #define PP_STR_(a) #a
 #define PP_STR(a) PP_STR_(a)
 /* Every function of a variant carries its name, so a disassembly shows
- * which code may use which instructions (tests/test_portability.py). */
+ * which code may use which instructions (tests/native/test_portability.py). */
 #define FN(name) PP_CONCAT(name, PP_ATTENTION_MATH_VARIANT)
 
 #endif

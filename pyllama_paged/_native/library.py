@@ -21,7 +21,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 HEADER_PATH = _PACKAGE_DIR / "include" / "pyllama_paged.h"
 TESTING_HEADER_PATH = _PACKAGE_DIR / "include" / "pyllama_paged_testing.h"
 # The header is always the installed one; the library may be another build of it
-# (e.g. tests/test_asan.py's AddressSanitizer build).
+# (e.g. tests/native/test_asan.py's AddressSanitizer build).
 LIBRARY_PATH = Path(os.environ.get("PYLLAMA_PAGED_LIBRARY") or _PACKAGE_DIR / "libpyllama_paged.so")
 
 

@@ -361,7 +361,7 @@ def test_queue_full_is_503_with_retry_hint(tmp_path):
         reg.close()
 
 
-# ---- found by fuzzing (tests/test_fuzz_http.py) -----------------------------
+# ---- found by fuzzing (tests/server/test_fuzz_http.py) -----------------------------
 def _generate(url, **options):
     return httpx.post(url + "/api/generate", timeout=120, json={
         "model": DEFAULT_MODEL_NAME, "prompt": "hi", "stream": False, "options": {"num_predict": 2, **options}})
