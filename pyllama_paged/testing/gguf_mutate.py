@@ -217,16 +217,24 @@ def _op_kv(doc: Doc, key: str, vtype: int, spec) -> None:
         doc.kvs[i] = KV(doc.kvs[i].key, vtype, value)
 
 
-def _op_kv_drop(doc: Doc, key: str) -> None:
-    i = doc.kv_index(key)
+def _drop(items: list, i: int | None) -> None:
+    """Remove items[i]; None (the target is absent) changes nothing."""
     if i is not None:
-        del doc.kvs[i]
+        del items[i]
+
+
+def _duplicate(items: list, i: int | None) -> None:
+    """Insert a copy of items[i] right after it; None changes nothing."""
+    if i is not None:
+        items.insert(i + 1, copy.deepcopy(items[i]))
+
+
+def _op_kv_drop(doc: Doc, key: str) -> None:
+    _drop(doc.kvs, doc.kv_index(key))
 
 
 def _op_kv_dup(doc: Doc, key: str) -> None:
-    i = doc.kv_index(key)
-    if i is not None:
-        doc.kvs.insert(i + 1, copy.deepcopy(doc.kvs[i]))
+    _duplicate(doc.kvs, doc.kv_index(key))
 
 
 def _op_kv_unknown_type(doc: Doc, key: str, vtype: int) -> None:
@@ -280,15 +288,11 @@ def _op_tensor(doc: Doc, name: str, what: str, value) -> None:
 
 
 def _op_tensor_drop(doc: Doc, name: str) -> None:
-    i = doc.tensor_index(name)
-    if i is not None:
-        del doc.tensors[i]
+    _drop(doc.tensors, doc.tensor_index(name))
 
 
 def _op_tensor_dup(doc: Doc, name: str) -> None:
-    i = doc.tensor_index(name)
-    if i is not None:
-        doc.tensors.insert(i + 1, copy.deepcopy(doc.tensors[i]))
+    _duplicate(doc.tensors, doc.tensor_index(name))
 
 
 def _op_counts(doc: Doc, n_tensors: int | None, n_kv: int | None) -> None:
