@@ -16,6 +16,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=32, help="KV page size in tokens")
     p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"], help="KV cache type")
     p.add_argument("--no-paged", action="store_true", help="contiguous KV slab instead of pages")
+    _add_gpu_args(p)
+
+
+def _add_gpu_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu-layers", "-ngl", type=int, default=0,
+                   help="layers on the GPU, the last ones first (-1 or more than the model has: all, and "
+                        "the output head); needs a GGML built for a GPU (see the README)")
+    p.add_argument("--main-gpu", type=int, default=0, help="which of GGML's GPUs (0: the first)")
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -24,11 +32,22 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="keep generating past the end-of-text token, up to --max-tokens")
 
 
+def _require_gpu(args) -> None:
+    """--gpu-layers on a machine whose GGML lists no GPU is an error here (Llama only warns)."""
+    if args.gpu_layers:
+        from .engine.devices import gpu_device
+
+        gpu_device(args.main_gpu)
+
+
 def cmd_run(args) -> int:
     from .api.llama import Llama
 
+    _require_gpu(args)
+
     with Llama(args.model, paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads,
-               block_size=args.block_size, kv_cache_type=args.kv_type) as llm:
+               block_size=args.block_size, kv_cache_type=args.kv_type, n_gpu_layers=args.gpu_layers,
+               main_gpu=args.main_gpu) as llm:
         start = time.perf_counter()
         n = 0
         for chunk in llm.create_completion(args.prompt, max_tokens=args.max_tokens,
@@ -64,8 +83,11 @@ def _print_stats(llm, last_rate: float | None) -> None:
 def cmd_chat(args) -> int:
     from .api.llama import Llama
 
+    _require_gpu(args)
+
     with Llama(args.model, paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads,
-               block_size=args.block_size, kv_cache_type=args.kv_type) as llm:
+               block_size=args.block_size, kv_cache_type=args.kv_type, n_gpu_layers=args.gpu_layers,
+               main_gpu=args.main_gpu) as llm:
         history: list[dict] = []
         if args.system:
             history.append({"role": "system", "content": args.system})
@@ -149,7 +171,8 @@ def serve_settings(args) -> tuple:
                             block_size=args.block_size, kv_cache_type=args.kv_type,
                             kv_budget_tokens=args.kv_budget[0] or 0, kv_budget_bytes=args.kv_budget[1],
                             max_num_seqs=args.max_seqs,
-                            preemption_mode=args.preemption, itl_budget=_itl_budget(args.itl_budget_ms))
+                            preemption_mode=args.preemption, itl_budget=_itl_budget(args.itl_budget_ms),
+                            n_gpu_layers=args.gpu_layers, main_gpu=args.main_gpu)
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     api_key = args.api_key or os.environ.get("PYLLAMA_API_KEY") or None
     origins = origins_from(os.environ.get(ORIGINS_ENV)) + origins_from(args.origins)
@@ -205,7 +228,7 @@ def cmd_info(args) -> int:
     from .engine.kv_groups import KVGroups
     from .engine.model_runner import KV_TYPES, dense_kv_bytes_per_token
 
-    model = Model(args.path)
+    model = Model(args.path, n_gpu_layers=args.gpu_layers, main_gpu=args.main_gpu)
     cfg = model.config
     print(f"file: {model.path}")
     for key, value in model.metadata.items():
@@ -236,8 +259,33 @@ def cmd_info(args) -> int:
               "makes prompt processing ~1.6x faster; see vendor/README.md)")
     print(f"weights repacked for GGML's CPU GEMM: {model.n_repacked}")
     print(f"weights in our VNNI panel GEMM: {model.n_panel_packed} (kernel: {model.panel_kernel})")
+    _print_devices(model)
     model.close()
     return 0
+
+
+def _print_devices(model) -> None:
+    from .engine.devices import list_devices
+
+    print("devices (GGML):")
+    for d in list_devices():
+        print(f"  {d.index}: {d.name} ({d.type}) {d.description}; {d.memory_free / 2**20:.0f} MiB free of "
+              f"{d.memory_total / 2**20:.0f}")
+    if model.config.is_encoder:
+        print("layers: all on the CPU (an encoder-only model)")
+        return
+    placement = model.layer_placement()
+    runs, start = [], 0
+    for il in range(1, len(placement) + 1):   # consecutive layers on one device, as one line
+        if il == len(placement) - 1 or il == len(placement) or placement[il] != placement[start]:
+            runs.append((start, il - 1, placement[start]))
+            start = il
+    for first, last, where in runs:
+        what = "output head" if first == len(placement) - 1 else (
+            f"layer {first}" if first == last else f"layers {first}-{last}")
+        print(f"  {what}: {where}")
+    if model.device is not None:
+        print(f"  weights on {model.device.name}: {model.device_bytes / 2**20:.1f} MiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,10 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--origins", default=None,
                      help="browser origins allowed besides localhost, 127.0.0.1, app://, file://, tauri:// and "
                           "browser extensions: comma-separated, * as a wildcard (also PYLLAMA_PAGED_ORIGINS)")
+    _add_gpu_args(srv)
     _add_limit_args(srv)
     srv.set_defaults(func=cmd_serve)
     info = sub.add_parser("info", help="print a model's metadata and KV bytes per token")
     info.add_argument("path", nargs="?", default=None)
+    _add_gpu_args(info)
     info.set_defaults(func=cmd_info)
     return parser
 

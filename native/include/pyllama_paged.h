@@ -377,6 +377,59 @@ int32_t pp_model_finalize(pp_model *model);
  * for tensors not yet moved and remains usable). */
 int32_t pp_model_repack_weights(pp_model *model, int32_t *n_repacked);
 
+/* ---- devices: GGML's backends --------------------------------------------- */
+
+/* What kind of device GGML reports (ggml_backend_dev_type). */
+enum pp_device_type {
+    PP_DEVICE_CPU   = 0,
+    PP_DEVICE_GPU   = 1,  /* dedicated memory */
+    PP_DEVICE_IGPU  = 2,  /* integrated, sharing host memory */
+    PP_DEVICE_ACCEL = 3   /* an accelerator working beside the CPU backend (BLAS, AMX) */
+};
+
+typedef struct pp_device_info {
+    char    name[64];          /* GGML's name, e.g. "CPU", "Vulkan0", "CUDA0" (truncated to fit) */
+    char    description[128];  /* e.g. the GPU's model */
+    int32_t type;              /* enum pp_device_type */
+    int64_t memory_free;       /* bytes, as the device reports them now */
+    int64_t memory_total;
+} pp_device_info;
+
+/* The number of devices in GGML's registry (the CPU is one). Cannot fail. */
+int32_t pp_device_count(void);
+
+/* Describe device index (0 <= index < pp_device_count()) into *out.
+ * PP_ERR_INVALID for an index GGML does not list. */
+int32_t pp_device_get(int32_t index, pp_device_info *out);
+
+/* Copy the weights of the last n_layers decoder layers (all of them when
+ * n_layers >= n_layer) into a buffer of GGML device `device`, and with
+ * offload_output the output norm and head too (a head tied to the token
+ * embedding gets a copy there; the embedding lookup stays on the CPU). The
+ * graph then runs those layers' ops on the device (GGML's scheduler, the
+ * CPU as fallback) and a KV cache made afterwards keeps their pools there.
+ * Call once, after pp_model_finalize and before pp_model_pack_panels,
+ * pp_model_repack_weights and any KV cache or context; the weights left on
+ * the CPU are packed and repacked as usual. The model owns the device
+ * buffer; the moved weights' borrowed bytes are advised MADV_PAGEOUT.
+ * A head larger than the device takes in one tensor (ask
+ * pp_model_layer_device) stays on the CPU. n_layers = 0 and
+ * offload_output = 0 do nothing and succeed.
+ * PP_ERR_INVALID: an unknown device, the CPU device, an encoder-only model,
+ * a second call, a call after packing/repacking, or a layer weight the
+ * device cannot hold in one tensor. PP_ERR_NO_MEMORY: the
+ * device cannot hold the weights (the message gives the size); the model is
+ * unchanged and stays usable on the CPU. */
+int32_t pp_model_offload(pp_model *model, int32_t device, int32_t n_layers, int32_t offload_output);
+
+/* Where layer il runs: its GGML device index, or -1 for the CPU;
+ * il == n_layer asks about the output head. -1 for a NULL model or an il
+ * outside [0, n_layer]. */
+int32_t pp_model_layer_device(const pp_model *model, int32_t il);
+
+/* Bytes of the model's weights on its device (0: nothing offloaded). */
+int64_t pp_model_device_bytes(const pp_model *model);
+
 /* The kernel pp_model_pack_panels packed the weights for. */
 enum pp_panel_kernel {
     PP_PANEL_KERNEL_NONE       = 0,  /* nothing packed: GGML's own products are faster here */
@@ -416,7 +469,8 @@ typedef struct pp_kv_cache pp_kv_cache;
  * for. So one block costs L layers' rows, whatever its group. For paged=0
  * each block is one sequence's contiguous slab (block_size = n_ctx, one
  * group) and attention uses GGML's own flash-attention op instead of the
- * paged kernel. On success *out owns the cache; free it with
+ * paged kernel. The pools of layers offloaded to a device
+ * (pp_model_offload) are allocated there. On success *out owns the cache; free it with
  * pp_kv_cache_destroy, before the model. Fails with PP_ERR_INVALID naming
  * the problem (a head size that is not whole quantization groups, groups of
  * different sizes, a group id outside [0, n_groups)), PP_ERR_NO_MEMORY if
@@ -441,11 +495,15 @@ int64_t pp_kv_cache_bytes_per_slot(const pp_kv_cache *cache);
  * PP_ERR_INVALID (nothing copied) for an id out of range or src == dst. */
 int32_t pp_kv_cache_copy_blocks(pp_kv_cache *cache, const pp_block_copy *copies, int32_t n_copies);
 
-/* Copy one block's K and V rows (the layers of the group holding it) out to
- * host memory `dst` of pp_kv_cache_bytes_per_slot * block_size bytes, or back in
+/* Copy one block's K and V rows (the layers of the group holding it, from
+ * host or device pools) out to host memory `dst` of pp_kv_cache_bytes_per_slot * block_size bytes, or back in
  * from `src` (the caller's, borrowed). PP_ERR_INVALID for a block id out of range. */
 int32_t pp_kv_cache_read_block(const pp_kv_cache *cache, int32_t block_id, void *dst);
 int32_t pp_kv_cache_write_block(pp_kv_cache *cache, int32_t block_id, const void *src);
+
+/* How many layers' pools live on the model's device (pp_model_offload): a
+ * pool is there when every layer sharing it runs there. 0 for NULL. */
+int32_t pp_kv_cache_device_layers(const pp_kv_cache *cache);
 
 /* ---- forward step ------------------------------------------------------- */
 

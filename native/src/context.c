@@ -1,5 +1,7 @@
 /* One compute context: the CPU backend (GGML's thread pool), the graph
- * allocator reused across steps, and the per-step input upload. */
+ * allocator reused across steps, and the per-step input upload. A model
+ * offloaded to a device (device.c) runs its graphs through GGML's
+ * scheduler instead: the device's backend first, the CPU's as fallback. */
 #include "engine_internal.h"
 #include "attention_math.h"
 #include "pp_internal.h"
@@ -31,6 +33,10 @@ struct pp_context {
     atomic_int           abort_requested;
     const float         *step_logits;  /* the last step's logits in the compute buffer, or NULL */
     int32_t              step_n_logits;
+    ggml_backend_t       device_backend;   /* NULL: the model runs on the CPU alone */
+    ggml_backend_sched_t sched;
+    float               *host_logits;      /* a device's logits read back (sched only) */
+    size_t               host_logits_floats;
 };
 
 /* GGML asks between graph nodes whether to stop (ggml_abort_callback). */
@@ -70,6 +76,22 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
     if (!c->meta_buf || !c->layer_params || !c->backend || !c->galloc) {
         pp_context_destroy(c);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute context");
+    }
+    ggml_backend_dev_t device = pp_model_device(m);
+    if (device) {
+        c->device_backend = ggml_backend_dev_init(device, NULL);
+        if (!c->device_backend) {
+            pp_context_destroy(c);
+            return pp_fail(PP_ERR_INVALID, "device %s: GGML cannot start its backend", ggml_backend_dev_name(device));
+        }
+        /* The device first: ops go where their weights and pools are, the CPU takes the rest. */
+        ggml_backend_t backends[2] = {c->device_backend, c->backend};
+        c->sched = ggml_backend_sched_new(backends, NULL, 2, PP_MAX_GRAPH_NODES, false, false);
+        if (!c->sched) {
+            pp_context_destroy(c);
+            return pp_fail(PP_ERR_NO_MEMORY, "cannot set up GGML's scheduler for device %s",
+                           ggml_backend_dev_name(device));
+        }
     }
     int st = pp_context_set_threads(c, n_threads);
     if (st != PP_OK) {
@@ -111,6 +133,9 @@ void pp_compute_release(ggml_gallocr_t galloc, ggml_backend_t backend, ggml_thre
 
 void pp_context_destroy(pp_context *c) {
     if (!c) return;
+    if (c->sched) ggml_backend_sched_free(c->sched);
+    if (c->device_backend) ggml_backend_free(c->device_backend);
+    free(c->host_logits);
     pp_compute_release(c->galloc, c->backend, c->threadpool, c->pool_pid);
     free(c->meta_buf);
     free(c->layer_params);
@@ -125,6 +150,8 @@ void pp_context_destroy(pp_context *c) {
  * parent's pool struct alone. */
 static int forget_parent_pool(pp_context *c) {
     if (!c->threadpool || c->pool_pid == getpid()) return PP_OK;
+    /* GGML's device backends do not survive fork() (the scheduler holds the parent's backends). */
+    if (c->sched) return pp_fail(PP_ERR_INVALID, "a forked process cannot use its parent's device context");
     ggml_backend_t backend = new_backend(c);
     if (!backend) return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute backend after fork");
     ggml_backend_free(c->backend);
@@ -310,6 +337,59 @@ int32_t pp_context_set_attention_path(pp_context *c, int32_t path) {
     return PP_OK;
 }
 
+/* The step's inputs into the graph's input tensors (host memory: GGML's
+ * scheduler keeps inputs on the CPU and copies what a device reads). */
+static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_batch *b, int gather, int swa_window) {
+    ggml_backend_tensor_set(ggml_graph_get_tensor(gf, "tokens"), b->token_ids, 0, sizeof(int32_t) * b->n_tokens);
+    ggml_backend_tensor_set(ggml_graph_get_tensor(gf, "positions"), b->positions, 0, sizeof(int32_t) * b->n_tokens);
+    struct ggml_tensor *slots = ggml_graph_get_tensor(gf, "slots");
+    struct ggml_tensor *rows = ggml_graph_get_tensor(gf, "logit_rows");
+    if (!ggml_backend_buffer_is_host(slots->buffer) || !ggml_backend_buffer_is_host(rows->buffer))
+        return pp_fail(PP_ERR_COMPUTE, "GGML placed the step's inputs outside host memory");
+    int64_t *slot_data = slots->data;
+    for (int i = 0; i < b->n_tokens * c->cache->n_groups; i++) slot_data[i] = b->slot_mapping[i];
+    int32_t *out_rows = rows->data;
+    if (b->n_logits > 0) memcpy(out_rows, b->logit_rows, sizeof(int32_t) * b->n_logits);
+    if (b->n_hidden > 0) memcpy(out_rows + b->n_logits, b->hidden_rows, sizeof(int32_t) * b->n_hidden);
+    /* GGML's flash attention runs for slabs, the gather path, and the layers whose pools are on a device */
+    if (!c->cache->paged || gather || c->cache->device_buffer) fill_flash_inputs(gf, b, swa_window, c->cache);
+    return PP_OK;
+}
+
+/* The step's logits (left in the compute buffer on the CPU, read back from
+ * a device) and hidden rows. */
+static int32_t read_outputs(pp_context *c, struct ggml_cgraph *gf, const pp_batch *b, float *logits) {
+    const pp_model *m = c->model;
+    if (b->n_logits > 0) {
+        struct ggml_tensor *out = ggml_graph_get_tensor(gf, "logits");
+        const size_t floats = (size_t)b->n_logits * m->hp.n_vocab;
+        if (ggml_backend_buffer_is_host(out->buffer)) {
+            /* the graph output stays in the allocator's buffer until the next step allocates:
+             * with no logits buffer the caller reads it there (no copy of n_logits x n_vocab) */
+            c->step_logits = out->data;
+        } else {
+            if (c->host_logits_floats < floats) {
+                float *grown = realloc(c->host_logits, floats * sizeof(float));
+                if (!grown) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate %zu logits", floats);
+                c->host_logits = grown;
+                c->host_logits_floats = floats;
+            }
+            ggml_backend_tensor_get(out, c->host_logits, 0, floats * sizeof(float));
+            c->step_logits = c->host_logits;
+        }
+        c->step_n_logits = b->n_logits;
+        if (logits) memcpy(logits, c->step_logits, sizeof(float) * floats);
+    }
+    if (b->n_hidden > 0) {
+        /* a view of the normed rows: read row by row (its stride is the parent's) */
+        struct ggml_tensor *out = ggml_graph_get_tensor(gf, "hidden");
+        for (int i = 0; i < b->n_hidden; i++)
+            ggml_backend_tensor_get(out, b->hidden + (size_t)i * m->hp.n_embd, (size_t)i * out->nb[1],
+                                    sizeof(float) * m->hp.n_embd);
+    }
+    return PP_OK;
+}
+
 int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_decode: context is NULL");
     /* whatever happens next, the last step's rows are no longer this context's answer
@@ -335,20 +415,18 @@ int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
     const int gather = c->cache->paged && c->attention_path == PP_ATTENTION_GATHER;
     struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params, c->gemm_states, c->n_threads, gather);
-    if (!ggml_gallocr_alloc_graph(c->galloc, gf)) {
+    if (c->sched) ggml_backend_sched_reset(c->sched);
+    if (!(c->sched ? ggml_backend_sched_alloc_graph(c->sched, gf) : ggml_gallocr_alloc_graph(c->galloc, gf))) {
         ggml_free(ctx);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the compute buffer for %d tokens", b->n_tokens);
     }
-    memcpy(ggml_graph_get_tensor(gf, "tokens")->data, b->token_ids, sizeof(int32_t) * b->n_tokens);
-    memcpy(ggml_graph_get_tensor(gf, "positions")->data, b->positions, sizeof(int32_t) * b->n_tokens);
-    int64_t *slots = ggml_graph_get_tensor(gf, "slots")->data;
-    for (int i = 0; i < b->n_tokens * c->cache->n_groups; i++) slots[i] = b->slot_mapping[i];
-    int32_t *out_rows = ggml_graph_get_tensor(gf, "logit_rows")->data;
-    if (b->n_logits > 0) memcpy(out_rows, b->logit_rows, sizeof(int32_t) * b->n_logits);
-    if (b->n_hidden > 0) memcpy(out_rows + b->n_logits, b->hidden_rows, sizeof(int32_t) * b->n_hidden);
-    if (!c->cache->paged || gather) fill_flash_inputs(gf, b, swa_window, c->cache);
-
-    enum ggml_status status = ggml_backend_graph_compute(c->backend, gf);
+    st = upload_inputs(c, gf, b, gather, swa_window);
+    if (st != PP_OK) {
+        ggml_free(ctx);
+        return st;
+    }
+    enum ggml_status status = c->sched ? ggml_backend_sched_graph_compute(c->sched, gf)
+                                       : ggml_backend_graph_compute(c->backend, gf);
     atomic_store(&c->abort_requested, 0);   /* a request is consumed by the step it stopped */
     if (status != GGML_STATUS_SUCCESS) {
         ggml_free(ctx);
@@ -356,23 +434,9 @@ int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
                                                                      : "graph compute failed with GGML status %d",
                        (int)status);
     }
-    if (b->n_logits > 0) {
-        /* the graph output stays in the allocator's buffer until the next step allocates:
-         * with no logits buffer the caller reads it there (no copy of n_logits x n_vocab) */
-        struct ggml_tensor *out = ggml_graph_get_tensor(gf, "logits");
-        c->step_logits = out->data;
-        c->step_n_logits = b->n_logits;
-        if (logits) memcpy(logits, out->data, sizeof(float) * (size_t)b->n_logits * m->hp.n_vocab);
-    }
-    if (b->n_hidden > 0) {
-        /* a view of the normed rows: copied row by row (its stride is the parent's) */
-        struct ggml_tensor *out = ggml_graph_get_tensor(gf, "hidden");
-        for (int i = 0; i < b->n_hidden; i++)
-            memcpy(b->hidden + (size_t)i * m->hp.n_embd, (const char *)out->data + (size_t)i * out->nb[1],
-                   sizeof(float) * m->hp.n_embd);
-    }
+    st = read_outputs(c, gf, b, logits);
     ggml_free(ctx);
-    return PP_OK;
+    return st;
 }
 
 const float *pp_context_step_logits(const pp_context *c, int32_t *n_rows) {

@@ -60,7 +60,27 @@ struct pp_model {
      * head (tied: the input embedding too). NULL slots: GGML's own ops. */
     struct pp_q8_panels **panels;
     int32_t             n_panel_slots;
+    /* Offloaded to a GGML device (pp_model_offload): layers from
+     * device_first_layer on, and the output head and its norm when
+     * device_output. The tensors there are copies the device buffer owns. */
+    int32_t             device;               /* GGML device index; -1: all on the CPU */
+    int32_t             device_first_layer;
+    int32_t             device_output;
+    struct ggml_context *device_weights;
+    ggml_backend_buffer_t device_buffer;
+    /* With a device: a CPU buffer over the mapping, the home of the weights
+     * left there (it owns nothing). */
+    ggml_backend_buffer_t mapped_buffer;
 };
+
+/* device.c: the model's device (NULL: none). */
+ggml_backend_dev_t pp_model_device(const pp_model *m);
+
+/* Whether layer il (il == n_layer: the output head) runs on the model's device. */
+static inline int pp_layer_on_device(const pp_model *m, int il) {
+    if (m->device < 0) return 0;
+    return il >= m->hp.n_layer ? m->device_output : il >= m->device_first_layer;
+}
 
 struct pp_kv_cache {
     const pp_model      *model;
@@ -69,8 +89,10 @@ struct pp_kv_cache {
     int32_t              block_size;
     int32_t              paged;
     int64_t              num_slots;
-    struct ggml_context *meta;
+    struct ggml_context *meta;              /* the pools in host memory */
     ggml_backend_buffer_t buffer;
+    struct ggml_context *device_meta;       /* the pools on the model's device (NULL: none) */
+    ggml_backend_buffer_t device_buffer;
     int32_t              n_groups;          /* layer groups (1: ungrouped) */
     int32_t              layers_per_group;  /* L: every group has as many layers */
     int32_t             *layer_group;       /* per layer: its group */
@@ -78,6 +100,11 @@ struct pp_kv_cache {
     struct ggml_tensor **k;                 /* per layer: the pool it shares (kt[index in its group]) */
     struct ggml_tensor **v;
 };
+
+/* Whether a pool of c lives on the model's device (else in host memory). */
+static inline int pp_pool_on_device(const pp_kv_cache *c, const struct ggml_tensor *pool) {
+    return c->device_buffer != NULL && !ggml_backend_buffer_is_host(pool->buffer);
+}
 
 #define PP_ATTN_MAX_ROWS  32   /* query rows of one tile: tokens x group heads */
 #define PP_ATTN_KEY_CHUNK 32   /* keys converted and scored together */
@@ -144,7 +171,8 @@ int32_t pp_check_token_order(const pp_batch *batch, int i);
  * "mask.<t0>.<windowed>" per sequence run and "kv_idx.<t0>.<group>.<windowed>"
  * (paged: the run's key slots, from pp_gather_first_key); the output is named
  * "logits". gather: paged attention as GGML ops (pages gathered by slot, then
- * flash attention) instead of our CPU operator. */
+ * flash attention) instead of our CPU operator; layers whose pools are on
+ * a device take that path whatever gather says. */
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *model,
                                    const pp_kv_cache *cache, const pp_batch *batch,
                                    pp_attention_params *layer_params, struct pp_panel_gemm_state *gemm_states,

@@ -189,7 +189,8 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         ggml_build_forward_expand(gf, v_pool);
 
         struct ggml_tensor *attn;
-        if (cache->paged && !gather) {
+        /* Our operator reads host pools; a pool on a device takes the gather path there. */
+        if (cache->paged && !gather && !pp_pool_on_device(cache, cache->k[il])) {
             attn = pp_paged_attention(ctx, q, k_pool, v_pool, ap, n_threads);
         } else {
             attn = flash_attention(ctx, cache, batch, q, k_pool, v_pool, ap);

@@ -70,7 +70,10 @@ int32_t pp_kv_cache_create_grouped(const pp_model *m, int32_t kv_type, int32_t n
     struct ggml_init_params params = {
         .mem_size = (size_t)(2 * n_layer + 1) * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
     c->meta = ggml_init(params);
-    if (!c->k || !c->v || !c->kt || !c->vt || !c->layer_group || !index || !c->meta) {
+    ggml_backend_dev_t device = pp_model_device(m);
+    if (device) c->device_meta = ggml_init(params);
+    if (!c->k || !c->v || !c->kt || !c->vt || !c->layer_group || !index || !c->meta ||
+        (device && !c->device_meta)) {
         free(index);
         pp_kv_cache_destroy(c);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the KV cache tables");
@@ -83,9 +86,17 @@ int32_t pp_kv_cache_create_grouped(const pp_model *m, int32_t kv_type, int32_t n
     }
     memcpy(c->layer_group, layer_group, (size_t)n_layer * sizeof(int32_t));
     const int64_t n_embd_kv = head_dim * m->hp.n_head_kv;
+    int n_device_pools = 0;
     for (int j = 0; j < c->layers_per_group; j++) {
-        c->kt[j] = ggml_new_tensor_2d(c->meta, type, n_embd_kv, c->num_slots);
-        c->vt[j] = ggml_new_tensor_2d(c->meta, type, n_embd_kv, c->num_slots);
+        /* A pool lives where every layer sharing it runs; one read by a CPU
+         * layer stays in host memory for our operator. */
+        int on_device = device != NULL;
+        for (int il = 0; il < n_layer; il++)
+            if (index[il] == j && !pp_layer_on_device(m, il)) on_device = 0;
+        struct ggml_context *where = on_device ? c->device_meta : c->meta;
+        n_device_pools += on_device;
+        c->kt[j] = ggml_new_tensor_2d(where, type, n_embd_kv, c->num_slots);
+        c->vt[j] = ggml_new_tensor_2d(where, type, n_embd_kv, c->num_slots);
         ggml_format_name(c->kt[j], "cache_k_%d", j);
         ggml_format_name(c->vt[j], "cache_v_%d", j);
     }
@@ -94,15 +105,29 @@ int32_t pp_kv_cache_create_grouped(const pp_model *m, int32_t kv_type, int32_t n
         c->v[il] = c->vt[index[il]];
     }
     free(index);
-    c->buffer = ggml_backend_alloc_ctx_tensors_from_buft(c->meta, ggml_backend_cpu_buffer_type());
-    if (!c->buffer) {
-        pp_kv_cache_destroy(c);
-        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate KV pools of %lld tokens x %lld bytes",
-                       (long long)num_blocks * block_size,
-                       (long long)(2 * c->layers_per_group * ggml_row_size(type, n_embd_kv)));
+    const size_t pool_bytes = 2 * ggml_row_size(type, n_embd_kv) * (size_t)c->num_slots;
+    if (n_device_pools > 0) {
+        c->device_buffer = ggml_backend_alloc_ctx_tensors_from_buft(c->device_meta,
+                                                                    ggml_backend_dev_buffer_type(device));
+        if (!c->device_buffer) {
+            pp_kv_cache_destroy(c);
+            return pp_fail(PP_ERR_NO_MEMORY, "device %s: cannot allocate KV pools of %.1f MiB (%lld tokens)",
+                           ggml_backend_dev_name(device), n_device_pools * pool_bytes / 1048576.0,
+                           (long long)num_blocks * block_size);
+        }
+        ggml_backend_buffer_clear(c->device_buffer, 0);
     }
-    /* Zeroed pools keep never-written slots finite if a bug ever reads them. */
-    ggml_backend_buffer_clear(c->buffer, 0);
+    if (n_device_pools < c->layers_per_group) {
+        c->buffer = ggml_backend_alloc_ctx_tensors_from_buft(c->meta, ggml_backend_cpu_buffer_type());
+        if (!c->buffer) {
+            pp_kv_cache_destroy(c);
+            return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate KV pools of %lld tokens x %lld bytes",
+                           (long long)num_blocks * block_size,
+                           (long long)(2 * c->layers_per_group * ggml_row_size(type, n_embd_kv)));
+        }
+        /* Zeroed pools keep never-written slots finite if a bug ever reads them. */
+        ggml_backend_buffer_clear(c->buffer, 0);
+    }
     *out = c;
     return PP_OK;
 }
@@ -110,7 +135,9 @@ int32_t pp_kv_cache_create_grouped(const pp_model *m, int32_t kv_type, int32_t n
 void pp_kv_cache_destroy(pp_kv_cache *c) {
     if (!c) return;
     if (c->buffer) ggml_backend_buffer_free(c->buffer);
+    if (c->device_buffer) ggml_backend_buffer_free(c->device_buffer);
     if (c->meta) ggml_free(c->meta);
+    if (c->device_meta) ggml_free(c->device_meta);
     free(c->k);
     free(c->v);
     free(c->kt);
@@ -131,6 +158,17 @@ int64_t pp_kv_cache_bytes_per_slot(const pp_kv_cache *c) {
 
 static size_t block_bytes(const pp_kv_cache *c) { return c->k[0]->nb[1] * (size_t)c->block_size; }
 
+/* One block of a pool to another block of it: a memcpy in host memory, a
+ * read and a write through GGML's backend API on a device. */
+static void copy_block(struct ggml_tensor *pool, size_t bytes, int32_t src, int32_t dst, void *staging) {
+    if (ggml_backend_buffer_is_host(pool->buffer)) {
+        memcpy((char *)pool->data + dst * bytes, (char *)pool->data + src * bytes, bytes);
+        return;
+    }
+    ggml_backend_tensor_get(pool, staging, src * bytes, bytes);
+    ggml_backend_tensor_set(pool, staging, dst * bytes, bytes);
+}
+
 int32_t pp_kv_cache_copy_blocks(pp_kv_cache *c, const pp_block_copy *copies, int32_t n) {
     if (!c || (n > 0 && !copies)) return pp_fail(PP_ERR_INVALID, "pp_kv_cache_copy_blocks: NULL argument");
     for (int32_t i = 0; i < n; i++)
@@ -139,30 +177,32 @@ int32_t pp_kv_cache_copy_blocks(pp_kv_cache *c, const pp_block_copy *copies, int
             return pp_fail(PP_ERR_INVALID, "block copy %d -> %d invalid for %d blocks",
                            copies[i].src, copies[i].dst, c->num_blocks);
     const size_t bytes = block_bytes(c);
+    void *staging = NULL;
+    if (c->device_buffer && n > 0 && !(staging = malloc(bytes)))
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate a block's staging buffer");
     for (int j = 0; j < c->layers_per_group; j++) {
-        char *k = c->kt[j]->data, *v = c->vt[j]->data;
         for (int32_t i = 0; i < n; i++) {
-            memcpy(k + copies[i].dst * bytes, k + copies[i].src * bytes, bytes);
-            memcpy(v + copies[i].dst * bytes, v + copies[i].src * bytes, bytes);
+            copy_block(c->kt[j], bytes, copies[i].src, copies[i].dst, staging);
+            copy_block(c->vt[j], bytes, copies[i].src, copies[i].dst, staging);
         }
     }
+    free(staging);
     return PP_OK;
 }
 
+/* GGML's tensor get/set: a memcpy for host pools, a transfer for device ones. */
 static int transfer_block(pp_kv_cache *c, int32_t block_id, char *host, int to_host) {
     if (!c || !host) return pp_fail(PP_ERR_INVALID, "KV block transfer: NULL argument");
     if (block_id < 0 || block_id >= c->num_blocks)
         return pp_fail(PP_ERR_INVALID, "block id %d out of range [0, %d)", block_id, c->num_blocks);
-    const size_t bytes = block_bytes(c);
+    const size_t bytes = block_bytes(c), offset = block_id * bytes;
     for (int j = 0; j < c->layers_per_group; j++) {
-        char *k = (char *)c->kt[j]->data + block_id * bytes;
-        char *v = (char *)c->vt[j]->data + block_id * bytes;
         if (to_host) {
-            memcpy(host, k, bytes);
-            memcpy(host + bytes, v, bytes);
+            ggml_backend_tensor_get(c->kt[j], host, offset, bytes);
+            ggml_backend_tensor_get(c->vt[j], host + bytes, offset, bytes);
         } else {
-            memcpy(k, host, bytes);
-            memcpy(v, host + bytes, bytes);
+            ggml_backend_tensor_set(c->kt[j], host, offset, bytes);
+            ggml_backend_tensor_set(c->vt[j], host + bytes, offset, bytes);
         }
         host += 2 * bytes;
     }
@@ -175,4 +215,12 @@ int32_t pp_kv_cache_read_block(const pp_kv_cache *c, int32_t block_id, void *dst
 
 int32_t pp_kv_cache_write_block(pp_kv_cache *c, int32_t block_id, const void *src) {
     return transfer_block(c, block_id, (char *)src, 0);
+}
+
+int32_t pp_kv_cache_device_layers(const pp_kv_cache *c) {
+    if (!c) return 0;
+    int32_t n = 0;
+    for (int il = 0; il < c->model->hp.n_layer; il++)
+        n += pp_pool_on_device(c, c->k[il]);
+    return n;
 }

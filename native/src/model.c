@@ -31,6 +31,7 @@ int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
     pp_model *m = calloc(1, sizeof *m);
     if (!m) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the model");
     m->hp = *hp;
+    m->device = -1;
     if (m->hp.n_rot == 0) m->hp.n_rot = hp->head_dim;
     m->layer_window = calloc((size_t)hp->n_layer, sizeof(int32_t));
     m->layers = calloc((size_t)hp->n_layer, sizeof(pp_layer));
@@ -51,6 +52,9 @@ int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
 void pp_model_destroy(pp_model *m) {
     if (!m) return;
     for (int i = 0; i < m->n_repack_buffers; i++) ggml_backend_buffer_free(m->repack_buffers[i]);
+    if (m->device_buffer) ggml_backend_buffer_free(m->device_buffer);
+    if (m->mapped_buffer) ggml_backend_buffer_free(m->mapped_buffer);
+    if (m->device_weights) ggml_free(m->device_weights);
     for (int i = 0; m->panels && i < m->n_panel_slots; i++) pp_q8_panels_free(m->panels[i]);
     free(m->panels);
     if (m->weights) ggml_free(m->weights);

@@ -2,12 +2,18 @@
 #ifndef PP_INTERNAL_H
 #define PP_INTERNAL_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* Record a printf-style message as the calling thread's last error and
  * return status, so failures read as `return pp_fail(PP_ERR_..., ...)`. */
 int32_t pp_fail(int32_t status, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
+
+/* The borrowed bytes of a weight moved elsewhere (repacked, packed into
+ * panels, offloaded to a device) are never read again: ask the kernel to
+ * reclaim the whole pages inside them, keeping their contents. */
+void pp_release_mapped(const void *data, size_t size);
 
 /* Map from a 64-bit block hash to a physical block id (open addressing,
  * linear probing, backward-shift deletion so no tombstones accumulate). */

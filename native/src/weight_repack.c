@@ -16,11 +16,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-/* The borrowed bytes of a moved tensor are never read again: ask the kernel
- * to reclaim the whole pages inside them. MADV_PAGEOUT keeps the contents
- * (a file page faults back in from the file, an anonymous one from swap),
- * unlike MADV_DONTNEED, which would zero a caller's anonymous memory. */
-static void release_mapped(const void *data, size_t size) {
+/* MADV_PAGEOUT keeps the contents (a file page faults back in from the
+ * file, an anonymous one from swap), unlike MADV_DONTNEED, which would zero
+ * a caller's anonymous memory. */
+void pp_release_mapped(const void *data, size_t size) {
 #ifdef MADV_PAGEOUT
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     const uintptr_t begin = ((uintptr_t)data + page - 1) & ~(page - 1);
@@ -38,10 +37,11 @@ static int matmul_weights(const pp_model *m, struct ggml_tensor **out) {
     for (int il = 0; il < m->hp.n_layer; il++) {
         for (int p = 0; p < PP_N_PROJ; p++) {
             struct ggml_tensor *w = pp_layer_weight(&m->layers[il], p);
-            if (w && !(m->panels && m->panels[il * PP_N_PROJ + p])) out[n++] = w;
+            if (w && !(m->panels && m->panels[il * PP_N_PROJ + p]) && !pp_layer_on_device(m, il)) out[n++] = w;
         }
     }
-    if (m->output && !(m->panels && m->panels[m->hp.n_layer * PP_N_PROJ])) out[n++] = m->output;
+    if (m->output && !(m->panels && m->panels[m->hp.n_layer * PP_N_PROJ]) && !pp_layer_on_device(m, m->hp.n_layer))
+        out[n++] = m->output;
     return n;
 }
 
@@ -82,16 +82,18 @@ static int move_into(pp_model *m, ggml_backend_buffer_type_t buft, struct ggml_t
     for (int i = 0; i < n; i++) {
         if (choice[i] != which) continue;
         void *mapped = w[i]->data;
+        ggml_backend_buffer_t mapped_home = w[i]->buffer;   /* NULL, or the model's mapped_buffer */
         w[i]->data = NULL;
+        w[i]->buffer = NULL;
         if (ggml_backend_tensor_alloc(buf, w[i], addr) != GGML_STATUS_SUCCESS) {
             w[i]->data = mapped;
-            w[i]->buffer = NULL;
+            w[i]->buffer = mapped_home;
             pp_fail(PP_ERR_NO_MEMORY, "cannot place tensor '%s' in the %s buffer", w[i]->name,
                     ggml_backend_buft_name(buft));
             return -1;
         }
         ggml_backend_tensor_set(w[i], mapped, 0, ggml_nbytes(w[i]));
-        release_mapped(mapped, ggml_nbytes(w[i]));
+        pp_release_mapped(mapped, ggml_nbytes(w[i]));
         addr += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, w[i]), align);
         moved++;
     }
@@ -172,7 +174,8 @@ int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int3
     for (int slot = 0; slot < n_slots; slot++) {
         struct ggml_tensor *w = slot < n_slots - 1 ? pp_layer_weight(&m->layers[slot / PP_N_PROJ], slot % PP_N_PROJ)
                                                    : (m->output ? m->output : m->tok_embd);
-        if (!w || !pp_q8_panels_fit(w->type, w->ne[0], w->ne[1])) continue;
+        /* a weight on a device runs GGML's product there */
+        if (!w || pp_layer_on_device(m, slot / PP_N_PROJ) || !pp_q8_panels_fit(w->type, w->ne[0], w->ne[1])) continue;
         pp_q8_panels *p = pp_q8_panels_pack(w->data, w->type, w->ne[0], w->ne[1]);
         if (!p) {
             /* the slots packed so far stay packed: the model remains usable */
@@ -181,7 +184,7 @@ int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int3
                            w->name);
         }
         /* From here on the graph reads the panels only (a tied head's embedding too). */
-        release_mapped(w->data, ggml_nbytes(w));
+        pp_release_mapped(w->data, ggml_nbytes(w));
         m->panels[slot] = p;
         packed++;
     }

@@ -15,6 +15,7 @@ from ..engine.llm_engine import RequestOutput
 from ..engine.model import Model
 from ..engine.builder import build_engine
 from ..engine.config import EngineConfig
+from ..engine.devices import list_devices
 from ..engine.sampler import SamplingParams
 from ..engine.scheduler import SchedulerConfig
 from ..engine.shared_steps import SharedSteps
@@ -47,10 +48,12 @@ class Llama:
                  pooling_type: int = -1, logits_all: bool = False, last_n_tokens_size: int = 64,
                  lora_path: str | None = None, verbose: bool = False,
                  paged: bool = True, block_size: int = 32, kv_cache_type: str = "f16", n_seq_max: int = 1,
-                 repack_weights: bool = True, pack_panels: bool = True, **llama_cpp_args: Any):
+                 repack_weights: bool = True, pack_panels: bool = True, n_gpu_layers: int = 0,
+                 main_gpu: int = 0, **llama_cpp_args: Any):
         """Load a GGUF (model_path None: the embedded default model). llama-cpp-python's other
         arguments are accepted; those that change nothing here warn once (llama_compat).
-        pack_panels=False keeps GGML's kernels for the weights our VNNI panel GEMM would take."""
+        pack_panels=False keeps GGML's kernels for the weights our VNNI panel GEMM would take.
+        n_gpu_layers: layers on GGML's main_gpu-th GPU (-1: all and the output head)."""
         self.llm_engine = self._model = self._steps = None   # set first: close() is safe after a failed init
         self._warnings = CompatWarnings()
         self._warnings.constructor_args(llama_cpp_args)
@@ -68,7 +71,13 @@ class Llama:
         self.last_n_tokens_size = last_n_tokens_size
         self.chat_format, self.chat_handler = chat_format, chat_handler
         kv_cache_type = kv_cache_type_of(type_k, type_v, kv_cache_type)
-        self._model = Model(model_path, repack_weights=repack_weights, pack_panels=pack_panels)
+        if n_gpu_layers and not any(d.is_gpu for d in list_devices()):
+            # llama.cpp runs such a call on the CPU: code written for a GPU machine keeps working
+            self._warnings.warn("n_gpu_layers", f"n_gpu_layers={n_gpu_layers} asks for a GPU, but this GGML "
+                                                "lists none: running on the CPU (see the README's GPU builds)")
+            n_gpu_layers = 0
+        self._model = Model(model_path, repack_weights=repack_weights, pack_panels=pack_panels,
+                            n_gpu_layers=n_gpu_layers, main_gpu=main_gpu)
         self.model_path = self._model.path
         self._tokenizer = Tokenizer.from_metadata(self._model.metadata)
         self.n_threads = n_threads or n_threads_batch or _default_threads()
@@ -79,6 +88,7 @@ class Llama:
         self._tokens: list[int] = []   # what the model has evaluated: the last prompt and its answer
         config = EngineConfig(paged=paged, n_ctx=self._n_ctx, n_seq_max=n_seq_max, n_threads=self.n_threads,
                               n_batch=self.n_batch, block_size=block_size, kv_cache_type=kv_cache_type,
+                              n_gpu_layers=n_gpu_layers, main_gpu=main_gpu,
                               scheduler=SchedulerConfig(max_num_batched_tokens=self.n_batch))
         self.llm_engine = build_engine(config, self._model, self._tokenizer.eot_ids)
         self._steps = SharedSteps(self.llm_engine)

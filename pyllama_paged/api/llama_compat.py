@@ -35,9 +35,7 @@ def _unused(why: str, **neutral: Any) -> dict[str, tuple[Any, str]]:
 # value that asks for nothing, why another value is not honoured). A value other
 # than the neutral one warns once.
 UNUSED_ARGS: dict[str, tuple[Any, str]] = {
-    "n_gpu_layers": (0, "this build runs on the CPU (the GPU path does not exist yet)"),
-    **_unused("there is one device", split_mode=1, tensor_split=None),
-    "main_gpu": (0, "this build runs on the CPU"),
+    **_unused("a model runs on one GPU (main_gpu) and the CPU", split_mode=1, tensor_split=None),
     "vocab_only": (False, "the whole model is loaded"),
     "use_mmap": (True, "the weights are always memory-mapped"),
     "use_mlock": (False, "memory is not locked"),

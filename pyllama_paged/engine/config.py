@@ -32,6 +32,8 @@ class EngineConfig:
     attention: str = "kernel"           # "kernel": our CPU operator; "gather": GGML ops alone
     repack_weights: bool = True
     pack_panels: bool | str = True
+    n_gpu_layers: int = 0               # layers on a GPU (llama.cpp's rule; -1: all, head included)
+    main_gpu: int = 0                   # which of GGML's GPUs
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self):
@@ -46,6 +48,11 @@ class EngineConfig:
     def context_for(self, n_ctx_train: int) -> int:
         """The context a model trained on n_ctx_train tokens runs with here."""
         return min(self.n_ctx, n_ctx_train) if self.n_ctx > 0 else n_ctx_train
+
+    @property
+    def kv_budget_given(self) -> bool:
+        """Whether the KV budget was set explicitly (else it is n_seq_max sequences of n_ctx)."""
+        return self.num_blocks is not None or self.kv_bytes is not None or self.kv_tokens is not None
 
     def kv_budget_bytes(self, n_ctx: int, dense_bytes_per_token: int) -> int:
         """The KV budget in bytes (dense_bytes_per_token: one token of every layer)."""

@@ -12,6 +12,7 @@ import numpy as np
 from .beam_search import advance_beams, expansion_sampler, ranked_beams
 from .embedding import DecoderPooling, EmbedParams
 from .config import EngineConfig
+from .devices import device_kv_budget
 from .model import Model
 from .model_runner import ModelRunner, dense_kv_bytes_per_token
 from .outputs import RequestOutput, TokenEvent
@@ -54,10 +55,13 @@ class LLMEngine:
         the ids that end generation (None: the GGUF tokenizer's)."""
         owned = model is None
         model = model or Model(config.model_path, repack_weights=config.repack_weights,
-                               pack_panels=config.pack_panels)
+                               pack_panels=config.pack_panels, n_gpu_layers=config.n_gpu_layers,
+                               main_gpu=config.main_gpu)
         try:
             n_ctx = config.context_for(model.config.n_ctx_train)
             budget = config.kv_budget_bytes(n_ctx, dense_kv_bytes_per_token(model.config, config.kv_cache_type))
+            if model.device is not None and not config.kv_budget_given:
+                budget = device_kv_budget(model, budget)
             if config.paged:
                 sizes = dict(num_blocks=config.num_blocks, kv_bytes=budget)
             else:   # the baseline: the same bytes as whole n_ctx slabs

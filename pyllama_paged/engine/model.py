@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 from .._native import check, ffi, lib
-from ..errors import NativeError
+from ..errors import NativeError, PagedError
 from ..gguf.reader import GGUFFile
 from ..gguf.config import ARCH_IDS, ModelConfig, ModelLoadError, config_from_metadata
+from .devices import Device, LayerSplit, gpu_device
 
 
 def default_model_path() -> str:
@@ -27,8 +30,10 @@ class Model:
     """Weights of one GGUF model, described to the native core (data stays mapped)."""
 
     def __init__(self, model_path: str | None = None, *, repack_weights: bool = True,
-                 pack_panels: bool | str = True):
+                 pack_panels: bool | str = True, n_gpu_layers: int = 0, main_gpu: int = 0):
         self._native = None
+        self.device: Device | None = None   # the GPU holding some layers (None: all on the CPU)
+        self.split: LayerSplit | None = None
         self.n_repacked = 0
         self.panel_kernel = "ggml"
         self.n_panel_packed = 0
@@ -38,6 +43,8 @@ class Model:
         self.metadata = self.gguf.metadata
         self.config: ModelConfig = config_from_metadata(self.metadata, self._vocab_size(), self.path)
         self._create_native()
+        if n_gpu_layers:
+            self._offload(n_gpu_layers, main_gpu)
         if pack_panels:
             self._pack_panels(any_cpu=pack_panels == "any-cpu")
         if repack_weights:
@@ -87,6 +94,33 @@ class Model:
             self._wrap(lib.pp_model_set_tensor(self._native, t.name.encode(), t.type, ne,
                                                len(t.shape), data, t.n_bytes, used), f"tensor '{t.name}'")
         self._wrap(lib.pp_model_finalize(self._native), "weights")
+
+    def _offload(self, n_gpu_layers: int, main_gpu: int) -> None:
+        # Before panels and repacking: the layers that move keep GGML's own layout.
+        if self.config.is_encoder:
+            warnings.warn(f"{self.path}: an embedding (encoder) model runs on the CPU only; "
+                          f"n_gpu_layers={n_gpu_layers} is ignored for it", UserWarning, stacklevel=3)
+            return
+        try:
+            split = LayerSplit.for_request(n_gpu_layers, self.config.n_layer)
+            device = gpu_device(main_gpu)
+        except PagedError:
+            self.close()
+            raise
+        self._wrap(lib.pp_model_offload(self._native, device.index, split.n_device_layers, int(split.output)),
+                   f"offloading to {device.name}")
+        self.device, self.split = device, split
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of weights on the GPU (0: none)."""
+        return int(lib.pp_model_device_bytes(self.native))
+
+    def layer_placement(self) -> list[str]:
+        """Per layer, then the output head: the device name it runs on ("CPU" for the CPU)."""
+        n = self.config.n_layer
+        return [self.device.name if lib.pp_model_layer_device(self.native, il) >= 0 else "CPU"
+                for il in range(n + 1)]
 
     def _repack(self) -> None:
         # GGML's CPU GEMM kernels want some types (Q4_0, Q4_K, IQ4_NL on AVX2)

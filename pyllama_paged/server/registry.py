@@ -62,6 +62,8 @@ class EngineOptions:
     preemption_mode: str = "recompute"
     itl_budget: float | str | None = "auto"   # seconds, "auto" or None (see SchedulerConfig)
     max_prefill_tokens_with_decodes: int | None = 128   # a ceiling under the budget, and before it is learned
+    n_gpu_layers: int = 0               # layers on a GPU (-1: all and the output head)
+    main_gpu: int = 0
 
 
 class ServedModel:
@@ -100,7 +102,7 @@ class ServedModel:
     def _load(self) -> None:
         """Weights, KV pool, runner and engine loop (blocking: seconds)."""
         self.loads += 1
-        model = Model(self.path)
+        model = Model(self.path, n_gpu_layers=self.options.n_gpu_layers, main_gpu=self.options.main_gpu)
         try:
             if self.tokenizer is None:   # kept across unloads, like the metadata
                 self.tokenizer = Tokenizer.from_metadata(model.metadata)
@@ -120,7 +122,7 @@ class ServedModel:
         return EngineConfig(
             model_path=self.path, paged=o.paged, n_ctx=o.n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
             block_size=o.block_size, kv_cache_type=o.kv_cache_type, kv_bytes=o.kv_budget_bytes,
-            kv_tokens=o.kv_budget_tokens,
+            kv_tokens=o.kv_budget_tokens, n_gpu_layers=o.n_gpu_layers, main_gpu=o.main_gpu,
             scheduler=SchedulerConfig(max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs,
                                       preemption_mode=o.preemption_mode, itl_budget=o.itl_budget,
                                       max_prefill_tokens_with_decodes=o.max_prefill_tokens_with_decodes))
