@@ -274,16 +274,14 @@ def _print_devices(model) -> None:
     if model.config.is_encoder:
         print("layers: all on the CPU (an encoder-only model)")
         return
-    placement = model.layer_placement()
-    runs, start = [], 0
-    for il in range(1, len(placement) + 1):   # consecutive layers on one device, as one line
-        if il == len(placement) - 1 or il == len(placement) or placement[il] != placement[start]:
-            runs.append((start, il - 1, placement[start]))
+    *layers, head = model.layer_placement()
+    start = 0
+    for il in range(1, len(layers) + 1):   # consecutive layers on one device, as one line
+        if il == len(layers) or layers[il] != layers[start]:
+            span = f"layer {start}" if il - 1 == start else f"layers {start}-{il - 1}"
+            print(f"  {span}: {layers[start]}")
             start = il
-    for first, last, where in runs:
-        what = "output head" if first == len(placement) - 1 else (
-            f"layer {first}" if first == last else f"layers {first}-{last}")
-        print(f"  {what}: {where}")
+    print(f"  output head: {head}")
     if model.device is not None:
         print(f"  weights on {model.device.name}: {model.device_bytes / 2**20:.1f} MiB")
 

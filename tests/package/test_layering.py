@@ -29,6 +29,7 @@ LAYERS = [
     ["engine.block_pool"],
     ["engine.step_batch", "engine.kv_groups"],
     ["engine.kv_manager"],
+    ["engine.devices"],
     ["engine.model"],
     ["engine.model_runner"],
     ["engine.sampler"],
@@ -56,7 +57,8 @@ LAYERS = [
     ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.sampling_reference",
      "testing.reference.bert_reference", "testing.reference.tiny_bert", "testing.agreement",
      "testing.attention_harness", "testing.cuda_harness", "testing.serving", "testing.loop_control",
-     "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf"],
+     "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf",
+     "testing.device_checks"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer
 ]
