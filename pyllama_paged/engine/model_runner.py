@@ -116,6 +116,12 @@ class ModelRunner:
         """Host bytes one block's K and V take (the layers of the group holding it)."""
         return self.kv_slot_bytes * self.kv.block_size
 
+    @property
+    def kv_device_bytes(self) -> int:
+        """Bytes of the KV pools on the model's GPU (0: all in host memory)."""
+        on_device = lib.pp_kv_cache_device_layers(self._cache)
+        return self.kv_pool_bytes * on_device // self.model.config.n_layer
+
     def kv_bytes_by_group(self) -> list[dict]:
         """Per layer group: its window and the KV bytes per token it costs in steady state
         (a window group's cost stops growing past its window)."""

@@ -114,6 +114,13 @@ class ServedModel:
         self.model, self.engine = model, engine
         self.loaded_at = time.time()
 
+    @property
+    def size_vram(self) -> int:
+        """Bytes this model holds on a GPU (weights and KV pools), as Ollama's /api/ps reports."""
+        if self.model is None or self.model.device is None or self.engine is None or self.engine.is_encoder:
+            return 0
+        return self.model.device_bytes + self.engine.runner.kv_device_bytes
+
     def engine_config(self) -> EngineConfig:
         """The engine these options describe. Bytes are what users size; a budget in tokens
         is that many tokens of every layer (sliding-window groups then hold more tokens in

@@ -257,6 +257,7 @@ def check_server() -> dict:
     import httpx
 
     from ..api.llama import Llama
+    from .agreement import assert_greedy_agree, engine_logits
     from .serving import free_port, stop_server, wait_healthy
 
     port = free_port()
@@ -270,6 +271,7 @@ def check_server() -> dict:
         try:
             wait_healthy(url, proc, "/api/version", timeout=600, log=log)
             cpu = Llama(n_ctx=512, n_threads=2)
+            logits_of = engine_logits(cpu.llm_engine.runner)
             answers = []
             for text in ("The three primary colors are", "Paris is the capital of"):
                 body = {"model": "gemma3:270m", "prompt": text, "max_tokens": 16, "temperature": 0}
@@ -277,10 +279,13 @@ def check_server() -> dict:
                 r.raise_for_status()
                 got = r.json()["choices"][0]["text"]
                 want = cpu(text, max_tokens=16, temperature=0)["choices"][0]["text"]
-                answers.append({"prompt": text, "cpu": want, "device": got})
+                # near-ties allowed, as for the Python API
+                assert_greedy_agree(cpu.tokenize(text.encode()), cpu.tokenize(want.encode(), add_bos=False),
+                                    cpu.tokenize(got.encode(), add_bos=False), logits_of, cpu.llm_engine.eot_ids)
+                answers.append({"prompt": text, "cpu": want, "device": got, "agree": True})
             cpu.close()
-            placement = httpx.get(f"{url}/api/ps", timeout=30).json()
-            return {"answers": answers, "ps": placement, "log_tail": log.read_text()[-2000:]}
+            (ps,) = httpx.get(f"{url}/api/ps", timeout=30).json()["models"]
+            return {"answers": answers, "size_vram": ps["size_vram"], "size": ps["size"]}
         finally:
             stop_server(proc)
 
