@@ -544,7 +544,11 @@ typedef struct pp_context pp_context;
  * workers sleep), room for max_batch_tokens tokens per step. model and
  * cache are borrowed and must outlive it. A context is used by one thread
  * at a time. After fork() the child's first call gives the context a new
- * pool (the parent's workers do not exist there). */
+ * pool (the parent's workers do not exist there). For a model offloaded to
+ * a device (pp_model_offload) the context also starts that device's GGML
+ * backend and runs each step through GGML's scheduler (the device first,
+ * the CPU as fallback); such a context refuses to run in a forked child
+ * (PP_ERR_INVALID), and PP_ERR_INVALID if the device's backend cannot start. */
 int32_t pp_context_create(pp_model *model, pp_kv_cache *cache, int32_t n_threads,
                           int32_t max_batch_tokens, pp_context **out);
 
@@ -596,7 +600,9 @@ int32_t pp_context_set_attention_path(pp_context *ctx, int32_t path);
 
 /* Ask the step running on ctx, or the next one if none runs, to stop; it
  * returns PP_ERR_COMPUTE. Safe to call from any thread (it only sets a
- * flag); PP_ERR_INVALID for NULL. */
+ * flag); PP_ERR_INVALID for NULL. The flag is read between the ops GGML's
+ * CPU backend runs: with every layer on a device (whose backends have no
+ * abort hook) a step stops at its CPU ops, or the next step does. */
 int32_t pp_context_abort(pp_context *ctx);
 
 /* ---- encoder (embedding models) ----------------------------------------- */
