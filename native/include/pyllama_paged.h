@@ -473,8 +473,9 @@ typedef struct pp_kv_cache pp_kv_cache;
  * (pp_model_offload) are allocated there. On success *out owns the cache; free it with
  * pp_kv_cache_destroy, before the model. Fails with PP_ERR_INVALID naming
  * the problem (a head size that is not whole quantization groups, groups of
- * different sizes, a group id outside [0, n_groups)), PP_ERR_NO_MEMORY if
- * the pools cannot be allocated. */
+ * different sizes, a group id outside [0, n_groups), a pool larger than the
+ * model's device binds in one tensor), PP_ERR_NO_MEMORY if the pools cannot
+ * be allocated (on a device: the message names it and the size). */
 int32_t pp_kv_cache_create_grouped(const pp_model *model, int32_t kv_type, int32_t num_blocks,
                                    int32_t block_size, int32_t paged, int32_t n_groups,
                                    const int32_t *layer_group, pp_kv_cache **out);

@@ -106,6 +106,14 @@ int32_t pp_kv_cache_create_grouped(const pp_model *m, int32_t kv_type, int32_t n
     }
     free(index);
     const size_t pool_bytes = 2 * ggml_row_size(type, n_embd_kv) * (size_t)c->num_slots;
+    /* A device binds one pool per op: one above its limit (a software Vulkan
+     * device takes 128 MiB) would abort inside GGML's scheduler, so it is refused here. */
+    if (n_device_pools > 0 && !ggml_backend_dev_supports_op(device, c->kt[0])) {
+        pp_kv_cache_destroy(c);
+        return pp_fail(PP_ERR_INVALID, "device %s cannot hold a KV pool of %.1f MiB (one layer's K for %lld "
+                       "tokens) in one tensor: use a smaller KV budget or fewer GPU layers",
+                       ggml_backend_dev_name(device), pool_bytes / 2 / 1048576.0, (long long)c->num_slots);
+    }
     if (n_device_pools > 0) {
         c->device_buffer = ggml_backend_alloc_ctx_tensors_from_buft(c->device_meta,
                                                                     ggml_backend_dev_buffer_type(device));

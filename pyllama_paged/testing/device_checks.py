@@ -290,8 +290,32 @@ def check_server() -> dict:
             stop_server(proc)
 
 
+def check_limits() -> dict:
+    """Asking the device for more than it holds: a KV pool above what it binds in one
+    tensor is a clear error, and the same process then serves a model that fits."""
+    from ..engine.model import Model
+    from ..engine.model_runner import ModelRunner
+    from ..errors import PagedError
+
+    model = Model(n_gpu_layers=-1)
+    try:
+        try:
+            ModelRunner(model, n_ctx=512, n_threads=2, kv_bytes=64 * 2**30)
+            refused = None
+        except PagedError as e:
+            refused = str(e)
+        runner = ModelRunner(model, n_ctx=512, n_threads=2)
+        seq = runner.add_sequence([2, 651, 1957, 6037, 9692, 659])
+        finite = bool(np.isfinite(runner.prefill(seq)).all())
+        runner.close()
+        return {"refused": refused, "then_runs": finite}
+    finally:
+        model.close()
+
+
 CHECKS = {"reference": check_reference, "forks": check_forks, "engine": check_engine, "window": check_window,
-          "default_model": check_default_model, "server": check_server}
+          "default_model": check_default_model, "server": check_server,
+          "limits": check_limits}
 
 
 def main(argv=None) -> int:

@@ -58,6 +58,12 @@ def test_default_model_answers_like_the_cpu_on_the_device():
     assert sum(a["same"] for a in r["answers"]) >= 2, r["answers"]
 
 
+def test_a_kv_pool_beyond_the_device_is_a_clear_error():
+    r = run_check("limits")["result"]
+    assert r["refused"] and ("cannot hold a KV pool" in r["refused"] or "cannot allocate KV pools" in r["refused"])
+    assert r["then_runs"]
+
+
 def test_server_with_gpu_layers_answers_like_the_cpu():
     r = run_check("server")["result"]
     assert [a["agree"] for a in r["answers"]] == [True, True]   # near-ties allowed (checked in the child)
