@@ -56,7 +56,7 @@ class Message(_Strict):
 
 
 class ToolDef(_Strict):
-    name: str = Field(min_length=1, max_length=128)
+    name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any]
     type: str | None = None   # "custom"; Anthropic's server tools (web search, ...) are refused
