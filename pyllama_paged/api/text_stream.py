@@ -88,6 +88,7 @@ class StopMatcher:
         self.stops = self.strings.stops
         self.pending = ""
         self._node = 0
+        self.matched: str | None = None   # the stop string that cut the text (APIs that name it)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, stopped)."""
@@ -99,6 +100,7 @@ class StopMatcher:
         pending = self.pending + text
         if end >= 0:
             cut = len(self.pending) + end - length
+            self.matched = pending[cut:cut + length]
             self.pending, self._node = "", 0
             return pending[:cut], True
         cut = len(pending) - self.strings.held(self._node)
@@ -117,6 +119,7 @@ class TextDelta:
     text: str
     finish_reason: str | None = None
     event: TokenEvent | None = None  # the token behind this text, when there is one
+    stop: str | None = None          # with finish_reason "stop": the stop string that ended it, if one did
 
 
 class TextAssembler:
@@ -159,7 +162,7 @@ class TextAssembler:
                 deltas.append(TextDelta(ev.seq_index, text, None, ev))
             if hit:
                 self.stopped.add(ev.seq_index)
-                deltas.append(TextDelta(ev.seq_index, "", "stop"))
+                deltas.append(TextDelta(ev.seq_index, "", "stop", stop=stopper.matched))
         if out.finished:
             for j, reason in enumerate(out.finish_reasons):
                 if j in self.stopped:
@@ -169,7 +172,8 @@ class TextAssembler:
                 if not hit:
                     text += stopper.flush()
                 self.stopped.add(j)
-                deltas.append(TextDelta(j, text, "stop" if hit else (reason or "length")))
+                deltas.append(TextDelta(j, text, "stop" if hit else (reason or "length"),
+                                        stop=stopper.matched if hit else None))
         return deltas
 
     def all_stopped(self, n: int) -> bool:

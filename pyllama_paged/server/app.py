@@ -22,7 +22,8 @@ from .dashboard import DASHBOARD_HTML
 from .generation import APIError, Limits, limit_flag
 from .metrics import Metrics
 from .registry import EngineOptions, ModelRegistry
-from ..server import embeddings_api, ollama_api, ollama_manage, openai_api
+from ..server import anthropic_api, embeddings_api, ollama_api, ollama_manage, openai_api
+from .anthropic_schemas import error_body as anthropic_error_body
 
 log = logging.getLogger("pyllama_paged.server")
 
@@ -120,8 +121,11 @@ def _is_openai(path: str) -> bool:
 def error_response(path: str, status: int, message: str, param: str | None = None,
                    error_type: str = "invalid_request_error", headers: dict | None = None,
                    code: str | None = None) -> JSONResponse:
-    """OpenAI's error shape under /v1, Ollama's {"error": ...} elsewhere."""
-    if _is_openai(path):
+    """Anthropic's error shape on /v1/messages, OpenAI's elsewhere under /v1, Ollama's {"error": ...}
+    elsewhere."""
+    if path.startswith("/v1/messages"):
+        body = anthropic_error_body(status, message)
+    elif _is_openai(path):
         body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
     else:
         body = {"error": message}
@@ -232,6 +236,7 @@ _SSE = ("text/event-stream", {"type": "object", "required": ["data"],  # each ev
                               "properties": {"data": {"type": "string"}}})
 _STREAMS = {"/api/generate": _NDJSON, "/api/chat": _NDJSON, "/v1/completions": _SSE, "/v1/chat/completions": _SSE,
             "/api/pull": _NDJSON, "/api/create": _NDJSON}
+_STREAMS["/v1/messages"] = _SSE   # Anthropic's
 
 
 def _document_errors(app: FastAPI) -> None:
@@ -350,6 +355,7 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
     app.include_router(ollama_manage.build_router(state))
     app.include_router(openai_api.build_router(state))
     app.include_router(embeddings_api.build_router(state))
+    app.include_router(anthropic_api.build_router(state))
 
     @app.get("/", response_class=PlainTextResponse)
     async def root():

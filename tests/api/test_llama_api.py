@@ -87,9 +87,13 @@ def test_stop_matcher_holds_back_partial_matches():
     s = StopMatcher(["STOP"])
     assert s.feed("abc ST") == ("abc ", False)
     assert s.feed("OP tail") == ("", True)
+    assert s.matched == "STOP"   # which stop cut the text (Anthropic's stop_sequence names it)
     s = StopMatcher(["xy"])
     assert s.feed("ax") == ("a", False)
     assert s.feed("b") == ("xb", False)
+    assert s.matched is None
+    s = StopMatcher(["b", "ab"])   # completing at the same character, the longest wins
+    assert s.feed("xab") == ("x", True) and s.matched == "ab"
 
 
 # ---- llama-cpp-python's arguments, hooks and state (issue 15, item 2) ------------

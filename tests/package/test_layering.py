@@ -50,8 +50,10 @@ LAYERS = [
     ["server.metrics", "server.dashboard", "server.openai_tokens"],
     ["server.registry"],
     ["server.generation"],
-    ["server.openai_schemas", "server.openai_logprobs", "server.ollama_manage"],
-    ["server.ollama_api", "server.openai_api", "server.embeddings_api"],
+    ["server.openai_schemas", "server.openai_logprobs", "server.ollama_manage", "server.anthropic_schemas"],
+    ["server.anthropic_messages"],
+    ["server.anthropic_stream"],
+    ["server.ollama_api", "server.openai_api", "server.embeddings_api", "server.anthropic_api"],
     ["server.app"],
     # what tests and benchmarks share (oracles, harnesses, a server runner): above all it checks
     ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.sampling_reference",
