@@ -83,15 +83,20 @@ def scored_only(body, head: dict, tok, ids_of, echo_text, echo_lps):
     return JSONResponse({**head, "choices": choices, "usage": usage})
 
 
+def find_model(state, name: str):
+    """The served model of that name, or OpenAI's 404 listing the ones there are."""
+    served = state.registry.get(name)
+    if served is None:
+        raise APIError(404, f"The model '{name}' does not exist; available: "
+                       f"{', '.join(state.registry.names())}", "model", code="model_not_found")
+    return served
+
+
 def build_router(state) -> APIRouter:
     router = APIRouter()
 
     def find(name: str):
-        served = state.registry.get(name)
-        if served is None:
-            raise APIError(404, f"The model '{name}' does not exist; available: "
-                           f"{', '.join(state.registry.names())}", "model", code="model_not_found")
-        return served
+        return find_model(state, name)
 
     def card(m) -> dict:
         return {"id": m.name, "object": "model", "created": int(m.loaded_at), "owned_by": "pyllama-paged"}
