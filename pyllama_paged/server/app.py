@@ -22,7 +22,7 @@ from .dashboard import DASHBOARD_HTML
 from .generation import APIError, Limits, limit_flag
 from .metrics import Metrics
 from .registry import EngineOptions, ModelRegistry
-from ..server import anthropic_api, embeddings_api, ollama_api, ollama_manage, openai_api
+from ..server import anthropic_api, embeddings_api, ollama_api, ollama_manage, openai_api, openai_responses
 from .anthropic_schemas import error_body as anthropic_error_body
 
 log = logging.getLogger("pyllama_paged.server")
@@ -237,6 +237,7 @@ _SSE = ("text/event-stream", {"type": "object", "required": ["data"],  # each ev
 _STREAMS = {"/api/generate": _NDJSON, "/api/chat": _NDJSON, "/v1/completions": _SSE, "/v1/chat/completions": _SSE,
             "/api/pull": _NDJSON, "/api/create": _NDJSON}
 _STREAMS["/v1/messages"] = _SSE   # Anthropic's
+_STREAMS["/v1/responses"] = _SSE
 
 
 def _document_errors(app: FastAPI) -> None:
@@ -354,6 +355,7 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
     app.include_router(ollama_api.build_router(state))
     app.include_router(ollama_manage.build_router(state))
     app.include_router(openai_api.build_router(state))
+    app.include_router(openai_responses.build_router(state))
     app.include_router(embeddings_api.build_router(state))
     app.include_router(anthropic_api.build_router(state))
 

@@ -53,7 +53,10 @@ LAYERS = [
     ["server.openai_schemas", "server.openai_logprobs", "server.ollama_manage", "server.anthropic_schemas"],
     ["server.anthropic_messages"],
     ["server.anthropic_stream"],
+    ["server.openai_responses_store", "server.openai_responses_items", "server.openai_responses_schemas",
+     "server.openai_responses_stream"],
     ["server.ollama_api", "server.openai_api", "server.embeddings_api", "server.anthropic_api"],
+    ["server.openai_responses"],
     ["server.app"],
     # what tests and benchmarks share (oracles, harnesses, a server runner): above all it checks
     ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.sampling_reference",
