@@ -6,6 +6,7 @@ import socket
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -97,3 +98,21 @@ def wait_until(condition, timeout=20.0, what="condition"):
     while not condition():
         assert time.monotonic() < end, f"{what} never happened"
         time.sleep(0.02)
+
+
+@contextmanager
+def default_model_server(limits=None, **options):
+    """The embedded default model served on a loopback port with these engine options; the
+    server and then the model are stopped on leaving (the registry: .app.state.pp.registry)."""
+    from pyllama_paged.server.app import create_app
+    from pyllama_paged.server.registry import EngineOptions, ModelRegistry
+
+    registry = ModelRegistry(None, EngineOptions(**options))
+    try:
+        server = Running(create_app(registry, limits))
+        try:
+            yield server
+        finally:
+            server.close()
+    finally:
+        registry.close()
