@@ -102,6 +102,21 @@ def _native_info() -> dict[str, Any]:
     return info
 
 
+def nvidia_gpus() -> list[dict[str, str]]:
+    """The NVIDIA GPUs nvidia-smi lists (index, name, memory, driver, compute capability);
+    [] without nvidia-smi or when it lists none or fails (no driver)."""
+    fields = ("index", "name", "memory.total", "driver_version", "compute_cap")
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if out.returncode != 0:
+        return []
+    return [dict(zip(fields, (c.strip() for c in line.split(","))))
+            for line in out.stdout.splitlines() if line.count(",") == len(fields) - 1]
+
+
 def machine_info(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A dict describing the machine, the software versions and the source tree."""
     import numpy

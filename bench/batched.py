@@ -7,7 +7,8 @@ Ours: LLMEngine (scheduler, paged KV, batched forward and greedy sampling of
 every sequence each step, exactly as the server runs it), npl requests added
 at once, stepped to completion, `ignore_eos`. llama-batched-bench decodes a
 fixed token without sampling, so our numbers carry the sampling it skips.
-Both: --threads threads, physical batch (ubatch) 512, f16 KV.
+Both: --threads threads, physical batch (ubatch) 512, f16 KV; with --gpu-layers, that
+many layers on the GPU on both sides (bench/device_bench.py runs it so on CUDA).
 
     bench/build_llama_cpp.sh   # once
     python bench/batched.py    # writes bench/results/batched.{json,md,png}
@@ -30,11 +31,17 @@ from _report import RESULTS_DIR, markdown_table, write_results
 BENCH = Path(__file__).resolve().parent
 
 
+def llama_cpp_gpu_layers(n_gpu_layers: int) -> str:
+    """Our n_gpu_layers as llama.cpp's -ngl value (its -1 is "auto", ours "all")."""
+    return "all" if n_gpu_layers == -1 else str(n_gpu_layers)
+
+
 def peer(binary: str, model: str, args) -> dict[int, dict]:
     """llama-batched-bench's rows, by npl."""
     ctx = max(args.npl) * (args.npp + args.ntg)
     cmd = [binary, "-m", model, "-c", str(ctx), "-b", "2048", "-ub", "512", "-t", str(args.threads),
-           "-npp", str(args.npp), "-ntg", str(args.ntg), "-npl", ",".join(map(str, args.npl))]
+           "-npp", str(args.npp), "-ntg", str(args.ntg), "-npl", ",".join(map(str, args.npl)),
+           "-ngl", llama_cpp_gpu_layers(args.gpu_layers)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = {}
     # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
@@ -57,12 +64,13 @@ def ours(model_path: str | None, args) -> dict[int, dict]:
     from pyllama_paged.engine.sampler import SamplingParams
     from pyllama_paged.engine.scheduler import SchedulerConfig
 
-    model = Model(model_path)
+    model = Model(model_path, n_gpu_layers=args.gpu_layers)
     per_seq = args.npp + args.ntg
     # every sequence's tokens in every layer (as llama-batched-bench's -c), plus a little slack:
     # the bench measures speed, never preemption
     per_seq_blocks = -(-per_seq // args.block_size) + 1
     config = EngineConfig(n_ctx=per_seq, n_threads=args.threads, n_batch=512, block_size=args.block_size,
+                          n_gpu_layers=args.gpu_layers,
                           kv_bytes=max(args.npl) * per_seq_blocks * args.block_size
                           * dense_kv_bytes_per_token(model.config, "f16"),
                           scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max(args.npl)))
@@ -111,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--gpu-layers", type=int, default=0,
+                    help="layers on the GPU on both sides (-1: all); needs GPU builds of both")
     ap.add_argument("--llama-batched-bench", default=None, help="binary (default: build it)")
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
@@ -135,7 +145,8 @@ def main(argv=None) -> int:
                      "llama-batched-bench s": t and t["t"], "llama-batched-bench t/s": t and t["s"],
                      "ours s": o and o["t"], "ours t/s": o and o["s"],
                      "ours / llama.cpp": (o["s"] / t["s"]) if (o and t) else None})
-    notes = (f"npp {args.npp}, ntg {args.ntg}, {args.threads} threads, ubatch 512, f16 KV. Total throughput = "
+    notes = (f"npp {args.npp}, ntg {args.ntg}, {args.threads} threads, ubatch 512, f16 KV, "
+             f"{args.gpu_layers} GPU layers (-1: all). Total throughput = "
              f"npl x (npp + ntg) / wall time. Ours: LLMEngine with greedy sampling of every sequence each "
              f"step (llama-batched-bench samples nothing), paged, block {args.block_size}; GGML: {ggml}. "
              f"Target: ours / llama.cpp >= 1.0 at every npl.")

@@ -5,14 +5,27 @@
 # git-ignored). Prints the bin directory on its last line.
 #
 #     bench/build_llama_cpp.sh            # ~6 minutes on 2 cores
+#     bench/build_llama_cpp.sh --cuda     # with GGML's CUDA backend, into build-cuda/ (for
+#                                         # bench/device_bench.py); $CUDA_ARCHS as for
+#                                         # bench/build_ggml_cuda.sh. Build it on the GPU machine:
+#                                         # GGML_NATIVE tunes the CPU code for the build host.
 set -euo pipefail
 VERSION=0.3.36
 HERE="$(cd "$(dirname "$0")" && pwd)"
 DIR="${LLAMA_CPP_DIR:-$HERE/.llama.cpp}"
 JOBS="${JOBS:-$(nproc)}"
+BUILD=build
+FLAGS=()
+if [ "${1:-}" = "--cuda" ]; then
+  BUILD=build-cuda
+  # The same toolkit checks, cuBLAS and driver stub as our own GGML's CUDA build.
+  . "$HERE/_cuda_env.sh"
+  cuda_setup "${GGML_CUDA_WORK:-$HERE/.ggml-cuda}" "${CUDA_ARCHS:-$CUDA_DEFAULT_ARCHS}" || exit $?
+  FLAGS=(-DGGML_CUDA=ON "${CUDA_CMAKE_ARGS[@]}")
+fi
 mkdir -p "$DIR"
 cd "$DIR"
-BIN="$DIR/build/bin"
+BIN="$DIR/$BUILD/bin"
 if [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-batched-bench" ] && [ -x "$BIN/llama-bench" ]; then
   echo "$BIN"; exit 0
 fi
@@ -22,9 +35,9 @@ if [ ! -d "llama_cpp_python-$VERSION" ]; then
 fi
 SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 # The same CPU build llama.cpp's own docs give: native ISA, tinyBLAS (the default), Release.
-cmake -S "$SRC" -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
-      >"$DIR/build.log" 2>&1
-cmake --build build -j "$JOBS" --target llama-server llama-batched-bench llama-bench >>"$DIR/build.log" 2>&1 ||
-  { tail -30 "$DIR/build.log" >&2; exit 1; }
+      "${FLAGS[@]}" >"$DIR/$BUILD.log" 2>&1 || { tail -30 "$DIR/$BUILD.log" >&2; exit 1; }
+cmake --build "$BUILD" -j "$JOBS" --target llama-server llama-batched-bench llama-bench >>"$DIR/$BUILD.log" 2>&1 ||
+  { tail -30 "$DIR/$BUILD.log" >&2; exit 1; }
 echo "$BIN"

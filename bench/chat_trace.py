@@ -20,6 +20,8 @@ Sides
 -----
 - llama-server: `-np --np -c --ctx -t --threads` (Ollama's setup: 4 slots of
   2,048 tokens); its KV buffer bytes are read from its log.
+- --gpu-layers N puts that many layers on the GPU on both sides (`-ngl`; -1:
+  all), as bench/device_bench.py runs it on CUDA.
 - ours: `pyllama-paged serve` in its own process, paged, with a KV pool of
   the same bytes (pool tokens = llama-server's KV bytes / our bytes per token)
   and the same per-sequence context (--ctx / --np).
@@ -49,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from _report import RESULTS_DIR, markdown_table, write_results
+from batched import llama_cpp_gpu_layers
 from pyllama_paged.testing.serving import free_port, stop_server, wait_healthy
 
 BENCH = Path(__file__).resolve().parent
@@ -90,12 +93,14 @@ def make_trace(args) -> list[dict]:
 def start_llama_server(binary: str, model: str, args, log: Path):
     port = free_port()
     proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
-                             "-t", str(args.threads), "-c", str(args.ctx), "-np", str(args.np), "-lv", "4"],
+                             "-t", str(args.threads), "-c", str(args.ctx), "-np", str(args.np), "-lv", "4",
+                             "-ngl", llama_cpp_gpu_layers(args.gpu_layers)],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, "/health")
-        # "llama_kv_cache:        CPU KV buffer size =    48.00 MiB" (one line per cache: global and SWA layers)
+        # "llama_kv_cache:        CPU KV buffer size =    48.00 MiB" (one line per cache: global and SWA
+        # layers; "CUDA0 KV buffer size" on a GPU)
         mib = [float(x) for x in re.findall(r"KV buffer size\s*=\s*([0-9.]+) MiB", log.read_text())]
         if not mib:
             raise RuntimeError(f"no KV buffer size in {log}")
@@ -122,7 +127,7 @@ def start_ours(model: str | None, kv_tokens: int, args, log: Path):
     cmd = [shutil.which("pyllama-paged") or "pyllama-paged", "serve", "--port", str(port),
            "--threads", str(args.threads), "--ctx", str(args.ctx // args.np), "--kv-budget", str(kv_tokens),
            "--block-size", str(args.block_size), "--max-seqs", str(args.max_seqs), "--max-queue", "1024",
-           "--itl-budget-ms", args.itl_budget_ms]
+           "--itl-budget-ms", args.itl_budget_ms, "--gpu-layers", str(args.gpu_layers)]
     if model:
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -224,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--itl-budget-ms", default="auto", help="our server's inter-token budget (its default: auto)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--gpu-layers", type=int, default=0,
+                    help="layers on the GPU on both sides (-1: all); needs GPU builds of both")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (default: build it)")
     ap.add_argument("--sides", default="llama-server,ours")
     ap.add_argument("--out", default=str(RESULTS_DIR))
@@ -289,7 +296,8 @@ def main(argv=None) -> int:
             ratios.append(ratio)
     notes = (f"{args.requests} streaming chat requests (the `openai` client), Poisson arrivals at {args.rate}/s, "
              f"{len(SYSTEM_PROMPTS)} shared system prompts, fixed output lengths (mean {args.output_mean}, "
-             f"`ignore_eos`), {args.threads} threads per server. llama-server: -np {args.np} -c {args.ctx}, "
+             f"`ignore_eos`), {args.threads} threads per server, {args.gpu_layers} GPU layers (-1: all). "
+             f"llama-server: -np {args.np} -c {args.ctx}, "
              + (f"KV {kv_bytes / 2**20:.1f} MiB (from its log)" if kv_bytes else "not run (84 MiB assumed)") + f"; ours: paged, the same bytes "
              f"({runs and next(iter(r.get('kv_pool_tokens') for r in runs.values() if 'kv_pool_tokens' in r), None)} "
              f"tokens of pool), context {args.ctx // args.np} per sequence, block {args.block_size}.\n\n"

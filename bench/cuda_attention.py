@@ -10,24 +10,20 @@ yet.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from _report import REPO_ROOT, RESULTS_DIR, write_results
+from _report import REPO_ROOT, RESULTS_DIR, nvidia_gpus, write_results
 from pyllama_paged.testing.cuda_harness import CudaHarness, build
 
 
 def device_name() -> str:
-    """The GPU's name, from nvidia-smi."""
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return "unknown GPU"
+    """The first GPU's name, from nvidia-smi."""
+    gpus = nvidia_gpus()
+    return gpus[0]["name"] if gpus else "unknown GPU"
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,339 @@
+"""The GPU benchmark: our engine on CUDA against llama.cpp built with CUDA, side by side in
+one run, on the embedded default model and the synthetic 1.6B Q4_K_M file.
+
+Without an NVIDIA GPU (nvidia-smi absent or listing none) it refuses: a message and exit
+code 2, nothing written. --functional-check instead runs, on any GPU GGML lists (CUDA, or
+Vulkan, the software device lavapipe included), a short check of the engine on that device
+against the CPU and prints no timings: every layer and the output head placed on the device,
+and four greedy answers computed together in one batch there agreeing with the CPU's
+(up to near-ties, pyllama_paged.testing.agreement).
+
+The benchmark, per model, runs the CPU benchmarks' own scripts with every layer on the GPU
+(--gpu-layers -1 on our side, -ngl on llama.cpp's):
+- batched.py: llama-batched-bench's workload (npl sequences of npp prompt + ntg generated
+  tokens) on LLMEngine and on llama-batched-bench;
+- chat_trace.py: a multi-user streaming chat trace through `pyllama-paged serve` and
+  llama-server in the same KV bytes.
+Each writes its JSON, markdown and PNG into bench/results/device/<gpu>/<model>/; this script
+adds device_bench.{json,md,png} in bench/results/device/<gpu>/: ours / llama.cpp per workload.
+
+Prepare the GPU machine first (its 16 cores build for one architecture in a few minutes):
+
+    bench/build_ggml_cuda.sh /tmp/ggml 90            # our GGML, CUDA backend
+    pip install --force-reinstall --no-deps /tmp/ggml/libggml_python-*.whl
+    pip install --force-reinstall --no-deps --no-build-isolation .
+    CUDA_ARCHS=90 bench/build_llama_cpp.sh --cuda    # or let this script build it
+    python bench/device_bench.py [--models default,synthetic] [--workloads batched,chat]
+
+A cuBLAS or CUDA runtime installed with pip (nvidia-cublas, as PyTorch brings) and not on
+the loader's path is put on LD_LIBRARY_PATH (the script runs itself again with it), so that
+GGML's CUDA backend and llama.cpp's tools load it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+from _report import RESULTS_DIR, markdown_table, nvidia_gpus, write_results
+
+BENCH = Path(__file__).resolve().parent
+SYNTHETIC = BENCH / ".models" / "gemma3-synthetic-1.6b-q4_k_m.gguf"
+REFUSED = 2
+PROMPTS = ["The three primary colors are", "def fibonacci(n):\n",
+           "Water boils at a temperature of", "The capital of France is Paris. The capital of Japan is"]
+# Marks the process that already set LD_LIBRARY_PATH, so it runs itself again at most once.
+_REEXEC_ENV = "PYLLAMA_DEVICE_BENCH_LIBS"
+
+
+def pip_cuda_library_dirs() -> list[str]:
+    """Folders of CUDA libraries installed with pip (nvidia-cublas, nvidia-cuda-runtime):
+    nvidia/cu13/lib for CUDA 13, nvidia/<library>/lib before it."""
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    dirs = set()
+    for root in spec.submodule_search_locations:
+        for lib in Path(root).glob("*/lib"):
+            if any(lib.glob("libcublas.so*")) or any(lib.glob("libcudart.so*")):
+                dirs.add(str(lib))
+    return sorted(dirs)
+
+
+def put_cuda_libraries_on_path() -> None:
+    """Run this script again with pip's CUDA libraries on LD_LIBRARY_PATH (the loader reads it
+    at start only), so GGML's CUDA backend here and llama.cpp's tools as children find them."""
+    if os.environ.get(_REEXEC_ENV):
+        return
+    current = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    missing = [d for d in pip_cuda_library_dirs() if d not in current]
+    if not missing:
+        return
+    env = {**os.environ, "LD_LIBRARY_PATH": ":".join(current + missing), _REEXEC_ENV: "1"}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def ggml_gpus() -> list:
+    """The GPUs the installed GGML lists (pyllama_paged.engine.devices.Device)."""
+    from pyllama_paged.engine.devices import list_devices
+    return [d for d in list_devices() if d.is_gpu]
+
+
+def refuse(message: str) -> int:
+    """Say why nothing runs; the exit code that means 'refused'."""
+    print(f"device_bench: {message}", file=sys.stderr)
+    return REFUSED
+
+
+# ---- the functional check ------------------------------------------------------------
+
+def greedy_answers(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuations of prompts, all added at once (one batch) and stepped to the end."""
+    from pyllama_paged.engine.sampler import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params).request_id for p in prompts]
+    answers: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_work():
+        for out in engine.step():
+            if out.error:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            answers[out.request_id] += [e.token_id for e in out.events]
+    return [answers[i] for i in ids]
+
+
+def functional_check(args) -> int:
+    """The engine on a GGML GPU device against the CPU: placement and greedy agreement."""
+    from pyllama_paged.engine.config import EngineConfig
+    from pyllama_paged.engine.llm_engine import LLMEngine
+    from pyllama_paged.engine.model import Model
+    from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
+    from pyllama_paged.tokenizer.tokenizer import Tokenizer
+
+    gpus = ggml_gpus()
+    if not gpus:
+        return refuse("GGML lists no GPU: this libggml-python is built for the CPU only, or no driver exposes "
+                      "a device (a software Vulkan device needs GGML_VK_VISIBLE_DEVICES=0)")
+    if not 0 <= args.main_gpu < len(gpus):
+        return refuse(f"--main-gpu {args.main_gpu}: GGML lists {len(gpus)} GPU(s)")
+    device = gpus[args.main_gpu]
+    print(f"device: {device.name} ({device.description}), {device.memory_total / 2**30:.1f} GiB")
+    config = dict(n_ctx=256, n_threads=args.threads, n_batch=128, block_size=16, kv_tokens=4 * 256)
+    engines, models = {}, []
+    try:
+        for side, ngl in (("cpu", 0), ("gpu", -1)):
+            model = Model(args.model, n_gpu_layers=ngl, main_gpu=args.main_gpu)
+            models.append(model)
+            engines[side] = LLMEngine.from_config(EngineConfig(**config, n_gpu_layers=ngl, main_gpu=args.main_gpu),
+                                                  model=model, eot_ids=[])
+        placement = models[1].layer_placement()
+        on_cpu = [i for i, where in enumerate(placement) if where == "CPU"]
+        print(f"placement: {len(placement) - len(on_cpu)} of {len(placement)} (layers + output head) on "
+              f"{device.name}")
+        tokenizer = Tokenizer.from_metadata(models[0].metadata)
+        prompts = [tokenizer.encode(p) for p in PROMPTS]
+        cpu = [greedy_answers(engines["cpu"], [p], args.max_tokens)[0] for p in prompts]   # each alone
+        gpu = greedy_answers(engines["gpu"], prompts, args.max_tokens)                      # one batch
+        failures = [] if not on_cpu else [f"n_gpu_layers=-1 left these on the CPU (index {len(placement) - 1} is "
+                                          f"the output head): {on_cpu}"]
+        judge = engine_logits(engines["cpu"].runner)
+        for text, p, want, got in zip(PROMPTS, prompts, cpu, gpu):
+            same = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), len(want))
+            try:
+                assert_greedy_agree(p, want, got, judge)
+                verdict = "ok"
+            except AssertionError as exc:
+                verdict = f"FAIL: {exc}"
+                failures.append(verdict)
+            print(f"{text!r}: {same}/{len(want)} tokens as on the CPU, {verdict}\n"
+                  f"  gpu: {tokenizer.decode(got)!r}")
+    finally:
+        for engine in engines.values():
+            engine.close()
+        for model in models:
+            model.close()
+    print("functional check: " + ("passed" if not failures else "FAILED\n  " + "\n  ".join(failures)))
+    return 0 if not failures else 1
+
+
+# ---- the benchmark -------------------------------------------------------------------
+
+def llama_cpp_bin(args, gpu: dict) -> Path:
+    """llama.cpp's CUDA tools: --llama-cpp-bin, else bench/build_llama_cpp.sh --cuda for this
+    GPU's architecture."""
+    if args.llama_cpp_bin:
+        return Path(args.llama_cpp_bin)
+    env = {**os.environ, "CUDA_ARCHS": os.environ.get("CUDA_ARCHS", gpu["compute_cap"].replace(".", ""))}
+    out = subprocess.run([str(BENCH / "build_llama_cpp.sh"), "--cuda"], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return Path(out.strip().splitlines()[-1])
+
+
+def llama_cpp_lists_cuda(bin_dir: Path) -> bool:
+    """Whether llama.cpp's tools were built with CUDA (--list-devices names a CUDA device)."""
+    run = subprocess.run([str(bin_dir / "llama-batched-bench"), "--list-devices"], capture_output=True,
+                         text=True, timeout=120)
+    return "CUDA" in run.stdout + run.stderr
+
+
+def model_path(name: str) -> str:
+    """The GGUF of a --models entry: 'default', 'synthetic' (made on first use) or a path."""
+    if name == "default":
+        from pyllama_paged.engine.model import default_model_path
+        return default_model_path()
+    if name == "synthetic":
+        if not SYNTHETIC.exists():
+            from pyllama_paged.testing import synthetic_gguf
+            synthetic_gguf.main(["--out", str(SYNTHETIC)])
+        return str(SYNTHETIC)
+    return name
+
+
+def run_workloads(args, bin_dir: Path, out_dir: Path) -> dict:
+    """Each model's workloads through the CPU benchmarks' scripts; {model: {workload: error or None}}."""
+    import batched
+    import chat_trace
+
+    common = ["--threads", str(args.threads), "--gpu-layers", "-1"]
+    runs = {
+        "batched": (batched.main, ["--npl", *args.npl.split(","), "--llama-batched-bench",
+                                   str(bin_dir / "llama-batched-bench"), *common, *shlex.split(args.batched_args)]),
+        "chat": (chat_trace.main, ["--llama-server", str(bin_dir / "llama-server"), *common,
+                                   *shlex.split(args.chat_args)]),
+    }
+    status: dict = {}
+    for name in args.models.split(","):
+        path = model_path(name)
+        label = Path(path).stem if name not in ("default", "synthetic") else name
+        status[label] = {}
+        for workload in args.workloads.split(","):
+            main, argv = runs[workload]
+            print(f"== {label}: {workload}", flush=True)
+            try:
+                main(["--model", path, "--out", str(out_dir / label), *argv])
+                status[label][workload] = None
+            except Exception as exc:  # noqa: BLE001 -- one failed workload must not lose the others
+                traceback.print_exc()
+                status[label][workload] = f"{type(exc).__name__}: {exc}"[:500]
+    return status
+
+
+def summary_rows(out_dir: Path, status: dict) -> list[dict]:
+    """ours / llama.cpp per model, workload and setting, read back from the workloads' JSON."""
+    rows = []
+    for label, workloads in status.items():
+        for workload, error in workloads.items():
+            if error:
+                rows.append({"model": label, "workload": workload, "setting": "failed", "error": error})
+                continue
+            if workload == "batched":
+                data = json.loads((out_dir / label / "batched.json").read_text())
+                for r in data["table"]:
+                    rows.append({"model": label, "workload": "batched t/s", "setting": f"npl {r['npl']}",
+                                 "llama.cpp": r["llama-batched-bench t/s"], "ours": r["ours t/s"],
+                                 "ours / llama.cpp": r["ours / llama.cpp"]})
+            else:
+                data = json.loads((out_dir / label / "chat_trace.json").read_text())
+                for temp in sorted({r["temperature"] for r in data["runs"].values()}):
+                    peer, ours = (data["runs"].get(f"{side} t={temp:g}") for side in ("llama-server", "ours"))
+                    if not (peer and ours):
+                        continue
+                    for metric, key in (("chat tokens/s", "tokens_per_s"), ("chat TTFT p50 s", "ttft_p50"),
+                                        ("chat ITL p50 s", "itl_p50")):
+                        rows.append({"model": label, "workload": metric, "setting": f"t={temp:g}",
+                                     "llama.cpp": peer[key], "ours": ours[key],
+                                     "ours / llama.cpp": ours[key] / peer[key] if peer[key] else None})
+    return rows
+
+
+def plot(path: Path, rows: list[dict], gpu_name: str) -> None:
+    """Bars of ours / llama.cpp for the throughput rows (higher is better for ours)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    bars = [r for r in rows
+            if r["workload"] in ("batched t/s", "chat tokens/s") and r.get("ours / llama.cpp") is not None]
+    if not bars:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(bars) + 2), 4))
+    ax.bar(range(len(bars)), [r["ours / llama.cpp"] for r in bars])
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.set_xticks(range(len(bars)), [f"{r['model']}\n{r['workload']}\n{r['setting']}" for r in bars],
+                  fontsize=7, rotation=90)
+    ax.set(ylabel="ours / llama.cpp (throughput)", title=f"GPU: {gpu_name}, every layer on the GPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def benchmark(args, gpus: list[dict]) -> int:
+    """The side-by-side runs on the first visible NVIDIA GPU."""
+    cuda = [d for d in ggml_gpus() if d.name.startswith("CUDA")]
+    if not cuda:
+        return refuse("the installed libggml-python has no CUDA backend (GGML lists no CUDA device): build and "
+                      "install it with bench/build_ggml_cuda.sh (see this script's docstring)")
+    gpu = gpus[0]
+    bin_dir = llama_cpp_bin(args, gpu)
+    if not llama_cpp_lists_cuda(bin_dir):
+        return refuse(f"llama.cpp's tools in {bin_dir} list no CUDA device: build them with "
+                      "bench/build_llama_cpp.sh --cuda")
+    slug = "".join(c if c.isalnum() else "-" for c in gpu["name"]).strip("-").lower()
+    out_dir = Path(args.out) / slug
+    status = run_workloads(args, bin_dir, out_dir)
+    rows = summary_rows(out_dir, status)
+    notes = (f"Every layer and the output head on {gpu['name']} on both sides; {args.threads} CPU threads. "
+             f"Each workload's own table, notes and plot are in its model's folder beside this file "
+             f"(batched.md, chat_trace.md). llama.cpp: the llama-cpp-python 0.3.36 sdist's tools built with "
+             f"CUDA ({bin_dir}).")
+    write_results("device_bench", {"params": vars(args), "status": status, "llama_cpp_bin": bin_dir}, rows,
+                  out_dir=out_dir, title=f"GPU benchmark: ours vs llama.cpp on {gpu['name']}", notes=notes,
+                  extra_machine={"gpus": gpus, "ggml_gpus": [d.description for d in cuda]})
+    plot(out_dir / "device_bench.png", rows, gpu["name"])
+    print(markdown_table(rows))
+    return 0 if all(e is None for w in status.values() for e in w.values()) else 1
+
+
+def main(argv=None) -> int:
+    """Refuse without an NVIDIA GPU, else the functional check or the benchmark."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--functional-check", action="store_true",
+                    help="on any GPU GGML lists (Vulkan's lavapipe too): check the engine there against the "
+                         "CPU, print no timings")
+    ap.add_argument("--models", default="default,synthetic", help="'default', 'synthetic' or GGUF paths")
+    ap.add_argument("--workloads", default="batched,chat")
+    ap.add_argument("--npl", default="1,4,16,64", help="batched: parallel sequences")
+    ap.add_argument("--batched-args", default="", help="more arguments for bench/batched.py")
+    ap.add_argument("--chat-args", default="--requests 64 --rate 4 --np 8 --ctx 16384",
+                    help="more arguments for bench/chat_trace.py")
+    ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--llama-cpp-bin", default=None, help="llama.cpp's CUDA bin folder (default: build it)")
+    ap.add_argument("--main-gpu", type=int, default=0, help="which GPU (functional check: of GGML's)")
+    ap.add_argument("--model", default=None, help="functional check: the GGUF (default: the embedded model)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="functional check: tokens per answer")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "device"))
+    args = ap.parse_args(argv)
+
+    gpus = nvidia_gpus()
+    if not gpus and not args.functional_check:
+        return refuse("no NVIDIA GPU here (nvidia-smi is absent or lists none): the device benchmark needs one. "
+                      "--functional-check runs a short check, without timings, on any GPU GGML lists.")
+    put_cuda_libraries_on_path()
+    if args.functional_check:
+        return functional_check(args)
+    if not 0 <= args.main_gpu < len(gpus):
+        return refuse(f"--main-gpu {args.main_gpu}: nvidia-smi lists {len(gpus)} GPU(s)")
+    # Both sides see the chosen GPU alone, as their device 0 (numbered as nvidia-smi does).
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[args.main_gpu]["index"]
+    return benchmark(args, [gpus[args.main_gpu]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
