@@ -1,17 +1,19 @@
-"""A random-weight Gemma 3 GGUF the size of a real 1-3B model, quantized like Q4_K_M,
-for benchmarks where weight and KV bytes must be realistic (issue 13's GPU runs, CPU
-runs on a model larger than the embedded 270M).
+"""A random-weight GGUF the size of a model people run (Llama 3.2 1B/3B, Qwen 2.5 1.5B,
+Gemma 3 4B, or the 1.6B Gemma 3 the benchmarks have long used), quantized like Q4_K_M, for
+benchmarks where weight and KV bytes and prompt lengths must be realistic.
 
-The architecture, metadata and tokenizer are the embedded default model's (so prompts
-tokenize as in chat and llama.cpp loads the file); the shapes are chosen here. Weights
-are random quantized blocks written directly (no float weights are ever made, so a
-1.6B model takes seconds): random 4- and 6-bit values under one scale per tensor,
-centred, with the standard deviation a trained model's layers have. Q4_K for every
-matrix, Q6_K for the tied embedding/output head and for attn_v and ffn_down in the
-layers llama.cpp's Q4_K_M gives more bits.
+Presets (pyllama_paged/testing/synthetic_presets.py) give the real shapes; the tensor names,
+metadata and tokenizer are those of llama.cpp's own files, so both our engine and llama.cpp
+load the result. Gemma 3 files reuse the embedded default model's tokenizer; Llama and Qwen
+files carry a synthetic byte-level BPE vocabulary of the real size and layout
+(pyllama_paged/testing/synthetic_bpe.py). Weights are random quantized blocks written
+directly (pyllama_paged/testing/synthetic_blocks.py), in the type mix llama.cpp's Q4_K_M
+gives: Q4_K for every matrix, Q6_K for the output head (the embedding when it is tied) and
+for attn_v and ffn_down in the layers that mix gives more bits.
 
-    python -m pyllama_paged.testing.synthetic_gguf [--out bench/.models/gemma3-synthetic-1.6b-q4_k_m.gguf]
-        [--n-embd 2048] [--n-layer 18] [--n-head 8] [--n-head-kv 4] [--n-ff 8192] [--seed 0]
+    python -m pyllama_paged.testing.synthetic_gguf [--preset gemma3-1.6b] [--small]
+        [--out bench/.models/<the preset's file name>]
+        [--n-embd N] [--n-layer N] [--n-head N] [--n-head-kv N] [--n-ff N] [--seed 0]
 
 --out is relative to the working directory (a source checkout's root, run as `python -P -m ...`
 there so that the source tree, which has no native library, does not shadow the installed package).
@@ -20,50 +22,24 @@ there so that the source tree, which has no native library, does not shadow the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 
-QK_K = 256
-Q4_K_BYTES = 144   # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit values
-Q6_K_BYTES = 210   # 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, fp16 d
+from ..gguf.reader import read_metadata
+from . import synthetic_presets as presets
+from .synthetic_blocks import q4_k_blocks, q6_k_blocks
+from .synthetic_bpe import build_bpe_vocab
+from .vocab_metadata import add_tokenizer
 
-# Every sub-block's 6-bit scale and min in Q4_K, and every 16-value scale in Q6_K: with
-# one d per tensor these give the values their spread; min / scale = 7.5 / 8 centres 4-bit
-# values (mean 7.5) under dmin = 8 d.
-Q4_K_SCALE, Q4_K_MIN = 40, 38
-Q6_K_SCALE = 16
-
-
-def q4_k_scale_bytes(scale: int, minimum: int) -> np.ndarray:
-    """The 12 packed bytes holding eight equal 6-bit scales and eight equal 6-bit mins."""
-    low = np.array([scale & 63 | (scale >> 4) << 6] * 4 + [minimum & 63 | (minimum >> 4) << 6] * 4, np.uint8)
-    high = np.array([(scale & 15) | (minimum & 15) << 4] * 4, np.uint8)
-    return np.concatenate([low, high])
-
-
-def q4_k_blocks(rng: np.random.Generator, n_rows: int, n_cols: int, std: float) -> np.ndarray:
-    """[n_rows, n_cols / 256 * 144] bytes of Q4_K with zero-mean values of about `std`."""
-    n_blocks = n_rows * (n_cols // QK_K)
-    d = std / (Q4_K_SCALE * np.sqrt((16 ** 2 - 1) / 12))   # uniform 0..15: std 4.61
-    out = np.empty((n_blocks, Q4_K_BYTES), np.uint8)
-    out[:, 0:2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
-    out[:, 2:4] = np.frombuffer(np.float16(8 * d).tobytes(), np.uint8)
-    out[:, 4:16] = q4_k_scale_bytes(Q4_K_SCALE, Q4_K_MIN)
-    out[:, 16:] = rng.integers(0, 256, (n_blocks, 128), dtype=np.uint8)
-    return out.reshape(n_rows, -1)
-
-
-def q6_k_blocks(rng: np.random.Generator, n_rows: int, n_cols: int, std: float) -> np.ndarray:
-    """[n_rows, n_cols / 256 * 210] bytes of Q6_K with zero-mean values of about `std`."""
-    n_blocks = n_rows * (n_cols // QK_K)
-    d = std / (Q6_K_SCALE * np.sqrt((64 ** 2 - 1) / 12))   # uniform 0..63 minus 32: std 18.5
-    out = np.empty((n_blocks, Q6_K_BYTES), np.uint8)
-    out[:, :192] = rng.integers(0, 256, (n_blocks, 192), dtype=np.uint8)
-    out[:, 192:208] = Q6_K_SCALE
-    out[:, 208:210] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
-    return out.reshape(n_rows, -1)
+# Llama 3.2's long-context RoPE rule (its config's rope_scaling), which llama.cpp's converter
+# stores as rope_freqs.weight: per-frequency divisors.
+LLAMA3_ROPE = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context=8192)
 
 
 def more_bits(layer: int, n_layer: int) -> bool:
@@ -71,109 +47,197 @@ def more_bits(layer: int, n_layer: int) -> bool:
     return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
 
 
-def write(out: Path, n_embd: int = 2048, n_layer: int = 18, n_head: int = 8, n_head_kv: int = 4,
-          n_ff: int = 8192, head_dim: int = 256, seed: int = 0, source: str | None = None) -> dict:
-    """Write the model to out; returns its shape and parameter count."""
-    import gguf
-    from gguf import GGMLQuantizationType as QT
+def q4_k_m_type(name: str, n_layer: int, tied: bool) -> str:
+    """The type llama.cpp's Q4_K_M gives weight matrix `name`: "Q6_K" or "Q4_K"."""
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return "Q6_K"
+    if name.endswith((".attn_v.weight", ".ffn_down.weight")) and more_bits(int(name.split(".")[1]), n_layer):
+        return "Q6_K"
+    return "Q4_K"
 
+
+def llama3_rope_divisors(head_dim: int, freq_base: float) -> np.ndarray:
+    """rope_freqs.weight for Llama 3.2: 1 for short wavelengths, the factor for long ones,
+    a smooth blend between (the rule of its rope_scaling config)."""
+    r = LLAMA3_ROPE
+    short, long = r["original_context"] / r["high_freq_factor"], r["original_context"] / r["low_freq_factor"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * freq_base ** (i / head_dim)
+        if wavelength < short:
+            out.append(1.0)
+        elif wavelength > long:
+            out.append(r["factor"])
+        else:
+            smooth = (r["original_context"] / wavelength - r["low_freq_factor"]) / (
+                r["high_freq_factor"] - r["low_freq_factor"])
+            out.append(1.0 / ((1 - smooth) / r["factor"] + smooth))
+    return np.array(out, np.float32)
+
+
+def _source_metadata(source: str | None) -> dict:
+    """The default gemma3 model's metadata, for presets that copy its tokenizer."""
     from pyllama_paged.engine.model import default_model_path
 
-    for name, v in (("n_embd", n_embd), ("n_ff", n_ff), ("n_head * head_dim", n_head * head_dim)):
-        if v % QK_K:
-            raise ValueError(f"{name} = {v} must be a multiple of {QK_K} for K-quant rows")
-    reader = gguf.GGUFReader(source or default_model_path())
-    fields = reader.fields
-    if fields["general.architecture"].contents() != "gemma3":
+    # strict: a token that is not UTF-8 must fail here, not be copied altered
+    meta = read_metadata(source or default_model_path(), errors="strict")
+    if meta.get("general.architecture") != "gemma3":
         raise ValueError("the source model must be a gemma3 GGUF (its tokenizer and metadata are reused)")
-    rng = np.random.default_rng(seed)
+    return meta
+
+
+def _tokenizer(p: presets.Preset, meta: dict | None) -> tuple[str, str, dict]:
+    """(tokenizer model, pre-tokenizer, vocabulary) for the file: the source model's for
+    presets that copy it, else a synthetic byte-level BPE vocabulary of the family's layout."""
+    if p.tokenizer != "source":
+        vocab = build_bpe_vocab(p.tokenizer, p.n_vocab)
+        return "gpt2", vocab["pre"], vocab
+
+    def get(key, default=None):
+        return meta.get(f"tokenizer.ggml.{key}", default)
+
+    return get("model"), get("pre"), dict(
+        tokens=get("tokens"), scores=get("scores").tolist(), types=get("token_type").tolist(),
+        bos=get("bos_token_id"), eos=get("eos_token_id"), unk=get("unknown_token_id"), pad=get("padding_token_id"),
+        add_bos=get("add_bos_token", True), add_eos=get("add_eos_token", False),
+        add_space_prefix=get("add_space_prefix", False), chat_template=meta.get("tokenizer.chat_template"))
+
+
+def _add_hparams(w, p: presets.Preset, meta: dict | None, n_vocab: int) -> None:
+    """The architecture's metadata keys, as llama.cpp's converter writes them."""
+    def pick(value, key, kind):
+        # gemma3 presets leave what the source model has to its file
+        return kind(meta[f"gemma3.{key}"]) if value is None else value
+
+    w.add_context_length(pick(p.context_length, "context_length", int))
+    w.add_embedding_length(p.n_embd)
+    w.add_block_count(p.n_layer)
+    w.add_feed_forward_length(p.n_ff)
+    w.add_head_count(p.n_head)
+    w.add_head_count_kv(p.n_head_kv)
+    if p.arch == "gemma3" or p.q_dim != p.n_embd:
+        w.add_key_length(p.head_dim)
+        w.add_value_length(p.head_dim)
+    w.add_layer_norm_rms_eps(pick(p.rms_eps, "attention.layer_norm_rms_epsilon", float))
+    w.add_rope_freq_base(pick(p.rope_freq_base, "rope.freq_base", float))
+    if p.arch == "llama":
+        w.add_vocab_size(n_vocab)
+        w.add_rope_dimension_count(p.head_dim)
+    if p.arch == "gemma3":
+        w.add_sliding_window(pick(p.sliding_window, "attention.sliding_window", int))
+    if p.rope_scaling_linear is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(p.rope_scaling_linear)
+
+
+class _Tensors:
+    """Adds random tensors to a writer, counting the parameters."""
+
+    def __init__(self, w, p: presets.Preset, rng: np.random.Generator):
+        self.w, self.p, self.rng, self.n_params = w, p, rng, 0
+
+    def matrix(self, name: str, n_out: int, n_in: int, std: float) -> None:
+        """A weight matrix in its Q4_K_M type."""
+        q6 = q4_k_m_type(name, self.p.n_layer, self.p.tied) == "Q6_K"
+        blocks = (q6_k_blocks if q6 else q4_k_blocks)(self.rng, n_out, n_in, std)
+        self.w.add_tensor(name, blocks, raw_dtype=QT.Q6_K if q6 else QT.Q4_K)
+        self.n_params += n_out * n_in
+
+    def vector(self, name: str, n: int, centre: float, spread: float) -> None:
+        """An f32 norm weight (centre: the multiplier applied, which for gemma llama.cpp's
+        converter bakes in as HF's 1 + w) or bias (centre 0)."""
+        self.w.add_tensor(name, (centre + spread * self.rng.standard_normal(n)).astype(np.float32))
+        self.n_params += n
+
+
+def _add_tensors(t: _Tensors, n_vocab: int) -> None:
+    """Every tensor the architecture has, in llama.cpp's names and shapes."""
+    p = t.p
+    gemma = p.arch == "gemma3"
+    # gemma multiplies embeddings by sqrt(n_embd) and ties the head: small embeddings, an
+    # output_norm near 4 and post-norms near 2 keep its logits from predicting the input
+    # token (the scales of pyllama_paged/testing/reference/tiny_gguf.py); the others' tied or
+    # untied heads give logits of std ~2 from embeddings of std 2 / sqrt(n_embd).
+    embd_std = (0.5 if gemma else 2.0) / np.sqrt(p.n_embd)
+    t.matrix("token_embd.weight", n_vocab, p.n_embd, embd_std)
+    t.vector("output_norm.weight", p.n_embd, 4.0 if gemma else 1.0, 0.4 if gemma else 0.1)
+    if not p.tied:
+        t.matrix("output.weight", n_vocab, p.n_embd, embd_std)
+    if p.llama3_rope:
+        # a fixed table, not a parameter: not counted
+        t.w.add_tensor("rope_freqs.weight", llama3_rope_divisors(p.head_dim, p.rope_freq_base))
+    kv_dim, in_std = p.n_head_kv * p.head_dim, 1.0 / np.sqrt(p.n_embd)
+    for il in range(p.n_layer):
+        b = f"blk.{il}."
+        t.vector(b + "attn_norm.weight", p.n_embd, 1.0, 0.1)
+        t.matrix(b + "attn_q.weight", p.q_dim, p.n_embd, in_std)
+        t.matrix(b + "attn_k.weight", kv_dim, p.n_embd, in_std)
+        t.matrix(b + "attn_v.weight", kv_dim, p.n_embd, in_std)
+        if p.arch == "qwen2":
+            for name, n in (("attn_q.bias", p.q_dim), ("attn_k.bias", kv_dim), ("attn_v.bias", kv_dim)):
+                t.vector(b + name, n, 0.0, 0.1)
+        if gemma:
+            t.vector(b + "attn_q_norm.weight", p.head_dim, 1.0, 0.1)
+            t.vector(b + "attn_k_norm.weight", p.head_dim, 1.0, 0.1)
+        t.matrix(b + "attn_output.weight", p.n_embd, p.q_dim, 1.0 / np.sqrt(p.q_dim))
+        if gemma:
+            t.vector(b + "post_attention_norm.weight", p.n_embd, 2.0, 0.2)
+        t.vector(b + "ffn_norm.weight", p.n_embd, 1.0, 0.1)
+        t.matrix(b + "ffn_gate.weight", p.n_ff, p.n_embd, in_std)
+        t.matrix(b + "ffn_up.weight", p.n_ff, p.n_embd, in_std)
+        t.matrix(b + "ffn_down.weight", p.n_embd, p.n_ff, 1.0 / np.sqrt(p.n_ff))
+        if gemma:
+            t.vector(b + "post_ffw_norm.weight", p.n_embd, 2.0, 0.2)
+
+
+def write(out: Path, preset: str | presets.Preset = presets.DEFAULT, *, seed: int = 0,
+          source: str | None = None, **shape) -> dict:
+    """Write the preset's model (its fields overridden by shape, e.g. n_layer=2) to out;
+    returns its shape and parameter count."""
+    p = presets.get(preset) if isinstance(preset, str) else preset
+    p = dataclasses.replace(p, **shape)
+    p.check()
+    meta = _source_metadata(source) if p.tokenizer == "source" else None
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(out), "gemma3")
-    n_params = 0
-    w.add_name(f"Gemma 3 synthetic (random weights) {n_embd}x{n_layer}")
-    w.add_context_length(int(fields["gemma3.context_length"].contents()))
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(float(fields["gemma3.attention.layer_norm_rms_epsilon"].contents()))
-    w.add_rope_freq_base(float(fields["gemma3.rope.freq_base"].contents()))
-    w.add_sliding_window(int(fields["gemma3.attention.sliding_window"].contents()))
-    tokens = fields["tokenizer.ggml.tokens"].contents()
-    w.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
-    w.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
-    w.add_token_list(tokens)
-    w.add_token_scores(fields["tokenizer.ggml.scores"].contents())
-    w.add_token_types(fields["tokenizer.ggml.token_type"].contents())
-    w.add_bos_token_id(int(fields["tokenizer.ggml.bos_token_id"].contents()))
-    w.add_eos_token_id(int(fields["tokenizer.ggml.eos_token_id"].contents()))
-    w.add_unk_token_id(int(fields["tokenizer.ggml.unknown_token_id"].contents()))
-    w.add_pad_token_id(int(fields["tokenizer.ggml.padding_token_id"].contents()))
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_add_space_prefix(False)
-    if "tokenizer.chat_template" in fields:
-        w.add_chat_template(fields["tokenizer.chat_template"].contents())
+    w = gguf.GGUFWriter(str(out), p.arch)
+    w.add_name(f"{p.name} synthetic (random weights) {p.n_embd}x{p.n_layer}")
+    model, pre, vocab = _tokenizer(p, meta)
+    n_vocab = len(vocab["tokens"])
+    _add_hparams(w, p, meta, n_vocab)   # before the tokenizer, as llama.cpp's converter orders them
+    add_tokenizer(w, model, pre, vocab)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
-
-    def matrix(name: str, n_out: int, n_in: int, std: float, q6: bool = False) -> None:
-        nonlocal n_params
-        blocks = (q6_k_blocks if q6 else q4_k_blocks)(rng, n_out, n_in, std)
-        w.add_tensor(name, blocks, raw_dtype=QT.Q6_K if q6 else QT.Q4_K)
-        n_params += n_out * n_in
-
-    def norm(name: str, n: int, centre: float = 1.0) -> None:
-        nonlocal n_params
-        # gemma's norms are stored as the multiplier applied (HF's 1 + w, baked in by the converter)
-        w.add_tensor(name, (centre * (1.0 + 0.1 * rng.standard_normal(n))).astype(np.float32))
-        n_params += n
-
-    n_vocab = len(tokens)
-    # The scales of pyllama_paged/testing/reference/tiny_gguf.py's gemma3: small embeddings (gemma multiplies
-    # them by sqrt(n_embd) and ties the head), output_norm ~4, post-norms ~2.
-    matrix("token_embd.weight", n_vocab, n_embd, 0.5 / np.sqrt(n_embd), q6=True)
-    norm("output_norm.weight", n_embd, 4.0)
-    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        norm(p + "attn_norm.weight", n_embd)
-        matrix(p + "attn_q.weight", q_dim, n_embd, 1.0 / np.sqrt(n_embd))
-        matrix(p + "attn_k.weight", kv_dim, n_embd, 1.0 / np.sqrt(n_embd))
-        matrix(p + "attn_v.weight", kv_dim, n_embd, 1.0 / np.sqrt(n_embd), q6=more_bits(il, n_layer))
-        norm(p + "attn_q_norm.weight", head_dim)
-        norm(p + "attn_k_norm.weight", head_dim)
-        matrix(p + "attn_output.weight", n_embd, q_dim, 1.0 / np.sqrt(q_dim))
-        norm(p + "post_attention_norm.weight", n_embd, 2.0)
-        norm(p + "ffn_norm.weight", n_embd)
-        matrix(p + "ffn_gate.weight", n_ff, n_embd, 1.0 / np.sqrt(n_embd))
-        matrix(p + "ffn_up.weight", n_ff, n_embd, 1.0 / np.sqrt(n_embd))
-        matrix(p + "ffn_down.weight", n_embd, n_ff, 1.0 / np.sqrt(n_ff), q6=more_bits(il, n_layer))
-        norm(p + "post_ffw_norm.weight", n_embd, 2.0)
+    tensors = _Tensors(w, p, np.random.default_rng(seed))
+    _add_tensors(tensors, n_vocab)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return {"path": str(out), "n_embd": n_embd, "n_layer": n_layer, "n_head": n_head, "n_head_kv": n_head_kv,
-            "n_ff": n_ff, "head_dim": head_dim, "n_vocab": n_vocab, "n_params": n_params,
-            "bytes": out.stat().st_size}
+    return {"path": str(out), "preset": p.name, "arch": p.arch, "n_embd": p.n_embd, "n_layer": p.n_layer,
+            "n_head": p.n_head, "n_head_kv": p.n_head_kv, "n_ff": p.n_ff, "head_dim": p.head_dim,
+            "n_vocab": n_vocab, "n_params": tensors.n_params, "bytes": out.stat().st_size}
 
 
 def main(argv=None) -> int:
+    """Command line: write one preset (optionally shrunk or reshaped) and print its size."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(Path("bench") / ".models" / "gemma3-synthetic-1.6b-q4_k_m.gguf"))
-    ap.add_argument("--n-embd", type=int, default=2048)
-    ap.add_argument("--n-layer", type=int, default=18)
-    ap.add_argument("--n-head", type=int, default=8)
-    ap.add_argument("--n-head-kv", type=int, default=4)
-    ap.add_argument("--n-ff", type=int, default=8192)
+    ap.add_argument("--preset", default=presets.DEFAULT, choices=list(presets.PRESETS))
+    ap.add_argument("--small", action="store_true", help="the preset's scaled-down copy (2 layers), as tests use")
+    ap.add_argument("--out", help="default: bench/.models/<the preset's file name>")
+    for flag in ("n-embd", "n-layer", "n-head", "n-head-kv", "n-ff"):
+        ap.add_argument(f"--{flag}", type=int, help="override the preset's value")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    info = write(Path(args.out), args.n_embd, args.n_layer, args.n_head, args.n_head_kv, args.n_ff, seed=args.seed)
-    print(f"{info['path']}: {info['n_params'] / 1e9:.2f}B parameters, {info['bytes'] / 2**20:.0f} MiB")
+    p = presets.get(args.preset)
+    if args.small:
+        p = presets.shrink(p)
+    shape = {k: v for k in ("n_embd", "n_layer", "n_head", "n_head_kv", "n_ff")
+             if (v := getattr(args, k)) is not None}
+    out = Path(args.out or Path("bench") / ".models" / p.file_name)
+    info = write(out, p, seed=args.seed, **shape)
+    print(f"{info['path']}: {info['preset']}, {info['n_params'] / 1e9:.2f}B parameters, "
+          f"{info['bytes'] / 2**20:.0f} MiB")
     return 0
 
 

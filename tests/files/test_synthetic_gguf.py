@@ -6,6 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
+from pyllama_paged.gguf.reader import GGUFFile
 from pyllama_paged.testing import synthetic_gguf
 
 SHAPE = dict(n_embd=256, n_layer=8, n_head=2, n_head_kv=1, n_ff=512)
@@ -19,21 +20,24 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tensors(model):
-    return {t.name: t for t in gguf.GGUFReader(model["path"]).tensors}   # parsing the vocabulary takes seconds
+    # our reader: gguf.GGUFReader takes seconds over the 262k-token vocabulary
+    f = GGUFFile(model["path"])
+    return {t.name: (t, f.tensor_bytes(t)) for t in f.tensors}
 
 
 def test_blocks_decode_to_centred_values_of_the_intended_spread(model, tensors):
     for name, want_std in (("token_embd.weight", 0.5 / 16), ("blk.0.attn_q.weight", 1 / 16),
                            ("blk.0.ffn_down.weight", 1 / np.sqrt(512)), ("blk.3.ffn_down.weight", 1 / np.sqrt(512))):
-        t = tensors[name]
-        x = gguf.quants.dequantize(t.data[:4096], t.tensor_type)   # the embedding's first rows will do
+        t, data = tensors[name]
+        rows = data.reshape(t.shape[1], -1)[:4096]   # the embedding's first rows will do
+        x = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(t.type))
         assert x.std() == pytest.approx(want_std, rel=0.1), name
         assert abs(x.mean()) < 0.1 * want_std, name
-    assert sum(int(np.prod(t.shape)) for t in tensors.values()) == model["n_params"]
+    assert sum(int(np.prod(t.shape)) for t, _ in tensors.values()) == model["n_params"]
 
 
 def test_the_type_mix_is_q4_k_m(tensors):
-    types = {name: t.tensor_type.name for name, t in tensors.items()}
+    types = {name: gguf.GGMLQuantizationType(t.type).name for name, (t, _) in tensors.items()}
     assert types["token_embd.weight"] == "Q6_K"
     assert types["blk.0.attn_q.weight"] == "Q4_K"
     # 8 layers: layer 0 (first eighth), layer 7 (last eighth) and layer 3 ((3 - 1) % 3 == 2) get Q6_K
@@ -52,3 +56,26 @@ def test_the_engine_runs_it_with_the_real_tokenizer(model):
     logits = np.asarray(llm.runner.prefill(seq))
     assert logits.shape == (262144,) and np.isfinite(logits).all() and logits.std() > 0.5
     assert llm("Hello", max_tokens=4, temperature=0)["usage"]["completion_tokens"] == 4
+
+
+def test_the_command_line_takes_a_preset_and_the_old_shape_flags(tmp_path, capsys):
+    from pyllama_paged.gguf.reader import read_metadata
+
+    out = tmp_path / "llama.gguf"
+    assert synthetic_gguf.main(["--preset", "llama3.2-1b", "--small", "--out", str(out)]) == 0
+    meta = read_metadata(str(out))
+    assert (meta["general.architecture"], meta["llama.block_count"], meta["tokenizer.ggml.pre"]) == \
+           ("llama", 2, "llama-bpe")
+    out = tmp_path / "gemma.gguf"
+    assert synthetic_gguf.main(["--out", str(out), "--n-embd", "256", "--n-layer", "3", "--n-head", "2",
+                                "--n-head-kv", "1", "--n-ff", "512"]) == 0
+    meta = read_metadata(str(out))
+    assert (meta["general.architecture"], meta["gemma3.block_count"], meta["gemma3.embedding_length"]) == \
+           ("gemma3", 3, 256)
+    assert "gemma3-1.6b, 0.07B parameters" in capsys.readouterr().out
+
+
+def test_llama3_rope_divisors_leave_short_wavelengths_and_stretch_long_ones():
+    divisors = synthetic_gguf.llama3_rope_divisors(64, 500000.0)
+    assert len(divisors) == 32 and divisors[0] == 1.0 and divisors[-1] == 32.0
+    assert np.all(np.diff(divisors) >= 0) and ((divisors > 1) & (divisors < 32)).sum() == 3   # the blend

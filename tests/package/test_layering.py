@@ -63,6 +63,7 @@ LAYERS = [
      "testing.reference.bert_reference", "testing.reference.tiny_bert", "testing.agreement",
      "testing.attention_harness", "testing.cuda_harness", "testing.serving", "testing.loop_control",
      "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf",
+     "testing.synthetic_blocks", "testing.synthetic_bpe", "testing.synthetic_presets", "testing.vocab_metadata",
      "testing.device_checks"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer

@@ -29,6 +29,8 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
+from ..vocab_metadata import add_tokenizer
+
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 
 WEIGHT_TYPES: dict[str, QT] = {
@@ -362,20 +364,9 @@ def write_tiny_model(
     if final_logit_softcapping is not None:
         w.add_final_logit_softcapping(float(final_logit_softcapping))
 
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(vocab["tokens"])
-    w.add_token_scores(vocab["scores"])
-    w.add_token_types(vocab["types"])
-    w.add_bos_token_id(vocab["bos"])
-    w.add_eos_token_id(vocab["eos"])
-    w.add_unk_token_id(vocab["unk"])
-    if vocab["pad"] is not None:
-        w.add_pad_token_id(vocab["pad"])
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    if arch == "gemma3":
-        w.add_add_space_prefix(False)  # as in the real gemma-3 file
+    # add_space_prefix only for gemma3, as in the real gemma-3 file
+    add_tokenizer(w, "llama", "default", {**vocab, "add_bos": True, "add_eos": False,
+                                          "add_space_prefix": False if arch == "gemma3" else None})
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_file_type(int(_FILE_TYPES[weight_type.lower()]))
 

@@ -1,0 +1,105 @@
+"""The shapes of the models people run, as presets for the synthetic GGUF writer
+(pyllama_paged/testing/synthetic_gguf.py), and a way to shrink one for fast tests.
+
+Each preset is a real model's architecture, hyper-parameters and tokenizer family, so a
+file written from it has the real model's weight bytes, KV bytes per token and prompt
+lengths; only the weights are random. `shrink` keeps everything a test can check cheaply
+(architecture, vocabulary, tokenizer, head size, grouped-query ratio, type mix) and cuts the
+layer count and widths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .synthetic_blocks import QK_K
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One model shape: what the writer needs besides the random weights."""
+
+    name: str
+    arch: str                 # gemma3, llama or qwen2: the engine's and llama.cpp's names
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    tokenizer: str            # "source": the default gemma3 model's; else a synthetic_bpe family
+    n_vocab: int | None = None   # None: as many as the tokenizer has
+    tied: bool = True         # the output head is token_embd (no output.weight)
+    # None below: the source model's value (gemma3 presets copy the default model's metadata)
+    context_length: int | None = None
+    rope_freq_base: float | None = None
+    rms_eps: float | None = None
+    sliding_window: int | None = None
+    rope_scaling_linear: float | None = None   # gemma3 4B+: global layers' positions / 8
+    llama3_rope: bool = False  # rope_freqs.weight from Llama 3.1/3.2's long-context rule
+    real_params: int | None = None   # the real model's parameter count (text model), to compare
+    file_name: str = ""
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the attention's query projection (heads times head size)."""
+        return self.n_head * self.head_dim
+
+    def check(self) -> None:
+        """Raise ValueError if a K-quant row would not be whole blocks or the heads do not group."""
+        for what, v in (("n_embd", self.n_embd), ("n_ff", self.n_ff), ("n_head * head_dim", self.q_dim)):
+            if v % QK_K:
+                raise ValueError(f"{self.name}: {what} = {v} must be a multiple of {QK_K} for K-quant rows")
+        if self.n_head % self.n_head_kv:
+            raise ValueError(f"{self.name}: n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
+
+
+# Shapes from each model's Hugging Face config.json. Parameter counts are the text model's
+# (Gemma 3 4B's 4.3B includes a 0.4B vision tower, which a text-only GGUF does not carry).
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    # no real counterpart: a Gemma 3 between the 1B and the 4B, the benchmarks' long-standing model
+    Preset("gemma3-1.6b", "gemma3", n_embd=2048, n_layer=18, n_head=8, n_head_kv=4, head_dim=256,
+           n_ff=8192, tokenizer="source", file_name="gemma3-synthetic-1.6b-q4_k_m.gguf"),
+    Preset("gemma3-4b", "gemma3", n_embd=2560, n_layer=34, n_head=8, n_head_kv=4, head_dim=256,
+           n_ff=10240, tokenizer="source", context_length=131072, rope_freq_base=1e6, rms_eps=1e-6,
+           sliding_window=1024, rope_scaling_linear=8.0, real_params=3_880_263_168,
+           file_name="gemma3-synthetic-4b-q4_k_m.gguf"),
+    Preset("llama3.2-1b", "llama", n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, head_dim=64,
+           n_ff=8192, tokenizer="llama3", n_vocab=128256, context_length=131072, rope_freq_base=500000.0,
+           rms_eps=1e-5, llama3_rope=True, real_params=1_235_814_400,
+           file_name="llama3.2-synthetic-1b-q4_k_m.gguf"),
+    Preset("llama3.2-3b", "llama", n_embd=3072, n_layer=28, n_head=24, n_head_kv=8, head_dim=128,
+           n_ff=8192, tokenizer="llama3", n_vocab=128256, context_length=131072, rope_freq_base=500000.0,
+           rms_eps=1e-5, llama3_rope=True, real_params=3_212_749_824,
+           file_name="llama3.2-synthetic-3b-q4_k_m.gguf"),
+    Preset("qwen2.5-1.5b", "qwen2", n_embd=1536, n_layer=28, n_head=12, n_head_kv=2, head_dim=128,
+           n_ff=8960, tokenizer="qwen2", n_vocab=151936, context_length=32768, rope_freq_base=1e6,
+           rms_eps=1e-6, real_params=1_543_714_304, file_name="qwen2.5-synthetic-1.5b-q4_k_m.gguf"),
+)}
+DEFAULT = "gemma3-1.6b"
+
+
+def get(name: str) -> Preset:
+    """The preset called name; ValueError listing the known ones otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}") from None
+
+
+def shrink(preset: Preset, n_layer: int = 2, n_ff: int = 512) -> Preset:
+    """A small copy of preset: same architecture, vocabulary, tokenizer, head size and query
+    heads per KV head, with n_layer layers, the fewest heads whose width is whole K-quant
+    blocks, n_embd that width (at least 256) and n_ff."""
+    group = preset.n_head // preset.n_head_kv
+    n_head_kv = 1
+    while (n_head_kv * group * preset.head_dim) % QK_K:
+        n_head_kv += 1
+    n_head = n_head_kv * group
+    small = dataclasses.replace(
+        preset, name=f"{preset.name}-small", n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
+        n_embd=max(QK_K, n_head * preset.head_dim), n_ff=n_ff, real_params=None,
+        file_name=preset.file_name.replace("-q4_k_m", "-small-q4_k_m"))
+    small.check()
+    return small

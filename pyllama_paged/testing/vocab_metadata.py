@@ -1,0 +1,33 @@
+"""Writes a vocabulary as the tokenizer.ggml.* metadata of a GGUF being built, for the test
+model writers (pyllama_paged/testing/reference/tiny_gguf.py, synthetic_gguf.py)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+# vocabulary key -> GGUFWriter method; a key that is absent or None writes nothing
+_IDS = (("bos", "add_bos_token_id"), ("eos", "add_eos_token_id"), ("unk", "add_unk_token_id"),
+        ("pad", "add_pad_token_id"))
+_FLAGS = (("add_bos", "add_add_bos_token"), ("add_eos", "add_add_eos_token"),
+          ("add_space_prefix", "add_add_space_prefix"))
+
+
+def add_tokenizer(w, model: str, pre: str, vocab: Mapping) -> None:
+    """Add vocab's tokens and types, and whichever of scores, merges, special ids, flags and
+    chat_template it holds, to the gguf.GGUFWriter w (in llama.cpp's converter's key order)."""
+    w.add_tokenizer_model(model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(vocab["tokens"])
+    if vocab.get("scores") is not None:
+        w.add_token_scores(vocab["scores"])
+    w.add_token_types(vocab["types"])
+    if vocab.get("merges") is not None:
+        w.add_token_merges(vocab["merges"])
+    for key, method in _IDS:
+        if vocab.get(key) is not None:
+            getattr(w, method)(int(vocab[key]))
+    for key, method in _FLAGS:
+        if vocab.get(key) is not None:
+            getattr(w, method)(bool(vocab[key]))
+    if vocab.get("chat_template"):
+        w.add_chat_template(vocab["chat_template"])

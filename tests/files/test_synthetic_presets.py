@@ -1,0 +1,97 @@
+"""pyllama_paged/testing/synthetic_presets.py and synthetic_gguf.py: every preset, shrunk to two
+layers (same architecture, vocabulary, tokenizer and type mix), loads in the engine, turns a
+chat into the family's markup and generates; its tensors are llama.cpp's Q4_K_M mix."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pyllama_paged.gguf.reader import GGUFFile
+from pyllama_paged.testing import synthetic_gguf, synthetic_presets
+
+# the control tokens each family's chat markup is made of, and its BOS (None: none is added)
+MARKUP = {
+    "llama3": (["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|begin_of_text|>"),
+    "qwen2": (["<|im_start|>", "<|im_end|>"], None),
+    "source": (["<start_of_turn>", "<end_of_turn>"], "<bos>"),
+}
+GGML_Q4_K, GGML_Q6_K, GGML_F32 = 12, 14, 0
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module", params=list(synthetic_presets.PRESETS))
+def small(request, tmp_path_factory):
+    preset = synthetic_presets.shrink(synthetic_presets.get(request.param))
+    path = tmp_path_factory.mktemp("presets") / preset.file_name
+    return preset, synthetic_gguf.write(path, preset, seed=5)
+
+
+def test_shrinking_keeps_what_tests_can_check(small):
+    preset, info = small
+    full = synthetic_presets.get(preset.name.removesuffix("-small"))
+    assert (preset.arch, preset.tokenizer, preset.n_vocab, preset.head_dim, preset.tied) == \
+           (full.arch, full.tokenizer, full.n_vocab, full.head_dim, full.tied)
+    assert preset.n_head // preset.n_head_kv == full.n_head // full.n_head_kv
+    assert info["n_layer"] == 2 and info["n_embd"] % 256 == 0 and info["n_ff"] == 512
+    assert info["n_vocab"] == (full.n_vocab or 262144)
+
+
+def test_the_type_mix_is_q4_k_m(small):
+    preset, info = small
+    types = {t.name: t.type for t in GGUFFile(info["path"]).tensors}
+    assert "output.weight" not in types and types["token_embd.weight"] == GGML_Q6_K   # every preset ties
+    # two layers: only layer 1 (the last eighth) keeps attn_v and ffn_down in Q6_K
+    for name, ttype in types.items():
+        if name.endswith(("norm.weight", ".bias", "rope_freqs.weight")):
+            assert ttype == GGML_F32, name
+        elif name.startswith("blk.1.") and name.endswith(("attn_v.weight", "ffn_down.weight")):
+            assert ttype == GGML_Q6_K, name
+        elif name != "token_embd.weight":
+            assert ttype == GGML_Q4_K, name
+    assert ("blk.0.attn_q.bias" in types) == (preset.arch == "qwen2")
+    assert ("blk.0.attn_q_norm.weight" in types) == ("blk.0.post_ffw_norm.weight" in types) == \
+           (preset.arch == "gemma3")
+    assert ("rope_freqs.weight" in types) == preset.llama3_rope
+
+
+def test_the_engine_tokenizes_a_chat_and_generates(small):
+    from pyllama_paged import Llama
+
+    preset, info = small
+    llm = Llama(model_path=info["path"], paged=True, n_ctx=256, n_threads=2, verbose=False)
+    markup, bos = MARKUP[preset.tokenizer]
+
+    def one_id(text):
+        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+        assert len(ids) == 1, text
+        return ids[0]
+
+    ids = llm.tokenize(str(llm.chat_template.render(MESSAGES)).encode(), special=True)
+    assert all(one_id(t) in ids for t in markup)
+    assert ids[0] == one_id(bos or markup[0])   # BOS where the family adds one, else the markup
+    assert len(ids) < 45   # the words are whole tokens: the prompt is about as long as a real one
+    out = llm.create_chat_completion(MESSAGES, max_tokens=4, temperature=0)
+    assert out["usage"]["prompt_tokens"] == len(ids) and 1 <= out["usage"]["completion_tokens"] <= 4
+    seq = llm.runner.add_sequence(ids)
+    logits = np.asarray(llm.runner.prefill(seq))
+    assert logits.shape == (info["n_vocab"],) and np.isfinite(logits).all() and logits.std() > 0.5
+
+
+def test_an_untied_head_is_q6_k_and_the_embedding_q4_k(tmp_path):
+    from pyllama_paged import Llama
+
+    preset = dataclasses.replace(synthetic_presets.shrink(synthetic_presets.get("llama3.2-1b")), tied=False)
+    info = synthetic_gguf.write(tmp_path / "untied.gguf", preset)
+    types = {t.name: t.type for t in GGUFFile(info["path"]).tensors}
+    assert (types["output.weight"], types["token_embd.weight"]) == (GGML_Q6_K, GGML_Q4_K)
+    llm = Llama(model_path=info["path"], paged=True, n_ctx=128, n_threads=2, verbose=False)
+    assert llm("Hello", max_tokens=2, temperature=0)["usage"]["completion_tokens"] >= 1
+
+
+def test_shapes_that_are_not_whole_k_quant_blocks_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="multiple of 256"):
+        synthetic_gguf.write(tmp_path / "x.gguf", "qwen2.5-1.5b", n_ff=1000)
+    with pytest.raises(ValueError, match="unknown preset"):
+        synthetic_presets.get("llama4")
