@@ -141,8 +141,13 @@ def functional_check(args) -> int:
         prompts = [tokenizer.encode(p) for p in PROMPTS]
         cpu = [greedy_answers(engines["cpu"], [p], args.max_tokens)[0] for p in prompts]   # each alone
         gpu = greedy_answers(engines["gpu"], prompts, args.max_tokens)                      # one batch
-        failures = [] if not on_cpu else [f"n_gpu_layers=-1 left these on the CPU (index {len(placement) - 1} is "
-                                          f"the output head): {on_cpu}"]
+        # The head may stay on the CPU where the device binds less than it in one tensor (the
+        # software device: 128 MiB, the default model's head 170 MiB); a layer may not.
+        head = len(placement) - 1
+        if head in on_cpu:
+            print(f"output head on the CPU: {device.name} cannot bind it in one tensor")
+        layers_on_cpu = [i for i in on_cpu if i != head]
+        failures = [] if not layers_on_cpu else [f"n_gpu_layers=-1 left these layers on the CPU: {layers_on_cpu}"]
         judge = engine_logits(engines["cpu"].runner)
         for text, p, want, got in zip(PROMPTS, prompts, cpu, gpu):
             same = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), len(want))
