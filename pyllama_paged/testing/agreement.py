@@ -58,3 +58,15 @@ def assert_greedy_agree(prompt: Sequence[int], expected: Sequence[int], got: Seq
     assert max(gaps) <= margin, (
         f"answers part at token {i} ({expected[i:i + 1]} vs {got[i:i + 1]}) where the logits are "
         f"{gaps[0]:.3f} and {gaps[1]:.3f} below the best: more than the {margin} of a near-tie")
+
+
+def run_to_completion(llm, prompts, params):
+    """Add each prompt as a request with params and step llm until none is left: per
+    request, its token ids by sample index ({seq_index: [ids]}), and the requests."""
+    requests = [llm.add_request(p, params) for p in prompts]
+    outputs = {r.request_id: {} for r in requests}
+    while llm.has_work():
+        for out in llm.step():
+            for ev in out.events:
+                outputs[out.request_id].setdefault(ev.seq_index, []).append(ev.token_id)
+    return [outputs[r.request_id] for r in requests], requests

@@ -124,16 +124,6 @@ def _engine(model, num_blocks=None, mode="recompute", free=True):
     return LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=64, preemption_mode=mode))
 
 
-def _run_all(llm, prompts, params):
-    requests = [llm.add_request(p, params) for p in prompts]
-    outputs = {r.request_id: {} for r in requests}
-    while llm.has_work():
-        for out in llm.step():
-            for ev in out.events:
-                outputs[out.request_id].setdefault(ev.seq_index, []).append(ev.token_id)
-    return [outputs[r.request_id] for r in requests]
-
-
 def check_engine() -> dict:
     """The scheduler's whole range on the device with a sliding-window model (tiny Gemma 3,
     window 16): batched greedy requests with window pages given back, swap and recompute
@@ -141,7 +131,7 @@ def check_engine() -> dict:
     the CPU engine's, each request alone (near-ties allowed as in testing/agreement.py)."""
     from ..engine.model import Model
     from ..engine.sampler import SamplingParams
-    from .agreement import assert_greedy_agree, engine_logits
+    from .agreement import assert_greedy_agree, engine_logits, run_to_completion
 
     greedy = SamplingParams(max_tokens=40, temperature=0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +140,7 @@ def check_engine() -> dict:
         alone = []
         for p in PROMPTS:
             llm = _engine(cpu, free=False)
-            alone.append(_run_all(llm, [p], greedy)[0][0])
+            alone.append(run_to_completion(llm, [p], greedy)[0][0][0])
             llm.runner.close()
         reference = _engine(cpu, free=False)
         logits_of = engine_logits(reference.runner)
@@ -160,7 +150,7 @@ def check_engine() -> dict:
             for name, kw in (("batched", {}), ("swap", dict(num_blocks=60, mode="swap")),
                              ("recompute", dict(num_blocks=60, mode="recompute"))):
                 llm = _engine(device, **kw)
-                got = _run_all(llm, PROMPTS, greedy)
+                got, _ = run_to_completion(llm, PROMPTS, greedy)
                 for prompt, g, a in zip(PROMPTS, got, alone):
                     assert set(g) == {0}, f"{name}: unexpected sample indices {set(g)}"
                     assert_greedy_agree(prompt, a, g[0], logits_of, EOT)
@@ -170,9 +160,9 @@ def check_engine() -> dict:
                 llm.runner.close()
             llm = _engine(device)
             sampled = SamplingParams(max_tokens=30, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3, n=3)
-            (samples,) = _run_all(llm, [list(range(10, 90))], sampled)
+            (samples,), _ = run_to_completion(llm, [list(range(10, 90))], sampled)
             beams = SamplingParams(max_tokens=12, temperature=0, beam_width=3)
-            (beam_out,) = _run_all(llm, [list(range(10, 90))], beams)
+            (beam_out,), _ = run_to_completion(llm, [list(range(10, 90))], beams)
             out["samples"] = {"n": len(samples), "lengths": [len(v) for v in samples.values()],
                               "beams": len(beam_out), "blocks_used_after": llm.stats()["blocks_used"]}
             llm.runner.close()

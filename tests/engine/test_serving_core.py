@@ -13,7 +13,7 @@ from pyllama_paged.engine.model import Model
 from pyllama_paged.engine.sampler import MAX_BEAM_WIDTH, SamplingParams, log_softmax
 from pyllama_paged.engine.scheduler import SchedulerConfig
 from pyllama_paged.engine.step_cost import StepCostModel, decode_columns
-from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
+from pyllama_paged.testing.agreement import run_to_completion, assert_greedy_agree, engine_logits
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 EOT = {1}
@@ -43,13 +43,7 @@ def groups_of(model):
 
 
 def run_all(llm, prompts, params):
-    requests = [llm.add_request(p, params) for p in prompts]
-    outputs = {r.request_id: {} for r in requests}
-    while llm.has_work():
-        for out in llm.step():
-            for ev in out.events:
-                outputs[out.request_id].setdefault(ev.seq_index, []).append(ev.token_id)
-    return [outputs[r.request_id] for r in requests]
+    return run_to_completion(llm, prompts, params)[0]
 
 
 PROMPTS = [list(np.random.default_rng(i).integers(4, 300, size=n)) for i, n in

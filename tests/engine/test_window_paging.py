@@ -14,7 +14,7 @@ from pyllama_paged.engine.model_runner import ModelRunner
 from pyllama_paged.engine.sampler import SamplingParams
 from pyllama_paged.engine.scheduler import SchedulerConfig
 from pyllama_paged.engine.step_batch import StepBuffers
-from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
+from pyllama_paged.testing.agreement import run_to_completion, assert_greedy_agree, engine_logits
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 BS = 4
@@ -208,14 +208,7 @@ def engine(model, free, num_blocks=None, mode="recompute", budget=64):
                      SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
 
 
-def run_all(llm, prompts, params):
-    requests = [llm.add_request(p, params) for p in prompts]
-    outputs = {r.request_id: {} for r in requests}
-    while llm.has_work():
-        for out in llm.step():
-            for ev in out.events:
-                outputs[out.request_id].setdefault(ev.seq_index, []).append(ev.token_id)
-    return [outputs[r.request_id] for r in requests], requests
+run_all = run_to_completion
 
 
 @pytest.fixture(scope="module")
