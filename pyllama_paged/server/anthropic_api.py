@@ -13,7 +13,7 @@ from ..tools.calls import parse_tool_calls
 from ..tools.messages import normalize_messages
 from ..tools.prompt import prepare_chat
 from .anthropic_messages import chat_messages, chat_tools, content_blocks, stop_reason
-from .anthropic_schemas import MessagesRequest, error_body
+from .anthropic_schemas import CountTokensRequest, MessagesRequest, error_body
 from .anthropic_stream import AnswerEvents, sse
 from .generation import APIError, Generation, check_request, off_loop, require_generative, start_generation
 
@@ -43,9 +43,8 @@ def build_router(state) -> APIRouter:
     """The router of /v1/messages."""
     router = APIRouter()
 
-    @router.post("/v1/messages")
-    async def messages(body: MessagesRequest, request: Request):
-        """Anthropic's Messages API: the answer as a message, or as its events when stream is set."""
+    def served_for(body: MessagesRequest):
+        """The model body names, after the checks every route makes (limits, model, features)."""
         check_request(state.limits, stop=body.stop_sequences, messages=body.messages, tools=body.tools,
                       grammars={"output_config": body.schema()})
         served = state.registry.get(body.model)
@@ -54,7 +53,11 @@ def build_router(state) -> APIRouter:
                            "model")
         require_generative(served)
         body.refuse_unsupported()
+        return served
 
+    async def _prompt(served, body: MessagesRequest):
+        """The prompt's token ids, its constraint and its tool names (templates, tokenizing and
+        grammars take a while: off the event loop)."""
         def prepare():
             tools, tool_choice = chat_tools(body)
             turns = normalize_messages(chat_messages(body))
@@ -62,10 +65,23 @@ def build_router(state) -> APIRouter:
                                                    body.constraint(served.tokenizer))
             return served.tokenizer.encode(text, add_special=True, parse_special=True), constraint, names
 
-        try:   # off the event loop: templates, tokenizing and grammars (tools, formats) take a while
-            ids, constraint, names = await off_loop(state.prep, prepare)
+        try:
+            return await off_loop(state.prep, prepare)
         except PagedError as e:
             raise APIError(400, str(e)) from None
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        """The prompt's length in tokens, as /v1/messages would count it (nothing runs)."""
+        ids, _, _ = await _prompt(served_for(body), body)
+        return {"input_tokens": len(ids)}
+
+    @router.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        """Anthropic's Messages API: the answer as a message, or as its events when stream is set."""
+        served = served_for(body)
+
+        ids, constraint, names = await _prompt(served, body)
         # nothing is held before this: every refusal above leaves the queue and pool as they were
         gen = start_generation(served, ids, body.params(constraint), state.limits, state.metrics)
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": served.name,

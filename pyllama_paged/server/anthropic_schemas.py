@@ -138,3 +138,9 @@ class MessagesRequest(_Strict):
         fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "top_k": self.top_k, "stop": self.stop_sequences, "constraint": constraint}
         return request_params(OPENAI, fields)
+
+
+class CountTokensRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages request without max_tokens (nothing is generated)."""
+
+    max_tokens: int = Field(default=1, ge=1)

@@ -194,3 +194,12 @@ def test_client_leaving_mid_stream_returns_its_pages(client, server, registry):
     after = stats()
     assert after["blocks_used"] == before["blocks_used"]
     assert after["generated_tokens"] - before["generated_tokens"] < 128
+
+
+def test_count_tokens_counts_what_create_reads(client):
+    counted = client.messages.count_tokens(model=M, messages=HI, system="You are terse.")
+    assert counted.input_tokens == ask(client, system="You are terse.").usage.input_tokens
+    with_tool = client.messages.count_tokens(model=M, messages=HI, tools=[WEATHER])
+    assert with_tool.input_tokens > client.messages.count_tokens(model=M, messages=HI).input_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="no-such-model", messages=HI)
