@@ -324,9 +324,11 @@ def main(argv=None) -> int:
 def run_check(name: str, *args: str, timeout: float = 1500) -> dict:
     """Run a check in a child process; its JSON answer, or AssertionError with its output
     (a crash of the driver included)."""
-    env = dict(os.environ)
+    # run from outside any checkout: `-m` puts the working directory first on sys.path, and a
+    # source tree there (no compiled library) would shadow the installed package
     proc = subprocess.run([sys.executable, "-m", "pyllama_paged.testing.device_checks", name, *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ),
+                          cwd=tempfile.gettempdir())
     lines = [line for line in proc.stdout.splitlines() if line.startswith('{"check"')]
     if proc.returncode != 0 or not lines:
         raise AssertionError(f"device check {name} {' '.join(args)} exited with {proc.returncode}:\n"
