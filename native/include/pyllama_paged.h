@@ -435,15 +435,18 @@ enum pp_panel_kernel {
     PP_PANEL_KERNEL_NONE       = 0,  /* nothing packed: GGML's own products are faster here */
     PP_PANEL_KERNEL_SCALAR     = 1,  /* portable C: for tests on any CPU, never chosen for speed */
     PP_PANEL_KERNEL_AVXVNNI    = 2,  /* AVX-VNNI (256-bit, 16 registers) */
-    PP_PANEL_KERNEL_AVX512VNNI = 3   /* AVX-512 VNNI (with VL and BW) */
+    PP_PANEL_KERNEL_AVX512VNNI = 3,  /* AVX-512 VNNI (with VL and BW) */
+    PP_PANEL_KERNEL_AVX2       = 4   /* AVX2 byte products (maddubs): K-quant weights only */
 };
 
 /* Pack the weights our integer GEMM multiplies faster than GGML into row
- * panels (q8_panels.h in the sources): Q8_0 and Q5_0 projections and the
+ * panels (q8_panels.h in the sources): Q8_0, Q5_0, Q4_K and Q6_K
+ * projections (on an AVX2 CPU without VNNI: Q4_K and Q6_K only) and the
  * output head (output.weight, or token_embd.weight when tied: the input
  * embedding is then read from the panels too) of whole 8-row panels and
- * 32-value blocks. An exact change of layout in the same number of bytes.
- * Done only where the CPU has AVX-512 VNNI (with VL and BW) or AVX-VNNI,
+ * 32-value blocks. An exact change of layout in the same number of bytes
+ * (Q4_K: 2.8% more, its 6-bit sub-block scales unpacked to bytes).
+ * Done only where the CPU has AVX-512 VNNI (with VL and BW), AVX-VNNI or AVX2,
  * unless any_cpu is set (then a portable, slow kernel runs elsewhere: for
  * tests). Call once, after pp_model_finalize, before
  * pp_model_repack_weights and before any context is created. *kernel (may

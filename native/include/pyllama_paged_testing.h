@@ -74,6 +74,35 @@ int32_t pp_attention_harness_contiguous(pp_attention_harness *h, int32_t first_s
                                         int32_t n_q, const int32_t *positions, int32_t window,
                                         float scale, const float *q, float *out);
 
+/* ---- panel GEMM ----------------------------------------------------------- */
+
+/* GGML's own quantization of n_rows rows of k f32 values into ggml type
+ * `type` (dst: n_rows * the type's row size, the caller's), and its
+ * dequantization back (dst: n_rows * k f32). PP_ERR_INVALID for a type GGML
+ * cannot quantize this way or k not a multiple of its block. */
+int32_t pp_ggml_quantize_rows(int32_t type, const float *src, int64_t n_rows, int64_t k, void *dst);
+int32_t pp_ggml_dequantize_rows(int32_t type, const void *src, int64_t n_rows, int64_t k, float *dst);
+/* Bytes of one row of k values of ggml type `type`; -1 for an unknown type
+ * or a k that is not a whole number of its blocks. */
+int64_t pp_ggml_row_bytes(int32_t type, int64_t k);
+
+/* 1 if this CPU runs panel kernel `kernel` (enum pp_panel_kernel), else 0. */
+int32_t pp_panel_kernel_available(int32_t kernel);
+
+/* The panel GEMM alone: pack a [k, n_rows] weight of ggml type `type`
+ * (borrowed, GGML's row layout) into panels, quantize the n columns of x
+ * (f32 [n][k], borrowed) as the graph does and multiply them with `kernel`
+ * (enum pp_panel_kernel) into out (f32 [n][n_rows], the caller's).
+ * PP_ERR_INVALID for a type or shape the panels do not take, or a kernel
+ * this CPU cannot run; PP_ERR_NO_MEMORY if the panels cannot be had. */
+int32_t pp_panel_gemm_run(int32_t type, int64_t k, int64_t n_rows, const void *weight, const float *x,
+                          int64_t n, int32_t kernel, float *out);
+
+/* Row `row` of such a packed weight as f32 (what a tied embedding reads),
+ * into out (k f32, the caller's). Errors as pp_panel_gemm_run, and
+ * PP_ERR_INVALID for a row outside the weight. */
+int32_t pp_panel_row_run(int32_t type, int64_t k, int64_t n_rows, const void *weight, int64_t row, float *out);
+
 #ifdef __cplusplus
 }
 #endif

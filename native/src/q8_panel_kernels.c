@@ -134,7 +134,6 @@ __attribute__((target("avx2,fma,f16c"))) void pp_panel_quantize_column_avx2(cons
     const int64_t nb = k / PP_PANEL_BLOCK;
     int8_t *q = (int8_t *)col;
     float *scale = (float *)(col + k);
-    int32_t *offset = (int32_t *)(col + k + 4 * nb);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < nb; b++) {
         __m256 v[4];
@@ -149,24 +148,23 @@ __attribute__((target("avx2,fma,f16c"))) void pp_panel_quantize_column_avx2(cons
         const float m = _mm_cvtss_f32(h);
         const float d = m / 127.0f, id = m != 0.0f ? 127.0f / m : 0.0f;
         const __m256 vid = _mm256_set1_ps(id);
-        __m256i qi[4], sum = _mm256_setzero_si256();
-        for (int i = 0; i < 4; i++) {
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++)
             qi[i] = _mm256_cvtps_epi32(
                 _mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            sum = _mm256_add_epi32(sum, qi[i]);
-        }
         /* packs interleave 128-bit lanes: restore the order with one permute */
         const __m256i q16a = _mm256_packs_epi32(qi[0], qi[1]), q16b = _mm256_packs_epi32(qi[2], qi[3]);
         const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b),
                                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(q + b * PP_PANEL_BLOCK), q8);
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        /* the two 16-value halves' sums (values 0-15: qi[0], qi[1]): horizontal adds
+         * within each 128-bit lane leave [h0, h1, h0, h1] per lane, then the lanes add */
+        const __m256i pairs = _mm256_hadd_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+        const __m256i hh = _mm256_hadd_epi32(pairs, pairs);
+        const __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(hh), _mm256_extracti128_si256(hh, 1));
         const float dh = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
         memcpy(scale + b, &dh, sizeof dh);
-        const int32_t off = -128 * _mm_cvtsi128_si32(s4);
-        memcpy(offset + b, &off, sizeof off);
+        pp_panel_column_sums(col, k, b, dh, _mm_cvtsi128_si32(s2), _mm_extract_epi32(s2, 1));
     }
 }
 

@@ -14,17 +14,41 @@ enum pp_panel_kernel pp_panel_kernel_select(void) {
     if (forced && strcmp(forced, "generic") == 0) return PP_PANEL_KERNEL_SCALAR;
 #if defined(__x86_64__)
     __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+    /* PYLLAMA_PAGED_KERNELS=avx2: the kernel of CPUs without VNNI, on one with it (tests) */
+    if (forced && strcmp(forced, "avx2") == 0 && avx2) return PP_PANEL_KERNEL_AVX2;
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
+        __builtin_cpu_supports("avx512f") && avx2)
         return PP_PANEL_KERNEL_AVX512VNNI;
-    if (__builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-        __builtin_cpu_supports("fma"))
-        return PP_PANEL_KERNEL_AVXVNNI;
+    if (__builtin_cpu_supports("avxvnni") && avx2) return PP_PANEL_KERNEL_AVXVNNI;
+    if (avx2) return PP_PANEL_KERNEL_AVX2;
 #endif
     return PP_PANEL_KERNEL_NONE;
 }
 
-static pp_panel_kernel_fn kernel_fn(enum pp_panel_kernel k) {
+int pp_panel_kernel_runs_here(enum pp_panel_kernel k) {
+    if (k == PP_PANEL_KERNEL_SCALAR) return 1;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+    if (k == PP_PANEL_KERNEL_AVX2) return avx2;
+    if (k == PP_PANEL_KERNEL_AVXVNNI) return avx2 && __builtin_cpu_supports("avxvnni");
+    if (k == PP_PANEL_KERNEL_AVX512VNNI)
+        return avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
+#endif
+    return 0;
+}
+
+pp_panel_kernel_fn pp_panel_kernel_for(enum pp_panel_kernel k, enum ggml_type type) {
+    if (pp_panel_type_is_k(type)) {
+#if defined(__x86_64__)
+        if (k == PP_PANEL_KERNEL_AVX512VNNI) return pp_kpanel_gemm_avx512vnni;
+        if (k == PP_PANEL_KERNEL_AVXVNNI) return pp_kpanel_gemm_avxvnni;
+        if (k == PP_PANEL_KERNEL_AVX2) return pp_kpanel_gemm_avx2;
+#endif
+        return pp_kpanel_gemm_scalar;
+    }
 #if defined(__x86_64__)
     if (k == PP_PANEL_KERNEL_AVX512VNNI) return pp_panel_gemm_avx512vnni;
     if (k == PP_PANEL_KERNEL_AVXVNNI) return pp_panel_gemm_avxvnni;
@@ -32,8 +56,10 @@ static pp_panel_kernel_fn kernel_fn(enum pp_panel_kernel k) {
     return pp_panel_gemm_scalar;
 }
 
-int pp_q8_panels_fit(enum ggml_type type, int64_t k, int64_t n_rows) {
+int pp_q8_panels_fit(enum ggml_type type, int64_t k, int64_t n_rows, enum pp_panel_kernel kernel) {
     if (k <= 0 || n_rows <= 0 || k % PP_PANEL_BLOCK || n_rows % PP_PANEL_ROWS) return 0;
+    if (pp_panel_type_is_k(type)) return k % PP_PANEL_KBLOCK == 0 && k <= PP_PANEL_K_MAX_K;
+    if (kernel == PP_PANEL_KERNEL_AVX2) return 0;
     return type == GGML_TYPE_Q8_0 || (type == GGML_TYPE_Q5_0 && k <= PP_PANEL_MAX_K);
 }
 
@@ -64,11 +90,13 @@ static void put_code(enum ggml_type type, uint8_t *dst, int i, int u) {
 }
 
 pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows) {
-    if (!pp_q8_panels_fit(type, k, n_rows)) return NULL;
+    if (!pp_q8_panels_fit(type, k, n_rows, PP_PANEL_KERNEL_SCALAR)) return NULL;
     pp_q8_panels *p = calloc(1, sizeof *p);
     const int64_t nb = k / PP_PANEL_BLOCK;
     const size_t pbb = panel_block_bytes(type);
-    const size_t size = (size_t)(n_rows / PP_PANEL_ROWS) * nb * pbb;
+    const size_t size = pp_panel_type_is_k(type)
+        ? (size_t)(n_rows / PP_PANEL_ROWS) * (size_t)(k / PP_PANEL_KBLOCK) * pp_kpanel_superblock_bytes(type)
+        : (size_t)(n_rows / PP_PANEL_ROWS) * nb * pbb;
     if (p) p->data = aligned_alloc(64, (size + 63) & ~(size_t)63);
     if (!p || !p->data) {
         free(p);
@@ -78,6 +106,10 @@ pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k
     p->type = type;
     p->n_rows = n_rows;
     p->k = k;
+    if (pp_panel_type_is_k(type)) {
+        pp_kpanel_pack(data, type, k, n_rows, p->data);
+        return p;
+    }
     const uint8_t *src = data;
     const size_t row_bytes = (size_t)nb * ggml_type_size(type);
     for (int64_t pi = 0; pi < n_rows / PP_PANEL_ROWS; pi++) {
@@ -123,6 +155,10 @@ static const uint8_t *compute_panel(const pp_q8_panels *w, int64_t pi, uint8_t *
 }
 
 void pp_q8_panels_row(const pp_q8_panels *p, int64_t row, float *out) {
+    if (pp_panel_type_is_k(p->type)) {
+        pp_kpanel_row(p, row, out);
+        return;
+    }
     const int64_t nb = p->k / PP_PANEL_BLOCK;
     const int r = (int)(row % PP_PANEL_ROWS);
     uint8_t tmp[PP_PANEL_MAX_K / PP_PANEL_BLOCK * PP_PANEL_BLOCK_BYTES];
@@ -140,27 +176,35 @@ void pp_q8_panels_row(const pp_q8_panels *p, int64_t row, float *out) {
 
 /* Q8_0 quantization of one column as GGML's x86 code does it (scale amax /
  * 127 kept as fp16, values rounded to nearest even), plus each block's
- * offset term (see pp_panel_column_bytes). */
+ * sums (see pp_panel_column_bytes). */
 void pp_panel_quantize_column(const float *x, int64_t k, uint8_t *col) {
     const int64_t nb = k / PP_PANEL_BLOCK;
     int8_t *q = (int8_t *)col;
     float *scale = (float *)(col + k);
-    int32_t *offset = (int32_t *)(col + k + 4 * nb);
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * PP_PANEL_BLOCK;
         float amax = 0.0f;
         for (int i = 0; i < PP_PANEL_BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
         /* the reciprocal as GGML's x86 quantizer takes it, so the bytes match its */
         const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
+        int32_t half[2] = {0, 0};
         for (int i = 0; i < PP_PANEL_BLOCK; i++) {
             const int v = (int)nearbyintf(xb[i] * id);
             q[b * PP_PANEL_BLOCK + i] = (int8_t)v;
-            sum += v;
+            half[i / 16] += v;
         }
         scale[b] = ggml_fp16_to_fp32(ggml_fp32_to_fp16(d));
-        offset[b] = -128 * sum;
+        pp_panel_column_sums(col, k, b, scale[b], half[0], half[1]);
     }
+}
+
+void pp_panel_column_sums(uint8_t *col, int64_t k, int64_t b, float scale, int32_t half0, int32_t half1) {
+    const int64_t nb = k / PP_PANEL_BLOCK;
+    const int32_t offset = -128 * (half0 + half1), off16[2] = {-32 * half0, -32 * half1};
+    const float ssum = scale * (float)(half0 + half1);
+    memcpy(col + k + 4 * nb + 4 * b, &offset, 4);
+    memcpy(col + k + 8 * nb + 4 * b, &ssum, 4);
+    memcpy(col + k + 12 * nb + 8 * b, off16, 8);
 }
 
 void pp_panel_gemm_scalar(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
@@ -192,14 +236,19 @@ void pp_panel_gemm_scalar(const pp_q8_panels *w, int64_t p0, int64_t p1, const u
     }
 }
 
+pp_panel_quantize_fn pp_panel_quantizer_for(enum pp_panel_kernel k) {
+#if defined(__x86_64__)
+    /* every CPU with a SIMD kernel has AVX2; the portable kernel keeps the portable quantizer */
+    if (k == PP_PANEL_KERNEL_AVX512VNNI || k == PP_PANEL_KERNEL_AVXVNNI || k == PP_PANEL_KERNEL_AVX2)
+        return pp_panel_quantize_column_avx2;
+#endif
+    return pp_panel_quantize_column;
+}
+
 /* Each thread quantizes every nth column. */
 static void quantize_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     const struct ggml_tensor *x = dst->src[0];
-    pp_panel_quantize_fn quantize = pp_panel_quantize_column;
-#if defined(__x86_64__)
-    /* every CPU with a VNNI kernel has AVX2; the portable kernel keeps the portable quantizer */
-    if (userdata) quantize = pp_panel_quantize_column_avx2;
-#endif
+    const pp_panel_quantize_fn quantize = pp_panel_quantizer_for((enum pp_panel_kernel)(intptr_t)userdata);
     for (int64_t c = ith; c < x->ne[1]; c += nth)
         quantize((const float *)((const char *)x->data + c * x->nb[1]), x->ne[0], (uint8_t *)dst->data + c * dst->nb[1]);
 }
@@ -216,7 +265,7 @@ static int64_t chunk_panels(int64_t n_panels, int nth) {
 static void gemm_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     pp_panel_gemm_state *st = userdata;
     const struct ggml_tensor *cols = dst->src[0];
-    const pp_panel_kernel_fn fn = kernel_fn(st->kernel);
+    const pp_panel_kernel_fn fn = pp_panel_kernel_for(st->kernel, st->w->type);
     const int64_t n_panels = st->w->n_rows / PP_PANEL_ROWS, chunk = chunk_panels(n_panels, nth);
     for (;;) {
         const int64_t p0 = (int64_t)atomic_fetch_add(&st->next_chunk, 1) * chunk;
@@ -229,10 +278,8 @@ static void gemm_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
 struct ggml_tensor *pp_panel_quantize(struct ggml_context *ctx, struct ggml_tensor *x,
                                       enum pp_panel_kernel kernel) {
     GGML_ASSERT(x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) && x->ne[2] == 1 && x->ne[3] == 1);
-    /* userdata: non-NULL for the AVX2 quantizer */
-    void *avx2 = kernel == PP_PANEL_KERNEL_AVX512VNNI || kernel == PP_PANEL_KERNEL_AVXVNNI ? (void *)1 : NULL;
     return ggml_custom_4d(ctx, GGML_TYPE_I8, (int64_t)pp_panel_column_bytes(x->ne[0]), x->ne[1], 1, 1, &x, 1,
-                          quantize_op, GGML_N_TASKS_MAX, avx2);
+                          quantize_op, GGML_N_TASKS_MAX, (void *)(intptr_t)kernel);
 }
 
 struct ggml_tensor *pp_panel_gemm(struct ggml_context *ctx, pp_panel_gemm_state *state,

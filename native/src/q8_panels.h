@@ -21,7 +21,14 @@
  * scales (16 bytes), the low nibbles of the same 256 values in the same
  * order (128 bytes: value i in byte i % 128, high nibble for i >= 128) and
  * their fifth bits (32 bytes, bit i). A kernel widens one panel at a time
- * into the compute layout (value - 16 + 128), on the stack. */
+ * into the compute layout (value - 16 + 128), on the stack.
+ *
+ * K-quant weights (Q4_K, Q6_K: what Q4_K_M files hold) keep their bytes
+ * too, in "K panels" of superblocks (8 rows x 256 values), see
+ * kquant_panels.c: a kernel widens one panel into unsigned codes in the
+ * same [group][row][4 bytes] order plus f32 sub-block scales (d * sc, and
+ * dmin * m for Q4_K), and takes the offsets (the mins; Q6_K's -32) back out
+ * through the column's block sums. */
 #ifndef PP_Q8_PANELS_H
 #define PP_Q8_PANELS_H
 
@@ -38,9 +45,15 @@
 #define PP_PANEL_Q5_BLOCK_BYTES (PP_PANEL_ROWS * (PP_PANEL_BLOCK / 2 + 6)) /* 176: Q5_0 panels */
 /* Longest Q5_0 row: one widened panel (k / 32 x 272 bytes) lives on the stack. */
 #define PP_PANEL_MAX_K 8192
+/* K panels: 256-value superblocks; a widened panel (k / 32 x 256 code bytes
+ * plus its scales) of up to this many values lives on the stack. */
+#define PP_PANEL_KBLOCK 256
+#define PP_PANEL_K_MAX_K 16384
+#define PP_PANEL_Q4K_BYTES (PP_PANEL_ROWS * 148)   /* 1184 per superblock: 8 x 144 + 32 (scales unpacked) */
+#define PP_PANEL_Q6K_BYTES (PP_PANEL_ROWS * 210)   /* 1680 per superblock: 8 x 210 */
 
 typedef struct pp_q8_panels {
-    enum ggml_type type;   /* storage: GGML_TYPE_Q8_0 (compute layout) or GGML_TYPE_Q5_0 */
+    enum ggml_type type;   /* storage: GGML_TYPE_Q8_0 (compute layout), Q5_0, Q4_K or Q6_K */
     int64_t  n_rows;       /* output rows, a multiple of PP_PANEL_ROWS */
     int64_t  k;            /* values per row, a multiple of PP_PANEL_BLOCK */
     uint8_t *data;         /* n_rows / 8 panels of k / 32 blocks; owned */
@@ -52,11 +65,17 @@ typedef struct pp_q8_panels {
 /* The fastest kernel this CPU has (PYLLAMA_PAGED_KERNELS=generic: scalar). */
 enum pp_panel_kernel pp_panel_kernel_select(void);
 
-/* Whether a [k, n_rows] weight of this type can be packed. */
-int pp_q8_panels_fit(enum ggml_type type, int64_t k, int64_t n_rows);
+/* Whether a [k, n_rows] weight of this type can be packed for this kernel
+ * (the AVX2 kernel multiplies K panels only: its 16-bit pair sums would
+ * saturate on Q8_0's codes). */
+int pp_q8_panels_fit(enum ggml_type type, int64_t k, int64_t n_rows, enum pp_panel_kernel kernel);
+static inline int pp_panel_type_is_k(enum ggml_type type) {
+    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
+}
 
-/* Pack a Q8_0 or Q5_0 [k, n_rows] weight (GGML's row layout) into panels,
- * allocated here; NULL when out of memory or when it does not fit. */
+/* Pack a Q8_0, Q5_0, Q4_K or Q6_K [k, n_rows] weight (GGML's row layout)
+ * into panels, allocated here; NULL when out of memory or when it does not
+ * fit. */
 pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows);
 void pp_q8_panels_free(pp_q8_panels *p);
 
@@ -84,11 +103,46 @@ struct ggml_tensor *pp_panel_embed(struct ggml_context *ctx, const pp_q8_panels 
                                    struct ggml_tensor *tokens);
 
 /* The column layout the quantize op writes and the kernels read: k signed
- * bytes, then k / 32 float scales, then k / 32 int32 offsets (-128 times
- * the block's byte sum, taking the weights' +128 back out). */
+ * bytes, then per 32-value block b (nb = k / 32 of each): float scale[b],
+ * int32 offset[b] (-128 times the block's byte sum, taking Q8 panels' +128
+ * back out), float scaled_sum[b] (scale times byte sum, for Q4_K's mins,
+ * exact in f32), then per 16 values int32 offset16[2b], [2b + 1] (-32
+ * times the half-block's byte sum, Q6_K's -32). */
 static inline size_t pp_panel_column_bytes(int64_t k) {
-    return (size_t)k + (size_t)(k / PP_PANEL_BLOCK) * 8;
+    return (size_t)k + (size_t)(k / PP_PANEL_BLOCK) * 20;
 }
+#define PP_COL_SCALE(col, k) ((const float *)((col) + (k)))
+#define PP_COL_OFFSET(col, k) ((const int32_t *)((col) + (k) + 4 * ((k) / PP_PANEL_BLOCK)))
+#define PP_COL_SSUM(col, k) ((const float *)((col) + (k) + 8 * ((k) / PP_PANEL_BLOCK)))
+#define PP_COL_OFFSET16(col, k) ((const int32_t *)((col) + (k) + 12 * ((k) / PP_PANEL_BLOCK)))
+
+/* A K panel widened for the kernels: nb blocks of 256 code bytes (as Q8
+ * panels' groups, unsigned: Q4_K 0..15, Q6_K 0..63), and f32 scales of 8
+ * rows: Q4_K scale[b][8] = d * sc and min[b][8] = dmin * m per 32-value
+ * block; Q6_K scale[2b + h][8] = d * sc per 16 values, min unused. */
+typedef struct pp_kpanel {
+    uint8_t *codes;
+    float   *scale;
+    float   *min;
+} pp_kpanel;
+/* Stack room for one widened K panel of up to PP_PANEL_K_MAX_K values. */
+#define PP_KPANEL_CODE_BYTES (PP_PANEL_K_MAX_K / PP_PANEL_BLOCK * 256)
+#define PP_KPANEL_SCALES (PP_PANEL_K_MAX_K / 16 * PP_PANEL_ROWS)
+/* K panels' storage (kquant_panels.c): bytes per panel superblock; pack a
+ * GGML [k, n_rows] weight into out (n_rows / 8 * k / 256 superblocks); the
+ * address of panel pi's superblock s; one row as f32 (tied embeddings). */
+size_t pp_kpanel_superblock_bytes(enum ggml_type type);
+void pp_kpanel_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows, uint8_t *out);
+const uint8_t *pp_kpanel_superblock(const pp_q8_panels *w, int64_t pi, int64_t s);
+void pp_kpanel_row(const pp_q8_panels *w, int64_t row, float *out);
+/* This thread's room for one widened panel. */
+pp_kpanel pp_kpanel_scratch(void);
+/* Widen panel pi's scales (portable: a thirty-second of the work). */
+void pp_kpanel_widen_scales(const pp_q8_panels *w, int64_t pi, pp_kpanel *out);
+/* Widen panel pi's codes: portable, and on AVX2 (the same bytes). */
+void pp_kpanel_widen_codes(const pp_q8_panels *w, int64_t pi, uint8_t *codes);
+void pp_kpanel_gemm_scalar(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
+                           size_t col_stride, int64_t n, float *out, size_t ldo);
 
 /* Rows [p0 * 8, p1 * 8) of the product for columns [0, n): out[c * ldo + row]. */
 typedef void (*pp_panel_kernel_fn)(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
@@ -97,13 +151,28 @@ void pp_panel_gemm_scalar(const pp_q8_panels *w, int64_t p0, int64_t p1, const u
                           size_t col_stride, int64_t n, float *out, size_t ldo);
 /* One column into that layout: portable, and on AVX2 (the same bytes). */
 typedef void (*pp_panel_quantize_fn)(const float *x, int64_t k, uint8_t *col);
+/* Whether this CPU runs kernel k; the kernel for a weight type; the
+ * quantizer that goes with the kernel. */
+int pp_panel_kernel_runs_here(enum pp_panel_kernel k);
+pp_panel_kernel_fn pp_panel_kernel_for(enum pp_panel_kernel k, enum ggml_type type);
+pp_panel_quantize_fn pp_panel_quantizer_for(enum pp_panel_kernel k);
 void pp_panel_quantize_column(const float *x, int64_t k, uint8_t *col);
+/* Block b's sums into a column (both quantizers): the offset, scaled sum
+ * and half-block offsets from the halves' byte sums. */
+void pp_panel_column_sums(uint8_t *col, int64_t k, int64_t b, float scale, int32_t half0, int32_t half1);
 #if defined(__x86_64__)
 void pp_panel_quantize_column_avx2(const float *x, int64_t k, uint8_t *col);
 void pp_panel_gemm_avx512vnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                               size_t col_stride, int64_t n, float *out, size_t ldo);
 void pp_panel_gemm_avxvnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                            size_t col_stride, int64_t n, float *out, size_t ldo);
+void pp_kpanel_widen_codes_avx2(const pp_q8_panels *w, int64_t pi, uint8_t *codes);
+void pp_kpanel_gemm_avx512vnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
+                               size_t col_stride, int64_t n, float *out, size_t ldo);
+void pp_kpanel_gemm_avxvnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
+                            size_t col_stride, int64_t n, float *out, size_t ldo);
+void pp_kpanel_gemm_avx2(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
+                         size_t col_stride, int64_t n, float *out, size_t ldo);
 #endif
 
 #endif

@@ -175,7 +175,7 @@ int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int3
         struct ggml_tensor *w = slot < n_slots - 1 ? pp_layer_weight(&m->layers[slot / PP_N_PROJ], slot % PP_N_PROJ)
                                                    : (m->output ? m->output : m->tok_embd);
         /* a weight on a device runs GGML's product there */
-        if (!w || pp_layer_on_device(m, slot / PP_N_PROJ) || !pp_q8_panels_fit(w->type, w->ne[0], w->ne[1])) continue;
+        if (!w || pp_layer_on_device(m, slot / PP_N_PROJ) || !pp_q8_panels_fit(w->type, w->ne[0], w->ne[1], chosen)) continue;
         pp_q8_panels *p = pp_q8_panels_pack(w->data, w->type, w->ne[0], w->ne[1]);
         if (!p) {
             /* the slots packed so far stay packed: the model remains usable */

@@ -23,7 +23,8 @@ def default_model_path() -> str:
 
 # pp_model_pack_panels' kernel ids, as `pyllama-paged info` names them ("ggml": nothing packed).
 PANEL_KERNELS = {lib.PP_PANEL_KERNEL_NONE: "ggml", lib.PP_PANEL_KERNEL_SCALAR: "portable",
-                 lib.PP_PANEL_KERNEL_AVXVNNI: "avx-vnni", lib.PP_PANEL_KERNEL_AVX512VNNI: "avx512-vnni"}
+                 lib.PP_PANEL_KERNEL_AVXVNNI: "avx-vnni", lib.PP_PANEL_KERNEL_AVX512VNNI: "avx512-vnni",
+                 lib.PP_PANEL_KERNEL_AVX2: "avx2"}
 
 
 class Model:

@@ -1,0 +1,147 @@
+/* The SIMD kernels of the K-panel GEMM (q8_panels.h, kquant_panels.c),
+ * compiled per function for their instruction sets like
+ * q8_panel_kernels.c.
+ *
+ * Per panel: its codes are widened once with AVX2 into this thread's
+ * scratch and its scales with the portable code (a thirty-second of the
+ * work), then tiles of columns run over the widened panel, which stays in
+ * L1/L2 for every tile. Per 32-value block and column, eight dot-product
+ * instructions (8 rows x 4 bytes each) and then:
+ *   Q4_K: acc * (d sc x column scale) - (dmin m) x (column scale x byte sum);
+ *   Q6_K: two half-block accumulators, each started at -32 x its half's
+ *         byte sum, each times (d sc of its 16 values x column scale).
+ * AVX2 without VNNI forms the same dot products with maddubs (unsigned
+ * codes x signed bytes, pairs summed in 16 bits: at most 2 x 63 x 127, no
+ * saturation for codes below 64) and a multiply-add of the pairs. */
+#include "q8_panels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <string.h>
+
+static inline int32_t load_i32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+__attribute__((target("avx2"))) void pp_kpanel_widen_codes_avx2(const pp_q8_panels *w, int64_t pi, uint8_t *codes) {
+    const int64_t nsb = w->k / PP_PANEL_KBLOCK;
+    const int q6 = w->type == GGML_TYPE_Q6_K;
+    const size_t hb = q6 ? 144 : 160, cb = q6 ? 192 : 128;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *sb = pp_kpanel_superblock(w, pi, s);
+        for (int b = 0; b < 8; b++) {
+            const uint8_t *blk = sb + hb + (size_t)b * cb;
+            uint8_t *dst = codes + (size_t)(8 * s + b) * 256;
+            __m256i hi[8];
+            if (q6) {
+                /* group g's two high bits: byte (32 g + t) % 64, bits 2 (g / 2) */
+                const __m256i h0 = _mm256_loadu_si256((const __m256i *)(blk + 128));
+                const __m256i h1 = _mm256_loadu_si256((const __m256i *)(blk + 160));
+                hi[0] = _mm256_and_si256(_mm256_slli_epi16(h0, 4), high2);
+                hi[1] = _mm256_and_si256(_mm256_slli_epi16(h1, 4), high2);
+                hi[2] = _mm256_and_si256(_mm256_slli_epi16(h0, 2), high2);
+                hi[3] = _mm256_and_si256(_mm256_slli_epi16(h1, 2), high2);
+                hi[4] = _mm256_and_si256(h0, high2);
+                hi[5] = _mm256_and_si256(h1, high2);
+                hi[6] = _mm256_and_si256(_mm256_srli_epi16(h0, 2), high2);
+                hi[7] = _mm256_and_si256(_mm256_srli_epi16(h1, 2), high2);
+            } else {
+                for (int g = 0; g < 8; g++) hi[g] = _mm256_setzero_si256();
+            }
+            for (int g = 0; g < 4; g++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * g));
+                _mm256_storeu_si256((__m256i *)(dst + 32 * g), _mm256_or_si256(_mm256_and_si256(v, low4), hi[g]));
+                _mm256_storeu_si256((__m256i *)(dst + 32 * (g + 4)),
+                                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), hi[g + 4]));
+            }
+        }
+    }
+}
+
+/* NC columns of one widened panel. Q4_K splits each column's chain in
+ * SPLIT (narrow tiles: the dot products' latency); Q6_K has its two
+ * half-block chains anyway. */
+#define PP_KTILE(NAME, TARGET, DOT, NC, SPLIT, Q6)                                                          \
+    static inline __attribute__((target(TARGET), always_inline)) void NAME(                                 \
+        const pp_kpanel *p, int64_t nb, int64_t k, const uint8_t *cols, size_t col_stride, float *out,      \
+        size_t ldo) {                                                                                       \
+        enum { NACC = (Q6) ? 2 : (SPLIT) };                                                                 \
+        __m256 accf[NC];                                                                                    \
+        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) accf[i] = _mm256_setzero_ps();                \
+        for (int64_t b = 0; b < nb; b++) {                                                                  \
+            const uint8_t *blk = p->codes + b * 256;                                                        \
+            __m256i acci[NC][NACC];                                                                         \
+            _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
+                const uint8_t *col = cols + i * col_stride;                                                 \
+                _Pragma("GCC unroll 2") for (int s = 0; s < NACC; s++) acci[i][s] = (Q6)                    \
+                    ? _mm256_set1_epi32(PP_COL_OFFSET16(col, k)[2 * b + s]) : _mm256_setzero_si256();       \
+            }                                                                                               \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                           \
+                const __m256i wv = _mm256_load_si256((const __m256i *)(blk + 32 * j));                      \
+                const int s = (Q6) ? j / 4 : j % NACC;                                                      \
+                _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) acci[i][s] = DOT(                      \
+                    acci[i][s], wv, _mm256_set1_epi32(load_i32(cols + i * col_stride + 32 * b + 4 * j)));   \
+            }                                                                                               \
+            _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
+                const uint8_t *col = cols + i * col_stride;                                                 \
+                const __m256 cs = _mm256_set1_ps(PP_COL_SCALE(col, k)[b]);                                  \
+                if (Q6) {                                                                                   \
+                    _Pragma("GCC unroll 2") for (int s = 0; s < 2; s++) accf[i] = _mm256_fmadd_ps(          \
+                        _mm256_cvtepi32_ps(acci[i][s]),                                                     \
+                        _mm256_mul_ps(_mm256_load_ps(p->scale + (2 * b + s) * 8), cs), accf[i]);            \
+                } else {                                                                                    \
+                    __m256i sum = acci[i][0];                                                               \
+                    _Pragma("GCC unroll 2") for (int s = 1; s < NACC; s++) sum = _mm256_add_epi32(sum, acci[i][s]); \
+                    accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),                                      \
+                                              _mm256_mul_ps(_mm256_load_ps(p->scale + b * 8), cs), accf[i]); \
+                    accf[i] = _mm256_fnmadd_ps(_mm256_load_ps(p->min + b * 8),                              \
+                                               _mm256_set1_ps(PP_COL_SSUM(col, k)[b]), accf[i]);            \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) _mm256_storeu_ps(out + i * ldo, accf[i]);     \
+    }
+
+#define PP_KPANEL_COLUMNS(NAME, P, NB, K, COLS, STRIDE, N, O, LDO, NC_MAIN)                                \
+    do {                                                                                                    \
+        int64_t c = 0;                                                                                      \
+        for (; c + NC_MAIN <= (N); c += NC_MAIN) NAME##_main(P, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
+        for (; c + 4 <= (N); c += 4) NAME##_four(P, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
+        for (; c < (N); c++) NAME##_one(P, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO);    \
+    } while (0)
+
+#define PP_KPANEL_KERNEL(NAME, TARGET, DOT, NC_MAIN)                                                        \
+    PP_KTILE(NAME##_q4_main, TARGET, DOT, NC_MAIN, 1, 0)                                                    \
+    PP_KTILE(NAME##_q4_four, TARGET, DOT, 4, 1, 0)                                                          \
+    PP_KTILE(NAME##_q4_one, TARGET, DOT, 1, 2, 0)                                                           \
+    PP_KTILE(NAME##_q6_main, TARGET, DOT, NC_MAIN, 2, 1)                                                    \
+    PP_KTILE(NAME##_q6_four, TARGET, DOT, 4, 2, 1)                                                          \
+    PP_KTILE(NAME##_q6_one, TARGET, DOT, 1, 2, 1)                                                           \
+    __attribute__((target(TARGET))) void NAME(const pp_q8_panels *w, int64_t p0, int64_t p1,               \
+                                              const uint8_t *cols, size_t col_stride, int64_t n, float *out, \
+                                              size_t ldo) {                                                 \
+        const int64_t k = w->k, nb = k / PP_PANEL_BLOCK;                                                    \
+        pp_kpanel p = pp_kpanel_scratch();                                                                  \
+        for (int64_t pi = p0; pi < p1; pi++) {                                                              \
+            pp_kpanel_widen_scales(w, pi, &p);                                                              \
+            pp_kpanel_widen_codes_avx2(w, pi, p.codes);                                                     \
+            float *o = out + (size_t)pi * PP_PANEL_ROWS;                                                    \
+            if (w->type == GGML_TYPE_Q6_K)                                                                  \
+                PP_KPANEL_COLUMNS(NAME##_q6, &p, nb, k, cols, col_stride, n, o, ldo, NC_MAIN);              \
+            else                                                                                            \
+                PP_KPANEL_COLUMNS(NAME##_q4, &p, nb, k, cols, col_stride, n, o, ldo, NC_MAIN);              \
+        }                                                                                                   \
+    }
+
+static inline __attribute__((target("avx2"), always_inline)) __m256i dot_avx2(__m256i acc, __m256i w, __m256i a) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+}
+
+PP_KPANEL_KERNEL(pp_kpanel_gemm_avx512vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni", _mm256_dpbusd_epi32, 8)
+PP_KPANEL_KERNEL(pp_kpanel_gemm_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32, 4)
+PP_KPANEL_KERNEL(pp_kpanel_gemm_avx2, "avx2,fma,f16c", dot_avx2, 4)
+
+#endif

@@ -1,0 +1,117 @@
+"""Each panel GEMM kernel against GGML's own dequantized products, on real-shaped random weights.
+
+The weights are quantized by GGML (pp_ggml_quantize_rows) and dequantized by GGML; the kernels
+see the same bytes packed into panels. The activations are quantized per 32 values as the graph
+does (int8, fp16 scale amax / 127, round half to even), reproduced here in NumPy, so the float64
+product of the two dequantized operands is what the kernel computes up to float32 rounding: the
+tolerance is 1e-6 of sum |w| |x| per output (seen: 4e-8). A wrong code, scale, min or offset is off by far more.
+Against the unquantized activations the error is the activation rounding's (stated below)."""
+
+import numpy as np
+import pytest
+
+from pyllama_paged._native import ffi, lib
+
+TYPES = {"q8_0": 8, "q5_0": 6, "q4_k": 12, "q6_k": 14}   # GGML's type ids
+KERNELS = {"portable": lib.PP_PANEL_KERNEL_SCALAR, "avx2": lib.PP_PANEL_KERNEL_AVX2,
+           "avx-vnni": lib.PP_PANEL_KERNEL_AVXVNNI, "avx512-vnni": lib.PP_PANEL_KERNEL_AVX512VNNI}
+# (k, rows): a 2048-wide projection, Llama 3.2's 8192-wide ffn_down, Gemma 3 4B's 10240-wide one
+SHAPES = [(2048, 64), (8192, 16), (10240, 8)]
+COLUMNS = [1, 3, 4, 8, 13]   # every tile width: one, four, the widest (8 or 4), and remainders
+
+
+def _weights(rng, n_rows: int, k: int) -> np.ndarray:
+    # rows of different magnitudes and a few outliers, as trained weights have
+    w = rng.standard_normal((n_rows, k)).astype(np.float32) * rng.uniform(0.005, 0.05, (n_rows, 1)).astype(np.float32)
+    w[rng.random((n_rows, k)) < 1e-3] *= 8
+    return w
+
+
+def ggml_quantize(w: np.ndarray, type_name: str) -> tuple[bytes, np.ndarray]:
+    """w's rows in GGML's type_name bytes, and those bytes dequantized by GGML."""
+    n_rows, k = w.shape
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    row_bytes = lib.pp_ggml_row_bytes(TYPES[type_name], k)
+    data = ffi.new("uint8_t[]", row_bytes * n_rows)
+    assert lib.pp_ggml_quantize_rows(TYPES[type_name], ffi.from_buffer("float[]", w), n_rows, k, data) == 0
+    back = np.empty_like(w)
+    assert lib.pp_ggml_dequantize_rows(TYPES[type_name], data, n_rows, k, ffi.from_buffer("float[]", back)) == 0
+    return bytes(ffi.buffer(data)), back
+
+
+def quantize_columns(x: np.ndarray) -> np.ndarray:
+    """The activations as the kernels see them, dequantized (float64)."""
+    n, k = x.shape
+    blocks = x.reshape(n, k // 32, 32).astype(np.float32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv)
+    d = (amax / np.float32(127)).astype(np.float16).astype(np.float64)
+    return (q.astype(np.float64) * d).reshape(n, k)
+
+
+def panel_gemm(data: bytes, type_name: str, k: int, n_rows: int, x: np.ndarray, kernel: str) -> np.ndarray:
+    out = np.empty((x.shape[0], n_rows), np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    status = lib.pp_panel_gemm_run(TYPES[type_name], k, n_rows, data, ffi.from_buffer("float[]", x), x.shape[0],
+                                   KERNELS[kernel], ffi.from_buffer("float[]", out))
+    assert status == 0, ffi.string(lib.pp_last_error()).decode()
+    return out
+
+
+def runs_here(kernel: str) -> bool:
+    return bool(lib.pp_panel_kernel_available(KERNELS[kernel]))
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("type_name", list(TYPES))
+def test_kernels_match_ggml_dequantized_products(type_name, kernel):
+    if not runs_here(kernel):
+        pytest.skip(f"this CPU has no {kernel}")
+    if kernel == "avx2" and type_name in ("q8_0", "q5_0"):
+        pytest.skip("the AVX2 kernel takes K-quant panels only")
+    rng = np.random.default_rng(7)
+    for k, n_rows in SHAPES:
+        if type_name == "q5_0" and k > 8192:
+            continue   # Q5_0 panels widen a whole row on the stack (PP_PANEL_MAX_K)
+        w = _weights(rng, n_rows, k)
+        data, w_ggml = ggml_quantize(w, type_name)
+        for n in COLUMNS:
+            x = rng.standard_normal((n, k)).astype(np.float32)
+            got = panel_gemm(data, type_name, k, n_rows, x, kernel).astype(np.float64)
+            xq = quantize_columns(x)
+            want = xq @ w_ggml.astype(np.float64).T
+            scale = np.abs(xq) @ np.abs(w_ggml.astype(np.float64)).T
+            err = np.abs(got - want) / scale
+            assert err.max() < 1e-6, (k, n_rows, n, float(err.max()))
+            # the activations' own rounding: under 1% of sum |w| |x| (seen ~0.1%)
+            exact = x.astype(np.float64) @ w_ggml.astype(np.float64).T
+            assert (np.abs(got - exact) / scale).max() < 1e-2
+
+
+@pytest.mark.parametrize("type_name", ["q4_k", "q6_k", "q8_0", "q5_0"])
+def test_a_packed_row_reads_back_as_ggml_dequantizes_it(type_name):
+    """A tied head's rows are the input embedding: each packed row is GGML's dequantized row, bit
+    for bit."""
+    rng = np.random.default_rng(3)
+    k, n_rows = 2048, 16
+    data, w_ggml = ggml_quantize(_weights(rng, n_rows, k), type_name)
+    for row in (0, 5, 15):
+        out = np.empty(k, np.float32)
+        assert lib.pp_panel_row_run(TYPES[type_name], k, n_rows, data, row, ffi.from_buffer("float[]", out)) == 0
+        assert np.array_equal(out, w_ggml[row])
+
+
+def test_shapes_the_panels_do_not_take_are_refused():
+    rng = np.random.default_rng(0)
+    data, _ = ggml_quantize(_weights(rng, 8, 256), "q4_k")
+    x = np.zeros((1, 256), np.float32)
+    out = np.empty(12, np.float32)
+    # 12 rows: not whole 8-row panels
+    assert lib.pp_panel_gemm_run(TYPES["q4_k"], 256, 12, data, ffi.from_buffer("float[]", x), 1,
+                                 lib.PP_PANEL_KERNEL_SCALAR, ffi.from_buffer("float[]", out)) == lib.PP_ERR_INVALID
+    assert "do not take" in ffi.string(lib.pp_last_error()).decode()
+    assert lib.pp_panel_row_run(TYPES["q4_k"], 256, 8, data, 8, ffi.from_buffer("float[]", out)) == lib.PP_ERR_INVALID
+    assert lib.pp_panel_gemm_run(TYPES["q4_k"], 256, 8, data, ffi.from_buffer("float[]", x), 1, 99,
+                                 ffi.from_buffer("float[]", out)) == lib.PP_ERR_INVALID
