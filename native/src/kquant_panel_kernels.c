@@ -61,6 +61,35 @@ __attribute__((target("avx2"))) void pp_kpanel_widen_codes_avx2(const pp_q8_pane
     }
 }
 
+/* pp_kpanel_widen_scales with 8 rows per vector: the same products. */
+__attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const pp_q8_panels *w, int64_t pi,
+                                                                          pp_kpanel *out) {
+    const int64_t nsb = w->k / PP_PANEL_KBLOCK;
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *sb = pp_kpanel_superblock(w, pi, s);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
+        if (w->type == GGML_TYPE_Q4_K) {
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
+            for (int b = 0; b < 8; b++) {
+                const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 32 + 8 * b)));
+                const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 96 + 8 * b)));
+                _mm256_store_ps(out->scale + (8 * s + b) * 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+                _mm256_store_ps(out->min + (8 * s + b) * 8, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)));
+            }
+        } else {
+            for (int q = 0; q < 16; q++) {
+                const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 16 + 8 * q)));
+                _mm256_store_ps(out->scale + (16 * s + q) * 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+            }
+        }
+    }
+}
+
+/* One column straight from a stored panel, nothing widened: decode of a
+ * single stream reads each weight byte once per step, so the codes are
+ * unpacked in registers and the scales formed where they are used. */
+#define PP_KDIRECT(NAME, TARGET, DOT)                                                                           static inline __attribute__((target(TARGET), always_inline)) void NAME(                                         const pp_q8_panels *w, int64_t pi, const uint8_t *col, float *out) {                                        const int64_t k = w->k, nsb = k / PP_PANEL_KBLOCK;                                                          const int q6 = w->type == GGML_TYPE_Q6_K;                                                                   const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);                                const float *cs = PP_COL_SCALE(col, k), *ssum = PP_COL_SSUM(col, k);                                        const int32_t *off16 = PP_COL_OFFSET16(col, k);                                                             __m256 accf = _mm256_setzero_ps();                                                                          for (int64_t s = 0; s < nsb; s++) {                                                                             const uint8_t *sb = pp_kpanel_superblock(w, pi, s);                                                         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));                                     for (int b = 0; b < 8; b++) {                                                                                   const int64_t bb = 8 * s + b;                                                                               const uint8_t *q = col + 32 * bb;                                                                           const __m256 colscale = _mm256_set1_ps(cs[bb]);                                                             if (q6) {                                                                                                       const uint8_t *blk = sb + 144 + 192 * b;                                                                    const __m256i h0 = _mm256_loadu_si256((const __m256i *)(blk + 128));                                        const __m256i h1 = _mm256_loadu_si256((const __m256i *)(blk + 160));                                        const __m256i hi[8] = {                                                                                         _mm256_and_si256(_mm256_slli_epi16(h0, 4), high2), _mm256_and_si256(_mm256_slli_epi16(h1, 4), high2),                         _mm256_and_si256(_mm256_slli_epi16(h0, 2), high2), _mm256_and_si256(_mm256_slli_epi16(h1, 2), high2),                         _mm256_and_si256(h0, high2), _mm256_and_si256(h1, high2),                                                   _mm256_and_si256(_mm256_srli_epi16(h0, 2), high2), _mm256_and_si256(_mm256_srli_epi16(h1, 2), high2)};                     __m256i acc0 = _mm256_set1_epi32(off16[2 * bb]), acc1 = _mm256_set1_epi32(off16[2 * bb + 1]);                     for (int g = 0; g < 4; g++) {                                                                                   const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * g));                                      acc0 = DOT(acc0, _mm256_or_si256(_mm256_and_si256(v, low4), hi[g]),                                                    _mm256_set1_epi32(load_i32(q + 4 * g)));                                                         acc1 = DOT(acc1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), hi[g + 4]),                                    _mm256_set1_epi32(load_i32(q + 16 + 4 * g)));                                                }                                                                                                           const __m256 a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                                                                        _mm_loadl_epi64((const __m128i *)(sb + 16 + 16 * b)))));                     const __m256 a1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                                                                        _mm_loadl_epi64((const __m128i *)(sb + 24 + 16 * b)))));                     accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc0), _mm256_mul_ps(a0, colscale), accf);                        accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc1), _mm256_mul_ps(a1, colscale), accf);                    } else {                                                                                                        const uint8_t *blk = sb + 160 + 128 * b;                                                                    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();                                       for (int g = 0; g < 4; g++) {                                                                                   const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * g));                                      acc0 = DOT(acc0, _mm256_and_si256(v, low4), _mm256_set1_epi32(load_i32(q + 4 * g)));                         acc1 = DOT(acc1, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4),                                                      _mm256_set1_epi32(load_i32(q + 16 + 4 * g)));                                                }                                                                                                           const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                                                                        _mm_loadl_epi64((const __m128i *)(sb + 32 + 8 * b)))));                     const __m256 m = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16))),                                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                                                                        _mm_loadl_epi64((const __m128i *)(sb + 96 + 8 * b)))));                     accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc0, acc1)),                                                           _mm256_mul_ps(a, colscale), accf);                                                   accf = _mm256_fnmadd_ps(m, _mm256_set1_ps(ssum[bb]), accf);                                             }                                                                                                       }                                                                                                       }                                                                                                           _mm256_storeu_ps(out, accf);                                                                            }
+
 /* NC columns of one widened panel. Q4_K splits each column's chain in
  * SPLIT (narrow tiles: the dot products' latency); Q6_K has its two
  * half-block chains anyway. */
@@ -114,6 +143,7 @@ __attribute__((target("avx2"))) void pp_kpanel_widen_codes_avx2(const pp_q8_pane
     } while (0)
 
 #define PP_KPANEL_KERNEL(NAME, TARGET, DOT, NC_MAIN)                                                        \
+    PP_KDIRECT(NAME##_direct, TARGET, DOT)                                                                  \
     PP_KTILE(NAME##_q4_main, TARGET, DOT, NC_MAIN, 1, 0)                                                    \
     PP_KTILE(NAME##_q4_four, TARGET, DOT, 4, 1, 0)                                                          \
     PP_KTILE(NAME##_q4_one, TARGET, DOT, 1, 2, 0)                                                           \
@@ -126,9 +156,13 @@ __attribute__((target("avx2"))) void pp_kpanel_widen_codes_avx2(const pp_q8_pane
         const int64_t k = w->k, nb = k / PP_PANEL_BLOCK;                                                    \
         pp_kpanel p = pp_kpanel_scratch();                                                                  \
         for (int64_t pi = p0; pi < p1; pi++) {                                                              \
-            pp_kpanel_widen_scales(w, pi, &p);                                                              \
-            pp_kpanel_widen_codes_avx2(w, pi, p.codes);                                                     \
             float *o = out + (size_t)pi * PP_PANEL_ROWS;                                                    \
+            if (n < 4) {                                                                                    \
+                for (int64_t c = 0; c < n; c++) NAME##_direct(w, pi, cols + c * col_stride, o + c * ldo);  \
+                continue;                                                                                   \
+            }                                                                                               \
+            pp_kpanel_widen_scales_avx2(w, pi, &p);                                                         \
+            pp_kpanel_widen_codes_avx2(w, pi, p.codes);                                                     \
             if (w->type == GGML_TYPE_Q6_K)                                                                  \
                 PP_KPANEL_COLUMNS(NAME##_q6, &p, nb, k, cols, col_stride, n, o, ldo, NC_MAIN);              \
             else                                                                                            \

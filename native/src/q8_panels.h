@@ -167,6 +167,7 @@ void pp_panel_gemm_avx512vnni(const pp_q8_panels *w, int64_t p0, int64_t p1, con
 void pp_panel_gemm_avxvnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                            size_t col_stride, int64_t n, float *out, size_t ldo);
 void pp_kpanel_widen_codes_avx2(const pp_q8_panels *w, int64_t pi, uint8_t *codes);
+void pp_kpanel_widen_scales_avx2(const pp_q8_panels *w, int64_t pi, pp_kpanel *out);
 void pp_kpanel_gemm_avx512vnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                                size_t col_stride, int64_t n, float *out, size_t ldo);
 void pp_kpanel_gemm_avxvnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
