@@ -24,6 +24,7 @@ struct pp_context {
     ggml_gallocr_t       galloc;
     void                *meta_buf;     /* graph metadata arena, reused each step */
     size_t               meta_size;
+    size_t               max_nodes;       /* pp_graph_capacity: the graph, its tensors and the scheduler */
     int32_t              max_batch_tokens;
     int32_t              n_threads;
     pp_attention_params *layer_params;
@@ -67,8 +68,10 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
     c->model = m;
     c->cache = cache;
     c->max_batch_tokens = max_batch_tokens;
-    c->meta_size = ggml_tensor_overhead() * PP_MAX_GRAPH_NODES +
-                   ggml_graph_overhead_custom(PP_MAX_GRAPH_NODES, false);
+    /* Sized for a step of single-token sequences on the flash-attention path;
+     * the buffer is touched only as far as a step's graph reaches. */
+    c->max_nodes = pp_graph_capacity(m->hp.n_layer, max_batch_tokens);
+    c->meta_size = ggml_tensor_overhead() * c->max_nodes + ggml_graph_overhead_custom(c->max_nodes, false);
     c->meta_buf = malloc(c->meta_size);
     c->layer_params = calloc((size_t)m->hp.n_layer, sizeof *c->layer_params);
     c->backend = new_backend(c);
@@ -86,7 +89,7 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         }
         /* The device first: ops go where their weights and pools are, the CPU takes the rest. */
         ggml_backend_t backends[2] = {c->device_backend, c->backend};
-        c->sched = ggml_backend_sched_new(backends, NULL, 2, PP_MAX_GRAPH_NODES, false, false);
+        c->sched = ggml_backend_sched_new(backends, NULL, 2, c->max_nodes, false, false);
         if (!c->sched) {
             pp_context_destroy(c);
             return pp_fail(PP_ERR_NO_MEMORY, "cannot set up GGML's scheduler for device %s",
@@ -414,7 +417,8 @@ int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     struct ggml_context *ctx = ggml_init(params);
     if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
     const int gather = c->cache->paged && c->attention_path == PP_ATTENTION_GATHER;
-    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params, c->gemm_states, c->n_threads, gather);
+    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params, c->gemm_states, c->n_threads, gather,
+                                             c->max_nodes);
     if (c->sched) ggml_backend_sched_reset(c->sched);
     if (!(c->sched ? ggml_backend_sched_alloc_graph(c->sched, gf) : ggml_gallocr_alloc_graph(c->galloc, gf))) {
         ggml_free(ctx);

@@ -176,12 +176,23 @@ int32_t pp_check_token_order(const pp_batch *batch, int i);
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *model,
                                    const pp_kv_cache *cache, const pp_batch *batch,
                                    pp_attention_params *layer_params, struct pp_panel_gemm_state *gemm_states,
-                                   int n_threads, int gather);
+                                   int n_threads, int gather, size_t max_nodes);
 
 /* First key position the gathered path reads for a run whose first query is at p0. */
 int pp_gather_first_key(int p0, int window);
 
 #define PP_MAX_GRAPH_NODES 8192
+/* Where GGML's flash attention runs (slabs, the gather path, pools on a
+ * device), each run of a sequence's tokens adds its own nodes to every
+ * layer (query view and permute, gathered K and V and their views, the
+ * attention, the concat): at most this many. */
+#define PP_GRAPH_NODES_PER_RUN 12
+
+/* Nodes a decoding graph may need: the fixed part, plus per layer one set
+ * per sequence run, up to one run per token of the largest batch. */
+static inline size_t pp_graph_capacity(int n_layer, int max_batch_tokens) {
+    return PP_MAX_GRAPH_NODES + (size_t)n_layer * (size_t)max_batch_tokens * PP_GRAPH_NODES_PER_RUN;
+}
 
 /* context.c: frees a compute context's allocator, backend and thread pool
  * (each may be NULL). A forked child must not join its parent's workers, so

@@ -133,11 +133,11 @@ static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor 
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
                                    const pp_kv_cache *cache, const pp_batch *batch,
                                    pp_attention_params *layer_params, pp_panel_gemm_state *gemm_states,
-                                   int n_threads, int gather) {
+                                   int n_threads, int gather, size_t max_nodes) {
     const pp_model_hparams *hp = &m->hp;
     const int n_tokens = batch->n_tokens;
     const int head_dim = hp->head_dim;
-    struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, PP_MAX_GRAPH_NODES, false);
+    struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, max_nodes, false);
 
     struct ggml_tensor *tokens = input(ctx, GGML_TYPE_I32, n_tokens, "tokens");
     struct ggml_tensor *positions = input(ctx, GGML_TYPE_I32, n_tokens, "positions");

@@ -277,3 +277,25 @@ def test_thread_count_above_ggml_limit_is_an_error(tiny_models):
     with pytest.raises(NativeError, match="limit of 512"):
         ModelRunner(model, paged=True, n_ctx=64, n_threads=10_000, n_batch=16, block_size=16)
     model.close()
+
+
+@pytest.mark.parametrize("paged,attention", [(True, "gather"), (False, "kernel")])
+def test_a_step_of_many_sequences_fits_the_flash_attention_graph(tiny_models, paged, attention):
+    """Where GGML's flash attention runs (the gather path, slabs, pools on a GPU) every sequence of
+    a step adds its own nodes to every layer: 200 one-token sequences through 6 layers need more
+    than the 8192 nodes a graph once had (a step of 64 sequences on a GPU aborted the process).
+    Each sequence's logits are those it gets alone."""
+    model = Model(tiny_models["gemma3"])
+    n = 200
+    runner = ModelRunner(model, paged=paged, n_ctx=8, n_seq_max=n + 1, n_threads=2, n_batch=n, block_size=8,
+                         num_blocks=(n + 1) * 8 if paged else None, attention=attention)
+    try:
+        seqs = [runner.add_sequence([5 + i % 150]) for i in range(n)]
+        together = runner.step([(s, 1) for s in seqs]).copy()   # the next step reuses the rows
+        alone = runner.step([(runner.add_sequence([5 + 7 % 150]), 1)])
+        assert together.shape[0] == n and np.isfinite(together).all()
+        spread = alone.max() - alone.min()
+        assert np.abs(together[7] - alone[0]).max() / spread < 1e-3
+    finally:
+        runner.close()
+        model.close()
