@@ -83,7 +83,8 @@ def test_python_enums_come_from_the_library():
     assert ATTENTION_PATHS == {"kernel": lib.PP_ATTENTION_KERNEL, "gather": lib.PP_ATTENTION_GATHER}
     assert _POOLING_IDS == {"mean": lib.PP_POOLING_MEAN, "cls": lib.PP_POOLING_CLS, "last": lib.PP_POOLING_LAST}
     assert sorted(PANEL_KERNELS) == sorted([lib.PP_PANEL_KERNEL_NONE, lib.PP_PANEL_KERNEL_SCALAR,
-                                            lib.PP_PANEL_KERNEL_AVXVNNI, lib.PP_PANEL_KERNEL_AVX512VNNI])
+                                            lib.PP_PANEL_KERNEL_AVXVNNI, lib.PP_PANEL_KERNEL_AVX512VNNI,
+                                            lib.PP_PANEL_KERNEL_AVX2])
 
 
 def test_the_library_is_the_package_version():
