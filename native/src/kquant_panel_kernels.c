@@ -2,12 +2,13 @@
  * compiled per function for their instruction sets like
  * q8_panel_kernels.c.
  *
- * Up to seven columns are read straight from the stored panel, each
- * decoding it again in registers: cheaper than a round trip through the
- * scratch (npl 4 on the 1.6B file: 78 -> 85 t/s). From eight on, each panel
- * is widened once with AVX2 (codes and scales) into this thread's scratch,
- * then tiles of columns run over it while it stays in L1/L2. Per 32-value block and column, eight dot-product
- * instructions (8 rows x 4 bytes each) and then:
+ * Few columns are read straight from the stored panel: each 32-value
+ * block is decoded once in registers and tiles of up to four columns
+ * (two on 16-register AVX2) run over it. Many columns (20 with AVX-512
+ * VNNI, 8 otherwise: measured crossovers on the 1.6B file) widen each
+ * panel once with AVX2 (codes and scales) into this thread's scratch, then
+ * tiles of columns run over it while it stays in L1/L2. Per 32-value block
+ * and column, eight dot-product instructions (8 rows x 4 bytes each), then:
  *   Q4_K: acc * (d sc x column scale) - (dmin m) x (column scale x byte sum);
  *   Q6_K: two half-block accumulators, each started at -32 x its half's
  *         byte sum, each times (d sc of its 16 values x column scale).
@@ -86,10 +87,96 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
     }
 }
 
-/* One column straight from a stored panel, nothing widened: decode of a
- * few streams reads each weight byte from memory once per step, so the
- * codes are unpacked in registers and the scales formed where used. */
-#define PP_KDIRECT(NAME, TARGET, DOT)                                                                           static inline __attribute__((target(TARGET), always_inline)) void NAME(                                         const pp_q8_panels *w, int64_t pi, const uint8_t *col, float *out) {                                        const int64_t k = w->k, nsb = k / PP_PANEL_KBLOCK;                                                          const int q6 = w->type == GGML_TYPE_Q6_K;                                                                   const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);                                const float *cs = PP_COL_SCALE(col, k), *ssum = PP_COL_SSUM(col, k);                                        const int32_t *off16 = PP_COL_OFFSET16(col, k);                                                             __m256 accf = _mm256_setzero_ps();                                                                          for (int64_t s = 0; s < nsb; s++) {                                                                             const uint8_t *sb = pp_kpanel_superblock(w, pi, s);                                                         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));                                     for (int b = 0; b < 8; b++) {                                                                                   const int64_t bb = 8 * s + b;                                                                               const uint8_t *q = col + 32 * bb;                                                                           const __m256 colscale = _mm256_set1_ps(cs[bb]);                                                             if (q6) {                                                                                                       const uint8_t *blk = sb + 144 + 192 * b;                                                                    const __m256i h0 = _mm256_loadu_si256((const __m256i *)(blk + 128));                                        const __m256i h1 = _mm256_loadu_si256((const __m256i *)(blk + 160));                                        const __m256i hi[8] = {                                                                                         _mm256_and_si256(_mm256_slli_epi16(h0, 4), high2), _mm256_and_si256(_mm256_slli_epi16(h1, 4), high2),                         _mm256_and_si256(_mm256_slli_epi16(h0, 2), high2), _mm256_and_si256(_mm256_slli_epi16(h1, 2), high2),                         _mm256_and_si256(h0, high2), _mm256_and_si256(h1, high2),                                                   _mm256_and_si256(_mm256_srli_epi16(h0, 2), high2), _mm256_and_si256(_mm256_srli_epi16(h1, 2), high2)};                     __m256i acc0 = _mm256_set1_epi32(off16[2 * bb]), acc1 = _mm256_set1_epi32(off16[2 * bb + 1]);                     for (int g = 0; g < 4; g++) {                                                                                   const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * g));                                      acc0 = DOT(acc0, _mm256_or_si256(_mm256_and_si256(v, low4), hi[g]),                                                    _mm256_set1_epi32(load_i32(q + 4 * g)));                                                         acc1 = DOT(acc1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), hi[g + 4]),                                    _mm256_set1_epi32(load_i32(q + 16 + 4 * g)));                                                }                                                                                                           const __m256 a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                                                                        _mm_loadl_epi64((const __m128i *)(sb + 16 + 16 * b)))));                     const __m256 a1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                                                                        _mm_loadl_epi64((const __m128i *)(sb + 24 + 16 * b)))));                     accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc0), _mm256_mul_ps(a0, colscale), accf);                        accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc1), _mm256_mul_ps(a1, colscale), accf);                    } else {                                                                                                        const uint8_t *blk = sb + 160 + 128 * b;                                                                    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();                                       for (int g = 0; g < 4; g++) {                                                                                   const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * g));                                      acc0 = DOT(acc0, _mm256_and_si256(v, low4), _mm256_set1_epi32(load_i32(q + 4 * g)));                         acc1 = DOT(acc1, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4),                                                      _mm256_set1_epi32(load_i32(q + 16 + 4 * g)));                                                }                                                                                                           const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                                                                        _mm_loadl_epi64((const __m128i *)(sb + 32 + 8 * b)))));                     const __m256 m = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16))),                                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                                                                        _mm_loadl_epi64((const __m128i *)(sb + 96 + 8 * b)))));                     accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc0, acc1)),                                                           _mm256_mul_ps(a, colscale), accf);                                                   accf = _mm256_fnmadd_ps(m, _mm256_set1_ps(ssum[bb]), accf);                                             }                                                                                                       }                                                                                                       }                                                                                                           _mm256_storeu_ps(out, accf);                                                                            }
+/* NC columns straight from a stored panel, nothing widened: decode of a
+ * few streams reads each weight byte from memory once per step. Each
+ * block's codes are unpacked once in registers and its scales formed once,
+ * then every column of the tile runs its dot products over them (one column
+ * at a time decoded the panel NC times: a decode step of 4 sequences on the
+ * 1.6B file took 100 ms, now 63). The columns' addresses are formed once
+ * per tile (worth 76 -> 63 ms). Two chains per column: values 0..15 and
+ * 16..31 of the block, Q6_K's two half-block scales. */
+#define PP_KDIRECT(NAME, TARGET, DOT, NC)                                                                   \
+    static inline __attribute__((target(TARGET), always_inline)) void NAME(                                 \
+        const pp_q8_panels *w, int64_t pi, const uint8_t *cols, size_t col_stride, float *out, size_t ldo) { \
+        const int64_t k = w->k, nsb = k / PP_PANEL_KBLOCK;                                                  \
+        const int q6 = w->type == GGML_TYPE_Q6_K;                                                           \
+        const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);                        \
+        __m256 accf[NC];                                                                                    \
+        const uint8_t *qc[NC];                                                                              \
+        const float *csc[NC], *ssc[NC];                                                                     \
+        const int32_t *ofc[NC];                                                                             \
+        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                              \
+            accf[i] = _mm256_setzero_ps();                                                                  \
+            qc[i] = cols + i * col_stride;                                                                  \
+            csc[i] = PP_COL_SCALE(qc[i], k);                                                                \
+            ssc[i] = PP_COL_SSUM(qc[i], k);                                                                 \
+            ofc[i] = PP_COL_OFFSET16(qc[i], k);                                                             \
+        }                                                                                                   \
+        const uint8_t *sb = pp_kpanel_superblock(w, pi, 0);                                                 \
+        const size_t sb_bytes = q6 ? 1680 : 1184;                                                           \
+        for (int64_t s = 0; s < nsb; s++, sb += sb_bytes) {                                                 \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));                         \
+            for (int b = 0; b < 8; b++) {                                                                   \
+                const int64_t bb = 8 * s + b;                                                               \
+                __m256i wv[8];                                                                              \
+                __m256 a0, a1;                                                                              \
+                if (q6) {                                                                                   \
+                    const uint8_t *blk = sb + 144 + 192 * b;                                                \
+                    const __m256i h0 = _mm256_loadu_si256((const __m256i *)(blk + 128));                    \
+                    const __m256i h1 = _mm256_loadu_si256((const __m256i *)(blk + 160));                    \
+                    const __m256i hi[8] = {                                                                 \
+                        _mm256_and_si256(_mm256_slli_epi16(h0, 4), high2),                                  \
+                        _mm256_and_si256(_mm256_slli_epi16(h1, 4), high2),                                  \
+                        _mm256_and_si256(_mm256_slli_epi16(h0, 2), high2),                                  \
+                        _mm256_and_si256(_mm256_slli_epi16(h1, 2), high2),                                  \
+                        _mm256_and_si256(h0, high2),                                                        \
+                        _mm256_and_si256(h1, high2),                                                        \
+                        _mm256_and_si256(_mm256_srli_epi16(h0, 2), high2),                                  \
+                        _mm256_and_si256(_mm256_srli_epi16(h1, 2), high2)};                                 \
+                    _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                                   \
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * g));              \
+                        wv[g] = _mm256_or_si256(_mm256_and_si256(v, low4), hi[g]);                          \
+                        wv[g + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), hi[g + 4]); \
+                    }                                                                                       \
+                    a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                          \
+                                              _mm_loadl_epi64((const __m128i *)(sb + 16 + 16 * b)))));      \
+                    a1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                          \
+                                              _mm_loadl_epi64((const __m128i *)(sb + 24 + 16 * b)))));      \
+                } else {                                                                                    \
+                    const uint8_t *blk = sb + 160 + 128 * b;                                                \
+                    _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                                   \
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * g));              \
+                        wv[g] = _mm256_and_si256(v, low4);                                                  \
+                        wv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);                        \
+                    }                                                                                       \
+                    a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                          \
+                                              _mm_loadl_epi64((const __m128i *)(sb + 32 + 8 * b)))));       \
+                    a1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16))),        \
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                             \
+                                           _mm_loadl_epi64((const __m128i *)(sb + 96 + 8 * b)))));          \
+                }                                                                                           \
+                _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                      \
+                    const uint8_t *q = qc[i] + 32 * bb;                                                     \
+                    __m256i acc0 = q6 ? _mm256_set1_epi32(ofc[i][2 * bb]) : _mm256_setzero_si256();        \
+                    __m256i acc1 = q6 ? _mm256_set1_epi32(ofc[i][2 * bb + 1]) : _mm256_setzero_si256();    \
+                    _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                                   \
+                        acc0 = DOT(acc0, wv[g], _mm256_set1_epi32(load_i32(q + 4 * g)));                    \
+                        acc1 = DOT(acc1, wv[g + 4], _mm256_set1_epi32(load_i32(q + 16 + 4 * g)));           \
+                    }                                                                                       \
+                    const __m256 cs = _mm256_set1_ps(csc[i][bb]);                                           \
+                    if (q6) {                                                                               \
+                        accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc0), _mm256_mul_ps(a0, cs), accf[i]); \
+                        accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc1), _mm256_mul_ps(a1, cs), accf[i]); \
+                    } else {                                                                                \
+                        accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc0, acc1)),         \
+                                                  _mm256_mul_ps(a0, cs), accf[i]);                          \
+                        accf[i] = _mm256_fnmadd_ps(a1, _mm256_set1_ps(ssc[i][bb]), accf[i]);                \
+                    }                                                                                       \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) _mm256_storeu_ps(out + i * ldo, accf[i]);     \
+    }
 
 /* NC columns of one widened panel. Q4_K splits each column's chain in
  * SPLIT (narrow tiles: the dot products' latency); Q6_K has its two
@@ -100,24 +187,30 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
         size_t ldo) {                                                                                       \
         enum { NACC = (Q6) ? 2 : (SPLIT) };                                                                 \
         __m256 accf[NC];                                                                                    \
-        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) accf[i] = _mm256_setzero_ps();                \
+        const uint8_t *qc[NC];                                                                              \
+        const float *csc[NC], *ssc[NC];                                                                     \
+        const int32_t *ofc[NC];                                                                             \
+        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                              \
+            accf[i] = _mm256_setzero_ps();                                                                  \
+            qc[i] = cols + i * col_stride;                                                                  \
+            csc[i] = PP_COL_SCALE(qc[i], k);                                                                \
+            ssc[i] = PP_COL_SSUM(qc[i], k);                                                                 \
+            ofc[i] = PP_COL_OFFSET16(qc[i], k);                                                             \
+        }                                                                                                   \
         for (int64_t b = 0; b < nb; b++) {                                                                  \
             const uint8_t *blk = p->codes + b * 256;                                                        \
             __m256i acci[NC][NACC];                                                                         \
-            _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
-                const uint8_t *col = cols + i * col_stride;                                                 \
+            _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++)                                            \
                 _Pragma("GCC unroll 2") for (int s = 0; s < NACC; s++) acci[i][s] = (Q6)                    \
-                    ? _mm256_set1_epi32(PP_COL_OFFSET16(col, k)[2 * b + s]) : _mm256_setzero_si256();       \
-            }                                                                                               \
+                    ? _mm256_set1_epi32(ofc[i][2 * b + s]) : _mm256_setzero_si256();                        \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                           \
                 const __m256i wv = _mm256_load_si256((const __m256i *)(blk + 32 * j));                      \
                 const int s = (Q6) ? j / 4 : j % NACC;                                                      \
                 _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) acci[i][s] = DOT(                      \
-                    acci[i][s], wv, _mm256_set1_epi32(load_i32(cols + i * col_stride + 32 * b + 4 * j)));   \
+                    acci[i][s], wv, _mm256_set1_epi32(load_i32(qc[i] + 32 * b + 4 * j)));                  \
             }                                                                                               \
             _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
-                const uint8_t *col = cols + i * col_stride;                                                 \
-                const __m256 cs = _mm256_set1_ps(PP_COL_SCALE(col, k)[b]);                                  \
+                const __m256 cs = _mm256_set1_ps(csc[i][b]);                                                \
                 if (Q6) {                                                                                   \
                     _Pragma("GCC unroll 2") for (int s = 0; s < 2; s++) accf[i] = _mm256_fmadd_ps(          \
                         _mm256_cvtepi32_ps(acci[i][s]),                                                     \
@@ -128,7 +221,7 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
                     accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),                                      \
                                               _mm256_mul_ps(_mm256_load_ps(p->scale + b * 8), cs), accf[i]); \
                     accf[i] = _mm256_fnmadd_ps(_mm256_load_ps(p->min + b * 8),                              \
-                                               _mm256_set1_ps(PP_COL_SSUM(col, k)[b]), accf[i]);            \
+                                               _mm256_set1_ps(ssc[i][b]), accf[i]);                         \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
@@ -143,8 +236,10 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
         for (; c < (N); c++) NAME##_one(P, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO);    \
     } while (0)
 
-#define PP_KPANEL_KERNEL(NAME, TARGET, DOT, NC_MAIN)                                                        \
-    PP_KDIRECT(NAME##_direct, TARGET, DOT)                                                                  \
+#define PP_KPANEL_KERNEL(NAME, TARGET, DOT, NC_MAIN, NC_DIRECT, WIDEN_FROM)                                \
+    PP_KDIRECT(NAME##_direct_main, TARGET, DOT, NC_DIRECT)                                                  \
+    PP_KDIRECT(NAME##_direct_two, TARGET, DOT, 2)                                                           \
+    PP_KDIRECT(NAME##_direct_one, TARGET, DOT, 1)                                                           \
     PP_KTILE(NAME##_q4_main, TARGET, DOT, NC_MAIN, 1, 0)                                                    \
     PP_KTILE(NAME##_q4_four, TARGET, DOT, 4, 1, 0)                                                          \
     PP_KTILE(NAME##_q4_one, TARGET, DOT, 1, 2, 0)                                                           \
@@ -158,8 +253,13 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
         pp_kpanel p = pp_kpanel_scratch();                                                                  \
         for (int64_t pi = p0; pi < p1; pi++) {                                                              \
             float *o = out + (size_t)pi * PP_PANEL_ROWS;                                                    \
-            if (n < 8) {                                                                                    \
-                for (int64_t c = 0; c < n; c++) NAME##_direct(w, pi, cols + c * col_stride, o + c * ldo);  \
+            if (n < WIDEN_FROM) {                                                                           \
+                int64_t c = 0;                                                                              \
+                for (; c + NC_DIRECT <= n; c += NC_DIRECT)                                                  \
+                    NAME##_direct_main(w, pi, cols + c * col_stride, col_stride, o + c * ldo, ldo);         \
+                for (; c + 2 <= n; c += 2)                                                                  \
+                    NAME##_direct_two(w, pi, cols + c * col_stride, col_stride, o + c * ldo, ldo);          \
+                for (; c < n; c++) NAME##_direct_one(w, pi, cols + c * col_stride, col_stride, o + c * ldo, ldo); \
                 continue;                                                                                   \
             }                                                                                               \
             pp_kpanel_widen_scales_avx2(w, pi, &p);                                                         \
@@ -175,8 +275,8 @@ static inline __attribute__((target("avx2"), always_inline)) __m256i dot_avx2(__
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
 }
 
-PP_KPANEL_KERNEL(pp_kpanel_gemm_avx512vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni", _mm256_dpbusd_epi32, 8)
-PP_KPANEL_KERNEL(pp_kpanel_gemm_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32, 4)
-PP_KPANEL_KERNEL(pp_kpanel_gemm_avx2, "avx2,fma,f16c", dot_avx2, 4)
+PP_KPANEL_KERNEL(pp_kpanel_gemm_avx512vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni", _mm256_dpbusd_epi32, 8, 4, 20)
+PP_KPANEL_KERNEL(pp_kpanel_gemm_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32, 4, 2, 8)
+PP_KPANEL_KERNEL(pp_kpanel_gemm_avx2, "avx2,fma,f16c", dot_avx2, 4, 2, 8)
 
 #endif

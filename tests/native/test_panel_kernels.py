@@ -17,7 +17,9 @@ KERNELS = {"portable": lib.PP_PANEL_KERNEL_SCALAR, "avx2": lib.PP_PANEL_KERNEL_A
            "avx-vnni": lib.PP_PANEL_KERNEL_AVXVNNI, "avx512-vnni": lib.PP_PANEL_KERNEL_AVX512VNNI}
 # (k, rows): a 2048-wide projection, Llama 3.2's 8192-wide ffn_down, Gemma 3 4B's 10240-wide one
 SHAPES = [(2048, 64), (8192, 16), (10240, 8)]
-COLUMNS = [1, 3, 4, 8, 13]   # every tile width: one, four, the widest (8 or 4), and remainders
+# every tile width of both K-panel paths: straight from the stored panel (1, 2 and 4 columns; below
+# 20 columns with AVX-512 VNNI, below 8 otherwise) and widened (8 or 4, then 4 and 1), and remainders
+COLUMNS = [1, 3, 4, 8, 13, 21, 29]
 
 
 def _weights(rng, n_rows: int, k: int) -> np.ndarray:
