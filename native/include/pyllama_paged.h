@@ -440,12 +440,13 @@ enum pp_panel_kernel {
 };
 
 /* Pack the weights our integer GEMM multiplies faster than GGML into row
- * panels (q8_panels.h in the sources): Q8_0, Q5_0, Q4_K and Q6_K
- * projections (on an AVX2 CPU without VNNI: Q4_K and Q6_K only) and the
+ * panels (q8_panels.h in the sources): Q8_0, Q5_0, Q4_K, Q5_K and Q6_K
+ * projections (on an AVX2 CPU without VNNI: the K-quants only) and the
  * output head (output.weight, or token_embd.weight when tied: the input
  * embedding is then read from the panels too) of whole 8-row panels and
  * 32-value blocks. An exact change of layout in the same number of bytes
- * (Q4_K: 2.8% more, its 6-bit sub-block scales unpacked to bytes).
+ * (Q4_K: 2.8% more, Q5_K 2.3%: their 6-bit sub-block scales unpacked to
+ * bytes).
  * Done only where the CPU has AVX-512 VNNI (with VL and BW), AVX-VNNI or AVX2,
  * unless any_cpu is set (then a portable, slow kernel runs elsewhere: for
  * tests). Call once, after pp_model_finalize, before

@@ -9,12 +9,14 @@
  * panel once with AVX2 (codes and scales) into this thread's scratch, then
  * tiles of columns run over it while it stays in L1/L2. Per 32-value block
  * and column, eight dot-product instructions (8 rows x 4 bytes each), then:
- *   Q4_K: acc * (d sc x column scale) - (dmin m) x (column scale x byte sum);
+ *   Q4_K, Q5_K: acc * (d sc x column scale) - (dmin m) x (column scale x
+ *         byte sum);
  *   Q6_K: two half-block accumulators, each started at -32 x its half's
  *         byte sum, each times (d sc of its 16 values x column scale).
  * AVX2 without VNNI forms the same dot products with maddubs (unsigned
  * codes x signed bytes, pairs summed in 16 bits: at most 2 x 63 x 127, no
- * saturation for codes below 64) and a multiply-add of the pairs. */
+ * saturation for codes below 64: Q4_K's, Q5_K's and Q6_K's) and a
+ * multiply-add of the pairs. */
 #include "q8_panels.h"
 
 #if defined(__x86_64__)
@@ -27,38 +29,70 @@ static inline int32_t load_i32(const uint8_t *p) {
     return v;
 }
 
+/* The fifth (Q5_K) or fifth and sixth (Q6_K) bits of a block's eight code
+ * groups, at bits 4 (and 5) of each byte. 16-bit shifts by at most 4 carry
+ * bits across bytes only into positions the masks drop. */
+static inline __attribute__((target("avx2"), always_inline)) void kpanel_high_bits(enum ggml_type type,
+                                                                                   const uint8_t *blk, __m256i hi[8]) {
+    if (type == GGML_TYPE_Q5_K) {
+        /* group g's fifth bit: byte t of the 32, bit g */
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128));
+        hi[0] = _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4);
+        hi[1] = _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4);
+        hi[2] = _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4);
+        hi[3] = _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4);
+        hi[4] = _mm256_and_si256(h, bit4);
+        hi[5] = _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4);
+        hi[6] = _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4);
+        hi[7] = _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4);
+    } else {
+        /* group g's two high bits: byte (32 g + t) % 64, bits 2 (g / 2) */
+        const __m256i high2 = _mm256_set1_epi8(0x30);
+        const __m256i h0 = _mm256_loadu_si256((const __m256i *)(blk + 128));
+        const __m256i h1 = _mm256_loadu_si256((const __m256i *)(blk + 160));
+        hi[0] = _mm256_and_si256(_mm256_slli_epi16(h0, 4), high2);
+        hi[1] = _mm256_and_si256(_mm256_slli_epi16(h1, 4), high2);
+        hi[2] = _mm256_and_si256(_mm256_slli_epi16(h0, 2), high2);
+        hi[3] = _mm256_and_si256(_mm256_slli_epi16(h1, 2), high2);
+        hi[4] = _mm256_and_si256(h0, high2);
+        hi[5] = _mm256_and_si256(h1, high2);
+        hi[6] = _mm256_and_si256(_mm256_srli_epi16(h0, 2), high2);
+        hi[7] = _mm256_and_si256(_mm256_srli_epi16(h1, 2), high2);
+    }
+}
+
+/* A block's 256 codes as eight vectors of groups (nibbles and high bits). */
+static inline __attribute__((target("avx2"), always_inline)) void kpanel_block_codes(enum ggml_type type,
+                                                                                     const uint8_t *blk, __m256i wv[8]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (type == GGML_TYPE_Q4_K) {
+        for (int g = 0; g < 4; g++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * g));
+            wv[g] = _mm256_and_si256(v, low4);
+            wv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        return;
+    }
+    __m256i hi[8];
+    kpanel_high_bits(type, blk, hi);
+    for (int g = 0; g < 4; g++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * g));
+        wv[g] = _mm256_or_si256(_mm256_and_si256(v, low4), hi[g]);
+        wv[g + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), hi[g + 4]);
+    }
+}
+
 __attribute__((target("avx2"))) void pp_kpanel_widen_codes_avx2(const pp_q8_panels *w, int64_t pi, uint8_t *codes) {
     const int64_t nsb = w->k / PP_PANEL_KBLOCK;
-    const int q6 = w->type == GGML_TYPE_Q6_K;
-    const size_t hb = q6 ? 144 : 160, cb = q6 ? 192 : 128;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+    const size_t hb = pp_kpanel_header_bytes(w->type), cb = pp_kpanel_block_bytes(w->type);
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = pp_kpanel_superblock(w, pi, s);
         for (int b = 0; b < 8; b++) {
-            const uint8_t *blk = sb + hb + (size_t)b * cb;
             uint8_t *dst = codes + (size_t)(8 * s + b) * 256;
-            __m256i hi[8];
-            if (q6) {
-                /* group g's two high bits: byte (32 g + t) % 64, bits 2 (g / 2) */
-                const __m256i h0 = _mm256_loadu_si256((const __m256i *)(blk + 128));
-                const __m256i h1 = _mm256_loadu_si256((const __m256i *)(blk + 160));
-                hi[0] = _mm256_and_si256(_mm256_slli_epi16(h0, 4), high2);
-                hi[1] = _mm256_and_si256(_mm256_slli_epi16(h1, 4), high2);
-                hi[2] = _mm256_and_si256(_mm256_slli_epi16(h0, 2), high2);
-                hi[3] = _mm256_and_si256(_mm256_slli_epi16(h1, 2), high2);
-                hi[4] = _mm256_and_si256(h0, high2);
-                hi[5] = _mm256_and_si256(h1, high2);
-                hi[6] = _mm256_and_si256(_mm256_srli_epi16(h0, 2), high2);
-                hi[7] = _mm256_and_si256(_mm256_srli_epi16(h1, 2), high2);
-            } else {
-                for (int g = 0; g < 8; g++) hi[g] = _mm256_setzero_si256();
-            }
-            for (int g = 0; g < 4; g++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * g));
-                _mm256_storeu_si256((__m256i *)(dst + 32 * g), _mm256_or_si256(_mm256_and_si256(v, low4), hi[g]));
-                _mm256_storeu_si256((__m256i *)(dst + 32 * (g + 4)),
-                                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), hi[g + 4]));
-            }
+            __m256i wv[8];
+            kpanel_block_codes(w->type, sb + hb + (size_t)b * cb, wv);
+            for (int g = 0; g < 8; g++) _mm256_storeu_si256((__m256i *)(dst + 32 * g), wv[g]);
         }
     }
 }
@@ -70,7 +104,7 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = pp_kpanel_superblock(w, pi, s);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
-        if (w->type == GGML_TYPE_Q4_K) {
+        if (w->type != GGML_TYPE_Q6_K) {
             const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
             for (int b = 0; b < 8; b++) {
                 const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 32 + 8 * b)));
@@ -100,7 +134,7 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
         const pp_q8_panels *w, int64_t pi, const uint8_t *cols, size_t col_stride, float *out, size_t ldo) { \
         const int64_t k = w->k, nsb = k / PP_PANEL_KBLOCK;                                                  \
         const int q6 = w->type == GGML_TYPE_Q6_K;                                                           \
-        const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);                        \
+        const size_t hb = pp_kpanel_header_bytes(w->type), cb = pp_kpanel_block_bytes(w->type);                   \
         __m256 accf[NC];                                                                                    \
         const uint8_t *qc[NC];                                                                              \
         const float *csc[NC], *ssc[NC];                                                                     \
@@ -113,42 +147,20 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
             ofc[i] = PP_COL_OFFSET16(qc[i], k);                                                             \
         }                                                                                                   \
         const uint8_t *sb = pp_kpanel_superblock(w, pi, 0);                                                 \
-        const size_t sb_bytes = q6 ? 1680 : 1184;                                                           \
+        const size_t sb_bytes = pp_kpanel_superblock_bytes(w->type);                                        \
         for (int64_t s = 0; s < nsb; s++, sb += sb_bytes) {                                                 \
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));                         \
             for (int b = 0; b < 8; b++) {                                                                   \
                 const int64_t bb = 8 * s + b;                                                               \
                 __m256i wv[8];                                                                              \
                 __m256 a0, a1;                                                                              \
+                kpanel_block_codes(w->type, sb + hb + cb * b, wv);                                          \
                 if (q6) {                                                                                   \
-                    const uint8_t *blk = sb + 144 + 192 * b;                                                \
-                    const __m256i h0 = _mm256_loadu_si256((const __m256i *)(blk + 128));                    \
-                    const __m256i h1 = _mm256_loadu_si256((const __m256i *)(blk + 160));                    \
-                    const __m256i hi[8] = {                                                                 \
-                        _mm256_and_si256(_mm256_slli_epi16(h0, 4), high2),                                  \
-                        _mm256_and_si256(_mm256_slli_epi16(h1, 4), high2),                                  \
-                        _mm256_and_si256(_mm256_slli_epi16(h0, 2), high2),                                  \
-                        _mm256_and_si256(_mm256_slli_epi16(h1, 2), high2),                                  \
-                        _mm256_and_si256(h0, high2),                                                        \
-                        _mm256_and_si256(h1, high2),                                                        \
-                        _mm256_and_si256(_mm256_srli_epi16(h0, 2), high2),                                  \
-                        _mm256_and_si256(_mm256_srli_epi16(h1, 2), high2)};                                 \
-                    _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                                   \
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * g));              \
-                        wv[g] = _mm256_or_si256(_mm256_and_si256(v, low4), hi[g]);                          \
-                        wv[g + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), hi[g + 4]); \
-                    }                                                                                       \
                     a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                          \
                                               _mm_loadl_epi64((const __m128i *)(sb + 16 + 16 * b)))));      \
                     a1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                          \
                                               _mm_loadl_epi64((const __m128i *)(sb + 24 + 16 * b)))));      \
                 } else {                                                                                    \
-                    const uint8_t *blk = sb + 160 + 128 * b;                                                \
-                    _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                                   \
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * g));              \
-                        wv[g] = _mm256_and_si256(v, low4);                                                  \
-                        wv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);                        \
-                    }                                                                                       \
                     a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                          \
                                               _mm_loadl_epi64((const __m128i *)(sb + 32 + 8 * b)))));       \
                     a1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16))),        \

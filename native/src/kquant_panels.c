@@ -1,4 +1,4 @@
-/* K panels (q8_panels.h): Q4_K and Q6_K weights in 8-row panels for the
+/* K panels (q8_panels.h): Q4_K, Q5_K and Q6_K weights in 8-row panels for the
  * panel GEMM. Packing, the portable widening and kernel; the SIMD ones are
  * in kquant_panel_kernels.c.
  *
@@ -7,6 +7,8 @@
  *     m[8][8] (the 6-bit scales and mins as bytes), then per 32-value block
  *     128 bytes of nibbles: code i of the block's compute layout (i = 32j +
  *     4r + e: group j, row r) in byte i % 128, the high nibble for i >= 128;
+ *   Q5_K (1440 bytes): as Q4_K, and after each block's nibbles its fifth
+ *     bits (32 bytes: code i's in byte i % 32, bit i / 32);
  *   Q6_K (1680 bytes): d[8] (fp16), sc[16 half-blocks][8 rows] (int8), then
  *     per block the low nibbles as Q4_K (128 bytes) and the high two bits
  *     (64 bytes: code i's in byte i % 64, bits 2 * (i / 64)).
@@ -19,17 +21,14 @@
 /* One GGML row superblock as unsigned codes and integer sub-block scales. */
 typedef struct kblock {
     uint8_t     code[PP_PANEL_KBLOCK];
-    uint8_t     sc[16];       /* Q4_K: 8 scales; Q6_K: 16 (int8 bits) */
-    uint8_t     m[8];         /* Q4_K: 8 mins */
+    uint8_t     sc[16];       /* Q4_K, Q5_K: 8 scales; Q6_K: 16 (int8 bits) */
+    uint8_t     m[8];         /* Q4_K, Q5_K: 8 mins */
     ggml_fp16_t d, dmin;
 } kblock;
 
-/* GGML's block_q4_K: d, dmin (fp16), 12 bytes of 6-bit scales and mins,
- * 128 bytes of nibbles (64 values per 32 bytes: low nibbles first). */
-static void decode_q4_k(const uint8_t *src, kblock *out) {
-    memcpy(&out->d, src, 2);
-    memcpy(&out->dmin, src + 2, 2);
-    const uint8_t *s = src + 4, *qs = src + 16;
+/* The 6-bit scales and mins GGML's block_q4_K and block_q5_K share (12
+ * bytes at s). */
+static void decode_k_scales(const uint8_t *s, kblock *out) {
     for (int j = 0; j < 8; j++) {
         if (j < 4) {
             out->sc[j] = s[j] & 63;
@@ -39,10 +38,34 @@ static void decode_q4_k(const uint8_t *src, kblock *out) {
             out->m[j] = (uint8_t)((s[j + 4] >> 4) | (s[j] >> 6) << 4);
         }
     }
+}
+
+/* GGML's block_q4_K: d, dmin (fp16), 12 bytes of 6-bit scales and mins,
+ * 128 bytes of nibbles (64 values per 32 bytes: low nibbles first). */
+static void decode_q4_k(const uint8_t *src, kblock *out) {
+    memcpy(&out->d, src, 2);
+    memcpy(&out->dmin, src + 2, 2);
+    decode_k_scales(src + 4, out);
+    const uint8_t *qs = src + 16;
     for (int c = 0; c < 4; c++)
         for (int l = 0; l < 32; l++) {
             out->code[64 * c + l] = qs[32 * c + l] & 0x0F;
             out->code[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+        }
+}
+
+/* GGML's block_q5_K: d, dmin, the scales as Q4_K, qh[32] (value l of
+ * 32-value block j has its fifth bit in bit j of qh[l]), then the nibbles
+ * as Q4_K's. */
+static void decode_q5_k(const uint8_t *src, kblock *out) {
+    memcpy(&out->d, src, 2);
+    memcpy(&out->dmin, src + 2, 2);
+    decode_k_scales(src + 4, out);
+    const uint8_t *qh = src + 16, *qs = src + 48;
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            out->code[64 * c + l] = (uint8_t)((qs[32 * c + l] & 0x0F) | ((qh[l] >> (2 * c)) & 1) << 4);
+            out->code[64 * c + 32 + l] = (uint8_t)((qs[32 * c + l] >> 4) | ((qh[l] >> (2 * c + 1)) & 1) << 4);
         }
 }
 
@@ -64,21 +87,21 @@ static void decode_q6_k(const uint8_t *src, kblock *out) {
 }
 
 size_t pp_kpanel_superblock_bytes(enum ggml_type type) {
-    return type == GGML_TYPE_Q4_K ? PP_PANEL_Q4K_BYTES : PP_PANEL_Q6K_BYTES;
+    return type == GGML_TYPE_Q4_K ? PP_PANEL_Q4K_BYTES
+         : type == GGML_TYPE_Q5_K ? PP_PANEL_Q5K_BYTES : PP_PANEL_Q6K_BYTES;
 }
 
-static size_t header_bytes(enum ggml_type type) {
-    return type == GGML_TYPE_Q4_K ? 160 : 144;
+/* Q4_K and Q5_K: scales and mins per 32 values; Q6_K: scales per 16. */
+static int has_mins(enum ggml_type type) {
+    return type != GGML_TYPE_Q6_K;
 }
 
-static size_t block_code_bytes(enum ggml_type type) {
-    return type == GGML_TYPE_Q4_K ? 128 : 192;
-}
+
 
 /* Place row r's decoded superblock into a panel superblock. */
 static void place(enum ggml_type type, const kblock *kb, int r, uint8_t *dst) {
     memcpy(dst + 2 * r, &kb->d, 2);
-    if (type == GGML_TYPE_Q4_K) {
+    if (has_mins(type)) {
         memcpy(dst + 16 + 2 * r, &kb->dmin, 2);
         for (int b = 0; b < 8; b++) {
             dst[32 + 8 * b + r] = kb->sc[b];
@@ -87,13 +110,14 @@ static void place(enum ggml_type type, const kblock *kb, int r, uint8_t *dst) {
     } else {
         for (int h = 0; h < 16; h++) dst[16 + 8 * h + r] = kb->sc[h];
     }
-    const size_t hb = header_bytes(type), cb = block_code_bytes(type);
+    const size_t hb = pp_kpanel_header_bytes(type), cb = pp_kpanel_block_bytes(type);
     for (int b = 0; b < 8; b++) {
         uint8_t *blk = dst + hb + (size_t)b * cb;
         for (int t = 0; t < 32; t++) {
             const int i = 32 * (t / 4) + 4 * r + t % 4, u = kb->code[32 * b + t];
             uint8_t *nib = blk + i % 128;
             *nib = i < 128 ? (uint8_t)((*nib & 0xF0) | (u & 0x0F)) : (uint8_t)((*nib & 0x0F) | (u & 0x0F) << 4);
+            if (type == GGML_TYPE_Q5_K) blk[128 + i % 32] |= (uint8_t)((u >> 4) << (i / 32));
             if (type == GGML_TYPE_Q6_K) blk[128 + i % 64] |= (uint8_t)((u >> 4) << (2 * (i / 64)));
         }
     }
@@ -110,6 +134,7 @@ void pp_kpanel_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_
                 const uint8_t *src = (const uint8_t *)data + (size_t)(pi * PP_PANEL_ROWS + r) * row_bytes +
                                      (size_t)s * ggml_type_size(type);
                 if (type == GGML_TYPE_Q4_K) decode_q4_k(src, &kb);
+                else if (type == GGML_TYPE_Q5_K) decode_q5_k(src, &kb);
                 else decode_q6_k(src, &kb);
                 place(type, &kb, r, dst);
             }
@@ -128,10 +153,10 @@ void pp_kpanel_widen_scales(const pp_q8_panels *w, int64_t pi, pp_kpanel *out) {
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = pp_kpanel_superblock(w, pi, s);
         ggml_fp16_t h[16];
-        memcpy(h, sb, w->type == GGML_TYPE_Q4_K ? 32 : 16);
+        memcpy(h, sb, has_mins(w->type) ? 32 : 16);
         for (int r = 0; r < PP_PANEL_ROWS; r++) {
             const float d = ggml_fp16_to_fp32(h[r]);
-            if (w->type == GGML_TYPE_Q4_K) {
+            if (has_mins(w->type)) {
                 const float dmin = ggml_fp16_to_fp32(h[8 + r]);
                 for (int b = 0; b < 8; b++) {
                     out->scale[(8 * s + b) * 8 + r] = d * (float)sb[32 + 8 * b + r];
@@ -146,7 +171,7 @@ void pp_kpanel_widen_scales(const pp_q8_panels *w, int64_t pi, pp_kpanel *out) {
 
 void pp_kpanel_widen_codes(const pp_q8_panels *w, int64_t pi, uint8_t *codes) {
     const int64_t nsb = w->k / PP_PANEL_KBLOCK;
-    const size_t hb = header_bytes(w->type), cb = block_code_bytes(w->type);
+    const size_t hb = pp_kpanel_header_bytes(w->type), cb = pp_kpanel_block_bytes(w->type);
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = pp_kpanel_superblock(w, pi, s);
         for (int b = 0; b < 8; b++) {
@@ -154,6 +179,7 @@ void pp_kpanel_widen_codes(const pp_q8_panels *w, int64_t pi, uint8_t *codes) {
             uint8_t *dst = codes + (size_t)(8 * s + b) * 256;
             for (int i = 0; i < 256; i++) {
                 int u = i < 128 ? blk[i] & 0x0F : blk[i - 128] >> 4;
+                if (w->type == GGML_TYPE_Q5_K) u |= ((blk[128 + i % 32] >> (i / 32)) & 1) << 4;
                 if (w->type == GGML_TYPE_Q6_K) u |= ((blk[128 + i % 64] >> (2 * (i / 64))) & 3) << 4;
                 dst[i] = (uint8_t)u;
             }
@@ -164,7 +190,7 @@ void pp_kpanel_widen_codes(const pp_q8_panels *w, int64_t pi, uint8_t *codes) {
 /* Row r's value t of block b, as GGML's dequantization computes it. */
 static float kpanel_value(enum ggml_type type, const pp_kpanel *p, int64_t b, int r, int t) {
     const int u = p->codes[(size_t)b * 256 + 32 * (t / 4) + 4 * r + t % 4];
-    if (type == GGML_TYPE_Q4_K) return p->scale[b * 8 + r] * (float)u - p->min[b * 8 + r];
+    if (has_mins(type)) return p->scale[b * 8 + r] * (float)u - p->min[b * 8 + r];
     return p->scale[(2 * b + t / 16) * 8 + r] * (float)(u - 32);
 }
 
@@ -210,7 +236,7 @@ void pp_kpanel_gemm_scalar(const pp_q8_panels *w, int64_t p0, int64_t p1, const 
                     int32_t dot[2] = {0, 0};
                     for (int t = 0; t < PP_PANEL_BLOCK; t++)
                         dot[t / 16] += (int32_t)blk[32 * (t / 4) + 4 * r + t % 4] * q[b * PP_PANEL_BLOCK + t];
-                    if (w->type == GGML_TYPE_Q4_K) {
+                    if (has_mins(w->type)) {
                         acc += (float)(dot[0] + dot[1]) * (scale[b * 8 + r] * cs[b]);
                         acc -= min[b * 8 + r] * ssum[b];
                     } else {

@@ -23,12 +23,13 @@
  * their fifth bits (32 bytes, bit i). A kernel widens one panel at a time
  * into the compute layout (value - 16 + 128), on the stack.
  *
- * K-quant weights (Q4_K, Q6_K: what Q4_K_M files hold) keep their bytes
- * too, in "K panels" of superblocks (8 rows x 256 values), see
- * kquant_panels.c: a kernel widens one panel into unsigned codes in the
- * same [group][row][4 bytes] order plus f32 sub-block scales (d * sc, and
- * dmin * m for Q4_K), and takes the offsets (the mins; Q6_K's -32) back out
- * through the column's block sums. */
+ * K-quant weights (Q4_K and Q6_K, what Q4_K_M files hold; Q5_K, with Q6_K
+ * what Q5_K_M files hold) keep their bytes too, in "K panels" of
+ * superblocks (8 rows x 256 values), see kquant_panels.c: a kernel widens
+ * one panel into unsigned codes in the same [group][row][4 bytes] order
+ * plus f32 sub-block scales (d * sc, and dmin * m for Q4_K and Q5_K), and
+ * takes the offsets (the mins; Q6_K's -32) back out through the column's
+ * block sums. */
 #ifndef PP_Q8_PANELS_H
 #define PP_Q8_PANELS_H
 
@@ -50,10 +51,11 @@
 #define PP_PANEL_KBLOCK 256
 #define PP_PANEL_K_MAX_K 16384
 #define PP_PANEL_Q4K_BYTES (PP_PANEL_ROWS * 148)   /* 1184 per superblock: 8 x 144 + 32 (scales unpacked) */
+#define PP_PANEL_Q5K_BYTES (PP_PANEL_ROWS * 180)   /* 1440 per superblock: 8 x 176 + 32 (scales unpacked) */
 #define PP_PANEL_Q6K_BYTES (PP_PANEL_ROWS * 210)   /* 1680 per superblock: 8 x 210 */
 
 typedef struct pp_q8_panels {
-    enum ggml_type type;   /* storage: GGML_TYPE_Q8_0 (compute layout), Q5_0, Q4_K or Q6_K */
+    enum ggml_type type;   /* storage: GGML_TYPE_Q8_0 (compute layout), Q5_0, Q4_K, Q5_K or Q6_K */
     int64_t  n_rows;       /* output rows, a multiple of PP_PANEL_ROWS */
     int64_t  k;            /* values per row, a multiple of PP_PANEL_BLOCK */
     uint8_t *data;         /* n_rows / 8 panels of k / 32 blocks; owned */
@@ -70,10 +72,10 @@ enum pp_panel_kernel pp_panel_kernel_select(void);
  * saturate on Q8_0's codes). */
 int pp_q8_panels_fit(enum ggml_type type, int64_t k, int64_t n_rows, enum pp_panel_kernel kernel);
 static inline int pp_panel_type_is_k(enum ggml_type type) {
-    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
+    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
 }
 
-/* Pack a Q8_0, Q5_0, Q4_K or Q6_K [k, n_rows] weight (GGML's row layout)
+/* Pack a Q8_0, Q5_0, Q4_K, Q5_K or Q6_K [k, n_rows] weight (GGML's row layout)
  * into panels, allocated here; NULL when out of memory or when it does not
  * fit. */
 pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows);
@@ -117,9 +119,10 @@ static inline size_t pp_panel_column_bytes(int64_t k) {
 #define PP_COL_OFFSET16(col, k) ((const int32_t *)((col) + (k) + 12 * ((k) / PP_PANEL_BLOCK)))
 
 /* A K panel widened for the kernels: nb blocks of 256 code bytes (as Q8
- * panels' groups, unsigned: Q4_K 0..15, Q6_K 0..63), and f32 scales of 8
- * rows: Q4_K scale[b][8] = d * sc and min[b][8] = dmin * m per 32-value
- * block; Q6_K scale[2b + h][8] = d * sc per 16 values, min unused. */
+ * panels' groups, unsigned: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63), and f32
+ * scales of 8 rows: Q4_K and Q5_K scale[b][8] = d * sc and min[b][8] =
+ * dmin * m per 32-value block; Q6_K scale[2b + h][8] = d * sc per 16
+ * values, min unused. */
 typedef struct pp_kpanel {
     uint8_t *codes;
     float   *scale;
@@ -132,6 +135,14 @@ typedef struct pp_kpanel {
  * GGML [k, n_rows] weight into out (n_rows / 8 * k / 256 superblocks); the
  * address of panel pi's superblock s; one row as f32 (tied embeddings). */
 size_t pp_kpanel_superblock_bytes(enum ggml_type type);
+/* Within a panel superblock: the scales' bytes, then each 32-value block's
+ * code bytes (nibbles, then Q5_K's fifth bits or Q6_K's high bit pairs). */
+static inline size_t pp_kpanel_header_bytes(enum ggml_type type) {
+    return type == GGML_TYPE_Q6_K ? 144 : 160;
+}
+static inline size_t pp_kpanel_block_bytes(enum ggml_type type) {
+    return type == GGML_TYPE_Q4_K ? 128 : type == GGML_TYPE_Q5_K ? 160 : 192;
+}
 void pp_kpanel_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows, uint8_t *out);
 const uint8_t *pp_kpanel_superblock(const pp_q8_panels *w, int64_t pi, int64_t s);
 void pp_kpanel_row(const pp_q8_panels *w, int64_t row, float *out);

@@ -12,7 +12,7 @@ import pytest
 
 from pyllama_paged._native import ffi, lib
 
-TYPES = {"q8_0": 8, "q5_0": 6, "q4_k": 12, "q6_k": 14}   # GGML's type ids
+TYPES = {"q8_0": 8, "q5_0": 6, "q4_k": 12, "q5_k": 13, "q6_k": 14}   # GGML's type ids
 KERNELS = {"portable": lib.PP_PANEL_KERNEL_SCALAR, "avx2": lib.PP_PANEL_KERNEL_AVX2,
            "avx-vnni": lib.PP_PANEL_KERNEL_AVXVNNI, "avx512-vnni": lib.PP_PANEL_KERNEL_AVX512VNNI}
 # (k, rows): a 2048-wide projection, Llama 3.2's 8192-wide ffn_down, Gemma 3 4B's 10240-wide one
@@ -92,7 +92,7 @@ def test_kernels_match_ggml_dequantized_products(type_name, kernel):
             assert (np.abs(got - exact) / scale).max() < 1e-2
 
 
-@pytest.mark.parametrize("type_name", ["q4_k", "q6_k", "q8_0", "q5_0"])
+@pytest.mark.parametrize("type_name", ["q4_k", "q5_k", "q6_k", "q8_0", "q5_0"])
 def test_a_packed_row_reads_back_as_ggml_dequantizes_it(type_name):
     """A tied head's rows are the input embedding: each packed row is GGML's dequantized row, bit
     for bit."""

@@ -7,15 +7,15 @@ tensor names, GGML shapes and metadata keys are the ones llama.cpp's converter e
 code path serves tiny test models and real ones.  Weights are random (seeded), scaled
 so activations stay O(1) and logits are not degenerate.
 
-Weight types: ``f32 f16 bf16 q8_0 q4_0 q5_0 q4_k q6_k``.  Norm weights and biases
+Weight types: ``f32 f16 bf16 q8_0 q4_0 q5_0 q4_k q5_k q6_k``.  Norm weights and biases
 always stay F32 (as in llama.cpp).  A 2-D weight whose row length (GGML ``ne0``, the
 input dimension) is not a multiple of the type's block size falls back
-(``q4_k/q6_k -> q8_0 -> f16``), exactly like ``llama-quantize`` falls back for odd
+(``q4_k/q5_k/q6_k -> q8_0 -> f16``), exactly like ``llama-quantize`` falls back for odd
 rows, unless ``strict=True``.  ``type_overrides`` maps tensor names (fnmatch patterns,
 e.g. ``"blk.*.ffn_down.weight"``) to a type, to build Q4_K_M-style mixes.
 
-gguf-py 0.19 can quantize Q8_0/Q4_0/Q5_0/BF16 but not the K-quants, so Q4_K and
-Q6_K blocks are packed here (a simple, non-optimal scale search: the format is what
+gguf-py 0.19 can quantize Q8_0/Q4_0/Q5_0/BF16 but not the K-quants, so Q4_K, Q5_K
+and Q6_K blocks are packed here (a simple, non-optimal scale search: the format is what
 matters; the oracle always dequantizes with ``gguf.quants.dequantize``).
 """
 
@@ -41,11 +41,12 @@ WEIGHT_TYPES: dict[str, QT] = {
     "q4_0": QT.Q4_0,
     "q5_0": QT.Q5_0,
     "q4_k": QT.Q4_K,
+    "q5_k": QT.Q5_K,
     "q6_k": QT.Q6_K,
 }
 
 # What llama-quantize does with rows that are not a multiple of the block size.
-_FALLBACK = {"q4_k": "q8_0", "q6_k": "q8_0", "q8_0": "f16", "q4_0": "f16", "q5_0": "f16"}
+_FALLBACK = {"q4_k": "q8_0", "q5_k": "q8_0", "q6_k": "q8_0", "q8_0": "f16", "q4_0": "f16", "q5_0": "f16"}
 
 QK_K = 256
 
@@ -58,6 +59,7 @@ _FILE_TYPES = {
     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
     "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "q5_k": gguf.LlamaFileType.MOSTLY_Q5_K_M,
     "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K,
 }
 
@@ -69,22 +71,24 @@ def _f16_round(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float32)
 
 
-def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
-    """Pack float rows (row length % 256 == 0) into GGML Q4_K blocks (144 bytes each).
+def _quantize_k_with_mins(rows: np.ndarray, bits: int) -> np.ndarray:
+    """Q4_K (bits=4) or Q5_K (bits=5) blocks of float rows (row length % 256 == 0).
 
     Block: f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks of
-    32, then 128 bytes of 4-bit quants (32-byte chunk c holds sub-block 2c in the low
-    nibbles and 2c+1 in the high nibbles).  Value = d*sc[j]*q - dmin*m[j].
+    32, [Q5_K: 32 bytes qh, value l of sub-block j's fifth bit in bit j of qh[l]], then
+    128 bytes of low 4 bits (32-byte chunk c holds sub-block 2c in the low nibbles and
+    2c+1 in the high nibbles).  Value = d*sc[j]*q - dmin*m[j].
     """
     rows = np.asarray(rows, dtype=np.float32)
     shape = rows.shape
     assert shape[-1] % QK_K == 0
+    top = (1 << bits) - 1
     x = rows.reshape(-1, 8, 32)
     nb = x.shape[0]
     xmin = x.min(axis=-1)
     xmax = x.max(axis=-1)
     mins = np.maximum(-xmin, 0.0)  # offset subtracted at dequant time (>= 0)
-    scales = np.maximum(xmax + mins, 0.0) / 15.0
+    scales = np.maximum(xmax + mins, 0.0) / top
     d = _f16_round(scales.max(axis=-1) / 63.0)
     dmin = _f16_round(mins.max(axis=-1) / 63.0)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -96,27 +100,34 @@ def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
     eff_min = dmin[:, None] * m
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(eff_scale[..., None] > 0, np.rint((x + eff_min[..., None]) / eff_scale[..., None]), 0)
-    q = np.clip(q, 0, 15).astype(np.uint8)  # (nb, 8, 32)
+    q = np.clip(q, 0, top).astype(np.uint8)  # (nb, 8, 32)
 
     packed_sc = np.zeros((nb, 12), dtype=np.uint8)
     packed_sc[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
     packed_sc[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
     packed_sc[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((m[:, 4:8] & 0x0F) << 4)
 
-    q = q.reshape(nb, 4, 2, 32)
-    qs = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(nb, 128)
+    parts = [d.astype(np.float16).view(np.uint8).reshape(nb, 2),
+             dmin.astype(np.float16).view(np.uint8).reshape(nb, 2), packed_sc]
+    if bits == 5:
+        fifth = (q >> 4).astype(np.uint8)  # (nb, 8 sub-blocks, 32)
+        parts.append(np.bitwise_or.reduce(fifth << np.arange(8, dtype=np.uint8)[None, :, None], axis=1))
+    low = (q & 0x0F).reshape(nb, 4, 2, 32)
+    parts.append((low[:, :, 0, :] | (low[:, :, 1, :] << 4)).reshape(nb, 128))
+    out = np.concatenate(parts, axis=1)
+    block = 144 if bits == 4 else 176
+    assert out.shape[1] == block
+    return out.reshape(*shape[:-1], shape[-1] // QK_K * block)
 
-    out = np.concatenate(
-        [
-            d.astype(np.float16).view(np.uint8).reshape(nb, 2),
-            dmin.astype(np.float16).view(np.uint8).reshape(nb, 2),
-            packed_sc,
-            qs,
-        ],
-        axis=1,
-    )
-    assert out.shape[1] == 144
-    return out.reshape(*shape[:-1], shape[-1] // QK_K * 144)
+
+def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
+    """Pack float rows (row length % 256 == 0) into GGML Q4_K blocks (144 bytes each)."""
+    return _quantize_k_with_mins(rows, 4)
+
+
+def quantize_q5_k(rows: np.ndarray) -> np.ndarray:
+    """Pack float rows (row length % 256 == 0) into GGML Q5_K blocks (176 bytes each)."""
+    return _quantize_k_with_mins(rows, 5)
 
 
 def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
@@ -162,6 +173,8 @@ def quantize_tensor(data: np.ndarray, wtype: str) -> tuple[np.ndarray, QT]:
     data = np.ascontiguousarray(data, dtype=np.float32)
     if qt == QT.Q4_K:
         return quantize_q4_k(data), qt
+    if qt == QT.Q5_K:
+        return quantize_q5_k(data), qt
     if qt == QT.Q6_K:
         return quantize_q6_k(data), qt
     return gguf.quants.quantize(data, qt), qt
