@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from _report import RESULTS_DIR, markdown_table, write_results
+from roofline import batched_ceiling, copy_bandwidth, int8_peak, macs_per_token
 
 BENCH = Path(__file__).resolve().parent
 
@@ -142,19 +143,34 @@ def main(argv=None) -> int:
 
     from pyllama_paged import _native
     ggml = _native.ffi.string(_native.lib.pp_ggml_build_info()).decode()
+    # the CPU roofline (bench/roofline.py): each step reads the weights once, one MAC per weight and token
+    roof = None
+    if args.gpu_layers == 0:
+        bandwidth, (isa, peak) = copy_bandwidth(), int8_peak(args.threads)
+        roof = {"copy_bandwidth_bytes_per_s": bandwidth, "int8_peak_macs_per_s": peak, "int8_peak_isa": isa,
+                "weight_bytes": os.path.getsize(model_path), "macs_per_token": macs_per_token(model_path)}
     rows = []
     for npl in args.npl:
         t, o = theirs.get(npl), mine.get(npl)
+        ceiling = roof and batched_ceiling(roof["weight_bytes"], roof["macs_per_token"], npl, args.npp, args.ntg,
+                                           512, roof["copy_bandwidth_bytes_per_s"], roof["int8_peak_macs_per_s"])
         rows.append({"npl": npl, "tokens": npl * (args.npp + args.ntg),
                      "llama-batched-bench s": t and t["t"], "llama-batched-bench t/s": t and t["s"],
                      "ours s": o and o["t"], "ours t/s": o and o["s"],
-                     "ours / llama.cpp": (o["s"] / t["s"]) if (o and t) else None})
+                     "ours / llama.cpp": (o["s"] / t["s"]) if (o and t) else None,
+                     "roofline t/s": ceiling, "ours / roofline": (o["s"] / ceiling) if (o and ceiling) else None})
     notes = (f"npp {args.npp}, ntg {args.ntg}, {args.threads} threads, ubatch 512, f16 KV, "
              f"{args.gpu_layers} GPU layers (-1: all). Total throughput = "
              f"npl x (npp + ntg) / wall time. Ours: LLMEngine with greedy sampling of every sequence each "
              f"step (llama-batched-bench samples nothing), paged, block {args.block_size}; GGML: {ggml}. "
              f"Target: ours / llama.cpp >= 1.0 at every npl.")
-    write_results("batched", {"params": vars(args), "llama_batched_bench": theirs, "ours": mine, "ggml": ggml},
+    if roof:
+        notes += (f"\n\nRoofline (bench/roofline.py): every step reads {roof['weight_bytes'] / 2**20:.0f} MiB of weights "
+                  f"at {roof['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (NumPy copy) and does "
+                  f"{roof['macs_per_token'] / 1e9:.2f} GMAC per token at {roof['int8_peak_macs_per_s'] / 1e9:.0f} "
+                  f"GMAC/s ({roof['int8_peak_isa']}, {args.threads} threads); a step takes at least the larger.")
+    write_results("batched", {"params": vars(args), "llama_batched_bench": theirs, "ours": mine, "ggml": ggml,
+                              "roofline": roof},
                   rows, out_dir=args.out, title="Batched throughput: llama-batched-bench's workload", notes=notes)
     import matplotlib
     matplotlib.use("Agg")
@@ -163,6 +179,8 @@ def main(argv=None) -> int:
     if theirs:
         ax.plot(args.npl, [r["llama-batched-bench t/s"] for r in rows], "o-", label="llama-batched-bench")
     ax.plot(args.npl, [r["ours t/s"] for r in rows], "s-", label="ours (paged, with sampling)")
+    if roof:
+        ax.plot(args.npl, [r["roofline t/s"] for r in rows], "--", color="grey", label="roofline")
     ax.set(xscale="log", xlabel="parallel sequences (npl)", ylabel="total tokens/s",
            title=f"pp{args.npp} + tg{args.ntg} per sequence, {args.threads} threads")
     ax.set_xticks(args.npl, [str(n) for n in args.npl])

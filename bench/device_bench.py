@@ -251,15 +251,19 @@ def summary_rows(out_dir: Path, status: dict) -> list[dict]:
             else:
                 data = json.loads((out_dir / label / "chat_trace.json").read_text())
                 for temp in sorted({r["temperature"] for r in data["runs"].values()}):
-                    peer, ours = (data["runs"].get(f"{side} t={temp:g}") for side in ("llama-server", "ours"))
+                    at_temp = [r for r in data["runs"].values() if r["temperature"] == temp]
+                    ours = next((r for r in at_temp if r["side"] == "ours"), None)
                     if not ours:
                         continue
-                    for metric, key in (("chat tokens/s", "tokens_per_s"), ("chat TTFT p50 s", "ttft_p50"),
-                                        ("chat ITL p50 s", "itl_p50")):
-                        theirs = peer[key] if peer else None
-                        rows.append({"model": label, "workload": metric, "setting": f"t={temp:g}",
-                                     "llama.cpp": theirs, "ours": ours[key],
-                                     "ours / llama.cpp": ours[key] / theirs if theirs else None})
+                    # each llama-server configuration the trace ran, as its own rows
+                    for peer in [r for r in at_temp if r["side"] != "ours"] or [None]:
+                        setting = f"t={temp:g}" + (f", {peer['side']}" if peer else "")
+                        for metric, key in (("chat tokens/s", "tokens_per_s"), ("chat TTFT p50 s", "ttft_p50"),
+                                            ("chat ITL p50 s", "itl_p50")):
+                            theirs = peer[key] if peer else None
+                            rows.append({"model": label, "workload": metric, "setting": setting,
+                                         "llama.cpp": theirs, "ours": ours[key],
+                                         "ours / llama.cpp": ours[key] / theirs if theirs else None})
     return rows
 
 
@@ -321,7 +325,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="batched,chat")
     ap.add_argument("--npl", default="1,4,16,64", help="batched: parallel sequences")
     ap.add_argument("--batched-args", default="", help="more arguments for bench/batched.py")
-    ap.add_argument("--chat-args", default="--requests 64 --rate 4 --np 8 --ctx 16384",
+    ap.add_argument("--chat-args", default="--requests 64 --rate 4 --peers np8,np32-kvu --ctx 16384",
                     help="more arguments for bench/chat_trace.py")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
     ap.add_argument("--llama-cpp-bin", default=None, help="llama.cpp's CUDA bin folder (default: build it)")

@@ -2,9 +2,11 @@
 run, with the roofline figures for decode: llama-bench's tg128 (128 tokens generated one at a
 time from an empty context) and pp512 (one 512-token prompt), and the same work on our engine
 (ModelRunner: the 512 tokens in one chunk; 128 single-token steps, logits of each), best of
---repeats. The roofline: a decode step reads every weight byte once, so its floor is the
-weights' bytes over this machine's memory bandwidth (measured here: a NumPy copy of 1 GiB,
-bytes read and written); the report gives each side's tokens/s against that ceiling.
+--repeats. The roofline (bench/roofline.py): a step reads every weight byte once and does one
+int8 multiply-accumulate per weight and token, so it takes at least the weights' bytes over
+this machine's memory bandwidth (a NumPy copy of 1 GiB, bytes read and written) and at least
+its MACs over the int8 peak (bench/int8_peak.c); the report gives each side's tokens/s against
+the ceiling that binds.
 
     bench/build_llama_cpp.sh
     python bench/single_stream.py --model bench/.models/<file>.gguf
@@ -23,21 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from _report import RESULTS_DIR, markdown_table, write_results
+from roofline import copy_bandwidth, int8_peak, macs_per_token, step_floor_s
 
 BENCH = Path(__file__).resolve().parent
-
-
-def copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second a large copy moves (read + written): the decode roofline's bandwidth."""
-    src = np.ones(n_bytes // 8)
-    dst = np.empty_like(src)
-    best = None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        t = time.perf_counter() - t0
-        best = t if best is None or t < best else best
-    return 2 * n_bytes / best
 
 
 def llama_bench(binary: str, model: str, args) -> dict:
@@ -97,21 +87,30 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     bandwidth = copy_bandwidth()
+    isa, peak = int8_peak(args.threads)
     theirs = llama_bench(args.llama_bench, args.model, args)
     mine = ours(args.model, args)
     weight_bytes = os.path.getsize(args.model)   # the file is the weights, a few MiB of metadata aside
-    ceiling = bandwidth / weight_bytes
+    macs = macs_per_token(args.model)
+    tg_ceiling = 1 / step_floor_s(weight_bytes, macs, 1, bandwidth, peak)
+    pp_ceiling = args.npp / step_floor_s(weight_bytes, macs, args.npp, bandwidth, peak)
     rows = [{"workload": f"pp{args.npp} t/s", "llama-bench": theirs["pp"], "ours": mine["pp"],
-             "ours / llama.cpp": mine["pp"] / theirs["pp"], "roofline t/s": None},
+             "ours / llama.cpp": mine["pp"] / theirs["pp"], "roofline t/s": pp_ceiling,
+             "ours / roofline": mine["pp"] / pp_ceiling},
             {"workload": f"tg{args.ntg} t/s", "llama-bench": theirs["tg"], "ours": mine["tg"],
-             "ours / llama.cpp": mine["tg"] / theirs["tg"], "roofline t/s": ceiling}]
-    notes = (f"{args.threads} threads, best of {args.repeats}. Roofline for decode: {weight_bytes / 2**20:.0f} MiB of "
-             f"weights read per token over {bandwidth / 1e9:.1f} GB/s (NumPy copy, read + written) = "
-             f"{ceiling:.1f} tokens/s; ours reaches {mine['tg'] / ceiling:.0%} of it, llama-bench "
-             f"{theirs['tg'] / ceiling:.0%}. Ours: panel kernel {mine['panel_kernel']}, "
+             "ours / llama.cpp": mine["tg"] / theirs["tg"], "roofline t/s": tg_ceiling,
+             "ours / roofline": mine["tg"] / tg_ceiling}]
+    notes = (f"{args.threads} threads, best of {args.repeats}. Roofline: {weight_bytes / 2**20:.0f} MiB of weights "
+             f"read per step over {bandwidth / 1e9:.1f} GB/s (NumPy copy, read + written), and "
+             f"{macs / 1e9:.2f} GMAC per token over an int8 peak of {peak / 1e9:.0f} GMAC/s ({isa}, "
+             f"{args.threads} threads). Decode: memory binds, {tg_ceiling:.1f} tokens/s; ours reaches "
+             f"{mine['tg'] / tg_ceiling:.0%} of it, llama-bench {theirs['tg'] / tg_ceiling:.0%}. Prefill of "
+             f"{args.npp}: compute binds, {pp_ceiling:.0f} tokens/s; ours reaches {mine['pp'] / pp_ceiling:.0%}, "
+             f"llama-bench {theirs['pp'] / pp_ceiling:.0%}. Ours: panel kernel {mine['panel_kernel']}, "
              f"{mine['n_panel_packed']} weights in panels.")
     write_results("single_stream", {"params": vars(args), "llama_bench": theirs, "ours": mine,
-                                    "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes},
+                                    "copy_bandwidth_bytes_per_s": bandwidth, "int8_peak_macs_per_s": peak,
+                                    "int8_peak_isa": isa, "macs_per_token": macs, "weight_bytes": weight_bytes},
                   rows, out_dir=args.out, title="Single stream: decode (tg) and prefill (pp) vs llama-bench",
                   notes=notes)
     import matplotlib
@@ -121,7 +120,7 @@ def main(argv=None) -> int:
     for ax, row in zip(axes, rows):
         ax.bar(["llama-bench", "ours"], [row["llama-bench"], row["ours"]], color=["tab:blue", "tab:orange"])
         if row["roofline t/s"]:
-            ax.axhline(row["roofline t/s"], color="grey", ls="--", label="bandwidth roofline")
+            ax.axhline(row["roofline t/s"], color="grey", ls="--", label="roofline")
             ax.legend()
         ax.set(title=row["workload"], ylabel="tokens/s")
     fig.suptitle(Path(args.model).name, fontsize=9)
