@@ -167,7 +167,8 @@ def main(argv=None) -> int:
     if roof:
         notes += (f"\n\nRoofline (bench/roofline.py): every step reads {roof['weight_bytes'] / 2**20:.0f} MiB of weights "
                   f"at {roof['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (NumPy copy) and does "
-                  f"{roof['macs_per_token'] / 1e9:.2f} GMAC per token at {roof['int8_peak_macs_per_s'] / 1e9:.0f} "
+                  f"{sum(roof['macs_per_token']) / 1e9:.2f} GMAC per token (the head: {roof['macs_per_token'][1] / 1e9:.2f}, "
+                  f"for a prompt's last token only) at {roof['int8_peak_macs_per_s'] / 1e9:.0f} "
                   f"GMAC/s ({roof['int8_peak_isa']}, {args.threads} threads); a step takes at least the larger.")
     write_results("batched", {"params": vars(args), "llama_batched_bench": theirs, "ours": mine, "ggml": ggml,
                               "roofline": roof},

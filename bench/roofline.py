@@ -6,9 +6,9 @@ and what they allow a workload.
 - int8 compute: bench/int8_peak.c, compiled here for this CPU (-march=native), the widest
   int8 dot-product instruction in independent register chains on --threads threads.
 
-A step reads every weight byte once and does one multiply-accumulate per weight and token
-(attention's MACs are left out: at these contexts a few percent), so it cannot take less than
-max(weight bytes / bandwidth, tokens x MACs per token / peak).
+A step reads every weight byte once and does one multiply-accumulate per weight and token (the
+output head only for tokens whose logits are wanted; attention's MACs are left out: at these
+contexts a few percent), so it cannot take less than max(weight bytes / bandwidth, MACs / peak).
 """
 
 from __future__ import annotations
@@ -50,32 +50,41 @@ def int8_peak(threads: int, repeats: int = 3) -> tuple[str, float]:
     return isa, best
 
 
-def macs_per_token(model_path: str) -> int:
-    """Weight multiply-accumulates per token: every 2-D weight but the input embedding (a row
-    lookup), which counts once as the head when output.weight is tied to it."""
+def macs_per_token(model_path: str) -> tuple[int, int]:
+    """(body, head) weight multiply-accumulates per token: every 2-D weight but the input
+    embedding (a row lookup) and the output head, and the head (output.weight, or the input
+    embedding when tied to it), which a prompt's tokens skip but its last."""
     import gguf
     reader = gguf.GGUFReader(model_path)
-    names = {t.name: t for t in reader.tensors}
-    total = 0
+    names = {t.name for t in reader.tensors}
+    head_name = "output.weight" if "output.weight" in names else "token_embd.weight"
+    body = head = 0
     for t in reader.tensors:
         if len([d for d in t.shape if d > 1]) < 2:
             continue
-        if t.name == "token_embd.weight" and "output.weight" in names:
-            continue
-        total += int(np.prod([int(d) for d in t.shape]))
-    return total
+        n = int(np.prod([int(d) for d in t.shape]))
+        if t.name == head_name:
+            head = n
+        elif t.name != "token_embd.weight":
+            body += n
+    return body, head
 
 
-def step_floor_s(weight_bytes: int, macs: float, tokens: int, bandwidth: float, peak: float) -> float:
-    """The least time a step of `tokens` tokens can take: memory or compute, whichever binds."""
-    return max(weight_bytes / bandwidth, tokens * macs / peak)
+def step_floor_s(weight_bytes: int, macs: float, bandwidth: float, peak: float) -> float:
+    """The least time a step of `macs` multiply-accumulates can take: reading the weights once,
+    or the MACs at the int8 peak, whichever binds."""
+    return max(weight_bytes / bandwidth, macs / peak)
 
 
-def batched_ceiling(weight_bytes: int, macs: float, npl: int, npp: int, ntg: int, ubatch: int,
+def batched_ceiling(weight_bytes: int, macs: tuple[int, int], npl: int, npp: int, ntg: int, ubatch: int,
                     bandwidth: float, peak: float) -> float:
     """Total tokens/s the llama-batched-bench workload allows: npl prompts of npp tokens in
-    ubatch-token steps, then ntg steps of npl tokens."""
+    ubatch-token steps (the head for each prompt's last token), then ntg steps of npl tokens."""
+    body, head = macs
     prompt = npl * npp
-    steps = [ubatch] * (prompt // ubatch) + ([prompt % ubatch] if prompt % ubatch else [])
-    steps += [npl] * ntg
-    return npl * (npp + ntg) / sum(step_floor_s(weight_bytes, macs, n, bandwidth, peak) for n in steps)
+    chunks = [ubatch] * (prompt // ubatch) + ([prompt % ubatch] if prompt % ubatch else [])
+    # a prompt's last token falls in the chunk that holds it: the head's MACs per chunk
+    ends = [sum(1 for i in range(npl) if sum(chunks[:c]) < (i + 1) * npp <= sum(chunks[:c + 1]))
+            for c in range(len(chunks))]
+    steps = [n * body + e * head for n, e in zip(chunks, ends)] + [npl * (body + head)] * ntg
+    return npl * (npp + ntg) / sum(step_floor_s(weight_bytes, m, bandwidth, peak) for m in steps)

@@ -91,9 +91,10 @@ def main(argv=None) -> int:
     theirs = llama_bench(args.llama_bench, args.model, args)
     mine = ours(args.model, args)
     weight_bytes = os.path.getsize(args.model)   # the file is the weights, a few MiB of metadata aside
-    macs = macs_per_token(args.model)
-    tg_ceiling = 1 / step_floor_s(weight_bytes, macs, 1, bandwidth, peak)
-    pp_ceiling = args.npp / step_floor_s(weight_bytes, macs, args.npp, bandwidth, peak)
+    body, head = macs_per_token(args.model)
+    tg_ceiling = 1 / step_floor_s(weight_bytes, body + head, bandwidth, peak)
+    # llama-bench's pp and ours both want the last token's logits only
+    pp_ceiling = args.npp / step_floor_s(weight_bytes, args.npp * body + head, bandwidth, peak)
     rows = [{"workload": f"pp{args.npp} t/s", "llama-bench": theirs["pp"], "ours": mine["pp"],
              "ours / llama.cpp": mine["pp"] / theirs["pp"], "roofline t/s": pp_ceiling,
              "ours / roofline": mine["pp"] / pp_ceiling},
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
              "ours / roofline": mine["tg"] / tg_ceiling}]
     notes = (f"{args.threads} threads, best of {args.repeats}. Roofline: {weight_bytes / 2**20:.0f} MiB of weights "
              f"read per step over {bandwidth / 1e9:.1f} GB/s (NumPy copy, read + written), and "
-             f"{macs / 1e9:.2f} GMAC per token over an int8 peak of {peak / 1e9:.0f} GMAC/s ({isa}, "
+             f"{(body + head) / 1e9:.2f} GMAC per token ({head / 1e9:.2f} of them the head) over an int8 peak of {peak / 1e9:.0f} GMAC/s ({isa}, "
              f"{args.threads} threads). Decode: memory binds, {tg_ceiling:.1f} tokens/s; ours reaches "
              f"{mine['tg'] / tg_ceiling:.0%} of it, llama-bench {theirs['tg'] / tg_ceiling:.0%}. Prefill of "
              f"{args.npp}: compute binds, {pp_ceiling:.0f} tokens/s; ours reaches {mine['pp'] / pp_ceiling:.0%}, "
@@ -110,7 +111,8 @@ def main(argv=None) -> int:
              f"{mine['n_panel_packed']} weights in panels.")
     write_results("single_stream", {"params": vars(args), "llama_bench": theirs, "ours": mine,
                                     "copy_bandwidth_bytes_per_s": bandwidth, "int8_peak_macs_per_s": peak,
-                                    "int8_peak_isa": isa, "macs_per_token": macs, "weight_bytes": weight_bytes},
+                                    "int8_peak_isa": isa, "macs_per_token": {"body": body, "head": head},
+                                    "weight_bytes": weight_bytes},
                   rows, out_dir=args.out, title="Single stream: decode (tg) and prefill (pp) vs llama-bench",
                   notes=notes)
     import matplotlib

@@ -1,4 +1,4 @@
-"""Command line: `pyllama-paged run|chat|serve|info`."""
+"""Command line: `pyllama-paged run|chat|serve|info|pull`."""
 
 from __future__ import annotations
 
@@ -286,6 +286,21 @@ def _print_devices(model) -> None:
         print(f"  weights on {model.device.name}: {model.device_bytes / 2**20:.1f} MiB")
 
 
+def cmd_pull(args) -> int:
+    from .models.progress import TerminalProgress
+    from .models.pull import pull
+
+    bar = TerminalProgress()
+    try:
+        stored = pull(args.reference, args.file, progress=bar)
+    finally:
+        bar.close()
+    print(f"pulled {stored.name}: {stored.path}", file=sys.stderr)
+    print(f"serve it with `pyllama-paged serve` (model name {stored.name!r}) or run it with "
+          f"`pyllama-paged run --model {stored.path}`", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The console script's argument parser (every subcommand)."""
     parser = argparse.ArgumentParser(prog="pyllama-paged", description=__doc__)
@@ -337,6 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("path", nargs="?", default=None)
     _add_gpu_args(info)
     info.set_defaults(func=cmd_info)
+    pull = sub.add_parser("pull", help="download a model into the local store (resuming an interrupted pull)",
+                          description="REF: hf.co/USER/REPO[:QUANT] (a GGUF of a Hugging Face repository, "
+                                      "Q4_K_M by default), USER/REPO with --file, or an Ollama registry name "
+                                      "NAME[:TAG] / NAMESPACE/NAME:TAG. The store is $PYLLAMA_PAGED_MODELS "
+                                      "(default ~/.cache/pyllama-paged/models); Hub files go to Hugging Face's "
+                                      "cache (HF_HOME); PYLLAMA_PAGED_REGISTRY and HF_ENDPOINT pick the servers.")
+    pull.add_argument("reference", metavar="REF")
+    pull.add_argument("--file", default=None, metavar="GLOB",
+                      help="the file of a Hugging Face USER/REPO to fetch (a glob such as '*Q4_K_M.gguf')")
+    pull.set_defaults(func=cmd_pull)
     return parser
 
 

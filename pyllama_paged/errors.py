@@ -38,3 +38,19 @@ class NativeMemoryError(NativeError, MemoryError):
 class ComputeError(NativeError):
     """A model step started and failed or was aborted: the KV rows of that step's
     slots are undefined, so its sequences must recompute them (or be failed)."""
+
+
+class DownloadError(PagedError):
+    """A model could not be fetched: the source could not be reached, answered with an
+    error, or sent something that is not what it promised. The message names the
+    reference and the URL or file."""
+
+
+class ModelNotFoundError(DownloadError, ValueError):
+    """The source has no such model, tag, repository or file. Also a ValueError, as
+    llama-cpp-python's from_pretrained raises for a file that is not there."""
+
+
+class IntegrityError(DownloadError):
+    """A downloaded file's sha256 is not the one its source published; the file was
+    deleted, so nothing half-verified is left behind."""

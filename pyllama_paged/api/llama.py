@@ -106,12 +106,25 @@ class Llama:
 
     @classmethod
     def from_pretrained(cls, repo_id: str, filename: str | None = None, additional_files=None,
-                        local_dir=None, local_dir_use_symlinks="auto", cache_dir=None, **kwargs) -> "Llama":
-        """A Llama for a file already on this machine: a local directory, the Hugging Face
-        cache, or an installed model package. Nothing is downloaded (ValueError instead)."""
+                        local_dir=None, local_dir_use_symlinks="auto", cache_dir=None, progress=None,
+                        **kwargs) -> "Llama":
+        """A Llama for a file of a Hugging Face repository: found on this machine (a local
+        directory, the Hugging Face cache, an installed model package) or downloaded from the
+        Hub (HF_ENDPOINT) and checked against its sha256. progress(status, completed, total)
+        sees the download's bytes (default: a bar on stderr, unless verbose=False)."""
         if additional_files:
             raise RequestError("additional_files (split GGUFs) are not supported")
-        return cls(model_path=find_pretrained(repo_id, filename, local_dir, cache_dir), **kwargs)
+        closing = None
+        if progress is None and kwargs.get("verbose", True):
+            from ..models.progress import TerminalProgress
+
+            progress = closing = TerminalProgress()
+        try:
+            path = find_pretrained(repo_id, filename, local_dir, cache_dir, progress)
+        finally:
+            if closing is not None:
+                closing.close()
+        return cls(model_path=path, **kwargs)
 
     # ---- model facts --------------------------------------------------------
     def n_ctx(self) -> int:

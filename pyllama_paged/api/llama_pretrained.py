@@ -1,22 +1,20 @@
 """Llama.from_pretrained's file lookup: local directories, the Hugging Face
-cache already on disk, and installed model packages. NOTE(pretrained):
-nothing is downloaded at run time; a file found nowhere is a ValueError that
-says where we looked and how to get it."""
+cache already on disk and installed model packages first; then a download from
+the Hub (models.hub) into Hugging Face's cache, or local_dir when given."""
 
 from __future__ import annotations
 
-import fnmatch
 import importlib
 import importlib.metadata
 import os
+import re
 from pathlib import Path
 
-from ..errors import RequestError
+from ..errors import DownloadError, ModelNotFoundError, RequestError
+from ..models.download import Progress
+from ..models.hub import choose_glob, download_file, hub_cache_dir, match_glob, repo_files
 
-
-def _matches(names: list[str], pattern: str) -> list[str]:
-    return sorted(n for n in names if fnmatch.fnmatch(n.lower(), pattern.lower())
-                  or fnmatch.fnmatch(Path(n).name.lower(), pattern.lower()))
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def _in_directory(root: Path, pattern: str) -> list[str]:
@@ -24,20 +22,13 @@ def _in_directory(root: Path, pattern: str) -> list[str]:
     if not root.is_dir():
         return []
     names = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() or p.is_symlink()]
-    return [str(root / n) for n in _matches(names, pattern)]
+    return [str(root / n) for n in match_glob(names, pattern)]
 
 
 def _hf_cache_dirs(repo_id: str, cache_dir: str | os.PathLike | None) -> list[Path]:
     """The snapshot folders of repo_id in the Hugging Face cache (as huggingface_hub lays it out)."""
-    if cache_dir is not None:
-        hubs = [Path(cache_dir)]
-    elif os.environ.get("HF_HUB_CACHE"):
-        hubs = [Path(os.environ["HF_HUB_CACHE"])]
-    else:
-        home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-        hubs = [Path(home) / "hub"]
     folder = "models--" + repo_id.replace("/", "--")
-    return [s for hub in hubs for s in sorted((hub / folder / "snapshots").glob("*")) if s.is_dir()]
+    return [s for s in sorted((hub_cache_dir(cache_dir) / folder / "snapshots").glob("*")) if s.is_dir()]
 
 
 def model_packages() -> dict[str, object]:
@@ -67,13 +58,15 @@ def _from_packages(repo_id: str, pattern: str) -> list[tuple[str, object]]:
     for module_name, module in model_packages().items():
         file = module.MODEL_NAME
         named = repo.replace("-", "_") == module_name
-        if named or (_matches([file], pattern) and stem and stem in file.lower()):
+        if named or (match_glob([file], pattern) and stem and stem in file.lower()):
             out.append((file, module))
     return out
 
 
-def find_pretrained(repo_id: str, filename: str | None, local_dir=None, cache_dir=None) -> str:
-    """The path of the one local file for (repo_id, filename glob); ValueError otherwise."""
+def find_pretrained(repo_id: str, filename: str | None, local_dir=None, cache_dir=None,
+                    progress: Progress | None = None) -> str:
+    """The path of the one file for (repo_id, filename glob): a local one, else downloaded
+    from the Hub; ValueError (ModelNotFoundError) when it is nowhere."""
     if not isinstance(repo_id, str) or not repo_id:
         raise RequestError("repo_id must be a non-empty string")
     pattern = filename or "*.gguf"
@@ -94,8 +87,23 @@ def find_pretrained(repo_id: str, filename: str | None, local_dir=None, cache_di
     if packaged:
         return str(packaged[0][1].assemble())
     packages = ", ".join(m.MODEL_NAME for m in model_packages().values()) or "none"
-    raise RequestError(
-        f"no local file matches {repo_id} / {pattern!r}: looked in {', '.join(label for label, _ in places) or 'no directory'} "
-        f"and in installed model packages ({packages}). pyllama-paged does not download models: fetch the "
-        f"file first (e.g. `huggingface-cli download {repo_id} --include '{pattern}'`) and pass its path "
-        "as model_path, or a local directory as repo_id")
+    looked = (f"looked in {', '.join(label for label, _ in places) or 'no directory'} and in installed model "
+              f"packages ({packages})")
+    if not _REPO_ID.fullmatch(repo_id) or Path(repo_id).expanduser().exists():
+        raise ModelNotFoundError(f"no local file matches {repo_id} / {pattern!r}: {looked}; a Hugging Face "
+                                 "repo_id (USER/REPO) would be downloaded")
+    return _download(repo_id, pattern, local_dir, cache_dir, progress, looked)
+
+
+def _download(repo_id: str, pattern: str, local_dir, cache_dir, progress, looked: str) -> str:
+    """The file from the Hub, into local_dir or Hugging Face's cache; errors say where we looked."""
+    try:
+        _, files = repo_files(repo_id)
+        name = choose_glob(list(files), pattern, repo_id)
+        return download_file(repo_id, files[name], cache_dir=cache_dir, local_dir=local_dir, progress=progress)
+    except ModelNotFoundError as e:
+        raise ModelNotFoundError(f"no local file matches {repo_id} / {pattern!r} ({looked}), and the Hub has "
+                                 f"none: {e}") from None
+    except DownloadError as e:
+        raise type(e)(f"no local file matches {repo_id} / {pattern!r} ({looked}), and downloading it failed: "
+                      f"{e}") from None

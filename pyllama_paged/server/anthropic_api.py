@@ -43,11 +43,11 @@ def build_router(state) -> APIRouter:
     """The router of /v1/messages."""
     router = APIRouter()
 
-    def served_for(body: MessagesRequest):
+    async def served_for(body: MessagesRequest):
         """The model body names, after the checks every route makes (limits, model, features)."""
         check_request(state.limits, stop=body.stop_sequences, messages=body.messages, tools=body.tools,
                       grammars={"output_config": body.schema()})
-        served = state.registry.get(body.model)
+        served = await state.registry.resolve(body.model)
         if served is None:
             raise APIError(404, f"model '{body.model}' not found; available: {', '.join(state.registry.names())}",
                            "model")
@@ -73,13 +73,13 @@ def build_router(state) -> APIRouter:
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
         """The prompt's length in tokens, as /v1/messages would count it (nothing runs)."""
-        ids, _, _ = await _prompt(served_for(body), body)
+        ids, _, _ = await _prompt(await served_for(body), body)
         return {"input_tokens": len(ids)}
 
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
         """Anthropic's Messages API: the answer as a message, or as its events when stream is set."""
-        served = served_for(body)
+        served = await served_for(body)
 
         ids, constraint, names = await _prompt(served, body)
         # nothing is held before this: every refusal above leaves the queue and pool as they were

@@ -18,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
+from ..errors import ModelLoadError
 from .dashboard import DASHBOARD_HTML
 from .generation import APIError, Limits, limit_flag
 from .metrics import Metrics
@@ -255,6 +256,9 @@ def _document_errors(app: FastAPI) -> None:
                         media_type, item = _STREAMS[path]
                         ok.setdefault("content", {})[media_type] = {"schema": item}
                         responses["503"] = {"description": "Server busy: the request queue is full", **error}
+                    if path == "/api/pull":
+                        responses["502"] = {"description": "The model's source could not be reached, or sent "
+                                                           "a file that failed its sha256 check", **error}
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -311,6 +315,12 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
         state.metrics.count_request(route_label(request.scope), exc.status)
         return error_response(request.url.path, exc.status, exc.message, exc.param, exc.type, exc.headers,
                               exc.code)
+
+    @app.exception_handler(ModelLoadError)
+    async def load_error(request: Request, exc: ModelLoadError):
+        # a stored model asked for by name that does not load (Ollama answers 500 too)
+        state.metrics.count_request(route_label(request.scope), 500)
+        return error_response(request.url.path, 500, str(exc), error_type="server_error")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -381,7 +391,7 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
 
     @app.get("/api/pool")
     async def pool(model: str | None = None):
-        served = registry.get(model)
+        served = await registry.resolve(model)
         if served is None:
             raise APIError(404, f"model '{model}' not found", "model")
         found, current = await served.figures(state.limits.stats_timeout)

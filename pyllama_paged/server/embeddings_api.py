@@ -139,7 +139,7 @@ def build_router(state) -> APIRouter:
     @router.post("/api/embed")
     async def embed(body: OllamaEmbedRequest):
         started = time.perf_counter()
-        served = find_model(state.registry, body.model)
+        served = await find_model(state.registry, body.model)
         keep_alive = keep_alive_seconds(body.keep_alive)
         options = body.options or EmbedOptions()
         if body.input is None:
@@ -161,7 +161,7 @@ def build_router(state) -> APIRouter:
     @router.post("/api/embeddings")
     async def embeddings(body: OllamaLegacyRequest):
         # the legacy route: one prompt, the vector as pooled (not normalized), as Ollama's
-        served = find_model(state.registry, body.model)
+        served = await find_model(state.registry, body.model)
         keep_alive = keep_alive_seconds(body.keep_alive)
         options = body.options or EmbedOptions()
         if not body.prompt:   # Ollama answers an empty prompt with an empty vector (a load)
@@ -175,7 +175,7 @@ def build_router(state) -> APIRouter:
 
     @router.post("/v1/embeddings")
     async def openai_embeddings(body: OpenAIEmbedRequest):
-        served = state.registry.get(body.model)
+        served = await state.registry.resolve(body.model)
         if served is None:
             raise APIError(404, f"The model '{body.model}' does not exist; available: "
                            f"{', '.join(state.registry.names())}", "model", code="model_not_found")

@@ -21,7 +21,8 @@ from ..tools.messages import normalize_messages
 from ..tools.prompt import check_tools, render_chat
 from .generation import (APIError, check_request, fit_prompt, off_loop, request_params, require_generative,
                          start_generation)
-from .ollama_manage import OLLAMA_VERSION, NameRequest, describe, find_model, keep_alive_seconds, show_model
+from .ollama_manage import (OLLAMA_VERSION, NameRequest, describe, describe_stored, find_model, keep_alive_seconds,
+                            show_model)
 from .openai_schemas import ToolFunction
 
 
@@ -123,8 +124,8 @@ def _params(options: Options | None, default_max: int, constraint) -> SamplingPa
 def build_router(state) -> APIRouter:
     router = APIRouter()
 
-    def find(name: str):
-        return find_model(state.registry, name)
+    async def find(name: str):
+        return await find_model(state.registry, name)
 
     def check_common(body: _Common, served) -> Any:
         """keep_alive's seconds; a 400 for think on a model that cannot."""
@@ -197,7 +198,7 @@ def build_router(state) -> APIRouter:
     async def generate(body: GenerateRequest, request: Request):
         check_request(state.limits, stop=body.options.stop if body.options else None,
                       grammars={"format": body.format})
-        served = find(body.model)
+        served = await find(body.model)
         require_generative(served)
         keep_alive = check_common(body, served)
         if body.images:
@@ -274,7 +275,7 @@ def build_router(state) -> APIRouter:
     async def chat(body: ChatRequest, request: Request):
         check_request(state.limits, stop=body.options.stop if body.options else None, messages=body.messages,
                       tools=body.tools, grammars={"format": body.format})
-        served = find(body.model)
+        served = await find(body.model)
         require_generative(served)
         keep_alive = check_common(body, served)
         if not body.messages:   # Ollama loads (or unloads) the model for an empty chat
@@ -304,12 +305,15 @@ def build_router(state) -> APIRouter:
 
     @router.post("/api/show")
     async def show(body: NameRequest):
-        return show_model(find(body.model or body.name or ""))
+        return show_model(await find(body.model or body.name or ""))
 
     @router.get("/api/tags")
     async def tags():
+        # the store is read on a thread: a listing never holds the loop on a slow disk
+        stored = await asyncio.to_thread(state.registry.stored_models)
         return {"models": [describe(m) for m in state.registry.models.values()] +
-                          [describe(state.registry.models[t], alias) for alias, t in state.registry.aliases.items()]}
+                          [describe(state.registry.models[t], alias) for alias, t in state.registry.aliases.items()] +
+                          [describe_stored(m) for m in stored]}
 
     @router.get("/api/ps")
     async def ps():

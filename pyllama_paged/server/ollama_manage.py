@@ -1,7 +1,7 @@
-"""Ollama's model-management routes answered for the files this server runs:
-pull (of a served model), copy and create (names for a served model), delete
-(of such a name), push (refused), and the shapes /api/tags, /api/show and
-/api/ps describe a model with."""
+"""Ollama's model-management routes: pull (a download into the store, or nothing for a
+file this server was started with), copy and create (names for a served model), delete
+(of such a name, or of a stored model and its files), push (refused), and the shapes
+/api/tags, /api/show and /api/ps describe a model with."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from .generation import APIError
+from .ollama_pull import pull_response
+from .registry import quantization_level
 
 # IDE clients refuse Ollama servers older than 0.6.4; we answer the API of this release
 OLLAMA_VERSION = "0.12.6"
@@ -58,9 +60,9 @@ def keep_alive_seconds(value: Any) -> float | None:
     return seconds
 
 
-def find_model(registry, name: str):
-    """The served model for a name, or Ollama's 404."""
-    served = registry.get(name)
+async def find_model(registry, name: str):
+    """The served model for a name (a stored one loaded on first use), or Ollama's 404."""
+    served = await registry.resolve(name)
     if served is None:
         raise APIError(404, f"model '{name}' not found; available: {', '.join(registry.names())}", "model")
     return served
@@ -71,6 +73,17 @@ def describe(served, name: str | None = None) -> dict[str, Any]:
     return {"name": name or served.name, "model": name or served.name,
             "modified_at": dt.datetime.fromtimestamp(served.loaded_at, dt.timezone.utc).isoformat(),
             "size": served.size, "digest": served.digest, "details": served.details()}
+
+
+def describe_stored(stored) -> dict[str, Any]:
+    """A stored model that is not loaded, as /api/tags lists it (facts from its manifest)."""
+    details = dict(stored.details)
+    file_type = details.pop("file_type", None)
+    details["quantization_level"] = quantization_level(file_type) if file_type is not None else ""
+    name = stored.name.lower()
+    return {"name": name, "model": name,
+            "modified_at": dt.datetime.fromtimestamp(stored.pulled_at, dt.timezone.utc).isoformat(),
+            "size": stored.size, "digest": stored.digest.split(":", 1)[-1], "details": details}
 
 
 def show_model(served) -> dict[str, Any]:
@@ -101,12 +114,14 @@ def build_router(state) -> APIRouter:
     @router.post("/api/pull")
     async def pull(body: NameRequest):
         name = body.model or body.name or ""
-        served = registry.get(name)
-        if served is None:
-            raise APIError(404, f"pull model manifest: model '{name}' is not served here and this server "
-                           f"does not download models; available: {', '.join(registry.names())}", "model")
-        return _statuses(body.stream, ["pulling manifest", f"pulling {served.digest[:12]}",
-                                       "verifying sha256 digest", "writing manifest"])
+        if not name:
+            raise APIError(400, "model: a model name to pull is required", "model")
+        served = registry.served(name)
+        if served is not None and served.name not in registry.stored:
+            # a file this server was started with (or a name for one): nothing to fetch
+            return _statuses(body.stream, ["pulling manifest", f"pulling {served.digest[:12]}",
+                                           "verifying sha256 digest", "writing manifest"])
+        return await pull_response(name, body.stream, registry.store)
 
     @router.post("/api/push")
     async def push(body: NameRequest):
@@ -114,7 +129,7 @@ def build_router(state) -> APIRouter:
 
     @router.post("/api/copy")
     async def copy(body: CopyRequest):
-        if registry.get(body.source) is None:
+        if await registry.resolve(body.source) is None:
             raise APIError(404, f"model '{body.source}' not found", "source")
         try:
             registry.add_alias(body.destination, body.source)
@@ -125,11 +140,20 @@ def build_router(state) -> APIRouter:
     @router.delete("/api/delete")
     async def delete(body: NameRequest):
         name = body.model or body.name or ""
-        if registry.get(name) is None:
-            raise APIError(404, f"model '{name}' not found", "model")
-        if not registry.remove_alias(name):
+        if registry.remove_alias(name):
+            return JSONResponse(None)
+        served = registry.served(name)
+        if served is not None and served.name not in registry.stored:
+            # the name means what a request with it gets: the file, though the store may have one too
             raise APIError(400, f"model '{name}' is a file this server was started with; it is not deleted "
-                           "(names made with copy or create can be)", "model")
+                           "(names made with copy or create, and pulled models, can be)", "model")
+        stored = registry.store.find_name(name) if name else None
+        if stored is None:
+            raise APIError(404, f"model '{name}' not found", "model")
+        try:
+            await registry.delete_stored(stored)
+        except ValueError as e:
+            raise APIError(400, str(e), "model") from None
         return JSONResponse(None)
 
     @router.post("/api/create")
@@ -142,7 +166,7 @@ def build_router(state) -> APIRouter:
         if unsupported or not isinstance(source, str):
             raise APIError(400, "only creating a new name 'from' a served model is supported "
                            f"(not {', '.join(unsupported) or 'without from'})", unsupported[0] if unsupported else "from")
-        if registry.get(source) is None:
+        if await registry.resolve(source) is None:
             raise APIError(404, f"model '{source}' not found", "from")
         try:
             registry.add_alias(name, source)

@@ -83,9 +83,10 @@ def scored_only(body, head: dict, tok, ids_of, echo_text, echo_lps):
     return JSONResponse({**head, "choices": choices, "usage": usage})
 
 
-def find_model(state, name: str):
-    """The served model of that name, or OpenAI's 404 listing the ones there are."""
-    served = state.registry.get(name)
+async def find_model(state, name: str):
+    """The served model of that name (a stored one loaded on first use), or OpenAI's 404
+    listing the ones there are."""
+    served = await state.registry.resolve(name)
     if served is None:
         raise APIError(404, f"The model '{name}' does not exist; available: "
                        f"{', '.join(state.registry.names())}", "model", code="model_not_found")
@@ -95,19 +96,22 @@ def find_model(state, name: str):
 def build_router(state) -> APIRouter:
     router = APIRouter()
 
-    def find(name: str):
-        return find_model(state, name)
+    async def find(name: str):
+        return await find_model(state, name)
 
     def card(m) -> dict:
         return {"id": m.name, "object": "model", "created": int(m.loaded_at), "owned_by": "pyllama-paged"}
 
     @router.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [card(m) for m in state.registry.models.values()]}
+        stored = await asyncio.to_thread(state.registry.stored_models)
+        return {"object": "list", "data": [card(m) for m in state.registry.models.values()] +
+                [{"id": m.name.lower(), "object": "model", "created": int(m.pulled_at), "owned_by": "pyllama-paged"}
+                 for m in stored]}
 
     @router.get("/v1/models/{model:path}")
     async def model(model: str):
-        return card(find(model))
+        return card(await find(model))
 
     def usage(gens) -> dict:
         prompt = sum(len(g.prompt_ids) for g in gens)
@@ -147,7 +151,7 @@ def build_router(state) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_request(state.limits, stop=body.stop, logit_bias=body.logit_bias, grammars=body.grammars())
-        served = find(body.model)
+        served = await find(body.model)
         require_generative(served)
         body.refuse_unsupported(served.config.n_vocab)
         if body.suffix:
@@ -235,7 +239,7 @@ def build_router(state) -> APIRouter:
     async def chat(body: ChatRequest, request: Request):
         check_request(state.limits, stop=body.stop, logit_bias=body.logit_bias, messages=body.messages,
                       tools=body.tools, grammars=body.grammars())
-        served = find(body.model)
+        served = await find(body.model)
         require_generative(served)
         body.refuse_unsupported(served.config.n_vocab)
         def prepare():

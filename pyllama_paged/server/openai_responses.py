@@ -57,7 +57,7 @@ def build_router(state) -> APIRouter:
                       tools=body.tools, grammars={"text.format": body.format_spec()})
         refuse_over(state.limits, "max_tokens", body.max_output_tokens or 0, "max_output_tokens",
                     "max_output_tokens")
-        served = find_model(state, body.model)
+        served = await find_model(state, body.model)
         require_generative(served)
         body.refuse_unsupported()
         # instructions are not carried over from the previous response (OpenAI's rule): the

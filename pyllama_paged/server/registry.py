@@ -1,5 +1,6 @@
 """The models a server offers: each a GGUF file with its tokenizer, chat
-template and its own engine loop, found by a user-facing name."""
+template and its own engine loop, found by a user-facing name; the files it
+was started with, and the models of the local store (pulled), loaded on first use."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.model import Model, default_model_path
 from ..engine.scheduler import SchedulerConfig
 from ..engine.scoring import ScoreParams
-from ..errors import PagedError
+from ..errors import ModelLoadError, PagedError
+from ..models.store import ModelStore, StoredModel
 from ..tokenizer.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "gemma3:270m"
@@ -288,7 +290,7 @@ class ServedModel:
         file_type = self.metadata.get("general.file_type")
         return {"format": "gguf", "family": cfg.arch, "families": [cfg.arch],
                 "parameter_size": str(self.metadata.get("general.size_label", "")),
-                "quantization_level": _FILE_TYPES.get(file_type, str(file_type))}
+                "quantization_level": quantization_level(file_type)}
 
     def close(self) -> None:
         if self.is_loaded:
@@ -313,18 +315,31 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 7: "Q8_0", 8: "Q5_0", 15: "Q4_K_M"
                18: "Q6_K", 32: "BF16"}
 
 
+def quantization_level(file_type) -> str:
+    """Ollama's quantization_level for a GGUF's general.file_type."""
+    return _FILE_TYPES.get(file_type, str(file_type))
+
+
 def model_name_for(path: str) -> str:
     """The name a user types for a file: its stem, lower-cased."""
     return Path(path).stem.lower()
 
 
 class ModelRegistry:
-    """Name -> ServedModel; names also match with an Ollama-style ':latest' suffix."""
+    """Name -> ServedModel; names also match with an Ollama-style ':latest' suffix. A name
+    that is none of the served ones may be a model of the store (pulled): it is loaded
+    then, and served under its store name from then on.
 
-    def __init__(self, paths: list[str] | None, options: EngineOptions):
+    That first load runs on a worker thread (resolve); keep_alive reloads later run off
+    the loop as before."""
+
+    def __init__(self, paths: list[str] | None, options: EngineOptions, store: ModelStore | None = None):
         self.options = options
+        self.store = store if store is not None else ModelStore()
         self.models: dict[str, ServedModel] = {}
         self.aliases: dict[str, str] = {}     # a name made with copy/create -> a served model's name
+        self.stored: set[str] = set()         # the served names that are store models
+        self._store_loads: dict[str, asyncio.Future] = {}   # a stored model's first load, shared
         if not paths:
             self._load(DEFAULT_MODEL_NAME, default_model_path())
         for path in paths or []:
@@ -333,20 +348,59 @@ class ModelRegistry:
     def _load(self, name: str, path: str) -> None:
         self.models[name] = ServedModel(name, str(path), self.options)
 
-    def get(self, name: str | None) -> ServedModel | None:
-        """The model for a requested name (None or '' means the first one)."""
+    def served(self, name: str | None) -> ServedModel | None:
+        """The model for a requested name among those loaded or named (never loads one;
+        None or '' means the first one)."""
         if not name:
             return next(iter(self.models.values()))
         name = name.lower()
-        for candidate in (name, name[:-7] if name.endswith(":latest") else None):
+        # "x" and "x:latest" are one name, however it was served (a pulled model keeps its tag)
+        for candidate in (name, name[:-7] if name.endswith(":latest") else name + ":latest"):
             if candidate in self.models:
                 return self.models[candidate]
             if candidate in self.aliases:
                 return self.models[self.aliases[candidate]]
         return None
 
+    def get(self, name: str | None) -> ServedModel | None:
+        """The model for a requested name among those loaded or named (never loads one; a
+        stored model not yet asked for is None here: routes use resolve)."""
+        return self.served(name)
+
+    async def resolve(self, name: str | None) -> ServedModel | None:
+        """The model for a requested name (None or '' means the first one), loading a stored
+        model the first time it is asked for: off the event loop, so every other user keeps
+        being served meanwhile, and once however many requests ask at the same time."""
+        served = self.served(name)
+        if served is not None or not name:
+            return served
+        stored = self.store.find_name(name)
+        if stored is None:
+            return None
+        key = stored.name.lower()
+        if key not in self.models:
+            loading = self._store_loads.get(key)
+            if loading is None:
+                loading = asyncio.get_running_loop().run_in_executor(None, ServedModel, key, stored.path,
+                                                                     self.options)
+                self._store_loads[key] = loading
+                loading.add_done_callback(lambda _: self._store_loads.pop(key, None))
+            try:
+                # a waiter that goes away (its client hung up) leaves the load to the others
+                served = await asyncio.shield(loading)
+            except PagedError as e:
+                raise ModelLoadError(f"the stored model {stored.name} ({stored.path}) cannot be loaded: {e}") from e
+            if key not in self.models:
+                self.models[key] = served
+                self.stored.add(key)
+        return self.models[key]
+
+    def stored_models(self) -> list[StoredModel]:
+        """The store's models that are not loaded (a loaded one is among models)."""
+        return [m for m in self.store.list() if m.name.lower() not in self.models]
+
     def names(self) -> list[str]:
-        return list(self.models) + list(self.aliases)
+        return list(self.models) + list(self.aliases) + [m.name for m in self.stored_models()]
 
     def add_alias(self, name: str, target: str) -> None:
         """Another name for a served model (Ollama's copy and create); ValueError if taken."""
@@ -361,6 +415,22 @@ class ModelRegistry:
     def remove_alias(self, name: str) -> bool:
         """Drop a name made with add_alias; False if name is not one."""
         return self.aliases.pop(name.lower().removesuffix(":latest"), None) is not None
+
+    async def delete_stored(self, stored: StoredModel) -> None:
+        """Drop a stored model: its engine (if loaded and idle; ValueError while requests
+        use it), its aliases, then its files."""
+        key = stored.name.lower()
+        served = self.models.get(key) if key in self.stored else None
+        if served is not None:
+            if not served.active:
+                await served.unload_if_idle()
+            if served.active or served.is_loaded:
+                raise ValueError(f"model '{stored.name}' is in use; delete it once its requests are done")
+            del self.models[key]
+            self.stored.discard(key)
+            self.aliases = {a: t for a, t in self.aliases.items() if t != key}
+            served.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.store.delete, stored)
 
     def close(self) -> None:
         for m in self.models.values():

@@ -223,13 +223,17 @@ def test_tokenize_detokenize_and_generate():
     llama.close()
 
 
-def test_from_pretrained_finds_installed_packages_and_never_downloads():
-    llm = Llama.from_pretrained(
-        repo_id="ggml-org/gemma-3-270m-GGUF",
-        filename="*q4_k_m.gguf",
-        verbose=False
-    )
-    assert llm.model_path == MODEL_PATH
-    llm.close()
-    with pytest.raises(ValueError, match="does not download"):
-        Llama.from_pretrained(repo_id="Qwen/Qwen2-0.5B-Instruct-GGUF", filename="*q8_0.gguf", verbose=False)
+def test_from_pretrained_finds_installed_packages_before_downloading(monkeypatch):
+    from pyllama_paged.testing.model_sources import ModelSources
+
+    with ModelSources() as hub:   # a local Hub: anything asked of it would be seen
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        llm = Llama.from_pretrained(
+            repo_id="ggml-org/gemma-3-270m-GGUF",
+            filename="*q4_k_m.gguf",
+            verbose=False
+        )
+        assert llm.model_path == MODEL_PATH and hub.seen() == []
+        llm.close()
+        with pytest.raises(ValueError, match="not found"):
+            Llama.from_pretrained(repo_id="Qwen/Qwen2-0.5B-Instruct-GGUF", filename="*q8_0.gguf", verbose=False)

@@ -16,6 +16,11 @@ LAYERS = [
     ["_native"],   # the binding's facade (_native/__init__.py) re-exports its modules
     ["gguf.config"],
     ["gguf.reader"],
+    # model downloads: below everything that loads models, and needing none of it
+    ["models.refs", "models.download", "models.progress"],
+    ["models.store"],
+    ["models.hub", "models.ollama_registry"],
+    ["models.pull"],
     ["convert.safetensors_file"],
     ["convert.bert_gguf"],
     ["tokenizer.vocab"],
@@ -50,7 +55,8 @@ LAYERS = [
     ["server.metrics", "server.dashboard", "server.openai_tokens"],
     ["server.registry"],
     ["server.generation"],
-    ["server.openai_schemas", "server.openai_logprobs", "server.ollama_manage", "server.anthropic_schemas"],
+    ["server.openai_schemas", "server.openai_logprobs", "server.ollama_pull", "server.ollama_manage",
+     "server.anthropic_schemas"],
     ["server.anthropic_messages"],
     ["server.anthropic_stream"],
     ["server.openai_responses_store", "server.openai_responses_items", "server.openai_responses_schemas",
@@ -64,7 +70,7 @@ LAYERS = [
      "testing.attention_harness", "testing.cuda_harness", "testing.serving", "testing.loop_control",
      "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf",
      "testing.synthetic_blocks", "testing.synthetic_bpe", "testing.synthetic_presets", "testing.vocab_metadata",
-     "testing.device_checks"],
+     "testing.device_checks", "testing.model_sources"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer
 ]

@@ -300,13 +300,17 @@ def test_keep_alive_zero_and_expiry_really_unload(server, registry, oai):
     assert client.generate(model=M, prompt="hi", options={"num_predict": 1}).done
 
 
-def test_model_management_the_ollama_way(server):
+def test_model_management_the_ollama_way(server, monkeypatch, tmp_path):
+    from pyllama_paged.testing.model_sources import ModelSources
+
     client = ollama.Client(host=server.url)
-    assert client.pull(M).status == "success"
+    assert client.pull(M).status == "success"   # a served file: nothing to fetch
     assert [p.status for p in client.pull(M, stream=True)][-1] == "success"
-    with pytest.raises(ollama.ResponseError) as e:
+    with ModelSources() as registry_without_models, pytest.raises(ollama.ResponseError) as e:
+        # a real pull, from a local registry that has no such model (tests/server/test_pull.py pulls for real)
+        monkeypatch.setenv("PYLLAMA_PAGED_REGISTRY", registry_without_models.url)
         client.pull("llama9:900b")
-    assert e.value.status_code == 404
+    assert e.value.status_code == 404 and "not found" in str(e.value)
     client.copy(M, "my-gemma")
     assert "my-gemma" in [m.model for m in client.list().models]
     assert client.generate(model="my-gemma", prompt="hi", options={"num_predict": 1}).done

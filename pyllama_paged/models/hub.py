@@ -1,0 +1,280 @@
+"""The Hugging Face Hub as a model source, through huggingface_hub (as llama-cpp-python
+uses it): the repository's file list, the choice of one GGUF, hf_hub_download into
+Hugging Face's own cache layout, and a sha256 check against what the Hub publishes.
+
+NOTE(hub): huggingface_hub 2.x writes each download to a file unique to the process and
+deletes it when the download fails, so a Hub download resumes (with HTTP Range) only
+within one call, across dropped connections; a new pull starts the file over."""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Callable
+
+from .._version import __version__
+from ..errors import DownloadError, IntegrityError, ModelNotFoundError, PagedError, RequestError
+from .download import DownloadCancelled, Progress, Reporter, file_sha256
+from .refs import ModelRef
+from .store import ModelStore, StoredModel, remove_hub_file
+
+ENDPOINT_ENV = "HF_ENDPOINT"
+DEFAULT_ENDPOINT = "https://huggingface.co"
+DEFAULT_QUANT = "Q4_K_M"
+_SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_UNSAFE_TAG = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def hub_endpoint() -> str:
+    """The Hub's URL: HF_ENDPOINT read now (huggingface_hub reads it once, at import)."""
+    return (os.environ.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def hub_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Hugging Face's cache folder: cache_dir, HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub
+    (read now, for the same reason as hub_endpoint)."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """A file of a repository: its path in the repository, size, and sha256 (LFS files only)."""
+
+    name: str
+    size: int | None
+    sha256: str | None
+    blob_id: str | None = None
+
+    @property
+    def digest(self) -> str:
+        """sha256:<hex> for LFS files, the git blob id otherwise."""
+        return f"sha256:{self.sha256}" if self.sha256 else f"git:{self.blob_id or ''}"
+
+
+def _failure(e: Exception, what: str) -> PagedError:
+    """huggingface_hub's errors (and its HTTP client's) as ours, naming what was asked."""
+    from huggingface_hub import errors as hf
+
+    if isinstance(e, PagedError):
+        return e
+    if isinstance(e, hf.GatedRepoError):
+        return DownloadError(f"{what}: the repository is gated; accept its terms on the Hub and set HF_TOKEN")
+    if isinstance(e, hf.LocalEntryNotFoundError):
+        return DownloadError(f"{what}: cannot reach {hub_endpoint()} and the file is not in the cache")
+    # the names of "no such file" moved between huggingface_hub releases
+    missing = tuple(c for c in (getattr(hf, n, None) for n in ("RepositoryNotFoundError", "RevisionNotFoundError",
+                                                               "RemoteEntryNotFoundError", "EntryNotFoundError"))
+                    if isinstance(c, type))
+    if isinstance(e, missing):
+        return ModelNotFoundError(f"{what} not found on {hub_endpoint()} ({type(e).__name__})")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return DownloadError(f"{what}: {type(e).__name__} from {hub_endpoint()}: {first}")
+
+
+def repo_files(repo_id: str, revision: str = "main") -> tuple[str, dict[str, HubFile]]:
+    """(commit, path -> HubFile) of a model repository, sizes and sha256 included."""
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi(endpoint=hub_endpoint(), library_name="pyllama-paged", library_version=__version__) \
+            .model_info(repo_id, revision=revision, files_metadata=True)
+    except Exception as e:   # the boundary with the Hub's client: every failure gets our shape
+        raise _failure(e, f"Hugging Face repository {repo_id}") from None
+    files = {}
+    for s in info.siblings or []:
+        lfs = s.lfs
+        sha = getattr(lfs, "sha256", None) if lfs is not None else None
+        size = s.size if s.size is not None else getattr(lfs, "size", None)
+        files[s.rfilename] = HubFile(s.rfilename, size, sha if sha and _SHA256.fullmatch(sha) else None, s.blob_id)
+    return info.sha or revision, files
+
+
+def match_glob(names: list[str], pattern: str) -> list[str]:
+    """The names whose path or base name matches the glob, without case (from_pretrained's rule)."""
+    p = pattern.lower()
+    return sorted(n for n in names if fnmatch.fnmatch(n.lower(), p) or fnmatch.fnmatch(PurePosixPath(n).name.lower(), p))
+
+
+def _models(names: list[str]) -> dict[str, list[str]]:
+    """GGUFs grouped by model: the parts of a split file (-00001-of-0000N) are one."""
+    groups: dict[str, list[str]] = {}
+    for n in sorted(names):
+        m = _SPLIT.match(n)
+        groups.setdefault(m.group(1) if m else n, []).append(n)
+    return groups
+
+
+def _refuse_split(repo_id: str, parts: list[str]) -> None:
+    if len(parts) > 1 or _SPLIT.match(parts[0]):
+        raise RequestError(f"{repo_id}: {parts[0]} is one part of a split GGUF ({len(parts)} parts here); split "
+                           "files are not supported: merge them with llama.cpp's `llama-gguf-split --merge` "
+                           "and load the merged file")
+
+
+def choose_quant(files: list[str], quant: str | None, repo_id: str) -> str:
+    """The one GGUF of a repository whose name has QUANT (default Q4_K_M, else the only one);
+    a clear error for none, several or a split file."""
+    ggufs = [n for n in files if n.lower().endswith(".gguf") and "mmproj" not in PurePosixPath(n).name.lower()]
+    if not ggufs:
+        raise ModelNotFoundError(f"{repo_id} has no .gguf file")
+    wanted = quant or DEFAULT_QUANT
+    hits = [n for n in ggufs if wanted.lower() in PurePosixPath(n).name.lower()]
+    # Q6_K is in Q6_K_L's name too: a quant that ends where the name's part ends wins
+    whole = re.compile(rf"(^|[-_.]){re.escape(wanted)}([-.]|$)", re.IGNORECASE)
+    hits = [n for n in hits if whole.search(PurePosixPath(n).name)] or hits
+    if not hits and quant is None and len(_models(ggufs)) == 1:
+        hits = ggufs
+    if not hits:
+        raise ModelNotFoundError(f"no .gguf of {repo_id} has {wanted!r} in its name; there are: {', '.join(ggufs)}")
+    groups = _models(hits)
+    if len(groups) > 1:
+        raise RequestError(f"{wanted!r} matches several files of {repo_id}: {', '.join(hits)}; "
+                           "name one with a longer QUANT")
+    parts = next(iter(groups.values()))
+    _refuse_split(repo_id, parts)
+    return parts[0]
+
+
+def choose_glob(files: list[str], pattern: str, repo_id: str) -> str:
+    """The one file of a repository that matches a glob; a clear error otherwise."""
+    hits = match_glob(files, pattern)
+    if not hits:
+        ggufs = [n for n in files if n.lower().endswith(".gguf")]
+        raise ModelNotFoundError(f"no file of {repo_id} matches {pattern!r}; its .gguf files: "
+                                 f"{', '.join(ggufs) or 'none'}")
+    if len(hits) > 1:
+        raise RequestError(f"several files of {repo_id} match {pattern!r}: {', '.join(hits)}")
+    _refuse_split(repo_id, hits)
+    return hits[0]
+
+
+def tag_for_file(name: str) -> str:
+    """A registry-style tag for a chosen file: its stem (which also works as a QUANT)."""
+    stem = PurePosixPath(name).name
+    stem = stem[:-5] if stem.lower().endswith(".gguf") else stem
+    tag = _UNSAFE_TAG.sub("-", stem)[:128]
+    return tag if tag and tag[0] not in ".-" else f"f{tag}"[:128]
+
+
+def _bar_class(report: Reporter, should_stop: Callable[[], bool] | None):
+    """A stand-in for tqdm that huggingface_hub drives (its tqdm_class hook): bytes go to
+    report, and should_stop() aborts the download."""
+
+    class ByteBar:
+        def __init__(self, *args, total=None, initial=0, **kwargs):
+            self.n, self.total = initial or 0, total
+            report.update(self.n, total or 0, force=True)
+
+        def update(self, n=1):
+            self.n += n
+            report.update(self.n, self.total or 0)
+            if should_stop and should_stop():
+                raise DownloadCancelled(f"download stopped at byte {self.n}")
+
+        def update_transfer(self, n=1):
+            pass   # xet's network bytes: the bytes written (update) are what is reported
+
+        def reset(self, total=None):
+            self.n, self.total = 0, total if total is not None else self.total
+
+        def set_postfix_str(self, *args, **kwargs):
+            pass
+
+        set_transfer_postfix_str = set_description = set_postfix_str
+
+        def refresh(self, *args, **kwargs):
+            pass
+
+        def close(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    return ByteBar
+
+
+def download_file(repo_id: str, file: HubFile, *, cache_dir=None, local_dir=None, progress: Progress | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> str:
+    """hf_hub_download of one file, then its sha256 checked against the Hub's (an LFS file's,
+    or an ETag that is one); a mismatch deletes the file. Returns its path."""
+    from huggingface_hub import hf_hub_download
+
+    what = f"{repo_id}/{file.name}"
+    report = Reporter(progress, f"pulling {file.digest.split(':', 1)[1][:12]}", file.size or 0)
+    options = {}
+    if "tqdm_class" in inspect.signature(hf_hub_download).parameters:   # older releases report no bytes
+        options["tqdm_class"] = _bar_class(report, should_stop)
+    try:
+        path = hf_hub_download(repo_id, file.name, revision="main", endpoint=hub_endpoint(),
+                               cache_dir=None if local_dir is not None else str(hub_cache_dir(cache_dir)),
+                               local_dir=local_dir, library_name="pyllama-paged", library_version=__version__,
+                               **options)
+    except Exception as e:   # the boundary with the Hub's client: every failure gets our shape
+        raise _failure(e, what) from None
+    size = os.path.getsize(path)
+    report.update(size, size, force=True)
+    expected = file.sha256
+    if expected is None and os.path.islink(path) and _SHA256.fullmatch(Path(os.path.realpath(path)).name):
+        expected = Path(os.path.realpath(path)).name   # the blob is named by its ETag, an LFS sha256
+    if expected is not None:
+        check = Reporter(progress, "verifying sha256 digest", size)
+        done = [0]
+
+        def hashed(n: int) -> None:
+            done[0] += n
+            check.update(done[0])
+
+        actual = file_sha256(path, hashed)
+        check.update(size, force=True)
+        if actual != expected:
+            remove_hub_file(Path(path))
+            raise IntegrityError(f"{what}: the downloaded file has sha256 {actual}, but the Hub publishes "
+                                 f"{expected}; the file was deleted")
+    return path
+
+
+class HubPull:
+    """A pull from the Hub, planned: the reference (tag settled), commit and file."""
+
+    def __init__(self, ref: ModelRef, commit: str, file: HubFile):
+        self.ref, self.commit, self.file = ref, commit, file
+
+    @property
+    def layers(self) -> list[tuple[str, int | None]]:
+        """(digest, size) of what is downloaded."""
+        return [(self.file.digest, self.file.size)]
+
+    def fetch(self, store: ModelStore, progress: Progress | None = None,
+              should_stop: Callable[[], bool] | None = None) -> StoredModel:
+        """Download (or find in the cache) and verify the file, then record it in the store."""
+        path = download_file(self.ref.repo_id, self.file, progress=progress, should_stop=should_stop)
+        if progress:
+            progress("writing manifest", 0, 0)
+        return store.write(self.ref, {"path": path, "digest": self.file.digest, "size": os.path.getsize(path)}, {},
+                           {"endpoint": hub_endpoint(), "repo": self.ref.repo_id, "file": self.file.name,
+                            "revision": self.commit})
+
+
+def plan_hub(ref: ModelRef) -> HubPull:
+    """Settle which file a Hub reference means (one request: the repository's file list)."""
+    commit, files = repo_files(ref.repo_id)
+    names = list(files)
+    if ref.pattern:
+        name = choose_glob(names, ref.pattern, ref.repo_id)
+        return HubPull(ref.with_tag(tag_for_file(name)), commit, files[name])
+    name = choose_quant(names, ref.tag, ref.repo_id)
+    return HubPull(ref.with_tag(ref.tag or "latest"), commit, files[name])
