@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #define PP_PANEL_CHUNK 32   /* most panels a thread takes at a time (see chunk_panels) */
 
@@ -89,6 +90,22 @@ static void put_code(enum ggml_type type, uint8_t *dst, int i, int u) {
     if (u & 0x10) dst[144 + i / 8] |= (uint8_t)(1u << (i % 8));
 }
 
+/* Panels are streamed whole every step: in 2 MiB pages (where the kernel
+ * gives them: transparent huge pages on request) a step takes far fewer TLB
+ * misses, and the hardware prefetchers are not stopped at every 4 KiB page
+ * end. Freed with free(). */
+#define PP_PANEL_HUGE_PAGE ((size_t)2 << 20)
+static uint8_t *panel_alloc(size_t size) {
+    const size_t align = size >= PP_PANEL_HUGE_PAGE ? PP_PANEL_HUGE_PAGE : 64;
+    const size_t rounded = (size + align - 1) / align * align;
+    void *mem = NULL;
+    if (posix_memalign(&mem, align, rounded) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+    if (align == PP_PANEL_HUGE_PAGE) madvise(mem, rounded, MADV_HUGEPAGE);   /* a hint: no error to handle */
+#endif
+    return mem;
+}
+
 pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows) {
     if (!pp_q8_panels_fit(type, k, n_rows, PP_PANEL_KERNEL_SCALAR)) return NULL;
     pp_q8_panels *p = calloc(1, sizeof *p);
@@ -97,7 +114,7 @@ pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k
     const size_t size = pp_panel_type_is_k(type)
         ? (size_t)(n_rows / PP_PANEL_ROWS) * (size_t)(k / PP_PANEL_KBLOCK) * pp_kpanel_superblock_bytes(type)
         : (size_t)(n_rows / PP_PANEL_ROWS) * nb * pbb;
-    if (p) p->data = aligned_alloc(64, (size + 63) & ~(size_t)63);
+    if (p) p->data = panel_alloc(size);
     if (!p || !p->data) {
         free(p);
         return NULL;
