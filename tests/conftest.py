@@ -16,3 +16,28 @@ def _no_real_model_store(tmp_path_factory):
         env.setenv("PYLLAMA_PAGED_MODELS", str(tmp_path_factory.mktemp("model-store")))
         env.setenv("PYLLAMA_PAGED_REGISTRY", registry.url)
         yield
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_bytes(tmp_path_factory) -> bytes:
+    """A tiny random-weight Gemma 3 GGUF, as a model source serves it."""
+    from pathlib import Path
+
+    from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
+    return Path(write_tiny_model(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "gemma3")).read_bytes()
+
+
+@pytest.fixture
+def model_sources(tmp_path, monkeypatch):
+    """A local Hugging Face Hub and Ollama registry (ModelSources) that pulls go to, with HOME,
+    Hugging Face's cache and the store in tmp_path."""
+    from pyllama_paged.testing.model_sources import ModelSources
+
+    with ModelSources() as sources:
+        values = {"HOME": tmp_path / "home", "HF_HOME": tmp_path / "hf", "PYLLAMA_PAGED_MODELS": tmp_path / "store",
+                  "PYLLAMA_PAGED_REGISTRY": sources.url, "HF_ENDPOINT": sources.url}
+        for key, value in values.items():
+            monkeypatch.setenv(key, str(value))
+        for key in ("HF_HUB_CACHE", "XDG_CACHE_HOME"):
+            monkeypatch.delenv(key, raising=False)
+        yield sources

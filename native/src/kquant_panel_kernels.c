@@ -127,6 +127,22 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
     }
 }
 
+/* A tile's NC columns, from cols every col_stride bytes: each one's codes
+ * (qc), block scales (csc), scaled byte sums (ssc) and half-block offsets
+ * (ofc), formed once per tile rather than per block; its accumulators
+ * (accf, declared by the caller) zeroed. */
+#define PP_KTILE_COLUMNS(NC)                                                                                \
+    const uint8_t *qc[NC];                                                                                  \
+    const float *csc[NC], *ssc[NC];                                                                         \
+    const int32_t *ofc[NC];                                                                                 \
+    _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                                  \
+        accf[i] = _mm256_setzero_ps();                                                                      \
+        qc[i] = cols + i * col_stride;                                                                      \
+        csc[i] = PP_COL_SCALE(qc[i], k);                                                                    \
+        ssc[i] = PP_COL_SSUM(qc[i], k);                                                                     \
+        ofc[i] = PP_COL_OFFSET16(qc[i], k);                                                                 \
+    }
+
 /* NC columns straight from a stored panel, nothing widened: decode of a
  * few streams reads each weight byte from memory once per step. Each
  * block's codes are unpacked once in registers and its scales formed once,
@@ -142,16 +158,7 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
         const int q6 = w->type == GGML_TYPE_Q6_K;                                                           \
         const size_t hb = pp_kpanel_header_bytes(w->type), cb = pp_kpanel_block_bytes(w->type);                   \
         __m256 accf[NC];                                                                                    \
-        const uint8_t *qc[NC];                                                                              \
-        const float *csc[NC], *ssc[NC];                                                                     \
-        const int32_t *ofc[NC];                                                                             \
-        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                              \
-            accf[i] = _mm256_setzero_ps();                                                                  \
-            qc[i] = cols + i * col_stride;                                                                  \
-            csc[i] = PP_COL_SCALE(qc[i], k);                                                                \
-            ssc[i] = PP_COL_SSUM(qc[i], k);                                                                 \
-            ofc[i] = PP_COL_OFFSET16(qc[i], k);                                                             \
-        }                                                                                                   \
+        PP_KTILE_COLUMNS(NC)                                                                                \
         const uint8_t *sb = pp_kpanel_superblock(w, pi, 0);                                                 \
         const size_t sb_bytes = pp_kpanel_superblock_bytes(w->type);                                        \
         for (int64_t s = 0; s < nsb; s++, sb += sb_bytes) {                                                 \
@@ -207,16 +214,7 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
         size_t ldo) {                                                                                       \
         enum { NACC = (Q6) ? 2 : (SPLIT) };                                                                 \
         __m256 accf[NC];                                                                                    \
-        const uint8_t *qc[NC];                                                                              \
-        const float *csc[NC], *ssc[NC];                                                                     \
-        const int32_t *ofc[NC];                                                                             \
-        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                              \
-            accf[i] = _mm256_setzero_ps();                                                                  \
-            qc[i] = cols + i * col_stride;                                                                  \
-            csc[i] = PP_COL_SCALE(qc[i], k);                                                                \
-            ssc[i] = PP_COL_SSUM(qc[i], k);                                                                 \
-            ofc[i] = PP_COL_OFFSET16(qc[i], k);                                                             \
-        }                                                                                                   \
+        PP_KTILE_COLUMNS(NC)                                                                                \
         for (int64_t b = 0; b < nb; b++) {                                                                  \
             const uint8_t *blk = p->codes + b * 256;                                                        \
             __m256i acci[NC][NACC];                                                                         \

@@ -11,30 +11,14 @@ import pytest
 from pyllama_paged.api.llama import Llama
 from pyllama_paged.api.llama_pretrained import find_pretrained
 from pyllama_paged.errors import IntegrityError, ModelNotFoundError
-from pyllama_paged.testing.model_sources import COMMIT, ModelSources
-from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
+from pyllama_paged.testing.model_sources import COMMIT
 
 REPO = "someone/tiny-GGUF"
 
 
-@pytest.fixture(scope="module")
-def gguf(tmp_path_factory) -> bytes:
-    return Path(write_tiny_model(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "gemma3")).read_bytes()
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    with ModelSources() as sources:
-        monkeypatch.setenv("HOME", str(tmp_path / "home"))
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-        monkeypatch.setenv("HF_ENDPOINT", sources.url)
-        monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-        yield sources
-
-
-def test_from_pretrained_downloads_into_the_hf_cache(hub, gguf, tmp_path):
-    hub.add_hub_file(REPO, "tiny-Q8_0.gguf", gguf)
-    hub.add_hub_file(REPO, "tiny-Q4_K_M.gguf", gguf + b"\0")   # another file that must not be fetched
+def test_from_pretrained_downloads_into_the_hf_cache(model_sources, tiny_gguf_bytes, tmp_path):
+    model_sources.add_hub_file(REPO, "tiny-Q8_0.gguf", tiny_gguf_bytes)
+    model_sources.add_hub_file(REPO, "tiny-Q4_K_M.gguf", tiny_gguf_bytes + b"\0")   # another file that must not be fetched
     seen = []
     with Llama.from_pretrained(REPO, "*q8_0.gguf", n_ctx=64, n_threads=2,
                                progress=lambda *event: seen.append(event)) as llm:
@@ -42,23 +26,23 @@ def test_from_pretrained_downloads_into_the_hf_cache(hub, gguf, tmp_path):
                                      "tiny-Q8_0.gguf")
         assert llm("hi", max_tokens=2)["usage"]["completion_tokens"] == 2
     blob = Path(os.path.realpath(llm.model_path))
-    assert blob.name == hashlib.sha256(gguf).hexdigest() and blob.read_bytes() == gguf
+    assert blob.name == hashlib.sha256(tiny_gguf_bytes).hexdigest() and blob.read_bytes() == tiny_gguf_bytes
     pulled = [e for e in seen if e[0].startswith("pulling ")]
     # bytes as huggingface_hub writes them (its progress hook), then the hash check's
-    assert pulled[0][1:] == (0, len(gguf)) and pulled[-1][1:] == (len(gguf), len(gguf))
-    assert seen[-1] == ("verifying sha256 digest", len(gguf), len(gguf))
-    assert not hub.seen("GET", "tiny-Q4_K_M")
+    assert pulled[0][1:] == (0, len(tiny_gguf_bytes)) and pulled[-1][1:] == (len(tiny_gguf_bytes), len(tiny_gguf_bytes))
+    assert seen[-1] == ("verifying sha256 digest", len(tiny_gguf_bytes), len(tiny_gguf_bytes))
+    assert not model_sources.seen("GET", "tiny-Q4_K_M")
     # the next time it is found in the cache, before anything is asked of the Hub
-    before = len(hub.seen())
+    before = len(model_sources.seen())
     assert find_pretrained(REPO, "*Q8_0.gguf") == llm.model_path
-    assert len(hub.seen()) == before
+    assert len(model_sources.seen()) == before
 
 
-def test_from_pretrained_into_local_dir_and_its_errors(hub, gguf, tmp_path):
-    hub.add_hub_file(REPO, "tiny-Q8_0.gguf", gguf)
-    hub.add_hub_file(REPO, "tiny-Q4_K_M.gguf", gguf, published_sha=hashlib.sha256(b"something else").hexdigest())
+def test_from_pretrained_into_local_dir_and_its_errors(model_sources, tiny_gguf_bytes, tmp_path):
+    model_sources.add_hub_file(REPO, "tiny-Q8_0.gguf", tiny_gguf_bytes)
+    model_sources.add_hub_file(REPO, "tiny-Q4_K_M.gguf", tiny_gguf_bytes, published_sha=hashlib.sha256(b"something else").hexdigest())
     path = find_pretrained(REPO, "*Q8_0.gguf", local_dir=tmp_path / "models")
-    assert path == str(tmp_path / "models" / "tiny-Q8_0.gguf") and Path(path).read_bytes() == gguf
+    assert path == str(tmp_path / "models" / "tiny-Q8_0.gguf") and Path(path).read_bytes() == tiny_gguf_bytes
     with pytest.raises(IntegrityError, match="the Hub publishes .*deleted"):
         Llama.from_pretrained(REPO, "*Q4_K_M.gguf", verbose=False)
     assert not [p for p in (tmp_path / "hf").rglob("*") if p.is_file() and "blobs" in p.parts]
@@ -70,12 +54,12 @@ def test_from_pretrained_into_local_dir_and_its_errors(hub, gguf, tmp_path):
         Llama.from_pretrained(REPO, "*IQ1_S.gguf", verbose=False)
 
 
-def test_a_hub_download_resumes_a_dropped_connection(hub, tmp_path):
+def test_a_hub_download_resumes_a_dropped_connection(model_sources, tmp_path):
     # bigger than huggingface_hub's read chunk (10 MB), so bytes were written before the cut
     data = os.urandom(24 << 20)
-    hub.add_hub_file(REPO, "big.gguf", data)
-    hub.cut("big.gguf", 21 << 20)
+    model_sources.add_hub_file(REPO, "big.gguf", data)
+    model_sources.cut("big.gguf", 21 << 20)
     path = find_pretrained(REPO, "big.gguf")
-    ranged = [s.range for s in hub.seen("GET", "/resolve/") if s.range]
+    ranged = [s.range for s in model_sources.seen("GET", "/resolve/") if s.range]
     assert len(ranged) == 1 and ranged[0].startswith("bytes=") and ranged[0] != "bytes=0-"
     assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest()

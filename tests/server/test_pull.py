@@ -19,7 +19,6 @@ from pyllama_paged.models.pull import pull
 from pyllama_paged.models.refs import parse_reference
 from pyllama_paged.models.store import ModelStore
 from pyllama_paged.server.app import create_app
-from pyllama_paged.testing.model_sources import ModelSources
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.serving import Running, free_port, stop_server, tiny_registry, wait_healthy
 
@@ -27,22 +26,15 @@ CLI = [sys.executable, "-m", "pyllama_paged.cli"]
 REPO = "someone/tiny-GGUF"
 
 
-@pytest.fixture(scope="module")
-def gguf(tmp_path_factory) -> bytes:
-    return Path(write_tiny_model(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "gemma3")).read_bytes()
+@pytest.fixture
+def gguf(tiny_gguf_bytes) -> bytes:
+    return tiny_gguf_bytes
 
 
 @pytest.fixture
-def env(tmp_path, monkeypatch):
+def env(model_sources):
     """HOME, Hugging Face's cache and the store in tmp_path; the Hub and the registry local."""
-    with ModelSources() as sources:
-        values = {"HOME": tmp_path / "home", "HF_HOME": tmp_path / "hf", "PYLLAMA_PAGED_MODELS": tmp_path / "store",
-                  "PYLLAMA_PAGED_REGISTRY": sources.url, "HF_ENDPOINT": sources.url}
-        for key, value in values.items():
-            monkeypatch.setenv(key, str(value))
-        for key in ("HF_HUB_CACHE", "XDG_CACHE_HOME"):
-            monkeypatch.delenv(key, raising=False)
-        yield sources
+    return model_sources
 
 
 def _files(root: Path) -> list[str]:
