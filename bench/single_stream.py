@@ -2,8 +2,8 @@
 run, with the roofline figures for decode: llama-bench's tg128 (128 tokens generated one at a
 time from an empty context) and pp512 (one 512-token prompt), and the same work on our engine
 (ModelRunner: the 512 tokens in one chunk; 128 single-token steps, logits of each), best of
---repeats. The roofline (bench/roofline.py): a step reads every weight byte once and does one
-int8 multiply-accumulate per weight and token, so it takes at least the weights' bytes over
+--repeats rounds each, the two sides' rounds interleaved. The roofline (bench/roofline.py): a
+step reads every weight byte once and does one int8 multiply-accumulate per weight and token, so it takes at least the weights' bytes over
 this machine's memory bandwidth (a NumPy copy of 1 GiB, bytes read and written) and at least
 its MACs over the int8 peak (bench/int8_peak.c); the report gives each side's tokens/s against
 the ceiling that binds.
@@ -31,9 +31,9 @@ BENCH = Path(__file__).resolve().parent
 
 
 def llama_bench(binary: str, model: str, args) -> dict:
-    """llama-bench's pp512 and tg128 tokens/s (its JSON output)."""
+    """llama-bench's pp and tg tokens/s, one repetition each (its JSON output)."""
     cmd = [binary, "-m", model, "-p", str(args.npp), "-n", str(args.ntg), "-t", str(args.threads),
-           "-r", str(args.repeats), "-o", "json"]
+           "-r", "1", "-o", "json"]
     rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     out = {}
     for r in rows:
@@ -42,37 +42,58 @@ def llama_bench(binary: str, model: str, args) -> dict:
     return out
 
 
-def ours(model_path: str, args) -> dict:
-    """Our pp and tg tokens/s, best of args.repeats."""
-    from pyllama_paged.engine.model import Model
-    from pyllama_paged.engine.model_runner import ModelRunner
+class Ours:
+    """Our engine on the same work: one prompt of npp tokens in one chunk, then ntg single-token
+    steps from an empty context, the logits of each (what llama-bench times)."""
 
-    model = Model(model_path)
-    runner = ModelRunner(model, paged=True, n_ctx=args.npp + args.ntg + 16, n_threads=args.threads,
-                         n_batch=args.npp, block_size=16)
-    rng = np.random.default_rng(0)
-    vocab = model.config.n_vocab
-    best = {"pp": 0.0, "tg": 0.0}
+    def __init__(self, model_path: str, args):
+        from pyllama_paged.engine.model import Model
+        from pyllama_paged.engine.model_runner import ModelRunner
+
+        self.args = args
+        self.model = Model(model_path)
+        self.runner = ModelRunner(self.model, paged=True, n_ctx=args.npp + args.ntg + 16,
+                                  n_threads=args.threads, n_batch=args.npp, block_size=16)
+        self.rng = np.random.default_rng(0)
+        self.round()   # warms up
+
+    def round(self) -> dict:
+        """One pp and one tg measurement, tokens/s."""
+        args, runner, vocab = self.args, self.runner, self.model.config.n_vocab
+        seq = runner.add_sequence(self.rng.integers(1000, vocab // 2, size=args.npp).tolist())
+        t0 = time.perf_counter()
+        runner.step([(seq, args.npp)])
+        pp = args.npp / (time.perf_counter() - t0)
+        runner.free(seq)
+        seq = runner.add_sequence([int(self.rng.integers(1000, vocab // 2))])
+        t0 = time.perf_counter()
+        for _ in range(args.ntg):
+            logits = runner.step([(seq, 1)])
+            runner.append_tokens(seq, [int(np.argmax(logits[0]))])
+        tg = args.ntg / (time.perf_counter() - t0)
+        runner.free(seq)
+        return {"pp": pp, "tg": tg}
+
+    def close(self) -> None:
+        """Free the runner and the model."""
+        self.runner.close()
+        self.model.close()
+
+
+def side_by_side(args) -> tuple[dict, dict, list[dict]]:
+    """Best of args.repeats rounds for each side, the rounds interleaved (llama-bench, ours,
+    llama-bench, ...): this host's memory speed drifts by up to ~15% over minutes, and both
+    sides must see the same drift."""
+    ours = Ours(args.model, args)
+    rounds = []
     try:
-        for r in range(args.repeats + 1):   # the first round warms up
-            seq = runner.add_sequence(rng.integers(1000, vocab // 2, size=args.npp).tolist())
-            t0 = time.perf_counter()
-            runner.step([(seq, args.npp)])
-            pp = args.npp / (time.perf_counter() - t0)
-            runner.free(seq)
-            seq = runner.add_sequence([int(rng.integers(1000, vocab // 2))])
-            t0 = time.perf_counter()
-            for i in range(args.ntg):
-                logits = runner.step([(seq, 1)])
-                runner.append_tokens(seq, [int(np.argmax(logits[0]))])
-            tg = args.ntg / (time.perf_counter() - t0)
-            runner.free(seq)
-            if r:
-                best = {"pp": max(best["pp"], pp), "tg": max(best["tg"], tg)}
-        return {**best, "panel_kernel": model.panel_kernel, "n_panel_packed": model.n_panel_packed}
+        for _ in range(args.repeats):
+            rounds.append({"llama_bench": llama_bench(args.llama_bench, args.model, args), "ours": ours.round()})
+        mine = {"panel_kernel": ours.model.panel_kernel, "n_panel_packed": ours.model.n_panel_packed}
     finally:
-        runner.close()
-        model.close()
+        ours.close()
+    best = lambda side: {w: max(r[side][w] for r in rounds) for w in ("pp", "tg")}
+    return best("llama_bench"), {**best("ours"), **mine}, rounds
 
 
 def main(argv=None) -> int:
@@ -88,8 +109,7 @@ def main(argv=None) -> int:
 
     bandwidth = copy_bandwidth()
     isa, peak = int8_peak(args.threads)
-    theirs = llama_bench(args.llama_bench, args.model, args)
-    mine = ours(args.model, args)
+    theirs, mine, rounds = side_by_side(args)
     weight_bytes = os.path.getsize(args.model)   # the file is the weights, a few MiB of metadata aside
     body, head = macs_per_token(args.model)
     tg_ceiling = 1 / step_floor_s(weight_bytes, body + head, bandwidth, peak)
@@ -101,7 +121,7 @@ def main(argv=None) -> int:
             {"workload": f"tg{args.ntg} t/s", "llama-bench": theirs["tg"], "ours": mine["tg"],
              "ours / llama.cpp": mine["tg"] / theirs["tg"], "roofline t/s": tg_ceiling,
              "ours / roofline": mine["tg"] / tg_ceiling}]
-    notes = (f"{args.threads} threads, best of {args.repeats}. Roofline: {weight_bytes / 2**20:.0f} MiB of weights "
+    notes = (f"{args.threads} threads, best of {args.repeats} rounds for each side, interleaved. Roofline: {weight_bytes / 2**20:.0f} MiB of weights "
              f"read per step over {bandwidth / 1e9:.1f} GB/s (NumPy copy, read + written), and "
              f"{(body + head) / 1e9:.2f} GMAC per token ({head / 1e9:.2f} of them the head) over an int8 peak of {peak / 1e9:.0f} GMAC/s ({isa}, "
              f"{args.threads} threads). Decode: memory binds, {tg_ceiling:.1f} tokens/s; ours reaches "
@@ -109,7 +129,7 @@ def main(argv=None) -> int:
              f"{args.npp}: compute binds, {pp_ceiling:.0f} tokens/s; ours reaches {mine['pp'] / pp_ceiling:.0%}, "
              f"llama-bench {theirs['pp'] / pp_ceiling:.0%}. Ours: panel kernel {mine['panel_kernel']}, "
              f"{mine['n_panel_packed']} weights in panels.")
-    write_results("single_stream", {"params": vars(args), "llama_bench": theirs, "ours": mine,
+    write_results("single_stream", {"params": vars(args), "llama_bench": theirs, "ours": mine, "rounds": rounds,
                                     "copy_bandwidth_bytes_per_s": bandwidth, "int8_peak_macs_per_s": peak,
                                     "int8_peak_isa": isa, "macs_per_token": {"body": body, "head": head},
                                     "weight_bytes": weight_bytes},
