@@ -151,7 +151,7 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
  * 1.6B file took 100 ms, now 63). The columns' addresses are formed once
  * per tile (worth 76 -> 63 ms). Two chains per column: values 0..15 and
  * 16..31 of the block, Q6_K's two half-block scales. */
-#define PP_KDIRECT(NAME, TARGET, DOT, NC, PF)                                                                 \
+#define PP_KDIRECT(NAME, TARGET, DOT, NC)                                                                   \
     static inline __attribute__((target(TARGET), always_inline)) void NAME(                                 \
         const pp_q8_panels *w, int64_t pi, const uint8_t *cols, size_t col_stride, float *out, size_t ldo) { \
         const int64_t k = w->k, nsb = k / PP_PANEL_KBLOCK;                                                  \
@@ -168,7 +168,7 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
                 __m256i wv[8];                                                                              \
                 __m256 a0, a1;                                                                              \
                 for (size_t l = 0; l < sb_bytes / 8 + 64; l += 64)                                          \
-                    _mm_prefetch((const char *)(sb + (PF) * sb_bytes + b * (sb_bytes / 8) + l), _MM_HINT_T0);       \
+                    _mm_prefetch((const char *)(sb + PF_AHEAD * sb_bytes + b * (sb_bytes / 8) + l), _MM_HINT_T0); \
                 kpanel_block_codes(w->type, sb + hb + cb * b, wv);                                          \
                 if (q6) {                                                                                   \
                     a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                          \
@@ -254,10 +254,10 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
         for (; c < (N); c++) NAME##_one(P, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO);    \
     } while (0)
 
-#define PP_KPANEL_KERNEL(NAME, TARGET, DOT, NC_MAIN, NC_DIRECT, WIDEN_FROM, ONE)                           \
-    PP_KDIRECT(NAME##_direct_main, TARGET, DOT, NC_DIRECT, PF_AHEAD)                                        \
-    PP_KDIRECT(NAME##_direct_two, TARGET, DOT, 2, PF_AHEAD)                                                 \
-    PP_KDIRECT(NAME##_direct_one, TARGET, DOT, 1, PF_AHEAD)                                                 \
+#define PP_KPANEL_KERNEL(NAME, TARGET, DOT, NC_MAIN, NC_DIRECT, WIDEN_FROM)                                \
+    PP_KDIRECT(NAME##_direct_main, TARGET, DOT, NC_DIRECT)                                                  \
+    PP_KDIRECT(NAME##_direct_two, TARGET, DOT, 2)                                                           \
+    PP_KDIRECT(NAME##_direct_one, TARGET, DOT, 1)                                                           \
     PP_KTILE(NAME##_q4_main, TARGET, DOT, NC_MAIN, 1, 0)                                                    \
     PP_KTILE(NAME##_q4_four, TARGET, DOT, 4, 1, 0)                                                          \
     PP_KTILE(NAME##_q4_one, TARGET, DOT, 1, 2, 0)                                                           \
@@ -277,7 +277,7 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
                     NAME##_direct_main(w, pi, cols + c * col_stride, col_stride, o + c * ldo, ldo);         \
                 for (; c + 2 <= n; c += 2)                                                                  \
                     NAME##_direct_two(w, pi, cols + c * col_stride, col_stride, o + c * ldo, ldo);          \
-                for (; c < n; c++) ONE(w, pi, cols + c * col_stride, col_stride, o + c * ldo, ldo);               \
+                for (; c < n; c++) NAME##_direct_one(w, pi, cols + c * col_stride, col_stride, o + c * ldo, ldo); \
                 continue;                                                                                   \
             }                                                                                               \
             pp_kpanel_widen_scales_avx2(w, pi, &p);                                                         \
@@ -289,139 +289,12 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
         }                                                                                                   \
     }
 
-/* One column on AVX-512: blocks b and b + 1 side by side in the two halves
- * of each zmm register, so a block pair takes the dot-product instructions
- * one block took in ymm, and the scales of both come from one conversion.
- * A single stream's decode is the one shape where the instruction count
- * showed: the four-column ymm tiles reuse each decoded block, one column
- * does not (tg of one stream on the 4B file). The halves are summed once
- * per panel. */
-#define PP_ZMM_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
-
-static inline __attribute__((target(PP_ZMM_TARGET), always_inline)) __m512i load_pair(const uint8_t *p, size_t next) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
-                              _mm256_loadu_si256((const __m256i *)(p + next)), 1);
-}
-
-/* kpanel_block_codes for blocks b (low halves) and b + 1 (high halves),
- * cb bytes apart. */
-static inline __attribute__((target(PP_ZMM_TARGET), always_inline)) void kpanel_pair_codes(enum ggml_type type,
-                                                                                          const uint8_t *blk, size_t cb,
-                                                                                          __m512i wv[8]) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    for (int g = 0; g < 4; g++) {
-        const __m512i v = load_pair(blk + 32 * g, cb);
-        wv[g] = _mm512_and_si512(v, low4);
-        wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-    }
-    if (type == GGML_TYPE_Q4_K) return;
-    __m512i hi[8];
-    if (type == GGML_TYPE_Q5_K) {
-        const __m512i bit4 = _mm512_set1_epi8(0x10), h = load_pair(blk + 128, cb);
-        hi[0] = _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4);
-        hi[1] = _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4);
-        hi[2] = _mm512_and_si512(_mm512_slli_epi16(h, 2), bit4);
-        hi[3] = _mm512_and_si512(_mm512_slli_epi16(h, 1), bit4);
-        hi[4] = _mm512_and_si512(h, bit4);
-        hi[5] = _mm512_and_si512(_mm512_srli_epi16(h, 1), bit4);
-        hi[6] = _mm512_and_si512(_mm512_srli_epi16(h, 2), bit4);
-        hi[7] = _mm512_and_si512(_mm512_srli_epi16(h, 3), bit4);
-    } else {
-        const __m512i high2 = _mm512_set1_epi8(0x30);
-        const __m512i h0 = load_pair(blk + 128, cb), h1 = load_pair(blk + 160, cb);
-        hi[0] = _mm512_and_si512(_mm512_slli_epi16(h0, 4), high2);
-        hi[1] = _mm512_and_si512(_mm512_slli_epi16(h1, 4), high2);
-        hi[2] = _mm512_and_si512(_mm512_slli_epi16(h0, 2), high2);
-        hi[3] = _mm512_and_si512(_mm512_slli_epi16(h1, 2), high2);
-        hi[4] = _mm512_and_si512(h0, high2);
-        hi[5] = _mm512_and_si512(h1, high2);
-        hi[6] = _mm512_and_si512(_mm512_srli_epi16(h0, 2), high2);
-        hi[7] = _mm512_and_si512(_mm512_srli_epi16(h1, 2), high2);
-    }
-    for (int g = 0; g < 8; g++) wv[g] = _mm512_or_si512(wv[g], hi[g]);
-}
-
-/* [lo | hi] (AVX-512F: insertf32x8 is DQ's). */
-static inline __attribute__((target(PP_ZMM_TARGET), always_inline)) __m512 halves_ps(__m512 lo, __m256 hi) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(lo), _mm256_castps_pd(hi), 1));
-}
-/* Two floats (or int32s) at p as [p[0] x 8 | p[step] x 8]. */
-static inline __attribute__((target(PP_ZMM_TARGET), always_inline)) __m512 pair_ps(const float *p, int step) {
-    return halves_ps(_mm512_set1_ps(p[0]), _mm256_set1_ps(p[step]));
-}
-static inline __attribute__((target(PP_ZMM_TARGET), always_inline)) __m512i pair_epi32(const int32_t *p, int step) {
-    return _mm512_inserti64x4(_mm512_set1_epi32(p[0]), _mm256_set1_epi32(p[step]), 1);
-}
-/* Eight f16 row factors in both halves. */
-static inline __attribute__((target(PP_ZMM_TARGET), always_inline)) __m512 both_halves_ph(const uint8_t *p) {
-    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    return halves_ps(_mm512_castps256_ps512(v), v);
-}
-
-static __attribute__((target(PP_ZMM_TARGET))) void pp_kdirect_one_avx512vnni(
-    const pp_q8_panels *w, int64_t pi, const uint8_t *col, size_t col_stride, float *out, size_t ldo) {
-    (void)col_stride, (void)ldo;
-    const int64_t k = w->k, nsb = k / PP_PANEL_KBLOCK;
-    const enum ggml_type type = w->type;
-    const size_t hb = pp_kpanel_header_bytes(type), cb = pp_kpanel_block_bytes(type);
-    const size_t sb_bytes = pp_kpanel_superblock_bytes(type);
-    const float *csc = PP_COL_SCALE(col, k), *ssc = PP_COL_SSUM(col, k);
-    const int32_t *ofc = PP_COL_OFFSET16(col, k);
-    /* group g of both blocks: the column's 4-byte word g of block b, then of b + 1 */
-    __m512i group[8];
-    for (int g = 0; g < 8; g++) group[g] = _mm512_inserti64x4(_mm512_set1_epi32(g), _mm256_set1_epi32(8 + g), 1);
-    __m512 accf = _mm512_setzero_ps();
-    const uint8_t *sb = pp_kpanel_superblock(w, pi, 0);
-    for (int64_t s = 0; s < nsb; s++, sb += sb_bytes) {
-        const __m512 d = both_halves_ph(sb);
-        const __m512 dmin = type == GGML_TYPE_Q6_K ? d : both_halves_ph(sb + 16);
-        for (int b = 0; b < 8; b += 2) {
-            const int64_t bb = 8 * s + b;
-            for (size_t l = 0; l < sb_bytes / 4 + 64; l += 64)
-                _mm_prefetch((const char *)(sb + PF_AHEAD * sb_bytes + b * (sb_bytes / 8) + l), _MM_HINT_T0);
-            __m512i wv[8];
-            kpanel_pair_codes(type, sb + hb + cb * b, cb, wv);
-            const __m512i a = _mm512_loadu_si512((const void *)(col + 32 * bb));
-            const __m512 cs = pair_ps(csc + bb, 1);
-            __m512i acc0, acc1;
-            if (type == GGML_TYPE_Q6_K) {
-                acc0 = pair_epi32(ofc + 2 * bb, 2);
-                acc1 = pair_epi32(ofc + 2 * bb + 1, 2);
-            } else {
-                acc0 = acc1 = _mm512_setzero_si512();
-            }
-            for (int g = 0; g < 4; g++) {
-                acc0 = _mm512_dpbusd_epi32(acc0, wv[g], _mm512_permutexvar_epi32(group[g], a));
-                acc1 = _mm512_dpbusd_epi32(acc1, wv[g + 4], _mm512_permutexvar_epi32(group[g + 4], a));
-            }
-            if (type == GGML_TYPE_Q6_K) {
-                /* half-block scales: the first 8 bytes of each block's 16 are values 0..15 */
-                const __m128i x0 = _mm_loadu_si128((const __m128i *)(sb + 16 + 16 * b));
-                const __m128i x1 = _mm_loadu_si128((const __m128i *)(sb + 32 + 16 * b));
-                const __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(x0, x1)));
-                const __m512 s1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(x0, x1)));
-                const __m512 dcs = _mm512_mul_ps(d, cs);
-                accf = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc0), _mm512_mul_ps(s0, dcs), accf);
-                accf = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc1), _mm512_mul_ps(s1, dcs), accf);
-            } else {
-                const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 32 + 8 * b))));
-                const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 96 + 8 * b))));
-                accf = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc0, acc1)), _mm512_mul_ps(sc, _mm512_mul_ps(d, cs)), accf);
-                accf = _mm512_fnmadd_ps(_mm512_mul_ps(m, dmin), pair_ps(ssc + bb, 1), accf);
-            }
-        }
-    }
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm512_castps512_ps256(accf),
-                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(accf), 1))));
-}
-
 static inline __attribute__((target("avx2"), always_inline)) __m256i dot_avx2(__m256i acc, __m256i w, __m256i a) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
 }
 
-PP_KPANEL_KERNEL(pp_kpanel_gemm_avx512vnni, PP_ZMM_TARGET, _mm256_dpbusd_epi32, 8, 4, 20, pp_kdirect_one_avx512vnni)
-PP_KPANEL_KERNEL(pp_kpanel_gemm_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32, 4, 2, 8,
-                 pp_kpanel_gemm_avxvnni_direct_one)
-PP_KPANEL_KERNEL(pp_kpanel_gemm_avx2, "avx2,fma,f16c", dot_avx2, 4, 2, 8, pp_kpanel_gemm_avx2_direct_one)
+PP_KPANEL_KERNEL(pp_kpanel_gemm_avx512vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni", _mm256_dpbusd_epi32, 8, 4, 20)
+PP_KPANEL_KERNEL(pp_kpanel_gemm_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32, 4, 2, 8)
+PP_KPANEL_KERNEL(pp_kpanel_gemm_avx2, "avx2,fma,f16c", dot_avx2, 4, 2, 8)
 
 #endif
