@@ -112,11 +112,11 @@ def peer_label(n_parallel: int, kvu: bool) -> str:
     return f"llama-server -np {n_parallel}" + (" -kvu" if kvu else "")
 
 
-def start_llama_server(binary: str, model: str, args, n_parallel: int, kvu: bool, log: Path):
+def start_llama_server(binary: str, model: str, args, n_parallel: int, kvu: bool, log: Path, extra=()):
     port = free_port()
     proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
                              "-t", str(args.threads), "-c", str(args.ctx), "-np", str(n_parallel), "-lv", "4",
-                             "-ngl", llama_cpp_gpu_layers(args.gpu_layers), *(["-kvu"] if kvu else [])],
+                             "-ngl", llama_cpp_gpu_layers(args.gpu_layers), *(["-kvu"] if kvu else []), *extra],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -130,6 +130,19 @@ def start_llama_server(binary: str, model: str, args, n_parallel: int, kvu: bool
         stop_server(proc)
         raise
     return proc, url, "default", int(sum(mib) * 1024 * 1024)
+
+
+def peer_chat_template(metadata: dict, work: Path) -> list[str]:
+    """llama-server's arguments for a GGUF without a chat template: the built-in template ours
+    falls back to, as a file (llama-server's own fallback is ChatML: other prompts for the model)."""
+    from pyllama_paged.tokenizer.chat_template import builtin_template
+
+    if metadata.get("tokenizer.chat_template"):
+        return []
+    path = work / "chat_template.jinja"
+    path.write_text(builtin_template(metadata.get("general.architecture"), metadata.get("tokenizer.ggml.tokens")),
+                    encoding="utf-8")
+    return ["--chat-template-file", str(path)]
 
 
 def our_bytes_per_token(model: str | None) -> int:
@@ -235,6 +248,31 @@ def plot(path: Path, runs: dict) -> None:
     fig.savefig(path, dpi=100)
 
 
+def add_server_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of the two servers and their sides (bench/aiperf_bench.py takes them too)."""
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=8192, help="llama-server total context (-c)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-seqs", type=int, default=64)
+    ap.add_argument("--itl-budget-ms", default="auto", help="our server's inter-token budget (its default: auto)")
+    ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--gpu-layers", type=int, default=0,
+                    help="layers on the GPU on both sides (-1: all); needs GPU builds of both")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary (default: build it)")
+    ap.add_argument("--sides", default="llama-server,ours")
+    ap.add_argument("--peers", default="np4,np16-kvu",
+                    help="llama-server configurations, each npN (-np N) or npN-kvu (-np N -kvu)")
+
+
+def llama_server_binary(args) -> str | None:
+    """--llama-server, else the one bench/build_llama_cpp.sh builds; None when that side is not run."""
+    if args.llama_server or "llama-server" not in args.sides:
+        return args.llama_server
+    bin_dir = subprocess.run([str(BENCH / "build_llama_cpp.sh")], check=True, capture_output=True,
+                             text=True).stdout.strip().splitlines()[-1]
+    return os.path.join(bin_dir, "llama-server")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -243,33 +281,20 @@ def main(argv=None) -> int:
     ap.add_argument("--output-mean", type=float, default=160, help="mean output tokens (log-normal)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--greedy", action="store_true", help="also run the trace at temperature 0")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=8192, help="llama-server total context (-c)")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-seqs", type=int, default=64)
-    ap.add_argument("--itl-budget-ms", default="auto", help="our server's inter-token budget (its default: auto)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--gpu-layers", type=int, default=0,
-                    help="layers on the GPU on both sides (-1: all); needs GPU builds of both")
-    ap.add_argument("--llama-server", default=None, help="llama-server binary (default: build it)")
-    ap.add_argument("--sides", default="llama-server,ours")
-    ap.add_argument("--peers", default="np4,np16-kvu",
-                    help="llama-server configurations, each npN (-np N) or npN-kvu (-np N -kvu)")
+    add_server_arguments(ap)
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
     from pyllama_paged.engine.model import default_model_path
     model_path = args.model or default_model_path()
-    binary = args.llama_server
-    if binary is None and "llama-server" in args.sides:
-        bin_dir = subprocess.run([str(BENCH / "build_llama_cpp.sh")], check=True, capture_output=True,
-                                 text=True).stdout.strip().splitlines()[-1]
-        binary = os.path.join(bin_dir, "llama-server")
+    binary = llama_server_binary(args)
     trace = make_trace(args)
     temps = [args.temperature] + ([0.0] if args.greedy else [])
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    from pyllama_paged.tokenizer.vocab import read_tokenizer_metadata
+    template = peer_chat_template(dict(read_tokenizer_metadata(model_path)), out_dir)
     kv_bytes = None
     peer_kv_bytes: dict[str, int] = {}
     runs: dict[str, dict] = {}
@@ -281,7 +306,8 @@ def main(argv=None) -> int:
         name = peer_label(n_parallel, kvu) if side == "llama-server" else "ours"
         log = out_dir / f"chat_trace.{name.replace(' ', '_')}.server.log"
         if side == "llama-server":
-            proc, url, model, peer_bytes = start_llama_server(binary, model_path, args, n_parallel, kvu, log)
+            proc, url, model, peer_bytes = start_llama_server(binary, model_path, args, n_parallel, kvu, log,
+                                                              template)
             peer_kv_bytes[name] = peer_bytes
             # llama-server sizes a sliding-window cache by its slots: ours gets the least of them
             kv_bytes = min(peer_kv_bytes.values())

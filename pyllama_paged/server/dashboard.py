@@ -2,6 +2,8 @@
 
 DASHBOARD_HTML = """<!doctype html>
 <html><head><meta charset="utf-8"><title>pyllama-paged: KV block pool</title>
+<!-- an empty icon: without it the browser asks for /favicon.ico, a 404 (401 with a key) in its console -->
+<link rel="icon" href="data:,">
 <style>
  body { font: 14px system-ui, sans-serif; margin: 1.5em; background: #fafafa; }
  #grid { display: flex; flex-wrap: wrap; gap: 2px; max-width: 1100px; }
@@ -10,6 +12,7 @@ DASHBOARD_HTML = """<!doctype html>
  .shared { background: #1565c0; } .cached { background: #f9a825; }
  .legend span { display: inline-block; margin-right: 1em; }
  .legend i { display: inline-block; width: 12px; height: 12px; margin-right: 4px; vertical-align: middle; }
+ #summary { white-space: pre; }  /* keeps the spaces between the figures */
  pre { background: #fff; padding: .6em; border: 1px solid #ddd; }
 </style></head><body>
 <h2>KV block pool <small id="model"></small></h2>
@@ -26,6 +29,8 @@ async function refresh() {
   try {
     const r = await fetch("/api/pool", {headers});
     const d = await r.json();
+    // an error answer ({"error": ...}) has no blocks: say what the server said
+    if (!r.ok) throw new Error("HTTP " + r.status + ": " + (d.error || r.statusText));
     document.getElementById("model").textContent = d.model + (d.paged ? " (paged, " + d.block_size + " tokens/block)" : " (slabs)") + (d.loaded === false ? ", not loaded (keep_alive let it go)" : "");
     const grid = document.getElementById("grid");
     if (grid.children.length !== d.blocks.length) {
@@ -33,10 +38,13 @@ async function refresh() {
       for (let i = 0; i < d.blocks.length; i++) { const c = document.createElement("div"); grid.appendChild(c); }
     }
     d.blocks.forEach((s, i) => { grid.children[i].className = "b " + s; });
-    document.getElementById("summary").textContent = Object.entries(d.counts || {}).map(([k, v]) => k + ": " + v).join("  ") + (d.current === false ? "  (engine busy: last known figures)" : "");
+    document.getElementById("summary").textContent = Object.entries(d.counts || {}).map(([k, v]) => k + ": " + v).join("   ") + (d.current === false ? "   (engine busy: last known figures)" : "");
     document.getElementById("stats").textContent = JSON.stringify(d.stats, null, 1);
-  } catch (e) { document.getElementById("summary").textContent = "error: " + e; }
+  } catch (e) { document.getElementById("summary").textContent = "error: " + e.message; }
+  // the next poll after this one has answered: a busy engine answers slowly, and polls on a
+  // fixed interval would pile up behind it
+  setTimeout(refresh, 500);
 }
-refresh(); setInterval(refresh, 500);
+refresh();
 </script></body></html>
 """
