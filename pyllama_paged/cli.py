@@ -172,19 +172,95 @@ def serve_settings(args) -> tuple:
                             kv_budget_tokens=args.kv_budget[0] or 0, kv_budget_bytes=args.kv_budget[1],
                             max_num_seqs=args.max_seqs,
                             preemption_mode=args.preemption, itl_budget=_itl_budget(args.itl_budget_ms),
-                            n_gpu_layers=args.gpu_layers, main_gpu=args.main_gpu)
+                            n_gpu_layers=args.gpu_layers, main_gpu=args.main_gpu,
+                            speculative=_speculative(args))
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     api_key = args.api_key or os.environ.get("PYLLAMA_API_KEY") or None
     origins = origins_from(os.environ.get(ORIGINS_ENV)) + origins_from(args.origins)
     return options, limits, api_key, origins
 
 
+def _speculative(args):
+    """serve's speculative-decoding flags as a SpeculativeConfig (None: off)."""
+    from .engine.spec_draft import SpeculativeConfig
+    from .errors import PagedError
+
+    if args.speculative is None:
+        return None
+    try:
+        return SpeculativeConfig(method=args.speculative, num_draft_tokens=args.num_draft_tokens,
+                                 max_ngram=args.max_ngram)
+    except PagedError as e:
+        raise SystemExit(str(e)) from None
+
+
 def cmd_serve(args) -> int:
     from .server.app import serve
 
+    if args.ray:
+        return serve_on_ray(args)
     options, limits, api_key, origins = serve_settings(args)
-    serve(args.model, args.host, args.port, api_key, options, limits, origins)
+    serve(args.model, args.host, args.port, api_key, options, limits, origins, kv_events_settings(args),
+          args.drain_seconds)
     return 0
+
+
+def serve_on_ray(args) -> int:
+    """`serve --ray ADDRESS`: the server as replicas on a Ray cluster, through Ray Serve."""
+    try:
+        from .server.ray_app import ScaleOut, run_on_ray
+    except ImportError as e:
+        raise SystemExit(f"--ray needs Ray Serve: pip install 'pyllama-paged[ray]' ({e})") from None
+    if args.kv_events:
+        raise SystemExit("--kv-events publishes one server's cache; with --ray each replica would need an "
+                         "endpoint of its own (not supported yet)")
+    cpus = args.replica_cpus if args.replica_cpus is not None else float(args.threads or 1)
+    if args.threads is None:   # a replica's threads are its reserved CPUs, not the driver machine's
+        args.threads = max(1, int(cpus))
+    options, limits, api_key, origins = serve_settings(args)
+    scale = ScaleOut(replicas=args.replicas, replica_cpus=cpus, replica_memory=args.replica_memory,
+                     router=args.ray_router, prefix_chars=args.route_prefix_chars, imbalance=args.route_imbalance,
+                     max_ongoing_requests=args.max_seqs, graceful_shutdown_timeout_s=args.replica_drain_seconds)
+    return run_on_ray(args.ray, args.host, args.port, options, limits, scale, args.model, api_key, origins)
+
+
+def parse_bytes(text: str) -> int:
+    """--replica-memory: a size with a unit (2GiB) or a number of bytes."""
+    tokens, size = parse_kv_budget(text)
+    return size if size is not None else tokens
+
+
+def _add_ray_args(p: argparse.ArgumentParser) -> None:
+    """`serve --ray`'s options (the optional extra pyllama-paged[ray]; docs/scale-out.md)."""
+    g = p.add_argument_group("scale out on Ray Serve (docs/scale-out.md)")
+    g.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="run replicas of this server on the Ray cluster at ADDRESS (its head's host:port, or "
+                        "'auto') through Ray Serve; --host/--port are then Serve's HTTP proxy")
+    g.add_argument("--replicas", type=int, default=2, help="replicas, each one engine and KV pool per model")
+    g.add_argument("--replica-cpus", type=float, default=None,
+                   help="Ray CPUs reserved per replica (default: --threads, else 1; --threads defaults to it)")
+    g.add_argument("--replica-memory", type=parse_bytes, default=None,
+                   help="memory Ray reserves per replica (2GiB, 512MiB or bytes)")
+    g.add_argument("--ray-router", default="prefix",
+                   help="replica choice: prefix (prefix-cache affinity), round_robin, pow2 (Serve's default), "
+                        "or a RequestRouter's import path")
+    g.add_argument("--route-prefix-chars", type=int, default=1024,
+                   help="leading characters of the prompt (system prompt first) that prefix routing hashes")
+    g.add_argument("--route-imbalance", type=int, default=8,
+                   help="requests in flight the preferred replica may have beyond the least loaded one before "
+                        "prefix routing passes it over")
+    g.add_argument("--replica-drain-seconds", type=float, default=60.0,
+                   help="on stop, how long a replica may take to finish its requests")
+
+
+def kv_events_settings(args):
+    """The KVEventsConfig of `serve --kv-events ...`, or None when events are off."""
+    if not args.kv_events:
+        return None
+    from .server.kv_events import KVEventsConfig
+
+    return KVEventsConfig(endpoint=args.kv_events, replay_endpoint=args.kv_events_replay,
+                          topic=args.kv_events_topic, format=args.kv_events_format)
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -345,8 +421,25 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--origins", default=None,
                      help="browser origins allowed besides localhost, 127.0.0.1, app://, file://, tauri:// and "
                           "browser extensions: comma-separated, * as a wildcard (also PYLLAMA_PAGED_ORIGINS)")
+    srv.add_argument("--drain-seconds", type=float, default=0.0,
+                     help="on SIGTERM or Ctrl-C, answer /health with 503 for this long while still serving, "
+                          "so that routers stop sending work, then stop (a second signal stops at once)")
+    srv.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                     help="publish the prefix cache's stored and evicted blocks on this ZMQ PUB endpoint in "
+                          "vLLM's KV-event format, for KV-aware routers (tcp://*:5557 binds; a host connects)")
+    srv.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                     help="ZMQ ROUTER endpoint where a subscriber asks for the batches it missed (bound)")
+    srv.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events (default none)")
+    srv.add_argument("--kv-events-format", default="array", choices=["array", "map"],
+                     help="events as tagged arrays (vLLM up to 0.23) or as maps (later vLLM)")
+    srv.add_argument("--speculative", default=None, choices=["prompt_lookup"],
+                     help="speculative decoding: prompt_lookup drafts from earlier text of the same "
+                          "conversation (a request opts out with \"speculative\": false)")
+    srv.add_argument("--num-draft-tokens", type=int, default=4, help="most tokens drafted per step")
+    srv.add_argument("--max-ngram", type=int, default=3, help="longest n-gram prompt lookup matches")
     _add_gpu_args(srv)
     _add_limit_args(srv)
+    _add_ray_args(srv)
     srv.set_defaults(func=cmd_serve)
     info = sub.add_parser("info", help="print a model's metadata and KV bytes per token")
     info.add_argument("path", nargs="?", default=None)

@@ -15,6 +15,7 @@ from ..engine.llm_engine import RequestOutput
 from ..engine.model import Model
 from ..engine.builder import build_engine
 from ..engine.config import EngineConfig
+from ..engine.spec_draft import SpeculativeConfig
 from ..engine.devices import list_devices
 from ..engine.sampler import SamplingParams
 from ..engine.scheduler import SchedulerConfig
@@ -32,6 +33,7 @@ from ..tokenizer.tokenizer import Tokenizer
 from ..tools.messages import normalize_messages
 from ..tools.prompt import prepare_chat
 from .embeddings import embed_for_llama, openai_list
+from .rerank import rerank_for_llama
 
 
 def _default_threads() -> int:
@@ -49,11 +51,14 @@ class Llama:
                  lora_path: str | None = None, verbose: bool = False,
                  paged: bool = True, block_size: int = 32, kv_cache_type: str = "f16", n_seq_max: int = 1,
                  repack_weights: bool = True, pack_panels: bool = True, n_gpu_layers: int = 0,
-                 main_gpu: int = 0, **llama_cpp_args: Any):
+                 main_gpu: int = 0, speculative: Any = None, **llama_cpp_args: Any):
         """Load a GGUF (model_path None: the embedded default model). llama-cpp-python's other
         arguments are accepted; those that change nothing here warn once (llama_compat).
         pack_panels=False keeps GGML's kernels for the weights our VNNI panel GEMM would take.
-        n_gpu_layers: layers on GGML's main_gpu-th GPU (-1: all and the output head)."""
+        n_gpu_layers: layers on GGML's main_gpu-th GPU (-1: all and the output head).
+        speculative: speculative decoding by prompt lookup, e.g. {"method": "prompt_lookup",
+        "num_draft_tokens": 4, "max_ngram": 3}, True or a SpeculativeConfig (None: off); a
+        request opts out with SamplingParams(speculative=False)."""
         self.llm_engine = self._model = self._steps = None   # set first: close() is safe after a failed init
         self._warnings = CompatWarnings()
         self._warnings.constructor_args(llama_cpp_args)
@@ -71,6 +76,7 @@ class Llama:
         self.last_n_tokens_size = last_n_tokens_size
         self.chat_format, self.chat_handler = chat_format, chat_handler
         kv_cache_type = kv_cache_type_of(type_k, type_v, kv_cache_type)
+        speculative = SpeculativeConfig.parse(speculative)   # refused before the model loads
         if n_gpu_layers and not any(d.is_gpu for d in list_devices()):
             # llama.cpp runs such a call on the CPU: code written for a GPU machine keeps working
             self._warnings.warn("n_gpu_layers", f"n_gpu_layers={n_gpu_layers} asks for a GPU, but this GGML "
@@ -89,7 +95,8 @@ class Llama:
         config = EngineConfig(paged=paged, n_ctx=self._n_ctx, n_seq_max=n_seq_max, n_threads=self.n_threads,
                               n_batch=self.n_batch, block_size=block_size, kv_cache_type=kv_cache_type,
                               n_gpu_layers=n_gpu_layers, main_gpu=main_gpu,
-                              scheduler=SchedulerConfig(max_num_batched_tokens=self.n_batch))
+                              scheduler=SchedulerConfig(max_num_batched_tokens=self.n_batch),
+                              speculative=speculative)
         self.llm_engine = build_engine(config, self._model, self._tokenizer.eot_ids)
         self._steps = SharedSteps(self.llm_engine)
         # bert: embeddings only, no KV cache and no chat
@@ -252,6 +259,12 @@ class Llama:
         vectors, count = embed_for_llama(self, batch, True, True, pooling, dimensions)
         return openai_list(vectors, model or self.model_path, count)
 
+    def rerank(self, query: str, documents: Sequence, top_n: int | None = None, return_documents: bool = False,
+               truncate: bool = False) -> dict:
+        """Documents (strings or {"text": ...}) ranked against query, as /v1/rerank answers (see
+        api/rerank.py); the model must be a reranker, or a decoder loaded with pooling_type=4."""
+        return rerank_for_llama(self, query, documents, top_n, return_documents, truncate)
+
     # ---- generation: every path goes through the scheduler -----------------
     def _params(self, logits_processor=None, stopping_criteria=None, **fields) -> tuple[SamplingParams, Any]:
         """SamplingParams from llama-cpp-python's keyword arguments (the model's seed when
@@ -295,8 +308,9 @@ class Llama:
                           mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
                           model: str | None = None, stopping_criteria=None, logits_processor=None,
                           grammar=None, logit_bias: dict | None = None, *, ignore_eos: bool = False,
-                          response_format: dict | None = None):
-        """OpenAI-shaped text completion (a dict, or an iterator of chunks if stream)."""
+                          response_format: dict | None = None, speculative: bool = True):
+        """OpenAI-shaped text completion (a dict, or an iterator of chunks if stream);
+        speculative=False opts this call out of the model's speculative decoding."""
         if suffix is not None:
             raise RequestError("suffix (fill-in-the-middle) is not supported by this model")
         self._warnings.sampling_args(typical_p=typical_p, tfs_z=tfs_z, mirostat_mode=mirostat_mode)
@@ -304,7 +318,7 @@ class Llama:
             logits_processor, stopping_criteria, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, stop=stop, seed=seed, logprobs=logprobs, ignore_eos=ignore_eos,
-            logit_bias=self._logit_bias(logit_bias),
+            logit_bias=self._logit_bias(logit_bias), speculative=speculative,
             constraint=from_python(self._tokenizer, response_format, grammar))
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, special=True)
         criteria = (watch, stopping_criteria) if watch is not None else None
@@ -396,9 +410,10 @@ class Llama:
                                model: str | None = None, logits_processor=None, grammar=None,
                                logit_bias: dict | None = None, logprobs: bool | None = None,
                                top_logprobs: int | None = None, *, n: int = 1, ignore_eos: bool = False,
-                               stopping_criteria=None):
+                               stopping_criteria=None, speculative: bool = True):
         """OpenAI-shaped chat completion over the model's chat template (or chat_handler's
-        answer when one was given); tool calls come back in message.tool_calls."""
+        answer when one was given); tool calls come back in message.tool_calls.
+        speculative=False opts this call out of the model's speculative decoding."""
         if self.chat_handler is not None:
             return self.chat_handler(
                 llama=self, messages=messages, functions=functions, function_call=function_call, tools=tools,
@@ -418,7 +433,7 @@ class Llama:
             logits_processor, stopping_criteria, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, stop=stop, seed=seed, n=n, ignore_eos=ignore_eos,
-            logit_bias=self._logit_bias(logit_bias), constraint=constraint,
+            logit_bias=self._logit_bias(logit_bias), constraint=constraint, speculative=speculative,
             logprobs=(top_logprobs or 0) if logprobs else None)
         prompt_ids = self.tokenize(prompt, add_bos=True, special=True)
         criteria = (watch, stopping_criteria) if watch is not None else None

@@ -8,6 +8,14 @@ the file also runs on llama.cpp and Ollama.
 The vocabulary is written in llama.cpp's form: a word-initial piece carries a
 leading "\u2581", a continuation piece ("##ing" in vocab.txt) is bare, bracketed
 specials stay as they are.
+
+A cross-encoder (a BertForSequenceClassification checkpoint: `classifier.weight`
+beside the encoder) becomes a reranker in llama.cpp's layout: rank pooling
+(`bert.pooling_type` 4), the pooler's dense layer as `cls.weight`/`cls.bias` and the
+classifier as `cls.output.weight`/`cls.output.bias`, its labels as
+`bert.classifier.output_labels`. llama.cpp's rank pooling applies `cls` then tanh,
+then `cls.output`, to the [CLS] state: with the pooler kept, that is Hugging Face's
+own score (llama.cpp's converter drops the pooler and maps the classifier alone).
 """
 
 from __future__ import annotations
@@ -44,6 +52,20 @@ _LAYER_NAMES = {
 _LAYER = re.compile(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 _POOLING = {"pooling_mode_mean_tokens": gguf.PoolingType.MEAN, "pooling_mode_cls_token": gguf.PoolingType.CLS,
             "pooling_mode_lasttoken": gguf.PoolingType.LAST}
+
+
+# BertForSequenceClassification's head, in llama.cpp's rank-pooling names
+_HEAD_NAMES = {
+    "pooler.dense.weight": "cls.weight",
+    "pooler.dense.bias": "cls.bias",
+    "classifier.weight": "cls.output.weight",
+    "classifier.bias": "cls.output.bias",
+}
+
+
+def head_tensor_name(hf_name: str) -> str | None:
+    """llama.cpp's name for a tensor of a cross-encoder's head, or None for any other."""
+    return _HEAD_NAMES.get(hf_name.removeprefix("bert."))
 
 
 def gguf_tensor_name(hf_name: str) -> str | None:
@@ -152,11 +174,15 @@ def _write_gguf(path: Path, model_dir: Path, config: dict, weights: dict, dtype:
     writer.add_head_count(config["num_attention_heads"])
     writer.add_layer_norm_eps(config.get("layer_norm_eps", 1e-12))
     writer.add_causal_attention(False)
-    writer.add_pooling_type(_pooling(model_dir))
+    cross_encoder = "classifier.weight" in weights
+    writer.add_pooling_type(gguf.PoolingType.RANK if cross_encoder else _pooling(model_dir))
+    labels = config.get("id2label") or {}
+    if cross_encoder and labels:
+        writer.add_classifier_output_labels([labels[k] for k in sorted(labels, key=int)])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
     _write_vocab(writer, model_dir, config.get("type_vocab_size", 2))
     for hf_name, array in weights.items():
-        target = gguf_tensor_name(hf_name)
+        target = gguf_tensor_name(hf_name) or (head_tensor_name(hf_name) if cross_encoder else None)
         if target is None:
             continue
         array = np.ascontiguousarray(array, dtype=np.float32)

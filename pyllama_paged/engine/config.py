@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..errors import PagedError
 from .scheduler import SchedulerConfig
+from .spec_draft import SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class EngineConfig:
     n_gpu_layers: int = 0               # layers on a GPU (llama.cpp's rule; -1: all, head included)
     main_gpu: int = 0                   # which of GGML's GPUs
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None   # speculative decoding (None: off)
 
     def __post_init__(self):
         for name in ("n_batch", "n_threads", "n_seq_max", "block_size"):

@@ -22,9 +22,11 @@ POOLINGS = ("mean", "cls", "last")
 
 @dataclass(slots=True)
 class EmbedParams:
-    """What an embedding request asks of the engine: how token states are pooled."""
+    """What an embedding request asks of the engine: how token states are pooled and, for a
+    text pair on an encoder (a cross-encoder's query and document), each token's segment."""
 
     pooling: str = "mean"
+    token_types: tuple[int, ...] | None = None   # one per token (encoders only); None: all 0
 
     def validate(self) -> None:
         """PagedError naming the field when the pooling is not one we run."""
@@ -85,14 +87,15 @@ class DecoderPooling:
         self.states.pop(seq_id, None)
 
 
-def run_embeddings(steps, inputs: list[list[int]], params: EmbedParams) -> list[np.ndarray]:
+def run_embeddings(steps, inputs: list[list[int]], params: EmbedParams | list[EmbedParams]) -> list[np.ndarray]:
     """Embed many token lists through an engine's SharedSteps (LLMEngine or EncoderEngine),
     all queued at once so the scheduler batches them (with whatever else is running);
-    returns the pooled vectors in order. PagedError (every input aborted) if one fails."""
+    returns the pooled vectors in order. params: one for all inputs, or one each.
+    PagedError (every input aborted) if one fails."""
     requests = []
     try:
         for i, ids in enumerate(inputs):
-            request = steps.add_request(list(ids), params)
+            request = steps.add_request(list(ids), params[i] if isinstance(params, list) else params)
             if request.error:
                 raise PagedError(f"input {i}: {request.error}")
             requests.append(request)

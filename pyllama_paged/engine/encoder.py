@@ -34,6 +34,14 @@ class NoKV:
         return 0
 
 
+def token_type_count(model: Model) -> int:
+    """How many token types (segments) the model embeds: token_types.weight's rows, 1 without it."""
+    for t in model.gguf.tensors:
+        if t.name == "token_types.weight":
+            return int(t.shape[1]) if len(t.shape) == 2 else 1
+    return 1
+
+
 class EncoderRunner(NativeHandle):
     """One encoder model's compute context: inputs in, pooled token states out. close() frees
     the native context (the model is the caller's)."""
@@ -47,6 +55,7 @@ class EncoderRunner(NativeHandle):
         self.n_threads = n_threads
         self.max_batch_tokens = max(max_batch_tokens, model.config.n_ctx_train)   # one longest input fits
         self.n_ctx = model.config.n_ctx_train
+        self.n_token_types = token_type_count(model)
         self.kv = NoKV()
         self.kv_bytes_per_token = 0
         self.kv_pool_bytes = 0
@@ -58,16 +67,21 @@ class EncoderRunner(NativeHandle):
     def n_vocab(self) -> int:
         return self.model.config.n_vocab
 
-    def embed(self, inputs: list[list[int]], pooling: str = "mean") -> np.ndarray:
+    def embed(self, inputs: list[list[int]], pooling: str = "mean", types: list | None = None) -> np.ndarray:
         """Pooled last-layer states [len(inputs), n_embd] of inputs that fit one call
-        (len(inputs) * longest <= max_batch_tokens)."""
+        (len(inputs) * longest <= max_batch_tokens); types: each input's token types (None: 0)."""
         if self._handle is None:
             raise PagedError("this encoder is closed")
         lens = np.array([len(ids) for ids in inputs], dtype=np.int32)
-        flat = np.fromiter(itertools.chain.from_iterable(inputs), dtype=np.int32, count=int(lens.sum()))
+        total = int(lens.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(inputs), dtype=np.int32, count=total)
         out = np.empty((len(inputs), self.model.config.n_embd), dtype=np.float32)
         i32 = "int32_t *"
-        check(lib.pp_encoder_embed(self._handle, ffi.cast(i32, ffi.from_buffer(flat)), ffi.NULL,
+        typ = ffi.NULL
+        if types is not None:   # the array stays referenced (flat_types) until the call returns
+            flat_types = np.fromiter(itertools.chain.from_iterable(types), dtype=np.int32, count=total)
+            typ = ffi.cast(i32, ffi.from_buffer(flat_types))
+        check(lib.pp_encoder_embed(self._handle, ffi.cast(i32, ffi.from_buffer(flat)), typ,
                                    ffi.cast(i32, ffi.from_buffer(lens)), len(inputs), _POOLING_IDS[pooling],
                                    ffi.cast("float *", ffi.from_buffer(out))), "encoder")
         return out
@@ -127,6 +141,12 @@ class EncoderEngine:
             request.error = f"input of {len(ids)} tokens exceeds the model's context of {self.limit}"
         elif any(not 0 <= t < n_vocab for t in ids):
             request.error = f"token id outside the vocabulary of {n_vocab}"
+        elif params.token_types is not None and len(params.token_types) != len(ids):
+            request.error = f"{len(params.token_types)} token types for {len(ids)} tokens"
+        elif params.token_types is not None and any(not 0 <= t < self.runner.n_token_types
+                                                    for t in params.token_types):
+            # checked here: the native call would refuse the whole batch for one bad input
+            request.error = f"token types must be below {self.runner.n_token_types} (the model's count)"
         if request.error is None:
             self.requests[request_id] = request
         return request
@@ -151,9 +171,12 @@ class EncoderEngine:
         for pooling in {r.params.pooling for r in taken}:
             group = [r for r in taken if r.params.pooling == pooling]
             for batch in pack([len(r.prompt_ids) for r in group], budget):
-                vectors = self.runner.embed([group[i].prompt_ids for i in batch], pooling)
-                for i, vec in zip(batch, vectors):
-                    r = group[i]
+                members = [group[i] for i in batch]
+                types = None
+                if any(r.params.token_types is not None for r in members):   # text pairs in the batch
+                    types = [r.params.token_types or (0,) * len(r.prompt_ids) for r in members]
+                vectors = self.runner.embed([r.prompt_ids for r in members], pooling, types)
+                for r, vec in zip(members, vectors):
                     outputs.append(RequestOutput(r.request_id, finished=True, finish_reasons=["stop"],
                                                  num_prompt_tokens=len(r.prompt_ids), embedding=vec))
         for r in taken:

@@ -15,6 +15,7 @@ import numpy as np
 from .._native import check, ffi, lib
 from ..errors import OutOfBlocksError, PagedError
 from .block_pool import BlockPool
+from .kv_events import PrefixCacheEvents
 from .kv_groups import KVGroups, window_blocks_held
 from .step_batch import StepBuffers
 
@@ -78,6 +79,20 @@ class PagedKV:
         self.n_groups = groups.n_groups
         self.max_seq_len = max_seq_len
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
+        self.events = None   # a PrefixCacheEvents told of what becomes computed (watch_cache)
+
+    def watch_cache(self, listener) -> None:
+        """Report the prefix cache's changes to listener (a KVEventListener; None: stop). The
+        first report clears whatever a consumer knew of an earlier pool (a restarted server)."""
+        self.events = None if listener is None else PrefixCacheEvents(self, listener)
+        if self.events is not None:
+            self.events.cleared()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their data)."""
+        self.pool.reset_prefix_cache()
+        if self.events is not None:
+            self.events.cleared()
 
     def create(self, token_ids: Sequence[int]) -> tuple[int, int]:
         """A sequence holding token_ids; returns (handle, tokens already cached)."""
@@ -102,6 +117,8 @@ class PagedKV:
 
     def mark_computed(self, handle: int, num_tokens: int) -> None:
         self.pool.mark_computed(handle, num_tokens)
+        if self.events is not None:
+            self.events.marked(handle, num_tokens)
 
     def can_create(self, num_tokens: int, reserve: int = 0) -> bool:
         """Whether a new sequence of num_tokens fits, keeping `reserve` blocks free."""
@@ -175,8 +192,14 @@ class PagedKV:
         """Mark what a step computed (its full blocks become prefix-cache hits)."""
         check(lib.pp_pool_commit_batch(self.pool._handle, ffi.cast("const pp_step_item *", ffi.from_buffer(items)),
                                        len(items)), "commit_batch")
+        if self.events is not None:
+            self.events.computed(items)
 
     def close(self) -> None:
+        if self.events is not None:   # the cache goes with the pool
+            self.events.cleared()
+            self.events.flush()
+            self.events = None
         self.pool.close()
 
 
@@ -185,6 +208,7 @@ class SlabKV:
 
     paged = False
     n_groups = 1
+    events = None   # no prefix cache to report on
 
     def __init__(self, num_slabs: int, max_seq_len: int):
         self.block_size = max_seq_len

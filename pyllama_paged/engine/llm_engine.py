@@ -22,6 +22,7 @@ from .scoring import PromptScores, ScoreParams
 from .preemption import SwapSpace
 from .scheduler import Scheduler, SchedulerConfig
 from .scheduler_output import SchedulerOutput
+from .spec_verify import Speculator
 from .request import Request, RequestStatus, Sequence
 from ..tokenizer.tokenizer import Tokenizer
 
@@ -47,6 +48,7 @@ class LLMEngine:
         self.swap_space = SwapSpace()         # host copies of swapped-out pages
         self.scores = PromptScores()          # scoring requests' scores in flight
         self._owned_model = None              # a model from_config loaded (closed with the engine)
+        self.speculator: Speculator | None = None   # speculative decoding (EngineConfig.speculative)
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, model: Model | None = None, eot_ids=None) -> "LLMEngine":
@@ -79,6 +81,8 @@ class LLMEngine:
             raise
         engine = cls(runner, eot_ids, config.scheduler)
         engine._owned_model = model if owned else None
+        if config.speculative is not None:
+            engine.speculator = Speculator(config.speculative)
         return engine
 
     is_encoder = False   # EncoderEngine's counterpart: this engine generates
@@ -111,6 +115,8 @@ class LLMEngine:
             raise PagedError(f"request id {request_id!r} is already in flight")
         prompt_ids = self._checked_tokens(prompt_ids)
         embed = params if isinstance(params, EmbedParams) else None
+        if embed is not None and embed.token_types is not None:
+            raise RequestError("token types are for encoder models (text pairs); a decoder has none")
         score = params if isinstance(params, ScoreParams) else None
         sampled = not (embed or score)
         if sampled and params.logit_bias and max(params.logit_bias) >= self.runner.n_vocab:
@@ -161,6 +167,12 @@ class LLMEngine:
         """One turn: schedule(), the KV moves it asks for, the runner over the batch,
         update_from_output() (progress), then sampling, forks and finishes. Returns the
         outputs of the requests that moved."""
+        try:
+            return self._step()
+        finally:
+            self._flush_kv_events()   # the step's prefix-cache changes, as one batch
+
+    def _step(self) -> list[RequestOutput]:
         step_started = time.perf_counter()
         output = self.scheduler.schedule()
         self._move_kv(output)   # swaps and copy-on-write, before the step writes any KV
@@ -179,15 +191,19 @@ class LLMEngine:
             hidden = [None if r.embed is None else
                       self.pooling.rows_wanted(r.embed.pooling, start, n, len(seqs[seq_id].token_ids))
                       for seq_id, r, (_, start, n) in zip(output.seq_ids, requests, output.items)]
+        drafts = self.speculator.draft(output, seqs, requests, self.runner.kv, self.runner.n_batch,
+                                       self.limit) if self.speculator is not None else {}
         started = time.perf_counter()
         logits, rows = self.runner.execute(output.items_array(), hidden,
-                                           [r.score is not None for r in requests])
+                                           [r.score is not None for r in requests], drafts)
         self.forward_seconds += time.perf_counter() - started
         self.scheduler.update_from_output(output, seqs)
         self.num_computed_tokens += sum(output.num_tokens)
         if hidden is not None:
             self._pool_embeddings(output, hidden, rows, owner, seqs, outputs)
-        self._postprocess(self._logit_rows(output, requests, seqs, logits, outputs), logits, owner, outputs)
+        drafts = {output.seq_ids[i]: d for i, d in drafts.items()}   # by sequence from here on
+        self._postprocess(self._logit_rows(output, requests, seqs, logits, outputs, drafts), logits, owner,
+                          outputs, drafts)
         elapsed = time.perf_counter() - step_started
         self.scheduler.observe_step(elapsed)
         self.step_seconds += elapsed
@@ -207,11 +223,11 @@ class LLMEngine:
         self.runner.copy_blocks(output.block_copies)
 
     def _logit_rows(self, output: SchedulerOutput, requests: list[Request], seqs: dict, logits: np.ndarray,
-                    outputs: dict[str, RequestOutput]) -> list[tuple[Sequence, int]]:
+                    outputs: dict[str, RequestOutput], drafts: dict | None = None) -> list[tuple[Sequence, int]]:
         """Walk the step's logits rows in item order: a scoring chunk has one per token
         (scored here), a chunk that reached its sequence's last placed token one, an
-        embedding none. Returns the (sequence, row) pairs to sample: those whose every
-        token is computed."""
+        embedding none; a drafted decode one more per draft token. Returns the (sequence,
+        row) pairs to sample: those whose every token is computed."""
         at, finishing = 0, []
         for seq_id, request, (_, start, n) in zip(output.seq_ids, requests, output.items):
             seq = seqs[seq_id]
@@ -221,7 +237,7 @@ class LLMEngine:
             elif request.embed is None and seq.kv.num_computed == seq.kv.num_tokens:
                 if seq.kv.num_computed == len(seq.token_ids):
                     finishing.append((seq, at))
-                at += 1
+                at += 1 + len(drafts.get(seq_id, ())) if drafts else 1
         return finishing
 
     def _score_chunk(self, request: Request, seq: Sequence, start: int, logits: np.ndarray,
@@ -236,9 +252,11 @@ class LLMEngine:
             self._finish(request, out)
 
     def _postprocess(self, finishing: list[tuple[Sequence, int]], logits: np.ndarray, owner: dict,
-                     outputs: dict[str, RequestOutput]) -> None:
+                     outputs: dict[str, RequestOutput], drafts: dict | None = None) -> None:
         """Sample every (sequence, logits row) that reached its last token in one call;
-        append, fork (n>1), advance beams, finish."""
+        append, fork (n>1), advance beams, finish. Drafted sequences (drafts: seq id ->
+        tokens) are verified by the speculator instead."""
+        drafts = drafts or {}
         ready: dict[str, list[tuple[Sequence, int]]] = {}   # request id -> (sequence, logits row)
         for seq, row in finishing:
             ready.setdefault(owner[seq.seq_id].request_id, []).append((seq, row))
@@ -255,7 +273,8 @@ class LLMEngine:
                 beams[request_id] = [(seq, len(picks) + i) for i, (seq, _) in enumerate(items)]
                 picks += [(request, seq, row, expand) for seq, row in items]
             else:
-                picks += [(r, seq, row, seq.sampler) for r, seq, row in self._samples_of(request, items)]
+                picks += [(r, seq, row, seq.sampler) for r, seq, row in self._samples_of(request, items)
+                          if seq.seq_id not in drafts]
         started = time.perf_counter()
         drawn = self.sampler.sample(logits, [(row, sampler, seq.token_ids) for _, seq, row, sampler in picks])
         self.sample_seconds += time.perf_counter() - started
@@ -271,10 +290,25 @@ class LLMEngine:
                 live = advance_beams(self.requests[request_id], [(seq, drawn[i].top) for seq, i in items],
                                      self.scheduler, self.eot_ids, self.limit)
                 outputs[request_id].events.extend(TokenEvent(i, s.token_ids[-1]) for i, s in enumerate(live))
+        if drafts:
+            self._verify_drafts(finishing, drafts, logits, owner, outputs)
         for request_id in ready:
             request = self.requests.get(request_id)
             if request is not None and not request.live_seqs:
                 self._finish(request, outputs[request_id])
+
+    def _verify_drafts(self, finishing, drafts: dict, logits: np.ndarray, owner: dict,
+                       outputs: dict[str, RequestOutput]) -> None:
+        """The drafted sequences' tokens, from their rows (Speculator.verify)."""
+        items = [(owner[seq.seq_id], seq, row, drafts[seq.seq_id]) for seq, row in finishing
+                 if seq.seq_id in drafts and owner[seq.seq_id].request_id in self.requests]
+        started = time.perf_counter()
+        self.speculator.verify(
+            self.sampler, logits, items,
+            lambda r, seq, sampled: self._accept(r, seq, sampled, outputs[r.request_id]),
+            lambda r, error: self._fail(r, outputs[r.request_id], error),
+            lambda r: r.request_id in self.requests, self.runner.kv, self.runner.copy_blocks)
+        self.sample_seconds += time.perf_counter() - started
 
     def _pool_embeddings(self, output: SchedulerOutput, hidden, rows: np.ndarray, owner: dict, seqs: dict,
                          outputs: dict[str, RequestOutput]) -> None:
@@ -342,6 +376,24 @@ class LLMEngine:
             picks.append((request, seq, row))
         return picks
 
+    # ---- the prefix cache, as routers see it ---------------------------------
+    def set_kv_event_listener(self, listener) -> None:
+        """Tell listener (a KVEventListener) of every block the prefix cache stores or
+        evicts, once per step (None: stop). Without a paged pool there is no cache to tell of."""
+        if self.runner.kv.paged:
+            self.runner.kv.watch_cache(listener)
+            self._flush_kv_events()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (running requests keep their pages)."""
+        if self.runner.kv.paged:
+            self.runner.kv.reset_prefix_cache()
+            self._flush_kv_events()
+
+    def _flush_kv_events(self) -> None:
+        if self.runner.kv.events is not None:
+            self.runner.kv.events.flush()
+
     # ---- what callers read through the engine (never its runner or pool) ----
     def pool_figures(self) -> dict:
         """The pool as /api/pool and /metrics show it: stats and the pool's shape (counts
@@ -363,6 +415,8 @@ class LLMEngine:
              "step_seconds": self.step_seconds, "steps": self.num_steps,
              "itl_budget_seconds": self.scheduler.itl_budget_seconds(),
              "step_cost_seconds": self.scheduler.step_cost.coefficients}
+        if self.speculator is not None:
+            s.update(self.speculator.stats())
         s.update(kv_pool_bytes=self.runner.kv_pool_bytes,
                  kv_bytes_per_token_dense=self.runner.kv_bytes_per_token)
         if kv.paged:
@@ -372,6 +426,8 @@ class LLMEngine:
                      blocks_cached=ps.num_cached, blocks_shared=ps.num_shared,
                      utilization=ps.utilization, prefix_hit_rate=ps.hit_rate,
                      prefix_hits=ps.num_hits, cow_copies=ps.num_cow_copies,
+                     prefix_cache_queries=self.scheduler.prefix_queried_tokens,
+                     prefix_cache_hits=self.scheduler.prefix_hit_tokens,
                      kv_bytes_used=ps.num_used * self.runner.block_bytes,
                      kv_groups=self.runner.kv_bytes_by_group())
         else:

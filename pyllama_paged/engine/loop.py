@@ -99,6 +99,11 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="pyllama-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def is_alive(self) -> bool:
+        """Whether the loop still serves: False once stopped or dead."""
+        return self._thread.is_alive() and not self._stopped
+
     def _enqueue(self, command: tuple) -> None:
         """Queue a command for the loop thread; the caller holds self._cv."""
         if self._stopped:

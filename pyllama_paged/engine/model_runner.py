@@ -15,6 +15,7 @@ from ..errors import PagedError
 from .kv_groups import KVGroups
 from .kv_manager import PagedKV, SeqState, SlabKV, commit_chunks, fork_state, new_cached_sequence, place_tokens
 from .model import Model
+from .spec_batch import splice_drafts
 from .step_batch import StepBuffers
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type ids
@@ -179,7 +180,8 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------
     def execute(self, items: np.ndarray, hidden: Sequence[tuple[int, int] | None] | None = None,
-                all_logits: Sequence[bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                all_logits: Sequence[bool] | None = None,
+                drafts: dict[int, list[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Run one step over items [(kv handle, first token, count)], whose tokens are placed in
         the KV manager. Touches no sequence state: the caller marks the tokens computed
         (Scheduler.update_from_output, or commit_chunks).
@@ -190,7 +192,10 @@ class ModelRunner:
         i as an embedding: it gets no logits, and the final hidden states (after the output
         norm) of its tokens [first, first + count) of this chunk come back instead, all such
         rows in item order, as a fresh [rows, n_embd] array. all_logits[i] gives item i a
-        logits row for every one of its tokens (prompt scoring), in place of its one row."""
+        logits row for every one of its tokens (prompt scoring), in place of its one row.
+        drafts[i]: draft tokens that follow item i's last token in this step only (never
+        placed in the pool; spec_batch.splice_drafts), each with a logits row after the
+        item's own."""
         items = np.ascontiguousarray(items, dtype=np.int32).reshape(-1, 3)
         total = int(items[:, 2].sum())
         if (items[:, 2] < 1).any():
@@ -207,6 +212,12 @@ class ModelRunner:
         all_logits = all_logits if all_logits is not None and any(all_logits) else None
         if hidden is not None or all_logits is not None:
             rows, hidden_rows = _select_rows(items[:, 2].tolist(), rows, hidden, all_logits)
+        if drafts:
+            n_drafted = sum(len(d) for d in drafts.values())
+            if n_tokens + n_drafted > self.n_batch:
+                raise PagedError(f"step of {n_tokens + n_drafted} tokens with drafts exceeds n_batch {self.n_batch}")
+            tok, pos, slots, seqs, rows, hidden_rows = splice_drafts(
+                tok, pos, slots, seqs, rows, items[:, 2], drafts, self.kv.n_groups, hidden_rows)
         hidden_out = np.empty((0 if hidden_rows is None else len(hidden_rows), self.model.config.n_embd),
                               dtype=np.float32)
         self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out)

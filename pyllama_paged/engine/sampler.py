@@ -44,6 +44,7 @@ class SamplingParams:
     # the Python API's hook (llama-cpp-python's LogitsProcessor): called as
     # f(token ids so far, the row's float32 logits) -> logits, on the engine's thread
     logits_processor: Any = None
+    speculative: bool = True    # False: this request never speculates, even when the engine does
 
     def validate(self) -> None:
         """Raise PagedError naming the first invalid field."""
@@ -74,6 +75,7 @@ class SamplingParams:
              "must be callable"),
             ("beam_width", self.beam_width == 1 or (self.logit_bias is None and self.logits_processor is None),
              "must be 1 with logit_bias or a logits processor"),
+            ("speculative", isinstance(self.speculative, bool), "must be true or false"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -91,6 +91,10 @@ class Scheduler:
         self._plan = SchedulerOutput()   # the step being decided
         self.num_preemptions = 0
         self.num_swaps = 0                # preemptions by swap (the others recomputed)
+        # prompt tokens looked up in the prefix cache at admission, and those found (vLLM's
+        # prefix_cache_queries and prefix_cache_hits, in tokens)
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
         budget = self.config.itl_budget
         if not (budget is None or budget == "auto" or (isinstance(budget, (int, float)) and budget > 0)):
             raise ValueError(f"itl_budget must be a number of seconds > 0, 'auto' or None, got {budget!r}")
@@ -374,6 +378,9 @@ class Scheduler:
                         release(self.kv, s)
                     self.waiting.appendleft(request)
                     return False
+            if self.kv.paged and not request.is_prefill_only:
+                self.prefix_queried_tokens += sum(len(s.token_ids) for s in seqs)
+                self.prefix_hit_tokens += sum(s.kv.num_computed for s in seqs)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             running_seqs += width

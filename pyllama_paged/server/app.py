@@ -4,6 +4,7 @@ shapes, metrics, the live block-pool dashboard, and `serve`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import logging
@@ -21,9 +22,12 @@ from starlette.exceptions import HTTPException
 from ..errors import ModelLoadError
 from .dashboard import DASHBOARD_HTML
 from .generation import APIError, Limits, limit_flag
+from .kv_events import KVEventPublisher, KVEventsConfig
 from .metrics import Metrics
 from .registry import EngineOptions, ModelRegistry
 from ..server import anthropic_api, embeddings_api, ollama_api, ollama_manage, openai_api, openai_responses
+from ..server import rerank_api
+from ..server import router_contract
 from .anthropic_schemas import error_body as anthropic_error_body
 
 log = logging.getLogger("pyllama_paged.server")
@@ -109,6 +113,7 @@ class ServerState:
     bind_host: str | None = None   # None: the address each connection came in on
     # tokenizing, templates, grammars, tool-call parsing: a few threads of their own
     prep: ThreadPoolExecutor | None = None
+    draining: bool = False   # stopping: /health answers 503 while requests still finish
 
     def __post_init__(self):
         if self.prep is None:
@@ -367,7 +372,9 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
     app.include_router(openai_api.build_router(state))
     app.include_router(openai_responses.build_router(state))
     app.include_router(embeddings_api.build_router(state))
+    app.include_router(rerank_api.build_router(state))
     app.include_router(anthropic_api.build_router(state))
+    app.include_router(router_contract.build_router(state))
 
     @app.get("/", response_class=PlainTextResponse)
     async def root():
@@ -422,13 +429,22 @@ def block_counts(stats: dict) -> dict[str, int]:
 
 
 def serve(model_paths: list[str] | None, host: str, port: int, api_key: str | None,
-          options: EngineOptions, limits: Limits, origins: list[str] | tuple[str, ...] = ()) -> None:
-    """Load the models and run uvicorn until interrupted."""
+          options: EngineOptions, limits: Limits, origins: list[str] | tuple[str, ...] = (),
+          kv_events: KVEventsConfig | None = None, drain_seconds: float = 0.0) -> None:
+    """Load the models and run uvicorn until interrupted (draining for drain_seconds first);
+    kv_events: publish the prefix caches' changes there."""
     import uvicorn
 
-    registry = ModelRegistry(model_paths, options)
-    app = create_app(registry, limits, api_key, origins, host)
+    publisher = KVEventPublisher(kv_events) if kv_events is not None else None
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        options = dataclasses.replace(options, kv_events=publisher) if publisher is not None else options
+        registry = ModelRegistry(model_paths, options)
+        try:
+            app = create_app(registry, limits, api_key, origins, host)
+            config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+            router_contract.DrainingServer(config, app.state.pp, drain_seconds).run()
+        finally:
+            registry.close()   # the engines' last events (their caches cleared) go out before the socket closes
     finally:
-        registry.close()
+        if publisher is not None:
+            publisher.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -64,23 +65,45 @@ async def embed_ids(served: ServedModel, inputs: list[list[int]], pooling: str |
         params.validate()
     except PagedError as e:
         raise APIError(400, str(e), "pooling") from None
-    streams = [served.loop.submit(ids, params) for ids in inputs]
+    return await pooled_states(served, inputs, [params] * len(inputs))
+
+
+async def pooled_states(served: ServedModel, inputs: list[list[int]], params: list[EmbedParams],
+                        what: str = "input") -> list[np.ndarray]:
+    """Each input's pooled state under its own params, all submitted to the engine loop at
+    once (so they share steps); a failure aborts the rest and is a 400 naming `what` i."""
+    streams = [served.loop.submit(ids, p) for ids, p in zip(inputs, params)]
 
     async def one(i, stream) -> np.ndarray:
         async for out in stream:
             if out.error:
-                raise APIError(400, f"input {i}: {out.error}", "input")
+                raise APIError(400, f"{what} {i}: {out.error}", what)
             if out.embedding is not None:
                 return out.embedding
-        raise APIError(500, f"input {i}: the engine ended the request without a result", None, "server_error")
+        raise APIError(500, f"{what} {i}: the engine ended the request without a result", None, "server_error")
 
     try:
         return await asyncio.gather(*(one(i, s) for i, s in enumerate(streams)))
     except PagedError as e:   # the engine step failed
-        raise APIError(500, f"embedding failed: {e}", None, "server_error") from None
+        raise APIError(500, f"the engine failed: {e}", None, "server_error") from None
     finally:
         for s in streams:   # finished ones: a no-op; the rest free their pages now
             s.abort()
+
+
+@asynccontextmanager
+async def holding(state, served: ServedModel):
+    """One of the model's queue places and its engine (loaded if keep_alive had dropped it), as
+    a generation holds them; yields the seconds the load took."""
+    admit(served, state.limits, state.metrics)
+    try:
+        took = await served.acquire()
+        try:
+            yield took
+        finally:
+            served.release()
+    finally:
+        state.metrics.leave(served.name)
 
 
 def check_inputs(inputs: list, limits) -> None:
@@ -124,17 +147,10 @@ def build_router(state) -> APIRouter:
     async def embed_texts(served: ServedModel, texts, truncate, num_ctx, pooling):
         """(token lists, pooled vectors, load seconds), holding the engine (loaded if it was dropped)
         and one of the model's queue places, as a generation does."""
-        admit(served, state.limits, state.metrics)
-        try:
-            took = await served.acquire()
-            try:
-                # off the event loop: a big batch takes a while
-                ids = await off_loop(state.prep, _tokenized, served, texts, truncate, num_ctx)
-                return ids, await embed_ids(served, ids, pooling), took
-            finally:
-                served.release()
-        finally:
-            state.metrics.leave(served.name)
+        async with holding(state, served) as took:
+            # off the event loop: a big batch takes a while
+            ids = await off_loop(state.prep, _tokenized, served, texts, truncate, num_ctx)
+            return ids, await embed_ids(served, ids, pooling), took
 
     @router.post("/api/embed")
     async def embed(body: OllamaEmbedRequest):

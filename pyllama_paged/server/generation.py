@@ -203,7 +203,7 @@ class Generation:
                 if out.events:
                     if self.first_token_at is None:
                         self.first_token_at = now
-                        self.metrics.observe_ttft(now - self.started)
+                        self.metrics.observe_ttft(now - self.started, served.name)
                     elif self.last_token_at is not None:
                         self.metrics.observe_itl(now - self.last_token_at)
                     self.last_token_at = now
@@ -223,7 +223,8 @@ class Generation:
             stream.abort()
             served.release()
             self.leave()
-            self.metrics.add_tokens(len(self.prompt_ids), self.num_generated)
+            self.metrics.add_tokens(len(self.prompt_ids), self.num_generated, served.name)
+            self.metrics.observe_e2e(served.name, time.perf_counter() - self.started)
 
     async def collect(self, request) -> list[TextDelta]:
         """Every delta of a non-streamed answer. A client that hangs up while it waits

@@ -1,4 +1,6 @@
-"""Prometheus text-format metrics, written here (no client library needed)."""
+"""Prometheus text-format metrics, written here (no client library needed): our own
+pyllama_* names, and beside them the vllm:* names and labels that routers and dashboards
+made for vLLM read (load-aware and cache-aware routing, autoscalers)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,13 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 def label_value(value) -> str:
     """A label value as the Prometheus text format writes it (backslash, quote and newline escaped)."""
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+# vLLM's buckets for the same measures, so that its dashboards' quantiles read ours alike
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class Histogram:
@@ -57,7 +66,49 @@ GAUGES = {
     "kv_bytes_used": ("kv_bytes_used", "KV bytes held by sequences."),
     "prefix_cache_hit_rate": ("prefix_hit_rate", "Prefix-cache block hit rate."),
     "preemptions_total": ("preemptions", "Requests preempted."),
+    # speculative decoding (only while an engine speculates)
+    "spec_draft_tokens_total": ("spec_draft_tokens", "Draft tokens proposed and verified."),
+    "spec_accepted_tokens_total": ("spec_accepted_tokens", "Draft tokens accepted."),
 }
+
+
+class ModelCounters:
+    """What the request handlers saw of one model, for its vllm:* series."""
+
+    def __init__(self):
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = Histogram(VLLM_TTFT_BUCKETS)
+        self.e2e = Histogram(VLLM_E2E_BUCKETS)
+
+
+# vLLM's series read from each engine's stats: (name, type, help, value of the stats).
+# vLLM counts preempted requests among the waiting ones; we keep them apart as swapped.
+VLLM_ENGINE_SERIES = (
+    ("vllm:num_requests_running", "gauge", "Requests admitted to the KV pool and being computed.",
+     lambda s: s.get("running_requests", 0)),
+    ("vllm:num_requests_waiting", "gauge", "Requests waiting for admission or swapped out.",
+     lambda s: s.get("waiting_requests", 0) + s.get("swapped_requests", 0)),
+    ("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV blocks held by sequences (0..1).",
+     lambda s: s.get("blocks_used", 0) / s["blocks_total"] if s.get("blocks_total") else 0.0),
+    ("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
+     lambda s: s.get("prefix_cache_queries", 0)),
+    ("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.",
+     lambda s: s.get("prefix_cache_hits", 0)),
+    ("vllm:num_preemptions", "counter", "Requests preempted.",
+     lambda s: s.get("preemptions", 0)),
+)
+
+
+def vllm_labels(model: str) -> str:
+    """vLLM's labels of a series: the served model's name and the engine's index (one engine)."""
+    return f'model_name="{label_value(model)}",engine="0"'
+
+
+def _vllm_family(name: str, kind: str, help_text: str) -> list[str]:
+    # a counter's family is named with the _total its samples carry, as prometheus_client writes it
+    family = f"{name}_total" if kind == "counter" else name
+    return [f"# HELP {family} {help_text}", f"# TYPE {family} {kind}"]
 
 
 class Metrics:
@@ -71,6 +122,7 @@ class Metrics:
         self.inflight = defaultdict(int)          # model -> requests admitted, not finished
         self.ttft = Histogram()
         self.itl = Histogram()
+        self.models: dict[str, ModelCounters] = defaultdict(ModelCounters)
 
     def count_request(self, route: str, status: int) -> None:
         """One answer; route is the route's template (/v1/models/{model}), never the raw path,
@@ -91,14 +143,27 @@ class Metrics:
         with self._lock:
             self.inflight[model] -= 1
 
-    def add_tokens(self, prompt: int = 0, generated: int = 0) -> None:
+    def add_tokens(self, prompt: int = 0, generated: int = 0, model: str | None = None) -> None:
+        """Tokens of an ended request, counted for the server and (named) for its model."""
         with self._lock:
             self.prompt_tokens += prompt
             self.generated_tokens += generated
+            if model is not None:
+                counters = self.models[model]
+                counters.prompt_tokens += prompt
+                counters.generation_tokens += generated
 
-    def observe_ttft(self, seconds: float) -> None:
+    def observe_ttft(self, seconds: float, model: str | None = None) -> None:
+        """Submit to first token, for the server and (named) for its model."""
         with self._lock:
             self.ttft.observe(seconds)
+            if model is not None:
+                self.models[model].ttft.observe(seconds)
+
+    def observe_e2e(self, model: str, seconds: float) -> None:
+        """Submit to end of one request of model (vLLM's e2e request latency)."""
+        with self._lock:
+            self.models[model].e2e.observe(seconds)
 
     def observe_itl(self, seconds: float) -> None:
         with self._lock:
@@ -126,4 +191,29 @@ class Metrics:
             for model, stats in engine_stats.items():
                 if key in stats:
                     lines.append(f'pyllama_{metric}{{model="{label_value(model)}"}} {float(stats[key])}')
+        lines += self._vllm_lines(engine_stats)
         return "\n".join(lines) + "\n"
+
+    def _vllm_lines(self, engine_stats: dict[str, dict]) -> list[str]:
+        """vLLM's series: its engine gauges and counters for each loaded model, then its token
+        counters and latency histograms for each model that was asked something."""
+        lines = []
+        for name, kind, help_text, value in VLLM_ENGINE_SERIES:
+            lines += _vllm_family(name, kind, help_text)
+            suffix = "_total" if kind == "counter" else ""
+            lines += [f"{name}{suffix}{{{vllm_labels(model)}}} {float(value(stats))}"
+                      for model, stats in engine_stats.items()]
+        with self._lock:
+            models = sorted(self.models.items())
+            for name, field_name, help_text in (
+                    ("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens of answered requests."),
+                    ("vllm:generation_tokens", "generation_tokens", "Tokens generated.")):
+                lines += _vllm_family(name, "counter", help_text)
+                lines += [f"{name}_total{{{vllm_labels(model)}}} {float(getattr(c, field_name))}" for model, c in models]
+            for name, field_name, help_text in (
+                    ("vllm:time_to_first_token_seconds", "ttft", "Submit to first token, in seconds."),
+                    ("vllm:e2e_request_latency_seconds", "e2e", "Submit to end of request, in seconds.")):
+                lines += _vllm_family(name, "histogram", help_text)
+                for model, c in models:
+                    lines += getattr(c, field_name).lines(name, vllm_labels(model))
+        return lines

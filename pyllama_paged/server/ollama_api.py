@@ -41,6 +41,7 @@ class Options(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     num_ctx: int | None = Field(None, gt=0)
+    speculative: bool | None = None   # ours: false opts this request out of speculative decoding
     # Ollama samplers we do not have: accepted at their neutral values, a 400 otherwise
     mirostat: int | None = None
     typical_p: float | None = None

@@ -62,6 +62,7 @@ class Sampling(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     repeat_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool | None = None   # llama-server's and vLLM's: generate to max_tokens
+    speculative: bool | None = None  # ours: false opts this request out of speculative decoding
     # structured output: OpenAI's response_format, and llama.cpp server's grammar / json_schema
     response_format: ResponseFormat | None = None
     grammar: str | None = None
@@ -100,7 +101,7 @@ class Sampling(BaseModel):
     def params(self, max_tokens_default: int, logprobs: int | None = None, constraint=None) -> SamplingParams:
         fields = self.model_dump(include={"max_tokens", "temperature", "top_p", "n", "stop", "seed",
                                           "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                                          "repeat_penalty", "ignore_eos"})
+                                          "repeat_penalty", "ignore_eos", "speculative"})
         bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         return request_params(OPENAI, {**fields, "logprobs": logprobs, "constraint": constraint, "logit_bias": bias},
                               max_tokens=max_tokens_default)

@@ -11,14 +11,14 @@ import pytest
 
 from pyllama_paged import EngineLoop, Llama, PagedError, SamplingParams
 from pyllama_paged.engine.model import Model
-from pyllama_paged.convert.bert_gguf import convert, gguf_tensor_name, llama_cpp_token
+from pyllama_paged.convert.bert_gguf import gguf_tensor_name, llama_cpp_token
 from pyllama_paged.engine.embedding import EmbedParams
 from pyllama_paged.engine.encoder import pack
 from pyllama_paged.tokenizer.tokenizer import Tokenizer
 from pyllama_paged.tokenizer.wordpiece import split_words
 from pyllama_paged.testing.reference.bert_reference import bert_embedding
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
-from pyllama_paged.testing.reference.tiny_bert import tiny_vocab, write_tiny_bert
+from pyllama_paged.testing.reference.tiny_bert import converted, tiny_vocab
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 TEXTS = ["the cat sat on the mat.", "Hello, World!", "dogs running fast; the river's light at night",
@@ -27,10 +27,7 @@ TEXTS = ["the cat sat on the mat.", "Hello, World!", "dogs running fast; the riv
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bert")
-    weights, config = write_tiny_bert(root / "hf")
-    paths = {dtype: str(convert(root / "hf", root / f"tiny-bert-{dtype}.gguf", dtype)) for dtype in ("f32", "f16")}
-    return weights, config, paths
+    return converted(tmp_path_factory.mktemp("bert"))
 
 
 @pytest.fixture(scope="module")

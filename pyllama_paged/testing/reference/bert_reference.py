@@ -2,7 +2,8 @@
 (the names in model.safetensors), for checking the GGML encoder graph and the
 GGUF conversion together: embeddings + token types + positions, layer norm,
 post-norm blocks of bidirectional attention and an exact-GELU FFN, then
-masked pooling."""
+masked pooling; and a cross-encoder's score (BertForSequenceClassification: the pooler's
+tanh dense layer over [CLS], then the classifier)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ def _gelu(x):
     return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
 
 
-def bert_states(weights: dict, config: dict, ids: list[int]) -> np.ndarray:
-    """Last-layer states [len(ids), hidden] of one input (token type 0 everywhere)."""
+def bert_states(weights: dict, config: dict, ids: list[int], types: list[int] | None = None) -> np.ndarray:
+    """Last-layer states [len(ids), hidden] of one input (token types: 0 everywhere when None)."""
     w = {k.removeprefix("bert."): np.asarray(v, dtype=np.float64) for k, v in weights.items()}
     eps = config.get("layer_norm_eps", 1e-12)
     n_head = config["num_attention_heads"]
     n = len(ids)
-    x = w["embeddings.word_embeddings.weight"][ids] + w["embeddings.token_type_embeddings.weight"][0] \
+    types = [0] * n if types is None else list(types)
+    x = w["embeddings.word_embeddings.weight"][ids] + w["embeddings.token_type_embeddings.weight"][types] \
         + w["embeddings.position_embeddings.weight"][:n]
     x = _layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
     for il in range(config["num_hidden_layers"]):
@@ -57,3 +59,11 @@ def bert_embedding(weights: dict, config: dict, ids: list[int], pooling: str = "
     states = bert_states(weights, config, ids)
     vec = {"mean": states.mean(0), "cls": states[0], "last": states[-1]}[pooling]
     return vec / np.linalg.norm(vec) if normalize else vec
+
+
+def cross_encoder_logits(weights: dict, config: dict, ids: list[int], types: list[int]) -> np.ndarray:
+    """A BertForSequenceClassification's logits [n_labels] for one text pair's ids and types."""
+    cls = bert_states(weights, config, ids, types)[0]
+    pooled = np.tanh(cls @ np.asarray(weights["bert.pooler.dense.weight"], np.float64).T
+                     + weights["bert.pooler.dense.bias"])
+    return pooled @ np.asarray(weights["classifier.weight"], np.float64).T + weights["classifier.bias"]

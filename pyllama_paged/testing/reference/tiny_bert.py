@@ -1,6 +1,8 @@
 """A tiny BERT with random weights in Hugging Face's layout (config.json, vocab.txt,
 model.safetensors, 1_Pooling/config.json), for converter, engine and server tests
-that must not need the real all-MiniLM-L6-v2 package."""
+that must not need the real all-MiniLM-L6-v2 package; and a tiny cross-encoder (a
+BertForSequenceClassification checkpoint: the encoder under `bert.`, its pooler and a
+classifier) for the reranking tests."""
 
 from __future__ import annotations
 
@@ -66,23 +68,61 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
 
 
+def _config(weights: dict, n_vocab: int, architecture: str) -> dict:
+    hidden = weights["embeddings.LayerNorm.weight"].shape[0]
+    return {"model_type": "bert", "architectures": [architecture], "hidden_act": "gelu",
+            "hidden_size": hidden, "intermediate_size": weights["encoder.layer.0.intermediate.dense.weight"].shape[0],
+            "num_hidden_layers": sum(1 for k in weights if k.endswith("attention.self.query.weight")),
+            "num_attention_heads": 4, "layer_norm_eps": 1e-12, "type_vocab_size": 2,
+            "max_position_embeddings": weights["embeddings.position_embeddings.weight"].shape[0],
+            "vocab_size": n_vocab, "position_embedding_type": "absolute"}
+
+
+def _write_folder(folder: Path, config: dict, vocab: list[str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+
+
 def write_tiny_bert(folder: Path, pooling: str = "mean", **sizes) -> tuple[dict, dict]:
     """A model folder as sentence-transformers saves one; returns (weights, config)."""
-    folder.mkdir(parents=True, exist_ok=True)
     vocab = tiny_vocab()
     weights = tiny_bert_weights(len(vocab), **sizes)
     hidden = weights["embeddings.LayerNorm.weight"].shape[0]
-    config = {"model_type": "bert", "architectures": ["BertModel"], "hidden_act": "gelu",
-              "hidden_size": hidden, "intermediate_size": weights["encoder.layer.0.intermediate.dense.weight"].shape[0],
-              "num_hidden_layers": sum(1 for k in weights if k.endswith("attention.self.query.weight")),
-              "num_attention_heads": 4, "layer_norm_eps": 1e-12, "type_vocab_size": 2,
-              "max_position_embeddings": weights["embeddings.position_embeddings.weight"].shape[0],
-              "vocab_size": len(vocab), "position_embedding_type": "absolute"}
-    (folder / "config.json").write_text(json.dumps(config))
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    config = _config(weights, len(vocab), "BertModel")
+    _write_folder(folder, config, vocab)
     (folder / "1_Pooling").mkdir(exist_ok=True)
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": hidden, "pooling_mode_mean_tokens": pooling == "mean",
          "pooling_mode_cls_token": pooling == "cls"}))
     write_safetensors(folder / "model.safetensors", weights)
     return weights, config
+
+
+def write_tiny_cross_encoder(folder: Path, n_labels: int = 1, seed: int = 1, **sizes) -> tuple[dict, dict]:
+    """A BertForSequenceClassification folder as Hugging Face saves one (no pooling config;
+    the pooler's dense layer and the classifier after it are the head); returns (weights by
+    their checkpoint names, config)."""
+    vocab = tiny_vocab()
+    encoder = tiny_bert_weights(len(vocab), seed=seed, **sizes)
+    hidden = encoder["embeddings.LayerNorm.weight"].shape[0]
+    rng = np.random.default_rng(seed + 1000)
+    weights = {f"bert.{name}": array for name, array in encoder.items()}
+    weights["classifier.weight"] = (rng.standard_normal((n_labels, hidden)) * 0.5).astype(np.float32)
+    weights["classifier.bias"] = (rng.standard_normal(n_labels) * 0.1).astype(np.float32)
+    config = _config(encoder, len(vocab), "BertForSequenceClassification")
+    config["id2label"] = {str(i): f"LABEL_{i}" for i in range(n_labels)}
+    config["label2id"] = {f"LABEL_{i}": i for i in range(n_labels)}
+    _write_folder(folder, config, vocab)
+    write_safetensors(folder / "model.safetensors", weights)
+    return weights, config
+
+
+def converted(root: Path, write=write_tiny_bert, stem: str = "tiny-bert") -> tuple[dict, dict, dict[str, str]]:
+    """A tiny checkpoint written by write(root / "hf") and converted by our tool to f32 and
+    f16 GGUFs: (weights, config, {dtype: path})."""
+    from ...convert.bert_gguf import convert
+
+    weights, config = write(root / "hf")
+    paths = {dtype: str(convert(root / "hf", root / f"{stem}-{dtype}.gguf", dtype)) for dtype in ("f32", "f16")}
+    return weights, config, paths

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import gguf
@@ -202,14 +202,15 @@ def resolve_type(wtype: str, row_len: int, strict: bool = False) -> str:
 _WORDS = ("▁The", "▁the", "▁capital", "▁of", "▁France", "▁is", "▁Paris", "▁Hello", "▁hello", "▁world", "▁a", "▁and")
 
 
-def build_vocab(arch: str, n_vocab: int | None) -> dict:
+def build_vocab(arch: str, n_vocab: int | None, extra_pieces: Sequence[str] = ()) -> dict:
     """A small SentencePiece-style ("llama" tokenizer model) vocabulary.
 
     Special ids follow the family's convention: gemma3 <pad>=0 <eos>=1 <bos>=2 <unk>=3;
     the others <unk>=0 <s>=1 </s>=2.  Then the 256 byte-fallback tokens <0x00>..<0xFF>
-    (type BYTE), printable ASCII (space written as '▁'), and the prefixes of a few
-    words.  Padded with <unusedN> (CONTROL) up to ``n_vocab``; if ``n_vocab`` is smaller
-    than the natural size the trailing word pieces are dropped (minimum: specials+bytes).
+    (type BYTE), printable ASCII (space written as '▁'), the prefixes of a few words and
+    ``extra_pieces`` whole (e.g. a reranker's "yes" and "no").  Padded with <unusedN>
+    (CONTROL) up to ``n_vocab``; if ``n_vocab`` is smaller than the natural size the
+    trailing word pieces are dropped (minimum: specials+bytes).
     """
     if arch == "gemma3":
         specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -233,6 +234,7 @@ def build_vocab(arch: str, n_vocab: int | None) -> dict:
             if p not in seen:
                 seen.add(p)
                 pieces.append(p)
+    pieces += [p for p in extra_pieces if p not in seen]
     for p in pieces:
         tokens.append(p)
         types.append(int(gguf.TokenType.NORMAL))
@@ -297,6 +299,8 @@ def write_tiny_model(
     strict: bool = False,
     seed: int = 0,
     name: str | None = None,
+    extra_pieces: Sequence[str] = (),
+    extend: Callable[[gguf.GGUFWriter, np.random.Generator], None] | None = None,
 ) -> str:
     """Write a tiny random-weight GGUF for ``arch`` to ``path`` and return the path.
 
@@ -309,7 +313,8 @@ def write_tiny_model(
     (default: ``weight_type``; note llama.cpp files often keep it at q8_0/q6_k).
     ``n_rot`` writes ``rope.dimension_count`` (partial rotary when below head_dim);
     ``rope_freqs`` adds a ``rope_freqs.weight`` tensor of per-pair frequency divisors
-    (Llama 3.1's rope scaling is stored that way).
+    (Llama 3.1's rope scaling is stored that way).  ``extra_pieces`` adds whole tokens
+    to the vocabulary; ``extend(writer, rng)`` adds metadata and tensors of its own last.
     """
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported arch {arch!r}; choose from {SUPPORTED_ARCHS}")
@@ -335,7 +340,7 @@ def write_tiny_model(
     if head_dim % 2 != 0:
         raise ValueError("head_dim must be even (RoPE rotates pairs)")
 
-    vocab = build_vocab(arch, n_vocab)
+    vocab = build_vocab(arch, n_vocab, extra_pieces)
     n_vocab = len(vocab["tokens"])
     rng = np.random.default_rng(seed)
     overrides = dict(type_overrides or {})
@@ -436,6 +441,8 @@ def write_tiny_model(
         add_weight(p + "ffn_down.weight", n_embd, n_ff, 1.0 / np.sqrt(n_ff))
         if arch == "gemma3":
             add_norm(p + "post_ffw_norm.weight", n_embd, post_center)
+    if extend is not None:
+        extend(w, rng)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -1,0 +1,78 @@
+"""What a router in front of several servers relies on (vllm-router, llm-d, Dynamo and
+the like), beside the OpenAI routes: GET /health (200 while the server can take work,
+503 while it drains or an engine has died), POST /reset_prefix_cache, and a uvicorn
+server that drains before it stops: on the first SIGTERM or SIGINT /health turns 503
+while requests are still served for drain_seconds, so routers stop sending work before
+the port closes (a second signal stops it at once)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import uvicorn
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+log = logging.getLogger("pyllama_paged.server")
+
+
+def unhealthy_reason(state) -> str | None:
+    """Why the server cannot take work now, or None when it can."""
+    if state.draining:
+        return "the server is draining: it finishes its requests and stops"
+    dead = [m.name for m in state.registry.models.values() if m.loop is not None and not m.loop.is_alive]
+    if dead:
+        return f"the engine of {', '.join(dead)} has stopped"
+    return None
+
+
+def build_router(state) -> APIRouter:
+    """/health and /reset_prefix_cache, as vLLM's servers answer them."""
+    router = APIRouter()
+    # an empty 200 (vLLM's answer), documented as such: no JSON body to promise
+    empty = {"response_class": Response, "responses": {200: {"description": "empty body", "content": {}}}}
+
+    @router.get("/health", **empty)
+    async def health():
+        reason = unhealthy_reason(state)
+        # vLLM answers 200 with an empty body; routers read only the status
+        return Response(status_code=200) if reason is None else JSONResponse({"error": reason}, status_code=503)
+
+    @router.head("/health", **empty)
+    async def health_head():
+        return Response(status_code=200 if unhealthy_reason(state) is None else 503)
+
+    @router.post("/reset_prefix_cache", **empty)
+    async def reset_prefix_cache():
+        """Drop every loaded model's cached prefixes (running requests keep their pages)."""
+        for served in list(state.registry.models.values()):
+            await served.call_if_loaded(lambda llm: None if llm.is_encoder else llm.reset_prefix_cache())
+        return Response(status_code=200)
+
+    return router
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which on the first exit signal marks the state draining and keeps
+    serving for drain_seconds before it shuts down as usual."""
+
+    def __init__(self, config: uvicorn.Config, state, drain_seconds: float = 0.0):
+        super().__init__(config)
+        self.state = state
+        self.drain_seconds = drain_seconds
+        self._timer: threading.Timer | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        """First signal: drain (health 503), then exit; a later one: uvicorn's own handling."""
+        self.state.draining = True
+        if self.drain_seconds > 0 and self._timer is None:
+            log.info("draining for %.1f s: /health answers 503, requests are still served", self.drain_seconds)
+            self._timer = threading.Timer(self.drain_seconds, self._stop)
+            self._timer.daemon = True
+            self._timer.start()
+            return
+        super().handle_exit(sig, frame)
+
+    def _stop(self) -> None:
+        self.should_exit = True   # uvicorn's main loop checks it every tick
