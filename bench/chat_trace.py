@@ -157,14 +157,21 @@ def our_bytes_per_token(model: str | None) -> int:
         m.close()
 
 
-def start_ours(model: str | None, kv_tokens: int, args, seq_ctx: int, log: Path):
+def our_cli() -> str:
+    """The `pyllama-paged` entry point: on PATH, else next to this interpreter (a venv not activated)."""
+    beside = Path(sys.executable).with_name("pyllama-paged")
+    return shutil.which("pyllama-paged") or (str(beside) if beside.exists() else "pyllama-paged")
+
+
+def start_ours(model: str | None, kv_tokens: int, args, seq_ctx: int, log: Path, extra=()):
     port = free_port()
-    cmd = [shutil.which("pyllama-paged") or "pyllama-paged", "serve", "--port", str(port),
+    cmd = [our_cli(), "serve", "--port", str(port),
            "--threads", str(args.threads), "--ctx", str(seq_ctx), "--kv-budget", str(kv_tokens),
            "--block-size", str(args.block_size), "--max-seqs", str(args.max_seqs), "--max-queue", "1024",
            "--itl-budget-ms", args.itl_budget_ms, "--gpu-layers", str(args.gpu_layers)]
     if model:
         cmd += ["--model", model]
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -173,11 +173,22 @@ def serve_settings(args) -> tuple:
                             max_num_seqs=args.max_seqs,
                             preemption_mode=args.preemption, itl_budget=_itl_budget(args.itl_budget_ms),
                             n_gpu_layers=args.gpu_layers, main_gpu=args.main_gpu,
-                            speculative=_speculative(args))
+                            speculative=_speculative(args), prefix_tiers=_prefix_tiers(args))
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     api_key = args.api_key or os.environ.get("PYLLAMA_API_KEY") or None
     origins = origins_from(os.environ.get(ORIGINS_ENV)) + origins_from(args.origins)
     return options, limits, api_key, origins
+
+
+def _prefix_tiers(args):
+    """serve's prefix-cache tier flags as a PrefixTierConfig (None: no tier)."""
+    from .engine.prefix_tiers import PrefixTierConfig
+
+    if args.cache_ram < 0:
+        raise SystemExit(f"--cache-ram must be >= 0 MiB, got {args.cache_ram}")
+    config = PrefixTierConfig(ram_bytes=args.cache_ram << 20, disk_dir=args.prefix_cache_dir,
+                              disk_bytes=parse_bytes(args.prefix_cache_disk))
+    return config if config.enabled else None
 
 
 def _speculative(args):
@@ -185,10 +196,18 @@ def _speculative(args):
     from .engine.spec_draft import SpeculativeConfig
     from .errors import PagedError
 
-    if args.speculative is None:
+    method = args.speculative
+    if method is None and args.draft_model is not None:
+        method = "draft_model"   # --draft-model alone says which method
+    if method is None:
         return None
     try:
-        return SpeculativeConfig(method=args.speculative, num_draft_tokens=args.num_draft_tokens,
+        if method == "draft_model":
+            return SpeculativeConfig(method=method, num_draft_tokens=args.num_draft_tokens,
+                                     draft_model=args.draft_model)
+        if args.draft_model is not None:
+            raise PagedError(f"--draft-model is for --speculative draft_model, not {method}")
+        return SpeculativeConfig(method=method, num_draft_tokens=args.num_draft_tokens,
                                  max_ngram=args.max_ngram)
     except PagedError as e:
         raise SystemExit(str(e)) from None
@@ -225,7 +244,7 @@ def serve_on_ray(args) -> int:
 
 
 def parse_bytes(text: str) -> int:
-    """--replica-memory: a size with a unit (2GiB) or a number of bytes."""
+    """A size flag (--replica-memory, --prefix-cache-disk): with a unit (2GiB) or a number of bytes."""
     tokens, size = parse_kv_budget(text)
     return size if size is not None else tokens
 
@@ -432,11 +451,23 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events (default none)")
     srv.add_argument("--kv-events-format", default="array", choices=["array", "map"],
                      help="events as tagged arrays (vLLM up to 0.23) or as maps (later vLLM)")
-    srv.add_argument("--speculative", default=None, choices=["prompt_lookup"],
+    srv.add_argument("--speculative", default=None, choices=["prompt_lookup", "draft_model"],
                      help="speculative decoding: prompt_lookup drafts from earlier text of the same "
-                          "conversation (a request opts out with \"speculative\": false)")
+                          "conversation, draft_model from a small model (--draft-model); a request opts "
+                          "out with \"speculative\": false")
+    srv.add_argument("--draft-model", default=None, metavar="PATH",
+                     help="the GGUF that drafts for --speculative draft_model: a small model sharing "
+                          "the served model's tokenizer (it implies --speculative draft_model)")
     srv.add_argument("--num-draft-tokens", type=int, default=4, help="most tokens drafted per step")
     srv.add_argument("--max-ngram", type=int, default=3, help="longest n-gram prompt lookup matches")
+    srv.add_argument("--cache-ram", type=int, default=2048, metavar="MiB",
+                     help="host RAM that keeps computed prompt blocks after the KV pool evicts them, per "
+                          "model, restored instead of recomputed (llama-server's flag; 0: off)")
+    srv.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                     help="also keep computed prompt blocks in this directory, across restarts and for "
+                          "other servers sharing it (content-addressed, checksummed; off by default)")
+    srv.add_argument("--prefix-cache-disk", default="16GiB", metavar="SIZE",
+                     help="most bytes of block files --prefix-cache-dir holds (oldest go first)")
     _add_gpu_args(srv)
     _add_limit_args(srv)
     _add_ray_args(srv)

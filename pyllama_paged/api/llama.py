@@ -15,6 +15,7 @@ from ..engine.llm_engine import RequestOutput
 from ..engine.model import Model
 from ..engine.builder import build_engine
 from ..engine.config import EngineConfig
+from ..engine.prefix_tiers import PrefixTierConfig
 from ..engine.spec_draft import SpeculativeConfig
 from ..engine.devices import list_devices
 from ..engine.sampler import SamplingParams
@@ -51,14 +52,18 @@ class Llama:
                  lora_path: str | None = None, verbose: bool = False,
                  paged: bool = True, block_size: int = 32, kv_cache_type: str = "f16", n_seq_max: int = 1,
                  repack_weights: bool = True, pack_panels: bool = True, n_gpu_layers: int = 0,
-                 main_gpu: int = 0, speculative: Any = None, **llama_cpp_args: Any):
+                 main_gpu: int = 0, speculative: Any = None, prefix_cache_ram: int = 0,
+                 prefix_cache_dir: str | None = None, **llama_cpp_args: Any):
         """Load a GGUF (model_path None: the embedded default model). llama-cpp-python's other
         arguments are accepted; those that change nothing here warn once (llama_compat).
         pack_panels=False keeps GGML's kernels for the weights our VNNI panel GEMM would take.
         n_gpu_layers: layers on GGML's main_gpu-th GPU (-1: all and the output head).
         speculative: speculative decoding by prompt lookup, e.g. {"method": "prompt_lookup",
-        "num_draft_tokens": 4, "max_ngram": 3}, True or a SpeculativeConfig (None: off); a
-        request opts out with SamplingParams(speculative=False)."""
+        "num_draft_tokens": 4, "max_ngram": 3}, or by a small draft model sharing this model's
+        tokenizer, {"method": "draft_model", "draft_model": path, "num_draft_tokens": 4}; True
+        or a SpeculativeConfig (None: off); a request opts out with SamplingParams(speculative=False).
+        prefix_cache_ram: bytes of host RAM that keep computed prompt blocks after the KV pool
+        evicts them (0: none); prefix_cache_dir: a directory keeping them across runs (None: none)."""
         self.llm_engine = self._model = self._steps = None   # set first: close() is safe after a failed init
         self._warnings = CompatWarnings()
         self._warnings.constructor_args(llama_cpp_args)
@@ -96,7 +101,8 @@ class Llama:
                               n_batch=self.n_batch, block_size=block_size, kv_cache_type=kv_cache_type,
                               n_gpu_layers=n_gpu_layers, main_gpu=main_gpu,
                               scheduler=SchedulerConfig(max_num_batched_tokens=self.n_batch),
-                              speculative=speculative)
+                              speculative=speculative,
+                              prefix_tiers=PrefixTierConfig(ram_bytes=prefix_cache_ram, disk_dir=prefix_cache_dir))
         self.llm_engine = build_engine(config, self._model, self._tokenizer.eot_ids)
         self._steps = SharedSteps(self.llm_engine)
         # bert: embeddings only, no KV cache and no chat

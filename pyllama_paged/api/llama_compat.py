@@ -48,7 +48,8 @@ UNUSED_ARGS: dict[str, tuple[Any, str]] = {
     "attention_type": (-1, "attention is causal for the models we run"),
     "n_ubatch": (512, "a step is sized by n_batch alone"),
     "numa": (False, "no NUMA placement is done"),
-    "draft_model": (None, "there is no speculative decoding"),
+    "draft_model": (None, "speculative decoding is the speculative= argument (a draft GGUF's path with "
+                          "method 'draft_model', or prompt lookup)"),
     "tokenizer": (None, "the GGUF's own tokenizer is used"),
     "spm_infill": (False, "fill-in-the-middle is not supported"),
     "swa_full": (None, "the KV cache is paged"),

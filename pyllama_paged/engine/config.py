@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..errors import PagedError
 from .scheduler import SchedulerConfig
+from .prefix_tiers import PrefixTierConfig
 from .spec_draft import SpeculativeConfig
 
 
@@ -37,6 +38,7 @@ class EngineConfig:
     main_gpu: int = 0                   # which of GGML's GPUs
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None   # speculative decoding (None: off)
+    prefix_tiers: PrefixTierConfig | None = None   # host-RAM / disk tiers below the prefix cache (None: off)
 
     def __post_init__(self):
         for name in ("n_batch", "n_threads", "n_seq_max", "block_size"):

@@ -20,9 +20,11 @@ from ..errors import PagedError, RequestError
 from .sampler import BatchSampler, Sampled, Sampler, SamplingParams
 from .scoring import PromptScores, ScoreParams
 from .preemption import SwapSpace
+from .prefix_tiers import PrefixTierConfig, PrefixTiers, TierWriter, kv_identity, model_fingerprint
 from .scheduler import Scheduler, SchedulerConfig
 from .scheduler_output import SchedulerOutput
 from .spec_verify import Speculator
+from .spec_draft_model import drafter_for
 from .request import Request, RequestStatus, Sequence
 from ..tokenizer.tokenizer import Tokenizer
 
@@ -49,6 +51,7 @@ class LLMEngine:
         self.scores = PromptScores()          # scoring requests' scores in flight
         self._owned_model = None              # a model from_config loaded (closed with the engine)
         self.speculator: Speculator | None = None   # speculative decoding (EngineConfig.speculative)
+        self.tiers: PrefixTiers | None = None       # the prefix cache below the pool (use_prefix_tiers)
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, model: Model | None = None, eot_ids=None) -> "LLMEngine":
@@ -82,7 +85,16 @@ class LLMEngine:
         engine = cls(runner, eot_ids, config.scheduler)
         engine._owned_model = model if owned else None
         if config.speculative is not None:
-            engine.speculator = Speculator(config.speculative)
+            try:   # a draft model (method draft_model) loads here, checked against the target
+                engine.speculator = Speculator(config.speculative, drafter_for(
+                    config.speculative, model, runner, n_threads=config.n_threads,
+                    kv_cache_type=config.kv_cache_type, attention=config.attention,
+                    n_gpu_layers=config.n_gpu_layers, main_gpu=config.main_gpu))
+            except BaseException:
+                engine.close()
+                raise
+        if config.prefix_tiers is not None and config.prefix_tiers.enabled and config.paged:
+            engine.use_prefix_tiers(config.prefix_tiers)
         return engine
 
     is_encoder = False   # EncoderEngine's counterpart: this engine generates
@@ -97,12 +109,32 @@ class LLMEngine:
         """K+V bytes one token takes across all layers."""
         return self.runner.kv_bytes_per_token
 
+    def use_prefix_tiers(self, config: PrefixTierConfig) -> PrefixTiers:
+        """Keep computed blocks in host RAM and/or on disk below the pool (paged only), and
+        restore prompts' prefixes from them at admission."""
+        runner, kv = self.runner, self.runner.kv
+        if not kv.paged:
+            raise PagedError("prefix tiers need the paged KV cache")
+        groups = runner.kv_groups
+        identity = kv_identity(model_fingerprint(runner.model.gguf), runner.kv_cache_type, kv.block_size,
+                               groups.layer_group, groups.group_window, runner.block_bytes)
+        self.tiers = PrefixTiers(config, identity, kv.block_size, kv.n_groups, runner.block_bytes)
+        kv.tier_writer = TierWriter(self.tiers, kv, runner.read_block)
+        self.scheduler.tiers = self.tiers
+        return self.tiers
+
     def close(self) -> None:
-        """Free the runner (KV pools, compute context) and a model from_config loaded."""
+        """Free the runner (KV pools, compute context) and a model from_config loaded; queued
+        disk-tier writes are finished first."""
+        if self.tiers is not None:
+            self.tiers.close()
         self.runner.close()
         if self._owned_model is not None:
             self._owned_model.close()
             self._owned_model = None
+        if self.speculator is not None:   # a draft model and its pool
+            self.speculator.close()
+            self.speculator = None
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | EmbedParams | ScoreParams,
@@ -158,6 +190,8 @@ class LLMEngine:
             self.pooling.forget(seq.seq_id)
             self.scores.forget(seq.seq_id)
             self.swap_space.drop(seq.seq_id)
+        if self.speculator is not None:   # a draft model's sequences
+            self.speculator.forget(request.seqs)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -218,6 +252,8 @@ class LLMEngine:
             self.swap_space.save(move, self.runner.read_block(move.block_id))
         for move in output.swap_in:
             self.runner.write_block(move.block_id, self.swap_space.take(move))
+        for load in output.tier_loads:
+            self.runner.write_block(load.block_id, load.data)
         for seq_id in output.resumed_seq_ids:
             self.swap_space.drop(seq_id)   # pages the prefix cache held came back without a write
         self.runner.copy_blocks(output.block_copies)
@@ -417,6 +453,8 @@ class LLMEngine:
              "step_cost_seconds": self.scheduler.step_cost.coefficients}
         if self.speculator is not None:
             s.update(self.speculator.stats())
+        if self.tiers is not None:
+            s.update(self.tiers.stats(), prefix_tier_hits=self.scheduler.tier_hit_tokens)
         s.update(kv_pool_bytes=self.runner.kv_pool_bytes,
                  kv_bytes_per_token_dense=self.runner.kv_bytes_per_token)
         if kv.paged:

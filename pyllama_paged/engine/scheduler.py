@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from .kv_manager import SeqState, fork_state, new_cached_sequence, place_tokens
 from .preemption import PREEMPTION_MODES, release, swap_in, swap_out
 from .step_cost import StepCostModel
-from .scheduler_output import SchedulerOutput
+from .scheduler_output import SchedulerOutput, TierLoad
 from ..errors import OutOfBlocksError
 from .request import Request, RequestStatus, Sequence
 
@@ -95,6 +95,8 @@ class Scheduler:
         # prefix_cache_queries and prefix_cache_hits, in tokens)
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.tiers = None                 # a PrefixTiers below the pool (the engine sets it), or None
+        self.tier_hit_tokens = 0          # prompt tokens restored from a tier at admission
         budget = self.config.itl_budget
         if not (budget is None or budget == "auto" or (isinstance(budget, (int, float)) and budget > 0)):
             raise ValueError(f"itl_budget must be a number of seconds > 0, 'auto' or None, got {budget!r}")
@@ -381,6 +383,9 @@ class Scheduler:
             if self.kv.paged and not request.is_prefill_only:
                 self.prefix_queried_tokens += sum(len(s.token_ids) for s in seqs)
                 self.prefix_hit_tokens += sum(s.kv.num_computed for s in seqs)
+                if self.tiers is not None:
+                    for seq in seqs:
+                        self._restore_from_tiers(seq)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             running_seqs += width
@@ -391,6 +396,51 @@ class Scheduler:
                         self._add_chunk(seq, n)
                         step.budget -= n
         return True
+
+    def _restore_from_tiers(self, seq: Sequence) -> None:
+        """Extend a new sequence's cached prefix with the blocks a lower tier holds: place
+        them (a piece of at most a step's tokens at a time, as a prefill would, so that
+        sliding-window groups give pages back between pieces), mark them computed, and
+        plan the writes of their bytes. Stops at the first block no tier holds, when the
+        pool has no room (keeping the reserve), or one block before the prompt's end (its
+        last token must be computed for logits)."""
+        kv, tiers, bs = self.kv, self.tiers, self.kv.block_size
+        max_blocks = (len(seq.token_ids) - 1) // bs
+        done = seq.kv.num_computed // bs
+        if done >= max_blocks:
+            return
+        keys = tiers.keys(seq.token_ids, max_blocks)
+        piece_blocks = max(1, self.config.max_num_batched_tokens // bs)
+        reserve = self.reserve_blocks if self.running else 0
+        while done < max_blocks:
+            found = tiers.run_length(keys[done:done + piece_blocks])
+            # room first, so that no block is read (and counted) only to be dropped
+            if found == 0 or kv.blocks_needed(seq.kv.handle, (done + found) * bs - seq.kv.num_tokens) + reserve \
+                    > kv.num_allocatable:
+                return
+            piece = []
+            for key in keys[done:done + found]:
+                data = tiers.load(key)   # None if a file went bad or away since run_length
+                if data is None:
+                    break
+                piece.append(data)
+            if not piece:
+                return
+            end = done + len(piece)
+            self._place(seq, seq.token_ids[seq.kv.num_tokens:end * bs])
+            tables = [kv.block_table(seq.kv.handle, g) for g in range(kv.n_groups)]
+            size = tiers.block_bytes
+            for j, data in enumerate(piece):
+                for g, table in enumerate(tables):
+                    block = int(table[done + j])
+                    if block >= 0:   # a window group that never held it gives it back anyway
+                        self._plan.tier_loads.append(TierLoad(block, data[g * size:(g + 1) * size]))
+            kv.mark_computed(seq.kv.handle, end * bs)
+            seq.kv.num_computed = end * bs
+            self.tier_hit_tokens += len(piece) * bs
+            if len(piece) < piece_blocks:
+                return
+            done = end
 
     def _unstick(self, starved: bool) -> None:
         """Nothing to compute this step. Prefills that hold pages but cannot place their

@@ -22,13 +22,24 @@ class SwapMove:
 
 
 @dataclass(slots=True)
+class TierLoad:
+    """One page of a prefix restored from a lower tier: its bytes, to write into block_id."""
+
+    block_id: int
+    data: np.ndarray
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step, decided: chunks in batch order (decodes first), then the KV moves.
 
     `seq_ids[i]` computes `items[i] = (kv handle, first token, token count)`; the
     first `num_decodes` chunks are decodes. The engine makes the moves in one
     safe order: read every swapped-out page (its block may be handed to another
-    sequence in this same step), write swapped-in pages, then copy-on-write."""
+    sequence in this same step), write swapped-in pages, then pages restored from a
+    prefix tier (placed after every swap-in, in order: a window group's page given
+    back by one restore may be taken by the next, whose write must win), then
+    copy-on-write."""
 
     seq_ids: list[int] = field(default_factory=list)
     items: list[tuple[int, int, int]] = field(default_factory=list)
@@ -36,6 +47,7 @@ class SchedulerOutput:
     swap_out: list[SwapMove] = field(default_factory=list)
     swap_in: list[SwapMove] = field(default_factory=list)
     resumed_seq_ids: list[int] = field(default_factory=list)            # swapped in: host copies no longer needed
+    tier_loads: list[TierLoad] = field(default_factory=list)            # after swap_in, in placement order
     block_copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write (src, dst)
     failed_request_ids: list[str] = field(default_factory=list)         # ended by the scheduler, with an error
 

@@ -1,8 +1,9 @@
-"""Prompt-lookup drafting for speculative decoding: no second model. A sequence's
-newest tokens (an n-gram, longest first) are looked up earlier in its own history
-(prompt + generated); the tokens that followed the latest earlier occurrence are
-the draft. It pays where answers copy their prompt (code edits, summaries,
-quotes). Knows nothing of the KV cache or the model."""
+"""Speculative decoding's settings, and prompt-lookup drafting: no second model. A
+sequence's newest tokens (an n-gram, longest first) are looked up earlier in its own
+history (prompt + generated); the tokens that followed the latest earlier occurrence
+are the draft. It pays where answers copy their prompt (code edits, summaries,
+quotes). Knows nothing of the KV cache or the model (the draft-model drafter lives in
+spec_draft_model.py)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,23 @@ import numpy as np
 
 from ..errors import PagedError
 
-SPECULATIVE_METHODS = ("prompt_lookup",)
+SPECULATIVE_METHODS = ("prompt_lookup", "draft_model")
 
 
 @dataclass(slots=True)
 class SpeculativeConfig:
     """Speculative decoding of an engine (None in EngineConfig: off). num_draft_tokens:
-    the most tokens drafted per sequence and step; the drafter tries n-grams of
-    max_ngram down to min_ngram tokens."""
+    the most tokens drafted per sequence and step. prompt_lookup tries n-grams of
+    max_ngram down to min_ngram tokens; draft_model runs the GGUF at draft_model (same
+    vocabulary as the target) greedily, its KV in its own pool of draft_kv_tokens
+    tokens (None: as many as the target's pool holds)."""
 
     method: str = "prompt_lookup"
     num_draft_tokens: int = 4
     max_ngram: int = 3
     min_ngram: int = 1
+    draft_model: str | None = None
+    draft_kv_tokens: int | None = None
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -35,11 +40,19 @@ class SpeculativeConfig:
             raise PagedError(f"num_draft_tokens must be in [1, 32], got {self.num_draft_tokens}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise PagedError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if self.method == "draft_model" and not self.draft_model:
+            raise PagedError("speculative method 'draft_model' needs draft_model: the path of a GGUF "
+                             "sharing the target's vocabulary")
+        if self.method != "draft_model" and self.draft_model is not None:
+            raise PagedError(f"draft_model is for method 'draft_model', not {self.method!r}")
+        if self.draft_kv_tokens is not None and self.draft_kv_tokens < 1:
+            raise PagedError(f"draft_kv_tokens must be >= 1 or None, got {self.draft_kv_tokens}")
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
         """A config from what the surfaces accept: None/False (off), True or a method name
-        (defaults), a dict of fields, or a SpeculativeConfig."""
+        (defaults), a dict of fields (a draft_model path without a method means
+        method "draft_model"), or a SpeculativeConfig."""
         if value is None or value is False:
             return None
         if isinstance(value, cls):
@@ -52,6 +65,8 @@ class SpeculativeConfig:
             unknown = set(value) - set(cls.__dataclass_fields__)
             if unknown:
                 raise PagedError(f"speculative: unknown field(s) {', '.join(sorted(unknown))}")
+            if value.get("draft_model") is not None and "method" not in value:
+                value = {**value, "method": "draft_model"}
             return cls(**value)
         raise PagedError(f"speculative must be a dict, a method name or a bool, got {type(value).__name__}")
 
@@ -63,6 +78,23 @@ class PromptLookupDrafter:
         self.max_ngram = config.max_ngram
         self.min_ngram = config.min_ngram
         self.num_draft_tokens = config.num_draft_tokens
+
+    def propose_many(self, wants: list[tuple[int, Sequence[int], int]]) -> list[list[int]]:
+        """Drafts for [(seq id, token ids, most tokens)], one list each (possibly empty)."""
+        return [self.propose(token_ids, k) for _, token_ids, k in wants]
+
+    def retain(self, seq_ids) -> None:
+        """Nothing to drop: prompt lookup keeps no state per sequence."""
+
+    def release(self, seq_ids) -> None:
+        """Nothing to free: prompt lookup keeps no state per sequence."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+    def stats(self) -> dict:
+        """No counters of its own."""
+        return {}
 
     def propose(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """Up to max_tokens (default num_draft_tokens) tokens that followed the latest

@@ -14,6 +14,8 @@ each emitted token costs one draw as without speculation (a seeded request draws
 the same tokens up to float near-ties). Rows are drawn in rounds (row j of every
 live draft per call) because row j's grammar mask and penalty history depend on
 the tokens accepted before it; the grammar advances only over emitted tokens.
+A draft model drafting greedily (argmax, spec_draft_model.py) is a deterministic
+draft too, so the same rule stays exact for it.
 
 Accepted draft tokens are placed in the pool after the step (their K/V are already
 in the right slots, spec_batch) and committed then: only then can a block they fill
@@ -31,9 +33,10 @@ from .spec_draft import PromptLookupDrafter, SpeculativeConfig
 class Speculator:
     """One engine's drafter and its counters."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, drafter=None):
         self.config = config
-        self.drafter = PromptLookupDrafter(config)
+        # drafter: prompt lookup unless given (spec_draft_model.DraftModelDrafter)
+        self.drafter = drafter if drafter is not None else PromptLookupDrafter(config)
         self.num_draft_tokens = 0       # tokens proposed and verified
         self.num_accepted_tokens = 0    # of those, emitted as drafted
         self.num_drafts = 0             # (sequence, step) pairs that carried a draft
@@ -48,7 +51,9 @@ class Speculator:
         block of its sequence's newest token, within the step's n_batch, the context
         limit and the request's max_tokens (the step emits at most draft + 1 tokens)."""
         room = n_batch - sum(output.num_tokens)
-        drafts: dict[int, list[int]] = {}
+        # a drafter's per-sequence state (a draft model's KV) goes with preempted and ended sequences
+        self.drafter.retain({seq_id for seq_id, seq in seqs.items() if seq.kv is not None and not seq.is_finished})
+        wanted: list[tuple[int, int]] = []   # (item index, most tokens)
         for i in range(output.num_decodes):
             if room <= 0:
                 break
@@ -64,11 +69,19 @@ class Speculator:
                     max_new - len(seq.output_ids) - 1)
             if k <= 0:
                 continue
-            tokens = self.drafter.propose(seq.token_ids, k)
-            if tokens:
-                drafts[i] = tokens
-                room -= len(tokens)
-        return drafts
+            wanted.append((i, k))
+            room -= k   # reserved whole: drafts are proposed together (a draft model batches them)
+        proposed = self.drafter.propose_many([(output.seq_ids[i], seqs[output.seq_ids[i]].token_ids, k)
+                                              for i, k in wanted]) if wanted else []
+        return {i: tokens for (i, _), tokens in zip(wanted, proposed) if tokens}
+
+    def forget(self, seqs) -> None:
+        """An ended request's sequences: the drafter frees what it holds for them."""
+        self.drafter.release([seq.seq_id for seq in seqs])
+
+    def close(self) -> None:
+        """Free the drafter (a draft model and its KV pool)."""
+        self.drafter.close()
 
     def verify(self, sampler, logits: np.ndarray, items: list, accept, fail, is_live, kv, copy_blocks) -> None:
         """Emit each drafted sequence's tokens from its rows. items: (request, seq, first
@@ -119,4 +132,4 @@ class Speculator:
         """Counters for LLMEngine.stats()."""
         rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
         return {"spec_draft_tokens": self.num_draft_tokens, "spec_accepted_tokens": self.num_accepted_tokens,
-                "spec_drafts": self.num_drafts, "spec_acceptance_rate": rate}
+                "spec_drafts": self.num_drafts, "spec_acceptance_rate": rate, **self.drafter.stats()}

@@ -69,6 +69,16 @@ GAUGES = {
     # speculative decoding (only while an engine speculates)
     "spec_draft_tokens_total": ("spec_draft_tokens", "Draft tokens proposed and verified."),
     "spec_accepted_tokens_total": ("spec_accepted_tokens", "Draft tokens accepted."),
+    "spec_draft_forward_seconds_total": ("spec_draft_forward_seconds", "Seconds in the draft model's forward steps."),
+    "spec_draft_kv_blocks_used": ("spec_draft_blocks_used", "Draft model KV blocks held by draft sequences."),
+    # the prefix cache's tiers below the pool (only while an engine has them)
+    "prefix_tier_hit_tokens_total": ("prefix_tier_hits", "Prompt tokens restored from the RAM or disk tier."),
+    "prefix_tier_ram_hit_blocks_total": ("tier_ram_hit_blocks", "Blocks restored from the RAM tier."),
+    "prefix_tier_disk_hit_blocks_total": ("tier_disk_hit_blocks", "Blocks restored from the disk tier."),
+    "prefix_tier_saved_blocks_total": ("tier_saved_blocks", "Computed blocks written to the tiers."),
+    "prefix_tier_ram_bytes": ("tier_ram_bytes", "Bytes held by the RAM tier."),
+    "prefix_tier_disk_bytes": ("tier_disk_bytes", "Bytes of block files in the disk tier's directory."),
+    "prefix_tier_disk_corrupt_files_total": ("tier_disk_corrupt_files", "Damaged block files found (misses)."),
 }
 
 

@@ -19,6 +19,7 @@ from ..tokenizer.chat_template import ChatTemplate
 from ..engine.loop import EngineLoop
 from ..engine.builder import build_engine
 from ..engine.config import EngineConfig
+from ..engine.prefix_tiers import PrefixTierConfig
 from ..engine.spec_draft import SpeculativeConfig
 from ..engine.encoder import EncoderEngine
 from ..engine.llm_engine import LLMEngine
@@ -68,6 +69,7 @@ class EngineOptions:
     n_gpu_layers: int = 0               # layers on a GPU (-1: all and the output head)
     main_gpu: int = 0
     speculative: SpeculativeConfig | None = None   # speculative decoding of every request that allows it
+    prefix_tiers: PrefixTierConfig | None = None   # host-RAM / disk tiers below each engine's prefix cache
     # where each generative engine tells of its prefix cache's changes (a KVEventListener, e.g.
     # the server's ZMQ publisher; None: nowhere); attached again at every load
     kv_events: object | None = field(default=None, compare=False, repr=False)
@@ -139,7 +141,7 @@ class ServedModel:
             model_path=self.path, paged=o.paged, n_ctx=o.n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
             block_size=o.block_size, kv_cache_type=o.kv_cache_type, kv_bytes=o.kv_budget_bytes,
             kv_tokens=o.kv_budget_tokens, n_gpu_layers=o.n_gpu_layers, main_gpu=o.main_gpu,
-            speculative=o.speculative,
+            speculative=o.speculative, prefix_tiers=o.prefix_tiers,
             scheduler=SchedulerConfig(max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs,
                                       preemption_mode=o.preemption_mode, itl_budget=o.itl_budget,
                                       max_prefill_tokens_with_decodes=o.max_prefill_tokens_with_decodes))

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.constrain.grammar import compile_constraint
 from pyllama_paged.engine.config import EngineConfig
 from pyllama_paged.engine.llm_engine import LLMEngine
 from pyllama_paged.engine.kv_manager import PagedKV, SeqState
@@ -19,6 +18,8 @@ from pyllama_paged.engine.spec_draft import PromptLookupDrafter, SpeculativeConf
 from pyllama_paged.engine.spec_verify import Speculator
 from pyllama_paged.errors import PagedError
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
+from pyllama_paged.testing.engine_runs import (chat_ids as _chat, digit_answers, greedy_with_and_without,
+                                              run_together as _generate)
 
 CODE = '''def area(width, height):
     """The area of a rectangle."""
@@ -155,20 +156,6 @@ def llm():
         yield model
 
 
-def _chat(llm, text):
-    return llm.tokenize(f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n".encode(),
-                        special=True)
-
-
-def _generate(engine, requests):
-    """Run [(prompt, params)] to the end together; each request's samples' output ids."""
-    added = [engine.add_request(prompt, params) for prompt, params in requests]
-    while engine.has_work():
-        engine.step()
-    assert all(r.error is None for r in added), [r.error for r in added]
-    return [[s.output_ids for s in r.seqs] for r in added]
-
-
 def _spec_counts(engine):
     s = engine.stats()
     return s["spec_draft_tokens"], s["spec_accepted_tokens"]
@@ -237,15 +224,8 @@ def test_grammar_applies_to_drafts(llm):
     grammar allows only digits, and the answer follows the grammar."""
     engine = llm.llm_engine
     prompt = _chat(llm, "Repeat 12345 12345 12345 12345 and then write the number 12345 again.")
-    answers = []
-    for speculative in (False, True):
-        constraint = compile_constraint(llm._tokenizer, "regex", r"[0-9]{1,30}( [0-9]{1,30}){0,6}")
-        params = SamplingParams(max_tokens=40, temperature=0, constraint=constraint, speculative=speculative)
-        [[ids]] = _generate(engine, [(prompt, params)])
-        text = llm.detokenize(ids).decode()
-        assert all(c.isdigit() or c == " " for c in text), text
-        answers.append(ids)
-    assert answers[0] == answers[1]   # the mask and the argmax decide alike
+    plain, fast = digit_answers(llm, engine, prompt, 40)
+    assert plain == fast   # the mask and the argmax decide alike
 
 
 def test_preempted_speculating_requests_finish_and_free_their_pages(llm):
@@ -275,8 +255,7 @@ def test_slab_baseline_speculates_too(llm):
     engine = LLMEngine.from_config(config, model=llm._model, eot_ids=llm.llm_engine.eot_ids)
     try:
         prompt = _chat(llm, SUMMARY)
-        [[plain]] = _generate(engine, [(prompt, SamplingParams(max_tokens=40, temperature=0, speculative=False))])
-        [[fast]] = _generate(engine, [(prompt, SamplingParams(max_tokens=40, temperature=0))])
+        plain, fast = greedy_with_and_without(engine, prompt, 40)
         assert _spec_counts(engine)[1] > 0
         assert_greedy_agree(prompt, plain, fast, engine_logits(engine.runner), engine.eot_ids)
         assert engine.stats()["blocks_used"] == 0

@@ -31,8 +31,8 @@ LAYERS = [
     ["constrain.grammar"],
     ["constrain.masks", "constrain.formats"],
     ["engine.embedding"],
-    ["engine.block_pool", "engine.kv_events"],
-    ["engine.step_batch", "engine.kv_groups", "engine.spec_draft", "engine.spec_batch"],
+    ["engine.block_pool", "engine.kv_events", "engine.block_store"],
+    ["engine.step_batch", "engine.kv_groups", "engine.spec_draft", "engine.spec_batch", "engine.prefix_tiers"],
     ["engine.kv_manager"],
     ["engine.devices"],
     ["engine.model"],
@@ -41,7 +41,7 @@ LAYERS = [
     ["engine.scoring", "engine.outputs"],
     ["engine.request"],
     ["engine.scheduler_output"],
-    ["engine.preemption", "engine.beam_search", "engine.spec_verify"],
+    ["engine.preemption", "engine.beam_search", "engine.spec_verify", "engine.spec_draft_model"],
     ["engine.step_cost"],
     ["engine.scheduler"],
     ["engine.config"],
@@ -75,7 +75,7 @@ LAYERS = [
      "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf",
      "testing.synthetic_blocks", "testing.synthetic_bpe", "testing.synthetic_presets", "testing.vocab_metadata",
      "testing.device_checks", "testing.model_sources",
-     "testing.ray_cluster"],
+     "testing.ray_cluster", "testing.engine_runs"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer
 ]

@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from pyllama_paged.cli import _speculative, build_parser
+from pyllama_paged.engine.model import default_model_path
 from pyllama_paged.engine.spec_draft import SpeculativeConfig
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
@@ -48,6 +49,37 @@ def test_serve_flags_make_a_config():
     with pytest.raises(SystemExit):
         _speculative(build_parser().parse_args(["serve", "--speculative", "prompt_lookup",
                                                 "--num-draft-tokens", "0"]))
+
+
+def test_serve_flags_for_a_draft_model():
+    args = build_parser().parse_args(["serve", "--speculative", "draft_model", "--draft-model", "/m/d.gguf",
+                                      "--num-draft-tokens", "3"])
+    assert _speculative(args) == SpeculativeConfig(method="draft_model", draft_model="/m/d.gguf",
+                                                   num_draft_tokens=3)
+    # --draft-model alone says the method; with prompt lookup, or missing, it is refused
+    assert _speculative(build_parser().parse_args(["serve", "--draft-model", "/m/d.gguf"])).method == "draft_model"
+    for bad in (["--speculative", "draft_model"], ["--speculative", "prompt_lookup", "--draft-model", "/m/d.gguf"]):
+        with pytest.raises(SystemExit):
+            _speculative(build_parser().parse_args(["serve", *bad]))
+
+
+def test_a_served_model_drafts_with_a_draft_model():
+    """The default model drafting for itself behind the server: every draft of a greedy
+    answer is accepted, up to near-ties."""
+    spec = SpeculativeConfig(method="draft_model", draft_model=default_model_path(), num_draft_tokens=4)
+    registry = ModelRegistry(None, EngineOptions(n_ctx=512, n_threads=2, n_batch=256, kv_budget_tokens=2048,
+                                                 speculative=spec))
+    running = Running(create_app(registry, Limits()))
+    try:
+        assert _ollama(running.url)
+        drafted, accepted = _counts(running.url)
+        assert 0 < accepted <= drafted and accepted >= 0.9 * drafted
+        stats = httpx.get(f"{running.url}/api/pool").json()["stats"]
+        assert stats["spec_draft_blocks_used"] == 0 and stats["spec_draft_forward_seconds"] > 0
+        assert "pyllama_spec_draft_forward_seconds_total" in httpx.get(f"{running.url}/metrics").text
+    finally:
+        running.close()
+        registry.close()
 
 
 def test_requests_speculate_unless_they_opt_out(server):

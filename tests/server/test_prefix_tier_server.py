@@ -1,0 +1,81 @@
+"""The prefix cache's disk tier through the HTTP server: a server restarted on the
+same directory restores a long system prompt instead of recomputing it, a server
+whose block files were damaged answers the same, and the tier's counters show in
+/api/pool and /metrics. Plus the serve flags."""
+
+import os
+
+import httpx
+import pytest
+
+from pyllama_paged.cli import _prefix_tiers, build_parser
+from pyllama_paged.engine.prefix_tiers import PrefixTierConfig
+from pyllama_paged.server.app import create_app
+from pyllama_paged.server.generation import Limits
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.testing.serving import Running
+
+SYSTEM = ("You are the assistant of a bicycle repair shop. Opening hours are 9 to 18 on weekdays. "
+          "Repairs take two days; a tune-up costs 40 euros; tyres are replaced while you wait. ") * 24
+
+
+def _serve(directory: str):
+    tiers = PrefixTierConfig(ram_bytes=0, disk_dir=directory)
+    registry = ModelRegistry(None, EngineOptions(n_ctx=2048, n_threads=2, n_batch=256, kv_budget_tokens=8192,
+                                                 prefix_tiers=tiers))
+    return registry, Running(create_app(registry, Limits()))
+
+
+def _ask(url: str) -> tuple[str, dict]:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+        "model": DEFAULT_MODEL_NAME, "max_tokens": 24, "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "When can I come by?"}]})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"], httpx.get(f"{url}/api/pool").json()["stats"]
+
+
+def _restart(directory: str) -> tuple[str, dict, str]:
+    """One server's life: one question, its answer, stats and /metrics, then shut down."""
+    registry, running = _serve(directory)
+    try:
+        answer, stats = _ask(running.url)
+        metrics = httpx.get(f"{running.url}/metrics").text
+    finally:
+        running.close()
+        registry.close()   # closing the engine finishes its queued disk writes
+    return answer, stats, metrics
+
+
+def test_a_restarted_server_restores_the_prompt_from_disk(tmp_path):
+    directory = str(tmp_path / "blocks")
+    cold, stats, _ = _restart(directory)
+    assert stats["tier_disk_hit_blocks"] == 0 and stats["tier_saved_blocks"] > 20
+    computed_cold = stats["computed_tokens"]
+    assert len(os.listdir(directory)) >= stats["tier_saved_blocks"]
+    warm, stats, metrics = _restart(directory)
+    assert warm == cold
+    assert stats["tier_disk_hit_blocks"] > 20 and stats["computed_tokens"] < computed_cold / 4
+    assert "pyllama_prefix_tier_disk_hit_blocks_total" in metrics and "prefix_tier_hit_tokens_total" in metrics
+    # every file damaged: a flipped byte in each payload
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xA5]))
+    damaged, stats, _ = _restart(directory)
+    assert damaged == cold
+    assert stats["tier_disk_corrupt_files"] >= 1 and stats["tier_disk_hit_blocks"] == 0
+    assert stats["computed_tokens"] == computed_cold
+
+
+def test_serve_flags_make_a_tier_config(tmp_path):
+    default = _prefix_tiers(build_parser().parse_args(["serve"]))
+    assert default == PrefixTierConfig(ram_bytes=2048 << 20)
+    args = build_parser().parse_args(["serve", "--cache-ram", "0", "--prefix-cache-dir", str(tmp_path),
+                                      "--prefix-cache-disk", "1GiB"])
+    assert _prefix_tiers(args) == PrefixTierConfig(ram_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 30)
+    assert _prefix_tiers(build_parser().parse_args(["serve", "--cache-ram", "0"])) is None
+    with pytest.raises(SystemExit):
+        _prefix_tiers(build_parser().parse_args(["serve", "--cache-ram", "-1"]))
