@@ -23,7 +23,10 @@ class SpeculativeConfig:
     the most tokens drafted per sequence and step. prompt_lookup tries n-grams of
     max_ngram down to min_ngram tokens; draft_model runs the GGUF at draft_model (same
     vocabulary as the target) greedily, its KV in its own pool of draft_kv_tokens
-    tokens (None: as many as the target's pool holds)."""
+    tokens (None: as many as the target's pool holds). draft_token_cost: what one more
+    draft token costs as a fraction of a one-token step; a sequence drafts only as many
+    tokens as its acceptance so far makes worth that (spec_length.py; 0: always
+    num_draft_tokens)."""
 
     method: str = "prompt_lookup"
     num_draft_tokens: int = 4
@@ -31,6 +34,7 @@ class SpeculativeConfig:
     min_ngram: int = 1
     draft_model: str | None = None
     draft_kv_tokens: int | None = None
+    draft_token_cost: float = 0.15
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -45,6 +49,8 @@ class SpeculativeConfig:
                              "sharing the target's vocabulary")
         if self.method != "draft_model" and self.draft_model is not None:
             raise PagedError(f"draft_model is for method 'draft_model', not {self.method!r}")
+        if not 0 <= self.draft_token_cost < 1:
+            raise PagedError(f"draft_token_cost must be in [0, 1), got {self.draft_token_cost}")
         if self.draft_kv_tokens is not None and self.draft_kv_tokens < 1:
             raise PagedError(f"draft_kv_tokens must be >= 1 or None, got {self.draft_kv_tokens}")
 

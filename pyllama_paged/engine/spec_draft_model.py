@@ -28,7 +28,6 @@ from .model import Model
 from .model_runner import ModelRunner, dense_kv_bytes_per_token
 from .spec_batch import block_room
 from .spec_draft import SpeculativeConfig
-from .step_batch import StepBuffers
 
 
 def check_same_vocab(draft: Model, target: Model) -> None:
@@ -77,7 +76,6 @@ class DraftModelDrafter:
         self.forward_seconds = 0.0         # time in the draft model's forward steps
         self.num_forwards = 0
         self._seqs: dict[int, SeqState] = {}   # target seq id -> its draft sequence
-        self._buffers = StepBuffers()
 
     # ---- draft sequences ---------------------------------------------------
     def retain(self, seq_ids) -> None:
@@ -162,13 +160,7 @@ class DraftModelDrafter:
     def _extend(self, live, drafts: list[list[int]]) -> None:
         """Run greedy draft steps for every live sequence wanting more tokens, each draft
         token at the position and slot after the previous one (never placed)."""
-        kv = self.runner.kv
-        items = np.array([(state.handle, state.num_tokens - 1, 1) for _, state, _ in live], dtype=np.int32)
-        buffers = self._buffers
-        buffers.reserve(len(items), len(items), kv.max_blocks_per_seq, kv.n_groups)
-        n, _ = kv.build_batch(buffers.items(items), buffers)
-        _, pos, slots, _, tables, _ = buffers.arrays(n, len(items), 0)
-        pos, slots, tables = pos.copy(), slots.reshape(kv.n_groups, n).copy(), tables.copy()
+        pos, slots, tables = self._newest_token_arrays([state for _, state, _ in live])
         wants = np.array([k for _, _, k in live])
         for j in range(1, int(wants.max())):
             active = np.flatnonzero(wants > j)
@@ -178,6 +170,23 @@ class DraftModelDrafter:
             self.num_forwards += 1
             for i, token in zip(active, np.argmax(logits, axis=1).tolist()):
                 drafts[live[i][0]].append(token)
+
+    def _newest_token_arrays(self, states: list[SeqState]):
+        """(positions [n], slots [n_groups, n], block tables [n_groups, n, max blocks]) of each
+        state's newest placed token, read from its block tables. Not a step's batch: the pool
+        would refuse to recompute that token once a sliding-window group has given back a
+        block its query saw, and no query here needs that block (drafts attend from later)."""
+        kv = self.runner.kv
+        bs, n = kv.block_size, len(states)
+        pos = np.array([state.num_tokens - 1 for state in states], dtype=np.int32)
+        tables = np.full((kv.n_groups, n, kv.max_blocks_per_seq), -1, dtype=np.int32)
+        slots = np.empty((kv.n_groups, n), dtype=np.int32)
+        for i, state in enumerate(states):
+            for g in range(kv.n_groups):
+                table = kv.block_table(state.handle, g)
+                tables[g, i, :len(table)] = table
+                slots[g, i] = table[pos[i] // bs] * bs + pos[i] % bs
+        return pos, slots, tables
 
     def close(self) -> None:
         """Free every draft sequence, the draft runner and its model."""

@@ -28,6 +28,7 @@ import numpy as np
 from .kv_manager import place_tokens
 from .spec_batch import block_room
 from .spec_draft import PromptLookupDrafter, SpeculativeConfig
+from .spec_length import DraftLengths
 
 
 class Speculator:
@@ -37,6 +38,7 @@ class Speculator:
         self.config = config
         # drafter: prompt lookup unless given (spec_draft_model.DraftModelDrafter)
         self.drafter = drafter if drafter is not None else PromptLookupDrafter(config)
+        self.lengths = DraftLengths(config.draft_token_cost)   # how many tokens pay, per sequence
         self.num_draft_tokens = 0       # tokens proposed and verified
         self.num_accepted_tokens = 0    # of those, emitted as drafted
         self.num_drafts = 0             # (sequence, step) pairs that carried a draft
@@ -67,6 +69,7 @@ class Speculator:
             # the step emits up to k + 1 tokens: all must fit the context and max_tokens
             k = min(room, block_room(last, kv.block_size), limit - 2 - last,
                     max_new - len(seq.output_ids) - 1)
+            k = self.lengths.length(seq_id, k) if k > 0 else 0
             if k <= 0:
                 continue
             wanted.append((i, k))
@@ -78,6 +81,7 @@ class Speculator:
     def forget(self, seqs) -> None:
         """An ended request's sequences: the drafter frees what it holds for them."""
         self.drafter.release([seq.seq_id for seq in seqs])
+        self.lengths.forget([seq.seq_id for seq in seqs])
 
     def close(self) -> None:
         """Free the drafter (a draft model and its KV pool)."""
@@ -114,6 +118,7 @@ class Speculator:
             self.num_drafts += 1
             self.num_draft_tokens += len(draft)
             self.num_accepted_tokens += accepted
+            self.lengths.observe(seq.seq_id, len(draft), accepted)
             if accepted and not seq.is_finished and is_live(request) and seq.kv is not None:
                 self._commit(kv, seq, draft[:accepted], copy_blocks)
 

@@ -15,6 +15,7 @@ from pyllama_paged.engine.request import Request, Sequence
 from pyllama_paged.engine.sampler import BatchSampler, Sampler, SamplingParams
 from pyllama_paged.engine.spec_batch import block_room, splice_drafts
 from pyllama_paged.engine.spec_draft import PromptLookupDrafter, SpeculativeConfig
+from pyllama_paged.engine.spec_length import DraftLengths
 from pyllama_paged.engine.spec_verify import Speculator
 from pyllama_paged.errors import PagedError
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
@@ -53,6 +54,36 @@ def test_drafter_without_a_match_drafts_nothing():
     assert drafter.propose([1, 2, 3, 4, 5, 1]) == []   # only a 1-gram repeats
     assert drafter.propose([]) == [] and drafter.propose([3]) == []
     assert drafter.propose([1, 2, 3, 1, 2], 0) == []
+
+
+def test_draft_length_follows_acceptance():
+    """Drafting pays while P(the first d tokens accepted) > one token's cost: a fresh
+    sequence drafts on its prior, one whose drafts are rejected stops and probes again
+    later, one whose drafts are accepted drafts all it may."""
+    lengths = DraftLengths(token_cost=0.15)
+    # prior a1 = 0.5, a2 = 0.8: 0.5, 0.4, 0.32, 0.256, 0.205, 0.164 pay; 0.131 does not
+    assert lengths.length(1, 4) == 4 and lengths.length(1, 8) == 6
+    for _ in range(10):
+        lengths.observe(1, 4, 0)
+    assert lengths.length(1, 4) == 0
+    idle = 1
+    while lengths.length(1, 4) == 0:
+        idle += 1
+        assert idle < 200, "a sequence that stopped drafting must probe again"
+    assert idle > 10   # but not at once: a probe costs a row
+    for _ in range(10):
+        lengths.observe(2, 4, 4)
+    assert lengths.length(2, 4) == 4 and min(lengths.rates(2)) > 0.85
+    # copied runs: the first token often rejected, the rest accepted once one is
+    for i in range(20):
+        lengths.observe(3, 4, 4 if i % 2 else 0)
+    a1, a2 = lengths.rates(3)
+    assert 0.4 < a1 < 0.6 and a2 > 0.9 and lengths.length(3, 4) == 4
+    lengths.forget([1, 2, 3])
+    assert lengths.rates(1) == lengths.rates(99)
+    assert DraftLengths(token_cost=0).length(5, 3) == 3   # cost 0: always the most
+    with pytest.raises(PagedError):
+        SpeculativeConfig(draft_token_cost=1.0)
 
 
 def test_speculative_config_parses_every_surface_form():

@@ -88,6 +88,19 @@ def test_a_copy_of_the_target_drafts_every_greedy_token(llm):
     _assert_settled(engine)
 
 
+def test_drafts_past_the_sliding_window(llm):
+    """A sequence growing past the 512-token window: its window groups give blocks back
+    while the draft model drafts from the newest token (a regression: drafting once read
+    that token's batch, which the pool refuses when a block its query saw is gone)."""
+    engine = llm.llm_engine
+    prompt = _chat(llm, "Repeat after me. " + POEM * 42)
+    assert 440 < len(prompt) < 512
+    plain, fast = greedy_with_and_without(engine, prompt, 120, ignore_eos=True)
+    assert len(prompt) + len(fast) > 512 + 2 * 32
+    assert_greedy_agree(prompt, plain, fast, engine_logits(llm.runner), engine.eot_ids)
+    _assert_settled(engine)
+
+
 def test_parallel_samples_and_a_grammar(llm):
     engine = llm.llm_engine
     poem, facts = _chat(llm, POEM), _chat(llm, FACTS)
