@@ -182,12 +182,23 @@ def serve_settings(args) -> tuple:
 
 def _prefix_tiers(args):
     """serve's prefix-cache tier flags as a PrefixTierConfig (None: no tier)."""
+    from .engine.block_store import check_directory
     from .engine.prefix_tiers import PrefixTierConfig
 
     if args.cache_ram < 0:
         raise SystemExit(f"--cache-ram must be >= 0 MiB, got {args.cache_ram}")
-    config = PrefixTierConfig(ram_bytes=args.cache_ram << 20, disk_dir=args.prefix_cache_dir,
-                              disk_bytes=parse_bytes(args.prefix_cache_disk))
+    try:
+        disk_bytes = parse_bytes(args.prefix_cache_disk)
+    except argparse.ArgumentTypeError:
+        raise SystemExit(f"--prefix-cache-disk must be a size such as 16GiB, got {args.prefix_cache_disk!r}") \
+            from None
+    try:
+        config = PrefixTierConfig(ram_bytes=args.cache_ram << 20, disk_dir=args.prefix_cache_dir,
+                                  disk_bytes=disk_bytes)
+        if config.disk_dir is not None:   # at startup, not at the first request's model load
+            check_directory(config.disk_dir)
+    except PagedError as e:
+        raise SystemExit(f"--prefix-cache-dir / --prefix-cache-disk: {e}") from None
     return config if config.enabled else None
 
 

@@ -18,12 +18,15 @@ import mmap
 import os
 import queue
 import struct
+import tempfile
 import threading
 import time
 import zlib
 from collections import OrderedDict
 
 import numpy as np
+
+from ..errors import PagedError
 
 KEY_BYTES = 16
 # magic, key, payload bytes, crc32 of the payload, crc32 of the header before it
@@ -84,6 +87,16 @@ class HostBlockStore:
         self.num_bytes = 0
 
 
+def check_directory(directory: str) -> None:
+    """Create directory if needed and check that files can be written there; PagedError
+    saying why not."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=directory, suffix=".tmp").close()
+    except OSError as e:
+        raise PagedError(f"the prefix cache directory {directory} cannot be used: {e.strerror or e}") from None
+
+
 def _key_name(key: bytes) -> str:
     return key.hex() + _SUFFIX
 
@@ -95,7 +108,7 @@ class DiskBlockStore:
     def __init__(self, directory: str, max_bytes: int):
         self.directory = os.path.abspath(directory)
         self.max_bytes = int(max_bytes)
-        os.makedirs(self.directory, exist_ok=True)
+        check_directory(self.directory)
         self._remove_stale_temporaries()
         self.num_bytes = self._scan_bytes()
         self.num_corrupt = 0       # files found damaged (removed, counted as misses)

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..errors import PagedError
 from .block_store import KEY_BYTES, DiskBlockStore, HostBlockStore
 
 # bytes of each tensor's data that go into a model's fingerprint: weights that differ
@@ -39,6 +40,12 @@ class PrefixTierConfig:
     ram_bytes: int = 0
     disk_dir: str | None = None
     disk_bytes: int = 16 << 30
+
+    def __post_init__(self):
+        if self.ram_bytes < 0:
+            raise PagedError(f"the prefix cache's RAM tier must be >= 0 bytes, got {self.ram_bytes}")
+        if self.disk_dir is not None and self.disk_bytes <= 0:
+            raise PagedError(f"the prefix cache's disk tier must hold > 0 bytes, got {self.disk_bytes}")
 
     @property
     def enabled(self) -> bool:

@@ -77,5 +77,7 @@ def test_serve_flags_make_a_tier_config(tmp_path):
                                       "--prefix-cache-disk", "1GiB"])
     assert _prefix_tiers(args) == PrefixTierConfig(ram_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 30)
     assert _prefix_tiers(build_parser().parse_args(["serve", "--cache-ram", "0"])) is None
-    with pytest.raises(SystemExit):
-        _prefix_tiers(build_parser().parse_args(["serve", "--cache-ram", "-1"]))
+    for bad, says in ((["--cache-ram", "-1"], "--cache-ram"), (["--prefix-cache-disk", "lots"], "16GiB"),
+                      (["--prefix-cache-dir", "/proc/no-such-place"], "cannot be used")):
+        with pytest.raises(SystemExit, match=says):
+            _prefix_tiers(build_parser().parse_args(["serve", *bad]))
