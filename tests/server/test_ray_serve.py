@@ -135,11 +135,16 @@ def routing_key(system: str) -> str:
 @pytest.mark.slow
 def test_requests_sharing_a_prefix_land_on_one_replica(url):
     before = replicas(url)
-    # a system prompt that rendezvous hashing sends to each replica
+    assert len(before) == 2
+    # a system prompt that rendezvous hashing sends to each replica; replica names are random
+    # per run, so a fixed handful of prompts can all hash to one of them (1 run in 64 with 7):
+    # keep naming libraries until both replicas have one
     homes: dict[str, str] = {}
-    for library in ("Riverside", "Hilltop", "Harbour", "Old Town", "Lakeside", "Northgate", "Elm Street"):
-        homes.setdefault(rendezvous_order(routing_key(system_prompt(library)), list(before))[0],
-                         system_prompt(library))
+    for branch in range(200):
+        system = system_prompt(f"Branch {branch}")
+        homes.setdefault(rendezvous_order(routing_key(system), list(before))[0], system)
+        if len(homes) == 2:
+            break
     assert len(homes) == 2
     landed: dict[str, list[str]] = {home: [] for home in homes}
     for question in ("When do you open on Sundays?", "How do I renew a book?", "Where is the reading room?",
