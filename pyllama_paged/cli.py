@@ -364,7 +364,7 @@ def cmd_info(args) -> int:
         print("  (this GGML lacks its tinyBLAS prompt GEMM: rebuilding it with -DGGML_LLAMAFILE=ON "
               "makes prompt processing ~1.6x faster; see vendor/README.md)")
     print(f"weights repacked for GGML's CPU GEMM: {model.n_repacked}")
-    print(f"weights in our VNNI panel GEMM: {model.n_panel_packed} (kernel: {model.panel_kernel})")
+    print(f"weights in our panel GEMMs: {model.n_panel_packed} (kernel: {model.panel_kernel})")
     _print_devices(model)
     model.close()
     return 0

@@ -435,13 +435,15 @@ enum pp_panel_kernel {
     PP_PANEL_KERNEL_NONE       = 0,  /* nothing packed: GGML's own products are faster here */
     PP_PANEL_KERNEL_SCALAR     = 1,  /* portable C: for tests on any CPU, never chosen for speed */
     PP_PANEL_KERNEL_AVXVNNI    = 2,  /* AVX-VNNI (256-bit, 16 registers) */
-    PP_PANEL_KERNEL_AVX512VNNI = 3,  /* AVX-512 VNNI (with VL and BW) */
-    PP_PANEL_KERNEL_AVX2       = 4   /* AVX2 byte products (maddubs): K-quant weights only */
+    PP_PANEL_KERNEL_AVX512VNNI = 3,  /* AVX-512 VNNI (with VL and BW; float panels: AVX-512F FMAs) */
+    PP_PANEL_KERNEL_AVX2       = 4   /* AVX2 byte products (maddubs): K-quant weights; FMAs for float ones */
 };
 
-/* Pack the weights our integer GEMM multiplies faster than GGML into row
- * panels (q8_panels.h in the sources): Q8_0, Q5_0, Q4_K, Q5_K and Q6_K
- * projections (on an AVX2 CPU without VNNI: the K-quants only) and the
+/* Pack the weights our GEMMs multiply faster than GGML into row panels
+ * (q8_panels.h in the sources): Q8_0, Q5_0, Q4_K, Q5_K and Q6_K
+ * projections for the integer GEMM, F16 and BF16 ones for the float GEMM
+ * (f32 FMAs on unrounded activations; on an AVX2 CPU without VNNI: the
+ * K-quants and float weights only) and the
  * output head (output.weight, or token_embd.weight when tied: the input
  * embedding is then read from the panels too) of whole 8-row panels and
  * 32-value blocks. An exact change of layout in the same number of bytes

@@ -123,6 +123,9 @@ typedef struct panel_columns {
 static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor *w, pp_panel_gemm_state *state,
                                    struct ggml_tensor *x, panel_columns *last) {
     if (!state || !state->w) return matmul(ctx, w, x);
+    /* float panels multiply the f32 columns themselves */
+    if (pp_panel_type_is_float(state->w->type))
+        return pp_panel_gemm(ctx, state, x->nb[0] == sizeof(float) ? x : ggml_cont(ctx, x));
     if (last->x != x) {
         last->cols = pp_panel_quantize(ctx, x, state->kernel);
         last->x = x;

@@ -65,6 +65,12 @@ int32_t pp_panel_gemm_run(int32_t type, int64_t k, int64_t n_rows, const void *w
     pp_q8_panels *p = NULL;
     const int32_t status = pack_checked(type, k, n_rows, weight, kernel, &p);
     if (status != PP_OK) return status;
+    if (pp_panel_type_is_float((enum ggml_type)type)) {
+        pp_panel_kernel_for((enum pp_panel_kernel)kernel, (enum ggml_type)type)(
+            p, 0, n_rows / PP_PANEL_ROWS, (const uint8_t *)x, (size_t)k * sizeof(float), n, out, (size_t)n_rows);
+        pp_q8_panels_free(p);
+        return PP_OK;
+    }
     const size_t stride = pp_panel_column_bytes(k);
     uint8_t *cols = malloc(stride * (size_t)n);
     if (!cols) {

@@ -42,6 +42,13 @@ int pp_panel_kernel_runs_here(enum pp_panel_kernel k) {
 }
 
 pp_panel_kernel_fn pp_panel_kernel_for(enum pp_panel_kernel k, enum ggml_type type) {
+    if (pp_panel_type_is_float(type)) {
+#if defined(__x86_64__)
+        if (k == PP_PANEL_KERNEL_AVX512VNNI) return pp_fpanel_gemm_avx512vnni;
+        if (k == PP_PANEL_KERNEL_AVXVNNI || k == PP_PANEL_KERNEL_AVX2) return pp_fpanel_gemm_avx2;
+#endif
+        return pp_fpanel_gemm_scalar;
+    }
     if (pp_panel_type_is_k(type)) {
 #if defined(__x86_64__)
         if (k == PP_PANEL_KERNEL_AVX512VNNI) return pp_kpanel_gemm_avx512vnni;
@@ -60,6 +67,7 @@ pp_panel_kernel_fn pp_panel_kernel_for(enum pp_panel_kernel k, enum ggml_type ty
 int pp_q8_panels_fit(enum ggml_type type, int64_t k, int64_t n_rows, enum pp_panel_kernel kernel) {
     if (k <= 0 || n_rows <= 0 || k % PP_PANEL_BLOCK || n_rows % PP_PANEL_ROWS) return 0;
     if (pp_panel_type_is_k(type)) return k % PP_PANEL_KBLOCK == 0 && k <= PP_PANEL_K_MAX_K;
+    if (pp_panel_type_is_float(type)) return 1;
     if (kernel == PP_PANEL_KERNEL_AVX2) return 0;
     return type == GGML_TYPE_Q8_0 || (type == GGML_TYPE_Q5_0 && k <= PP_PANEL_MAX_K);
 }
@@ -113,6 +121,7 @@ pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k
     const size_t pbb = panel_block_bytes(type);
     const size_t size = pp_panel_type_is_k(type)
         ? (size_t)(n_rows / PP_PANEL_ROWS) * (size_t)(k / PP_PANEL_KBLOCK) * pp_kpanel_superblock_bytes(type)
+        : pp_panel_type_is_float(type) ? (size_t)n_rows * (size_t)k * 2
         : (size_t)(n_rows / PP_PANEL_ROWS) * nb * pbb;
     if (p) p->data = panel_alloc(size);
     if (!p || !p->data) {
@@ -125,6 +134,10 @@ pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k
     p->k = k;
     if (pp_panel_type_is_k(type)) {
         pp_kpanel_pack(data, type, k, n_rows, p->data);
+        return p;
+    }
+    if (pp_panel_type_is_float(type)) {
+        pp_fpanel_pack(data, k, n_rows, p->data);
         return p;
     }
     const uint8_t *src = data;
@@ -174,6 +187,10 @@ static const uint8_t *compute_panel(const pp_q8_panels *w, int64_t pi, uint8_t *
 void pp_q8_panels_row(const pp_q8_panels *p, int64_t row, float *out) {
     if (pp_panel_type_is_k(p->type)) {
         pp_kpanel_row(p, row, out);
+        return;
+    }
+    if (pp_panel_type_is_float(p->type)) {
+        pp_fpanel_row(p, row, out);
         return;
     }
     const int64_t nb = p->k / PP_PANEL_BLOCK;
@@ -301,7 +318,12 @@ struct ggml_tensor *pp_panel_quantize(struct ggml_context *ctx, struct ggml_tens
 
 struct ggml_tensor *pp_panel_gemm(struct ggml_context *ctx, pp_panel_gemm_state *state,
                                   struct ggml_tensor *cols) {
-    GGML_ASSERT(cols->ne[0] == (int64_t)pp_panel_column_bytes(state->w->k));
+    if (pp_panel_type_is_float(state->w->type)) {
+        GGML_ASSERT(cols->type == GGML_TYPE_F32 && cols->ne[0] == state->w->k && cols->nb[0] == sizeof(float) &&
+                    cols->ne[2] == 1 && cols->ne[3] == 1);
+    } else {
+        GGML_ASSERT(cols->ne[0] == (int64_t)pp_panel_column_bytes(state->w->k));
+    }
     /* Graphs are built before they run, one at a time per context: the
      * counter is free to rearm here. */
     atomic_store(&state->next_chunk, 0);

@@ -29,7 +29,11 @@
  * one panel into unsigned codes in the same [group][row][4 bytes] order
  * plus f32 sub-block scales (d * sc, and dmin * m for Q4_K and Q5_K), and
  * takes the offsets (the mins; Q6_K's -32) back out through the column's
- * block sums. */
+ * block sums.
+ *
+ * F16 and BF16 weights ("float panels", float_panels.c) keep their 16-bit
+ * values in [quad of 4 values][8 rows][4] order and multiply the f32
+ * activations themselves: no quantize op, f32 FMAs. */
 #ifndef PP_Q8_PANELS_H
 #define PP_Q8_PANELS_H
 
@@ -55,7 +59,7 @@
 #define PP_PANEL_Q6K_BYTES (PP_PANEL_ROWS * 210)   /* 1680 per superblock: 8 x 210 */
 
 typedef struct pp_q8_panels {
-    enum ggml_type type;   /* storage: GGML_TYPE_Q8_0 (compute layout), Q5_0, Q4_K, Q5_K or Q6_K */
+    enum ggml_type type;   /* storage: GGML_TYPE_Q8_0 (compute layout), Q5_0, Q4_K, Q5_K, Q6_K, F16 or BF16 */
     int64_t  n_rows;       /* output rows, a multiple of PP_PANEL_ROWS */
     int64_t  k;            /* values per row, a multiple of PP_PANEL_BLOCK */
     uint8_t *data;         /* n_rows / 8 panels of k / 32 blocks; owned */
@@ -74,8 +78,12 @@ int pp_q8_panels_fit(enum ggml_type type, int64_t k, int64_t n_rows, enum pp_pan
 static inline int pp_panel_type_is_k(enum ggml_type type) {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
 }
+/* Float panels: their GEMM reads f32 activation columns, not quantized ones. */
+static inline int pp_panel_type_is_float(enum ggml_type type) {
+    return type == GGML_TYPE_F16 || type == GGML_TYPE_BF16;
+}
 
-/* Pack a Q8_0, Q5_0, Q4_K, Q5_K or Q6_K [k, n_rows] weight (GGML's row layout)
+/* Pack a Q8_0, Q5_0, Q4_K, Q5_K, Q6_K, F16 or BF16 [k, n_rows] weight (GGML's row layout)
  * into panels, allocated here; NULL when out of memory or when it does not
  * fit. */
 pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows);
@@ -94,7 +102,8 @@ typedef struct pp_panel_gemm_state {
 
 /* Graph ops. pp_panel_quantize: x [k, n] f32 -> its columns as the kernels
  * read them (one op, shared by the products of the same x);
- * pp_panel_gemm: those columns -> [n_rows, n] f32, panel chunks taken
+ * pp_panel_gemm: those columns (float panels: x itself, rows of k f32
+ * values) -> [n_rows, n] f32, panel chunks taken
  * dynamically by the threads; pp_panel_embed: tokens [n] i32 -> rows [k, n]
  * f32 of a (tied) head's panels. */
 struct ggml_tensor *pp_panel_quantize(struct ggml_context *ctx, struct ggml_tensor *x,
@@ -155,6 +164,14 @@ void pp_kpanel_widen_codes(const pp_q8_panels *w, int64_t pi, uint8_t *codes);
 void pp_kpanel_gemm_scalar(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                            size_t col_stride, int64_t n, float *out, size_t ldo);
 
+/* Float panels' storage (float_panels.c): pack a GGML [k, n_rows] F16 or
+ * BF16 weight into out (n_rows x k 16-bit values); one row as f32; the
+ * kernels, which read f32 columns (col_stride bytes apart). */
+void pp_fpanel_pack(const void *data, int64_t k, int64_t n_rows, uint8_t *out);
+void pp_fpanel_row(const pp_q8_panels *w, int64_t row, float *out);
+void pp_fpanel_gemm_scalar(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
+                           size_t col_stride, int64_t n, float *out, size_t ldo);
+
 /* Rows [p0 * 8, p1 * 8) of the product for columns [0, n): out[c * ldo + row]. */
 typedef void (*pp_panel_kernel_fn)(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                                    size_t col_stride, int64_t n, float *out, size_t ldo);
@@ -184,6 +201,11 @@ void pp_kpanel_gemm_avx512vnni(const pp_q8_panels *w, int64_t p0, int64_t p1, co
 void pp_kpanel_gemm_avxvnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                             size_t col_stride, int64_t n, float *out, size_t ldo);
 void pp_kpanel_gemm_avx2(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
+                         size_t col_stride, int64_t n, float *out, size_t ldo);
+/* Float panels: AVX-512F (run with the AVX-512 VNNI kernel) and AVX2 + FMA + F16C. */
+void pp_fpanel_gemm_avx512vnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
+                               size_t col_stride, int64_t n, float *out, size_t ldo);
+void pp_fpanel_gemm_avx2(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                          size_t col_stride, int64_t n, float *out, size_t ldo);
 #endif
 

@@ -56,7 +56,7 @@ class Llama:
                  prefix_cache_dir: str | None = None, **llama_cpp_args: Any):
         """Load a GGUF (model_path None: the embedded default model). llama-cpp-python's other
         arguments are accepted; those that change nothing here warn once (llama_compat).
-        pack_panels=False keeps GGML's kernels for the weights our VNNI panel GEMM would take.
+        pack_panels=False keeps GGML's kernels for the weights our panel GEMMs would take.
         n_gpu_layers: layers on GGML's main_gpu-th GPU (-1: all and the output head).
         speculative: speculative decoding by prompt lookup, e.g. {"method": "prompt_lookup",
         "num_draft_tokens": 4, "max_ngram": 3}, or by a small draft model sharing this model's

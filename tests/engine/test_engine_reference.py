@@ -124,16 +124,19 @@ def test_repacked_weights_give_the_same_logits(tmp_path, reference_logits, weigh
 
 @pytest.mark.parametrize("kernels", ["auto", "generic", "avx2"])
 @pytest.mark.parametrize("weight_type,tied", [("q8_0", True), ("q8_0", False), ("q5_0", True),
-                                              ("q4_k", False), ("q5_k", False), ("q6_k", True)])
+                                              ("q4_k", False), ("q5_k", False), ("q6_k", True),
+                                              ("f16", True), ("bf16", False)])
 def test_panel_gemm_gives_the_same_logits(tmp_path, reference_logits, monkeypatch, kernels, weight_type, tied):
-    """Q8_0/Q5_0/Q4_K/Q5_K/Q6_K projections and output head packed into row panels (our VNNI GEMM where
-    the CPU has it, AVX2's for K-quants, else, forced, the portable kernel) give GGML's logits; a
-    tied head read back from the panels is the input embedding too. The chunks (23, 1, 16
-    columns, then single tokens) run every tile width."""
+    """Q8_0/Q5_0/Q4_K/Q5_K/Q6_K/F16/BF16 projections and output head packed into row panels (our VNNI
+    GEMM where the CPU has it, AVX2's for K-quants and float weights, else, forced, the portable
+    kernel) give GGML's logits; a tied head read back from the panels is the input embedding too.
+    The chunks (23, 1, 16 columns, then single tokens) run every tile width."""
     prompt, _ = reference_logits
     k_quant = weight_type in ("q4_k", "q5_k", "q6_k")
-    if kernels == "avx2" and not (k_quant and _cpu_has_avx2()):
-        pytest.skip("the AVX2 kernel takes K-quant panels, on AVX2 CPUs")
+    # float panels take the activations unrounded, where GGML rounds them to the weights' type
+    closer_than_ggml = k_quant or weight_type in ("f16", "bf16")
+    if kernels == "avx2" and not (closer_than_ggml and _cpu_has_avx2()):
+        pytest.skip("the AVX2 kernel takes K-quant and float panels, on AVX2 CPUs")
     path = write_tiny_model(tmp_path / f"llama-{weight_type}.gguf", "llama", weight_type=weight_type,
                             n_layer=2, tie_embeddings=tied, strict=True)
     if kernels != "auto":
@@ -146,7 +149,7 @@ def test_panel_gemm_gives_the_same_logits(tmp_path, reference_logits, monkeypatc
         assert kernel == {"generic": "portable", "avx2": "avx2"}[kernels]
     elif _cpu_has_vnni():
         assert kernel in ("avx-vnni", "avx512-vnni")
-    elif k_quant and _cpu_has_avx2():
+    elif closer_than_ggml and _cpu_has_avx2():
         assert kernel == "avx2"
     else:
         assert kernel == "ggml"
@@ -157,9 +160,9 @@ def test_panel_gemm_gives_the_same_logits(tmp_path, reference_logits, monkeypatc
     want = ReferenceModel.from_gguf(path).forward(prompt)
     spread = want.max() - want.min()
     assert np.abs(packed - want).max() / spread < TOLERANCE["f16"]
-    if k_quant:
+    if closer_than_ggml:
         # GGML quantizes the activations of K-quant products per 256 values (Q8_K), the panels
-        # per 32: closer to the float64 reference (seen: 1.1-1.3% of the spread against GGML's
+        # per 32 (and float panels not at all): closer to the float64 reference (seen: 1.1-1.3% of the spread against GGML's
         # 1.6-2.2%), so they are held to be no further from it than GGML's own products, and
         # to pick the reference's top token as often (near-ties of a random model: Q5_K's
         # panels 0.90, GGML's 0.88, the two 0.85 with each other).

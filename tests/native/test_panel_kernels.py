@@ -13,6 +13,7 @@ import pytest
 from pyllama_paged._native import ffi, lib
 
 TYPES = {"q8_0": 8, "q5_0": 6, "q4_k": 12, "q5_k": 13, "q6_k": 14}   # GGML's type ids
+FLOAT_TYPES = {"f16": 1, "bf16": 30}   # float panels: f32 activations, f32 FMAs
 KERNELS = {"portable": lib.PP_PANEL_KERNEL_SCALAR, "avx2": lib.PP_PANEL_KERNEL_AVX2,
            "avx-vnni": lib.PP_PANEL_KERNEL_AVXVNNI, "avx512-vnni": lib.PP_PANEL_KERNEL_AVX512VNNI}
 # (k, rows): a 2048-wide projection, Llama 3.2's 8192-wide ffn_down, Gemma 3 4B's 10240-wide one
@@ -33,11 +34,12 @@ def ggml_quantize(w: np.ndarray, type_name: str) -> tuple[bytes, np.ndarray]:
     """w's rows in GGML's type_name bytes, and those bytes dequantized by GGML."""
     n_rows, k = w.shape
     w = np.ascontiguousarray(w, dtype=np.float32)
-    row_bytes = lib.pp_ggml_row_bytes(TYPES[type_name], k)
+    type_id = {**TYPES, **FLOAT_TYPES}[type_name]
+    row_bytes = lib.pp_ggml_row_bytes(type_id, k)
     data = ffi.new("uint8_t[]", row_bytes * n_rows)
-    assert lib.pp_ggml_quantize_rows(TYPES[type_name], ffi.from_buffer("float[]", w), n_rows, k, data) == 0
+    assert lib.pp_ggml_quantize_rows(type_id, ffi.from_buffer("float[]", w), n_rows, k, data) == 0
     back = np.empty_like(w)
-    assert lib.pp_ggml_dequantize_rows(TYPES[type_name], data, n_rows, k, ffi.from_buffer("float[]", back)) == 0
+    assert lib.pp_ggml_dequantize_rows(type_id, data, n_rows, k, ffi.from_buffer("float[]", back)) == 0
     return bytes(ffi.buffer(data)), back
 
 
@@ -56,7 +58,8 @@ def quantize_columns(x: np.ndarray) -> np.ndarray:
 def panel_gemm(data: bytes, type_name: str, k: int, n_rows: int, x: np.ndarray, kernel: str) -> np.ndarray:
     out = np.empty((x.shape[0], n_rows), np.float32)
     x = np.ascontiguousarray(x, dtype=np.float32)
-    status = lib.pp_panel_gemm_run(TYPES[type_name], k, n_rows, data, ffi.from_buffer("float[]", x), x.shape[0],
+    type_id = {**TYPES, **FLOAT_TYPES}[type_name]
+    status = lib.pp_panel_gemm_run(type_id, k, n_rows, data, ffi.from_buffer("float[]", x), x.shape[0],
                                    KERNELS[kernel], ffi.from_buffer("float[]", out))
     assert status == 0, ffi.string(lib.pp_last_error()).decode()
     return out
@@ -92,7 +95,28 @@ def test_kernels_match_ggml_dequantized_products(type_name, kernel):
             assert (np.abs(got - exact) / scale).max() < 1e-2
 
 
-@pytest.mark.parametrize("type_name", ["q4_k", "q5_k", "q6_k", "q8_0", "q5_0"])
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("type_name", list(FLOAT_TYPES))
+def test_float_kernels_match_the_exact_product(type_name, kernel):
+    """F16 and BF16 panels multiply the f32 activations unrounded: against the float64 product of
+    GGML's dequantized weights and the activations, f32 accumulation error only (every tile
+    width and remainder of both SIMD kernels: 12, 8, 4, 2, 1 and 3, 2, 1 columns)."""
+    if not runs_here(kernel):
+        pytest.skip(f"this CPU has no {kernel}")
+    rng = np.random.default_rng(11)
+    for k, n_rows in SHAPES + [(640, 40)]:
+        w = _weights(rng, n_rows, k)
+        data, w_ggml = ggml_quantize(w, type_name)
+        for n in COLUMNS + [12, 27]:
+            x = rng.standard_normal((n, k)).astype(np.float32)
+            got = panel_gemm(data, type_name, k, n_rows, x, kernel).astype(np.float64)
+            want = x.astype(np.float64) @ w_ggml.astype(np.float64).T
+            scale = np.abs(x.astype(np.float64)) @ np.abs(w_ggml.astype(np.float64)).T
+            err = np.abs(got - want) / scale
+            assert err.max() < 1e-5, (k, n_rows, n, float(err.max()))
+
+
+@pytest.mark.parametrize("type_name", ["q4_k", "q5_k", "q6_k", "q8_0", "q5_0", "f16", "bf16"])
 def test_a_packed_row_reads_back_as_ggml_dequantizes_it(type_name):
     """A tied head's rows are the input embedding: each packed row is GGML's dequantized row, bit
     for bit."""
@@ -101,7 +125,8 @@ def test_a_packed_row_reads_back_as_ggml_dequantizes_it(type_name):
     data, w_ggml = ggml_quantize(_weights(rng, n_rows, k), type_name)
     for row in (0, 5, 15):
         out = np.empty(k, np.float32)
-        assert lib.pp_panel_row_run(TYPES[type_name], k, n_rows, data, row, ffi.from_buffer("float[]", out)) == 0
+        type_id = {**TYPES, **FLOAT_TYPES}[type_name]
+        assert lib.pp_panel_row_run(type_id, k, n_rows, data, row, ffi.from_buffer("float[]", out)) == 0
         assert np.array_equal(out, w_ggml[row])
 
 
