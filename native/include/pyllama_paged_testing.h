@@ -88,6 +88,9 @@ int64_t pp_ggml_row_bytes(int32_t type, int64_t k);
 
 /* 1 if this CPU runs panel kernel `kernel` (enum pp_panel_kernel), else 0. */
 int32_t pp_panel_kernel_available(int32_t kernel);
+/* 1 if BF16 panels run on BF16 dot products with the AVX-512 kernel here
+ * (their activations are then rounded to BF16), else 0. */
+int32_t pp_panel_bf16_dot_available(void);
 
 /* The panel GEMM alone: pack a [k, n_rows] weight of ggml type `type`
  * (borrowed, GGML's row layout) into panels, quantize the n columns of x

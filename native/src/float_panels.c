@@ -15,6 +15,7 @@
  * 128-bit broadcast. The same bytes as GGML's rows, moved. */
 #include "q8_panels.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #define QUAD_BYTES (PP_PANEL_ROWS * 4 * 2)   /* 64 */
@@ -126,6 +127,77 @@ static inline __attribute__((target(T512), always_inline)) void tile512(const ui
     }
 }
 
+/* BF16 weights where the CPU has AVX-512 BF16: one dot-product instruction
+ * multiplies a whole quad of 8 rows (lane 2r + j: row r's values 2j, 2j +
+ * 1) by the column's 4 values rounded to BF16 (one 64-bit broadcast), 32
+ * multiply-adds where an FMA does 16. The activations are rounded as GGML
+ * rounds them for BF16 products; each column tile is rounded once per group
+ * of panels, into this thread's scratch. */
+#define T512BF T512 ",avx512bf16"
+#define BF16_TILE 12
+static _Thread_local _Alignas(64) uint16_t bf16_columns[BF16_TILE * PP_PANEL_K_MAX_K];
+
+static inline __attribute__((target(T512BF), always_inline)) void round_columns(const uint8_t *cols, size_t stride,
+                                                                               int64_t nc, int64_t k,
+                                                                               uint16_t *out) {
+    for (int64_t i = 0; i < nc; i++) {
+        const float *x = (const float *)(cols + (size_t)i * stride);
+        for (int64_t j = 0; j < k; j += 32) {
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + j + 16), _mm512_loadu_ps(x + j));
+            _mm512_storeu_si512(out + i * k + j, (__m512i)v);
+        }
+    }
+}
+
+static inline __attribute__((target(T512BF), always_inline)) void tile_bf16(const uint8_t *panel, int64_t nq,
+                                                                           const uint16_t *xb, int64_t k,
+                                                                           const int nc, const int split,
+                                                                           float *out, size_t ldo) {
+    __m512 acc[2][BF16_TILE];
+    for (int s = 0; s < split; s++)
+        for (int i = 0; i < nc; i++) acc[s][i] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < nq; q += split)
+        for (int s = 0; s < split; s++) {
+            const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + (q + s) * QUAD_BYTES);
+            for (int i = 0; i < nc; i++) {
+                long long four;
+                memcpy(&four, xb + i * k + 4 * (q + s), sizeof four);
+                acc[s][i] = _mm512_dpbf16_ps(acc[s][i], w, (__m512bh)_mm512_set1_epi64(four));
+            }
+        }
+    /* lanes 2r and 2r + 1 are row r's two halves */
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int i = 0; i < nc; i++) {
+        const __m512 a = split > 1 ? _mm512_add_ps(acc[0][i], acc[1][i]) : acc[0][i];
+        const __m512 pairs = _mm512_add_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+        _mm256_storeu_ps(out + (size_t)i * ldo, _mm512_castps512_ps256(_mm512_permutexvar_ps(even, pairs)));
+    }
+}
+
+__attribute__((target(T512BF))) static void bf16_gemm_avx512vnni(const pp_q8_panels *w, int64_t p0, int64_t p1,
+                                                      const uint8_t *cols, size_t stride, int64_t n, float *out,
+                                                      size_t ldo) {
+    const int64_t nq = w->k / 4, k = w->k;
+    for (int64_t c = 0; c < n; c += BF16_TILE) {
+        const int64_t tile = n - c < BF16_TILE ? n - c : BF16_TILE;
+        round_columns(cols + (size_t)c * stride, stride, tile, k, bf16_columns);
+        for (int64_t pi = p0; pi < p1; pi++) {
+            const uint8_t *panel = fpanel(w, pi);
+            float *o = out + (size_t)c * ldo + (size_t)pi * PP_PANEL_ROWS;
+            for (int64_t t = 0; t < tile;) {
+                const int64_t left = tile - t;
+                const uint16_t *xb = bf16_columns + t * k;
+                float *ot = o + (size_t)t * ldo;
+                if (left >= 12) { tile_bf16(panel, nq, xb, k, 12, 1, ot, ldo); t += 12; }
+                else if (left >= 8) { tile_bf16(panel, nq, xb, k, 8, 1, ot, ldo); t += 8; }
+                else if (left >= 4) { tile_bf16(panel, nq, xb, k, 4, 1, ot, ldo); t += 4; }
+                else if (left >= 2) { tile_bf16(panel, nq, xb, k, 2, 2, ot, ldo); t += 2; }
+                else { tile_bf16(panel, nq, xb, k, 1, 2, ot, ldo); t += 1; }
+            }
+        }
+    }
+}
+
 #define T256 "avx2,fma,f16c"
 
 static inline __attribute__((target(T256), always_inline)) __m256 widen256(const uint8_t *p, int bf16) {
@@ -192,4 +264,25 @@ PP_FPANEL_GEMM(pp_fpanel_gemm_avx2, T256,
                if (left >= 3) { tile256(panel, nq, x, stride, 3, bf16, o, ldo); nc = 3; }
                else if (left >= 2) { tile256(panel, nq, x, stride, 2, bf16, o, ldo); nc = 2; }
                else { tile256(panel, nq, x, stride, 1, bf16, o, ldo); nc = 1; })
+
+/* BF16 weights where the CPU has AVX-512 BF16 (and rows short enough for
+ * the rounded columns' scratch); otherwise the FMA kernel. */
+void pp_fpanel_gemm_bf16_avx512vnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
+                                    size_t stride, int64_t n, float *out, size_t ldo) {
+    if (w->k <= PP_PANEL_K_MAX_K && pp_fpanel_bf16_dot_runs_here())
+        bf16_gemm_avx512vnni(w, p0, p1, cols, stride, n, out, ldo);
+    else
+        pp_fpanel_gemm_avx512vnni(w, p0, p1, cols, stride, n, out, ldo);
+}
 #endif
+
+int pp_fpanel_bf16_dot_runs_here(void) {
+#if defined(__x86_64__)
+    if (getenv("PYLLAMA_PAGED_BF16_DOT") && strcmp(getenv("PYLLAMA_PAGED_BF16_DOT"), "0") == 0) return 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#else
+    return 0;
+#endif
+}

@@ -42,6 +42,10 @@ int32_t pp_panel_kernel_available(int32_t kernel) {
            pp_panel_kernel_runs_here((enum pp_panel_kernel)kernel);
 }
 
+int32_t pp_panel_bf16_dot_available(void) {
+    return pp_panel_kernel_runs_here(PP_PANEL_KERNEL_AVX512VNNI) && pp_fpanel_bf16_dot_runs_here();
+}
+
 /* The weight packed for kernel into *out; a status. */
 static int32_t pack_checked(int32_t type, int64_t k, int64_t n_rows, const void *weight, int32_t kernel,
                             pp_q8_panels **out) {
@@ -65,7 +69,7 @@ int32_t pp_panel_gemm_run(int32_t type, int64_t k, int64_t n_rows, const void *w
     pp_q8_panels *p = NULL;
     const int32_t status = pack_checked(type, k, n_rows, weight, kernel, &p);
     if (status != PP_OK) return status;
-    if (pp_panel_type_is_float((enum ggml_type)type)) {
+    if (pp_panel_type_is_float((enum ggml_type)type)) {   /* the kernels read the f32 columns */
         pp_panel_kernel_for((enum pp_panel_kernel)kernel, (enum ggml_type)type)(
             p, 0, n_rows / PP_PANEL_ROWS, (const uint8_t *)x, (size_t)k * sizeof(float), n, out, (size_t)n_rows);
         pp_q8_panels_free(p);

@@ -44,7 +44,8 @@ int pp_panel_kernel_runs_here(enum pp_panel_kernel k) {
 pp_panel_kernel_fn pp_panel_kernel_for(enum pp_panel_kernel k, enum ggml_type type) {
     if (pp_panel_type_is_float(type)) {
 #if defined(__x86_64__)
-        if (k == PP_PANEL_KERNEL_AVX512VNNI) return pp_fpanel_gemm_avx512vnni;
+        if (k == PP_PANEL_KERNEL_AVX512VNNI)
+            return type == GGML_TYPE_BF16 ? pp_fpanel_gemm_bf16_avx512vnni : pp_fpanel_gemm_avx512vnni;
         if (k == PP_PANEL_KERNEL_AVXVNNI || k == PP_PANEL_KERNEL_AVX2) return pp_fpanel_gemm_avx2;
 #endif
         return pp_fpanel_gemm_scalar;

@@ -207,6 +207,14 @@ void pp_fpanel_gemm_avx512vnni(const pp_q8_panels *w, int64_t p0, int64_t p1, co
                                size_t col_stride, int64_t n, float *out, size_t ldo);
 void pp_fpanel_gemm_avx2(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                          size_t col_stride, int64_t n, float *out, size_t ldo);
+/* BF16 panels with the AVX-512 kernel: AVX-512 BF16 dot products on the
+ * activations rounded to BF16, as GGML's BF16 products round them, where
+ * the CPU has them; the FMA kernel otherwise. */
+void pp_fpanel_gemm_bf16_avx512vnni(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
+                                    size_t col_stride, int64_t n, float *out, size_t ldo);
 #endif
+/* Whether BF16 panels run on BF16 dot products here (AVX-512 BF16;
+ * PYLLAMA_PAGED_BF16_DOT=0 keeps the FMA kernel). */
+int pp_fpanel_bf16_dot_runs_here(void);
 
 #endif

@@ -55,6 +55,13 @@ def quantize_columns(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float64) * d).reshape(n, k)
 
 
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to BF16, to nearest even (as f32)."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
 def panel_gemm(data: bytes, type_name: str, k: int, n_rows: int, x: np.ndarray, kernel: str) -> np.ndarray:
     out = np.empty((x.shape[0], n_rows), np.float32)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -100,9 +107,12 @@ def test_kernels_match_ggml_dequantized_products(type_name, kernel):
 def test_float_kernels_match_the_exact_product(type_name, kernel):
     """F16 and BF16 panels multiply the f32 activations unrounded: against the float64 product of
     GGML's dequantized weights and the activations, f32 accumulation error only (every tile
-    width and remainder of both SIMD kernels: 12, 8, 4, 2, 1 and 3, 2, 1 columns)."""
+    width and remainder of both SIMD kernels: 12, 8, 4, 2, 1 and 3, 2, 1 columns). BF16 panels
+    on AVX-512 BF16 dot products take the activations rounded to BF16 (nearest even), as
+    GGML's BF16 products do: against that product."""
     if not runs_here(kernel):
         pytest.skip(f"this CPU has no {kernel}")
+    rounded = type_name == "bf16" and kernel == "avx512-vnni" and lib.pp_panel_bf16_dot_available()
     rng = np.random.default_rng(11)
     for k, n_rows in SHAPES + [(640, 40)]:
         w = _weights(rng, n_rows, k)
@@ -110,8 +120,9 @@ def test_float_kernels_match_the_exact_product(type_name, kernel):
         for n in COLUMNS + [12, 27]:
             x = rng.standard_normal((n, k)).astype(np.float32)
             got = panel_gemm(data, type_name, k, n_rows, x, kernel).astype(np.float64)
-            want = x.astype(np.float64) @ w_ggml.astype(np.float64).T
-            scale = np.abs(x.astype(np.float64)) @ np.abs(w_ggml.astype(np.float64)).T
+            xs = round_bf16(x) if rounded else x
+            want = xs.astype(np.float64) @ w_ggml.astype(np.float64).T
+            scale = np.abs(xs.astype(np.float64)) @ np.abs(w_ggml.astype(np.float64)).T
             err = np.abs(got - want) / scale
             assert err.max() < 1e-5, (k, n_rows, n, float(err.max()))
 
