@@ -10,6 +10,7 @@ if it stepped the engine itself (callbacks on its own thread, no hand-off)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Iterable
 
@@ -85,6 +86,9 @@ class SharedSteps:
                         self._filed.pop(request_id, None)
                     return []
                 self._step()
+            # A plain lock is not fair: retaken at once, a busy CPU would never let the callers
+            # waiting to add their requests in, and each request would run alone. Yield first.
+            time.sleep(0)
 
     def _step(self) -> None:
         """One step (caller holds the lock); outputs filed with their owners."""

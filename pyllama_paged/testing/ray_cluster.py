@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from .serving import free_port, stop_server, wait_healthy
+from .serving import free_ports, stop_server, wait_healthy
 
 
 def ray_cli() -> str:
@@ -54,13 +54,11 @@ class RayCluster:
         self.temp_dir = tempfile.mkdtemp(prefix="rpp", dir="/tmp")
         self.keep_logs = keep_logs
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-        self.port = free_port()
+        # The head's port, and Serve's HTTP proxy's: one port for every `serve --ray` on this
+        # cluster, since Serve keeps the http_options of its first start. Both are bound only
+        # later, while Ray's own processes bind port 0: so from below the ephemeral range.
+        self.port, self.http_port = free_ports(2, below_ephemeral=True)
         self.address = f"127.0.0.1:{self.port}"
-        # Serve's HTTP proxy: one port for every `serve --ray` on this cluster, since Serve
-        # keeps the http_options of its first start
-        self.http_port = free_port()
-        while self.http_port == self.port:
-            self.http_port = free_port()
         self.nodes: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         common = ["--num-cpus", str(cpus), "--object-store-memory", str(object_store_bytes),

@@ -1,6 +1,8 @@
 """A real uvicorn server on a loopback port for the HTTP tests, and waits on its pool; for the
 benchmarks, a server process (ours or llama-server) waited for and stopped."""
 
+import contextlib
+import random
 import signal
 import socket
 import subprocess
@@ -19,6 +21,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int, below_ephemeral: bool = False) -> list[int]:
+    """n distinct free ports (each held until all are found: two free_port() calls in a row
+    can return the same one). below_ephemeral: from 20000 up to the kernel's ephemeral range,
+    for a port a process binds only later, while other processes (Ray's nodes) bind port 0."""
+    held: list[socket.socket] = []
+    try:
+        if below_ephemeral:
+            top = 32768
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                top = max(int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]), 21000)
+            candidates = random.sample(range(20000, top), top - 20000)   # every port once, shuffled
+        else:
+            candidates = [0] * (n + 16)   # held, so each bind to port 0 gets another one
+        for port in candidates:
+            if len(held) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+        if len(held) < n:
+            raise RuntimeError(f"could not find {n} free ports")
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 class Running:

@@ -174,6 +174,7 @@ def test_the_pin_header_picks_the_replica(url):
 @pytest.mark.slow
 def test_a_client_that_hangs_up_frees_its_pages_on_the_replica(url):
     replica = sorted(replicas(url))[0]
+    generated_before = replicas(url)[replica]["models"][MODEL]["generated_tokens"]
     body = {"model": MODEL, "prompt": "Write a long story about a lighthouse keeper.", "stream": True,
             "options": {"num_predict": 400}}
     with httpx.stream("POST", url + "/api/generate", json=body, headers={PIN_HEADER: replica}, timeout=300) as r:
@@ -187,7 +188,7 @@ def test_a_client_that_hangs_up_frees_its_pages_on_the_replica(url):
             break
         time.sleep(0.5)
     assert pool["stats"]["blocks_used"] == 0
-    assert replicas(url)[replica]["models"][MODEL]["generated_tokens"] < 400
+    assert replicas(url)[replica]["models"][MODEL]["generated_tokens"] - generated_before < 200
 
 
 @pytest.mark.slow
@@ -215,11 +216,12 @@ def test_a_replica_killed_mid_stream_fails_only_its_own_requests(url):
     usage = [c.usage for c in living if c.usage is not None]
     assert usage and usage[-1].completion_tokens == 120   # the other replica's stream ran to its end
 
-    # the next requests, whatever their prefix, go to the replica that is left
+    # the next requests, whatever their prefix, go to a live replica (the one that is left, or
+    # a replacement if Serve is that quick)
     for question in ("Write a long story about a lighthouse keeper.", "Hello there."):
         raw = oai.chat.completions.with_raw_response.create(
             model=MODEL, max_tokens=2, messages=[{"role": "user", "content": question}])
-        assert raw.status_code == 200 and raw.headers[PIN_HEADER] == survivor
+        assert raw.status_code == 200 and raw.headers[PIN_HEADER] != doomed
     # Serve replaces the dead replica
     assert survivor in {r["replica"] for r in wait_replicas(url, 2, timeout=600)}
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME
-from pyllama_paged.testing.serving import free_port, stop_server, wait_healthy
+from pyllama_paged.testing.serving import free_ports, stop_server, wait_healthy
 
 openai = pytest.importorskip("openai")
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
@@ -50,15 +50,15 @@ def chat(client, question: str, stream: bool) -> str:
 @pytest.fixture
 def cluster(tmp_path):
     """Two workers and vllm-router in front of them: (router URL, {port: worker}, tmp_path)."""
-    ports = [free_port(), free_port()]
+    # distinct, and from below the ephemeral range: bound only as each process comes up
+    *ports, router_port, prometheus_port = free_ports(4, below_ephemeral=True)
     workers = {p: start_worker(p, tmp_path / f"worker-{p}.log") for p in ports}
     router = None
     try:
         for port, proc in workers.items():
             wait_healthy(f"http://127.0.0.1:{port}", proc, "/health", timeout=300, log=tmp_path / f"worker-{port}.log")
-        router_port = free_port()
         cmd = [ROUTER, "--worker-urls", *[f"http://127.0.0.1:{p}" for p in ports], "--policy", "cache_aware",
-               "--host", "127.0.0.1", "--port", str(router_port), "--prometheus-port", str(free_port()),
+               "--host", "127.0.0.1", "--port", str(router_port), "--prometheus-port", str(prometheus_port),
                "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1",
                "--health-failure-threshold", "1", "--health-success-threshold", "1",
                "--cb-failure-threshold", "1", "--cb-timeout-duration-secs", "1", "--log-level", "warning"]
@@ -103,7 +103,7 @@ def test_router_forwards_chats_and_loses_nothing_when_a_worker_goes(cluster):
     # the worker comes back; once the router sees it healthy, the other one is killed outright
     workers[a] = start_worker(a, tmp_path / "worker-again.log")
     wait_healthy(f"http://127.0.0.1:{a}", workers[a], "/health", timeout=300, log=tmp_path / "worker-again.log")
-    time.sleep(3)   # a few of the router's health checks (one a second) to mark it healthy again
+    time.sleep(6)   # several of the router's health checks (one a second) to mark it healthy again
     workers[b].kill()
     workers[b].wait()
     for i in range(6):
