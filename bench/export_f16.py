@@ -1,4 +1,5 @@
-"""A GGUF's unquantized twin: every quantized tensor dequantized to F16 (or BF16), the
+"""A GGUF's unquantized twin: every quantized tensor dequantized to F16 (or BF16; or, for the
+Q4_0 kernels' benchmark, requantized to Q4_0 throughout, as llama-quantize --pure would), the
 F32 tensors (the norms) kept as they are, every metadata key copied except the file
 type (the header's own keys, GGUF.*, the writer writes again). Its tokenizer is the
 source's to the token, so the source can draft for it: the default model's export
@@ -23,7 +24,8 @@ import numpy as np
 
 BENCH = Path(__file__).resolve().parent
 MODELS_DIR = BENCH / ".models"
-FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
+FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+              "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
 KEPT = (gguf.GGMLQuantizationType.F32,)
 # written by GGUFWriter itself (its header and architecture), or no longer true of the export
 SKIPPED_KEYS = ("general.architecture", "general.file_type", "general.quantization_version")
@@ -47,9 +49,10 @@ def _converted(tensor, dtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationTyp
     if qtype in KEPT or (dtype == "f16" and qtype == gguf.GGMLQuantizationType.F16):
         return np.asarray(tensor.data), None
     values = gguf.quants.dequantize(tensor.data, qtype)
-    if dtype == "f16":
+    if dtype == "f16" or (dtype == "q4_0" and (values.ndim != 2 or values.shape[-1] % 32)):
         return values.astype(np.float16), None
-    return gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+    raw = gguf.GGMLQuantizationType.Q4_0 if dtype == "q4_0" else gguf.GGMLQuantizationType.BF16
+    return gguf.quants.quantize(values, raw), raw
 
 
 def export(source: str | Path, out: str | Path, dtype: str = "f16") -> Path:

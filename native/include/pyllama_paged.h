@@ -440,7 +440,7 @@ enum pp_panel_kernel {
 };
 
 /* Pack the weights our GEMMs multiply faster than GGML into row panels
- * (q8_panels.h in the sources): Q8_0, Q5_0, Q4_K, Q5_K and Q6_K
+ * (q8_panels.h in the sources): Q8_0, Q5_0, Q4_0, Q4_K, Q5_K and Q6_K
  * projections for the integer GEMM, F16 and BF16 ones for the float GEMM
  * (f32 FMAs on unrounded activations; on an AVX2 CPU without VNNI: the
  * K-quants and float weights only) and the

@@ -56,7 +56,7 @@ static inline float load_f32(const uint8_t *p) {
         _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) _mm256_storeu_ps(out + i * ldo, accf[i]);     \
     }
 
-#define PP_PANEL_KERNEL(NAME, TARGET, DPBUSD, NC_MAIN, WIDEN)                                               \
+#define PP_PANEL_KERNEL(NAME, TARGET, DPBUSD, NC_MAIN, WIDEN, WIDEN_Q4)                                               \
     PP_TILE(NAME##_main, TARGET, DPBUSD, NC_MAIN, 1)                                                        \
     PP_TILE(NAME##_four, TARGET, DPBUSD, 4, 1)                                                              \
     PP_TILE(NAME##_one, TARGET, DPBUSD, 1, 2)                                                               \
@@ -69,6 +69,9 @@ static inline float load_f32(const uint8_t *p) {
             const uint8_t *panel = w->data + (size_t)pi * nb * PP_PANEL_BLOCK_BYTES;                        \
             if (w->type == GGML_TYPE_Q5_0) {                                                                \
                 WIDEN(w->data + (size_t)pi * nb * PP_PANEL_Q5_BLOCK_BYTES, nb, tmp);                        \
+                panel = tmp;                                                                                \
+            } else if (w->type == GGML_TYPE_Q4_0) {                                                         \
+                WIDEN_Q4(w->data + (size_t)pi * nb * PP_PANEL_Q4_BLOCK_BYTES, nb, tmp);                     \
                 panel = tmp;                                                                                \
             }                                                                                               \
             float *o = out + (size_t)pi * PP_PANEL_ROWS;                                                    \
@@ -122,11 +125,29 @@ static inline __attribute__((target("avx2"), always_inline)) __m256i add_fifth_a
 PP_WIDEN_Q5(widen_q5_avx512, "avx2,avx512f,avx512vl,avx512bw", add_fifth_avx512)
 PP_WIDEN_Q5(widen_q5_avx2, "avx2", add_fifth_avx2)
 
+/* Q4_0 panel -> compute layout: the nibbles as Q5_0's, plus 120: q + 120 =
+ * (q - 8) + 128. */
+static inline __attribute__((target("avx2"), always_inline)) void widen_q4_avx2(const uint8_t *panel, int64_t nb,
+                                                                               uint8_t *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), base = _mm256_set1_epi8(120);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *src = panel + (size_t)b * PP_PANEL_Q4_BLOCK_BYTES;
+        uint8_t *dst = out + (size_t)b * PP_PANEL_BLOCK_BYTES;
+        memcpy(dst, src, 16);
+        for (int g = 0; g < 4; g++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 16 + 32 * g));
+            _mm256_storeu_si256((__m256i *)(dst + 16 + 32 * g), _mm256_add_epi8(_mm256_and_si256(v, low4), base));
+            _mm256_storeu_si256((__m256i *)(dst + 16 + 32 * (g + 4)),
+                                _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), base));
+        }
+    }
+}
+
 /* AVX-512 VNNI on 256-bit registers (AVX512VL): 32 registers hold 8 columns. */
 PP_PANEL_KERNEL(pp_panel_gemm_avx512vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni", _mm256_dpbusd_epi32, 8,
-                widen_q5_avx512)
+                widen_q5_avx512, widen_q4_avx2)
 /* AVX-VNNI (Alder Lake and later, Zen 5): 16 registers, 4 columns. */
-PP_PANEL_KERNEL(pp_panel_gemm_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32, 4, widen_q5_avx2)
+PP_PANEL_KERNEL(pp_panel_gemm_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32, 4, widen_q5_avx2, widen_q4_avx2)
 
 /* quantize_column of q8_panels.c on AVX2: the same bytes (GGML's x86
  * quantizer: reciprocal 127 / amax, products rounded to nearest even). */

@@ -70,17 +70,20 @@ int pp_q8_panels_fit(enum ggml_type type, int64_t k, int64_t n_rows, enum pp_pan
     if (pp_panel_type_is_k(type)) return k % PP_PANEL_KBLOCK == 0 && k <= PP_PANEL_K_MAX_K;
     if (pp_panel_type_is_float(type)) return 1;
     if (kernel == PP_PANEL_KERNEL_AVX2) return 0;
-    return type == GGML_TYPE_Q8_0 || (type == GGML_TYPE_Q5_0 && k <= PP_PANEL_MAX_K);
+    return type == GGML_TYPE_Q8_0 || ((type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q4_0) && k <= PP_PANEL_MAX_K);
 }
 
 static size_t panel_block_bytes(enum ggml_type type) {
-    return type == GGML_TYPE_Q5_0 ? PP_PANEL_Q5_BLOCK_BYTES : PP_PANEL_BLOCK_BYTES;
+    return type == GGML_TYPE_Q5_0 ? PP_PANEL_Q5_BLOCK_BYTES
+         : type == GGML_TYPE_Q4_0 ? PP_PANEL_Q4_BLOCK_BYTES : PP_PANEL_BLOCK_BYTES;
 }
 
 /* Value t (0..31) of a GGML row block, as its unsigned code: Q8_0 q + 128,
- * Q5_0 the 5-bit q (whose value is q - 16). */
+ * Q5_0 the 5-bit q (whose value is q - 16), Q4_0 the 4-bit q (value q - 8). */
 static int block_code(enum ggml_type type, const uint8_t *blk, int t) {
     if (type == GGML_TYPE_Q8_0) return (uint8_t)(blk[2 + t] ^ 0x80);
+    /* block_q4_0: fp16 scale, 16 bytes of nibbles (t and t + 16) */
+    if (type == GGML_TYPE_Q4_0) return t < 16 ? blk[2 + t] & 0x0F : blk[2 + t - 16] >> 4;
     /* block_q5_0: fp16 scale, 32 fifth bits, 16 bytes of low nibbles (t and t + 16) */
     uint32_t qh;
     memcpy(&qh, blk + 2, 4);
@@ -88,7 +91,8 @@ static int block_code(enum ggml_type type, const uint8_t *blk, int t) {
     return lo | (int)((qh >> t) & 1) << 4;
 }
 
-/* Store code u of panel value i (i = 32j + 4r + e) in a panel-block. */
+/* Store code u of panel value i (i = 32j + 4r + e) in a panel-block (Q4_0's
+ * codes have no fifth bit). */
 static void put_code(enum ggml_type type, uint8_t *dst, int i, int u) {
     if (type == GGML_TYPE_Q8_0) {
         dst[16 + i] = (uint8_t)u;
@@ -163,14 +167,19 @@ void pp_q8_panels_free(pp_q8_panels *p) {
     free(p);
 }
 
-/* A Q5_0 panel widened into the compute layout (portable). */
-static void widen_q5_scalar(const uint8_t *panel, int64_t nb, uint8_t *out) {
+/* A Q5_0 or Q4_0 panel widened into the compute layout (portable). */
+static void widen_scalar(enum ggml_type type, const uint8_t *panel, int64_t nb, uint8_t *out) {
+    const size_t pbb = panel_block_bytes(type);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *src = panel + (size_t)b * PP_PANEL_Q5_BLOCK_BYTES;
+        const uint8_t *src = panel + (size_t)b * pbb;
         uint8_t *dst = out + (size_t)b * PP_PANEL_BLOCK_BYTES;
         memcpy(dst, src, 16);
         for (int i = 0; i < 256; i++) {
             const int lo = i < 128 ? src[16 + i] & 0x0F : src[16 + i - 128] >> 4;
+            if (type == GGML_TYPE_Q4_0) {
+                dst[16 + i] = (uint8_t)(lo + 120);   /* q - 8 + 128 */
+                continue;
+            }
             const int hi = (src[144 + i / 8] >> (i % 8)) & 1;
             dst[16 + i] = (uint8_t)((lo | hi << 4) + 112);   /* q - 16 + 128 */
         }
@@ -181,7 +190,7 @@ static void widen_q5_scalar(const uint8_t *panel, int64_t nb, uint8_t *out) {
 static const uint8_t *compute_panel(const pp_q8_panels *w, int64_t pi, uint8_t *tmp) {
     const int64_t nb = w->k / PP_PANEL_BLOCK;
     if (w->type == GGML_TYPE_Q8_0) return w->data + (size_t)pi * nb * PP_PANEL_BLOCK_BYTES;
-    widen_q5_scalar(w->data + (size_t)pi * nb * PP_PANEL_Q5_BLOCK_BYTES, nb, tmp);
+    widen_scalar(w->type, w->data + (size_t)pi * nb * panel_block_bytes(w->type), nb, tmp);
     return tmp;
 }
 

@@ -21,7 +21,9 @@
  * scales (16 bytes), the low nibbles of the same 256 values in the same
  * order (128 bytes: value i in byte i % 128, high nibble for i >= 128) and
  * their fifth bits (32 bytes, bit i). A kernel widens one panel at a time
- * into the compute layout (value - 16 + 128), on the stack.
+ * into the compute layout (value - 16 + 128), on the stack. Q4_0 weights
+ * likewise keep their 18 bytes per row-block (144 per panel-block: the
+ * scales and the nibbles, no fifth bits), widened to value - 8 + 128.
  *
  * K-quant weights (Q4_K and Q6_K, what Q4_K_M files hold; Q5_K, with Q6_K
  * what Q5_K_M files hold) keep their bytes too, in "K panels" of
@@ -48,7 +50,8 @@
 #define PP_PANEL_BLOCK 32
 #define PP_PANEL_BLOCK_BYTES (PP_PANEL_ROWS * (PP_PANEL_BLOCK + 2))      /* 272: Q8 panels */
 #define PP_PANEL_Q5_BLOCK_BYTES (PP_PANEL_ROWS * (PP_PANEL_BLOCK / 2 + 6)) /* 176: Q5_0 panels */
-/* Longest Q5_0 row: one widened panel (k / 32 x 272 bytes) lives on the stack. */
+#define PP_PANEL_Q4_BLOCK_BYTES (PP_PANEL_ROWS * (PP_PANEL_BLOCK / 2 + 2)) /* 144: Q4_0 panels */
+/* Longest Q5_0 or Q4_0 row: one widened panel (k / 32 x 272 bytes) lives on the stack. */
 #define PP_PANEL_MAX_K 8192
 /* K panels: 256-value superblocks; a widened panel (k / 32 x 256 code bytes
  * plus its scales) of up to this many values lives on the stack. */
@@ -59,7 +62,7 @@
 #define PP_PANEL_Q6K_BYTES (PP_PANEL_ROWS * 210)   /* 1680 per superblock: 8 x 210 */
 
 typedef struct pp_q8_panels {
-    enum ggml_type type;   /* storage: GGML_TYPE_Q8_0 (compute layout), Q5_0, Q4_K, Q5_K, Q6_K, F16 or BF16 */
+    enum ggml_type type;   /* storage: GGML_TYPE_Q8_0 (compute layout), Q5_0, Q4_0, Q4_K, Q5_K, Q6_K, F16 or BF16 */
     int64_t  n_rows;       /* output rows, a multiple of PP_PANEL_ROWS */
     int64_t  k;            /* values per row, a multiple of PP_PANEL_BLOCK */
     uint8_t *data;         /* n_rows / 8 panels of k / 32 blocks; owned */
@@ -83,7 +86,7 @@ static inline int pp_panel_type_is_float(enum ggml_type type) {
     return type == GGML_TYPE_F16 || type == GGML_TYPE_BF16;
 }
 
-/* Pack a Q8_0, Q5_0, Q4_K, Q5_K, Q6_K, F16 or BF16 [k, n_rows] weight (GGML's row layout)
+/* Pack a Q8_0, Q5_0, Q4_0, Q4_K, Q5_K, Q6_K, F16 or BF16 [k, n_rows] weight (GGML's row layout)
  * into panels, allocated here; NULL when out of memory or when it does not
  * fit. */
 pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows);

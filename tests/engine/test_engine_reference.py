@@ -123,11 +123,11 @@ def test_repacked_weights_give_the_same_logits(tmp_path, reference_logits, weigh
 
 
 @pytest.mark.parametrize("kernels", ["auto", "generic", "avx2"])
-@pytest.mark.parametrize("weight_type,tied", [("q8_0", True), ("q8_0", False), ("q5_0", True),
+@pytest.mark.parametrize("weight_type,tied", [("q8_0", True), ("q8_0", False), ("q5_0", True), ("q4_0", False),
                                               ("q4_k", False), ("q5_k", False), ("q6_k", True),
                                               ("f16", True), ("bf16", False)])
 def test_panel_gemm_gives_the_same_logits(tmp_path, reference_logits, monkeypatch, kernels, weight_type, tied):
-    """Q8_0/Q5_0/Q4_K/Q5_K/Q6_K/F16/BF16 projections and output head packed into row panels (our VNNI
+    """Q8_0/Q5_0/Q4_0/Q4_K/Q5_K/Q6_K/F16/BF16 projections and output head packed into row panels (our VNNI
     GEMM where the CPU has it, AVX2's for K-quants and float weights, else, forced, the portable
     kernel) give GGML's logits; a tied head read back from the panels is the input embedding too.
     The chunks (23, 1, 16 columns, then single tokens) run every tile width."""

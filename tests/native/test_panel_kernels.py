@@ -12,7 +12,7 @@ import pytest
 
 from pyllama_paged._native import ffi, lib
 
-TYPES = {"q8_0": 8, "q5_0": 6, "q4_k": 12, "q5_k": 13, "q6_k": 14}   # GGML's type ids
+TYPES = {"q8_0": 8, "q5_0": 6, "q4_0": 2, "q4_k": 12, "q5_k": 13, "q6_k": 14}   # GGML's type ids
 FLOAT_TYPES = {"f16": 1, "bf16": 30}   # float panels: f32 activations, f32 FMAs
 KERNELS = {"portable": lib.PP_PANEL_KERNEL_SCALAR, "avx2": lib.PP_PANEL_KERNEL_AVX2,
            "avx-vnni": lib.PP_PANEL_KERNEL_AVXVNNI, "avx512-vnni": lib.PP_PANEL_KERNEL_AVX512VNNI}
@@ -81,12 +81,12 @@ def runs_here(kernel: str) -> bool:
 def test_kernels_match_ggml_dequantized_products(type_name, kernel):
     if not runs_here(kernel):
         pytest.skip(f"this CPU has no {kernel}")
-    if kernel == "avx2" and type_name in ("q8_0", "q5_0"):
+    if kernel == "avx2" and type_name in ("q8_0", "q5_0", "q4_0"):
         pytest.skip("the AVX2 kernel takes K-quant panels only")
     rng = np.random.default_rng(7)
     for k, n_rows in SHAPES:
-        if type_name == "q5_0" and k > 8192:
-            continue   # Q5_0 panels widen a whole row on the stack (PP_PANEL_MAX_K)
+        if type_name in ("q5_0", "q4_0") and k > 8192:
+            continue   # Q5_0 and Q4_0 panels widen a whole row on the stack (PP_PANEL_MAX_K)
         w = _weights(rng, n_rows, k)
         data, w_ggml = ggml_quantize(w, type_name)
         for n in COLUMNS:
@@ -127,7 +127,7 @@ def test_float_kernels_match_the_exact_product(type_name, kernel):
             assert err.max() < 1e-5, (k, n_rows, n, float(err.max()))
 
 
-@pytest.mark.parametrize("type_name", ["q4_k", "q5_k", "q6_k", "q8_0", "q5_0", "f16", "bf16"])
+@pytest.mark.parametrize("type_name", ["q4_k", "q5_k", "q6_k", "q8_0", "q5_0", "q4_0", "f16", "bf16"])
 def test_a_packed_row_reads_back_as_ggml_dequantizes_it(type_name):
     """A tied head's rows are the input embedding: each packed row is GGML's dequantized row, bit
     for bit."""
