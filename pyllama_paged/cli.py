@@ -360,9 +360,12 @@ def cmd_info(args) -> int:
     from ._native import ffi, lib
     build = ffi.string(lib.pp_ggml_build_info()).decode()
     print(f"GGML: {build}")
-    if "llamafile=0" in build:
-        print("  (this GGML lacks its tinyBLAS prompt GEMM: rebuilding it with -DGGML_LLAMAFILE=ON "
-              "makes prompt processing ~1.6x faster; see vendor/README.md)")
+    # tinyBLAS only runs GGML's own products: it matters for the weights our panels do not take
+    n_matmuls = model.config.n_layer * 7 + 1
+    if "llamafile=0" in build and model.n_panel_packed < n_matmuls:
+        print(f"  (this GGML lacks its tinyBLAS prompt GEMM, and {n_matmuls - model.n_panel_packed} of the "
+              f"{n_matmuls} weight products run on GGML's kernels here: rebuilding GGML with -DGGML_LLAMAFILE=ON "
+              "makes their prompt processing faster; see vendor/README.md)")
     print(f"weights repacked for GGML's CPU GEMM: {model.n_repacked}")
     print(f"weights in our panel GEMMs: {model.n_panel_packed} (kernel: {model.panel_kernel})")
     _print_devices(model)

@@ -2,6 +2,7 @@
 /reset and Ctrl-C."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,13 @@ def test_info_and_bad_model():
     assert p.returncode == 0 and "KV bytes per token (f16): 18432 for a short sequence" in p.stdout
     assert "past the window (512 tokens) 3072 (the 3 full-attention layers" in p.stdout
     assert "weights repacked for GGML's CPU GEMM:" in p.stdout
-    assert ("llamafile=0" in p.stdout) == ("-DGGML_LLAMAFILE=ON" in p.stdout)   # the rebuild hint
+    # the rebuild hint: only where GGML lacks tinyBLAS and some weight products are GGML's
+    packed = int(re.search(r"weights in our panel GEMMs: (\d+)", p.stdout).group(1))
+    assert ("-DGGML_LLAMAFILE=ON" in p.stdout) == ("llamafile=0" in p.stdout and packed < 18 * 7 + 1)
+    no_panels = subprocess.run(CLI + ["info"], capture_output=True, text=True, timeout=120, cwd="/",
+                               env={**ENV, "PYLLAMA_PAGED_KERNELS": "generic"})
+    assert "weights in our panel GEMMs: 0" in no_panels.stdout
+    assert ("-DGGML_LLAMAFILE=ON" in no_panels.stdout) == ("llamafile=0" in no_panels.stdout)
     assert "repack tensor" not in p.stderr   # GGML's per-tensor debug lines are filtered out
     p = subprocess.run(CLI + ["run", "--model", "/nonexistent.gguf", "hi"], capture_output=True,
                        text=True, timeout=120, env=ENV, cwd="/")
