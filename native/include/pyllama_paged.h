@@ -456,9 +456,11 @@ enum pp_panel_kernel {
  * be NULL) receives the kernel (enum pp_panel_kernel; PP_PANEL_KERNEL_NONE
  * when nothing was packed); *n_packed (may be NULL) the number of
  * weights packed. The model owns the panels; the packed weights' borrowed
- * bytes are advised MADV_PAGEOUT. PP_ERR_NO_MEMORY: the weights packed so
- * far stay packed and the model is usable; PP_ERR_INVALID: called twice, or
- * after pp_model_repack_weights. */
+ * bytes are advised MADV_PAGEOUT. The packing runs on one thread per online
+ * CPU (at most 16), all joined before it returns. PP_ERR_NO_MEMORY: the
+ * panels could not all be allocated; nothing is packed and the model is
+ * unchanged and usable; PP_ERR_INVALID: called twice, or after
+ * pp_model_repack_weights. */
 int32_t pp_model_pack_panels(pp_model *model, int32_t any_cpu, int32_t *kernel, int32_t *n_packed);
 
 /* ---- KV cache ----------------------------------------------------------- */

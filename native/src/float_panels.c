@@ -36,10 +36,10 @@ static inline const uint8_t *fpanel(const pp_q8_panels *w, int64_t pi) {
     return w->data + (size_t)pi * (size_t)(w->k / 4) * QUAD_BYTES;
 }
 
-void pp_fpanel_pack(const void *data, int64_t k, int64_t n_rows, uint8_t *out) {
+void pp_fpanel_pack(const void *data, int64_t k, int64_t p0, int64_t p1, uint8_t *out) {
     const uint16_t *src = data;
     uint16_t *dst = (uint16_t *)out;
-    for (int64_t pi = 0; pi < n_rows / PP_PANEL_ROWS; pi++)
+    for (int64_t pi = p0; pi < p1; pi++)
         for (int64_t q = 0; q < k / 4; q++)
             for (int r = 0; r < PP_PANEL_ROWS; r++)
                 memcpy(dst + ((pi * (k / 4) + q) * PP_PANEL_ROWS + r) * 4,

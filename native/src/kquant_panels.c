@@ -110,24 +110,38 @@ static void place(enum ggml_type type, const kblock *kb, int r, uint8_t *dst) {
     } else {
         for (int h = 0; h < 16; h++) dst[16 + 8 * h + r] = kb->sc[h];
     }
+    /* Code t of the block is panel value i = 32 (t / 4) + 4r + t % 4: codes t
+     * and t + 16 (t < 16) share nibble byte i % 128 (low, high); Q5_K's fifth
+     * bit of code t is bit t / 4 of byte 128 + 4r + t % 4; Q6_K's high pair is
+     * bits 2 (t / 8) of byte 128 + 32 (t / 4 % 2) + 4r + t % 4. Each byte
+     * belongs to one row: written whole. */
     const size_t hb = pp_kpanel_header_bytes(type), cb = pp_kpanel_block_bytes(type);
     for (int b = 0; b < 8; b++) {
         uint8_t *blk = dst + hb + (size_t)b * cb;
-        for (int t = 0; t < 32; t++) {
-            const int i = 32 * (t / 4) + 4 * r + t % 4, u = kb->code[32 * b + t];
-            uint8_t *nib = blk + i % 128;
-            *nib = i < 128 ? (uint8_t)((*nib & 0xF0) | (u & 0x0F)) : (uint8_t)((*nib & 0x0F) | (u & 0x0F) << 4);
-            if (type == GGML_TYPE_Q5_K) blk[128 + i % 32] |= (uint8_t)((u >> 4) << (i / 32));
-            if (type == GGML_TYPE_Q6_K) blk[128 + i % 64] |= (uint8_t)((u >> 4) << (2 * (i / 64)));
-        }
+        const uint8_t *code = kb->code + 32 * b;
+        for (int t = 0; t < 16; t++)
+            blk[32 * (t / 4) + 4 * r + t % 4] = (uint8_t)((code[t] & 0x0F) | (code[t + 16] & 0x0F) << 4);
+        if (type == GGML_TYPE_Q5_K)
+            for (int e = 0; e < 4; e++) {
+                int bits = 0;
+                for (int j = 0; j < 8; j++) bits |= ((code[4 * j + e] >> 4) & 1) << j;
+                blk[128 + 4 * r + e] = (uint8_t)bits;
+            }
+        if (type == GGML_TYPE_Q6_K)
+            for (int half = 0; half < 2; half++)
+                for (int e = 0; e < 4; e++) {
+                    int bits = 0;
+                    for (int m = 0; m < 4; m++) bits |= ((code[4 * (half + 2 * m) + e] >> 4) & 3) << (2 * m);
+                    blk[128 + 32 * half + 4 * r + e] = (uint8_t)bits;
+                }
     }
 }
 
-void pp_kpanel_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows, uint8_t *out) {
+void pp_kpanel_pack(const void *data, enum ggml_type type, int64_t k, int64_t p0, int64_t p1, uint8_t *out) {
     const int64_t nsb = k / PP_PANEL_KBLOCK;
     const size_t row_bytes = (size_t)nsb * ggml_type_size(type), sbb = pp_kpanel_superblock_bytes(type);
     kblock kb;
-    for (int64_t pi = 0; pi < n_rows / PP_PANEL_ROWS; pi++)
+    for (int64_t pi = p0; pi < p1; pi++)
         for (int64_t s = 0; s < nsb; s++) {
             uint8_t *dst = out + ((size_t)pi * nsb + s) * sbb;
             for (int r = 0; r < PP_PANEL_ROWS; r++) {

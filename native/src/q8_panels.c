@@ -78,29 +78,30 @@ static size_t panel_block_bytes(enum ggml_type type) {
          : type == GGML_TYPE_Q4_0 ? PP_PANEL_Q4_BLOCK_BYTES : PP_PANEL_BLOCK_BYTES;
 }
 
-/* Value t (0..31) of a GGML row block, as its unsigned code: Q8_0 q + 128,
- * Q5_0 the 5-bit q (whose value is q - 16), Q4_0 the 4-bit q (value q - 8). */
-static int block_code(enum ggml_type type, const uint8_t *blk, int t) {
-    if (type == GGML_TYPE_Q8_0) return (uint8_t)(blk[2 + t] ^ 0x80);
-    /* block_q4_0: fp16 scale, 16 bytes of nibbles (t and t + 16) */
-    if (type == GGML_TYPE_Q4_0) return t < 16 ? blk[2 + t] & 0x0F : blk[2 + t - 16] >> 4;
-    /* block_q5_0: fp16 scale, 32 fifth bits, 16 bytes of low nibbles (t and t + 16) */
-    uint32_t qh;
-    memcpy(&qh, blk + 2, 4);
-    const int lo = t < 16 ? blk[6 + t] & 0x0F : blk[6 + t - 16] >> 4;
-    return lo | (int)((qh >> t) & 1) << 4;
-}
-
-/* Store code u of panel value i (i = 32j + 4r + e) in a panel-block (Q4_0's
- * codes have no fifth bit). */
-static void put_code(enum ggml_type type, uint8_t *dst, int i, int u) {
+/* One row's 32-value block into its panel-block (row r), as whole 4-byte
+ * groups: panel value i = 32j + 4r + e is the row's value t = 4j + e.
+ * Q8_0: code q + 128 in byte i. Q4_0 and Q5_0: byte i % 128 holds value i's
+ * nibble (low for i < 128, high above), which is exactly GGML's nibble byte
+ * t % 16 of the row (value t low, t + 16 high); Q5_0's fifth bits go to bit
+ * i of bytes 144... */
+static void pack_block_row(enum ggml_type type, const uint8_t *blk, int r, uint8_t *dst) {
+    memcpy(dst + 2 * r, blk, 2);   /* every type starts with the fp16 scale */
     if (type == GGML_TYPE_Q8_0) {
-        dst[16 + i] = (uint8_t)u;
+        for (int j = 0; j < 8; j++)
+            for (int e = 0; e < 4; e++) dst[16 + 32 * j + 4 * r + e] = (uint8_t)(blk[2 + 4 * j + e] ^ 0x80);
         return;
     }
-    uint8_t *nib = dst + 16 + i % 128;
-    *nib = i < 128 ? (uint8_t)((*nib & 0xF0) | (u & 0x0F)) : (uint8_t)((*nib & 0x0F) | (u & 0x0F) << 4);
-    if (u & 0x10) dst[144 + i / 8] |= (uint8_t)(1u << (i % 8));
+    /* block_q4_0: scale, 16 nibble bytes; block_q5_0: scale, 32 fifth bits, 16 nibble bytes */
+    const uint8_t *nibbles = blk + (type == GGML_TYPE_Q5_0 ? 6 : 2);
+    for (int j = 0; j < 4; j++) memcpy(dst + 16 + 32 * j + 4 * r, nibbles + 4 * j, 4);
+    if (type != GGML_TYPE_Q5_0) return;
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    for (int t = 0; t < PP_PANEL_BLOCK; t++)
+        if ((qh >> t) & 1) {
+            const int i = 32 * (t / 4) + 4 * r + t % 4;
+            dst[144 + i / 8] |= (uint8_t)(1u << (i % 8));
+        }
 }
 
 /* Panels are streamed whole every step: in 2 MiB pages (where the kernel
@@ -119,45 +120,54 @@ static uint8_t *panel_alloc(size_t size) {
     return mem;
 }
 
-pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows) {
+pp_q8_panels *pp_q8_panels_alloc(enum ggml_type type, int64_t k, int64_t n_rows) {
     if (!pp_q8_panels_fit(type, k, n_rows, PP_PANEL_KERNEL_SCALAR)) return NULL;
     pp_q8_panels *p = calloc(1, sizeof *p);
     const int64_t nb = k / PP_PANEL_BLOCK;
-    const size_t pbb = panel_block_bytes(type);
     const size_t size = pp_panel_type_is_k(type)
         ? (size_t)(n_rows / PP_PANEL_ROWS) * (size_t)(k / PP_PANEL_KBLOCK) * pp_kpanel_superblock_bytes(type)
         : pp_panel_type_is_float(type) ? (size_t)n_rows * (size_t)k * 2
-        : (size_t)(n_rows / PP_PANEL_ROWS) * nb * pbb;
+        : (size_t)(n_rows / PP_PANEL_ROWS) * nb * panel_block_bytes(type);
     if (p) p->data = panel_alloc(size);
     if (!p || !p->data) {
         free(p);
         return NULL;
     }
-    memset(p->data, 0, size);
     p->type = type;
     p->n_rows = n_rows;
     p->k = k;
+    return p;
+}
+
+void pp_q8_panels_pack_range(pp_q8_panels *p, const void *data, int64_t p0, int64_t p1) {
+    const enum ggml_type type = p->type;
+    const int64_t k = p->k, nb = k / PP_PANEL_BLOCK;
     if (pp_panel_type_is_k(type)) {
-        pp_kpanel_pack(data, type, k, n_rows, p->data);
-        return p;
+        pp_kpanel_pack(data, type, k, p0, p1, p->data);
+        return;
     }
     if (pp_panel_type_is_float(type)) {
-        pp_fpanel_pack(data, k, n_rows, p->data);
-        return p;
+        pp_fpanel_pack(data, k, p0, p1, p->data);
+        return;
     }
+    const size_t pbb = panel_block_bytes(type);
+    /* Q5_0's fifth bits are ORed in; everything else is written whole */
+    if (type == GGML_TYPE_Q5_0) memset(p->data + (size_t)p0 * nb * pbb, 0, (size_t)(p1 - p0) * nb * pbb);
     const uint8_t *src = data;
     const size_t row_bytes = (size_t)nb * ggml_type_size(type);
-    for (int64_t pi = 0; pi < n_rows / PP_PANEL_ROWS; pi++) {
+    for (int64_t pi = p0; pi < p1; pi++) {
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *dst = p->data + ((size_t)pi * nb + b) * pbb;
-            for (int r = 0; r < PP_PANEL_ROWS; r++) {
-                const uint8_t *blk = src + (size_t)(pi * PP_PANEL_ROWS + r) * row_bytes + (size_t)b * ggml_type_size(type);
-                memcpy(dst + 2 * r, blk, 2);   /* both types start with the fp16 scale */
-                for (int t = 0; t < PP_PANEL_BLOCK; t++)
-                    put_code(type, dst, 32 * (t / 4) + 4 * r + t % 4, block_code(type, blk, t));
-            }
+            for (int r = 0; r < PP_PANEL_ROWS; r++)
+                pack_block_row(type, src + (size_t)(pi * PP_PANEL_ROWS + r) * row_bytes + (size_t)b * ggml_type_size(type),
+                               r, dst);
         }
     }
+}
+
+pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows) {
+    pp_q8_panels *p = pp_q8_panels_alloc(type, k, n_rows);
+    if (p) pp_q8_panels_pack_range(p, data, 0, n_rows / PP_PANEL_ROWS);
     return p;
 }
 

@@ -90,6 +90,11 @@ static inline int pp_panel_type_is_float(enum ggml_type type) {
  * into panels, allocated here; NULL when out of memory or when it does not
  * fit. */
 pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows);
+/* The same in two parts, so that threads can share a weight: the panels
+ * allocated (untouched; NULL as above), then panels [p0, p1) packed from
+ * the weight's GGML rows. */
+pp_q8_panels *pp_q8_panels_alloc(enum ggml_type type, int64_t k, int64_t n_rows);
+void pp_q8_panels_pack_range(pp_q8_panels *p, const void *data, int64_t p0, int64_t p1);
 void pp_q8_panels_free(pp_q8_panels *p);
 
 /* One row as f32 (the tied input embedding). */
@@ -144,7 +149,7 @@ typedef struct pp_kpanel {
 #define PP_KPANEL_CODE_BYTES (PP_PANEL_K_MAX_K / PP_PANEL_BLOCK * 256)
 #define PP_KPANEL_SCALES (PP_PANEL_K_MAX_K / 16 * PP_PANEL_ROWS)
 /* K panels' storage (kquant_panels.c): bytes per panel superblock; pack a
- * GGML [k, n_rows] weight into out (n_rows / 8 * k / 256 superblocks); the
+ * GGML [k, n_rows] weight's panels [p0, p1) into out (n_rows / 8 * k / 256 superblocks); the
  * address of panel pi's superblock s; one row as f32 (tied embeddings). */
 size_t pp_kpanel_superblock_bytes(enum ggml_type type);
 /* Within a panel superblock: the scales' bytes, then each 32-value block's
@@ -155,7 +160,7 @@ static inline size_t pp_kpanel_header_bytes(enum ggml_type type) {
 static inline size_t pp_kpanel_block_bytes(enum ggml_type type) {
     return type == GGML_TYPE_Q4_K ? 128 : type == GGML_TYPE_Q5_K ? 160 : 192;
 }
-void pp_kpanel_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows, uint8_t *out);
+void pp_kpanel_pack(const void *data, enum ggml_type type, int64_t k, int64_t p0, int64_t p1, uint8_t *out);
 const uint8_t *pp_kpanel_superblock(const pp_q8_panels *w, int64_t pi, int64_t s);
 void pp_kpanel_row(const pp_q8_panels *w, int64_t row, float *out);
 /* This thread's room for one widened panel. */
@@ -167,10 +172,10 @@ void pp_kpanel_widen_codes(const pp_q8_panels *w, int64_t pi, uint8_t *codes);
 void pp_kpanel_gemm_scalar(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                            size_t col_stride, int64_t n, float *out, size_t ldo);
 
-/* Float panels' storage (float_panels.c): pack a GGML [k, n_rows] F16 or
- * BF16 weight into out (n_rows x k 16-bit values); one row as f32; the
- * kernels, which read f32 columns (col_stride bytes apart). */
-void pp_fpanel_pack(const void *data, int64_t k, int64_t n_rows, uint8_t *out);
+/* Float panels' storage (float_panels.c): pack panels [p0, p1) of a GGML
+ * [k, n_rows] F16 or BF16 weight into out (n_rows x k 16-bit values); one
+ * row as f32; the kernels, which read f32 columns (col_stride bytes apart). */
+void pp_fpanel_pack(const void *data, int64_t k, int64_t p0, int64_t p1, uint8_t *out);
 void pp_fpanel_row(const pp_q8_panels *w, int64_t row, float *out);
 void pp_fpanel_gemm_scalar(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                            size_t col_stride, int64_t n, float *out, size_t ldo);

@@ -9,6 +9,8 @@
 #include "q8_panels.h"
 #include "ggml-cpu.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -153,6 +155,54 @@ int32_t pp_model_repack_weights(pp_model *m, int32_t *n_repacked) {
     return status;
 }
 
+/* Packing in chunks of panels on every CPU: the copy itself is quick, but
+ * each new panel page is faulted in (and zeroed) by the thread that first
+ * writes it, and 2 MiB pages fault slowly where the kernel compacts memory
+ * for them: one thread took 8.8 s for a 4B Q4_K_M file. */
+#define PACK_CHUNK_PANELS 256
+#define PACK_MAX_THREADS 16
+
+typedef struct pack_chunk {
+    pp_q8_panels *panels;
+    const void   *src;
+    int64_t       p0, p1;
+    size_t        row_bytes;   /* of the GGML rows */
+} pack_chunk;
+
+typedef struct pack_work {
+    pack_chunk *chunks;
+    int64_t     n_chunks;
+    atomic_llong next;
+} pack_work;
+
+static void *pack_chunks(void *arg) {
+    pack_work *work = arg;
+    for (;;) {
+        const int64_t i = atomic_fetch_add(&work->next, 1);
+        if (i >= work->n_chunks) return NULL;
+        const pack_chunk *c = &work->chunks[i];
+        pp_q8_panels_pack_range(c->panels, c->src, c->p0, c->p1);
+        /* From here on the graph reads the panels only (a tied head's embedding too): the
+         * chunk's rows are released here, in parallel too (paging a file's pages out costs
+         * as much as packing them). */
+        pp_release_mapped((const uint8_t *)c->src + (size_t)c->p0 * PP_PANEL_ROWS * c->row_bytes,
+                          (size_t)(c->p1 - c->p0) * PP_PANEL_ROWS * c->row_bytes);
+    }
+}
+
+/* Every chunk packed, on up to one thread per online CPU (this one too). */
+static void pack_in_parallel(pack_work *work) {
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int n_threads = cpus < 1 ? 1 : cpus > PACK_MAX_THREADS ? PACK_MAX_THREADS : (int)cpus;
+    if (n_threads > work->n_chunks) n_threads = (int)(work->n_chunks > 0 ? work->n_chunks : 1);
+    pthread_t threads[PACK_MAX_THREADS];
+    int started[PACK_MAX_THREADS] = {0};
+    for (int t = 1; t < n_threads; t++) started[t] = pthread_create(&threads[t], NULL, pack_chunks, work) == 0;
+    pack_chunks(work);   /* a thread that could not start leaves its chunks to the others */
+    for (int t = 1; t < n_threads; t++)
+        if (started[t]) pthread_join(threads[t], NULL);
+}
+
 int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int32_t *n_packed) {
     if (kernel) *kernel = PP_PANEL_KERNEL_NONE;
     if (n_packed) *n_packed = 0;
@@ -167,27 +217,55 @@ int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int3
     if (chosen == PP_PANEL_KERNEL_NONE && any_cpu) chosen = PP_PANEL_KERNEL_SCALAR;
     if (chosen == PP_PANEL_KERNEL_NONE) return PP_OK;
     const int n_slots = m->hp.n_layer * PP_N_PROJ + 1;
-    m->panels = calloc((size_t)n_slots, sizeof *m->panels);
-    if (!m->panels) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the panel table");
-    m->n_panel_slots = n_slots;
-    int packed = 0;
-    for (int slot = 0; slot < n_slots; slot++) {
+    pp_q8_panels **panels = calloc((size_t)n_slots, sizeof *panels);
+    struct ggml_tensor **weights = calloc((size_t)n_slots, sizeof *weights);
+    if (!panels || !weights) {
+        free(panels);
+        free(weights);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the panel table");
+    }
+    /* Allocate every weight's panels first: on failure nothing is packed and the model is unchanged. */
+    int64_t n_chunks = 0;
+    int32_t status = PP_OK;
+    for (int slot = 0; slot < n_slots && status == PP_OK; slot++) {
         struct ggml_tensor *w = slot < n_slots - 1 ? pp_layer_weight(&m->layers[slot / PP_N_PROJ], slot % PP_N_PROJ)
                                                    : (m->output ? m->output : m->tok_embd);
         /* a weight on a device runs GGML's product there */
         if (!w || pp_layer_on_device(m, slot / PP_N_PROJ) || !pp_q8_panels_fit(w->type, w->ne[0], w->ne[1], chosen)) continue;
-        pp_q8_panels *p = pp_q8_panels_pack(w->data, w->type, w->ne[0], w->ne[1]);
-        if (!p) {
-            /* the slots packed so far stay packed: the model remains usable */
-            if (n_packed) *n_packed = packed;
-            return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate %zu bytes for the panels of '%s'", ggml_nbytes(w),
-                           w->name);
-        }
-        /* From here on the graph reads the panels only (a tied head's embedding too). */
-        pp_release_mapped(w->data, ggml_nbytes(w));
-        m->panels[slot] = p;
-        packed++;
+        panels[slot] = pp_q8_panels_alloc(w->type, w->ne[0], w->ne[1]);
+        weights[slot] = w;
+        if (!panels[slot])
+            status = pp_fail(PP_ERR_NO_MEMORY, "cannot allocate %zu bytes for the panels of '%s'", ggml_nbytes(w),
+                             w->name);
+        else
+            n_chunks += (w->ne[1] / PP_PANEL_ROWS + PACK_CHUNK_PANELS - 1) / PACK_CHUNK_PANELS;
     }
+    pack_work work = {.chunks = status == PP_OK ? calloc((size_t)(n_chunks > 0 ? n_chunks : 1), sizeof(pack_chunk)) : NULL,
+                      .n_chunks = n_chunks};
+    if (status == PP_OK && !work.chunks) status = pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the packing work list");
+    if (status != PP_OK) {
+        for (int slot = 0; slot < n_slots; slot++) pp_q8_panels_free(panels[slot]);
+        free(panels);
+        free(weights);
+        return status;
+    }
+    int64_t c = 0;
+    for (int slot = 0; slot < n_slots; slot++) {
+        if (!panels[slot]) continue;
+        const int64_t n_panels = panels[slot]->n_rows / PP_PANEL_ROWS;
+        for (int64_t p0 = 0; p0 < n_panels; p0 += PACK_CHUNK_PANELS)
+            work.chunks[c++] = (pack_chunk){panels[slot], weights[slot]->data, p0,
+                                            p0 + PACK_CHUNK_PANELS < n_panels ? p0 + PACK_CHUNK_PANELS : n_panels,
+                                            weights[slot]->nb[1]};
+    }
+    atomic_init(&work.next, 0);
+    pack_in_parallel(&work);
+    free(work.chunks);
+    int packed = 0;
+    for (int slot = 0; slot < n_slots; slot++) packed += panels[slot] != NULL;
+    m->panels = panels;
+    m->n_panel_slots = n_slots;
+    free(weights);
     if (kernel && packed) *kernel = chosen;
     if (n_packed) *n_packed = packed;
     return PP_OK;
