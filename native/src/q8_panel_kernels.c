@@ -27,22 +27,37 @@ static inline float load_f32(const uint8_t *p) {
     return v;
 }
 
-#define PP_TILE(NAME, TARGET, DPBUSD, NC, SPLIT)                                                            \
+/* Group j of a block's codes for the tile: Q8 panels (and widened ones)
+ * store it as 32 bytes; Q4_0 panels hold groups j and j + 4 as the low and
+ * high nibbles of the same 32 bytes, taken as q (0..15), value q - 8. */
+static inline __attribute__((target("avx2"), always_inline)) __m256i q8_group(const uint8_t *blk, int j) {
+    return _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
+}
+
+static inline __attribute__((target("avx2"), always_inline)) __m256i q4_group(const uint8_t *blk, int j) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j % 4)));
+    return _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+}
+
+/* One panel by NC columns over blocks of BLOCK_BYTES whose groups GROUP
+ * reads. The accumulator starts at the column's offset over OFFSET_DIV:
+ * -128 x sum for codes q + 128 (1), -8 x sum for Q4_0's q (16, exact). */
+#define PP_TILE(NAME, TARGET, DPBUSD, NC, SPLIT, BLOCK_BYTES, OFFSET_DIV, GROUP)                            \
     static inline __attribute__((target(TARGET), always_inline)) void NAME(                                 \
         const uint8_t *panel, int64_t nb, int64_t k, const uint8_t *cols, size_t col_stride, float *out,    \
         size_t ldo) {                                                                                       \
         __m256 accf[NC];                                                                                    \
         _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) accf[i] = _mm256_setzero_ps();                \
         for (int64_t b = 0; b < nb; b++) {                                                                  \
-            const uint8_t *blk = panel + b * PP_PANEL_BLOCK_BYTES;                                          \
+            const uint8_t *blk = panel + b * (BLOCK_BYTES);                                                 \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));                       \
             __m256i acci[NC][SPLIT];                                                                        \
             _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
-                acci[i][0] = _mm256_set1_epi32(load_i32(cols + i * col_stride + k + 4 * nb + 4 * b));       \
+                acci[i][0] = _mm256_set1_epi32(load_i32(cols + i * col_stride + k + 4 * nb + 4 * b) / (OFFSET_DIV)); \
                 _Pragma("GCC unroll 2") for (int s = 1; s < SPLIT; s++) acci[i][s] = _mm256_setzero_si256(); \
             }                                                                                               \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                           \
-                const __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));                \
+                const __m256i wv = GROUP(blk, j);                                                           \
                 _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) acci[i][j % SPLIT] = DPBUSD(           \
                     acci[i][j % SPLIT], wv, _mm256_set1_epi32(load_i32(cols + i * col_stride + 32 * b + 4 * j))); \
             }                                                                                               \
@@ -56,53 +71,18 @@ static inline float load_f32(const uint8_t *p) {
         _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) _mm256_storeu_ps(out + i * ldo, accf[i]);     \
     }
 
-/* Q4_0 panels are read straight (PP_TILE_Q4) below this many columns; from
- * it on each panel is widened once (widen_q4_avx2) and the column tiles run
+/* Q4_0 panels are read straight (q4 tiles) below this many columns; from it
+ * on each panel is widened once (widen_q4_avx2) and the column tiles run
  * over the widened bytes: 512 columns took 10% longer straight. */
 #define PP_Q4_WIDEN_COLUMNS 16
 
-/* The same tile straight from a Q4_0 panel (no widening): group j's codes
- * are the low nibbles of bytes 32j.. (j < 4) or the high ones of 32(j - 4)..,
- * taken as q (0..15) whose value is q - 8, so the accumulator starts at
- * the column's -8 x sum (its -128 x sum offset over 16, exact). */
-#define PP_TILE_Q4(NAME, TARGET, DPBUSD, NC, SPLIT)                                                         \
-    static inline __attribute__((target(TARGET), always_inline)) void NAME(                                 \
-        const uint8_t *panel, int64_t nb, int64_t k, const uint8_t *cols, size_t col_stride, float *out,    \
-        size_t ldo) {                                                                                       \
-        const __m256i low4 = _mm256_set1_epi8(0x0F);                                                        \
-        __m256 accf[NC];                                                                                    \
-        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) accf[i] = _mm256_setzero_ps();                \
-        for (int64_t b = 0; b < nb; b++) {                                                                  \
-            const uint8_t *blk = panel + b * PP_PANEL_Q4_BLOCK_BYTES;                                       \
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));                       \
-            __m256i acci[NC][SPLIT];                                                                        \
-            _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
-                acci[i][0] = _mm256_set1_epi32(load_i32(cols + i * col_stride + k + 4 * nb + 4 * b) / 16);  \
-                _Pragma("GCC unroll 2") for (int s = 1; s < SPLIT; s++) acci[i][s] = _mm256_setzero_si256(); \
-            }                                                                                               \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                           \
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j % 4)));           \
-                const __m256i wv = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), low4);             \
-                _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) acci[i][j % SPLIT] = DPBUSD(           \
-                    acci[i][j % SPLIT], wv, _mm256_set1_epi32(load_i32(cols + i * col_stride + 32 * b + 4 * j))); \
-            }                                                                                               \
-            _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
-                __m256i sum = acci[i][0];                                                                   \
-                _Pragma("GCC unroll 2") for (int s = 1; s < SPLIT; s++) sum = _mm256_add_epi32(sum, acci[i][s]); \
-                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(load_f32(cols + i * col_stride + k + 4 * b))); \
-                accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, accf[i]);                         \
-            }                                                                                               \
-        }                                                                                                   \
-        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) _mm256_storeu_ps(out + i * ldo, accf[i]);     \
-    }
-
 #define PP_PANEL_KERNEL(NAME, TARGET, DPBUSD, NC_MAIN, WIDEN)                                               \
-    PP_TILE(NAME##_main, TARGET, DPBUSD, NC_MAIN, 1)                                                        \
-    PP_TILE(NAME##_four, TARGET, DPBUSD, 4, 1)                                                              \
-    PP_TILE(NAME##_one, TARGET, DPBUSD, 1, 2)                                                               \
-    PP_TILE_Q4(NAME##_q4_main, TARGET, DPBUSD, NC_MAIN, 1)                                                  \
-    PP_TILE_Q4(NAME##_q4_four, TARGET, DPBUSD, 4, 1)                                                        \
-    PP_TILE_Q4(NAME##_q4_one, TARGET, DPBUSD, 1, 2)                                                         \
+    PP_TILE(NAME##_main, TARGET, DPBUSD, NC_MAIN, 1, PP_PANEL_BLOCK_BYTES, 1, q8_group)                     \
+    PP_TILE(NAME##_four, TARGET, DPBUSD, 4, 1, PP_PANEL_BLOCK_BYTES, 1, q8_group)                           \
+    PP_TILE(NAME##_one, TARGET, DPBUSD, 1, 2, PP_PANEL_BLOCK_BYTES, 1, q8_group)                            \
+    PP_TILE(NAME##_q4_main, TARGET, DPBUSD, NC_MAIN, 1, PP_PANEL_Q4_BLOCK_BYTES, 16, q4_group)              \
+    PP_TILE(NAME##_q4_four, TARGET, DPBUSD, 4, 1, PP_PANEL_Q4_BLOCK_BYTES, 16, q4_group)                    \
+    PP_TILE(NAME##_q4_one, TARGET, DPBUSD, 1, 2, PP_PANEL_Q4_BLOCK_BYTES, 16, q4_group)                     \
     __attribute__((target(TARGET))) void NAME(const pp_q8_panels *w, int64_t p0, int64_t p1,               \
                                               const uint8_t *cols, size_t col_stride, int64_t n, float *out, \
                                               size_t ldo) {                                                 \
