@@ -138,36 +138,78 @@ def error_response(path: str, status: int, message: str, param: str | None = Non
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-class GuardMiddleware:
-    """Host and Origin checks (DNS rebinding, cross-site pages), the API key on every route
-    (when set), CORS for allowed origins, and a cap on request body size."""
+def _is_health_probe(scope) -> bool:
+    """GET/HEAD /health: answered without the key, as vLLM answers it, because routers and
+    Kubernetes probes carry none; it says only whether the server can take work."""
+    return scope["path"] == "/health" and scope["method"] in ("GET", "HEAD")
 
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """Who may call: the Host check (DNS rebinding), the Origin allow-list (pages of other
+    sites) and the API key. The server's middleware and Ray's ingress both ask it."""
+
+    api_key: str | None = None
+    origins: OriginPolicy = field(default_factory=OriginPolicy)
+    bind_host: str | None = None   # None: the address each connection came in on
 
     def _host_refused(self, scope, host_header: str) -> bool:
         """Bound to a loopback address, only loopback names may be asked for: a page whose
         name was rebound to 127.0.0.1 sends its own name, and is refused."""
-        bound = self.state.bind_host or (scope.get("server") or ("",))[0] or ""
+        bound = self.bind_host or (scope.get("server") or ("",))[0] or ""
         if not _is_loopback(bound):
             return False
         return bool(host_header) and not _is_loopback(_host_name(host_header))
+
+    def refuse_caller(self, scope, headers: dict[str, str]) -> Response | None:
+        """A 403 for a refused Host or Origin, else None."""
+        path = scope["path"]
+        if self._host_refused(scope, headers.get("host", "")):
+            return error_response(path, 403, f"host {headers['host']!r} is not allowed: a server bound to a "
+                                  "loopback address answers only to localhost, 127.0.0.1 or [::1]")
+        origin = headers.get("origin")
+        if origin is not None and not self.origins.allows(origin):
+            return error_response(path, 403, f"origin {origin!r} is not allowed (add it with --origins or "
+                                  f"{ORIGINS_ENV})")
+        return None
+
+    def refuse_key(self, scope, headers: dict[str, str]) -> Response | None:
+        """A 401 when a key is set and the request does not carry it, else None."""
+        if not self.api_key or _is_health_probe(scope):
+            return None
+        auth = headers.get("authorization", "")
+        given = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+        if not given:
+            query = scope.get("query_string", b"").decode("latin-1")
+            given = next((p[4:] for p in query.split("&") if p.startswith("key=")), "")
+        if hmac.compare_digest(given.encode("latin-1", "replace"), self.api_key.encode()):
+            return None
+        return error_response(scope["path"], 401, "invalid or missing API key", None, "invalid_request_error",
+                              code="invalid_api_key")
+
+
+def request_headers(scope) -> dict[str, str]:
+    """A request's headers, names lowercased; latin-1: the bytes HTTP allows, none of which
+    may be a 500."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+class GuardMiddleware:
+    """The access policy on every route, CORS for allowed origins, and a cap on request
+    body size."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+        self.access = AccessPolicy(state.api_key, state.origins, state.bind_host)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        # latin-1: the bytes HTTP allows in a header, any of which must not be a 500
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self._host_refused(scope, headers.get("host", "")):
-            resp = error_response(path, 403, f"host {headers['host']!r} is not allowed: a server bound to a "
-                                  "loopback address answers only to localhost, 127.0.0.1 or [::1]")
+        headers = request_headers(scope)
+        if (resp := self.access.refuse_caller(scope, headers)) is not None:
             return await resp(scope, receive, send)
         origin = headers.get("origin")
-        if origin is not None and not self.state.origins.allows(origin):
-            resp = error_response(path, 403, f"origin {origin!r} is not allowed (add it with --origins or "
-                                  f"{ORIGINS_ENV})")
-            return await resp(scope, receive, send)
         cors = {"access-control-allow-origin": origin, "vary": "Origin"} if origin is not None else {}
         if origin is not None and scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
             # a browser's preflight carries no credentials: answered before the key check
@@ -184,16 +226,8 @@ class GuardMiddleware:
                     message = {**message, "headers": list(message.get("headers", [])) +
                                [(k.encode("latin-1"), v.encode("latin-1")) for k, v in cors.items()]}
                 await inner_send(message)
-        if self.state.api_key:
-            auth = headers.get("authorization", "")
-            given = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-            if not given:
-                query = scope.get("query_string", b"").decode("latin-1")
-                given = next((p[4:] for p in query.split("&") if p.startswith("key=")), "")
-            if not hmac.compare_digest(given.encode("latin-1", "replace"), self.state.api_key.encode()):
-                resp = error_response(path, 401, "invalid or missing API key", None, "invalid_request_error",
-                                      code="invalid_api_key")
-                return await resp(scope, receive, send)
+        if (resp := self.access.refuse_key(scope, headers)) is not None:
+            return await resp(scope, receive, send)
         if scope["method"] == "POST" and "json" not in headers.get("content-type", ""):
             # Ollama's own examples post JSON with curl -d (form content type): parse it as JSON.
             # A page of another site cannot get here: its Origin was refused above.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..api.sampling_options import OPENAI
 from ..constrain.formats import from_openai
@@ -19,6 +19,11 @@ from .openai_schemas import JsonSchemaFormat
 # the include values that only concern logprobs we do not compute here; every other value
 # names output of hosted tools or reasoning, which this server never produces
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+# OpenAI's bounds on metadata (16 pairs, keys of 64 characters, values of 512); `user` has
+# none documented, and a stored response keeps it, so it gets the length of an identifier
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+USER_CHARS = 256
 
 
 class _Loose(BaseModel):
@@ -66,7 +71,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     store: bool | None = True
     metadata: dict[str, str] | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=USER_CHARS)
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     truncation: Literal["auto", "disabled"] | None = None
@@ -78,6 +83,21 @@ class ResponsesRequest(BaseModel):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if metadata is None:
+            return None
+        if len(metadata) > METADATA_PAIRS:
+            raise ValueError(f"metadata may hold at most {METADATA_PAIRS} pairs, got {len(metadata)}")
+        for key, value in metadata.items():
+            if len(key) > METADATA_KEY_CHARS:
+                raise ValueError(f"metadata keys may be at most {METADATA_KEY_CHARS} characters ({key[:20]!r}...)")
+            if len(value) > METADATA_VALUE_CHARS:
+                raise ValueError(f"metadata[{key!r}] may be at most {METADATA_VALUE_CHARS} characters, "
+                                 f"got {len(value)}")
+        return metadata
 
     def refuse_unsupported(self) -> None:
         """A 400 for fields we would otherwise silently ignore."""

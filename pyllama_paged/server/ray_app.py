@@ -49,7 +49,7 @@ from starlette.responses import JSONResponse, Response
 
 from .anthropic_schemas import error_body as anthropic_error_body
 from .anthropic_stream import sse as anthropic_sse
-from .app import create_app, error_response
+from .app import AccessPolicy, OriginPolicy, create_app, error_response, request_headers
 from .generation import Limits, limit_flag
 from .ray_routing import PIN_HEADER, POLICIES, PrefixAffinityRouter, RoutedRequest, routing_text
 from .registry import EngineOptions, ModelRegistry
@@ -220,16 +220,23 @@ class _Relay(Response):
 class PrefixIngress:
     """The HTTP entry: each request to PagedEngine with the prompt prefix its router reads."""
 
-    def __init__(self, engine, max_body_bytes: int, prefix_chars: int):
+    def __init__(self, engine, max_body_bytes: int, prefix_chars: int, api_key: str | None = None,
+                 origins: tuple[str, ...] = (), host: str | None = None):
         self.engine = engine.options(stream=True)
         self.max_body_bytes, self.prefix_chars = max_body_bytes, prefix_chars
         self.figures = engine.options(stream=False).figures
+        # the replicas check every relayed request themselves; what the ingress answers on its
+        # own (/ray/replicas: ids, nodes, pids, hosts) needs the same checks here
+        self.access = AccessPolicy(api_key, OriginPolicy(origins), host)
 
     async def __call__(self, request: Request) -> Response:
         """Route one HTTP request to a replica and relay its answer."""
         path = request.url.path
         if path == "/ray/replicas" and request.method == "GET":
-            return JSONResponse({"replicas": await self.replicas()})
+            headers = request_headers(request.scope)
+            refusal = self.access.refuse_caller(request.scope, headers) or self.access.refuse_key(request.scope,
+                                                                                                 headers)
+            return refusal or JSONResponse({"replicas": await self.replicas()})
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return self._too_big(path)
@@ -306,7 +313,7 @@ def build_application(options: EngineOptions, limits: Limits, scale: ScaleOut, m
         graceful_shutdown_timeout_s=scale.graceful_shutdown_timeout_s, graceful_shutdown_wait_loop_s=0.5)
     models = [os.path.abspath(m) for m in models] if models else None
     return ingress.bind(engine.bind(models, options, limits, api_key, tuple(origins), host),
-                        limits.max_body_bytes, scale.prefix_chars)
+                        limits.max_body_bytes, scale.prefix_chars, api_key, tuple(origins), host)
 
 
 def build(args: dict) -> Any:

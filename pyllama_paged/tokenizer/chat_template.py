@@ -24,6 +24,7 @@ import jinja2
 import jinja2.sandbox
 
 from ..errors import ModelLoadError, PagedError
+from .render_budget import BudgetExceeded, run_within
 
 Escape = Callable[[Any], Any]
 
@@ -31,6 +32,31 @@ Escape = Callable[[Any], Any]
 # (each pass swaps every occurrence found; a second pass is only ever needed when a
 # placeholder happens to complete another token, which no real vocabulary does).
 _MAX_PASSES = 8
+
+# A template comes with the model, and a pulled model is anyone's: its rendering runs on the
+# server's shared preparation threads, so it gets a wall-clock budget (real templates render
+# in milliseconds, thousands of messages with tools in well under a second) and may not build
+# a string, list or number bigger than a prompt could ever be in one operation.
+RENDER_SECONDS = 5.0
+MAX_PRODUCT_ITEMS = 1 << 22
+
+
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, with ``*`` and ``**`` refused past MAX_PRODUCT_ITEMS (one such
+    operation is a single C call, which the time budget cannot interrupt)."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) \
+                        and len(seq) * max(count, 0) > MAX_PRODUCT_ITEMS:
+                    raise jinja2.sandbox.SecurityError(f"the template repeats a sequence {count} times")
+        if operator == "**" and isinstance(right, int) and isinstance(left, int) \
+                and abs(left) > 1 and right * max(abs(left).bit_length(), 1) > 64 * 1024:
+            raise jinja2.sandbox.SecurityError("the template raises a number to an enormous power")
+        return super().call_binop(context, operator, left, right)
 
 
 def no_escape(value: Any) -> Any:
@@ -184,11 +210,12 @@ class ChatTemplate:
     """Renders a message list to the prompt text the model was trained on."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = self._raise
         self.source = source
         self.template = env.from_string(source)
         self.bos_token, self.eos_token = bos_token, eos_token
+        self.render_seconds: float | None = RENDER_SECONDS
 
     @staticmethod
     def _raise(message: str):
@@ -240,8 +267,11 @@ class ChatTemplate:
     def _render_text(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         extra = {"tools": tools} if tools else {}
         try:
-            text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token="", eos_token=self.eos_token, **extra)
+            return run_within(self.render_seconds, lambda: self.template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token="",
+                eos_token=self.eos_token, **extra))
+        except BudgetExceeded:
+            raise PagedError(f"chat template did not finish rendering within {self.render_seconds:g} s "
+                             "(the model's template loops too long for these messages)") from None
         except jinja2.TemplateError as e:
             raise PagedError(f"chat template failed to render: {e}") from e
-        return text

@@ -23,7 +23,7 @@ LAYERS = [
     ["models.pull"],
     ["convert.safetensors_file"],
     ["convert.bert_gguf"],
-    ["tokenizer.vocab"],
+    ["tokenizer.vocab", "tokenizer.render_budget"],
     ["tokenizer.spm"],
     ["tokenizer.bpe", "tokenizer.wordpiece", "tokenizer.special"],
     ["tokenizer.tokenizer", "tokenizer.chat_template"],

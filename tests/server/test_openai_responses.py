@@ -178,6 +178,11 @@ def test_store_keeps_only_the_last_responses():
     ({"model": M, "input": "x", "max_output_tokens": 100000}, 400, "max_output_tokens", "--max-tokens"),
     ({"model": M, "input": "x", "reasoning": {"effort": "high"}}, 400, "reasoning", "reason"),
     ({"model": M, "input": "x", "background": True}, 400, "background", "background"),
+    # a stored response keeps these: OpenAI's bounds, or 256 stored responses pin hundreds of MiB
+    ({"model": M, "input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata", "16 pairs"),
+    ({"model": M, "input": "x", "metadata": {"k" * 65: "v"}}, 400, "metadata", "64 characters"),
+    ({"model": M, "input": "x", "metadata": {"k": "v" * (1 << 19)}}, 400, "metadata", "512 characters"),
+    ({"model": M, "input": "x", "user": "u" * (1 << 19)}, 400, "user", "256 characters"),
 ])
 def test_bad_requests_are_clear_4xx_in_openai_shape(server, body, status, param, needle):
     r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)

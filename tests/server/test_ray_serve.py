@@ -82,6 +82,17 @@ def test_two_replicas_on_two_nodes(url):
 
 
 @pytest.mark.slow
+def test_replica_listing_is_refused_to_rebound_names_and_other_sites(url):
+    # the ingress answers /ray/replicas itself (ids, nodes, pids, hosts): the replicas' Host
+    # and Origin checks must hold there too (issue 39)
+    rebound = httpx.get(url + "/ray/replicas", headers={"Host": "attacker.example"}, timeout=60)
+    assert rebound.status_code == 403 and "not allowed" in rebound.text and "pid" not in rebound.text
+    page = httpx.get(url + "/ray/replicas", headers={"Origin": "http://attacker.example"}, timeout=60)
+    assert page.status_code == 403 and "pid" not in page.text
+    assert httpx.get(url + "/ray/replicas", timeout=60).status_code == 200
+
+
+@pytest.mark.slow
 def test_answers_match_a_local_llama(url, local):
     # Ollama's client: the answer's token ids (context) against this process's greedy ones
     # for the same prompt ids, up to a near-tie (pyllama_paged/testing/agreement.py)

@@ -132,6 +132,21 @@ def test_api_key_in_a_query_stays_out_of_the_access_log(registry):
         s.close()
 
 
+def test_health_answers_probes_without_the_key_and_nothing_else_does(registry):
+    # routers and Kubernetes probes carry no key: a 401 would mark a healthy server dead
+    s = Running(create_app(registry, Limits(), api_key=KEY))
+    try:
+        assert httpx.get(s.url + "/health").status_code == 200
+        assert httpx.head(s.url + "/health").status_code == 200
+        assert httpx.get(s.url + "/health").content == b""   # says nothing but "can take work"
+        for method, path in [("POST", "/health"), ("GET", "/health/"), ("GET", "/api/tags"), ("GET", "/metrics"),
+                             ("POST", "/reset_prefix_cache"), ("GET", "/v1/models")]:
+            assert httpx.request(method, s.url + path).status_code == 401, (method, path)
+        assert httpx.get(s.url + "/api/tags", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    finally:
+        s.close()
+
+
 def test_dashboard_sends_the_key_in_a_header(server):
     # it polled /api/pool?key=... twice a second, each poll a line in the access log
     page = httpx.get(server.url + "/dashboard").text
