@@ -7,6 +7,7 @@ from .config import EngineConfig
 from .encoder import EncoderEngine, encoder_engine
 from .llm_engine import LLMEngine
 from .model import Model
+from .thread_policy import ThreadPolicy
 
 
 def build_engine(config: EngineConfig, model: Model, eot_ids=None) -> LLMEngine | EncoderEngine:
@@ -14,4 +15,7 @@ def build_engine(config: EngineConfig, model: Model, eot_ids=None) -> LLMEngine 
     after engine.close())."""
     if model.config.is_encoder:   # embeddings only: no KV cache, no scheduler
         return encoder_engine(model, config.n_threads)[1]
-    return LLMEngine.from_config(config, model=model, eot_ids=eot_ids)
+    engine = LLMEngine.from_config(config, model=model, eot_ids=eot_ids)
+    if config.adapt_threads:
+        engine.runner.thread_policy = ThreadPolicy(config.n_threads)
+    return engine

@@ -22,7 +22,8 @@ class EngineConfig:
     model_path: str | None = None       # None: the embedded default model
     n_ctx: int = 4096                   # tokens per sequence; <= 0: the model's training context (never more)
     n_batch: int = 512                  # tokens per forward step
-    n_threads: int = 2
+    n_threads: int = 2                  # exact, or the most a step may use with adapt_threads
+    adapt_threads: bool = False         # each step on the cores free now (thread_policy.py)
     paged: bool = True
     block_size: int = 32
     kv_cache_type: str = "f16"

@@ -6,6 +6,7 @@ across steps: for pages, in one native call."""
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import numpy as np
@@ -17,6 +18,7 @@ from .kv_manager import PagedKV, SeqState, SlabKV, commit_chunks, fork_state, ne
 from .model import Model
 from .spec_batch import splice_drafts
 from .step_batch import StepBuffers
+from .thread_policy import ThreadPolicy
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type ids
 # Paged attention: our CPU operator, or GGML ops alone (pages gathered by slot, then GGML's
@@ -60,6 +62,9 @@ class ModelRunner:
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.n_threads = n_threads
+        # set by the engine when the thread count was not fixed: each step then runs on the
+        # cores free at that moment (thread_policy.py), at most n_threads
+        self.thread_policy: ThreadPolicy | None = None
         self.kv_cache_type = kv_cache_type
         self._cache = None
         self._ctx = None
@@ -301,8 +306,16 @@ class ModelRunner:
         b.n_hidden = n_hidden
         b.hidden_rows = _ptr(hidden_rows) if n_hidden else ffi.NULL
         b.hidden = _ptr(hidden, "float *") if n_hidden else ffi.NULL
+        policy = self.thread_policy
+        if policy is not None:
+            threads = policy.threads_for_step(n)
+            if threads != self.n_threads:
+                self.set_threads(threads)   # a new GGML pool: microseconds, against a step's milliseconds
+            started = time.perf_counter()
         check(lib.pp_context_decode(self._ctx, b, ffi.NULL if logits is None else _ptr(logits, "float *")),
               "forward")
+        if policy is not None:
+            policy.record(threads, time.perf_counter() - started, n)
 
     # ---- KV pages as data ----------------------------------------------------
     def copy_blocks(self, copies) -> None:

@@ -31,7 +31,7 @@ LAYERS = [
     ["constrain.grammar"],
     ["constrain.masks", "constrain.formats"],
     ["engine.embedding"],
-    ["engine.block_pool", "engine.kv_events", "engine.block_store"],
+    ["engine.block_pool", "engine.kv_events", "engine.block_store", "engine.thread_policy"],
     ["engine.step_batch", "engine.kv_groups", "engine.spec_draft", "engine.spec_batch", "engine.prefix_tiers",
      "engine.spec_length"],
     ["engine.kv_manager"],
