@@ -169,15 +169,43 @@ def serve_settings(args) -> tuple:
                          f"got {args.threads}")
     options = EngineOptions(paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads or default_threads(),
                             block_size=args.block_size, kv_cache_type=args.kv_type,
-                            kv_budget_tokens=args.kv_budget[0] or 0, kv_budget_bytes=args.kv_budget[1],
+                            kv_budget_tokens=args.kv_budget[0], kv_budget_bytes=args.kv_budget[1],
                             max_num_seqs=args.max_seqs,
                             preemption_mode=args.preemption, itl_budget=_itl_budget(args.itl_budget_ms),
                             n_gpu_layers=args.gpu_layers, main_gpu=args.main_gpu,
-                            speculative=_speculative(args), prefix_tiers=_prefix_tiers(args))
+                            speculative=_speculative(args), prefix_tiers=_prefix_tiers(args),
+                            max_loaded_models=_max_loaded(args))
+    _allow_pulls(args)
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     api_key = args.api_key or os.environ.get("PYLLAMA_API_KEY") or None
     origins = origins_from(os.environ.get(ORIGINS_ENV)) + origins_from(args.origins)
     return options, limits, api_key, origins
+
+
+def _max_loaded(args) -> int:
+    """--max-loaded-models, checked."""
+    if args.max_loaded_models < 1:
+        raise SystemExit(f"--max-loaded-models must be >= 1, got {args.max_loaded_models}")
+    return args.max_loaded_models
+
+
+def _allow_pulls(args) -> None:
+    """--pull-allow: the hosts added to what pulls may reach, for this process and its children
+    (models.egress reads them from the environment at each pull)."""
+    import os
+
+    from .models.egress import PULL_ALLOW_ENV
+
+    added = [h.strip() for h in (args.pull_allow or "").split(",") if h.strip()]
+    if added:
+        os.environ[PULL_ALLOW_ENV] = ",".join(filter(None, [os.environ.get(PULL_ALLOW_ENV, ""), *added]))
+
+
+def _add_pull_allow(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pull-allow", default=None, metavar="HOST[:PORT],...",
+                   help="hosts pulls may use besides the configured registry (PYLLAMA_PAGED_REGISTRY) and the "
+                        "Hugging Face Hub, comma-separated (also PYLLAMA_PAGED_PULL_ALLOW); a host named here may "
+                        "be on a private or loopback address (docs/models.md)")
 
 
 def _prefix_tiers(args):
@@ -399,6 +427,7 @@ def cmd_pull(args) -> int:
     from .models.progress import TerminalProgress
     from .models.pull import pull
 
+    _allow_pulls(args)
     bar = TerminalProgress()
     try:
         stored = pull(args.reference, args.file, progress=bar)
@@ -482,6 +511,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "other servers sharing it (content-addressed, checksummed; off by default)")
     srv.add_argument("--prefix-cache-disk", default="16GiB", metavar="SIZE",
                      help="most bytes of block files --prefix-cache-dir holds (oldest go first)")
+    srv.add_argument("--max-loaded-models", type=int, default=3, metavar="N",
+                     help="engines loaded at once (default 3, and never fewer than the --model files): loading "
+                          "another model first unloads the one idle longest; pulled models stay loaded 5 minutes "
+                          "after their last request unless a request's keep_alive says otherwise")
+    _add_pull_allow(srv)
     _add_gpu_args(srv)
     _add_limit_args(srv)
     _add_ray_args(srv)
@@ -499,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("reference", metavar="REF")
     pull.add_argument("--file", default=None, metavar="GLOB",
                       help="the file of a Hugging Face USER/REPO to fetch (a glob such as '*Q4_K_M.gguf')")
+    _add_pull_allow(pull)
     pull.set_defaults(func=cmd_pull)
     return parser
 

@@ -12,15 +12,20 @@ import fnmatch
 import inspect
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Callable
+from urllib.parse import urlsplit
 
 from .._version import __version__
 from ..errors import DownloadError, IntegrityError, ModelNotFoundError, PagedError, RequestError
-from .download import DownloadCancelled, Progress, Reporter, file_sha256
+from .download import (DownloadCancelled, Progress, Reporter, StorageError, check_declared_size, file_sha256,
+                       plan_deadline, blob_deadline)
+from .egress import Unreachable
+from .hub_guard import check_now, guarded
 from .refs import ModelRef
-from .store import ModelStore, StoredModel, remove_hub_file
+from .store import ModelStore, StoredModel, hub_cache_dir, remove_hub_file
 
 ENDPOINT_ENV = "HF_ENDPOINT"
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -33,17 +38,6 @@ _UNSAFE_TAG = re.compile(r"[^A-Za-z0-9._-]")
 def hub_endpoint() -> str:
     """The Hub's URL: HF_ENDPOINT read now (huggingface_hub reads it once, at import)."""
     return (os.environ.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT).rstrip("/")
-
-
-def hub_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Hugging Face's cache folder: cache_dir, HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub
-    (read now, for the same reason as hub_endpoint)."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-    return Path(home).expanduser() / "hub"
 
 
 @dataclass(frozen=True)
@@ -77,17 +71,25 @@ def _failure(e: Exception, what: str) -> PagedError:
                     if isinstance(c, type))
     if isinstance(e, missing):
         return ModelNotFoundError(f"{what} not found on {hub_endpoint()} ({type(e).__name__})")
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return DownloadError(f"{what}: {type(e).__name__} from {hub_endpoint()}: {first}")
+    # the status code only: the Hub's (or whatever answered's) own text is not repeated
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if status is not None:
+        return DownloadError(f"{what}: {hub_endpoint()} answered HTTP {status}")
+    if isinstance(e, OSError) or type(e).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "ssl"):
+        return Unreachable(f"{what}: cannot reach {urlsplit(hub_endpoint()).hostname}")
+    return DownloadError(f"{what}: {type(e).__name__} from {hub_endpoint()}")
 
 
-def repo_files(repo_id: str, revision: str = "main") -> tuple[str, dict[str, HubFile]]:
-    """(commit, path -> HubFile) of a model repository, sizes and sha256 included."""
+def repo_files(repo_id: str, revision: str = "main", should_stop: Callable[[], bool] | None = None
+               ) -> tuple[str, dict[str, HubFile]]:
+    """(commit, path -> HubFile) of a model repository, sizes and sha256 included (within
+    the planning deadline, under the pull's host rules)."""
     from huggingface_hub import HfApi
 
     try:
-        info = HfApi(endpoint=hub_endpoint(), library_name="pyllama-paged", library_version=__version__) \
-            .model_info(repo_id, revision=revision, files_metadata=True)
+        with guarded(plan_deadline(), should_stop):
+            info = HfApi(endpoint=hub_endpoint(), library_name="pyllama-paged", library_version=__version__) \
+                .model_info(repo_id, revision=revision, files_metadata=True)
     except Exception as e:   # the boundary with the Hub's client: every failure gets our shape
         raise _failure(e, f"Hugging Face repository {repo_id}") from None
     files = {}
@@ -180,6 +182,7 @@ def _bar_class(report: Reporter, should_stop: Callable[[], bool] | None):
             report.update(self.n, self.total or 0)
             if should_stop and should_stop():
                 raise DownloadCancelled(f"download stopped at byte {self.n}")
+            check_now()
 
         def update_transfer(self, n=1):
             pass   # xet's network bytes: the bytes written (update) are what is reported
@@ -219,10 +222,11 @@ def download_file(repo_id: str, file: HubFile, *, cache_dir=None, local_dir=None
     if "tqdm_class" in inspect.signature(hf_hub_download).parameters:   # older releases report no bytes
         options["tqdm_class"] = _bar_class(report, should_stop)
     try:
-        path = hf_hub_download(repo_id, file.name, revision="main", endpoint=hub_endpoint(),
-                               cache_dir=None if local_dir is not None else str(hub_cache_dir(cache_dir)),
-                               local_dir=local_dir, library_name="pyllama-paged", library_version=__version__,
-                               **options)
+        with guarded(blob_deadline(file.size), should_stop):
+            path = hf_hub_download(repo_id, file.name, revision="main", endpoint=hub_endpoint(),
+                                   cache_dir=None if local_dir is not None else str(hub_cache_dir(cache_dir)),
+                                   local_dir=local_dir, library_name="pyllama-paged", library_version=__version__,
+                                   **options)
     except Exception as e:   # the boundary with the Hub's client: every failure gets our shape
         raise _failure(e, what) from None
     size = os.path.getsize(path)
@@ -260,21 +264,50 @@ class HubPull:
 
     def fetch(self, store: ModelStore, progress: Progress | None = None,
               should_stop: Callable[[], bool] | None = None) -> StoredModel:
-        """Download (or find in the cache) and verify the file, then record it in the store."""
+        """Download (or find in the cache) and verify the file, then record it in the store,
+        with whether this pull downloaded it (a file that was in the cache already belongs to
+        whoever put it there, and a delete leaves it)."""
+        store.prepare()
+        cached = _cached(self.ref.repo_id, self.file.name)
+        if cached is None:
+            _check_space(self.file)
         path = download_file(self.ref.repo_id, self.file, progress=progress, should_stop=should_stop)
         if progress:
             progress("writing manifest", 0, 0)
-        return store.write(self.ref, {"path": path, "digest": self.file.digest, "size": os.path.getsize(path)}, {},
+        previous = store.find(self.ref)
+        owned = cached is None or (previous is not None and previous.owned and previous.path == path)
+        return store.write(self.ref, {"path": path, "digest": self.file.digest, "size": os.path.getsize(path),
+                                      "downloaded_here": owned}, {},
                            {"endpoint": hub_endpoint(), "repo": self.ref.repo_id, "file": self.file.name,
                             "revision": self.commit})
 
 
-def plan_hub(ref: ModelRef) -> HubPull:
+def _cached(repo_id: str, name: str) -> str | None:
+    """The file's path in Hugging Face's cache when it is there already."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, name, cache_dir=str(hub_cache_dir()), revision="main")
+    return found if isinstance(found, str) else None
+
+
+def _check_space(file: HubFile) -> None:
+    """StorageError when the file does not fit the disk of Hugging Face's cache."""
+    folder = hub_cache_dir()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if file.size is not None and file.size + (256 << 20) > free:
+        raise StorageError(f"{file.name} has {file.size} bytes and the disk of {hub_cache_dir()} has {free} free")
+
+
+def plan_hub(ref: ModelRef, should_stop: Callable[[], bool] | None = None) -> HubPull:
     """Settle which file a Hub reference means (one request: the repository's file list)."""
-    commit, files = repo_files(ref.repo_id)
+    commit, files = repo_files(ref.repo_id, should_stop=should_stop)
     names = list(files)
     if ref.pattern:
         name = choose_glob(names, ref.pattern, ref.repo_id)
+        check_declared_size(files[name].size, f"{ref.repo_id}/{name}")
         return HubPull(ref.with_tag(tag_for_file(name)), commit, files[name])
     name = choose_quant(names, ref.tag, ref.repo_id)
+    check_declared_size(files[name].size, f"{ref.repo_id}/{name}")
     return HubPull(ref.with_tag(ref.tag or "latest"), commit, files[name])

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import DownloadError
-from .download import Progress, fetch_blob, get_json, sha256_hex
+from .download import Progress, check_declared_size, fetch_blob, get_json, sha256_hex
+from .egress import check_registry_host
 from .refs import ModelRef, base_url_for
 from .store import ModelStore, StoredModel
 
@@ -37,6 +38,7 @@ def _layers(manifest: dict, what: str) -> list[tuple[str, str, int]]:
             raise DownloadError(f"{what}: layer {digest} has no valid size")
         if role != "model" and size > MAX_EXTRA_BYTES:
             continue
+        check_declared_size(size, f"{what}: layer {digest}")
         out.append((role, digest, size))
     models = [entry for entry in out if entry[0] == "model"]
     if len(models) != 1:
@@ -62,11 +64,12 @@ class RegistryPull:
     def fetch(self, store: ModelStore, progress: Progress | None = None,
               should_stop: Callable[[], bool] | None = None) -> StoredModel:
         """Download every layer into the store (resuming partial ones), then write the manifest."""
+        store.prepare()
         paths = {}
         for role, digest, size in self.roles:
             status = f"pulling {sha256_hex(digest)[:12]}"
             paths[role] = fetch_blob(self.blob_url(digest), store.blob_path(digest), digest, size, status=status,
-                                     progress=progress, should_stop=should_stop)
+                                     progress=progress, should_stop=should_stop, source=self.base)
         if progress:
             # each blob's digest was checked as it was renamed into place
             progress("verifying sha256 digest", 0, 0)
@@ -86,9 +89,11 @@ def manifest_url(ref: ModelRef, base: str) -> str:
     return f"{base}/v2/{ref.namespace}/{ref.name}/manifests/{ref.tag}"
 
 
-def plan_registry(ref: ModelRef) -> RegistryPull:
-    """Read the tag's manifest (one request) and settle the layers to fetch."""
+def plan_registry(ref: ModelRef, should_stop: Callable[[], bool] | None = None) -> RegistryPull:
+    """Read the tag's manifest (one request) and settle the layers to fetch; a registry that
+    is not allowed is refused before any connection."""
+    check_registry_host(ref.host)
     base = base_url_for(ref.host)
     what = f"model {ref.display()}"
-    manifest = get_json(manifest_url(ref, base), what, {"Accept": MANIFEST_TYPE})
+    manifest = get_json(manifest_url(ref, base), what, {"Accept": MANIFEST_TYPE}, should_stop=should_stop)
     return RegistryPull(ref, base, _layers(manifest, what))

@@ -14,9 +14,10 @@ from .refs import ModelRef, parse_reference
 from .store import ModelStore, StoredModel
 
 
-def plan_pull(ref: ModelRef) -> HubPull | RegistryPull:
-    """What pulling ref will fetch (ModelNotFoundError, RequestError or DownloadError if nothing)."""
-    return plan_hub(ref) if ref.source == "hf" else plan_registry(ref)
+def plan_pull(ref: ModelRef, should_stop: Callable[[], bool] | None = None) -> HubPull | RegistryPull:
+    """What pulling ref will fetch (ModelNotFoundError, RequestError or DownloadError if nothing;
+    DownloadCancelled once should_stop() says so)."""
+    return plan_hub(ref, should_stop) if ref.source == "hf" else plan_registry(ref, should_stop)
 
 
 def pull(reference: str | ModelRef, pattern: str | None = None, *, store: ModelStore | None = None,
@@ -25,7 +26,7 @@ def pull(reference: str | ModelRef, pattern: str | None = None, *, store: ModelS
     ref = reference if isinstance(reference, ModelRef) else parse_reference(reference, pattern)
     if progress:
         progress("pulling manifest", 0, 0)
-    plan = plan_pull(ref)
+    plan = plan_pull(ref, should_stop)
     stored = plan.fetch(store or ModelStore(), progress, should_stop)
     if progress:
         progress("success", 0, 0)

@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
@@ -112,16 +112,16 @@ def build_router(state) -> APIRouter:
     registry = state.registry
 
     @router.post("/api/pull")
-    async def pull(body: NameRequest):
+    async def pull(body: NameRequest, request: Request):
         name = body.model or body.name or ""
         if not name:
             raise APIError(400, "model: a model name to pull is required", "model")
         served = registry.served(name)
-        if served is not None and served.name not in registry.stored:
+        if served is not None and registry.is_startup_name(name):
             # a file this server was started with (or a name for one): nothing to fetch
             return _statuses(body.stream, ["pulling manifest", f"pulling {served.digest[:12]}",
                                            "verifying sha256 digest", "writing manifest"])
-        return await pull_response(name, body.stream, registry.store)
+        return await pull_response(name, body.stream, registry.store, request)
 
     @router.post("/api/push")
     async def push(body: NameRequest):
@@ -142,8 +142,7 @@ def build_router(state) -> APIRouter:
         name = body.model or body.name or ""
         if registry.remove_alias(name):
             return JSONResponse(None)
-        served = registry.served(name)
-        if served is not None and served.name not in registry.stored:
+        if registry.is_startup_name(name):
             # the name means what a request with it gets: the file, though the store may have one too
             raise APIError(400, f"model '{name}' is a file this server was started with; it is not deleted "
                            "(names made with copy or create, and pulled models, can be)", "model")

@@ -60,7 +60,7 @@ class EngineOptions:
     n_batch: int = 512
     block_size: int = 32
     kv_cache_type: str = "f16"
-    kv_budget_tokens: int = 32768       # the KV pool, in tokens of every layer, shared by all users
+    kv_budget_tokens: int | None = 32768   # the KV pool, in tokens of every layer, shared by all users
     kv_budget_bytes: int | None = None  # the KV pool in bytes (wins over kv_budget_tokens)
     max_num_seqs: int = 64
     preemption_mode: str = "recompute"
@@ -73,6 +73,10 @@ class EngineOptions:
     # where each generative engine tells of its prefix cache's changes (a KVEventListener, e.g.
     # the server's ZMQ publisher; None: nowhere); attached again at every load
     kv_events: object | None = field(default=None, compare=False, repr=False)
+    # engines loaded at once (Ollama's OLLAMA_MAX_LOADED_MODELS): loading one more first drops
+    # the least recently used idle one; the files the server starts with are never fewer
+    max_loaded_models: int = 3
+    stored_keep_alive: float | None = 300.0   # seconds a pulled model stays loaded idle (Ollama's 5m)
 
 
 class ServedModel:
@@ -87,8 +91,10 @@ class ServedModel:
         self.engine: LLMEngine | EncoderEngine | None = None
         self.loop: EngineLoop | None = None
         self.loaded_at = time.time()
-        self.keep_alive: float | None = None   # the last request's keep_alive in seconds (None: forever)
+        self.default_keep_alive: float | None = None   # a request without keep_alive gets this (None: forever)
+        self._keep_alive: float | None = None
         self.last_used = time.time()
+        self.make_room = None   # async (ServedModel) -> None: the registry's, awaited before each load
         self.active = 0                        # requests holding (or waiting to hold) the engine now
         self._lock = asyncio.Lock()            # orders loads and unloads on the server's event loop
         self._loading: asyncio.Task | None = None   # the one load in progress, shared by every waiter
@@ -140,7 +146,7 @@ class ServedModel:
         return EngineConfig(
             model_path=self.path, paged=o.paged, n_ctx=o.n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
             block_size=o.block_size, kv_cache_type=o.kv_cache_type, kv_bytes=o.kv_budget_bytes,
-            kv_tokens=o.kv_budget_tokens, n_gpu_layers=o.n_gpu_layers, main_gpu=o.main_gpu,
+            kv_tokens=o.kv_budget_tokens if o.kv_budget_bytes is None else None, n_gpu_layers=o.n_gpu_layers, main_gpu=o.main_gpu,
             speculative=o.speculative, prefix_tiers=o.prefix_tiers,
             scheduler=SchedulerConfig(max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs,
                                       preemption_mode=o.preemption_mode, itl_budget=o.itl_budget,
@@ -149,6 +155,16 @@ class ServedModel:
     @property
     def is_loaded(self) -> bool:
         return self.loop is not None
+
+    @property
+    def keep_alive(self) -> float | None:
+        """The last request's keep_alive in seconds (None: forever)."""
+        return self._keep_alive
+
+    @keep_alive.setter
+    def keep_alive(self, seconds: float | None) -> None:
+        # a request that says nothing gets the model's default (a pulled model's 5 minutes)
+        self._keep_alive = self.default_keep_alive if seconds is None else seconds
 
     async def acquire(self) -> float:
         """Hold the engine (loading it first if it was dropped); returns the seconds the
@@ -176,6 +192,8 @@ class ServedModel:
             async with self._lock:   # after an unload that is still closing the last engine
                 if self.is_loaded:
                     return 0.0
+                if self.make_room is not None:
+                    await self.make_room(self)
                 started = time.perf_counter()
                 await asyncio.get_running_loop().run_in_executor(None, self._load)
                 return time.perf_counter() - started
@@ -338,10 +356,17 @@ def model_name_for(path: str) -> str:
 class ModelRegistry:
     """Name -> ServedModel; names also match with an Ollama-style ':latest' suffix. A name
     that is none of the served ones may be a model of the store (pulled): it is loaded
-    then, and served under its store name from then on.
+    then, and served under its store name from then on; a stored name whose GGUF is a file
+    already served (another tag of the same blob, or a --model file) shares that engine.
 
-    That first load runs on a worker thread (resolve); keep_alive reloads later run off
-    the loop as before."""
+    At most options.max_loaded_models engines are loaded (never fewer than the files the
+    server starts with): a load beyond it first drops the least recently used idle engine,
+    and waits (up to LOAD_WAIT_S) while every loaded one is busy. A pulled model stays
+    loaded options.stored_keep_alive seconds after its last request unless a request says
+    otherwise. That first load runs on a worker thread (resolve)."""
+
+    LOAD_WAIT_S = 120.0
+    ROOM_POLL_S = 0.05
 
     def __init__(self, paths: list[str] | None, options: EngineOptions, store: ModelStore | None = None):
         self.options = options
@@ -349,14 +374,29 @@ class ModelRegistry:
         self.models: dict[str, ServedModel] = {}
         self.aliases: dict[str, str] = {}     # a name made with copy/create -> a served model's name
         self.stored: set[str] = set()         # the served names that are store models
+        self.shared: dict[str, str] = {}      # a stored name -> the served name whose engine has its GGUF
         self._store_loads: dict[str, asyncio.Future] = {}   # a stored model's first load, shared
         if not paths:
             self._load(DEFAULT_MODEL_NAME, default_model_path())
         for path in paths or []:
             self._load(model_name_for(path), path)
+        self.max_loaded = max(options.max_loaded_models, len(self.models))
+        self._sweep_store()
+
+    def _sweep_store(self) -> None:
+        """At start: partials and locks that hung-up pulls left long ago go (an unsafe or
+        unreadable store is only logged: serving files needs no store)."""
+        if not self.store.root.exists():
+            return
+        try:
+            self.store.prepare()
+        except (PagedError, OSError) as e:
+            log.warning("the model store at %s is not used for writing: %s", self.store.root, e)
 
     def _load(self, name: str, path: str) -> None:
-        self.models[name] = ServedModel(name, str(path), self.options)
+        served = ServedModel(name, str(path), self.options)
+        served.make_room = self.make_room
+        self.models[name] = served
 
     def served(self, name: str | None) -> ServedModel | None:
         """The model for a requested name among those loaded or named (never loads one;
@@ -370,12 +410,38 @@ class ModelRegistry:
                 return self.models[candidate]
             if candidate in self.aliases:
                 return self.models[self.aliases[candidate]]
+            if candidate in self.shared and self.shared[candidate] in self.models:
+                return self.models[self.shared[candidate]]
         return None
 
     def get(self, name: str | None) -> ServedModel | None:
         """The model for a requested name among those loaded or named (never loads one; a
         stored model not yet asked for is None here: routes use resolve)."""
         return self.served(name)
+
+    def is_startup_name(self, name: str) -> bool:
+        """Whether name means a file this server was started with (or a name made for one),
+        rather than a model of the store."""
+        served = self.served(name)
+        if served is None or served.name in self.stored:
+            return False
+        lowered = name.lower()
+        return not any(n in self.shared for n in (lowered, lowered + ":latest", lowered.removesuffix(":latest")))
+
+    def _serving(self, path: str) -> ServedModel | None:
+        """The served model whose GGUF is this very file (links resolved), if any."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        for served in self.models.values():
+            try:
+                other = os.stat(served.path)
+            except OSError:
+                continue
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                return served
+        return None
 
     async def resolve(self, name: str | None) -> ServedModel | None:
         """The model for a requested name (None or '' means the first one), loading a stored
@@ -388,11 +454,14 @@ class ModelRegistry:
         if stored is None:
             return None
         key = stored.name.lower()
+        same = self._serving(stored.path)
+        if same is not None and key not in self.models:
+            self.shared[key] = same.name   # one engine per GGUF file, whatever its names
+            return same
         if key not in self.models:
             loading = self._store_loads.get(key)
             if loading is None:
-                loading = asyncio.get_running_loop().run_in_executor(None, ServedModel, key, stored.path,
-                                                                     self.options)
+                loading = asyncio.get_running_loop().create_task(self._load_stored(key, stored.path))
                 self._store_loads[key] = loading
                 loading.add_done_callback(lambda _: self._store_loads.pop(key, None))
             try:
@@ -404,6 +473,36 @@ class ModelRegistry:
                 self.models[key] = served
                 self.stored.add(key)
         return self.models[key]
+
+    async def _load_stored(self, key: str, path: str) -> ServedModel:
+        """A stored model's first engine, after making room for it."""
+        await self.make_room(None)
+        served = await asyncio.get_running_loop().run_in_executor(None, ServedModel, key, path, self.options)
+        served.make_room = self.make_room
+        served.default_keep_alive = self.options.stored_keep_alive
+        served.keep_alive = None
+        return served
+
+    async def make_room(self, loading: ServedModel | None) -> None:
+        """Before an engine loads: drop least recently used idle engines until one more fits
+        under max_loaded; wait while every loaded one is busy (ModelLoadError after LOAD_WAIT_S)."""
+        waited_until = time.monotonic() + self.LOAD_WAIT_S
+        while True:
+            loaded = [m for m in self.models.values() if m.is_loaded and m is not loading]
+            if len(loaded) < self.max_loaded:
+                return
+            idle = sorted((m for m in loaded if m.active == 0), key=lambda m: m.last_used)
+            for victim in idle:
+                if await victim.unload_if_idle():
+                    log.info("unloaded %s (idle longest) to load another model (--max-loaded-models %d)",
+                             victim.name, self.max_loaded)
+                    break
+            else:
+                if time.monotonic() > waited_until:
+                    raise ModelLoadError(f"{len(loaded)} models are loaded, the most this server keeps "
+                                         f"(--max-loaded-models {self.max_loaded}), and every one is in use; "
+                                         "try again when a request has finished")
+                await asyncio.sleep(self.ROOM_POLL_S)
 
     def stored_models(self) -> list[StoredModel]:
         """The store's models that are not loaded (a loaded one is among models)."""
@@ -426,10 +525,16 @@ class ModelRegistry:
         """Drop a name made with add_alias; False if name is not one."""
         return self.aliases.pop(name.lower().removesuffix(":latest"), None) is not None
 
-    async def delete_stored(self, stored: StoredModel) -> None:
+    def _served_files(self) -> set[str]:
+        """The real paths of every file a served model uses (a delete never removes one)."""
+        return {os.path.realpath(m.path) for m in self.models.values()}
+
+    async def delete_stored(self, stored: StoredModel) -> list[str]:
         """Drop a stored model: its engine (if loaded and idle; ValueError while requests
-        use it), its aliases, then its files."""
+        use it), its names, then the files that are the store's to remove and that no served
+        model uses; returns the paths kept."""
         key = stored.name.lower()
+        self.shared.pop(key, None)
         served = self.models.get(key) if key in self.stored else None
         if served is not None:
             if not served.active:
@@ -439,8 +544,10 @@ class ModelRegistry:
             del self.models[key]
             self.stored.discard(key)
             self.aliases = {a: t for a, t in self.aliases.items() if t != key}
+            self.shared = {a: t for a, t in self.shared.items() if t != key}
             served.close()
-        await asyncio.get_running_loop().run_in_executor(None, self.store.delete, stored)
+        protected = self._served_files()
+        return await asyncio.get_running_loop().run_in_executor(None, self.store.delete, stored, protected)
 
     def close(self) -> None:
         for m in self.models.values():

@@ -12,6 +12,7 @@ import json
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
@@ -43,6 +44,8 @@ class Sources:
     blobs: dict[str, bytes] = field(default_factory=dict)                   # digest -> bytes
     cuts: dict[str, list[int]] = field(default_factory=dict)                # path suffix -> bytes before each cut
     stalls: dict[str, tuple[int, threading.Event]] = field(default_factory=dict)   # suffix -> (bytes, go on)
+    trickles: dict[str, float] = field(default_factory=dict)               # suffix -> seconds between bytes
+    blob_location: str | None = None   # where blob redirects point (None: this server's /cdn/)
     seen: list[Seen] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -90,7 +93,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(404, {"errors": [{"code": "BLOB_UNKNOWN", "message": "blob unknown"}]}, body=body)
             # the real registry sends blobs from a CDN behind a redirect
             self.send_response(307)
-            self.send_header("Location", f"/cdn/{parts[4]}")
+            self.send_header("Location", f"{src.blob_location or '/cdn'}/{parts[4]}")
             self.send_header("Content-Length", "0")
             self.end_headers()
             return None
@@ -144,6 +147,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if not body or self.command == "HEAD":
             return
+        trickle = next((v for k, v in self.sources.trickles.items() if key.endswith(k)), None)
+        if trickle is not None:
+            return self._trickle(data[start:], trickle)
         cut = self._take_cut(key)
         stall = next((v for k, v in self.sources.stalls.items() if key.endswith(k)), None)
         if stall is not None and cut is None and start < stall[0]:
@@ -159,6 +165,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
         self.close_connection = True
         self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _trickle(self, data: bytes, every: float) -> None:
+        """One byte at a time, slowly, until the client goes away (or a minute passes)."""
+        end = time.monotonic() + 60
+        with contextlib.suppress(OSError):
+            for i in range(len(data)):
+                if time.monotonic() > end:
+                    break
+                self.wfile.write(data[i:i + 1])
+                self.wfile.flush()
+                time.sleep(every)
+        self.close_connection = True
 
     def _take_cut(self, key: str) -> int | None:
         with self.sources.lock:
@@ -188,12 +206,13 @@ class ModelSources:
 
     def add_registry_model(self, name: str, tag: str, gguf: bytes, namespace: str = "library",
                            template: str | None = None, params: dict | None = None,
-                           wrong_digest: bool = False) -> str:
+                           wrong_digest: bool = False, declared_size: int | None = None) -> str:
         """A registry model; returns the GGUF layer's digest (with wrong_digest, one that is not
-        the content's)."""
+        the content's; with declared_size, the manifest claims that size for it)."""
         digest = "sha256:" + sha256_of(gguf + b"x" if wrong_digest else gguf)
         self.sources.blobs[digest] = gguf
-        layers = [{"mediaType": "application/vnd.ollama.image.model", "digest": digest, "size": len(gguf)}]
+        layers = [{"mediaType": "application/vnd.ollama.image.model", "digest": digest,
+                   "size": len(gguf) if declared_size is None else declared_size}]
         for media_type, text in (("template", template), ("params", json.dumps(params) if params else None)):
             if text is not None:
                 raw = text.encode()
@@ -220,6 +239,10 @@ class ModelSources:
         go_on = threading.Event()
         self.sources.stalls[path_suffix] = (after_bytes, go_on)
         return go_on
+
+    def trickle(self, path_suffix: str, every: float) -> None:
+        """Send GETs of a file whose path ends with path_suffix one byte every `every` seconds."""
+        self.sources.trickles[path_suffix] = every
 
     def seen(self, method: str | None = None, contains: str = "") -> list[Seen]:
         """The requests answered so far (of a method, with a path containing some text)."""

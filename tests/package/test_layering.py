@@ -17,8 +17,8 @@ LAYERS = [
     ["gguf.config"],
     ["gguf.reader"],
     # model downloads: below everything that loads models, and needing none of it
-    ["models.refs", "models.download", "models.progress"],
-    ["models.store"],
+    ["models.refs", "models.download", "models.progress", "models.egress", "models.store_files"],
+    ["models.store", "models.hub_guard"],
     ["models.hub", "models.ollama_registry"],
     ["models.pull"],
     ["convert.safetensors_file"],
