@@ -10,11 +10,14 @@ from .errors import PagedError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None, help="GGUF file (default: the embedded Gemma 3 270M)")
-    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads")
-    p.add_argument("--ctx", type=int, default=4096, help="context length in tokens")
-    p.add_argument("--block-size", type=int, default=32, help="KV page size in tokens")
-    p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"], help="KV cache type")
+    p.add_argument("--model", "-m", default=None,
+                   help="GGUF file, or the name of a pulled model (default: the embedded Gemma 3 270M, a base "
+                        "model: it continues text, it does not follow instructions)")
+    p.add_argument("--threads", "-t", type=int, default=None,
+                   help="CPU threads, exactly (default: each step on the cores free at the time)")
+    p.add_argument("--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
+    p.add_argument("--block-size", type=int, default=32, help="KV page size in tokens (default 32)")
+    p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"], help="KV cache type (default f16)")
     p.add_argument("--no-paged", action="store_true", help="contiguous KV slab instead of pages")
     _add_gpu_args(p)
 
@@ -27,7 +30,8 @@ def _add_gpu_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed, for answers that repeat (default: a new one each run)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-text token, up to --max-tokens")
 
@@ -40,17 +44,60 @@ def _require_gpu(args) -> None:
         gpu_device(args.main_gpu)
 
 
-def cmd_run(args) -> int:
+def _max_tokens(text: str) -> int:
+    """-n: a count of tokens >= 1, or -1 for "to the end of the context" (llama.cpp's -n -1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of tokens") from None
+    if value < 1 and value != -1:
+        raise argparse.ArgumentTypeError(f"{value}: give a number of tokens >= 1, or -1 for no limit "
+                                         "but the context")
+    return value
+
+
+def _model_path(name: str | None) -> str | None:
+    """--model as a file, or the GGUF of a pulled model's name; a clear error otherwise."""
+    import os
+
+    if name is None or os.path.isfile(name):
+        return name
+    if os.path.isdir(name):
+        found = sorted(f for f in os.listdir(name) if f.lower().endswith(".gguf"))
+        hint = f" (it holds {', '.join(found[:3])})" if found else " (it holds no .gguf file)"
+        raise PagedError(f"--model {name}: a directory; give a GGUF file{hint}")
+    from .models.store import ModelStore
+
+    stored = ModelStore().find_name(name)
+    if stored is not None:
+        return stored.path
+    raise PagedError(f"--model {name}: no such file, and no pulled model of that name "
+                     "(`pyllama-paged pull NAME` fetches one)")
+
+
+def _open_llama(args):
+    """The Llama that run and chat use, from the engine flags."""
     from .api.llama import Llama
 
     _require_gpu(args)
+    if args.ctx < args.block_size:
+        raise PagedError(f"--ctx {args.ctx} is smaller than one KV page (--block-size {args.block_size}): "
+                         f"give --ctx {args.block_size} or more")
+    return Llama(_model_path(args.model), paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads,
+                 block_size=args.block_size, kv_cache_type=args.kv_type, n_gpu_layers=args.gpu_layers,
+                 main_gpu=args.main_gpu)
 
-    with Llama(args.model, paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads,
-               block_size=args.block_size, kv_cache_type=args.kv_type, n_gpu_layers=args.gpu_layers,
-               main_gpu=args.main_gpu) as llm:
+
+def _limit(max_tokens: int) -> int | None:
+    """-n as the API's max_tokens (None: to the end of the context)."""
+    return None if max_tokens == -1 else max_tokens
+
+
+def cmd_run(args) -> int:
+    with _open_llama(args) as llm:
         start = time.perf_counter()
         n = 0
-        for chunk in llm.create_completion(args.prompt, max_tokens=args.max_tokens,
+        for chunk in llm.create_completion(args.prompt, max_tokens=_limit(args.max_tokens),
                                            temperature=args.temperature, top_k=args.top_k,
                                            top_p=args.top_p, seed=args.seed, stream=True,
                                            ignore_eos=args.ignore_eos):
@@ -64,12 +111,19 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _utilization(stats: dict) -> str:
+    """How full the pages in use are (none in use: nothing to say)."""
+    if not stats["blocks_used"]:
+        return "no pages in use"
+    return f"pages in use {stats['utilization']:.1%} full"
+
+
 def _print_stats(llm, last_rate: float | None) -> None:
     s = llm.stats()
     if "blocks_cached" in s:
         print(f"[pages: {s['blocks_used']} used, {s['blocks_free']} free, {s['blocks_shared']} shared, "
               f"{s['blocks_cached']} cached of {s['blocks_total']} x {s['block_size']} tokens; "
-              f"utilization {s['utilization']:.1%}; prefix-cache hit rate {s['prefix_hit_rate']:.1%}]")
+              f"{_utilization(s)}; prefix-cache hit rate {s['prefix_hit_rate']:.1%}]")
         groups = s.get("kv_groups") or []
         if len(groups) > 1:
             print(f"[KV {s['kv_bytes_used'] / 2**20:.1f} of {s['kv_pool_bytes'] / 2**20:.1f} MiB in "
@@ -80,14 +134,15 @@ def _print_stats(llm, last_rate: float | None) -> None:
     print(f"[generated {s['generated_tokens']} tokens, computed {s['computed_tokens']}; last answer {rate}]")
 
 
+BASE_MODEL_NOTE = ("note: the default model (Gemma 3 270M) is a base model, not tuned to follow instructions: "
+                   "it continues your text rather than answering it, and may repeat itself. For a chat model: "
+                   "`pyllama-paged pull gemma3:270m`, then `pyllama-paged chat --model gemma3:270m`.")
+
+
 def cmd_chat(args) -> int:
-    from .api.llama import Llama
-
-    _require_gpu(args)
-
-    with Llama(args.model, paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads,
-               block_size=args.block_size, kv_cache_type=args.kv_type, n_gpu_layers=args.gpu_layers,
-               main_gpu=args.main_gpu) as llm:
+    with _open_llama(args) as llm:
+        if args.model is None:
+            print(BASE_MODEL_NOTE, flush=True)
         history: list[dict] = []
         if args.system:
             history.append({"role": "system", "content": args.system})
@@ -118,7 +173,7 @@ def cmd_chat(args) -> int:
             history.append({"role": "user", "content": text})
             answer, n_tokens = [], 0
             start = time.perf_counter()
-            stream = llm.create_chat_completion(history, max_tokens=args.max_tokens,
+            stream = llm.create_chat_completion(history, max_tokens=_limit(args.max_tokens),
                                                 temperature=args.temperature, seed=args.seed, stream=True,
                                                 ignore_eos=args.ignore_eos)
             try:
@@ -162,12 +217,15 @@ def serve_settings(args) -> tuple:
 
     from .server.app import ORIGINS_ENV, origins_from
     from .server.generation import Limits
-    from .server.registry import MAX_THREADS, EngineOptions, default_threads
+    from .engine.thread_policy import MAX_THREADS, default_threads
+    from .server.registry import EngineOptions
 
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
         raise SystemExit(f"--threads must be between 1 and {MAX_THREADS} (the native sampler's limit), "
                          f"got {args.threads}")
+    # --threads given: exactly that many; else each step runs on the cores free at the time
     options = EngineOptions(paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads or default_threads(),
+                            adapt_threads=args.threads is None,
                             block_size=args.block_size, kv_cache_type=args.kv_type,
                             kv_budget_tokens=args.kv_budget[0], kv_budget_bytes=args.kv_budget[1],
                             max_num_seqs=args.max_seqs,
@@ -445,17 +503,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="stream a completion of PROMPT")
     _add_engine_args(run)
-    run.add_argument("prompt")
-    run.add_argument("--max-tokens", "-n", type=int, default=128)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--top-k", type=int, default=40)
-    run.add_argument("--top-p", type=float, default=0.95)
+    run.add_argument("prompt", help="the text to continue")
+    run.add_argument("--max-tokens", "-n", type=_max_tokens, default=128, metavar="N",
+                     help="tokens to generate at most; -1: to the end of the context (default 128)")
+    run.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature; 0 picks the likeliest token every time (default 0)")
+    run.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default 40)")
+    run.add_argument("--top-p", type=float, default=0.95,
+                     help="sample among the likeliest tokens holding this much probability (default 0.95)")
     _add_generation_args(run)
     run.set_defaults(func=cmd_run)
     chat = sub.add_parser("chat", help="interactive multi-turn chat")
     _add_engine_args(chat)
-    chat.add_argument("--max-tokens", "-n", type=int, default=512)
-    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--max-tokens", "-n", type=_max_tokens, default=512, metavar="N",
+                      help="tokens per answer at most; -1: to the end of the context (default 512)")
+    chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     _add_generation_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)

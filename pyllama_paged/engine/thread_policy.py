@@ -20,7 +20,9 @@ import os
 from collections import deque
 from typing import Callable
 
-MAX_THREADS = 64     # the native sampler's limit (it shares the engine's thread count)
+from .._native import lib
+
+MAX_THREADS = lib.PP_SAMPLER_MAX_THREADS   # the native sampler's limit (it shares the engine's thread count)
 LOADAVG = "/proc/loadavg"
 
 

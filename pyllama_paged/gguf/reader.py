@@ -142,6 +142,8 @@ def _read_metadata(cur: _Cursor, n_kv: int) -> dict:
 
 
 def _map(path: str) -> np.memmap:
+    if os.path.isdir(path):
+        raise ModelLoadError(f"{path}: a directory, not a GGUF file")
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path}: no such file")
     if os.path.getsize(path) < 24:

@@ -26,24 +26,14 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.model import Model, default_model_path
 from ..engine.scheduler import SchedulerConfig
 from ..engine.scoring import ScoreParams
+from ..engine.thread_policy import default_threads
 from ..errors import ModelLoadError, PagedError
 from ..models.store import ModelStore, StoredModel
 from ..tokenizer.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "gemma3:270m"
 log = logging.getLogger("pyllama_paged.server")
-MAX_THREADS = 64   # the native sampler's limit (it shares the engine's thread count)
 FOREVER = "2318-01-01T00:00:00Z"   # Ollama's expires_at for a model kept loaded
-
-
-def default_threads() -> int:
-    """The CPUs this process may run on, at most MAX_THREADS (a bigger host would make the
-    engine refuse to start)."""
-    try:
-        available = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):   # not on Linux
-        available = os.cpu_count() or 1
-    return max(1, min(available, MAX_THREADS))
 
 
 def _engine_figures(llm) -> dict:
@@ -56,7 +46,8 @@ def _engine_figures(llm) -> dict:
 class EngineOptions:
     paged: bool = True
     n_ctx: int = 4096
-    n_threads: int = field(default_factory=default_threads)
+    n_threads: int = field(default_factory=default_threads)   # exact, or the most with adapt_threads
+    adapt_threads: bool = False   # each step on the cores free now (engine/thread_policy.py)
     n_batch: int = 512
     block_size: int = 32
     kv_cache_type: str = "f16"
@@ -144,7 +135,8 @@ class ServedModel:
         the same bytes)."""
         o = self.options
         return EngineConfig(
-            model_path=self.path, paged=o.paged, n_ctx=o.n_ctx, n_threads=o.n_threads, n_batch=o.n_batch,
+            model_path=self.path, paged=o.paged, n_ctx=o.n_ctx, n_threads=o.n_threads,
+            adapt_threads=o.adapt_threads, n_batch=o.n_batch,
             block_size=o.block_size, kv_cache_type=o.kv_cache_type, kv_bytes=o.kv_budget_bytes,
             kv_tokens=o.kv_budget_tokens if o.kv_budget_bytes is None else None, n_gpu_layers=o.n_gpu_layers, main_gpu=o.main_gpu,
             speculative=o.speculative, prefix_tiers=o.prefix_tiers,

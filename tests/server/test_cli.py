@@ -38,6 +38,50 @@ def test_info_and_bad_model():
     assert p.returncode == 1 and "no such file" in p.stderr
 
 
+def _cli(*args, timeout=120):
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=timeout, env=ENV, cwd="/")
+
+
+def test_first_mistakes_get_plain_answers(tmp_path):
+    # issue 40: each of these once answered in internal wording, or not at all
+    p = _cli("run", "--model", str(tmp_path), "hi")
+    assert p.returncode == 1 and "a directory; give a GGUF file" in p.stderr
+    p = _cli("run", "--ctx", "8", "hi")
+    assert p.returncode == 1 and "--ctx 8 is smaller than one KV page" in p.stderr
+    assert "pool holds" not in p.stderr
+    for bad in ("-5", "0"):
+        p = _cli("run", "-n", bad, "hi")
+        assert p.returncode == 2 and "give a number of tokens >= 1, or -1" in p.stderr
+    p = _cli("run", "--model", "no-such-model:7b", "hi")
+    assert p.returncode == 1 and "no pulled model of that name" in p.stderr
+
+
+def test_run_help_says_what_each_option_does():
+    text = " ".join(_cli("run", "--help").stdout.split())
+    for needle in ("--max-tokens N, -n N tokens to generate at most; -1: to the end of the context (default 128)",
+                   "(default 0)", "--top-k TOP_K sample among the k likeliest tokens (default 40)",
+                   "(default 0.95)", "--seed SEED sampling seed", "a base model"):
+        assert needle in text, needle
+
+
+def test_model_names_a_pulled_model(tmp_path, monkeypatch):
+    from pyllama_paged.cli import _model_path
+    from pyllama_paged.models.refs import parse_reference
+    from pyllama_paged.models.store import ModelStore
+    from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
+
+    monkeypatch.setenv("PYLLAMA_PAGED_MODELS", str(tmp_path / "store"))
+    store = ModelStore()
+    blob = store.blob_path("sha256:" + "ab" * 32)
+    blob.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_tiny_model(blob, "gemma3")
+    store.write(parse_reference("tinychat:1b"), {"path": str(blob.relative_to(store.root)),
+                                                 "digest": "sha256:" + "ab" * 32, "size": blob.stat().st_size},
+                {}, {"registry": "test"})
+    assert _model_path("tinychat:1b") == str(blob)
+    assert _model_path(str(blob)) == str(blob)
+
+
 def test_kv_budget_takes_tokens_or_bytes():
     import argparse
 
@@ -96,5 +140,7 @@ def test_chat_commands_and_ctrl_c():
     text = "".join(out)
     assert "[history cleared]" in text
     # the stopped answer gave its pages back: none in use
-    assert "0 used" in text.split("[pages:")[1]
+    stats = text.split("[pages:")[1]
+    assert "0 used" in stats and "no pages in use" in stats and "utilization" not in stats
+    assert "is a base model" in text   # the default model says what it is
     assert "in 6 layer groups" in text   # Gemma 3 270M's global layers and five window groups

@@ -12,7 +12,8 @@ from pyllama_paged.cli import build_parser, serve_settings
 from pyllama_paged.server import ollama_api, openai_api
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import MAX_THREADS, EngineOptions
+from pyllama_paged.engine.thread_policy import MAX_THREADS
+from pyllama_paged.server.registry import EngineOptions
 from pyllama_paged.tools.prompt import render_chat
 
 M = "tiny"
@@ -131,6 +132,19 @@ def test_default_threads_fit_the_sampler_on_a_big_host(tmp_path, monkeypatch):
     reg.close()
     with pytest.raises(SystemExit, match="--threads"):
         serve_settings(build_parser().parse_args(["serve", "--threads", "128"]))
+
+
+def test_serve_adapts_its_threads_unless_told_how_many(tmp_path):
+    # issue 40: beside busy processes a fixed count collapses; a given --threads stays exact
+    options, _, _, _ = serve_settings(build_parser().parse_args(["serve"]))
+    assert options.adapt_threads
+    options, _, _, _ = serve_settings(build_parser().parse_args(["serve", "--threads", "2"]))
+    assert not options.adapt_threads and options.n_threads == 2
+    reg = tiny_registry(tmp_path, n_threads=2, adapt_threads=True)
+    try:
+        assert reg.get("tiny").engine_config().adapt_threads
+    finally:
+        reg.close()
 
 
 def _naive_truncation(served, messages, n_ctx):
