@@ -54,3 +54,8 @@ class ModelNotFoundError(DownloadError, ValueError):
 class IntegrityError(DownloadError):
     """A downloaded file's sha256 is not the one its source published; the file was
     deleted, so nothing half-verified is left behind."""
+
+
+class ModelsBusyError(ModelLoadError):
+    """No room to load a model: as many are loaded as the server keeps, and each is in use.
+    A moment's condition, not a broken file (HTTP 503)."""

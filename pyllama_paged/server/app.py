@@ -19,7 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, ModelsBusyError
 from .dashboard import DASHBOARD_HTML
 from .generation import APIError, Limits, limit_flag
 from .kv_events import KVEventPublisher, KVEventsConfig
@@ -357,9 +357,11 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
 
     @app.exception_handler(ModelLoadError)
     async def load_error(request: Request, exc: ModelLoadError):
-        # a stored model asked for by name that does not load (Ollama answers 500 too)
-        state.metrics.count_request(route_label(request.scope), 500)
-        return error_response(request.url.path, 500, str(exc), error_type="server_error")
+        # a stored model asked for by name that does not load (Ollama answers 500 too); no
+        # room for it while every loaded model is busy is a 503 a client may retry
+        status = 503 if isinstance(exc, ModelsBusyError) else 500
+        state.metrics.count_request(route_label(request.scope), status)
+        return error_response(request.url.path, status, str(exc), error_type="server_error")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):

@@ -27,7 +27,7 @@ from ..engine.model import Model, default_model_path
 from ..engine.scheduler import SchedulerConfig
 from ..engine.scoring import ScoreParams
 from ..engine.thread_policy import default_threads
-from ..errors import ModelLoadError, PagedError
+from ..errors import ModelLoadError, ModelsBusyError, PagedError
 from ..models.store import ModelStore, StoredModel
 from ..tokenizer.tokenizer import Tokenizer
 
@@ -459,6 +459,8 @@ class ModelRegistry:
             try:
                 # a waiter that goes away (its client hung up) leaves the load to the others
                 served = await asyncio.shield(loading)
+            except ModelsBusyError:
+                raise   # not the file's fault: said as it is
             except PagedError as e:
                 raise ModelLoadError(f"the stored model {stored.name} ({stored.path}) cannot be loaded: {e}") from e
             if key not in self.models:
@@ -491,7 +493,7 @@ class ModelRegistry:
                     break
             else:
                 if time.monotonic() > waited_until:
-                    raise ModelLoadError(f"{len(loaded)} models are loaded, the most this server keeps "
+                    raise ModelsBusyError(f"{len(loaded)} models are loaded, the most this server keeps "
                                          f"(--max-loaded-models {self.max_loaded}), and every one is in use; "
                                          "try again when a request has finished")
                 await asyncio.sleep(self.ROOM_POLL_S)

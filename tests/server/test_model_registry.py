@@ -69,6 +69,32 @@ def test_loading_past_the_cap_drops_the_least_recently_used_idle_engine(three_mo
         registry.close()
 
 
+def test_no_room_while_every_engine_is_busy_is_a_503(three_models):
+    from pyllama_paged.server.app import create_app
+    from pyllama_paged.testing.serving import Running
+
+    registry = _registry(three_models, max_loaded_models=1)
+    registry.LOAD_WAIT_S = 0.5
+    server = Running(create_app(registry))
+    try:
+        base = registry.served("base")
+        assert base.is_loaded
+        base.active += 1   # a request in flight holds it: it may not be unloaded
+        try:
+            r = httpx.post(f"{server.url}/api/generate", json={"model": "a", "prompt": "hi", "stream": False},
+                           timeout=60)
+            assert r.status_code == 503, r.text
+            assert "every one is in use" in r.json()["error"]
+        finally:
+            base.active -= 1
+        r = httpx.post(f"{server.url}/api/generate", timeout=60,
+                       json={"model": "a", "prompt": "hi", "stream": False, "options": {"num_predict": 1}})
+        assert r.status_code == 200, r.text   # once it is idle, it makes room
+    finally:
+        server.close()
+        registry.close()
+
+
 def test_a_pulled_model_gets_ollamas_default_keep_alive(three_models):
     registry = _registry(three_models)
 
