@@ -280,9 +280,9 @@ def _prefix_tiers(args):
             from None
     try:
         config = PrefixTierConfig(ram_bytes=args.cache_ram << 20, disk_dir=args.prefix_cache_dir,
-                                  disk_bytes=disk_bytes)
+                                  disk_bytes=disk_bytes, disk_group=args.prefix_cache_group)
         if config.disk_dir is not None:   # at startup, not at the first request's model load
-            check_directory(config.disk_dir)
+            check_directory(config.disk_dir, config.disk_group)
     except PagedError as e:
         raise SystemExit(f"--prefix-cache-dir / --prefix-cache-disk: {e}") from None
     return config if config.enabled else None
@@ -376,7 +376,8 @@ def kv_events_settings(args):
     from .server.kv_events import KVEventsConfig
 
     return KVEventsConfig(endpoint=args.kv_events, replay_endpoint=args.kv_events_replay,
-                          topic=args.kv_events_topic, format=args.kv_events_format)
+                          topic=args.kv_events_topic, format=args.kv_events_format,
+                          bind=args.kv_events_bind, token_ids=args.kv_events_token_ids)
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -548,9 +549,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--drain-seconds", type=float, default=0.0,
                      help="on SIGTERM or Ctrl-C, answer /health with 503 for this long while still serving, "
                           "so that routers stop sending work, then stop (a second signal stops at once)")
-    srv.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+    srv.add_argument("--kv-events", default=None, nargs="?", const="tcp://127.0.0.1:5557", metavar="ENDPOINT",
                      help="publish the prefix cache's stored and evicted blocks on this ZMQ PUB endpoint in "
-                          "vLLM's KV-event format, for KV-aware routers (tcp://*:5557 binds; a host connects)")
+                          "vLLM's KV-event format, for KV-aware routers (no value: tcp://127.0.0.1:5557; wildcards, "
+                          "loopback and ipc:// bind, other hosts are connected to). As sensitive as the prompts: "
+                          "docs/scale-out.md")
+    srv.add_argument("--kv-events-bind", default=None, action=argparse.BooleanOptionalAction,
+                     help="bind (--no-kv-events-bind: connect to) the --kv-events endpoint, whatever its address")
+    srv.add_argument("--kv-events-token-ids", action="store_true",
+                     help="put each stored block's token ids in the events (every prompt, verbatim: only on a "
+                          "socket nobody else can reach); default: hashes only")
     srv.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                      help="ZMQ ROUTER endpoint where a subscriber asks for the batches it missed (bound)")
     srv.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events (default none)")
@@ -571,6 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
                      help="also keep computed prompt blocks in this directory, across restarts and for "
                           "other servers sharing it (content-addressed, checksummed; off by default)")
+    srv.add_argument("--prefix-cache-group", action="store_true",
+                     help="share --prefix-cache-dir with the accounts of its group (a 2770 directory of a group of "
+                          "exactly those accounts; docs/prefix-tiers.md) instead of keeping it private")
     srv.add_argument("--prefix-cache-disk", default="16GiB", metavar="SIZE",
                      help="most bytes of block files --prefix-cache-dir holds (oldest go first)")
     srv.add_argument("--max-loaded-models", type=int, default=3, metavar="N",

@@ -420,11 +420,21 @@ class LLMEngine:
             self.runner.kv.watch_cache(listener)
             self._flush_kv_events()
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (running requests keep their pages)."""
+    def reset_prefix_cache(self) -> dict:
+        """Forget every cached prefix, in the pool and the RAM tier (running requests keep
+        their pages); the disk tier is kept (docs/prefix-tiers.md). Returns what was done."""
+        done = {"pool": False, "ram_tier_blocks": 0, "disk_tier_kept": None}
         if self.runner.kv.paged:
             self.runner.kv.reset_prefix_cache()
+            done["pool"] = True
             self._flush_kv_events()
+        if self.tiers is not None:
+            done["ram_tier_blocks"] = self.tiers.clear_ram()
+            if self.tiers.disk is not None:
+                # shared with other servers and models on the directory and kept across restarts:
+                # one server's reset is not theirs to undo
+                done["disk_tier_kept"] = self.tiers.disk.directory
+        return done
 
     def _flush_kv_events(self) -> None:
         if self.runner.kv.events is not None:

@@ -6,9 +6,13 @@ its KV copied back into the pool instead of recomputed.
 
 A block's key is a chain: the key of the block before it (the first block's
 parent is the model's KV identity: its weights' fingerprint, the KV type, block
-size and layer groups) and the block's token ids, hashed with BLAKE2b. The pool's
-own hashes cannot serve: they are keyed at random per process. A tier entry holds
-the block's K and V in every layer group, as the model runner reads them.
+size and layer groups, keyed by the disk directory's secret when there is one) and
+the block's token ids, hashed with BLAKE2b. The pool's own hashes cannot serve:
+they are keyed at random per process, and a disk tier is shared by processes and
+restarts. Keyed by the directory's secret, a file name tells nothing of the prompt
+to whoever cannot read that secret (file names are public inputs otherwise: the
+model and the tokens). A tier entry holds the block's K and V in every layer group,
+as the model runner reads them.
 
 Blocks go down as they are computed (write-through, before the pool's commit can
 give a sliding-window group's blocks back), so an eviction from the pool needs
@@ -35,11 +39,14 @@ _FINGERPRINT_TENSOR_BYTES = 4096
 @dataclass(slots=True)
 class PrefixTierConfig:
     """The tiers of one engine. ram_bytes: the host-RAM tier's bound (0: none); disk_dir:
-    the disk tier's directory (None: none), holding at most disk_bytes of block files."""
+    the disk tier's directory (None: none), holding at most disk_bytes of block files
+    among all the processes sharing it; disk_group: share it with the accounts of its
+    group instead of keeping it private to this one (docs/prefix-tiers.md)."""
 
     ram_bytes: int = 0
     disk_dir: str | None = None
     disk_bytes: int = 16 << 30
+    disk_group: bool = False
 
     def __post_init__(self):
         if self.ram_bytes < 0:
@@ -100,7 +107,12 @@ class PrefixTiers:
         self.n_groups = n_groups
         self.block_bytes = block_bytes       # one group's block; an entry holds n_groups of them
         self.ram = HostBlockStore(config.ram_bytes) if config.ram_bytes > 0 else None
-        self.disk = DiskBlockStore(config.disk_dir, config.disk_bytes) if config.disk_dir else None
+        self.disk = DiskBlockStore(config.disk_dir, config.disk_bytes, config.disk_group) \
+            if config.disk_dir else None
+        if self.disk is not None:
+            # every chain starts here: keyed, no file name can be computed from a prompt without
+            # the directory's secret
+            self.identity = hashlib.blake2b(identity, key=self.disk.secret, digest_size=KEY_BYTES).digest()
         self.num_saved = 0                   # blocks written down
         self.num_ram_hits = 0                # blocks restored from RAM
         self.num_disk_hits = 0               # ... from disk
@@ -118,7 +130,7 @@ class PrefixTiers:
         """Whether a tier holds the block (a RAM hit counts as a use)."""
         if self.ram is not None and self.ram.touch(key):
             return True
-        return self.disk is not None and key in self.disk
+        return self.disk is not None and self.disk.has(key, self.entry_bytes)
 
     def run_length(self, keys: Sequence[bytes]) -> int:
         """How many of keys, from the first, some tier holds (a miss ends the run, counted)."""
@@ -134,8 +146,10 @@ class PrefixTiers:
         if data is not None:
             self.num_ram_hits += 1
             return data
-        data = self.disk.get(key) if self.disk is not None else None
-        if data is not None and data.nbytes == self.entry_bytes:
+        # on the engine thread: with the length checked before any read, a hit costs one
+        # entry's pread and checksum, as much as copying it into the pool
+        data = self.disk.get(key, self.entry_bytes) if self.disk is not None else None
+        if data is not None:
             self.num_disk_hits += 1
             if self.ram is not None:
                 self.ram.put(key, data)
@@ -155,6 +169,14 @@ class PrefixTiers:
         """Wait for queued disk writes."""
         if self.disk is not None:
             self.disk.flush()
+
+    def clear_ram(self) -> int:
+        """Drop the RAM tier's blocks (the disk tier is shared: kept); returns how many."""
+        if self.ram is None:
+            return 0
+        n = len(self.ram)
+        self.ram.clear()
+        return n
 
     def close(self) -> None:
         """Write what is queued to disk; drop the RAM tier."""

@@ -27,6 +27,15 @@ def unhealthy_reason(state) -> str | None:
     return None
 
 
+def log_reset(name: str, done: dict) -> None:
+    """Say what a prefix-cache reset of one model dropped and what it kept."""
+    kept = done.get("disk_tier_kept")
+    log.info("prefix cache of %s reset: pool cleared, %d blocks dropped from the RAM tier%s", name,
+             done.get("ram_tier_blocks", 0),
+             f"; the disk tier {kept} is kept (shared with other servers and restarts; delete the "
+             "directory while no server uses it to drop it)" if kept else "")
+
+
 def build_router(state) -> APIRouter:
     """/health and /reset_prefix_cache, as vLLM's servers answer them."""
     router = APIRouter()
@@ -45,10 +54,13 @@ def build_router(state) -> APIRouter:
 
     @router.post("/reset_prefix_cache", **empty)
     async def reset_prefix_cache():
-        """Drop every loaded model's cached prefixes (running requests keep their pages)."""
+        """Drop every loaded model's cached prefixes, in the pool and the RAM tier (running
+        requests keep their pages); a disk tier is kept, and the log says so."""
         for served in list(state.registry.models.values()):
-            await served.call_if_loaded(lambda llm: None if llm.is_encoder else llm.reset_prefix_cache())
-        return Response(status_code=200)
+            done = await served.call_if_loaded(lambda llm: None if llm.is_encoder else llm.reset_prefix_cache())
+            if done:
+                log_reset(served.name, done)
+        return Response(status_code=200)   # vLLM's answer: routers read only the status
 
     return router
 

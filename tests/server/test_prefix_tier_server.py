@@ -3,6 +3,7 @@ same directory restores a long system prompt instead of recomputing it, a server
 whose block files were damaged answers the same, and the tier's counters show in
 /api/pool and /metrics. Plus the serve flags."""
 
+import logging
 import os
 
 import httpx
@@ -56,8 +57,9 @@ def test_a_restarted_server_restores_the_prompt_from_disk(tmp_path):
     assert warm == cold
     assert stats["tier_disk_hit_blocks"] > 20 and stats["computed_tokens"] < computed_cold / 4
     assert "pyllama_prefix_tier_disk_hit_blocks_total" in metrics and "prefix_tier_hit_tokens_total" in metrics
-    # every file damaged: a flipped byte in each payload
-    for name in os.listdir(directory):
+    # every block file damaged: a flipped byte in each payload (the directory's secret and
+    # lock file are not blocks)
+    for name in [n for n in os.listdir(directory) if n.endswith(".kvb")]:
         path = os.path.join(directory, name)
         with open(path, "r+b") as f:
             f.seek(os.path.getsize(path) // 2)
@@ -68,6 +70,18 @@ def test_a_restarted_server_restores_the_prompt_from_disk(tmp_path):
     assert damaged == cold
     assert stats["tier_disk_corrupt_files"] >= 1 and stats["tier_disk_hit_blocks"] == 0
     assert stats["computed_tokens"] == computed_cold
+
+
+def test_kv_events_flags_default_to_loopback_and_hashes_only():
+    from pyllama_paged.cli import kv_events_settings
+
+    config = kv_events_settings(build_parser().parse_args(["serve", "--kv-events"]))
+    assert config.endpoint == "tcp://127.0.0.1:5557" and config.token_ids is False and config.bind is None
+    config = kv_events_settings(build_parser().parse_args(
+        ["serve", "--kv-events", "tcp://10.0.0.5:5557", "--kv-events-token-ids", "--kv-events-bind"]))
+    assert (config.endpoint, config.token_ids, config.bind) == ("tcp://10.0.0.5:5557", True, True)
+    assert kv_events_settings(build_parser().parse_args(["serve"])) is None
+    assert _prefix_tiers(build_parser().parse_args(["serve", "--prefix-cache-group"])).disk_group
 
 
 def test_serve_flags_make_a_tier_config(tmp_path):
@@ -81,3 +95,35 @@ def test_serve_flags_make_a_tier_config(tmp_path):
                       (["--prefix-cache-dir", "/proc/no-such-place"], "cannot be used")):
         with pytest.raises(SystemExit, match=says):
             _prefix_tiers(build_parser().parse_args(["serve", *bad]))
+
+
+def test_reset_prefix_cache_empties_the_ram_tier_and_says_what_disk_keeps(tmp_path, caplog):
+    """POST /reset_prefix_cache (a router's, or an operator's after a sensitive session):
+    the RAM tier's blocks go with the pool's; the disk tier, shared with other servers, is
+    kept, and the log says so."""
+    from pyllama_paged.testing.serving import tiny_registry
+
+    directory = tmp_path / "blocks"
+    registry = tiny_registry(tmp_path, block_size=16, n_ctx=256,
+                             prefix_tiers=PrefixTierConfig(ram_bytes=64 << 20, disk_dir=str(directory)))
+    running = Running(create_app(registry, Limits()))
+    caplog.set_level(logging.INFO, logger="pyllama_paged.server")
+    try:
+        r = httpx.post(f"{running.url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "a private question about my account " * 3, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        before = httpx.get(f"{running.url}/api/pool").json()["stats"]
+        assert before["tier_ram_blocks"] > 0
+        registry.get("tiny").loop.call(lambda llm: llm.tiers.flush())
+        files = sorted(os.listdir(directory))
+        r = httpx.post(f"{running.url}/reset_prefix_cache")
+        assert r.status_code == 200 and r.content == b""   # vLLM's answer
+        after = httpx.get(f"{running.url}/api/pool").json()["stats"]
+        assert after["tier_ram_blocks"] == 0 and after["tier_ram_bytes"] == 0
+        assert sorted(os.listdir(directory)) == files
+        said = [r.getMessage() for r in caplog.records if "reset" in r.getMessage()]
+        assert said and f"{before['tier_ram_blocks']} blocks dropped from the RAM tier" in said[-1]
+        assert f"the disk tier {directory} is kept" in said[-1]
+    finally:
+        running.close()
+        registry.close()

@@ -61,7 +61,10 @@ def served(tmp_path):
     ctx = zmq.Context()
     sub = Subscriber(ctx)
     replay = f"ipc://{tmp_path}/replay"
-    publisher = KVEventPublisher(KVEventsConfig(endpoint=sub.endpoint, replay_endpoint=replay))
+    # the subscriber binds loopback here, so the publisher connects (bind=False), and asks for
+    # token ids (off by default)
+    publisher = KVEventPublisher(KVEventsConfig(endpoint=sub.endpoint, replay_endpoint=replay, bind=False,
+                                                token_ids=True))
     # a small pool (kv_budget_tokens of every layer): a few prompts evict earlier ones
     registry = tiny_registry(tmp_path, kv_events=publisher, kv_budget_tokens=256, block_size=16, n_ctx=256)
     server = Running(create_app(registry, Limits()))
@@ -210,16 +213,19 @@ def test_kv_events_arrive_chain_evict_and_replay(served):
 
 def test_map_encoding_is_vllm_after_positional_events():
     events = [BlockStored([11, 12], 7, list(range(8)), 4), BlockRemoved([7]), AllBlocksCleared()]
-    ts, records, rank = msgpack.unpackb(encode_batch(1.5, events, "map"))
+    ts, records, rank = msgpack.unpackb(encode_batch(1.5, events, "map", token_ids=True))
     assert (ts, rank) == (1.5, 0)
     assert records == [
         {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": 7, "token_ids": list(range(8)),
          "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None},
         {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"},
         {"type": "AllBlocksCleared"}]
-    assert msgpack.unpackb(encode_batch(1.5, events))[1] == [
+    assert msgpack.unpackb(encode_batch(1.5, events, token_ids=True))[1] == [
         ["BlockStored", [11, 12], 7, list(range(8)), 4, None, "GPU"], ["BlockRemoved", [7], "GPU"],
         ["AllBlocksCleared"]]
+    # by default the hashes go out without the tokens: vLLM's shape, an empty list
+    assert msgpack.unpackb(encode_batch(1.5, events))[1][0] == ["BlockStored", [11, 12], 7, [], 4, None, "GPU"]
+    assert msgpack.unpackb(encode_batch(1.5, events, "map"))[1][0]["token_ids"] == []
     big = 2 ** 64 - 1   # our hashes are unsigned 64-bit, as vLLM's are
     assert msgpack.unpackb(encode_batch(0.0, [BlockRemoved([big])]))[1] == [["BlockRemoved", [big], "GPU"]]
 
