@@ -36,3 +36,9 @@ __all__ = [
     "StoppingCriteriaList",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # llama-cpp-python's submodules by attribute, its low-level names refused with what to use
+    from .api.llama_compat import root_attribute
+    return root_attribute(__name__, name)

@@ -75,10 +75,30 @@ def openai_list(vectors: list, model: str, prompt_tokens: int) -> dict:
             "model": model, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
+def token_states_wanted(llm, pooling: str | None) -> bool:
+    """Whether Llama.embed answers one vector per token, as llama-cpp-python does where no
+    pooling applies: Llama(pooling_type=0), or a decoder whose GGUF names no pooling and
+    no pooling asked for. A pooling given by the call, the constructor or the file pools."""
+    from ..gguf.config import POOLING_TYPES
+
+    if pooling is not None:
+        return False
+    asked = POOLING_TYPES.get(getattr(llm, "pooling_type_arg", -1))
+    config = llm._model.config
+    if asked == "none":
+        if config.is_encoder:
+            raise PagedError("pooling_type=0 (one vector per token) is for decoder models; this encoder "
+                             f"pools ({config.pooling or 'mean'})")
+        return True
+    return asked is None and config.pooling in (None, "none") and not config.is_encoder
+
+
 def embed_for_llama(llm, input, normalize: bool, truncate: bool, pooling: str | None,
-                    dimensions: int | None) -> tuple[list, int]:
-    """Llama.embed's work: (list[float] for a str or list[list[float]] for a list, tokens used)."""
-    from ..engine.embedding import POOLINGS, EmbedParams, default_pooling, run_embeddings
+                    dimensions: int | None, per_token: bool = False) -> tuple[list, int]:
+    """Llama.embed's work: (a vector for a str or a list of them for a list, tokens used); with
+    per_token, where no pooling applies (token_states_wanted) each input's vector is a list
+    of its tokens' vectors, each finished (cut to dimensions, normalized) on its own."""
+    from ..engine.embedding import POOLINGS, TOKEN_STATES, EmbedParams, default_pooling, run_embeddings
     from ..gguf.config import POOLING_TYPES
 
     steps = llm._shared_steps()
@@ -88,10 +108,14 @@ def embed_for_llama(llm, input, normalize: bool, truncate: bool, pooling: str | 
         raise PagedError("no input to embed")
     engine = llm.llm_engine
     ids = tokenize_inputs(llm._tokenizer, texts, max_input_tokens(engine), truncate)
+    count = sum(len(i) for i in ids)
+    if per_token and token_states_wanted(llm, pooling):
+        states = run_embeddings(steps, ids, EmbedParams(TOKEN_STATES))
+        vectors = [[finish_vector(row, normalize, dimensions).tolist() for row in rows] for rows in states]
+        return (vectors[0] if single else vectors), count
     # Llama(pooling_type=...) (llama.cpp's numbers, kept as pooling_type_arg by the constructor
     # once it takes llama-cpp-python's arguments) comes before the file's own pooling_type
     asked = POOLING_TYPES.get(getattr(llm, "pooling_type_arg", -1))
     params = EmbedParams(pooling or (asked if asked in POOLINGS else default_pooling(llm._model.config)))
     vectors = [finish_vector(v, normalize, dimensions).tolist() for v in run_embeddings(steps, ids, params)]
-    count = sum(len(i) for i in ids)
     return (vectors[0] if single else vectors), count

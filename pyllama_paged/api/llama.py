@@ -4,7 +4,7 @@ every generation goes through the same scheduler (LLMEngine) as the server."""
 
 from __future__ import annotations
 
-import os
+from collections import deque
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -21,12 +21,16 @@ from ..engine.devices import list_devices
 from ..engine.sampler import SamplingParams
 from ..engine.scheduler import SchedulerConfig
 from ..engine.shared_steps import SharedSteps
+from ..engine.thread_policy import default_threads
 from ..errors import PagedError, RequestError
 from .llama_chat import chat_chunks, collect_chat, legacy_functions
-from .llama_completion import collect_completion, completion_chunks
+from .llama_chat_format import is_vision_handler, vision_refusal
 from .llama_compat import (CHAT_FORMATS, LLAMA_DEFAULT_SEED, CompatWarnings, LlamaState, LlamaTokenizer,
                            StopWatch, kv_cache_type_of, seed_of)
+from .llama_completion import collect_completion, completion_chunks
+from .llama_eval import TokenSampler, logits_after
 from .llama_pretrained import find_pretrained
+from .llama_speculative import speculative_of
 from .sampling_options import PYTHON, sampling_params
 from .text_stream import TextAssembler
 from ..tokenizer.chat_template import ChatTemplate
@@ -35,10 +39,6 @@ from ..tools.messages import normalize_messages
 from ..tools.prompt import prepare_chat
 from .embeddings import embed_for_llama, openai_list
 from .rerank import rerank_for_llama
-
-
-def _default_threads() -> int:
-    return max(1, min(os.cpu_count() or 1, 8))
 
 
 class Llama:
@@ -53,7 +53,7 @@ class Llama:
                  paged: bool = True, block_size: int = 32, kv_cache_type: str = "f16", n_seq_max: int = 1,
                  repack_weights: bool = True, pack_panels: bool = True, n_gpu_layers: int = 0,
                  main_gpu: int = 0, speculative: Any = None, prefix_cache_ram: int = 0,
-                 prefix_cache_dir: str | None = None, **llama_cpp_args: Any):
+                 prefix_cache_dir: str | None = None, draft_model: Any = None, **llama_cpp_args: Any):
         """Load a GGUF (model_path None: the embedded default model). llama-cpp-python's other
         arguments are accepted; those that change nothing here warn once (llama_compat).
         pack_panels=False keeps GGML's kernels for the weights our panel GEMMs would take.
@@ -62,6 +62,7 @@ class Llama:
         "num_draft_tokens": 4, "max_ngram": 3}, or by a small draft model sharing this model's
         tokenizer, {"method": "draft_model", "draft_model": path, "num_draft_tokens": 4}; True
         or a SpeculativeConfig (None: off); a request opts out with SamplingParams(speculative=False).
+        draft_model: llama-cpp-python's LlamaPromptLookupDecoding, the same prompt lookup.
         prefix_cache_ram: bytes of host RAM that keep computed prompt blocks after the KV pool
         evicts them (0: none); prefix_cache_dir: a directory keeping them across runs (None: none)."""
         self.llm_engine = self._model = self._steps = None   # set first: close() is safe after a failed init
@@ -79,9 +80,12 @@ class Llama:
             lib.pp_set_ggml_log_level(GGML_LOG_DEBUG)
         self.embedding, self.pooling_type_arg, self.logits_all = embedding, pooling_type, logits_all
         self.last_n_tokens_size = last_n_tokens_size
+        if chat_handler is not None and is_vision_handler(chat_handler):
+            raise vision_refusal(f"chat_handler={type(chat_handler).__name__}")
         self.chat_format, self.chat_handler = chat_format, chat_handler
         kv_cache_type = kv_cache_type_of(type_k, type_v, kv_cache_type)
-        speculative = SpeculativeConfig.parse(speculative)   # refused before the model loads
+        # refused before the model loads
+        speculative = SpeculativeConfig.parse(speculative_of(draft_model, speculative))
         if n_gpu_layers and not any(d.is_gpu for d in list_devices()):
             # llama.cpp runs such a call on the CPU: code written for a GPU machine keeps working
             self._warnings.warn("n_gpu_layers", f"n_gpu_layers={n_gpu_layers} asks for a GPU, but this GGML "
@@ -91,13 +95,19 @@ class Llama:
                             n_gpu_layers=n_gpu_layers, main_gpu=main_gpu)
         self.model_path = self._model.path
         self._tokenizer = Tokenizer.from_metadata(self._model.metadata)
-        self.n_threads = n_threads or n_threads_batch or _default_threads()
+        # given: exactly that many; else each step on the cores free at the time (thread_policy.py)
+        self.n_threads = n_threads or n_threads_batch or default_threads()
         n_train = self._model.config.n_ctx_train
         self._n_ctx = min(n_ctx, n_train) if n_ctx > 0 else n_train   # 0: the training context
         self.n_batch = min(n_batch, self._n_ctx)
         self.paged = paged
         self._tokens: list[int] = []   # what the model has evaluated: the last prompt and its answer
+        # (the evaluated tokens, the logits row after them), kept by eval; a generation that
+        # replaces self._tokens makes it stale (the list is another object then)
+        self._last_logits: tuple[list[int], np.ndarray] | None = None
+        self._token_sampler: TokenSampler | None = None
         config = EngineConfig(paged=paged, n_ctx=self._n_ctx, n_seq_max=n_seq_max, n_threads=self.n_threads,
+                              adapt_threads=not (n_threads or n_threads_batch),
                               n_batch=self.n_batch, block_size=block_size, kv_cache_type=kv_cache_type,
                               n_gpu_layers=n_gpu_layers, main_gpu=main_gpu,
                               scheduler=SchedulerConfig(max_num_batched_tokens=self.n_batch),
@@ -193,6 +203,13 @@ class Llama:
     def n_tokens(self) -> int:
         return len(self._tokens)
 
+    @n_tokens.setter
+    def n_tokens(self, n: int) -> None:
+        """Keep the first n evaluated tokens (llama-cpp-python's loops rewind this way)."""
+        if not 0 <= n <= len(self._tokens):
+            raise RequestError(f"n_tokens {n} is outside 0..{len(self._tokens)} (the evaluated tokens)")
+        self._tokens = self._tokens[:n]
+
     @property
     def input_ids(self) -> np.ndarray:
         """The evaluated tokens (the last prompt and what was generated after it)."""
@@ -201,10 +218,17 @@ class Llama:
     def reset(self) -> None:
         """Forget the evaluated tokens (their pages stay in the prefix cache until reused)."""
         self._tokens = []
+        self._last_logits = None
 
     def set_seed(self, seed: int) -> None:
-        """The seed of later generations that name none."""
+        """The seed of later generations that name none (and of sample()'s draws from now on)."""
         self._seed = seed_of(seed)
+        self._drop_token_sampler()
+
+    def _drop_token_sampler(self) -> None:
+        if self._token_sampler is not None:
+            self._token_sampler.close()
+            self._token_sampler = None
 
     def set_cache(self, cache) -> None:
         """Accepted: the paged pool's prefix cache already keeps recent prompts' KV."""
@@ -221,7 +245,9 @@ class Llama:
         if any(t < 0 or t >= self.n_vocab() for t in ids):
             raise RequestError("the state holds token ids outside this model's vocabulary")
         self._tokens = ids
+        self._last_logits = None
         self._seed = state.seed
+        self._drop_token_sampler()
 
     def close(self) -> None:
         """Free the runner and the model (between steps: other threads' calls then fail cleanly)."""
@@ -237,6 +263,8 @@ class Llama:
         return None if self.llm_engine is None else self.llm_engine.runner
 
     def _free(self) -> None:
+        if getattr(self, "_token_sampler", None) is not None:
+            self._drop_token_sampler()
         if getattr(self, "llm_engine", None) is not None:
             self.llm_engine.close()
             self.llm_engine = None
@@ -254,8 +282,10 @@ class Llama:
     def embed(self, input: str | Sequence[str], normalize: bool = True, truncate: bool = True,
               return_count: bool = False, pooling: str | None = None, dimensions: int | None = None):
         """llama-cpp-python's embed: a list of floats for a str, a list of them for a list
-        (and the token count too with return_count)."""
-        vectors, count = embed_for_llama(self, input, normalize, truncate, pooling, dimensions)
+        (and the token count too with return_count). As theirs, a model that does not pool
+        (a decoder whose GGUF names no pooling, or Llama(pooling_type=0)) gives each input
+        one vector per token instead; pooling= or Llama(pooling_type=1..3) pools."""
+        vectors, count = embed_for_llama(self, input, normalize, truncate, pooling, dimensions, per_token=True)
         return (vectors, count) if return_count else vectors
 
     def create_embedding(self, input: str | Sequence[str], model: str | None = None,
@@ -304,6 +334,54 @@ class Llama:
         for _, _, _, _, event in self.stream_texts([prompt], params, criteria):
             if event is not None:
                 yield event.token_id
+
+    # ---- llama-cpp-python's low-level loop: eval appends, sample draws -------
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the evaluated ones and compute the logits after them (through
+        the scheduler; the prefix cache spares recomputing what was evaluated before)."""
+        ids = self._tokens + [int(t) for t in tokens]
+        self._last_logits = (ids, logits_after(self._shared_steps(), ids))
+        self._tokens = ids
+
+    @property
+    def eval_logits(self):
+        """The logits after the evaluated tokens, as llama-cpp-python's deque of one row."""
+        return deque([self._logits_now().tolist()] if self._tokens else [], maxlen=1)
+
+    def _logits_now(self) -> np.ndarray:
+        """The logits row after the evaluated tokens, computed if eval did not (a generation
+        since may have changed them)."""
+        if not self._tokens:
+            raise RequestError("nothing is evaluated: call eval(tokens) first")
+        held = self._last_logits
+        if held is None or held[0] is not self._tokens:
+            self._last_logits = held = (self._tokens, logits_after(self._shared_steps(), self._tokens))
+        return held[1]
+
+    def sample(self, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+               temp: float = 0.80, repeat_penalty: float = 1.0, frequency_penalty: float = 0.0,
+               presence_penalty: float = 0.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
+               mirostat_eta: float = 0.1, mirostat_tau: float = 5.0, penalize_nl: bool = True,
+               logits_processor=None, grammar=None, idx: int | None = None) -> int:
+        """The next token id after the evaluated ones, drawn as llama-cpp-python's sample
+        draws it (penalties over the last last_n_tokens_size tokens, then top_k, top_p,
+        min_p and temp; temp 0 is greedy); it is not appended: eval([token]) does that.
+        A grammar advances with each token drawn under the same grammar object."""
+        self._warnings.sampling_args(typical_p=typical_p, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                                     penalize_nl=penalize_nl)
+        if idx is not None and idx not in (-1, self.n_tokens - 1):
+            raise RequestError(f"sample(idx={idx}): only the logits after the last evaluated token are kept "
+                               f"(idx {self.n_tokens - 1})")
+        logits = self._logits_now()
+        params = sampling_params(PYTHON, {"top_k": top_k, "top_p": top_p, "min_p": min_p, "temperature": temp,
+                                          "repeat_penalty": repeat_penalty, "frequency_penalty": frequency_penalty,
+                                          "presence_penalty": presence_penalty, "max_tokens": 1,
+                                          "penalty_last_n": self.last_n_tokens_size,
+                                          "logits_processor": logits_processor}, seed=self._seed)
+        if self._token_sampler is None:
+            self._token_sampler = TokenSampler(self.n_vocab(), self._seed)
+        return self._token_sampler.sample(logits, list(self._tokens), params, grammar,
+                                          lambda g: from_python(self._tokenizer, None, g))
 
     def create_completion(self, prompt: str | Sequence[int], suffix: str | None = None, max_tokens: int | None = 16,
                           temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05,

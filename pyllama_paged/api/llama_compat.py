@@ -1,6 +1,7 @@
-"""llama-cpp-python's constructor arguments mapped onto ours, and the small
+"""llama-cpp-python's constructor arguments mapped onto ours, the small
 public classes its users import beside Llama (state, logits processors,
-stopping criteria, tokenizer). Nothing here runs the model."""
+stopping criteria, tokenizer), and the errors for the parts of its API we do
+not provide (the low-level ctypes binding). Nothing here runs the model."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 
-from ..errors import RequestError
+from ..errors import PagedError, RequestError
 from ..tokenizer.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA2_TEMPLATE, LLAMA3_TEMPLATE
 
 # llama.cpp's "no seed given": each generation draws a random one
@@ -48,8 +49,6 @@ UNUSED_ARGS: dict[str, tuple[Any, str]] = {
     "attention_type": (-1, "attention is causal for the models we run"),
     "n_ubatch": (512, "a step is sized by n_batch alone"),
     "numa": (False, "no NUMA placement is done"),
-    "draft_model": (None, "speculative decoding is the speculative= argument (a draft GGUF's path with "
-                          "method 'draft_model', or prompt lookup)"),
     "tokenizer": (None, "the GGUF's own tokenizer is used"),
     "spm_infill": (False, "fill-in-the-middle is not supported"),
     "swa_full": (None, "the KV cache is paged"),
@@ -61,6 +60,40 @@ NEUTRAL_ARGS = frozenset({"flash_attn", "offload_kqv", "op_offload", "no_perf"})
 # Sampling arguments of create_completion & co that we do not implement, and the
 # value that asks for nothing; another value warns once per Llama.
 UNUSED_SAMPLING = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0, "penalize_nl": True}
+
+
+class UnsupportedFeatureError(PagedError, ImportError):
+    """A part of llama-cpp-python this package does not provide (an ImportError, so that
+    code probing for optional parts with `except ImportError` keeps working); the message
+    says what to use instead."""
+
+
+class UnsupportedAttributeError(PagedError, AttributeError):
+    """A low-level llama.cpp name asked of the package (hasattr() still answers False)."""
+
+
+# the package's llama-cpp-python submodules, importable on first attribute access as theirs are
+COMPAT_SUBMODULES = ("llama_speculative", "llama_chat_format", "llama_grammar")
+
+
+def low_level_message(name: str) -> str:
+    """What to say for llama-cpp-python's low-level ctypes API (name: the symbol or module asked for)."""
+    return (f"{name}: llama-cpp-python's low-level ctypes API (llama_cpp.llama_cpp: llama_backend_init, "
+            "llama_decode, llama_token_get_text, ...) is not provided; pyllama-paged runs its own engine, not "
+            "libllama. Use Llama's methods instead: tokenize/detokenize, eval/sample/generate for a token loop, "
+            "create_completion, embed, and Llama.runner for the model's forward pass.")
+
+
+def root_attribute(package: str, name: str):
+    """The package's module __getattr__: a compat submodule imported on first use; a
+    low-level llama.cpp name refused with what to use instead; anything else missing."""
+    if name in COMPAT_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{package}.{name}")
+    if name.lower().startswith(("llama_", "ggml_", "llava_", "mtmd_")):
+        raise UnsupportedAttributeError(low_level_message(name))
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
 
 class CompatWarnings:

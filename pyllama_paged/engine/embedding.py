@@ -18,6 +18,9 @@ import numpy as np
 from ..errors import PagedError
 
 POOLINGS = ("mean", "cls", "last")
+# not a pooling the APIs offer: every token's state, unpooled (llama.cpp's pooling NONE), for
+# llama-cpp-python's Llama.embed on a model that does not pool; decoders only
+TOKEN_STATES = "none"
 
 
 @dataclass(slots=True)
@@ -30,7 +33,7 @@ class EmbedParams:
 
     def validate(self) -> None:
         """PagedError naming the field when the pooling is not one we run."""
-        if self.pooling not in POOLINGS:
+        if self.pooling not in POOLINGS and self.pooling != TOKEN_STATES:
             raise PagedError(f"pooling '{self.pooling}' is not supported (choose one of {', '.join(POOLINGS)})")
 
 
@@ -43,6 +46,7 @@ def default_pooling(config) -> str:
 class _Pooled:
     total: np.ndarray | None = None    # float64 running sum (mean) or the chosen row (cls, last)
     count: int = 0
+    rows: list = field(default_factory=list)   # TOKEN_STATES: every chunk's rows, in order
 
 
 @dataclass
@@ -55,7 +59,7 @@ class DecoderPooling:
     def rows_wanted(pooling: str, start: int, n: int, length: int) -> tuple[int, int]:
         """(first, count) of a chunk's tokens [start, start + n) of a length-token input that
         the pooling reads: mean all of them, cls position 0, last the final token."""
-        if pooling == "mean":
+        if pooling in ("mean", TOKEN_STATES):
             return 0, n
         if pooling == "cls":
             return (0, 1) if start == 0 else (0, 0)
@@ -69,7 +73,9 @@ class DecoderPooling:
             state = self.states[seq_id] = _Pooled()
         if not len(rows):
             return
-        if pooling == "mean":
+        if pooling == TOKEN_STATES:
+            state.rows.append(np.array(rows, dtype=np.float32))   # a copy: rows is the step's buffer
+        elif pooling == "mean":
             chunk = rows.sum(axis=0, dtype=np.float64)
             state.total = chunk if state.total is None else state.total + chunk
             state.count += len(rows)
@@ -77,8 +83,11 @@ class DecoderPooling:
             state.total, state.count = rows[-1].astype(np.float64), 1
 
     def pop(self, seq_id: int) -> np.ndarray:
-        """The pooled vector of a finished sequence (float32), forgotten here."""
+        """The pooled vector of a finished sequence (float32; TOKEN_STATES: n_tokens x n_embd),
+        forgotten here."""
         state = self.states.pop(seq_id)
+        if state.rows:
+            return np.concatenate(state.rows)
         if state.total is None:
             raise PagedError("embedding finished without any pooled token state")
         return (state.total / max(state.count, 1)).astype(np.float32)

@@ -121,7 +121,7 @@ class ServerState:
 
 
 def _is_openai(path: str) -> bool:
-    return path.startswith("/v1/")
+    return path.startswith("/v1/") or openai_api.is_unversioned_openai(path)
 
 
 def error_response(path: str, status: int, message: str, param: str | None = None,
@@ -407,7 +407,8 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
     app.include_router(ollama_manage.build_router(state))
     app.include_router(openai_api.build_router(state))
     app.include_router(openai_responses.build_router(state))
-    app.include_router(embeddings_api.build_router(state))
+    # llama-server's /embeddings beside /v1/embeddings (openai_api's routes add their own)
+    app.include_router(openai_api.add_unversioned(embeddings_api.build_router(state)))
     app.include_router(rerank_api.build_router(state))
     app.include_router(anthropic_api.build_router(state))
     app.include_router(router_contract.build_router(state))

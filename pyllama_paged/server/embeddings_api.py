@@ -15,7 +15,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..api.embeddings import as_base64, finish_vector, max_input_tokens, openai_list, tokenize_inputs
-from ..engine.embedding import EmbedParams, default_pooling
+from ..engine.embedding import TOKEN_STATES, EmbedParams, default_pooling
 from ..errors import PagedError
 from .generation import APIError, admit, off_loop, refuse_over
 from .ollama_manage import find_model, keep_alive_seconds
@@ -60,6 +60,8 @@ class OpenAIEmbedRequest(BaseModel):
 
 async def embed_ids(served: ServedModel, inputs: list[list[int]], pooling: str | None) -> list[np.ndarray]:
     """Pooled vectors of token lists, every input a request on the model's engine loop."""
+    if pooling == TOKEN_STATES:   # per-token states are Llama.embed's; an answer holds one vector per input
+        raise APIError(400, f"pooling '{pooling}' is not supported (choose one of mean, cls, last)", "pooling")
     params = EmbedParams(pooling or default_pooling(served.config))
     try:
         params.validate()

@@ -183,8 +183,10 @@ def build_router(state) -> APIRouter:
         calls = []
         if calls_of:
             def parse():
-                calls_of.feed(text)
-                return calls_of.finish()
+                # feed() passes on the text that cannot open a call: that is content too
+                streamed = calls_of.feed(text)
+                rest, found = calls_of.finish()
+                return streamed + rest, found
             text, calls = await off_loop(state.prep, parse)
         out = final(gen, shape)
         out.update({k: v for k, v in shape(text, True, calls).items() if k in ("response", "message")})

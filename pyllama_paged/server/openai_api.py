@@ -1,5 +1,6 @@
 """OpenAI-compatible routes: /v1/models, /v1/models/{id}, /v1/completions,
-/v1/chat/completions (structured output, tools, logprobs)."""
+/v1/chat/completions (structured output, tools, logprobs), and llama-server's
+aliases of the OpenAI routes without /v1."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import PagedError
@@ -18,6 +20,29 @@ from ..tools.prompt import prepare_chat
 from .generation import APIError, admit, check_request, fit_prompt, off_loop, require_generative, start_generation
 from .openai_logprobs import chat_logprobs, completion_logprobs
 from .openai_schemas import ChatRequest, CompletionRequest
+
+
+# llama-server answers these without /v1 too, and clients post there (dspy's Ollama
+# provider to /chat/completions): the same handlers, left out of the OpenAPI schema so
+# that it documents each operation once
+UNVERSIONED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/v1/models/{model:path}")
+
+
+def is_unversioned_openai(path: str) -> bool:
+    """Whether path is one of the OpenAI routes served without /v1 (its errors take OpenAI's shape)."""
+    return path in ("/chat/completions", "/completions", "/embeddings", "/models") or path.startswith("/models/")
+
+
+def add_unversioned(router: APIRouter) -> APIRouter:
+    """router with each of its UNVERSIONED routes served also at its path less /v1."""
+    paths = {getattr(r, "path", None) for r in router.routes}
+    for route in list(router.routes):
+        if isinstance(route, APIRoute) and route.path in UNVERSIONED and route.path[3:] not in paths:
+            router.add_api_route(route.path[3:], route.endpoint, methods=list(route.methods),
+                                 response_model=route.response_model, status_code=route.status_code,
+                                 response_class=route.response_class, include_in_schema=False,
+                                 name=f"{route.name}_unversioned")
+    return router
 
 
 def _sse(obj) -> str:
@@ -305,4 +330,4 @@ def build_router(state) -> APIRouter:
 
         return await respond([gen], request, body, head, choice, chunk_choices, lambda: [])
 
-    return router
+    return add_unversioned(router)

@@ -181,8 +181,9 @@ def test_decoder_embeddings_beside_generation_and_prefix_cache(tiny_decoders):
     with Llama(tiny_decoders["llama"], n_threads=2, n_ctx=256, n_batch=64, block_size=16) as llm:
         prompt = "the " * 40
         alone = llm(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
-        first = np.array(llm.embed(prompt))   # the prompt's full blocks are now in the prefix cache
-        again = np.array(llm.embed(prompt))
+        # the prompt's full blocks are now in the prefix cache (pooled: the file names no pooling)
+        first = np.array(llm.embed(prompt, pooling="mean"))
+        again = np.array(llm.embed(prompt, pooling="mean"))
         assert float(first @ again) > 0.99999
         requests = [llm.llm_engine.add_request(llm.tokenize(prompt), SamplingParams(max_tokens=6, temperature=0.0))]
         requests += [llm.llm_engine.add_request(llm.tokenize(t), EmbedParams("mean")) for t in ("a b c", prompt)]

@@ -132,3 +132,14 @@ def test_an_engine_without_fixed_threads_resizes_its_pool(tmp_path):
             fixed.close()
     finally:
         model.close()
+
+
+def test_llama_adapts_unless_given_a_count(tmp_path):
+    from pyllama_paged import Llama
+
+    path = write_tiny_model(tmp_path / "tiny.gguf", "gemma3")
+    with Llama(path, n_ctx=128) as llm:
+        policy = llm.llm_engine.runner.thread_policy
+        assert policy is not None and policy.max_threads == default_threads()
+    with Llama(path, n_ctx=128, n_threads=1) as llm:
+        assert llm.llm_engine.runner.thread_policy is None and llm.n_threads == 1

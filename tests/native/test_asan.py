@@ -45,7 +45,7 @@ out = llm.create_completion("hello world", max_tokens=4, logprobs=20, temperatur
 assert out["choices"][0]["logprobs"]["top_logprobs"], out
 samples = llm.generate_batch(["a b c", "x y z"], max_tokens=6, n=4, seed=7)
 assert [len(s) for s in samples] == [4, 4], samples
-vec = llm.embed("hello")
+vec = llm.embed("hello", pooling="mean")
 assert len(vec) == llm.n_embd(), len(vec)
 llm.close()
 print("asan-run-ok", MAX_BEAM_WIDTH)

@@ -52,7 +52,9 @@ LAYERS = [
     ["api.text_stream", "api.sampling_options", "tools.calls", "tools.messages", "api.embeddings"],
     ["tools.prompt", "api.rerank_inputs"],
     ["api.llama_compat", "api.llama_grammar", "api.llama_pretrained", "api.llama_chat", "api.llama_completion",
+     "api.llama_eval", "api.llama_speculative",
      "api.rerank"],
+    ["api.llama_chat_format"],
     ["api.llama"],
     ["server.metrics", "server.dashboard", "server.openai_tokens", "server.kv_events", "server.router_contract"],
     ["server.registry"],
@@ -79,6 +81,8 @@ LAYERS = [
      "testing.ray_cluster", "testing.engine_runs"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer
+    # llama-cpp-python's submodule names (llama_cpp.llama_speculative, ...) over ours
+    ["llama_speculative", "llama_chat_format", "llama_grammar", "llama_cpp"],
 ]
 LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
 
