@@ -8,10 +8,9 @@ import ollama
 import openai
 import pytest
 
-from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
-from pyllama_paged.testing.serving import Running, wait_pool_empty
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME
+from pyllama_paged.testing.serving import default_model_server, wait_pool_empty
 
 M = DEFAULT_MODEL_NAME
 
@@ -22,12 +21,9 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def server():
-    registry = ModelRegistry(None, EngineOptions(n_ctx=512, n_threads=2, n_batch=128, block_size=32,
-                                                 kv_budget_tokens=4096, max_num_seqs=8))
-    s = Running(create_app(registry, Limits(max_tokens=64)))
-    yield s
-    s.close()
-    registry.close()
+    with default_model_server(Limits(max_tokens=64), n_ctx=512, n_threads=2, n_batch=128, block_size=32,
+                              kv_budget_tokens=4096, max_num_seqs=8) as s:
+        yield s
 
 
 def test_ollama_chat_with_tools_keeps_a_plain_answer(server):
