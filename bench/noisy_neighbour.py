@@ -11,19 +11,27 @@ Starts `pyllama-paged serve` (the embedded model unless --model; a free port unl
   start/end, HTTP status (or "timeout" / the exception) and an excerpt of the answer; the
   next starts ~3 s after the benign stream has moved again.
 
+Rows marked for another server (13: a long prompt on a server started with --draft-model)
+run against a second `serve` started for them, with a benign stream and a baseline of its
+own, after the rows of the plain server. Row 14 pulls from a silent host (a local TCP
+listener that accepts and never answers), allowed to the server with --pull-allow (or, on a
+server without that flag, as its PYLLAMA_PAGED_REGISTRY).
+
 Per hostile request: the benign stream's inter-token gaps whose interval overlaps the
 hostile request's [start, end] window (count, p50, p99, max) and the benign requests that
 failed in it. The benign stream is one session: the gap from one answer's last token to the
 next answer's first token counts too (a stall between two answers is a stall), so the
 baseline row includes those. Pass (reported, not asserted): benign gap p99 < 1 s and the
-hostile request ended (an answer or a 4xx, not a 5xx, timeout or broken connection) within
-30 s.
+hostile request ended (an answer or a 4xx, not a 5xx, timeout or broken connection; for the
+pulls from a silent host a 502/503/504 too, the answer a dead upstream deserves, with every
+/api/tags probe answered within 1 s) within 30 s.
 
 Writes bench/results/noisy_neighbour.{json,md,png}; the server's output goes to
 noisy_neighbour.server.log beside them (not committed).
 
     python bench/noisy_neighbour.py                      # everything, several minutes
     python bench/noisy_neighbour.py --only 4,9,stats_burst --out-dir /tmp/nn
+    python bench/noisy_neighbour.py --only draft_long_prompt,pulls_silent_host
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import argparse
 import http.client
 import json
 import multiprocessing
+import os
 import queue
 import random
 import shutil
@@ -39,6 +48,7 @@ import socket
 import string
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +59,8 @@ import httpx
 import numpy as np
 
 from _report import RESULTS_DIR, write_results
+from pyllama_paged.engine.model import default_model_path
+from pyllama_paged.models.refs import REGISTRY_ENV
 from pyllama_paged.testing.serving import free_port, stop_server, wait_healthy
 
 NAME = "noisy_neighbour"
@@ -59,6 +71,9 @@ WARMUP_SECONDS = 5.0       # of the benign stream before the baseline window
 RECOVERY_WAIT = 180.0      # at most this long for the benign stream to move again after a hostile request
 GAP_P99_LIMIT = 1.0        # pass: the benign stream's gap p99 in the window
 HOSTILE_LIMIT = 30.0       # pass: the hostile request ended within this
+DRAFT_PROMPT_WORDS = 3900  # row 13: ~3.9k tokens of words (about one token a word), under the 4096 context
+SILENT_PULLS = 6           # row 14: pulls at once to the silent host
+TAGS_PROBE_EVERY = 0.25    # row 14: seconds between two GET /api/tags while the pulls run
 BENIGN_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 WORDS = ("the of and to in is was for on that with as by at from his her they this which be or an had "
          "river mountain city garden window morning evening letter music table forest harbor station "
@@ -70,15 +85,34 @@ WORDS = ("the of and to in is was for on that with as by at from his her they th
 
 # ---- the server ----------------------------------------------------------------
 
-def start_server(args, log: Path) -> tuple[subprocess.Popen, str, str]:
-    """`pyllama-paged serve` with its default options; (process, base URL, model name)."""
-    port = args.port or free_port()
-    cmd = [shutil.which("pyllama-paged") or "pyllama-paged", "serve", "--port", str(port)]
+SERVER_KINDS = {"default": "the server's default options", "draft_model": "--draft-model"}
+
+
+def serve_flags(exe: str) -> str:
+    """`serve --help`'s text: which flags this build of the server takes."""
+    return subprocess.run([exe, "serve", "--help"], capture_output=True, text=True, timeout=60, check=False).stdout
+
+
+def start_server(args, log: Path, kind: str = "default", silent: str | None = None,
+                 port: int | None = None) -> tuple[subprocess.Popen, str, str]:
+    """`pyllama-paged serve` with its default options (kind draft_model: plus --draft-model);
+    pulls from silent (host:port) allowed; (process, base URL, model name)."""
+    port = port or free_port()
+    exe = shutil.which("pyllama-paged") or "pyllama-paged"
+    cmd = [exe, "serve", "--port", str(port)]
+    env = None
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if args.model:
         cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    if kind == "draft_model":
+        cmd += ["--draft-model", args.draft_model or args.model or default_model_path()]
+    if silent:
+        if "--pull-allow" in serve_flags(exe):
+            cmd += ["--pull-allow", silent]
+        else:   # a server without an allow-list reaches its configured registry
+            env = {**os.environ, REGISTRY_ENV: f"http://{silent}"}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, "/v1/models", 300, log=log)
@@ -403,11 +437,129 @@ def hangup_stream(client, url, model):
     return status, f"{chunks} chunks then hang-up; pool before {before}, after {after}"
 
 
+def draft_long_prompt(client, url, model):
+    """13. On a server started with --draft-model: /api/generate of a ~3.9k-token prompt
+    (num_predict 160, greedy), which the draft model has to catch up on before it drafts."""
+    before = client.get(url + "/api/pool").json().get("stats") or {}
+    r = post_json(client, url + "/api/generate", {
+        "model": model, "prompt": random_words(DRAFT_PROMPT_WORDS, seed=13), "stream": False,
+        "options": {"num_predict": 160, "temperature": 0}})
+    status, text = one(r)
+    if r.status_code == 200:
+        body = r.json()
+        after = client.get(url + "/api/pool").json().get("stats") or {}
+
+        def delta(key):
+            return (after.get(key) or 0) - (before.get(key) or 0)
+        text = (f"prompt_tokens={body.get('prompt_eval_count')} tokens={body.get('eval_count')} "
+                f"draft catch-up tokens={delta('spec_draft_catch_up_tokens')} "
+                f"drafted={delta('spec_draft_tokens')} accepted={delta('spec_accepted_tokens')}")
+    return status, text
+
+
+class SilentHost:
+    """A TCP listener on loopback that accepts every connection and never sends a byte."""
+
+    def __init__(self):
+        self._sock = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
+        self._held: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:   # closed
+                return
+            self._held.append(conn)   # held open, never read or written
+
+    def close(self) -> None:
+        """Stop listening and drop every held connection."""
+        self._sock.close()
+        for conn in self._held:
+            conn.close()
+
+
+SILENT: SilentHost | None = None   # main() starts it before the server, when row 14 runs
+
+
+def counted(prefix: str, statuses: list[str]) -> str:
+    """"200x3/502x1" style counts, each with prefix."""
+    counts: dict[str, int] = {}
+    for status in statuses:
+        counts[status] = counts.get(status, 0) + 1
+    return "/".join(f"{prefix}{k}x{v}" for k, v in sorted(counts.items()))
+
+
+def pulls_silent_host(client, url, model):
+    """14. Six /api/pull at once of a model on a host that accepts connections and never
+    answers; meanwhile GET /api/tags every 0.25 s (an answer slower than 1 s counts as
+    "slow")."""
+    name = f"{SILENT.address}/library/silent:latest"
+    done = threading.Event()
+    probes: list[tuple[str, float]] = []
+
+    def pull(_):
+        try:
+            r = post_json(client, url + "/api/pull", {"model": name, "stream": False})
+            return str(r.status_code), excerpt_of(r, 80)
+        except httpx.TimeoutException:
+            return "timeout", f"no answer in {HOSTILE_TIMEOUT:g} s"
+        except httpx.HTTPError as e:
+            return type(e).__name__, str(e)[:80]
+
+    def probe():
+        while not done.is_set():
+            t = time.perf_counter()
+            try:
+                status = str(client.get(url + "/api/tags").status_code)
+            except httpx.TimeoutException:
+                status = "timeout"
+            except httpx.HTTPError as e:
+                status = type(e).__name__
+            took = time.perf_counter() - t
+            probes.append(("slow" if status == "200" and took >= GAP_P99_LIMIT else status, took))
+            done.wait(TAGS_PROBE_EVERY)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    with ThreadPoolExecutor(SILENT_PULLS) as ex:
+        pulls = list(ex.map(pull, range(SILENT_PULLS)))
+    done.set()
+    prober.join(HOSTILE_TIMEOUT)
+    status = counted("pull", [p for p, _ in pulls]) + "/" + counted("tags", [p for p, _ in probes])
+    slowest = max((t for _, t in probes), default=0.0)
+    answers = sorted({text for _, text in pulls})
+    return status, f"/api/tags slowest {slowest:.2f} s of {len(probes)}; answers: {' | '.join(answers)[:200]}"
+
+
+def answered(status: str) -> bool:
+    """Whether every part of a status is an answer (2xx or 4xx)."""
+    return all(s.split("x")[0][:1] in ("2", "4") for s in status.split("/"))
+
+
+def pulls_answered(status: str) -> bool:
+    """Row 14: each pull answered, a dead upstream's 502/503/504 included, and each /api/tags
+    probe a 200 within the limit."""
+    for part in status.split("/"):
+        code = part.split("x")[0]
+        if code.startswith("pull"):
+            if not (answered(code[4:]) or code[4:] in ("502", "503", "504")):
+                return False
+        elif code != "tags200":
+            return False
+    return True
+
+
 @dataclass
 class Hostile:
     number: str
     name: str
     run: Callable[[httpx.Client, str, str], tuple[str, str]]
+    server: str = "default"                       # a key of SERVER_KINDS: the server it runs on
+    ended: Callable[[str], bool] = answered       # whether its status counts as an answer
 
 
 HOSTILE = [
@@ -429,6 +581,8 @@ HOSTILE = [
     Hostile("11b", "header_non_ascii", header_non_ascii),
     Hostile("11c", "sampling_extremes", sampling_extremes),
     Hostile("12", "hangup_stream", hangup_stream),
+    Hostile("13", "draft_long_prompt", draft_long_prompt, server="draft_model"),
+    Hostile("14", "pulls_silent_host", pulls_silent_host, ended=pulls_answered),
 ]
 
 
@@ -454,10 +608,12 @@ class Window:
     status: str = ""
     excerpt: str = ""
     recover: float | None = None   # seconds from the end to the benign stream's next token
+    server: str = "default"        # the server it ran on (a key of SERVER_KINDS)
+    ended: Callable[[str], bool] = answered
 
 
 def run_hostile(h: Hostile, url: str, model: str) -> Window:
-    w = Window(f"{h.number} {h.name}", time.perf_counter(), 0.0)
+    w = Window(f"{h.number} {h.name}", time.perf_counter(), 0.0, server=h.server, ended=h.ended)
     try:
         with httpx.Client(timeout=HOSTILE_TIMEOUT) as client:
             w.status, w.excerpt = h.run(client, url, model)
@@ -475,31 +631,34 @@ def summarize(w: Window, stamps: np.ndarray, errors: list, hostile: bool) -> dic
     p99 = pct(99)
     seconds = w.end - w.start
     n_errors = sum(1 for t, _ in errors if w.start <= t <= w.end)
-    row = {"hostile": w.label, "status": w.status if hostile else "-", "hostile_s": round(seconds, 3) if hostile else None,
+    row = {"hostile": w.label, "server": SERVER_KINDS[w.server], "status": w.status if hostile else "-",
+           "hostile_s": round(seconds, 3) if hostile else None,
            "gaps_n": int(len(gaps)), "gap_p50_s": pct(50), "gap_p99_s": p99,
            "gap_max_s": float(gaps.max()) if len(gaps) else None,
            "recover_s": round(w.recover, 3) if hostile and w.recover is not None else None, "benign_errors": n_errors}
-    answered = all(s.split("x")[0][:1] in ("2", "4") for s in w.status.split("/"))
     stream_ok = p99 is not None and p99 < GAP_P99_LIMIT and n_errors == 0
-    row["pass"] = stream_ok and (not hostile or (answered and seconds <= HOSTILE_LIMIT))
+    row["pass"] = stream_ok and (not hostile or (w.ended(w.status) and seconds <= HOSTILE_LIMIT))
     return row
 
 
-def plot(path: Path, stamps: np.ndarray, t0: float, windows: list[Window], rows: list[dict]) -> None:
+def plot(path: Path, phases: list[np.ndarray], t0: float, windows: list[Window], rows: list[dict]) -> None:
+    """phases: the benign stream's token times on each server, one after the other."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(12, 8), gridspec_kw={"height_ratios": [3, 2]})
-    if len(stamps) > 1:
-        ax0.plot(stamps[1:] - t0, np.diff(stamps), ".", ms=2, color="tab:blue", label="benign inter-token gap")
+    for i, stamps in enumerate(phases):
+        if len(stamps) > 1:
+            ax0.plot(stamps[1:] - t0, np.diff(stamps), ".", ms=2, color="tab:blue",
+                     label="benign inter-token gap" if i == 0 else None)
     ax0.set_yscale("log")
     ax0.axhline(GAP_P99_LIMIT, color="tab:red", lw=0.8, ls="--", label=f"{GAP_P99_LIMIT:g} s")
     top = ax0.get_ylim()[1]
-    for i, w in enumerate(windows):
-        color = "tab:green" if i == 0 else "tab:orange"
+    for w in windows:
+        color = "tab:green" if w.label.startswith("baseline") else "tab:orange"
         ax0.axvspan(w.start - t0, max(w.end - t0, w.start - t0 + 0.05), color=color, alpha=0.25, lw=0)
         ax0.text(w.start - t0, top, w.label.split(" ")[0], fontsize=7, va="top", rotation=90)
-    ax0.set(xlabel="seconds since the benign stream started", ylabel="gap (s)",
+    ax0.set(xlabel="seconds since the run started", ylabel="gap (s)",
             title="Benign stream's inter-token gaps; shaded: baseline (green) and hostile requests (orange)")
     ax0.legend(loc="upper right", fontsize=8)
     labels = [r["hostile"] for r in rows]
@@ -519,42 +678,48 @@ def md_escape(text: str) -> str:
     return text.replace("|", "\\|").replace("`", "'")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
-    ap.add_argument("--threads", type=int, default=None, help="the server's --threads (default: its own)")
-    ap.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
-    ap.add_argument("--out-dir", default=str(RESULTS_DIR))
-    ap.add_argument("--only", default=None,
-                    help="comma-separated hostile requests, by name or number: " + ",".join(h.name for h in HOSTILE))
-    ap.add_argument("--baseline-s", type=float, default=BASELINE_SECONDS)
-    args = ap.parse_args(argv)
-    chosen = select(args.only)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+@dataclass
+class Phase:
+    """One server's part of the run: its windows (the baseline first), the benign stream's
+    token times and failures on it, and how the server ended."""
 
-    proc, url, model = start_server(args, out / f"{NAME}.server.log")
-    print(f"server {url}, model {model}", flush=True)
+    kind: str
+    url: str = ""
+    model: str = ""
+    windows: list[Window] | None = None
+    stamps: np.ndarray | None = None
+    errors: list | None = None
+    answer_starts: list | None = None
+    server_rc: int | None = None
+
+
+def run_phase(args, kind: str, chosen: list[Hostile], out: Path) -> Phase:
+    """Start a server of this kind, stream the benign user on it, take the baseline, send
+    the chosen rows one at a time, stop both."""
+    log = out / (f"{NAME}.server.log" if kind == "default" else f"{NAME}.{kind}.server.log")
+    silent = SILENT.address if SILENT is not None and any(h.name == "pulls_silent_host" for h in chosen) else None
+    proc, url, model = start_server(args, log, kind, silent, args.port if kind == "default" else None)
+    phase = Phase(kind, url, model, windows=[])
+    print(f"server {url} ({SERVER_KINDS[kind]}), model {model}", flush=True)
     ctx = multiprocessing.get_context("spawn")
     stop, first_token, last_token, results = ctx.Event(), ctx.Event(), ctx.Value("d", 0.0), ctx.Queue()
     benign_proc = ctx.Process(target=benign_stream, args=(url, model, stop, first_token, last_token, results),
                               daemon=True)
-    windows: list[Window] = []
     benign = {"stamps": [], "answer_starts": [], "errors": []}
     try:
-        t0 = time.perf_counter()
         benign_proc.start()
         if not first_token.wait(120):
             raise RuntimeError("the benign stream got no token in 120 s")
         time.sleep(WARMUP_SECONDS)   # the first steps after loading are not the steady state
-        base = Window("baseline (quiet)", time.perf_counter(), 0.0)
+        label = "baseline (quiet)" if kind == "default" else f"baseline (quiet, {SERVER_KINDS[kind]})"
+        base = Window(label, time.perf_counter(), 0.0, server=kind)
         time.sleep(args.baseline_s)
         base.end = time.perf_counter()
-        windows.append(base)
+        phase.windows.append(base)
         for h in chosen:
             time.sleep(QUIET_GAP)
             w = run_hostile(h, url, model)
-            windows.append(w)
+            phase.windows.append(w)
             # the next one starts once the benign stream moves again, so that a stall the
             # hostile request left behind is not counted in its successor's window
             while last_token.value < w.end and time.perf_counter() < w.end + RECOVERY_WAIT and proc.poll() is None:
@@ -576,40 +741,82 @@ def main(argv=None) -> int:
         benign_proc.join(10)
         if benign_proc.is_alive():
             benign_proc.terminate()
-        server_rc = proc.poll()
+        phase.server_rc = proc.poll()
         stop_server(proc)
+    phase.stamps = np.array(benign["stamps"])
+    phase.errors = [tuple(e) for e in benign["errors"]]
+    phase.answer_starts = benign["answer_starts"]
+    return phase
 
-    stamps = np.array(benign["stamps"])
-    errors = [tuple(e) for e in benign["errors"]]
-    rows = [summarize(w, stamps, errors, i > 0) for i, w in enumerate(windows)]
+
+def main(argv=None) -> int:
+    global SILENT
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
+    ap.add_argument("--draft-model", default=None,
+                    help="the draft GGUF of the --draft-model server (row 13; default: the served model "
+                         "itself, which shares its vocabulary)")
+    ap.add_argument("--threads", type=int, default=None, help="the server's --threads (default: its own)")
+    ap.add_argument("--port", type=int, default=None, help="port of the default server (default: a free one)")
+    ap.add_argument("--out-dir", default=str(RESULTS_DIR))
+    ap.add_argument("--only", default=None,
+                    help="comma-separated hostile requests, by name or number: " + ",".join(h.name for h in HOSTILE))
+    ap.add_argument("--baseline-s", type=float, default=BASELINE_SECONDS)
+    args = ap.parse_args(argv)
+    chosen = select(args.only)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    if any(h.name == "pulls_silent_host" for h in chosen):
+        SILENT = SilentHost()
+    t0 = time.perf_counter()
+    phases: list[Phase] = []
+    try:
+        for kind in [k for k in SERVER_KINDS if any(h.server == k for h in chosen)]:   # the default one first
+            phases.append(run_phase(args, kind, [h for h in chosen if h.server == kind], out))
+            if phases[-1].server_rc is not None:
+                break
+    finally:
+        if SILENT is not None:
+            SILENT.close()
+
+    rows = [summarize(w, p.stamps, p.errors, i > 0) for p in phases for i, w in enumerate(p.windows)]
     for r in rows:
         print(r, flush=True)
-    columns = ["hostile", "status", "hostile_s", "gaps_n", "gap_p50_s", "gap_p99_s", "gap_max_s",
+    windows = [w for p in phases for w in p.windows]
+    errors = [e for p in phases for e in p.errors]
+    columns = ["hostile", "server", "status", "hostile_s", "gaps_n", "gap_p50_s", "gap_p99_s", "gap_max_s",
                "recover_s", "benign_errors", "pass"]
     notes = [f"Pass: the benign stream's inter-token gap p99 < {GAP_P99_LIMIT:g} s in the window with no "
-             f"failed benign request, and the hostile request answered (2xx/4xx) within {HOSTILE_LIMIT:g} s. "
+             f"failed benign request, and the hostile request answered (2xx/4xx; row 14's pulls from a silent "
+             f"host also 502/503/504, with every /api/tags probe a 200 within {GAP_P99_LIMIT:g} s) within "
+             f"{HOSTILE_LIMIT:g} s. "
              "Gaps: every gap of the benign /api/generate stream (num_predict 200, temperature 0.7, answers back "
              "to back, the gap between two answers included) that overlaps the hostile request's window. "
              f"Hostile requests one at a time, {HOSTILE_TIMEOUT:g} s client timeout; the next starts {QUIET_GAP:g} s "
              "after the benign stream has moved again (recover_s: from a request's end to the benign stream's next "
-             "token; a stall that outlives the request shows there).", "",
+             "token; a stall that outlives the request shows there). Rows of another server (--draft-model) run "
+             "on a second server after the first, with a benign stream and a baseline of their own.", "",
              "Answers:", ""]
-    notes += [f"- {md_escape(w.label)}: {md_escape(w.status)}, {md_escape(w.excerpt)}" for w in windows[1:]]
+    notes += [f"- {md_escape(w.label)}: {md_escape(w.status)}, {md_escape(w.excerpt)}"
+              for w in windows if not w.label.startswith("baseline")]
     if errors:
         notes += ["", f"Benign stream failures: {len(errors)}; first: {md_escape(errors[0][1])}"]
-    if server_rc is not None:
-        notes += ["", f"The server exited with {server_rc} during the run."]
+    for p in phases:
+        if p.server_rc is not None:
+            notes += ["", f"The {SERVER_KINDS[p.kind]} server exited with {p.server_rc} during the run."]
     data = {"params": {**vars(args), "hostile_timeout_s": HOSTILE_TIMEOUT, "quiet_gap_s": QUIET_GAP,
                        "benign_prompt": BENIGN_PROMPT},
-            "server": {"url": url, "model": model, "exited_during_run": server_rc},
-            "windows": [{"label": w.label, "start_s": w.start - t0, "end_s": w.end - t0, "status": w.status,
-                         "excerpt": w.excerpt, "recover_s": w.recover} for w in windows],
-            "benign": {"token_times_s": (stamps - t0).round(4).tolist(),
-                       "answer_starts_s": [round(t - t0, 4) for t in benign["answer_starts"]],
-                       "errors": [{"t_s": round(t - t0, 3), "error": e} for t, e in errors]}}
+            "servers": [{"kind": p.kind, "url": p.url, "model": p.model, "exited_during_run": p.server_rc}
+                        for p in phases],
+            "windows": [{"label": w.label, "server": w.server, "start_s": w.start - t0, "end_s": w.end - t0,
+                         "status": w.status, "excerpt": w.excerpt, "recover_s": w.recover} for w in windows],
+            "benign": [{"server": p.kind, "token_times_s": (p.stamps - t0).round(4).tolist(),
+                        "answer_starts_s": [round(t - t0, 4) for t in p.answer_starts],
+                        "errors": [{"t_s": round(t - t0, 3), "error": e} for t, e in p.errors]} for p in phases]}
     paths = write_results(NAME, data, rows, out_dir=out, columns=columns, notes="\n".join(notes),
                           title="Noisy neighbour: a benign stream's inter-token gaps while hostile requests run")
-    plot(out / f"{NAME}.png", stamps, t0, windows, rows)
+    plot(out / f"{NAME}.png", [p.stamps for p in phases], t0, windows, rows)
     print(f"wrote {paths['json']}, {paths['md']}, {out / (NAME + '.png')}")
     return 0
 

@@ -225,8 +225,13 @@ class LLMEngine:
             hidden = [None if r.embed is None else
                       self.pooling.rows_wanted(r.embed.pooling, start, n, len(seqs[seq_id].token_ids))
                       for seq_id, r, (_, start, n) in zip(output.seq_ids, requests, output.items)]
-        drafts = self.speculator.draft(output, seqs, requests, self.runner.kv, self.runner.n_batch,
-                                       self.limit) if self.speculator is not None else {}
+        drafts = {}
+        if self.speculator is not None:
+            # a draft model catching up on a long prompt spends the step's spare prefill budget,
+            # and the step's cost model learns those tokens as prefill
+            drafts = self.speculator.draft(output, seqs, requests, self.runner.kv, self.runner.n_batch,
+                                           self.limit, self.scheduler.spare_prefill_tokens)
+            self.scheduler.charge_prefill(self.speculator.last_catch_up_tokens)
         started = time.perf_counter()
         logits, rows = self.runner.execute(output.items_array(), hidden,
                                            [r.score is not None for r in requests], drafts)

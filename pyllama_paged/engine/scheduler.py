@@ -102,6 +102,9 @@ class Scheduler:
             raise ValueError(f"itl_budget must be a number of seconds > 0, 'auto' or None, got {budget!r}")
         self.step_cost = StepCostModel()
         self._last_shape = (0, 0)   # (decode tokens, prefill tokens) of the step last scheduled
+        # prefill tokens the step last scheduled could still have taken (its token budget and,
+        # while decodes run, its inter-token budget): a draft model's catch-up spends them
+        self.spare_prefill_tokens = 0
 
     # ---- queue management ------------------------------------------------
     def add(self, request: Request) -> None:
@@ -265,12 +268,24 @@ class Scheduler:
         if not step.preempted:
             self._resume_swapped()
             if not self._admit_waiting(step):
-                self._last_shape = (plan.num_decodes, plan.num_prefill_tokens)
-                return plan
+                return self._planned(step)
         if not plan.seq_ids and not step.preempted:
             self._unstick(step.starved)
+        return self._planned(step)
+
+    def _planned(self, step: _StepState) -> SchedulerOutput:
+        """The plan, with the step's shape and spare prefill budget noted."""
+        plan = self._plan
         self._last_shape = (plan.num_decodes, plan.num_prefill_tokens)
+        self.spare_prefill_tokens = max(0, step.budget) if plan.seq_ids else 0
         return plan
+
+    def charge_prefill(self, num_tokens: int) -> None:
+        """Prefill-like tokens the engine computed in the step last scheduled outside its
+        plan (a draft model catching up): the step's cost model learns them as prefill."""
+        if num_tokens > 0:
+            decodes, prefill = self._last_shape
+            self._last_shape = (decodes, prefill + num_tokens)
 
     def _schedule_decodes(self, step: "_StepState") -> None:
         """Decodes first: every running sequence whose prefill is done gets its newest

@@ -85,8 +85,12 @@ class PromptLookupDrafter:
         self.min_ngram = config.min_ngram
         self.num_draft_tokens = config.num_draft_tokens
 
-    def propose_many(self, wants: list[tuple[int, Sequence[int], int]]) -> list[list[int]]:
-        """Drafts for [(seq id, token ids, most tokens)], one list each (possibly empty)."""
+    last_catch_up_tokens = 0   # nothing to catch up: the history is the draft's whole state
+
+    def propose_many(self, wants: list[tuple[int, Sequence[int], int]],
+                     catch_up_budget: int | None = None) -> list[list[int]]:
+        """Drafts for [(seq id, token ids, most tokens)], one list each (possibly empty);
+        catch_up_budget is a draft model's (a lookup costs no forward)."""
         return [self.propose(token_ids, k) for _, token_ids, k in wants]
 
     def retain(self, seq_ids) -> None:

@@ -14,7 +14,15 @@ places whichever of them the target accepted and computes them again. Recomputin
 a few accepted tokens is cheaper than tracking which draft slots survived, and
 keeps the draft pool's blocks holding exactly the target's tokens (so its prefix
 cache serves n>1 samples and repeated prompts). Draft sequences are freed when
-their target sequence ends or is preempted (Speculator.forget / retain)."""
+their target sequence ends or is preempted (Speculator.forget / retain).
+
+A draft sequence that lags by more than one verified draft leaves behind (a prompt
+it has not seen, a stretch of steps without drafting) is caught up in pieces out
+of the step's spare prefill budget (Scheduler.spare_prefill_tokens), earliest
+sequence first, and drafts nothing until a piece reaches the target's newest
+token (it decodes without drafts meanwhile): a whole long prompt computed inside
+one step would stall every running stream for as long as the prefill the
+scheduler spread over many steps."""
 
 from __future__ import annotations
 
@@ -73,8 +81,15 @@ class DraftModelDrafter:
     def __init__(self, runner: ModelRunner, num_draft_tokens: int):
         self.runner = runner
         self.num_draft_tokens = num_draft_tokens
+        # a lag up to this is what drafting every step leaves behind (the accepted tokens and
+        # the target's own, plus a step skipped at a block's end): computed with the draft,
+        # outside the catch-up budget, as the target's verification rows are
+        self.free_lag = num_draft_tokens + 2
         self.forward_seconds = 0.0         # time in the draft model's forward steps
         self.num_forwards = 0
+        self.catch_up_tokens = 0           # tokens computed under the catch-up budget, all steps
+        self.last_catch_up_tokens = 0      # of those, in the latest propose_many
+        self.lagging: set[int] = set()     # target seq ids left behind by the latest propose_many
         self._seqs: dict[int, SeqState] = {}   # target seq id -> its draft sequence
 
     # ---- draft sequences ---------------------------------------------------
@@ -85,6 +100,7 @@ class DraftModelDrafter:
     def release(self, seq_ids) -> None:
         """Free the draft sequences of these target sequences (unknown ids are ignored)."""
         for seq_id in seq_ids:
+            self.lagging.discard(seq_id)
             state = self._seqs.pop(seq_id, None)
             if state is not None:
                 self.runner.free(state)
@@ -94,48 +110,81 @@ class DraftModelDrafter:
         """Draft sequences held."""
         return len(self._seqs)
 
-    def _caught_up(self, seq_id: int, token_ids) -> SeqState | None:
-        """seq_id's draft sequence with all of token_ids placed (not yet computed); None
-        when the draft pool has no room (that sequence drafts nothing this step)."""
+    def lag(self, seq_id: int, token_ids) -> int:
+        """Tokens of token_ids seq_id's draft sequence has not computed (all of them without one)."""
         state = self._seqs.get(seq_id)
-        if state is not None and state.num_tokens >= len(token_ids):
+        return len(token_ids) - (state.num_computed if state is not None else 0)
+
+    def _state(self, seq_id: int, token_ids) -> SeqState:
+        """seq_id's draft sequence, started from the draft pool's prefix cache if new."""
+        state = self._seqs.get(seq_id)
+        if state is not None and state.num_computed >= len(token_ids):
             # nothing new to compute gives no logits row: start over (the prefix cache keeps it cheap)
             self.release([seq_id])
             state = None
-        try:
-            if state is None:
-                state = self.runner.add_sequence_cached(token_ids)
-                self._seqs[seq_id] = state
-            self.runner.copy_blocks(place_tokens(self.runner.kv, state, token_ids[state.num_tokens:]))
-        except OutOfBlocksError:
-            return None
+        if state is None:
+            state = self.runner.add_sequence_cached(token_ids)
+            self._seqs[seq_id] = state
         return state
 
+    def _place(self, state: SeqState, token_ids, n: int) -> bool:
+        """Place token_ids up to state's next n to compute; False when the draft pool has no room."""
+        try:
+            self.runner.copy_blocks(place_tokens(self.runner.kv, state, token_ids[state.num_tokens:
+                                                                                   state.num_computed + n]))
+        except OutOfBlocksError:
+            return False
+        return True
+
     # ---- drafting ----------------------------------------------------------
-    def propose_many(self, wants) -> list[list[int]]:
-        """Greedy drafts for [(seq id, token ids, most tokens)], one list each."""
+    def propose_many(self, wants, catch_up_budget: int | None = None) -> list[list[int]]:
+        """Greedy drafts for [(seq id, token ids, most tokens)], one list each. A sequence
+        lagging more than free_lag tokens is caught up with at most catch_up_budget tokens
+        in all (None: unbounded), in want order, and drafts only once the piece reaches its
+        newest token."""
         drafts: list[list[int]] = [[] for _ in wants]
-        live = []   # (index in wants, draft sequence, tokens to draft)
+        budget = float("inf") if catch_up_budget is None else max(0, catch_up_budget)
+        work = []   # (index in wants or None for a catch-up piece, draft sequence, tokens to draft)
+        charged = 0
+        self.lagging = set()
         for at, (seq_id, token_ids, k) in enumerate(wants):
-            state = self._caught_up(seq_id, token_ids)
-            if state is None:
+            try:
+                state = self._state(seq_id, token_ids)
+            except OutOfBlocksError:   # the draft pool is full: this sequence drafts nothing this step
+                self.lagging.add(seq_id)
+                continue
+            lag = len(token_ids) - state.num_computed
+            n = lag if lag <= self.free_lag else int(min(lag, budget - charged))
+            if n <= 0 or not self._place(state, token_ids, n):
+                self.lagging.add(seq_id)
+                continue
+            if lag > self.free_lag:
+                charged += n
+            if n < lag:   # a piece: computed now, no draft until the rest is
+                self.lagging.add(seq_id)
+                work.append((None, state, 0))
                 continue
             # tokens after the first run at the slots after the newest placed one, in its block
             k = min(k, self.num_draft_tokens, 1 + block_room(state.num_tokens - 1, self.runner.kv.block_size))
-            live.append((at, state, k))
-        if not live:
+            work.append((at, state, k))
+        self.last_catch_up_tokens = charged
+        self.catch_up_tokens += charged
+        if not work:
             return drafts
         started = time.perf_counter()
-        first = self._catch_up([state for _, state, _ in live])
-        for (at, _, _), token in zip(live, first):
-            drafts[at].append(token)
-        self._extend(live, drafts)
+        first = self._catch_up([state for _, state, _ in work])
+        live = [(at, state, k) for at, state, k in work if at is not None]
+        for (at, _, _), token in zip(work, first):
+            if at is not None:
+                drafts[at].append(token)
+        if live:
+            self._extend(live, drafts)
         self.forward_seconds += time.perf_counter() - started
         return drafts
 
     def _catch_up(self, states: list[SeqState]) -> list[int]:
         """Compute every placed, uncomputed token of states in n_batch-sized batched
-        steps; returns each state's argmax after its last token."""
+        steps; returns each state's argmax after its last placed token."""
         firsts: dict[int, int] = {}
         n_batch = self.runner.n_batch
         while len(firsts) < len(states):
@@ -192,6 +241,7 @@ class DraftModelDrafter:
         """Free every draft sequence, the draft runner and its model."""
         model = self.runner.model
         self._seqs.clear()   # the pool goes with the runner
+        self.lagging.clear()
         self.runner.close()
         model.close()
 
@@ -200,6 +250,7 @@ class DraftModelDrafter:
         kv = self.runner.kv
         pool = kv.pool.stats()
         return {"spec_draft_forward_seconds": self.forward_seconds, "spec_draft_forwards": self.num_forwards,
+                "spec_draft_catch_up_tokens": self.catch_up_tokens, "spec_draft_lagging": len(self.lagging),
                 "spec_draft_sequences": len(self._seqs), "spec_draft_blocks_used": pool.num_used,
                 "spec_draft_blocks_total": pool.num_blocks}
 

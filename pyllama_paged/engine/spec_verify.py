@@ -48,10 +48,13 @@ class Speculator:
         """Whether a request speculates: sampled (not beams), not opted out."""
         return not request.is_beam and getattr(request.params, "speculative", True) is not False
 
-    def draft(self, output, seqs: dict, requests: list, kv, n_batch: int, limit: int) -> dict[int, list[int]]:
+    def draft(self, output, seqs: dict, requests: list, kv, n_batch: int, limit: int,
+              catch_up_budget: int | None = None) -> dict[int, list[int]]:
         """Drafts for the step's decode items: {item index: tokens}. A draft stays in the
         block of its sequence's newest token, within the step's n_batch, the context
-        limit and the request's max_tokens (the step emits at most draft + 1 tokens)."""
+        limit and the request's max_tokens (the step emits at most draft + 1 tokens).
+        catch_up_budget: the tokens a draft model may compute this step to catch up
+        sequences it lags behind (the step's spare prefill budget; None: no bound)."""
         room = n_batch - sum(output.num_tokens)
         # a drafter's per-sequence state (a draft model's KV) goes with preempted and ended sequences
         self.drafter.retain({seq_id for seq_id, seq in seqs.items() if seq.kv is not None and not seq.is_finished})
@@ -75,8 +78,13 @@ class Speculator:
             wanted.append((i, k))
             room -= k   # reserved whole: drafts are proposed together (a draft model batches them)
         proposed = self.drafter.propose_many([(output.seq_ids[i], seqs[output.seq_ids[i]].token_ids, k)
-                                              for i, k in wanted]) if wanted else []
+                                              for i, k in wanted], catch_up_budget)
         return {i: tokens for (i, _), tokens in zip(wanted, proposed) if tokens}
+
+    @property
+    def last_catch_up_tokens(self) -> int:
+        """Tokens the drafter computed under the catch-up budget in the latest draft()."""
+        return self.drafter.last_catch_up_tokens
 
     def forget(self, seqs) -> None:
         """An ended request's sequences: the drafter frees what it holds for them."""

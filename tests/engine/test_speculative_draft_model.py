@@ -12,6 +12,7 @@ from pyllama_paged.engine.config import EngineConfig
 from pyllama_paged.engine.llm_engine import LLMEngine
 from pyllama_paged.engine.model import default_model_path
 from pyllama_paged.engine.sampler import SamplingParams
+from pyllama_paged.engine.scheduler import SchedulerConfig
 from pyllama_paged.engine.spec_draft import SpeculativeConfig
 from pyllama_paged.engine.spec_draft_model import DraftModelDrafter
 from pyllama_paged.errors import PagedError
@@ -183,3 +184,88 @@ def test_a_draft_model_with_another_vocabulary_is_refused(llm, tiny_gguf_bytes, 
     assert str(other) in str(error.value) and llm.model_path in str(error.value)
     with pytest.raises(PagedError, match="vocabulary"):
         Llama(n_ctx=256, n_threads=2, speculative={"draft_model": str(other)})
+
+
+# ---- catching the draft model up on long prompts ------------------------------------------
+class _DraftWatch:
+    """Records, per draft call of the engine's real drafter, the catch-up budget it was
+    given, the tokens its runner computed, each sequence's draft, and which sequences it
+    left behind (wrapping the drafter's and its runner's own methods, which still run)."""
+
+    def __init__(self, drafter):
+        self.calls = []
+        self._computed = 0
+        propose, step = drafter.propose_many, drafter.runner.step
+
+        def counted_step(work):
+            self._computed += sum(n for _, n in work)
+            return step(work)
+
+        def watched_propose(wants, catch_up_budget=None):
+            self._computed = 0
+            drafts = propose(wants, catch_up_budget)
+            self.calls.append({"budget": catch_up_budget, "computed": self._computed,
+                               "charged": drafter.last_catch_up_tokens, "lagging": set(drafter.lagging),
+                               "drafts": {seq_id: d for (seq_id, _, _), d in zip(wants, drafts)},
+                               # after the call: 0 for a sequence whose draft saw every token
+                               "lag": {seq_id: drafter.lag(seq_id, ids) for seq_id, ids, _ in wants}})
+            return drafts
+
+        drafter.runner.step, drafter.propose_many = counted_step, watched_propose
+
+
+def test_long_prompts_catch_the_draft_model_up_within_the_prefill_budget(llm):
+    """Two long prompts arrive beside a running stream (the draft model has seen neither):
+    no step computes more catch-up tokens than the step's spare prefill budget, which the
+    cap on prefill beside decodes bounds; a long sequence decodes without drafts until its
+    draft sequence has every token, then drafts; the answers are the target's."""
+    cap = 48
+    engine = _engine(llm, default_model_path(), n_ctx=1024, kv_tokens=4096,
+                     scheduler=SchedulerConfig(max_prefill_tokens_with_decodes=cap))
+    try:
+        drafter = engine.speculator.drafter
+        watch = _DraftWatch(drafter)
+        short = _chat(llm, POEM)
+        longs = [_chat(llm, f"Note {i}. Repeat after me. " + text)
+                 for i, text in enumerate((FACTS * 40, POEM * 36))]
+        assert all(400 < len(p) < 600 for p in longs)
+        # the running stream decodes one token a step, so that it runs through both prompts' catch-up
+        running = engine.add_request(short, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                           speculative=False))
+        while len(running.seqs[0].output_ids) < 2:
+            engine.step()
+        late = [engine.add_request(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+                for p in longs]
+        long_ids = {r.seqs[0].seq_id for r in late}
+        while engine.has_work():
+            engine.step()
+        assert all(r.error is None for r in [running, *late])
+
+        calls = [call for call in watch.calls if call["drafts"]]   # steps with decodes wanting drafts
+        for call in calls:
+            budget = call["budget"]
+            assert budget is not None and budget <= cap and call["charged"] <= budget, call
+            drafted = [seq_id for seq_id, d in call["drafts"].items() if d]
+            # only a sequence's own few newest tokens are computed outside the budget
+            assert call["computed"] <= budget + drafter.free_lag * len(drafted), call
+            for seq_id in drafted:
+                assert call["lag"][seq_id] == 0 and seq_id not in call["lagging"], call
+        for seq_id in long_ids:
+            behind = [i for i, call in enumerate(calls) if seq_id in call["lagging"]]
+            with_draft = [i for i, call in enumerate(calls) if call["drafts"].get(seq_id)]
+            # a prompt of 400+ tokens takes several pieces, with no draft meanwhile
+            assert len(behind) >= 400 // cap - 1 and with_draft and min(with_draft) > max(behind)
+        # the draft model saw neither prompt: all of both came through the budget, spread over steps
+        charged = sum(call["charged"] for call in watch.calls)
+        assert charged >= sum(len(p) for p in longs) and engine.stats()["spec_draft_catch_up_tokens"] == charged
+
+        # the answers without speculation, all three in one batch (another batch shape: near-ties may part)
+        alone = _generate(engine, [(p, SamplingParams(max_tokens=r.params.max_tokens, temperature=0,
+                                                      ignore_eos=True, speculative=False))
+                                   for p, r in zip([short, *longs], [running, *late])])
+        logits_of = engine_logits(engine.runner)
+        for prompt, [want], request in zip([short, *longs], alone, [running, *late]):
+            assert_greedy_agree(prompt, want, request.seqs[0].output_ids, logits_of, engine.eot_ids)
+        _assert_settled(engine)
+    finally:
+        engine.close()
