@@ -46,6 +46,10 @@ class SchedulerConfig:
     # first, for offline batches).
     itl_budget: float | str | None = None
     min_prefill_tokens_with_decodes: int = 16   # waiting users progress even at the budget
+    # Tokens of a step that running prefills leave to admitting waiting requests: a long
+    # prompt prefilling alone would otherwise take whole steps until it is done, and a short
+    # request arriving meanwhile (the next turn of a running chat) would wait for all of it.
+    admission_reserve_tokens: int = 64
     # Host memory that swapped-out KV may hold (vLLM's swap_space); a preemption that
     # would pass it recomputes instead, so swapping never grows the process unbounded.
     swap_space_bytes: int = 4 << 30
@@ -264,7 +268,10 @@ class Scheduler:
         plan.num_decodes = len(plan.seq_ids)
         step.itl_budget = self.itl_budget_seconds()
         self._cap_prefill(step)
+        reserve = self._admission_reserve(step)
+        step.budget -= reserve
         self._schedule_running_prefills(step)
+        step.budget += reserve
         if not step.preempted:
             self._resume_swapped()
             if not self._admit_waiting(step):
@@ -339,6 +346,13 @@ class Scheduler:
             cap = min(cap, max(self.config.min_prefill_tokens_with_decodes,
                                self.step_cost.prefill_tokens_within(self._plan.num_decodes, step.itl_budget)))
         step.budget = min(step.budget, cap)
+
+    def _admission_reserve(self, step: "_StepState") -> int:
+        """The part of the step's budget kept from running prefills for a waiting request
+        that could be admitted now (0 when none waits or no sequence place is free)."""
+        if not self.waiting or self.num_running_seqs() >= self.config.max_num_seqs:
+            return 0
+        return max(0, min(self.config.admission_reserve_tokens, step.budget // 2))
 
     def _schedule_running_prefills(self, step: "_StepState") -> None:
         """Next prefill chunks of running requests still prefilling."""

@@ -76,6 +76,21 @@ def test_long_prompts_are_prefilled_in_chunks_of_the_budget():
     assert r.seqs[0].kv.num_computed == 20 and len(r.seqs[0].token_ids) == 21   # its first token drawn
 
 
+def test_a_long_prefill_leaves_room_to_admit_a_request_that_arrives():
+    # the next turn of a running chat must not wait for all of a long prompt's prefill
+    # (noisy_neighbour's long prompt: a 3.9 s gap between two answers of another user)
+    sched = make(num_blocks=32, budget=16, admission_reserve_tokens=4)
+    long = request(sched, "long", 48, arrival=1.0)
+    carry_out(sched, sched.schedule())
+    assert long.seqs[0].kv.num_computed == 16   # alone, it takes the whole budget
+    short = request(sched, "short", 4, arrival=2.0)
+    plan = sched.schedule()
+    assert work(plan) == [(long.seqs[0].seq_id, 12), (short.seqs[0].seq_id, 4)]
+    carry_out(sched, plan)
+    plan = sched.schedule()   # nobody waits: the long prefill has the budget again, beside a decode
+    assert work(plan)[0] == (short.seqs[0].seq_id, 1) and work(plan)[1] == (long.seqs[0].seq_id, 15)
+
+
 def test_decodes_come_first_and_cap_the_prefill_beside_them():
     sched = make(budget=6)
     old = request(sched, "old", 4, arrival=1.0)
