@@ -9,9 +9,12 @@ thread count, each step runs on the cores that are free now:
 - what the OS says: the runnable tasks that are not this step (Linux's /proc/loadavg,
   sampled between steps, when our own workers sleep), averaged over the last few steps;
 - what the steps say: seconds per token measured for each thread count and step size,
-  so that when the OS's count misleads (a competitor that mostly sleeps, hyper-threads),
-  the count that actually ran faster wins. The count next to the chosen one is tried
-  now and then to keep its figure fresh; the less it wins, the more rarely.
+  so that when the OS's count misleads (a competitor that mostly sleeps), the count that
+  actually ran faster wins. The count next to the chosen one is tried now and then to keep
+  its figure fresh; the less it wins, the more rarely. More threads than the OS says are
+  free are tried only when its count varies (a competitor that sleeps at times): beside
+  competitors that never sleep such a try costs a time slice at every barrier, up to 50x
+  a step.
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ class ThreadPolicy:
     WINDOW = 8              # steps the OS's count is averaged over
     EXPLORE_FIRST = 32      # steps between two tries of the neighbouring count, at first
     EXPLORE_MAX = 1024      # and at most, after tries that lost
+    # Trying more threads than the OS says are free can cost a scheduler time slice at each
+    # barrier (a step many times its usual length), trying fewer only the lost parallelism:
+    # the first kind of try is this many times rarer.
+    UP_FACTOR = 8
     MEMORY = 0.3            # weight of a new measurement in a count's running figure
     MARGIN = 0.9            # a measured count must be this much faster to overrule the OS
     STALE_STEPS = 512       # a figure older than this no longer overrules the OS
@@ -98,7 +105,7 @@ class ThreadPolicy:
             # the load changed: what was measured under the old one no longer holds
             self.seconds_per_token.clear()
             self.explore_every = self.EXPLORE_FIRST
-            self.next_explore = min(self.next_explore, self.steps + self.EXPLORE_FIRST)
+            self.next_explore = min(self.next_explore, self.steps + self._explore_interval(base == 1))
             self.last_base = base
         bucket = _bucket(tokens)
         choice, why = base, "os"
@@ -107,7 +114,16 @@ class ThreadPolicy:
             choice, why = best, "measured"
         if self.max_threads > 1 and self.steps >= self.next_explore:
             neighbour = choice - 1 if choice > 1 else choice + 1
-            self.next_explore = self.steps + self.explore_every
+        else:
+            neighbour = None
+        if neighbour is not None and neighbour > base and self._load_is_steady():
+            # every reading saw the same competitors runnable: they hold their cores, and a
+            # try of more threads would only stall at the barriers
+            self.next_explore = self.steps + self._explore_interval(True)
+            neighbour = None
+        if neighbour is not None:
+            # the next try is planned once this one's result is in (record)
+            self.next_explore = self.steps + self._explore_interval(neighbour > base)
             self.exploring = (neighbour, choice)
             choice, why = neighbour, "explore"
         self.decisions[why] += 1
@@ -152,6 +168,15 @@ class ThreadPolicy:
                 # a try that lost is repeated ever more rarely: each costs a slow step
                 won = per_token < reference * self.MARGIN
                 self.explore_every = self.EXPLORE_FIRST if won else min(self.EXPLORE_MAX, self.explore_every * 2)
+                self.next_explore = self.steps + self._explore_interval(tried > self.last_base)
+
+    def _load_is_steady(self) -> bool:
+        """Whether the OS's count held one value over the whole window."""
+        return len(self.load) == self.load.maxlen and min(self.load) == max(self.load)
+
+    def _explore_interval(self, upward: bool) -> int:
+        """Steps until the next try (a try of more threads than the OS says are free: rarer)."""
+        return self.explore_every * (self.UP_FACTOR if upward else 1)
 
     def stats(self) -> dict:
         """What the policy decided, for `info`-style reporting and tests."""
