@@ -247,7 +247,7 @@ def test_a_declared_size_past_the_cap_or_the_free_space_is_refused_before_downlo
         registry.close()
 
 
-def test_a_full_disk_is_not_retried(env, gguf):
+def test_a_full_disk_is_not_retried(env, gguf, tmp_path):
     digest = env.add_registry_model("tiny", "latest", gguf)
     script = textwrap.dedent("""
         import resource, sys
@@ -260,8 +260,10 @@ def test_a_full_disk_is_not_retried(env, gguf):
             print("storage:", e)
             sys.exit(3)
     """)
+    # cwd away from the checkout: `python -c` puts the cwd first on sys.path, and the source
+    # tree has no compiled library (the installed package has)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ))
+                       env=dict(os.environ), cwd=tmp_path)
     assert p.returncode == 3, p.stdout + p.stderr
     assert "free some space" in p.stdout
     assert len(env.seen("GET", "/cdn/")) == 1   # no retry of what no retry can mend
