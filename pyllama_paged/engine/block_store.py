@@ -453,11 +453,19 @@ class DiskBlockStore:
             return True
         if self._dir < 0:
             return False
+        name = _key_name(key)
         try:
-            st = os.stat(_key_name(key), dir_fd=self._dir, follow_symlinks=False)
+            st = os.stat(name, dir_fd=self._dir, follow_symlinks=False)
         except OSError:
             return False
-        return stat.S_ISREG(st.st_mode) and (nbytes is None or st.st_size == _HEADER.size + nbytes)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        if nbytes is not None and st.st_size != _HEADER.size + nbytes:
+            # entries appear whole (written aside, then renamed): another length is a damaged
+            # file, counted and removed here as a read would, since no read will come for it
+            self._corrupt(name, st)
+            return False
+        return True
 
     def get(self, key: bytes, nbytes: int | None = None) -> np.ndarray | None:
         """The block's bytes, checked against the file's checksum; None if the file is

@@ -304,6 +304,23 @@ def test_a_short_read_is_a_miss(tmp_path):
         os.close(fd)
 
 
+def test_an_entry_of_the_wrong_length_is_counted_and_removed_when_looked_up(tmp_path):
+    # the tiers ask has() before get(): a truncated entry must not just end the chain quietly
+    # (a chain that starts at it would never read it, and it would stay forever)
+    store = block_store.DiskBlockStore(str(tmp_path / "kv"), max_bytes=1 << 20)
+    try:
+        key, data = b"k" * 16, np.arange(4096, dtype=np.uint8)
+        store.put(key, data)
+        store.flush()
+        assert store.has(key, data.nbytes)
+        [name] = [f for f in os.listdir(tmp_path / "kv") if f.endswith(".kvb")]
+        os.truncate(tmp_path / "kv" / name, 100)
+        assert not store.has(key, data.nbytes)
+        assert store.num_corrupt == 1 and not (tmp_path / "kv" / name).exists()
+    finally:
+        store.close()
+
+
 # ---- keys --------------------------------------------------------------------------------
 _KEYS = """
 import sys
