@@ -9,7 +9,7 @@ from .api.llama_compat import (LlamaCache, LlamaRAMCache, LlamaState, LlamaToken
                                LogitsProcessorList, MinTokensLogitsProcessor, StoppingCriteria, StoppingCriteriaList)
 from .api.llama_grammar import LlamaGrammar
 from .engine.loop import EngineLoop, RequestStream
-from .engine.sampler import SamplingParams
+from .engine.worker.sampler import SamplingParams
 from .errors import ComputeError, ModelLoadError, NativeError, OutOfBlocksError, PagedError, RequestError
 from ._version import __version__
 

@@ -39,7 +39,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 def _require_gpu(args) -> None:
     """--gpu-layers on a machine whose GGML lists no GPU is an error here (Llama only warns)."""
     if args.gpu_layers:
-        from .engine.devices import gpu_device
+        from .engine.worker.devices import gpu_device
 
         gpu_device(args.main_gpu)
 
@@ -217,7 +217,7 @@ def serve_settings(args) -> tuple:
 
     from .server.app import ORIGINS_ENV, origins_from
     from .server.generation import Limits
-    from .engine.thread_policy import MAX_THREADS, default_threads
+    from .engine.worker.thread_policy import MAX_THREADS, default_threads
     from .server.registry import EngineOptions
 
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
@@ -268,8 +268,8 @@ def _add_pull_allow(p: argparse.ArgumentParser) -> None:
 
 def _prefix_tiers(args):
     """serve's prefix-cache tier flags as a PrefixTierConfig (None: no tier)."""
-    from .engine.block_store import check_directory
-    from .engine.prefix_tiers import PrefixTierConfig
+    from .engine.kv.block_store import check_directory
+    from .engine.kv.prefix_tiers import PrefixTierConfig
 
     if args.cache_ram < 0:
         raise SystemExit(f"--cache-ram must be >= 0 MiB, got {args.cache_ram}")
@@ -290,7 +290,7 @@ def _prefix_tiers(args):
 
 def _speculative(args):
     """serve's speculative-decoding flags as a SpeculativeConfig (None: off)."""
-    from .engine.spec_draft import SpeculativeConfig
+    from .engine.spec.draft import SpeculativeConfig
     from .errors import PagedError
 
     method = args.speculative
@@ -324,7 +324,7 @@ def cmd_serve(args) -> int:
 def serve_on_ray(args) -> int:
     """`serve --ray ADDRESS`: the server as replicas on a Ray cluster, through Ray Serve."""
     try:
-        from .server.ray_app import ScaleOut, run_on_ray
+        from .server.scale_out.ray_app import ScaleOut, run_on_ray
     except ImportError as e:
         raise SystemExit(f"--ray needs Ray Serve: pip install 'pyllama-paged[ray]' ({e})") from None
     if args.kv_events:
@@ -373,7 +373,7 @@ def kv_events_settings(args):
     """The KVEventsConfig of `serve --kv-events ...`, or None when events are off."""
     if not args.kv_events:
         return None
-    from .server.kv_events import KVEventsConfig
+    from .server.scale_out.kv_events import KVEventsConfig
 
     return KVEventsConfig(endpoint=args.kv_events, replay_endpoint=args.kv_events_replay,
                           topic=args.kv_events_topic, format=args.kv_events_format,
@@ -417,9 +417,9 @@ def parse_kv_budget(text: str) -> tuple[int | None, int | None]:
 
 
 def cmd_info(args) -> int:
-    from .engine.model import Model
-    from .engine.kv_groups import KVGroups
-    from .engine.model_runner import KV_TYPES, dense_kv_bytes_per_token
+    from .engine.worker.model import Model
+    from .engine.kv.groups import KVGroups
+    from .engine.worker.model_runner import KV_TYPES, dense_kv_bytes_per_token
 
     model = Model(args.path, n_gpu_layers=args.gpu_layers, main_gpu=args.main_gpu)
     cfg = model.config
@@ -461,7 +461,7 @@ def cmd_info(args) -> int:
 
 
 def _print_devices(model) -> None:
-    from .engine.devices import list_devices
+    from .engine.worker.devices import list_devices
 
     print("devices (GGML):")
     for d in list_devices():

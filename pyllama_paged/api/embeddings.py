@@ -1,7 +1,7 @@
 """Embeddings as the APIs give them: inputs tokenized and fitted to the model's
 context (truncated, or refused with the reason), vectors shortened to
 `dimensions` and L2-normalized, and the llama-cpp-python / OpenAI response
-shapes. The engine does the pooling (engine/embedding.py)."""
+shapes. The engine does the pooling (engine/pooling/embedding.py)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def embed_for_llama(llm, input, normalize: bool, truncate: bool, pooling: str | 
     """Llama.embed's work: (a vector for a str or a list of them for a list, tokens used); with
     per_token, where no pooling applies (token_states_wanted) each input's vector is a list
     of its tokens' vectors, each finished (cut to dimensions, normalized) on its own."""
-    from ..engine.embedding import POOLINGS, TOKEN_STATES, EmbedParams, default_pooling, run_embeddings
+    from ..engine.pooling.embedding import POOLINGS, TOKEN_STATES, EmbedParams, default_pooling, run_embeddings
     from ..gguf.config import POOLING_TYPES
 
     steps = llm._shared_steps()

@@ -12,16 +12,16 @@ import numpy as np
 from .._native import GGML_LOG_DEBUG, lib
 from ..constrain.formats import from_python
 from ..engine.llm_engine import RequestOutput
-from ..engine.model import Model
+from ..engine.worker.model import Model
 from ..engine.builder import build_engine
 from ..engine.config import EngineConfig
-from ..engine.prefix_tiers import PrefixTierConfig
-from ..engine.spec_draft import SpeculativeConfig
-from ..engine.devices import list_devices
-from ..engine.sampler import SamplingParams
-from ..engine.scheduler import SchedulerConfig
+from ..engine.kv.prefix_tiers import PrefixTierConfig
+from ..engine.spec.draft import SpeculativeConfig
+from ..engine.worker.devices import list_devices
+from ..engine.worker.sampler import SamplingParams
+from ..engine.sched.scheduler import SchedulerConfig
 from ..engine.shared_steps import SharedSteps
-from ..engine.thread_policy import default_threads
+from ..engine.worker.thread_policy import default_threads
 from ..errors import PagedError, RequestError
 from .llama_chat import chat_chunks, collect_chat, legacy_functions
 from .llama_chat_format import is_vision_handler, vision_refusal

@@ -6,8 +6,8 @@ penalized log-probability."""
 
 from __future__ import annotations
 
-from .request import Request, Sequence
-from .sampler import Sampler, SamplingParams
+from .sched.request import Request, Sequence
+from .worker.sampler import Sampler, SamplingParams
 
 
 def expansion_sampler(width: int) -> Sampler:

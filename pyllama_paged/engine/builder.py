@@ -4,10 +4,10 @@ embedding (encoder) model, an LLMEngine from its EngineConfig otherwise."""
 from __future__ import annotations
 
 from .config import EngineConfig
-from .encoder import EncoderEngine, encoder_engine
+from .pooling.encoder import EncoderEngine, encoder_engine
 from .llm_engine import LLMEngine
-from .model import Model
-from .thread_policy import ThreadPolicy
+from .worker.model import Model
+from .worker.thread_policy import ThreadPolicy
 
 
 def build_engine(config: EngineConfig, model: Model, eot_ids=None) -> LLMEngine | EncoderEngine:

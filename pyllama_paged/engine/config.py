@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import PagedError
-from .scheduler import SchedulerConfig
-from .prefix_tiers import PrefixTierConfig
-from .spec_draft import SpeculativeConfig
+from .sched.scheduler import SchedulerConfig
+from .kv.prefix_tiers import PrefixTierConfig
+from .spec.draft import SpeculativeConfig
 
 
 @dataclass(slots=True)

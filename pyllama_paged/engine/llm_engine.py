@@ -10,22 +10,22 @@ import time
 import numpy as np
 
 from .beam_search import advance_beams, expansion_sampler, ranked_beams
-from .embedding import DecoderPooling, EmbedParams
+from .pooling.embedding import DecoderPooling, EmbedParams
 from .config import EngineConfig
-from .devices import device_kv_budget
-from .model import Model
-from .model_runner import ModelRunner, dense_kv_bytes_per_token
+from .worker.devices import device_kv_budget
+from .worker.model import Model
+from .worker.model_runner import ModelRunner, dense_kv_bytes_per_token
 from .outputs import RequestOutput, TokenEvent
 from ..errors import PagedError, RequestError
-from .sampler import BatchSampler, Sampled, Sampler, SamplingParams
+from .worker.sampler import BatchSampler, Sampled, Sampler, SamplingParams
 from .scoring import PromptScores, ScoreParams
-from .preemption import SwapSpace
-from .prefix_tiers import PrefixTierConfig, PrefixTiers, TierWriter, kv_identity, model_fingerprint
-from .scheduler import Scheduler, SchedulerConfig
-from .scheduler_output import SchedulerOutput
-from .spec_verify import Speculator
-from .spec_draft_model import drafter_for
-from .request import Request, RequestStatus, Sequence
+from .sched.preemption import SwapSpace
+from .kv.prefix_tiers import PrefixTierConfig, PrefixTiers, TierWriter, kv_identity, model_fingerprint
+from .sched.scheduler import Scheduler, SchedulerConfig
+from .sched.scheduler_output import SchedulerOutput
+from .spec.verify import Speculator
+from .spec.draft_model import drafter_for
+from .sched.request import Request, RequestStatus, Sequence
 from ..tokenizer.tokenizer import Tokenizer
 
 

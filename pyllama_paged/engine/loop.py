@@ -14,7 +14,7 @@ from collections import deque
 
 from ..errors import PagedError
 from .llm_engine import LLMEngine, RequestOutput
-from .sampler import SamplingParams
+from .worker.sampler import SamplingParams
 
 _END = object()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .model_runner import ModelRunner
+from .worker.model_runner import ModelRunner
 from .scoring import MAX_SCORE_ROWS as _ROWS, score_rows
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import PagedError
-from .sampler import MAX_LOGPROBS, log_softmax
+from .worker.sampler import MAX_LOGPROBS, log_softmax
 
 MAX_SCORE_ROWS = 32          # positions per step: 32 x 262,144 floats is 32 MiB of logits
 

@@ -22,13 +22,16 @@ from starlette.exceptions import HTTPException
 from ..errors import ModelLoadError, ModelsBusyError
 from .dashboard import DASHBOARD_HTML
 from .generation import APIError, Limits, limit_flag
-from .kv_events import KVEventPublisher, KVEventsConfig
+from .scale_out.kv_events import KVEventPublisher, KVEventsConfig
 from .metrics import Metrics
 from .registry import EngineOptions, ModelRegistry
-from ..server import anthropic_api, embeddings_api, ollama_api, ollama_manage, openai_api, openai_responses
-from ..server import rerank_api
-from ..server import router_contract
-from .anthropic_schemas import error_body as anthropic_error_body
+from .anthropic import api as anthropic_api
+from .pooling import embeddings as embeddings_api
+from .ollama import api as ollama_api, manage as ollama_manage
+from .openai import api as openai_api, responses as openai_responses
+from .pooling import rerank as rerank_api
+from .scale_out import router_contract
+from .anthropic.schemas import error_body as anthropic_error_body
 
 log = logging.getLogger("pyllama_paged.server")
 

@@ -19,14 +19,14 @@ from ..tokenizer.chat_template import ChatTemplate
 from ..engine.loop import EngineLoop
 from ..engine.builder import build_engine
 from ..engine.config import EngineConfig
-from ..engine.prefix_tiers import PrefixTierConfig
-from ..engine.spec_draft import SpeculativeConfig
-from ..engine.encoder import EncoderEngine
+from ..engine.kv.prefix_tiers import PrefixTierConfig
+from ..engine.spec.draft import SpeculativeConfig
+from ..engine.pooling.encoder import EncoderEngine
 from ..engine.llm_engine import LLMEngine
-from ..engine.model import Model, default_model_path
-from ..engine.scheduler import SchedulerConfig
+from ..engine.worker.model import Model, default_model_path
+from ..engine.sched.scheduler import SchedulerConfig
 from ..engine.scoring import ScoreParams
-from ..engine.thread_policy import default_threads
+from ..engine.worker.thread_policy import default_threads
 from ..errors import ModelLoadError, ModelsBusyError, PagedError
 from ..models.store import ModelStore, StoredModel
 from ..tokenizer.tokenizer import Tokenizer
@@ -47,7 +47,7 @@ class EngineOptions:
     paged: bool = True
     n_ctx: int = 4096
     n_threads: int = field(default_factory=default_threads)   # exact, or the most with adapt_threads
-    adapt_threads: bool = False   # each step on the cores free now (engine/thread_policy.py)
+    adapt_threads: bool = False   # each step on the cores free now (engine/worker/thread_policy.py)
     n_batch: int = 512
     block_size: int = 32
     kv_cache_type: str = "f16"

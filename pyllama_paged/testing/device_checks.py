@@ -31,8 +31,8 @@ def _tiny(arch: str, folder: Path) -> str:
 
 
 def _runner(path, n_gpu_layers: int, **kw):
-    from ..engine.model import Model
-    from ..engine.model_runner import ModelRunner
+    from ..engine.worker.model import Model
+    from ..engine.worker.model_runner import ModelRunner
 
     model = Model(path, n_gpu_layers=n_gpu_layers)
     settings = dict(n_ctx=256, n_threads=2, n_batch=64, block_size=16)
@@ -116,8 +116,8 @@ PROMPTS = [list(np.random.default_rng(i).integers(4, 300, size=n)) for i, n in e
 
 def _engine(model, num_blocks=None, mode="recompute", free=True):
     from ..engine.llm_engine import LLMEngine
-    from ..engine.model_runner import ModelRunner
-    from ..engine.scheduler import SchedulerConfig
+    from ..engine.worker.model_runner import ModelRunner
+    from ..engine.sched.scheduler import SchedulerConfig
 
     runner = ModelRunner(model, n_ctx=256, n_threads=2, n_batch=64, block_size=16, num_blocks=num_blocks,
                          free_window_blocks=free)
@@ -129,8 +129,8 @@ def check_engine() -> dict:
     window 16): batched greedy requests with window pages given back, swap and recompute
     preemption in a pool too small for all, n=3 samples and beams; answers compared with
     the CPU engine's, each request alone (near-ties allowed as in testing/agreement.py)."""
-    from ..engine.model import Model
-    from ..engine.sampler import SamplingParams
+    from ..engine.worker.model import Model
+    from ..engine.worker.sampler import SamplingParams
     from .agreement import assert_greedy_agree, engine_logits, run_to_completion
 
     greedy = SamplingParams(max_tokens=40, temperature=0)
@@ -177,7 +177,7 @@ def check_window() -> dict:
     """Several windows long on the device (tiny Gemma 3, window 16, pages given back):
     every position's logits against the reference, and the window group holding only
     what its next query sees."""
-    from ..engine.kv_manager import commit_chunks
+    from ..engine.kv.manager import commit_chunks
     from .reference.numpy_model import ReferenceModel
 
     prompt = [int(x) for x in np.random.default_rng(5).integers(4, 300, size=150)]
@@ -283,8 +283,8 @@ def check_server() -> dict:
 def check_limits() -> dict:
     """Asking the device for more than it holds: a KV pool above what it binds in one
     tensor is a clear error, and the same process then serves a model that fits."""
-    from ..engine.model import Model
-    from ..engine.model_runner import ModelRunner
+    from ..engine.worker.model import Model
+    from ..engine.worker.model_runner import ModelRunner
     from ..errors import PagedError
 
     model = Model(n_gpu_layers=-1)
@@ -310,7 +310,7 @@ CHECKS = {"reference": check_reference, "forks": check_forks, "engine": check_en
 
 def main(argv=None) -> int:
     """Run one check and print its answer as a JSON line (with the device it ran on)."""
-    from ..engine.devices import gpu_device
+    from ..engine.worker.devices import gpu_device
 
     argv = sys.argv[1:] if argv is None else argv
     name, args = argv[0], argv[1:]

@@ -123,7 +123,7 @@ def seed_sizes(docs: dict[str, mut.Doc]) -> dict[str, tuple[int, int]]:
 
 def _exercise(model, tokenizer, template) -> None:
     """Use a model that opened: the first request would do this much."""
-    from pyllama_paged.engine.model_runner import ModelRunner
+    from pyllama_paged.engine.worker.model_runner import ModelRunner
 
     ids = [t for t in tokenizer.encode("Hello the world <|im_end|>", parse_special=True)
            if 0 <= t < model.config.n_vocab][:8] or [0]
@@ -141,7 +141,7 @@ def open_case(path: str, exercise: bool) -> dict:
     """Open one case file the way the library does; classify the outcome."""
     from pyllama_paged.tokenizer.chat_template import ChatTemplate
     from pyllama_paged.errors import PagedError
-    from pyllama_paged.engine.model import Model
+    from pyllama_paged.engine.worker.model import Model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
     stage = "reader"
@@ -184,7 +184,7 @@ def worker_main(exercise: bool, mem_limit_mb: int) -> None:
         limit = mem_limit_mb << 20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     warnings.simplefilter("ignore")  # e.g. "unknown BPE pre-tokenizer": expected here
-    import pyllama_paged.engine.model  # noqa: F401 - import once, before the first case
+    import pyllama_paged.engine.worker.model  # noqa: F401 - import once, before the first case
     for line in sys.stdin:
         req = json.loads(line)
         replies.write(json.dumps({"id": req["id"], **open_case(req["path"], exercise)}) + "\n")

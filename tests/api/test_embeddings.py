@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from pyllama_paged import EngineLoop, Llama, PagedError, SamplingParams
-from pyllama_paged.engine.model import Model
+from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.convert.bert_gguf import gguf_tensor_name, llama_cpp_token
-from pyllama_paged.engine.embedding import EmbedParams
-from pyllama_paged.engine.encoder import pack
+from pyllama_paged.engine.pooling.embedding import EmbedParams
+from pyllama_paged.engine.pooling.encoder import pack
 from pyllama_paged.tokenizer.tokenizer import Tokenizer
 from pyllama_paged.tokenizer.wordpiece import split_words
 from pyllama_paged.testing.reference.bert_reference import bert_embedding
@@ -97,7 +97,7 @@ def test_pack_bounds_padding():
 
 def test_many_requests_at_once_through_the_loop(tiny_bert, bert):
     """Requests from several threads share the encoder's steps; each gets its own vector."""
-    from pyllama_paged.engine.encoder import encoder_engine
+    from pyllama_paged.engine.pooling.encoder import encoder_engine
     model = Model(tiny_bert[2]["f32"])
     runner, engine = encoder_engine(model, 2)
     loop = EngineLoop(engine)
@@ -170,7 +170,7 @@ def test_decoder_embedding_matches_reference(tiny_decoders, arch, pooling):
 
 def _embed_ids(llm, prompts, pooling):
     from pyllama_paged.api.embeddings import finish_vector
-    from pyllama_paged.engine.embedding import run_embeddings
+    from pyllama_paged.engine.pooling.embedding import run_embeddings
     from pyllama_paged.engine.shared_steps import SharedSteps
     return [finish_vector(v) for v in run_embeddings(SharedSteps(llm.llm_engine), prompts, EmbedParams(pooling))]
 

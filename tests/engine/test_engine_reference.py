@@ -5,8 +5,8 @@ paged=False, f16 and q8_0 KV."""
 import numpy as np
 import pytest
 
-from pyllama_paged.engine.model_runner import ModelRunner
-from pyllama_paged.engine.model import Model
+from pyllama_paged.engine.worker.model_runner import ModelRunner
+from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
@@ -189,7 +189,7 @@ def test_forced_portable_kernels_leave_the_weights_to_ggml(tmp_path, monkeypatch
 
 
 def test_logit_head_packing_is_refused_twice_or_after_repacking(tmp_path):
-    from pyllama_paged.engine.model import ModelLoadError
+    from pyllama_paged.engine.worker.model import ModelLoadError
     path = write_tiny_model(tmp_path / "llama-q8.gguf", "llama", weight_type="q8_0", n_layer=1, strict=True)
     model = Model(path, pack_panels="any-cpu")
     try:
@@ -207,7 +207,7 @@ def test_logit_head_packing_is_refused_twice_or_after_repacking(tmp_path):
 
 
 def test_repack_twice_is_refused(tiny_models):
-    from pyllama_paged.engine.model import ModelLoadError
+    from pyllama_paged.engine.worker.model import ModelLoadError
     model = Model(tiny_models["llama"])
     try:
         with pytest.raises(ModelLoadError, match="already repacked"):

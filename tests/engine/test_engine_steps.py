@@ -8,10 +8,10 @@ import pytest
 from pyllama_paged.engine.config import EngineConfig
 from pyllama_paged.engine.llm_engine import LLMEngine
 from pyllama_paged.engine.loop import EngineLoop
-from pyllama_paged.engine.model import Model
+from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.engine.prompt_logprobs import prompt_logprobs
-from pyllama_paged.engine.sampler import SamplingParams
-from pyllama_paged.engine.scheduler import SchedulerConfig
+from pyllama_paged.engine.worker.sampler import SamplingParams
+from pyllama_paged.engine.sched.scheduler import SchedulerConfig
 from pyllama_paged.engine.scoring import MAX_SCORE_ROWS, ScoreParams
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model

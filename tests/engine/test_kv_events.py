@@ -1,4 +1,4 @@
-"""The prefix cache's events (engine/kv_events.py) on a tiny model: what a KV-aware router
+"""The prefix cache's events (engine/kv/events.py) on a tiny model: what a KV-aware router
 is told matches what the pool holds, step after step, through hits, evictions, swaps,
 resets and the engine's close."""
 
@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from pyllama_paged._native import lib
-from pyllama_paged.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, reference_group
+from pyllama_paged.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, reference_group
 from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.model import Model
-from pyllama_paged.engine.model_runner import ModelRunner
-from pyllama_paged.engine.sampler import SamplingParams
-from pyllama_paged.engine.scheduler import SchedulerConfig
+from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine.worker.model_runner import ModelRunner
+from pyllama_paged.engine.worker.sampler import SamplingParams
+from pyllama_paged.engine.sched.scheduler import SchedulerConfig
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 BS = 16

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.engine.block_store import DiskBlockStore, HostBlockStore
+from pyllama_paged.engine.kv.block_store import DiskBlockStore, HostBlockStore
 from pyllama_paged.engine.config import EngineConfig
 from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.prefix_tiers import PrefixTierConfig, chain_keys
-from pyllama_paged.engine.sampler import SamplingParams
-from pyllama_paged.engine.scheduler import SchedulerConfig
+from pyllama_paged.engine.kv.prefix_tiers import PrefixTierConfig, chain_keys
+from pyllama_paged.engine.worker.sampler import SamplingParams
+from pyllama_paged.engine.sched.scheduler import SchedulerConfig
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 
 SYSTEM = ("You are the support agent of a hardware shop. Policies: refunds within 30 days with a receipt; "
@@ -127,7 +127,7 @@ def test_disk_store_round_trip_damage_and_bound(tmp_path):
 # both processes write the same 20 keys, the same bytes
 _WRITER = """
 import sys, numpy as np
-from pyllama_paged.engine.block_store import DiskBlockStore
+from pyllama_paged.engine.kv.block_store import DiskBlockStore
 store = DiskBlockStore(sys.argv[1], max_bytes=1 << 30)
 for i in range(40):
     store.put(bytes([i % 20]) * 16, np.full(20000, i % 20, dtype=np.uint8))

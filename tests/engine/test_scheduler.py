@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from pyllama_paged.engine.kv_manager import PagedKV
-from pyllama_paged.engine.request import Request, RequestStatus, Sequence
-from pyllama_paged.engine.sampler import Sampler, SamplingParams
-from pyllama_paged.engine.scheduler import Scheduler, SchedulerConfig
+from pyllama_paged.engine.kv.manager import PagedKV
+from pyllama_paged.engine.sched.request import Request, RequestStatus, Sequence
+from pyllama_paged.engine.worker.sampler import Sampler, SamplingParams
+from pyllama_paged.engine.sched.scheduler import Scheduler, SchedulerConfig
 from pyllama_paged.engine.scoring import MAX_SCORE_ROWS, ScoreParams
 
 BLOCK = 4

@@ -1,5 +1,5 @@
 """The prefix cache's disk tier tried as someone who can create entries in its directory
-would, and as an unlucky operator (engine/block_store.py, engine/prefix_tiers.py):
+would, and as an unlucky operator (engine/kv/block_store.py, engine/kv/prefix_tiers.py):
 symlinks planted at every name the store writes or reads never redirect a write or a
 read, an unsafe directory is refused, files are private, a huge or truncated file is a
 miss that costs no read and no signal, file names are keyed by the directory's secret,
@@ -16,14 +16,14 @@ import threading
 import numpy as np
 import pytest
 
-from pyllama_paged.engine import block_store
-from pyllama_paged.engine.block_store import DiskBlockStore
+from pyllama_paged.engine.kv import block_store
+from pyllama_paged.engine.kv.block_store import DiskBlockStore
 from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.model import Model
-from pyllama_paged.engine.model_runner import ModelRunner
-from pyllama_paged.engine.prefix_tiers import PrefixTierConfig, PrefixTiers, chain_keys
-from pyllama_paged.engine.sampler import SamplingParams
-from pyllama_paged.engine.scheduler import SchedulerConfig
+from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine.worker.model_runner import ModelRunner
+from pyllama_paged.engine.kv.prefix_tiers import PrefixTierConfig, PrefixTiers, chain_keys
+from pyllama_paged.engine.worker.sampler import SamplingParams
+from pyllama_paged.engine.sched.scheduler import SchedulerConfig
 from pyllama_paged.errors import PagedError
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
@@ -199,8 +199,8 @@ def test_planted_secret_or_lock_refuses_to_start(tmp_path):
 # ---- reads ---------------------------------------------------------------------------
 _HUGE = """
 import json, os, resource, sys, zlib
-from pyllama_paged.engine import block_store
-from pyllama_paged.engine.prefix_tiers import PrefixTierConfig, PrefixTiers
+from pyllama_paged.engine.kv import block_store
+from pyllama_paged.engine.kv.prefix_tiers import PrefixTierConfig, PrefixTiers
 
 def rchar():
     with open("/proc/self/io") as f:
@@ -241,7 +241,7 @@ def test_a_huge_planted_file_is_a_miss_and_is_not_read(tmp_path):
 _TRUNCATED = """
 import os, sys, threading
 import numpy as np
-from pyllama_paged.engine.block_store import DiskBlockStore
+from pyllama_paged.engine.kv.block_store import DiskBlockStore
 
 directory = sys.argv[1]
 store = DiskBlockStore(directory, max_bytes=1 << 30)
@@ -324,7 +324,7 @@ def test_an_entry_of_the_wrong_length_is_counted_and_removed_when_looked_up(tmp_
 # ---- keys --------------------------------------------------------------------------------
 _KEYS = """
 import sys
-from pyllama_paged.engine.prefix_tiers import PrefixTierConfig, PrefixTiers
+from pyllama_paged.engine.kv.prefix_tiers import PrefixTierConfig, PrefixTiers
 tiers = PrefixTiers(PrefixTierConfig(disk_dir=sys.argv[1]), b"i" * 16, 16, 1, 4096)
 print(tiers.keys(list(range(64)), 4)[-1].hex())
 tiers.close()
@@ -360,7 +360,7 @@ def test_file_names_are_keyed_by_the_directory_secret(tmp_path):
 _BOUNDED_WRITER = """
 import os, sys, time
 import numpy as np
-from pyllama_paged.engine.block_store import DiskBlockStore
+from pyllama_paged.engine.kv.block_store import DiskBlockStore
 directory, me = sys.argv[1], int(sys.argv[2])
 store = DiskBlockStore(directory, max_bytes=10 * 4096)
 open(os.path.join(sys.argv[3], f"ready{me}"), "w").close()

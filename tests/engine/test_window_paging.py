@@ -5,15 +5,15 @@ and the engine on it giving the same answers as without freeing."""
 import numpy as np
 import pytest
 
-from pyllama_paged.engine.block_pool import BlockPool, BlockState
-from pyllama_paged.engine.kv_groups import KVGroups, first_needed_block, window_blocks_held
-from pyllama_paged.engine.kv_manager import PagedKV
+from pyllama_paged.engine.kv.block_pool import BlockPool, BlockState
+from pyllama_paged.engine.kv.groups import KVGroups, first_needed_block, window_blocks_held
+from pyllama_paged.engine.kv.manager import PagedKV
 from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.model import Model
-from pyllama_paged.engine.model_runner import ModelRunner
-from pyllama_paged.engine.sampler import SamplingParams
-from pyllama_paged.engine.scheduler import SchedulerConfig
-from pyllama_paged.engine.step_batch import StepBuffers
+from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine.worker.model_runner import ModelRunner
+from pyllama_paged.engine.worker.sampler import SamplingParams
+from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+from pyllama_paged.engine.worker.step_batch import StepBuffers
 from pyllama_paged.testing.agreement import run_to_completion, assert_greedy_agree, engine_logits
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 

@@ -3,7 +3,7 @@
 import pytest
 
 from pyllama_paged import NativeError, OutOfBlocksError
-from pyllama_paged.engine.block_pool import BlockPool, BlockState
+from pyllama_paged.engine.kv.block_pool import BlockPool, BlockState
 from pyllama_paged.errors import PagedError
 
 
@@ -292,8 +292,8 @@ def test_weaken_hash_is_refused_once_the_pool_holds_data():
 
 def test_a_step_batch_is_built_from_the_pool_in_one_call():
     import numpy as np
-    from pyllama_paged.engine.kv_manager import PagedKV
-    from pyllama_paged.engine.step_batch import StepBuffers
+    from pyllama_paged.engine.kv.manager import PagedKV
+    from pyllama_paged.engine.worker.step_batch import StepBuffers
 
     kv = PagedKV(16, 4, max_seq_len=16)
     a, _ = kv.create([5, 6, 7, 8, 9, 10])      # prefill 6 tokens in a chunk of 4, then 2
@@ -324,8 +324,8 @@ def test_a_step_batch_is_built_from_the_pool_in_one_call():
 
 def test_a_malformed_step_batch_is_refused_before_anything_is_written():
     import numpy as np
-    from pyllama_paged.engine.kv_manager import PagedKV
-    from pyllama_paged.engine.step_batch import StepBuffers
+    from pyllama_paged.engine.kv.manager import PagedKV
+    from pyllama_paged.engine.worker.step_batch import StepBuffers
 
     kv = PagedKV(8, 4, max_seq_len=16)
     a, _ = kv.create([1, 2, 3])

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pyllama_paged import OutOfBlocksError
-from pyllama_paged.engine.block_pool import BlockPool, BlockState
+from pyllama_paged.engine.kv.block_pool import BlockPool, BlockState
 
 # A tiny alphabet makes shared prefixes, and so cache hits, common.
 tokens = st.lists(st.integers(0, 3), min_size=0, max_size=12)

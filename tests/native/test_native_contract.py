@@ -70,10 +70,10 @@ def test_every_status_is_a_fixed_width_int32():
 
 
 def test_python_enums_come_from_the_library():
-    from pyllama_paged.engine.block_pool import BlockState
-    from pyllama_paged.engine.encoder import _POOLING_IDS
-    from pyllama_paged.engine.model import PANEL_KERNELS
-    from pyllama_paged.engine.model_runner import ATTENTION_PATHS
+    from pyllama_paged.engine.kv.block_pool import BlockState
+    from pyllama_paged.engine.pooling.encoder import _POOLING_IDS
+    from pyllama_paged.engine.worker.model import PANEL_KERNELS
+    from pyllama_paged.engine.worker.model_runner import ATTENTION_PATHS
     from pyllama_paged.gguf.config import ARCH_IDS
 
     assert [(s.name, s.value) for s in BlockState] == [

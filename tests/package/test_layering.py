@@ -30,24 +30,24 @@ LAYERS = [
     ["constrain.vocab"],
     ["constrain.grammar"],
     ["constrain.masks", "constrain.formats"],
-    ["engine.embedding"],
-    ["engine.block_pool", "engine.kv_events", "engine.block_store", "engine.thread_policy"],
-    ["engine.step_batch", "engine.kv_groups", "engine.spec_draft", "engine.spec_batch", "engine.prefix_tiers",
-     "engine.spec_length"],
-    ["engine.kv_manager"],
-    ["engine.devices"],
-    ["engine.model"],
-    ["engine.model_runner"],
-    ["engine.sampler"],
+    ["engine.pooling.embedding"],
+    ["engine.kv.block_pool", "engine.kv.events", "engine.kv.block_store", "engine.worker.thread_policy"],
+    ["engine.worker.step_batch", "engine.kv.groups", "engine.spec.draft", "engine.spec.batch", "engine.kv.prefix_tiers",
+     "engine.spec.length"],
+    ["engine.kv.manager"],
+    ["engine.worker.devices"],
+    ["engine.worker.model"],
+    ["engine.worker.model_runner"],
+    ["engine.worker.sampler"],
     ["engine.scoring", "engine.outputs"],
-    ["engine.request"],
-    ["engine.scheduler_output"],
-    ["engine.preemption", "engine.beam_search", "engine.spec_verify", "engine.spec_draft_model"],
-    ["engine.step_cost"],
-    ["engine.scheduler"],
+    ["engine.sched.request"],
+    ["engine.sched.scheduler_output"],
+    ["engine.sched.preemption", "engine.beam_search", "engine.spec.verify", "engine.spec.draft_model"],
+    ["engine.sched.step_cost"],
+    ["engine.sched.scheduler"],
     ["engine.config"],
     ["engine.llm_engine", "engine.prompt_logprobs"],
-    ["engine.loop", "engine.encoder", "engine.shared_steps", "engine.rerank_head"],
+    ["engine.loop", "engine.pooling.encoder", "engine.shared_steps", "engine.pooling.rerank_head"],
     ["engine.builder"],
     ["api.text_stream", "api.sampling_options", "tools.calls", "tools.messages", "api.embeddings"],
     ["tools.prompt", "api.rerank_inputs"],
@@ -56,21 +56,21 @@ LAYERS = [
      "api.rerank"],
     ["api.llama_chat_format"],
     ["api.llama"],
-    ["server.metrics", "server.dashboard", "server.openai_tokens", "server.kv_events", "server.router_contract"],
+    ["server.metrics", "server.dashboard", "server.openai.tokens", "server.scale_out.kv_events", "server.scale_out.router_contract"],
     ["server.registry"],
     ["server.generation"],
-    ["server.openai_schemas", "server.openai_logprobs", "server.ollama_pull", "server.ollama_manage",
-     "server.anthropic_schemas"],
-    ["server.anthropic_messages"],
-    ["server.anthropic_stream"],
-    ["server.openai_responses_store", "server.openai_responses_items", "server.openai_responses_schemas",
-     "server.openai_responses_stream"],
-    ["server.ollama_api", "server.openai_api", "server.embeddings_api", "server.anthropic_api"],
-    ["server.openai_responses", "server.rerank_api"],
+    ["server.openai.schemas", "server.openai.logprobs", "server.ollama.pull", "server.ollama.manage",
+     "server.anthropic.schemas"],
+    ["server.anthropic.messages"],
+    ["server.anthropic.stream"],
+    ["server.openai.responses_store", "server.openai.responses_items", "server.openai.responses_schemas",
+     "server.openai.responses_stream"],
+    ["server.ollama.api", "server.openai.api", "server.pooling.embeddings", "server.anthropic.api"],
+    ["server.openai.responses", "server.pooling.rerank"],
     ["server.app"],
     # scale out on Ray Serve (optional: only these import ray)
-    ["server.ray_routing"],
-    ["server.ray_app"],
+    ["server.scale_out.ray_routing"],
+    ["server.scale_out.ray_app"],
     # what tests and benchmarks share (oracles, harnesses, a server runner): above all it checks
     ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.sampling_reference",
      "testing.reference.bert_reference", "testing.reference.tiny_bert", "testing.reference.tiny_reranker",
@@ -157,7 +157,7 @@ def test_no_import_cycles():
 
 def test_the_scheduler_keeps_books_and_never_reaches_the_model():
     # it decides a SchedulerOutput over the KV manager; the engine moves KV data and runs the model
-    for module in ("engine.scheduler", "engine.preemption", "engine.scheduler_output"):
+    for module in ("engine.sched.scheduler", "engine.sched.preemption", "engine.sched.scheduler_output"):
         reached = set()
         todo = [module]
         while todo:
@@ -165,4 +165,4 @@ def test_the_scheduler_keeps_books_and_never_reaches_the_model():
                 if dep not in reached:
                     reached.add(dep)
                     todo.append(dep)
-        assert not reached & {"engine.model_runner", "engine.model", "engine.llm_engine"}, module
+        assert not reached & {"engine.worker.model_runner", "engine.worker.model", "engine.llm_engine"}, module

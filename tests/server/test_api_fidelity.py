@@ -13,7 +13,7 @@ import pytest
 
 from pyllama_paged.testing.agreement import NEAR_TIE, engine_logits
 from pyllama_paged.testing.serving import Running, wait_pool_empty
-from pyllama_paged.engine.sampler import log_softmax
+from pyllama_paged.engine.worker.sampler import log_softmax
 from pyllama_paged.api.sampling_options import OLLAMA, OPENAI, sampling_params
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.openai_responses_store import ResponseStore, StoredResponse
+from pyllama_paged.server.openai.responses_store import ResponseStore, StoredResponse
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME
 from pyllama_paged.testing.serving import default_model_server, pool_used, wait_pool_empty, wait_until
 

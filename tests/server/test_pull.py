@@ -257,7 +257,7 @@ def test_api_pull_streams_statuses_with_byte_counts(env, gguf, tmp_path):
 
 
 def test_a_client_that_hangs_up_stops_the_pull_and_the_next_resumes(env, gguf, tmp_path):
-    from pyllama_paged.server import ollama_pull
+    from pyllama_paged.server.ollama import pull as ollama_pull
     from pyllama_paged.testing.serving import wait_until
 
     digest = env.add_registry_model("tiny", "latest", gguf)

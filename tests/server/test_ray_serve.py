@@ -1,4 +1,4 @@
-"""Replicas on Ray Serve (server/ray_app.py, server/ray_routing.py), on real parts: a Ray
+"""Replicas on Ray Serve (server/scale_out/ray_app.py, server/scale_out/ray_routing.py), on real parts: a Ray
 cluster of a head and a worker node started here (one CPU each, on this machine),
 `pyllama-paged serve --ray` deploying two replicas of the default model, the `openai`
 and `ollama` clients through Serve's HTTP proxy, and a replica's process killed mid-stream.
@@ -27,8 +27,8 @@ import openai  # noqa: E402
 
 from pyllama_paged.api.llama import Llama  # noqa: E402
 from pyllama_paged.cli import build_parser  # noqa: E402
-from pyllama_paged.server.ray_app import build, build_arguments  # noqa: E402
-from pyllama_paged.server.ray_routing import PIN_HEADER, rendezvous_order, routing_text  # noqa: E402
+from pyllama_paged.server.scale_out.ray_app import build, build_arguments  # noqa: E402
+from pyllama_paged.server.scale_out.ray_routing import PIN_HEADER, rendezvous_order, routing_text  # noqa: E402
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits  # noqa: E402
 from pyllama_paged.testing.ray_cluster import (RayCluster, start_ray_server, stop_ray_server,  # noqa: E402
                                                wait_replicas)

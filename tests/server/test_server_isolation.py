@@ -11,9 +11,9 @@ import pytest
 
 from pyllama_paged.testing.loop_control import paused
 from pyllama_paged.testing.serving import Running, tiny_registry, wait_until
-from pyllama_paged.engine.block_pool import BlockPool
+from pyllama_paged.engine.kv.block_pool import BlockPool
 from pyllama_paged.engine.loop import EngineLoop
-from pyllama_paged.server import ollama_api
+from pyllama_paged.server.ollama import api as ollama_api
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 

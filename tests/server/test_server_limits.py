@@ -9,10 +9,11 @@ import pytest
 
 from pyllama_paged.testing.serving import Running, tiny_registry
 from pyllama_paged.cli import build_parser, serve_settings
-from pyllama_paged.server import ollama_api, openai_api
+from pyllama_paged.server.ollama import api as ollama_api
+from pyllama_paged.server.openai import api as openai_api
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.engine.thread_policy import MAX_THREADS
+from pyllama_paged.engine.worker.thread_policy import MAX_THREADS
 from pyllama_paged.server.registry import EngineOptions
 from pyllama_paged.tools.prompt import render_chat
 

@@ -1,0 +1,231 @@
+"""BlockPool: Python face of the native block pool (block tables, ref counts,
+copy-on-write, prefix cache). Holds no policy; the scheduler decides."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..._native import check, ffi, lib
+from ...errors import PagedError
+
+
+class BlockState(enum.IntEnum):
+    """enum pp_block_state, its values read from the library."""
+    FREE = lib.PP_BLOCK_FREE
+    USED = lib.PP_BLOCK_USED
+    CACHED = lib.PP_BLOCK_CACHED
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    num_blocks: int
+    block_size: int
+    num_free: int
+    num_used: int
+    num_cached: int
+    num_shared: int
+    num_seqs: int
+    num_hits: int
+    num_misses: int
+    num_evictions: int
+    num_cow_copies: int
+    tokens_stored: int
+    tokens_logical: int
+    slots_held: int
+    n_groups: int = 1
+
+    @property
+    def utilization(self) -> float:
+        """Tokens stored / token slots held by used blocks (1.0 when none held)."""
+        return self.tokens_stored / self.slots_held if self.slots_held else 1.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hits / full blocks looked up (0.0 before any lookup)."""
+        looked_up = self.num_hits + self.num_misses
+        return self.num_hits / looked_up if looked_up else 0.0
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    state: BlockState
+    ref_count: int
+    num_tokens: int
+    hash: int | None
+    is_computed: bool
+    group: int = 0
+
+
+def _token_array(token_ids: Sequence[int]):
+    """A C int32 buffer over token_ids (kept alive by the returned numpy array)."""
+    arr = np.ascontiguousarray(token_ids, dtype=np.int32)
+    return arr, ffi.cast("const int32_t *", ffi.from_buffer(arr))
+
+
+class BlockPool:
+    """A pool of num_blocks KV blocks of block_size tokens and the sequences in it.
+    group_window: one entry per layer group sharing the pool (0: the group keeps
+    every token; w: it gives back blocks once past the last w tokens)."""
+
+    def __init__(self, num_blocks: int, block_size: int, group_window: Sequence[int] = (0,)):
+        self._pool = None
+        out = ffi.new("pp_block_pool **")
+        windows = ffi.new("int32_t[]", list(group_window))
+        check(lib.pp_pool_create_grouped(num_blocks, block_size, len(group_window), windows, out), "BlockPool")
+        self._pool = out[0]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.group_window = tuple(group_window)
+        self.n_groups = len(group_window)
+        self._i32 = ffi.new("int32_t *")
+        self._i32b = ffi.new("int32_t *")
+        self._copy = ffi.new("pp_block_copy[]", self.n_groups)
+
+    # lifecycle -------------------------------------------------------------
+    def close(self) -> None:
+        """Free the pool and every sequence in it."""
+        if self._pool is not None:
+            lib.pp_pool_destroy(self._pool)
+            self._pool = None
+
+    def __enter__(self) -> "BlockPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    @property
+    def _handle(self):
+        if self._pool is None:
+            raise PagedError("the block pool is closed")
+        return self._pool
+
+    # pool ------------------------------------------------------------------
+    def stats(self) -> PoolStats:
+        """A snapshot of the pool's counters."""
+        out = ffi.new("pp_pool_stats *")
+        check(lib.pp_pool_stats_get(self._handle, out), "stats")
+        return PoolStats(**{f: getattr(out, f) for f in PoolStats.__dataclass_fields__})
+
+    def block_info(self, block_id: int) -> BlockInfo:
+        """State, ref count, fill and hash of one physical block."""
+        out = ffi.new("pp_block_info *")
+        check(lib.pp_pool_block_info(self._handle, block_id, out), "block_info")
+        return BlockInfo(BlockState(out.state), out.ref_count, out.num_tokens,
+                         out.hash if out.has_hash else None, bool(out.is_computed), out.group)
+
+    @property
+    def num_allocatable(self) -> int:
+        """Blocks an allocation could take now: free plus evictable cached."""
+        return lib.pp_pool_num_allocatable(self._handle)
+
+    def evict(self, max_blocks: int) -> int:
+        """Evict up to max_blocks cached blocks (LRU first); returns how many."""
+        check(lib.pp_pool_evict(self._handle, max_blocks, self._i32), "evict")
+        return self._i32[0]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every prefix-cache entry."""
+        check(lib.pp_pool_reset_prefix_cache(self._handle), "reset_prefix_cache")
+
+    def weaken_hash(self, bits: int) -> None:
+        """Keep only `bits` bits of every block hash, to provoke collisions in tests
+        (only while the pool is empty)."""
+        check(lib.pp_pool_weaken_hash(self._handle, bits), "weaken_hash")
+
+    def hash_block(self, parent_hash: int, token_ids: Sequence[int]) -> int:
+        """This pool's (keyed) chained hash of one full block of token ids."""
+        arr, ptr = _token_array(token_ids)
+        return lib.pp_hash_block(self._handle, parent_hash, ptr, len(arr))
+
+    def set_hash_key(self, k0: int, k1: int) -> None:
+        """Replace the pool's random hash key (only while the pool is empty)."""
+        check(lib.pp_pool_set_hash_key(self._handle, k0, k1), "set_hash_key")
+
+    # sequences -------------------------------------------------------------
+    def create_sequence(self, token_ids: Sequence[int] = ()) -> tuple[int, int]:
+        """New sequence holding token_ids; returns (seq_id, num_cached_tokens)."""
+        arr, ptr = _token_array(token_ids)
+        check(lib.pp_seq_create(self._handle, ptr, len(arr), self._i32, self._i32b),
+              "create_sequence")
+        return self._i32[0], self._i32b[0]
+
+    def create_uncached(self, token_ids: Sequence[int]) -> int:
+        """New sequence holding token_ids in new blocks, without prefix-cache lookup."""
+        arr, ptr = _token_array(token_ids)
+        check(lib.pp_seq_create_uncached(self._handle, ptr, len(arr), self._i32), "create_uncached")
+        return self._i32[0]
+
+    def create_cached(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """New sequence holding only the prefix of token_ids found in the cache (taking no
+        new block); returns (seq_id, num_cached_tokens). Append the rest as it is computed."""
+        arr, ptr = _token_array(token_ids)
+        check(lib.pp_seq_create_cached(self._handle, ptr, len(arr), self._i32, self._i32b),
+              "create_cached")
+        return self._i32[0], self._i32b[0]
+
+    def append(self, seq_id: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Append tokens; returns the copy-on-write (src, dst) block copies to do."""
+        arr, ptr = _token_array(token_ids)
+        check(lib.pp_seq_append(self._handle, seq_id, ptr, len(arr), self._copy, self.n_groups, self._i32),
+              "append")
+        return [(self._copy[i].src, self._copy[i].dst) for i in range(self._i32[0])]
+
+    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
+        """Blocks that appending num_tokens would take (copy-on-write included)."""
+        check(lib.pp_seq_blocks_needed(self._handle, seq_id, num_tokens, self._i32),
+              "blocks_needed")
+        return self._i32[0]
+
+    def mark_computed(self, seq_id: int, num_tokens: int) -> None:
+        """Record that the KV of the first num_tokens tokens is written (cacheable)."""
+        check(lib.pp_seq_mark_computed(self._handle, seq_id, num_tokens), "mark_computed")
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing every block of seq_id; returns its id."""
+        check(lib.pp_seq_fork(self._handle, seq_id, self._i32), "fork")
+        return self._i32[0]
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence's blocks (full hashed blocks stay cached)."""
+        check(lib.pp_seq_free(self._handle, seq_id), "free")
+
+    def length(self, seq_id: int) -> int:
+        """Number of tokens in a sequence."""
+        check(lib.pp_seq_length(self._handle, seq_id, self._i32), "length")
+        return self._i32[0]
+
+    def block_table(self, seq_id: int, group: int = 0) -> np.ndarray:
+        """The sequence's physical block ids in logical order, in one layer group
+        (-1 where a window group gave a block back)."""
+        return self._read_ids(lambda *a: lib.pp_seq_group_block_table(a[0], a[1], group, *a[2:]), seq_id,
+                              "block_table")
+
+    def tokens(self, seq_id: int) -> np.ndarray:
+        """The sequence's token ids."""
+        return self._read_ids(lib.pp_seq_tokens, seq_id, "tokens")
+
+    def slot_mapping(self, seq_id: int, start: int, count: int) -> np.ndarray:
+        """KV slots (block_id * block_size + offset) of positions [start, start+count)."""
+        out = np.empty(count, dtype=np.int32)
+        check(lib.pp_seq_slot_mapping(self._handle, seq_id, start, count,
+                                      ffi.cast("int32_t *", ffi.from_buffer(out))),
+              "slot_mapping")
+        return out
+
+    def _read_ids(self, fn, seq_id: int, what: str) -> np.ndarray:
+        # First call sizes the array (PP_ERR_CAPACITY still reports the count).
+        status = fn(self._handle, seq_id, ffi.NULL, 0, self._i32)
+        if status not in (lib.PP_OK, lib.PP_ERR_CAPACITY):
+            check(status, what)
+        out = np.empty(self._i32[0], dtype=np.int32)
+        check(fn(self._handle, seq_id, ffi.cast("int32_t *", ffi.from_buffer(out)), len(out),
+                 self._i32), what)
+        return out

@@ -1,0 +1,1 @@
+"""Encoders and pooled outputs: embeddings, the encoder engine, the rerank head."""

@@ -1,0 +1,1 @@
+"""What runs next: requests and sequences, the scheduler, its output, preemption, the step-cost model."""

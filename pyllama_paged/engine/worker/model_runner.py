@@ -1,0 +1,370 @@
+"""ModelRunner: one model's native KV pools and compute context, and the
+batched forward step over any mix of sequences (each with any number of new
+tokens). The KV manager builds a step's flat arrays (tokens, positions,
+slot_mapping, seq_index, block_tables, logit rows) into buffers reused
+across steps: for pages, in one native call."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from ..._native import check, ffi, lib
+from ...errors import PagedError
+from ..kv.groups import KVGroups
+from ..kv.manager import PagedKV, SeqState, SlabKV, commit_chunks, fork_state, new_cached_sequence, place_tokens
+from .model import Model
+from ..spec.batch import splice_drafts
+from .step_batch import StepBuffers
+from .thread_policy import ThreadPolicy
+
+KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type ids
+# Paged attention: our CPU operator, or GGML ops alone (pages gathered by slot, then GGML's
+# flash attention: the portable path for any backend).
+ATTENTION_PATHS = {"kernel": lib.PP_ATTENTION_KERNEL, "gather": lib.PP_ATTENTION_GATHER}   # enum pp_attention_path
+_KV_ROW = {"f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}   # (values, bytes) per quantization group
+
+
+def kv_row_bytes(kv_cache_type: str, n_values: int) -> int:
+    """Bytes of one K (or V) row of n_values in a KV cache type."""
+    per, size = _KV_ROW[kv_cache_type]
+    return n_values // per * size
+
+
+def dense_kv_bytes_per_token(config, kv_cache_type: str) -> int:
+    """K+V bytes of one token over every layer: what a cache that frees nothing holds."""
+    return 2 * config.n_layer * kv_row_bytes(kv_cache_type, config.head_dim * config.n_head_kv)
+
+
+def _ptr(arr: np.ndarray, ctype: str = "int32_t *"):
+    return ffi.cast(ctype, ffi.from_buffer(arr))
+
+
+class ModelRunner:
+    """A model, where its sequences' KV lives (pages or slabs), and the step that computes them."""
+
+    def __init__(self, model: Model, *, paged: bool = True, n_ctx: int = 4096, n_seq_max: int = 1,
+                 n_threads: int = 2, n_batch: int = 512, block_size: int = 32,
+                 kv_cache_type: str = "f16", num_blocks: int | None = None, kv_bytes: int | None = None,
+                 free_window_blocks: bool = True, attention: str = "kernel"):
+        if n_ctx < 1 or n_batch < 1 or n_seq_max < 1:
+            raise PagedError("n_ctx, n_batch and n_seq_max must be >= 1")
+        if paged and not 1 <= block_size <= 1024:
+            raise PagedError(f"block_size {block_size} out of range [1, 1024]")
+        if attention not in ATTENTION_PATHS:
+            raise PagedError(f"attention '{attention}' unknown: choose one of {', '.join(ATTENTION_PATHS)}")
+        if kv_cache_type not in KV_TYPES:
+            raise PagedError(f"kv_cache_type '{kv_cache_type}' unsupported: choose one of "
+                             f"{', '.join(KV_TYPES)}")
+        self.model = model
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.n_threads = n_threads
+        # set by the engine when the thread count was not fixed: each step then runs on the
+        # cores free at that moment (thread_policy.py), at most n_threads
+        self.thread_policy: ThreadPolicy | None = None
+        self.kv_cache_type = kv_cache_type
+        self._cache = None
+        self._ctx = None
+        cfg = model.config
+        # Sliding-window layers get their own block tables and give pages back
+        # (kv_groups.py); free_window_blocks=False keeps every layer's KV.
+        self.kv_groups = KVGroups.for_windows(cfg.layer_window) if paged and free_window_blocks \
+            else KVGroups.single(cfg.n_layer)
+        dense_token_bytes = dense_kv_bytes_per_token(cfg, kv_cache_type)
+        if paged:
+            slot_bytes = dense_token_bytes // self.kv_groups.n_groups
+            if num_blocks is None:
+                # Same KV bytes as the slab baseline unless told otherwise.
+                budget = kv_bytes if kv_bytes is not None else n_ctx * n_seq_max * dense_token_bytes
+                num_blocks = max(1, budget // (slot_bytes * block_size))
+            self.kv = PagedKV(num_blocks, block_size, n_ctx, self.kv_groups)
+        else:
+            self.kv = SlabKV(n_seq_max, n_ctx)
+        out = ffi.new("pp_kv_cache **")
+        layer_group = ffi.new("int32_t[]", list(self.kv_groups.layer_group))
+        check(lib.pp_kv_cache_create_grouped(model.native, KV_TYPES[kv_cache_type], self.kv.num_blocks,
+                                             self.kv.block_size, int(paged), self.kv_groups.n_groups,
+                                             layer_group, out), "KV cache")
+        self._cache = out[0]
+        ctx = ffi.new("pp_context **")
+        check(lib.pp_context_create(model.native, self._cache, n_threads, n_batch, ctx), "context")
+        self._ctx = ctx[0]
+        check(lib.pp_context_set_attention_path(self._ctx, ATTENTION_PATHS[attention]), "attention path")
+        self.attention = attention
+        self._batch = ffi.new("pp_batch *")
+        self._buffers = StepBuffers()
+        self._no_logits = np.empty((0, self.n_vocab), dtype=np.float32)
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.config.n_vocab
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K+V bytes one token takes across all layers (what a cache that frees nothing holds)."""
+        return lib.pp_kv_cache_bytes_per_token(self._cache)
+
+    @property
+    def kv_slot_bytes(self) -> int:
+        """K+V bytes of one slot of a block: one token of one layer group."""
+        return lib.pp_kv_cache_bytes_per_slot(self._cache)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """Bytes of the whole KV pool."""
+        return self.kv_slot_bytes * self.kv.block_size * self.kv.num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Host bytes one block's K and V take (the layers of the group holding it)."""
+        return self.kv_slot_bytes * self.kv.block_size
+
+    @property
+    def kv_device_bytes(self) -> int:
+        """Bytes of the KV pools on the model's GPU (0: all in host memory)."""
+        on_device = lib.pp_kv_cache_device_layers(self._cache)
+        return self.kv_pool_bytes * on_device // self.model.config.n_layer
+
+    def kv_bytes_by_group(self) -> list[dict]:
+        """Per layer group: its window and the KV bytes per token it costs in steady state
+        (a window group's cost stops growing past its window)."""
+        per_token = self.kv_slot_bytes
+        return [{"group": g, "window": w, "layers": self.kv_groups.layers_per_group,
+                 "bytes_per_token": per_token,
+                 "max_tokens": (-(-(w - 1) // self.kv.block_size) + 1) * self.kv.block_size if w > 0 else None}
+                for g, w in enumerate(self.kv_groups.group_window)]
+
+    def kv_bytes_for(self, num_tokens: int) -> int:
+        """KV bytes one sequence of num_tokens computed tokens holds here."""
+        if not self.kv.paged:
+            return self.kv_bytes_per_token * self.kv.block_size
+        return self.kv_groups.steady_bytes(self.kv_slot_bytes, self.kv.block_size, num_tokens)
+
+    def set_threads(self, n_threads: int) -> None:
+        check(lib.pp_context_set_threads(self._ctx, n_threads), "set_threads")
+        self.n_threads = n_threads
+
+    def abort(self) -> None:
+        """Stop the running step (or the next one) from any thread: it raises ComputeError."""
+        check(lib.pp_context_abort(self._ctx), "abort")
+
+    # ---- sequences' KV -------------------------------------------------------
+    def add_sequence(self, token_ids: Sequence[int]) -> SeqState:
+        """Place a new sequence's tokens in the KV cache (prefix-cache hits are kept)."""
+        if len(token_ids) > self.n_ctx:
+            raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
+        handle, cached = self.kv.create(token_ids)
+        # The pool never counts the last token as cached: its logits start generation.
+        return SeqState(handle, cached, len(token_ids))
+
+    def add_sequence_cached(self, token_ids: Sequence[int]) -> SeqState:
+        """A new sequence holding only the cached prefix of token_ids (computed); the
+        rest is placed chunk by chunk with append_tokens."""
+        return new_cached_sequence(self.kv, token_ids)
+
+    def add_sequence_uncached(self, token_ids: Sequence[int]) -> SeqState:
+        """A new sequence holding token_ids in fresh blocks (nothing reused, nothing computed)."""
+        if len(token_ids) > self.n_ctx:
+            raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
+        return SeqState(self.kv.create_uncached(token_ids), 0, len(token_ids))
+
+    def append_tokens(self, seq: SeqState, token_ids: Sequence[int]) -> None:
+        """Reserve KV room for new tokens (copy-on-write done here)."""
+        self.copy_blocks(place_tokens(self.kv, seq, token_ids))
+
+    def fork(self, seq: SeqState) -> SeqState:
+        """A sequence sharing all of seq's KV pages."""
+        return fork_state(self.kv, seq)
+
+    def free(self, seq: SeqState) -> None:
+        """Release a sequence's KV (computed full pages stay in the prefix cache)."""
+        self.kv.free(seq.handle)
+
+    # ---- the step ------------------------------------------------------------
+    def execute(self, items: np.ndarray, hidden: Sequence[tuple[int, int] | None] | None = None,
+                all_logits: Sequence[bool] | None = None,
+                drafts: dict[int, list[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Run one step over items [(kv handle, first token, count)], whose tokens are placed in
+        the KV manager. Touches no sequence state: the caller marks the tokens computed
+        (Scheduler.update_from_output, or commit_chunks).
+
+        Returns (logits, hidden). logits: a row for each item that computes its sequence's
+        last placed token, in item order (a non-final prefill chunk gets none), a view of
+        the compute buffer valid until the next step. hidden[i] = (first, count) marks item
+        i as an embedding: it gets no logits, and the final hidden states (after the output
+        norm) of its tokens [first, first + count) of this chunk come back instead, all such
+        rows in item order, as a fresh [rows, n_embd] array. all_logits[i] gives item i a
+        logits row for every one of its tokens (prompt scoring), in place of its one row.
+        drafts[i]: draft tokens that follow item i's last token in this step only (never
+        placed in the pool; spec_batch.splice_drafts), each with a logits row after the
+        item's own."""
+        items = np.ascontiguousarray(items, dtype=np.int32).reshape(-1, 3)
+        total = int(items[:, 2].sum())
+        if (items[:, 2] < 1).any():
+            raise PagedError("every step item must compute at least one token")
+        if total > self.n_batch:
+            raise PagedError(f"step of {total} tokens exceeds n_batch {self.n_batch}")
+        buffers = self._buffers
+        buffers.reserve(total, len(items), self.kv.max_blocks_per_seq, self.kv.n_groups)
+        items = buffers.items(items)
+        n_tokens, n_logits = self.kv.build_batch(items, buffers)
+        tok, pos, slots, seqs, tables, rows = buffers.arrays(n_tokens, len(items), n_logits)
+        hidden_rows = None
+        hidden = hidden if hidden is not None and any(h is not None for h in hidden) else None
+        all_logits = all_logits if all_logits is not None and any(all_logits) else None
+        if hidden is not None or all_logits is not None:
+            rows, hidden_rows = _select_rows(items[:, 2].tolist(), rows, hidden, all_logits)
+        if drafts:
+            n_drafted = sum(len(d) for d in drafts.values())
+            if n_tokens + n_drafted > self.n_batch:
+                raise PagedError(f"step of {n_tokens + n_drafted} tokens with drafts exceeds n_batch {self.n_batch}")
+            tok, pos, slots, seqs, rows, hidden_rows = splice_drafts(
+                tok, pos, slots, seqs, rows, items[:, 2], drafts, self.kv.n_groups, hidden_rows)
+        hidden_out = np.empty((0 if hidden_rows is None else len(hidden_rows), self.model.config.n_embd),
+                              dtype=np.float32)
+        self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out)
+        return self._step_logits(), hidden_out
+
+    def step(self, work: Sequence[tuple[SeqState, int]]) -> np.ndarray:
+        """Direct use without a scheduler (tests, benchmarks): compute the next n tokens of
+        each (seq, n) and mark them computed; returns execute()'s logits rows."""
+        for seq, n in work:
+            if n < 1 or seq.num_computed + n > seq.num_tokens:
+                raise PagedError(f"cannot compute {n} tokens at {seq.num_computed} of a "
+                                 f"{seq.num_tokens}-token sequence")
+        logits, _ = self.execute(np.array([(seq.handle, seq.num_computed, n) for seq, n in work],
+                                          dtype=np.int32).reshape(-1, 3))
+        commit_chunks(self.kv, work)
+        return logits
+
+    def prefill(self, seq: SeqState) -> np.ndarray:
+        """Compute all of seq's pending tokens in n_batch chunks; returns (a copy of) the last logits row."""
+        if seq.num_computed >= seq.num_tokens:
+            raise PagedError("nothing to compute: the sequence is empty")
+        while seq.num_computed < seq.num_tokens:
+            n = min(self.n_batch, seq.num_tokens - seq.num_computed)
+            logits = self.step([(seq, n)])
+        return logits[0].copy()
+
+    def forward(self, token_ids, positions, slot_mapping, seq_index, block_tables,
+                logit_rows, out: np.ndarray | None = None) -> np.ndarray:
+        """One native step over flat arrays; returns logits [len(logit_rows), n_vocab] as float32
+        (into out when given). With layer groups, slot_mapping holds n_groups runs of the
+        tokens' slots and block_tables is [n_groups, n_seqs, max_blocks] (kv.batch_arrays)."""
+        arrays = [np.ascontiguousarray(a, dtype=np.int32) for a in
+                  (token_ids, positions, slot_mapping, seq_index, logit_rows)]
+        tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+        if tables.ndim == 2:
+            tables = tables[None]
+        if tables.ndim != 3:
+            raise PagedError("block_tables must be [n_seqs, max_blocks] or [n_groups, n_seqs, max_blocks]")
+        tok, pos, slots, seqs, rows = arrays
+        n = len(tok)
+        if not (len(pos) == len(seqs) == n and len(slots) == n * tables.shape[0]):
+            raise PagedError("token_ids, positions, slot_mapping and seq_index differ in length")
+        if self._ctx is None:
+            raise PagedError("this model runner is closed")
+        logits = np.empty((len(rows), self.n_vocab), dtype=np.float32) if out is None else out
+        if logits.shape != (len(rows), self.n_vocab) or logits.dtype != np.float32 or not logits.flags.c_contiguous:
+            raise PagedError("the logits buffer does not match the rows asked for")
+        self._decode(tok, pos, slots, seqs, tables, rows, logits)
+        return logits
+
+    def _step_logits(self) -> np.ndarray:
+        """The last step's logits rows where GGML left them (no copy): valid until the next step."""
+        n_rows = ffi.new("int32_t *")
+        ptr = lib.pp_context_step_logits(self._ctx, n_rows)
+        if n_rows[0] == 0:
+            return self._no_logits
+        return np.frombuffer(ffi.buffer(ptr, 4 * n_rows[0] * self.n_vocab), dtype=np.float32).reshape(
+            n_rows[0], self.n_vocab)
+
+    def _decode(self, tok, pos, slots, seqs, tables, rows, logits: np.ndarray | None, hidden_rows=None,
+                hidden: np.ndarray | None = None) -> None:
+        """The native step over contiguous int32 arrays, logits into a matching float32 buffer
+        (None: left in place for _step_logits), and the hidden states of hidden_rows into hidden."""
+        if self._ctx is None:
+            raise PagedError("this model runner is closed")
+        self.model.native   # raises if the model was closed under us (its weights are gone)
+        n = len(tok)
+        b = self._batch
+        b.n_tokens = n
+        b.token_ids = _ptr(tok)
+        b.positions = _ptr(pos)
+        b.slot_mapping = _ptr(slots)
+        b.seq_index = _ptr(seqs)
+        b.n_groups = tables.shape[0]
+        b.n_seqs = tables.shape[1]
+        b.block_tables = _ptr(tables)
+        b.max_blocks_per_seq = tables.shape[2]
+        b.n_logits = len(rows)
+        b.logit_rows = _ptr(rows) if len(rows) else ffi.NULL
+        n_hidden = 0 if hidden_rows is None else len(hidden_rows)
+        b.n_hidden = n_hidden
+        b.hidden_rows = _ptr(hidden_rows) if n_hidden else ffi.NULL
+        b.hidden = _ptr(hidden, "float *") if n_hidden else ffi.NULL
+        policy = self.thread_policy
+        if policy is not None:
+            threads = policy.threads_for_step(n)
+            if threads != self.n_threads:
+                self.set_threads(threads)   # a new GGML pool: microseconds, against a step's milliseconds
+            started = time.perf_counter()
+        check(lib.pp_context_decode(self._ctx, b, ffi.NULL if logits is None else _ptr(logits, "float *")),
+              "forward")
+        if policy is not None:
+            policy.record(threads, time.perf_counter() - started, n)
+
+    # ---- KV pages as data ----------------------------------------------------
+    def copy_blocks(self, copies) -> None:
+        """Perform copy-on-write block copies [(src, dst), ...] in the KV pools."""
+        if not copies:
+            return
+        arr = ffi.new("pp_block_copy[]", [{"src": s, "dst": d} for s, d in copies])
+        check(lib.pp_kv_cache_copy_blocks(self._cache, arr, len(copies)), "copy_blocks")
+
+    def read_block(self, block_id: int) -> np.ndarray:
+        """A host copy of one block's K and V (all layers): the swap-out copy."""
+        out = np.empty(self.block_bytes, dtype=np.uint8)
+        check(lib.pp_kv_cache_read_block(self._cache, block_id, ffi.from_buffer(out)), "read_block")
+        return out
+
+    def write_block(self, block_id: int, data: np.ndarray) -> None:
+        """Restore one block's K and V from a host copy (swap-in)."""
+        check(lib.pp_kv_cache_write_block(self._cache, block_id, ffi.from_buffer(data)), "write_block")
+
+    def close(self) -> None:
+        """Free the compute context, the KV pools and the block pool."""
+        if self._ctx is not None:
+            lib.pp_context_destroy(self._ctx)
+            self._ctx = None
+        if self._cache is not None:
+            lib.pp_kv_cache_destroy(self._cache)
+            self._cache = None
+            self.kv.close()
+
+    def __del__(self):
+        if hasattr(self, "_ctx"):   # a constructor that refused its arguments made nothing to free
+            self.close()
+
+
+
+def _select_rows(counts: list[int], rows: np.ndarray, hidden, all_logits) -> tuple[np.ndarray, np.ndarray]:
+    """The step's logit rows and hidden rows (token indices in the flat batch; counts: each
+    item's token count): an embedding item (hidden[i] set) has no logit rows and its
+    wanted hidden rows, an all_logits item every one of its rows, the others their
+    default row (rows) if they have one."""
+    ends = np.cumsum(counts)
+    starts = ends - np.asarray(counts)
+    n = len(counts)
+    is_embed = np.array([hidden is not None and hidden[i] is not None for i in range(n)])
+    is_all = np.array([all_logits is not None and bool(all_logits[i]) for i in range(n)])
+    keep = rows[~(is_embed | is_all)[np.searchsorted(ends, rows, side="right")]] if len(rows) else rows
+    every = [np.arange(starts[i], ends[i]) for i in np.flatnonzero(is_all)]
+    logit_rows = np.sort(np.concatenate([keep, *every])) if every else keep
+    wanted = [np.arange(first, first + count) + starts[i]
+              for i in np.flatnonzero(is_embed) for first, count in (hidden[i],) if count > 0]
+    hidden_rows = np.concatenate(wanted) if wanted else np.empty(0)
+    return np.ascontiguousarray(logit_rows, dtype=np.int32), np.ascontiguousarray(hidden_rows, dtype=np.int32)

@@ -1,0 +1,277 @@
+"""Sampling parameters, each sequence's sampling state, and the batched sampler
+that draws every row of a step in one native call (native/src/sampler.c)."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from ..._native import PP_OK, NativeHandle, check, ffi, lib
+from ...constrain.masks import MaskBuffer
+from ...errors import PagedError, RequestError
+
+# The native result holds PP_SAMPLE_MAX_TOP top entries per row: a request may ask for
+# OpenAI's 20 top log-probabilities, and beam search asks for 2 x beam_width.
+MAX_LOGPROBS = min(20, lib.PP_SAMPLE_MAX_TOP)
+MAX_BEAM_WIDTH = lib.PP_SAMPLE_MAX_TOP // 2
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    n: int = 1
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = True
+    ignore_eos: bool = False    # keep generating past end-of-text tokens (to max_tokens)
+    constraint: Any = None      # a constrain.grammar.Constraint: each step samples within its token mask
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling
+    # the Python API's hook (llama-cpp-python's LogitsProcessor): called as
+    # f(token ids so far, the row's float32 logits) -> logits, on the engine's thread
+    logits_processor: Any = None
+    speculative: bool = True    # False: this request never speculates, even when the engine does
+
+    def validate(self) -> None:
+        """Raise PagedError naming the first invalid field."""
+        finite = math.isfinite
+        checks = [
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "must be >= 0"),
+            # 64-bit seeds, signed or not (read modulo 2**64, as llama.cpp casts them)
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "must fit in 64 bits"),
+            ("temperature", finite(self.temperature), "must be finite"),
+            ("repeat_penalty", finite(self.repeat_penalty), "must be finite"),
+            ("presence_penalty", finite(self.presence_penalty), "must be finite"),
+            ("frequency_penalty", finite(self.frequency_penalty), "must be finite"),
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 = disabled)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("repeat_penalty", self.repeat_penalty > 0, "must be > 0"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must be in [0, {MAX_LOGPROBS}]"),
+            ("n", 1 <= self.n <= 64, "must be in [1, 64]"),
+            ("beam_width", 1 <= self.beam_width <= MAX_BEAM_WIDTH, f"must be in [1, {MAX_BEAM_WIDTH}]"),
+            ("beam_width", self.beam_width == 1 or self.constraint is None,
+             "must be 1 with a grammar or response format"),
+            ("logit_bias", self.logit_bias is None or all(
+                isinstance(k, int) and k >= 0 and isinstance(v, (int, float)) and finite(v)
+                for k, v in self.logit_bias.items()), "must map token ids (ints >= 0) to finite numbers"),
+            ("logits_processor", self.logits_processor is None or callable(self.logits_processor),
+             "must be callable"),
+            ("beam_width", self.beam_width == 1 or (self.logit_bias is None and self.logits_processor is None),
+             "must be 1 with logit_bias or a logits processor"),
+            ("speculative", isinstance(self.speculative, bool), "must be true or false"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise RequestError(f"sampling parameter '{name}' = {getattr(self, name)!r} {why}")
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """Parameters of the index-th of n samples: its own seed so samples differ."""
+        if index == 0:
+            return self
+        return replace(self, seed=None if self.seed is None else self.seed + index)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Numerically stable log-softmax of a 1-D array (float64)."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+class Sampler:
+    """One sequence's sampling: its parameters and its own generator state
+    (seeded, so a seed gives the same draws whatever else is in the batch)."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.rng_state = np.array([lib.pp_sampler_seed(seed % (1 << 64))], dtype=np.uint64)
+        self.rng_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.rng_state))   # what a row points at
+        self.constraint = params.constraint.start() if params.constraint is not None else None
+        self.native_params = None   # (n_vocab, pp_sampling_params *) once a BatchSampler made it
+        self.bias = None            # (token ids, biases) arrays, when params.logit_bias is set
+        if params.logit_bias:
+            self.bias = (np.fromiter(params.logit_bias.keys(), dtype=np.int64, count=len(params.logit_bias)),
+                         np.fromiter(params.logit_bias.values(), dtype=np.float32, count=len(params.logit_bias)))
+        self.adjusts_logits = self.bias is not None or params.logits_processor is not None
+
+    def history(self, token_ids: list[int]) -> list[int]:
+        """The tokens the penalties count: the last penalty_last_n (all if 0), or none
+        when no penalty is set."""
+        p = self.params
+        if p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+            return []
+        return token_ids[-p.penalty_last_n:] if p.penalty_last_n > 0 else token_ids
+
+
+@dataclass
+class Sampled:
+    """One row's draw; logprob and top (token id -> log-probability, best first)
+    only when its parameters asked for logprobs."""
+
+    token: int
+    logprob: float | None = None
+    top: dict[int, float] | None = None
+    error: str | None = None   # this row could not be drawn (its request fails alone); token is -1
+
+
+_TINY, _HUGE = 1e-30, 1e30
+
+
+def _clamp(value: float, low: float) -> float:
+    return min(max(value, low), _HUGE) if value != 0 else 0.0
+
+
+class BatchSampler(NativeHandle):
+    """Every row of a step sampled in one native call; buffers reused across steps."""
+
+    _destroy = staticmethod(lib.pp_sampler_destroy)
+
+    def __init__(self, n_vocab: int, n_threads: int = 1):
+        self.n_vocab = n_vocab
+        self._masks: MaskBuffer | None = None
+        self._capacity = 0
+        out = ffi.new("pp_sampler **")
+        # a host with more cores than the sampler spreads rows over still gets a sampler
+        threads = max(1, min(n_threads, lib.PP_SAMPLER_MAX_THREADS))
+        check(lib.pp_sampler_create(n_vocab, threads, out), "sampler")
+        self._handle = out[0]
+
+    def sample(self, logits: np.ndarray, picks) -> list[Sampled]:
+        """picks: (logits row, Sampler, token history) per sequence to sample. A row whose
+        logits processor or grammar fails, or that allows no finite logit, comes back with
+        an error and the others are drawn as usual."""
+        if not picks:
+            return []
+        if logits.dtype != np.float32 or not logits.flags.c_contiguous or logits.shape[-1] != self.n_vocab:
+            raise PagedError(f"logits must be C-contiguous float32 rows of {self.n_vocab}")
+        out: list[Sampled | None] = [None] * len(picks)
+        for k, message in self._adjust_logits(logits, picks).items():
+            out[k] = Sampled(-1, error=message)
+        live = [k for k in range(len(picks)) if out[k] is None]
+        if not live:
+            return out
+        rows, results = self._arrays(len(live))
+        keep = self._allowed_masks(rows, [picks[k] for k in live], out, live)   # must outlive the call
+        for r, k in zip(rows, live):
+            row_index, sampler, history = picks[k]
+            r.logit_row = row_index
+            r.params = self._params_of(sampler)[0]
+            counted = sampler.history(history)
+            if counted:
+                arr = np.asarray(counted, dtype=np.int32)
+                keep.append(arr)
+                r.history = ffi.cast("const int32_t *", ffi.from_buffer(arr))
+                r.n_history = len(arr)
+            r.rng_state = sampler.rng_ptr
+        status = lib.pp_sample(self._handle, ffi.cast("const float *", ffi.from_buffer(logits)),
+                               logits.shape[0] if logits.ndim == 2 else 1, self._rows, len(live), self._results)
+        failed_rows = status != PP_OK and any(res.token < 0 for res in results)
+        if status != PP_OK and not failed_rows:
+            check(status, "sample")
+        for res, k in zip(results, live):
+            sampler = picks[k][1]
+            if out[k] is not None:   # its grammar failed before the call
+                continue
+            if res.token < 0:
+                out[k] = Sampled(-1, error="no token can be sampled: every allowed token's logit is -inf "
+                                           "or not finite (logit_bias, grammar or logits processor)")
+                continue
+            if sampler.constraint is not None:
+                try:
+                    sampler.constraint.accept(res.token)
+                except Exception as e:  # the grammar engine's failure is this request's
+                    out[k] = Sampled(-1, error=f"grammar: {type(e).__name__}: {e}")
+                    continue
+            if sampler.params.logprobs is None:
+                out[k] = Sampled(res.token)
+            else:
+                top = {int(res.top_ids[j]): float(res.top_logprobs[j]) for j in range(res.n_top)}
+                out[k] = Sampled(res.token, float(res.logprob), top)
+        return out
+
+    def _adjust_logits(self, logits: np.ndarray, picks) -> dict[int, str]:
+        """Apply each row's logit_bias, then its logits processor, in place (the rows are
+        the runner's buffer of this step, read by nothing after sampling). Returns the
+        rows whose processor failed, with why."""
+        failed: dict[int, str] = {}
+        for k, (row_index, sampler, history) in enumerate(picks):
+            if not sampler.adjusts_logits:
+                continue
+            row = logits.reshape(-1, self.n_vocab)[row_index]
+            if sampler.bias is not None:
+                ids, bias = sampler.bias
+                row[ids] += bias
+            processor = sampler.params.logits_processor
+            if processor is not None:
+                try:
+                    adjusted = processor(np.asarray(history, dtype=np.intc), row)
+                    if adjusted is not row:
+                        row[:] = adjusted
+                except Exception as e:  # the caller's code: it fails its own request only
+                    failed[k] = f"logits_processor raised {type(e).__name__}: {e}"
+        return failed
+
+    def _arrays(self, n: int):
+        """The rows and results of a call of n rows: reused, grown as needed, rows zeroed."""
+        if n > self._capacity:
+            self._capacity = max(n, 2 * self._capacity)
+            self._rows = ffi.new("pp_sample_row[]", self._capacity)
+            self._results = ffi.new("pp_sample_result[]", self._capacity)
+            self._zeros = bytes(ffi.sizeof("pp_sample_row") * self._capacity)
+        rows = ffi.cast("pp_sample_row *", self._rows)
+        ffi.memmove(rows, self._zeros, ffi.sizeof("pp_sample_row") * n)   # no history or mask left over
+        return ffi.cast("pp_sample_row *", self._rows)[0:n], self._results[0:n]
+
+    def _params_of(self, sampler: "Sampler"):
+        """The sampler's parameters as the native struct, made once per sampler."""
+        cached = sampler.native_params
+        if cached is not None and cached[0] == self.n_vocab:
+            return cached[1]
+        p = sampler.params
+        sp = ffi.new("pp_sampling_params *")
+        # valid doubles beyond float's range are clamped, never turned into 0 or inf
+        sp.temperature = _clamp(p.temperature, 0.0)
+        sp.top_k = min(p.top_k, self.n_vocab)   # any k >= the vocabulary keeps it all
+        sp.top_p = max(p.top_p, _TINY)
+        sp.min_p = p.min_p
+        sp.repeat_penalty = _clamp(p.repeat_penalty, _TINY)
+        sp.presence_penalty = _clamp(p.presence_penalty, -_HUGE)
+        sp.frequency_penalty = _clamp(p.frequency_penalty, -_HUGE)
+        sp.n_logprobs = -1 if p.logprobs is None else p.logprobs
+        sampler.native_params = (self.n_vocab, sp)
+        return sp
+
+    def _allowed_masks(self, rows, picks, out, live) -> list:
+        """Point each constrained row at its grammar's token mask, all computed in one batch.
+        A grammar that fails marks its row (out[live[i]]) and lets it allow nothing."""
+        constrained = [i for i, (_, sampler, _) in enumerate(picks) if sampler.constraint is not None]
+        if not constrained:
+            return []
+        if self._masks is None:
+            self._masks = MaskBuffer(self.n_vocab)
+        allowed = self._masks.fill([picks[i][1].constraint for i in constrained])
+        for k, i in enumerate(constrained):
+            rows[i].allowed = ffi.cast("const uint8_t *", ffi.from_buffer(allowed[k]))
+        return [allowed]

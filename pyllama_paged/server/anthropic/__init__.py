@@ -1,0 +1,1 @@
+"""Anthropic's Messages dialect."""

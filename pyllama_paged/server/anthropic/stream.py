@@ -1,0 +1,80 @@
+"""Anthropic's server-sent events for one streamed answer: message_start, a text
+block opened on the first text, tool_use blocks when the answer ends, then
+message_delta (stop reason, usage) and message_stop."""
+
+from __future__ import annotations
+
+import json
+
+from ...tools.calls import ToolCall, ToolCallStream
+from .messages import stop_reason, tool_use_block
+
+
+def sse(data: dict) -> str:
+    """One event: Anthropic names each event after its data's type."""
+    return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n"
+
+
+class AnswerEvents:
+    """Turns an answer's text, as it comes, into Anthropic's event sequence. With tools
+    offered, text that may be a tool call is held back until the answer ends."""
+
+    def __init__(self, message: dict, names: set[str]):
+        self.message = message   # id, type, role, model, usage (the prompt's tokens)
+        self.tools = ToolCallStream(names) if names else None
+        self.index = 0           # the index of the block being written (or the next one)
+        self.text_open = False
+
+    def start(self) -> list[str]:
+        """message_start (the message with no content yet) and a ping, sent before the
+        first token: a client sees the answer begin while the prompt is read."""
+        empty = {**self.message, "content": [], "stop_reason": None, "stop_sequence": None}
+        return [sse({"type": "message_start", "message": empty}), sse({"type": "ping"})]
+
+    def _text(self, text: str) -> list[str]:
+        out = []
+        if not self.text_open:
+            self.text_open = True
+            out.append(sse({"type": "content_block_start", "index": self.index,
+                            "content_block": {"type": "text", "text": ""}}))
+        if text:
+            out.append(sse({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "text_delta", "text": text}}))
+        return out
+
+    def _close(self) -> list[str]:
+        self.index += 1
+        return [sse({"type": "content_block_stop", "index": self.index - 1})]
+
+    def feed(self, text: str) -> list[str]:
+        """Events for a piece of the answer's text (none while it is held back)."""
+        if self.tools is not None:
+            text = self.tools.feed(text)
+        return self._text(text) if text else []
+
+    def held(self) -> tuple[str, list[ToolCall]]:
+        """(text still held, tool calls) once the answer has ended; parsing can take a
+        while on a long answer, so the route runs this off the event loop."""
+        return self.tools.finish() if self.tools is not None else ("", [])
+
+    def end(self, rest: str, calls: list[ToolCall], finish: str | None, stop: str | None,
+            output_tokens: int) -> list[str]:
+        """The closing events: the last text, each tool_use block, the stop reason and usage."""
+        out = self._text(rest) if rest or not (calls or self.text_open) else []
+        if self.text_open:
+            self.text_open = False
+            out += self._close()
+        for call in calls:
+            block = tool_use_block(call)
+            # the input comes as JSON text in deltas, after a start block whose input is empty
+            out.append(sse({"type": "content_block_start", "index": self.index,
+                            "content_block": {**block, "input": {}}}))
+            out.append(sse({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}))
+            out += self._close()
+        reason, sequence = stop_reason(finish, stop, calls)
+        usage = {**self.message["usage"], "output_tokens": output_tokens}
+        out.append(sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                        "usage": usage}))
+        out.append(sse({"type": "message_stop"}))
+        return out

@@ -1,0 +1,1 @@
+"""Ollama's dialect: chat/generate, model management, pulls."""

@@ -1,0 +1,343 @@
+"""Ollama-compatible generation routes: /api/generate and /api/chat (format,
+tools, think, keep_alive, truncate, num_ctx), /api/show and /api/version."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ...constrain.formats import from_ollama
+from ...engine.worker.sampler import SamplingParams
+from ...errors import PagedError
+from ...api.sampling_options import OLLAMA
+from ...tools.calls import ToolCallStream
+from ...tools.messages import normalize_messages
+from ...tools.prompt import check_tools, render_chat
+from ..generation import (APIError, check_request, fit_prompt, off_loop, request_params, require_generative,
+                         start_generation)
+from .manage import (OLLAMA_VERSION, NameRequest, describe, describe_stored, find_model, keep_alive_seconds,
+                            show_model)
+from ..openai.schemas import ToolFunction
+
+
+class Options(BaseModel):
+    # strict: the types the schema says (true is not the integer 1, "5" is not a number)
+    model_config = ConfigDict(extra="ignore", strict=True)
+    num_predict: int | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: list[str] | None = None
+    repeat_penalty: float | None = Field(None, gt=0)
+    repeat_last_n: int | None = Field(None, ge=-1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    num_ctx: int | None = Field(None, gt=0)
+    speculative: bool | None = None   # ours: false opts this request out of speculative decoding
+    # Ollama samplers we do not have: accepted at their neutral values, a 400 otherwise
+    mirostat: int | None = None
+    typical_p: float | None = None
+    tfs_z: float | None = None
+
+    def refuse_unsupported(self) -> None:
+        """A 400 for a sampler we do not have, rather than silently sampling without it."""
+        for name, neutral in (("mirostat", 0), ("typical_p", 1.0), ("tfs_z", 1.0)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise APIError(400, f"options.{name} {value} is not supported (only {neutral})", f"options.{name}")
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    stream: bool | None = True
+    options: Options | None = None
+    format: str | dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+    think: bool | str | None = None
+    truncate: bool | None = True
+
+
+class GenerateRequest(_Common):
+    prompt: str | None = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    raw: bool | None = False
+    images: list[str] | None = None
+    context: list[int] | None = None   # a previous answer's context: continue that exchange
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class FunctionCall(_Loose):
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+
+
+class ToolCall(_Loose):
+    function: FunctionCall
+
+
+class Message(_Loose):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = ""
+    images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
+
+
+class Tool(_Loose):
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[Tool] | None = None
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _params(options: Options | None, default_max: int, constraint) -> SamplingParams:
+    options = options or Options()
+    options.refuse_unsupported()
+    fields = options.model_dump(exclude={"mirostat", "typical_p", "tfs_z"})
+    if fields.pop("repeat_last_n", None) is not None:
+        last_n = options.repeat_last_n
+        fields["penalty_last_n"] = 0 if last_n == -1 else last_n   # -1: the whole context
+    return request_params(OLLAMA, {**fields, "constraint": constraint}, max_tokens=default_max)
+
+
+def build_router(state) -> APIRouter:
+    router = APIRouter()
+
+    async def find(name: str):
+        return await find_model(state.registry, name)
+
+    def check_common(body: _Common, served) -> Any:
+        """keep_alive's seconds; a 400 for think on a model that cannot."""
+        if body.think not in (None, False, "false", "none", ""):
+            raise APIError(400, f"\"{served.name}\" does not support thinking", "think")
+        return keep_alive_seconds(body.keep_alive)
+
+    async def after(served, keep_alive):
+        """keep_alive 0 (this request's or a later one's) drops the engine now unless other
+        requests hold it; then the expiry watcher drops it when the last one ends."""
+        if served.keep_alive == 0:
+            await served.unload_if_idle()
+
+    async def preload(served, keep_alive):
+        served.keep_alive = keep_alive
+        if keep_alive != 0:
+            await served.acquire()
+            served.release()
+        await after(served, keep_alive)
+
+    def final(gen, shape):
+        body = shape("", True)
+        body["done_reason"] = gen.finish_reasons.get(0, "stop")
+        body.update(gen.durations_ns())
+        return body
+
+    async def respond(gen, request: Request, body: _Common, shape, keep_alive, tools: set[str] | None = None):
+        """NDJSON stream of shape(text, done) objects, or one object when stream is false."""
+        calls_of = ToolCallStream(tools) if tools else None
+        if body.stream is not False:
+            async def lines():
+                try:
+                    async for d in gen.deltas():
+                        if d.index != 0:
+                            continue
+                        text = calls_of.feed(d.text) if calls_of else d.text
+                        if text:
+                            yield json.dumps(shape(text, False)) + "\n"
+                    if calls_of:
+                        rest, calls = await off_loop(state.prep, calls_of.finish)
+                        if rest or calls:
+                            yield json.dumps(shape(rest, False, calls)) + "\n"
+                except APIError as e:   # after the 200 header: end the stream with Ollama's error line
+                    yield json.dumps({"error": e.message}) + "\n"
+                    return
+                finally:
+                    await after(gen.served, keep_alive)
+                yield json.dumps(final(gen, shape)) + "\n"
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
+        try:
+            text = "".join(d.text for d in await gen.collect(request) if d.index == 0)
+        finally:
+            await after(gen.served, keep_alive)
+        calls = []
+        if calls_of:
+            def parse():
+                # feed() passes on the text that cannot open a call: that is content too
+                streamed = calls_of.feed(text)
+                rest, found = calls_of.finish()
+                return streamed + rest, found
+            text, calls = await off_loop(state.prep, parse)
+        out = final(gen, shape)
+        out.update({k: v for k, v in shape(text, True, calls).items() if k in ("response", "message")})
+        return JSONResponse(out)
+
+    def loaded(body, served, reason: str):
+        shape = {"model": body.model, "created_at": _now(), "done": True, "done_reason": reason}
+        return JSONResponse({**shape, "response": ""} if isinstance(body, GenerateRequest) else
+                            {**shape, "message": {"role": "assistant", "content": ""}})
+
+    @router.post("/api/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        check_request(state.limits, stop=body.options.stop if body.options else None,
+                      grammars={"format": body.format})
+        served = await find(body.model)
+        require_generative(served)
+        keep_alive = check_common(body, served)
+        if body.images:
+            raise APIError(400, "images are not supported by this model", "images")
+        if body.suffix:
+            raise APIError(400, "suffix (fill-in-the-middle) is not supported by this model", "suffix")
+        if body.template:
+            raise APIError(400, "a per-request template is not supported; use raw with a formatted prompt",
+                           "template")
+        if not body.prompt:   # Ollama answers an empty prompt by loading (or unloading) the model
+            await preload(served, keep_alive)
+            return loaded(body, served, "unload" if keep_alive == 0 else "load")
+        def prepare():
+            try:   # a first grammar prepares the vocabulary (about a second)
+                constraint = from_ollama(served.tokenizer, body.format)
+            except PagedError as e:
+                raise APIError(400, str(e), "format") from None
+            if body.raw:   # the prompt as given, its special tokens included
+                text = body.prompt
+            else:
+                messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
+                           [{"role": "user", "content": body.prompt}]
+                text = served.template.render(messages)
+            return constraint, list(body.context or []) + served.tokenizer.encode(
+                text, add_special=not body.context, parse_special=True)
+
+        constraint, ids = await off_loop(state.prep, prepare)   # a long prompt: never on the event loop
+        n_ctx = body.options.num_ctx if body.options else None
+        ids = fit_prompt(served, ids, state.limits, body.truncate is not False, n_ctx)
+        params = _params(body.options, state.limits.max_tokens, constraint)   # unset: to the context
+        gen = start_generation(served, ids, params, state.limits, state.metrics, n_ctx, keep_alive)
+
+        def shape(text, done, calls=None):
+            out = {"model": body.model, "created_at": _now(), "response": text, "done": done}
+            if done:   # Ollama's token context of this exchange (prompt + response)
+                out["context"] = gen.prompt_ids + gen.output_ids
+            return out
+        return await respond(gen, request, body, shape, keep_alive)
+
+    def chat_prompt(served, messages, tools, body) -> list[int]:
+        """The rendered chat within the context: with truncate, Ollama drops the oldest
+        turns (never the system prompt or the last message) before cutting tokens."""
+        n_ctx = min(body.options.num_ctx if body.options and body.options.num_ctx else served.n_ctx, served.n_ctx)
+        truncate = body.truncate is not False
+        droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
+
+        def ids_without(k: int) -> list[int]:
+            """The chat's tokens with its k oldest droppable turns left out."""
+            gone = set(droppable[:k])
+            kept = [m for i, m in enumerate(messages) if i not in gone]
+            text = render_chat(served.template, served.tokenizer, kept, tools)
+            return served.tokenizer.encode(text, add_special=True, parse_special=True)
+
+        ids = ids_without(0)
+        if len(ids) < n_ctx or not truncate or not droppable:
+            return fit_prompt(served, ids, state.limits, truncate, n_ctx)
+        # The fewest turns to drop, by bisection: the prompt shrinks as turns go, so this is
+        # what dropping one at a time finds, in a logarithmic number of renders (one at a
+        # time re-rendered the whole chat per turn: quadratic, minutes for a long chat)
+        fewest, best = len(droppable), ids_without(len(droppable))
+        if len(best) >= n_ctx:   # even the system prompt and last message alone: cut tokens
+            return fit_prompt(served, best, state.limits, truncate, n_ctx)
+        low = 1   # dropping fewer than low does not fit; dropping `fewest` does
+        while low < fewest:
+            mid = (low + fewest) // 2
+            candidate = ids_without(mid)
+            if len(candidate) < n_ctx:
+                fewest, best = mid, candidate
+            else:
+                low = mid + 1
+        return fit_prompt(served, best, state.limits, truncate, n_ctx)
+
+    @router.post("/api/chat")
+    async def chat(body: ChatRequest, request: Request):
+        check_request(state.limits, stop=body.options.stop if body.options else None, messages=body.messages,
+                      tools=body.tools, grammars={"format": body.format})
+        served = await find(body.model)
+        require_generative(served)
+        keep_alive = check_common(body, served)
+        if not body.messages:   # Ollama loads (or unloads) the model for an empty chat
+            await preload(served, keep_alive)
+            return loaded(body, served, "unload" if keep_alive == 0 else "load")
+        def prepare():
+            messages = normalize_messages([m.model_dump(exclude_none=True, exclude={"thinking"})
+                                           for m in body.messages])
+            tools = check_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
+            return tools, from_ollama(served.tokenizer, body.format), chat_prompt(served, messages, tools, body)
+
+        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
+            tools, constraint, ids = await off_loop(state.prep, prepare)
+        except PagedError as e:
+            raise APIError(400, str(e), "messages") from None
+        n_ctx = body.options.num_ctx if body.options else None
+        params = _params(body.options, state.limits.max_tokens, constraint)   # unset: to the context
+        gen = start_generation(served, ids, params, state.limits, state.metrics, n_ctx, keep_alive)
+
+        def shape(text, done, calls=None):
+            message = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [c.ollama() for c in calls]
+            return {"model": body.model, "created_at": _now(), "message": message, "done": done}
+        names = {t["function"]["name"] for t in tools}
+        return await respond(gen, request, body, shape, keep_alive, names or None)
+
+    @router.post("/api/show")
+    async def show(body: NameRequest):
+        return show_model(await find(body.model or body.name or ""))
+
+    @router.get("/api/tags")
+    async def tags():
+        # the store is read on a thread: a listing never holds the loop on a slow disk
+        stored = await asyncio.to_thread(state.registry.stored_models)
+        return {"models": [describe(m) for m in state.registry.models.values()] +
+                          [describe(state.registry.models[t], alias) for alias, t in state.registry.aliases.items()] +
+                          [describe_stored(m) for m in stored]}
+
+    @router.get("/api/ps")
+    async def ps():
+        # an unloaded model is not running: /api/ps lists loaded models only, as Ollama's
+        loaded = [m for m in state.registry.models.values() if m.is_loaded]
+        # read together: a busy engine costs one timeout (then its last figures), not one each
+        found = await asyncio.gather(*(m.figures(state.limits.stats_timeout) for m in loaded))
+        models = []
+        for served, (figures, current) in zip(loaded, found):
+            if figures is None and not served.is_loaded:   # dropped meanwhile
+                continue
+            entry = {**describe(served), "expires_at": served.expires_at(),
+                     "size_vram": served.size_vram, "context_length": served.n_ctx}
+            if figures is not None:
+                entry["kv_cache"] = {"bytes": figures["kv_pool_bytes"], "paged": figures["paged"],
+                                     **figures["stats"], "current": current}
+            models.append(entry)
+        return {"models": models}
+
+    @router.get("/api/version")
+    async def version():
+        return {"version": OLLAMA_VERSION}
+
+    return router

@@ -1,0 +1,1 @@
+"""OpenAI's dialect: chat and completions, Responses, logprobs, tokenize."""

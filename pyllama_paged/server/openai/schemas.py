@@ -1,0 +1,193 @@
+"""OpenAI request bodies. Every field the API reference lets be null may be
+null (a client's None means "the default"); what we cannot honour is a 400."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ...constrain.formats import from_openai
+from ...constrain.grammar import Constraint, ConstraintError, compile_constraint
+from ...engine.worker.sampler import MAX_LOGPROBS, SamplingParams
+from ...tokenizer.tokenizer import Tokenizer
+from ...api.sampling_options import OPENAI
+from ..generation import APIError, request_params
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool | None = False
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class JsonSchemaFormat(_Loose):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Loose):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")   # llama-cpp-python's json_object schema
+
+    def spec(self) -> dict[str, Any]:
+        """The plain dict constrain.formats reads."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class Sampling(BaseModel):
+    # strict: the types the schema says (true is not the integer 1, "5" is not a number)
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # llama.cpp server's extensions, which OpenAI-style clients pass through extra_body
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool | None = None   # llama-server's and vLLM's: generate to max_tokens
+    speculative: bool | None = None  # ours: false opts this request out of speculative decoding
+    # structured output: OpenAI's response_format, and llama.cpp server's grammar / json_schema
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+
+    def constraint(self, tokenizer: Tokenizer) -> Constraint | None:
+        """The structured output asked for, if any; ConstraintError (a 400) when it cannot be."""
+        fmt = self.response_format.spec() if self.response_format else None
+        asked = [name for name, given in (("response_format", fmt and fmt["type"] != "text"),
+                                          ("grammar", self.grammar is not None),
+                                          ("json_schema", self.json_schema is not None)) if given]
+        if len(asked) > 1:
+            raise ConstraintError(f"give one of {' and '.join(asked)}, not both")
+        if self.grammar is not None:
+            return compile_constraint(tokenizer, "gbnf", self.grammar)
+        if self.json_schema is not None:
+            return compile_constraint(tokenizer, "json_schema", self.json_schema)
+        return from_openai(tokenizer, fmt)
+
+    def grammars(self) -> dict[str, Any]:
+        """The structured-output fields as given, for the size and depth limits."""
+        return {"grammar": self.grammar, "json_schema": self.json_schema,
+                "response_format": self.response_format.spec() if self.response_format else None}
+
+    def refuse_unsupported(self, n_vocab: int) -> None:
+        """A 400 for fields we would otherwise silently ignore, or that the model cannot take."""
+        for key, bias in (self.logit_bias or {}).items():
+            # ASCII digits only: str.isdigit() takes "²" (which int() refuses) and int() takes
+            # other scripts' digits, neither of which is a token id a client means
+            if not (key.isascii() and key.isdigit()) or int(key) >= n_vocab:
+                raise APIError(400, f"logit_bias key {key!r} is not a token id of this model (0 to {n_vocab - 1})",
+                               "logit_bias")
+            if not -100 <= bias <= 100:
+                raise APIError(400, f"logit_bias value {bias} for token {key} is outside [-100, 100]", "logit_bias")
+
+    def params(self, max_tokens_default: int, logprobs: int | None = None, constraint=None) -> SamplingParams:
+        fields = self.model_dump(include={"max_tokens", "temperature", "top_p", "n", "stop", "seed",
+                                          "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                                          "repeat_penalty", "ignore_eos", "speculative"})
+        bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+        return request_params(OPENAI, {**fields, "logprobs": logprobs, "constraint": constraint, "logit_bias": bias},
+                              max_tokens=max_tokens_default)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(Sampling):
+    max_tokens: int | None = Field(None, ge=0)   # 0 with echo: score the prompt, generate nothing
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+class FunctionCall(_Loose):
+    name: str
+    arguments: str | dict[str, Any] = "{}"   # OpenAI sends JSON text
+
+
+class ToolCall(_Loose):
+    id: str | None = None
+    type: Literal["function"] | None = "function"
+    function: FunctionCall
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)   # image_url etc.: refused by name later
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Loose):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class ToolFunction(_Loose):
+    """A tool's function as a chat request declares it: Ollama's fields (OpenAI's add strict)."""
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class FunctionDef(ToolFunction):
+    strict: bool | None = None
+
+
+class Tool(_Loose):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # OpenAI's 20, as the engine bounds it
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # what we cannot honour: named so that asking for it is a 400, not silently ignored
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    def refuse_unsupported(self, n_vocab: int) -> None:
+        """A 400 for fields we would otherwise silently ignore."""
+        super().refuse_unsupported(n_vocab)
+        if self.functions is not None or self.function_call is not None:
+            raise APIError(400, "functions and function_call are deprecated and not supported: use tools and "
+                           "tool_choice", "functions" if self.functions is not None else "function_call")
+        if self.audio is not None or (self.modalities and set(self.modalities) - {"text"}):
+            raise APIError(400, "audio output is not supported by this model", "modalities")
+        for name in ("prediction", "web_search_options"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name} is not supported", name)
+        if self.reasoning_effort not in (None, "none", "minimal"):
+            raise APIError(400, "reasoning_effort: this model does not reason (think)", "reasoning_effort")

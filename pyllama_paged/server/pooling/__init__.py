@@ -1,0 +1,1 @@
+"""Embeddings and rerank endpoints (OpenAI, Ollama, Cohere/Jina shapes)."""
