@@ -39,10 +39,10 @@ import os
 import shlex
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
-from _report import RESULTS_DIR, markdown_table, nvidia_gpus, write_results
+from common.peers import llama_cpp_tools
+from common.report import RESULTS_DIR, markdown_table, nvidia_gpus, write_results
 
 BENCH = Path(__file__).resolve().parent
 SYNTHETIC = BENCH / ".models" / "gemma3-synthetic-1.6b-q4_k_m.gguf"
@@ -81,8 +81,8 @@ def put_cuda_libraries_on_path() -> None:
 
 
 def ggml_gpus() -> list:
-    """The GPUs the installed GGML lists (pyllama_paged.engine.devices.Device)."""
-    from pyllama_paged.engine.devices import list_devices
+    """The GPUs the installed GGML lists (pyllama_paged.engine.worker.devices.Device)."""
+    from pyllama_paged.engine.worker.devices import list_devices
     return [d for d in list_devices() if d.is_gpu]
 
 
@@ -96,7 +96,7 @@ def refuse(message: str) -> int:
 
 def greedy_answers(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy continuations of prompts, all added at once (one batch) and stepped to the end."""
-    from pyllama_paged.engine.sampler import SamplingParams
+    from pyllama_paged.engine.worker.sampler import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params).request_id for p in prompts]
@@ -113,7 +113,7 @@ def functional_check(args) -> int:
     """The engine on a GGML GPU device against the CPU: placement and greedy agreement."""
     from pyllama_paged.engine.config import EngineConfig
     from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.model import Model
+    from pyllama_paged.engine.worker.model import Model
     from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
@@ -176,9 +176,7 @@ def llama_cpp_bin(args, gpu: dict) -> Path:
     if args.llama_cpp_bin:
         return Path(args.llama_cpp_bin)
     env = {**os.environ, "CUDA_ARCHS": os.environ.get("CUDA_ARCHS", gpu["compute_cap"].replace(".", ""))}
-    out = subprocess.run([str(BENCH / "build_llama_cpp.sh"), "--cuda"], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    return Path(out.strip().splitlines()[-1])
+    return llama_cpp_tools(cuda=True, env=env)
 
 
 def llama_cpp_lists_cuda(bin_dir: Path) -> bool:
@@ -191,7 +189,7 @@ def llama_cpp_lists_cuda(bin_dir: Path) -> bool:
 def model_path(name: str) -> str:
     """The GGUF of a --models entry: 'default', 'synthetic' (made on first use) or a path."""
     if name == "default":
-        from pyllama_paged.engine.model import default_model_path
+        from pyllama_paged.engine.worker.model import default_model_path
         return default_model_path()
     if name == "synthetic":
         if not SYNTHETIC.exists():
@@ -203,19 +201,17 @@ def model_path(name: str) -> str:
 
 def run_workloads(args, bin_dir: Path, out_dir: Path) -> dict:
     """Each model's workloads through the CPU benchmarks' scripts; {model: {workload: error or None}}."""
-    import batched
-    import chat_trace
-
     common = ["--threads", str(args.threads), "--gpu-layers", "-1"]
     if bin_dir is None:   # --ours-only
         peers = {"batched": ["--sides", "ours"], "chat": ["--sides", "ours"]}
     else:
         peers = {"batched": ["--llama-batched-bench", str(bin_dir / "llama-batched-bench")],
                  "chat": ["--llama-server", str(bin_dir / "llama-server")]}
+    # each in a process of its own, with this one's environment (the GPU chosen, CUDA's libraries)
     runs = {
-        "batched": (batched.main, ["--npl", *args.npl.split(","), *peers["batched"], *common,
-                                   *shlex.split(args.batched_args)]),
-        "chat": (chat_trace.main, [*peers["chat"], *common, *shlex.split(args.chat_args)]),
+        "batched": (BENCH / "engine" / "batched.py", ["--npl", *args.npl.split(","), *peers["batched"], *common,
+                                                      *shlex.split(args.batched_args)]),
+        "chat": (BENCH / "serving" / "chat_trace.py", [*peers["chat"], *common, *shlex.split(args.chat_args)]),
     }
     status: dict = {}
     for name in args.models.split(","):
@@ -223,14 +219,11 @@ def run_workloads(args, bin_dir: Path, out_dir: Path) -> dict:
         label = Path(path).stem if name not in ("default", "synthetic") else name
         status[label] = {}
         for workload in args.workloads.split(","):
-            main, argv = runs[workload]
+            script, argv = runs[workload]
             print(f"== {label}: {workload}", flush=True)
-            try:
-                main(["--model", path, "--out", str(out_dir / label), *argv])
-                status[label][workload] = None
-            except Exception as exc:  # noqa: BLE001 -- one failed workload must not lose the others
-                traceback.print_exc()
-                status[label][workload] = f"{type(exc).__name__}: {exc}"[:500]
+            run = subprocess.run([sys.executable, str(script), "--model", path, "--out", str(out_dir / label), *argv])
+            # one failed workload must not lose the others
+            status[label][workload] = None if run.returncode == 0 else f"{script.name} exited with {run.returncode}"
     return status
 
 
@@ -324,9 +317,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="default,synthetic", help="'default', 'synthetic' or GGUF paths")
     ap.add_argument("--workloads", default="batched,chat")
     ap.add_argument("--npl", default="1,4,16,64", help="batched: parallel sequences")
-    ap.add_argument("--batched-args", default="", help="more arguments for bench/batched.py")
+    ap.add_argument("--batched-args", default="", help="more arguments for bench/engine/batched.py")
     ap.add_argument("--chat-args", default="--requests 64 --rate 4 --peers np8,np32-kvu --ctx 16384",
-                    help="more arguments for bench/chat_trace.py")
+                    help="more arguments for bench/serving/chat_trace.py")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
     ap.add_argument("--llama-cpp-bin", default=None, help="llama.cpp's CUDA bin folder (default: build it)")
     ap.add_argument("--ours-only", action="store_true",

@@ -1,5 +1,5 @@
 """AttentionHarness: the attention operators alone on a KV pool, for kernel
-tests and bench/attention.py."""
+tests and bench/kernels/attention.py."""
 
 from __future__ import annotations
 

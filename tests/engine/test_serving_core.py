@@ -304,7 +304,7 @@ def test_an_aborted_step_is_a_compute_error_and_the_engine_goes_on(model):
 
 
 def test_a_preempted_request_that_can_no_longer_fit_ends_instead_of_waiting_forever(model):
-    # found by bench/soak.py: a preempted n=2 request is admitted again with a copy of
+    # found by bench/serving/soak.py: a preempted n=2 request is admitted again with a copy of
     # the prompt per sample, which a 6-block pool cannot hold even when empty
     llm = make_engine(model, num_blocks=6)
     prompt = list(range(10, 30))

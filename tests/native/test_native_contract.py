@@ -121,4 +121,4 @@ def test_removed_functions_are_gone():
     main = declared_functions(HEADER)
     for name in REMOVED:
         assert name not in main and not hasattr(so, name), name
-    assert hasattr(so, "pp_pool_create")   # bench/pool_ops.c's
+    assert hasattr(so, "pp_pool_create")   # bench/kernels/pool_ops.c's

@@ -198,7 +198,7 @@ def test_client_hanging_up_mid_stream_returns_its_pages(server, registry, path, 
                               "messages": [{"role": "user", "content": "Write a long essay about rivers."}]}),
 ])
 def test_client_hanging_up_on_a_non_streamed_answer_aborts_it(server, registry, path, body):
-    # found by bench/soak.py: a client that gave up waiting (timeout) left its request
+    # found by bench/serving/soak.py: a client that gave up waiting (timeout) left its request
     # decoding to max_tokens, holding pages and compute for nobody. The engine loop is
     # held while the client gives up, so the request cannot have finished first.
     def stats():
@@ -221,7 +221,7 @@ def test_client_hanging_up_on_a_non_streamed_answer_aborts_it(server, registry, 
 
 
 def test_engine_step_failure_ends_every_answer_with_an_api_error(server, registry, monkeypatch):
-    # found by bench/soak.py (a step failed under preemption): non-streamed clients got a bare
+    # found by bench/serving/soak.py (a step failed under preemption): non-streamed clients got a bare
     # 500 with a traceback in the log, streams were cut without an end line or an error
     def boom():
         raise RuntimeError("injected step failure")

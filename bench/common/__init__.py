@@ -1,0 +1,10 @@
+"""What the benchmark scripts share; no script imports another script.
+
+- report: machine/build info, markdown tables, the JSON + markdown pair every script writes;
+- peers: llama.cpp's tools (built, found, started) and our server started the same way;
+- roofline: the bandwidth and int8 ceilings of this machine and what they allow a step;
+- model_files: the F16/BF16/Q4_0 exports of the default model some benchmarks run;
+- conversations: word prompts of given token lengths (window_capacity, window_answers).
+
+A script under bench/<shelf>/ puts bench/ on sys.path first, then imports `common.<module>`.
+"""

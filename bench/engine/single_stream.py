@@ -1,0 +1,157 @@
+"""Single-stream decode and prefill against llama.cpp's own llama-bench, side by side in one
+run, with the roofline figures for decode: llama-bench's tg128 (128 tokens generated one at a
+time from an empty context) and pp512 (one 512-token prompt), and the same work on our engine
+(ModelRunner: the 512 tokens in one chunk; 128 single-token steps, logits of each), best of
+--repeats rounds each, the two sides' rounds interleaved. The roofline (bench/common/roofline.py): a
+step reads every weight byte once and does one int8 multiply-accumulate per weight and token, so it takes at least the weights' bytes over
+this machine's memory bandwidth (a NumPy copy of 1 GiB, bytes read and written) and at least
+its MACs over the int8 peak (bench/kernels/int8_peak.c); the report gives each side's tokens/s against
+the ceiling that binds.
+
+    bench/build_llama_cpp.sh
+    python bench/engine/single_stream.py --model bench/.models/<file>.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
+from common.report import RESULTS_DIR, markdown_table, write_results
+from common.peers import LLAMA_CPP_BIN
+from common.roofline import copy_bandwidth, int8_peak, macs_per_token, step_floor_s
+
+
+def llama_bench(binary: str, model: str, args) -> dict:
+    """llama-bench's pp and tg tokens/s, one repetition each (its JSON output)."""
+    cmd = [binary, "-m", model, "-p", str(args.npp), "-n", str(args.ntg), "-t", str(args.threads),
+           "-r", "1", "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    out = {}
+    for r in rows:
+        key = "pp" if r["n_prompt"] and not r["n_gen"] else "tg"
+        out[key] = r["avg_ts"]
+    return out
+
+
+class Ours:
+    """Our engine on the same work: one prompt of npp tokens in one chunk, then ntg single-token
+    steps from an empty context, the logits of each (what llama-bench times)."""
+
+    def __init__(self, model_path: str, args):
+        from pyllama_paged.engine.worker.model import Model
+        from pyllama_paged.engine.worker.model_runner import ModelRunner
+
+        self.args = args
+        self.model = Model(model_path)
+        self.runner = ModelRunner(self.model, paged=True, n_ctx=args.npp + args.ntg + 16,
+                                  n_threads=args.threads, n_batch=args.npp, block_size=16)
+        self.rng = np.random.default_rng(0)
+        self.round()   # warms up
+
+    def round(self) -> dict:
+        """One pp and one tg measurement, tokens/s."""
+        args, runner, vocab = self.args, self.runner, self.model.config.n_vocab
+        seq = runner.add_sequence(self.rng.integers(1000, vocab // 2, size=args.npp).tolist())
+        t0 = time.perf_counter()
+        runner.step([(seq, args.npp)])
+        pp = args.npp / (time.perf_counter() - t0)
+        runner.free(seq)
+        seq = runner.add_sequence([int(self.rng.integers(1000, vocab // 2))])
+        t0 = time.perf_counter()
+        for _ in range(args.ntg):
+            logits = runner.step([(seq, 1)])
+            runner.append_tokens(seq, [int(np.argmax(logits[0]))])
+        tg = args.ntg / (time.perf_counter() - t0)
+        runner.free(seq)
+        return {"pp": pp, "tg": tg}
+
+    def close(self) -> None:
+        """Free the runner and the model."""
+        self.runner.close()
+        self.model.close()
+
+
+def side_by_side(args) -> tuple[dict, dict, list[dict]]:
+    """Best of args.repeats rounds for each side, the rounds interleaved (llama-bench, ours,
+    llama-bench, ...): this host's memory speed drifts by up to ~15% over minutes, and both
+    sides must see the same drift."""
+    ours = Ours(args.model, args)
+    rounds = []
+    try:
+        for _ in range(args.repeats):
+            rounds.append({"llama_bench": llama_bench(args.llama_bench, args.model, args), "ours": ours.round()})
+        mine = {"panel_kernel": ours.model.panel_kernel, "n_panel_packed": ours.model.n_panel_packed}
+    finally:
+        ours.close()
+    best = lambda side: {w: max(r[side][w] for r in rounds) for w in ("pp", "tg")}
+    return best("llama_bench"), {**best("ours"), **mine}, rounds
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--npp", type=int, default=512)
+    ap.add_argument("--ntg", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--llama-bench", default=str(LLAMA_CPP_BIN / "llama-bench"))
+    ap.add_argument("--out", default=str(RESULTS_DIR))
+    args = ap.parse_args(argv)
+
+    bandwidth = copy_bandwidth()
+    isa, peak = int8_peak(args.threads)
+    theirs, mine, rounds = side_by_side(args)
+    weight_bytes = os.path.getsize(args.model)   # the file is the weights, a few MiB of metadata aside
+    body, head = macs_per_token(args.model)
+    tg_ceiling = 1 / step_floor_s(weight_bytes, body + head, bandwidth, peak)
+    # llama-bench's pp and ours both want the last token's logits only
+    pp_ceiling = args.npp / step_floor_s(weight_bytes, args.npp * body + head, bandwidth, peak)
+    rows = [{"workload": f"pp{args.npp} t/s", "llama-bench": theirs["pp"], "ours": mine["pp"],
+             "ours / llama.cpp": mine["pp"] / theirs["pp"], "roofline t/s": pp_ceiling,
+             "ours / roofline": mine["pp"] / pp_ceiling},
+            {"workload": f"tg{args.ntg} t/s", "llama-bench": theirs["tg"], "ours": mine["tg"],
+             "ours / llama.cpp": mine["tg"] / theirs["tg"], "roofline t/s": tg_ceiling,
+             "ours / roofline": mine["tg"] / tg_ceiling}]
+    notes = (f"{args.threads} threads, best of {args.repeats} rounds for each side, interleaved. Roofline: {weight_bytes / 2**20:.0f} MiB of weights "
+             f"read per step over {bandwidth / 1e9:.1f} GB/s (NumPy copy, read + written), and "
+             f"{(body + head) / 1e9:.2f} GMAC per token ({head / 1e9:.2f} of them the head) over an int8 peak of {peak / 1e9:.0f} GMAC/s ({isa}, "
+             f"{args.threads} threads). Decode: memory binds, {tg_ceiling:.1f} tokens/s; ours reaches "
+             f"{mine['tg'] / tg_ceiling:.0%} of it, llama-bench {theirs['tg'] / tg_ceiling:.0%}. Prefill of "
+             f"{args.npp}: compute binds, {pp_ceiling:.0f} tokens/s; ours reaches {mine['pp'] / pp_ceiling:.0%}, "
+             f"llama-bench {theirs['pp'] / pp_ceiling:.0%}. Ours: panel kernel {mine['panel_kernel']}, "
+             f"{mine['n_panel_packed']} weights in panels.")
+    write_results("single_stream", {"params": vars(args), "llama_bench": theirs, "ours": mine, "rounds": rounds,
+                                    "copy_bandwidth_bytes_per_s": bandwidth, "int8_peak_macs_per_s": peak,
+                                    "int8_peak_isa": isa, "macs_per_token": {"body": body, "head": head},
+                                    "weight_bytes": weight_bytes},
+                  rows, out_dir=args.out, title="Single stream: decode (tg) and prefill (pp) vs llama-bench",
+                  notes=notes)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
+    for ax, row in zip(axes, rows):
+        ax.bar(["llama-bench", "ours"], [row["llama-bench"], row["ours"]], color=["tab:blue", "tab:orange"])
+        if row["roofline t/s"]:
+            ax.axhline(row["roofline t/s"], color="grey", ls="--", label="roofline")
+            ax.legend()
+        ax.set(title=row["workload"], ylabel="tokens/s")
+    fig.suptitle(Path(args.model).name, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(Path(args.out) / "single_stream.png", dpi=100)
+    print(markdown_table(rows))
+    print(notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
