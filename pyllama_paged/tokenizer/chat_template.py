@@ -236,23 +236,24 @@ class ChatTemplate:
             raise ModelLoadError(f"metadata field 'tokenizer.chat_template' does not parse: {e}") from e
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> ChatPrompt:
+               tools: list[dict] | None = None, variables: dict | None = None) -> ChatPrompt:
         """Prompt text for messages (the tokenizer adds BOS itself); tools, when given, are
         passed to the template as transformers passes them. The text is a ``ChatPrompt``:
         ``tokenizer.encode(text, parse_special=True)`` parses control tokens only where the
-        template put them, never inside message content or tools."""
+        template put them, never inside message content or tools. variables are further names
+        the template reads (e.g. Qwen3's ``enable_thinking``)."""
         return self.render_with(lambda escape: (escape(messages), escape(tools) if tools else None),
-                                add_generation_prompt)
+                                add_generation_prompt, variables)
 
     def render_with(self, inputs: Callable[[Escape], tuple[list[dict], list[dict] | None]],
-                    add_generation_prompt: bool = True) -> ChatPrompt:
+                    add_generation_prompt: bool = True, variables: dict | None = None) -> ChatPrompt:
         """Render ``inputs(escape)``: (messages, tools) built with every string the request
         supplied passed through escape (markup of our own, e.g. a tool call written out as
         text, is left out of it so that it keeps its control tokens)."""
         messages, tools = inputs(no_escape)
         self._check(messages)
-        text = self._render_text(messages, tools, add_generation_prompt)
-        return ChatPrompt(text, lambda escape: self._render_text(*inputs(escape), add_generation_prompt))
+        text = self._render_text(messages, tools, add_generation_prompt, variables)
+        return ChatPrompt(text, lambda escape: self._render_text(*inputs(escape), add_generation_prompt, variables))
 
     @staticmethod
     def _check(messages: list[dict]) -> None:
@@ -264,8 +265,10 @@ class ChatTemplate:
             if not isinstance(m["content"], str):
                 raise PagedError(f"messages[{i}].content must be a string")
 
-    def _render_text(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-        extra = {"tools": tools} if tools else {}
+    def _render_text(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
+                     variables: dict | None = None) -> str:
+        # the template's own names win over a caller's variables of the same name
+        extra = {**(variables or {}), **({"tools": tools} if tools else {})}
         try:
             return run_within(self.render_seconds, lambda: self.template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token="",

@@ -301,6 +301,8 @@ def write_tiny_model(
     name: str | None = None,
     extra_pieces: Sequence[str] = (),
     extend: Callable[[gguf.GGUFWriter, np.random.Generator], None] | None = None,
+    tensor_hook: Callable[[str, np.ndarray], np.ndarray] | None = None,
+    vocab_hook: Callable[[dict], None] | None = None,
 ) -> str:
     """Write a tiny random-weight GGUF for ``arch`` to ``path`` and return the path.
 
@@ -315,6 +317,10 @@ def write_tiny_model(
     ``rope_freqs`` adds a ``rope_freqs.weight`` tensor of per-pair frequency divisors
     (Llama 3.1's rope scaling is stored that way).  ``extra_pieces`` adds whole tokens
     to the vocabulary; ``extend(writer, rng)`` adds metadata and tensors of its own last.
+    ``tensor_hook(name, data)`` returns what to write for each tensor instead of its drawn
+    float32 data (same shape; before quantization); ``vocab_hook(vocab)`` edits in place the
+    vocabulary written as tokenizer metadata (build_vocab's dict plus the add_* flags and an
+    optional "chat_template"; the tensors take their vocabulary size from it afterwards).
     """
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported arch {arch!r}; choose from {SUPPORTED_ARCHS}")
@@ -340,7 +346,11 @@ def write_tiny_model(
     if head_dim % 2 != 0:
         raise ValueError("head_dim must be even (RoPE rotates pairs)")
 
-    vocab = build_vocab(arch, n_vocab, extra_pieces)
+    # add_space_prefix only for gemma3, as in the real gemma-3 file
+    vocab = {**build_vocab(arch, n_vocab, extra_pieces), "add_bos": True, "add_eos": False,
+             "add_space_prefix": False if arch == "gemma3" else None}
+    if vocab_hook is not None:
+        vocab_hook(vocab)
     n_vocab = len(vocab["tokens"])
     rng = np.random.default_rng(seed)
     overrides = dict(type_overrides or {})
@@ -382,25 +392,31 @@ def write_tiny_model(
     if final_logit_softcapping is not None:
         w.add_final_logit_softcapping(float(final_logit_softcapping))
 
-    # add_space_prefix only for gemma3, as in the real gemma-3 file
-    add_tokenizer(w, "llama", "default", {**vocab, "add_bos": True, "add_eos": False,
-                                          "add_space_prefix": False if arch == "gemma3" else None})
+    add_tokenizer(w, "llama", "default", vocab)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_file_type(int(_FILE_TYPES[weight_type.lower()]))
+
+    def hooked(tname: str, data: np.ndarray) -> np.ndarray:
+        if tensor_hook is None:
+            return data
+        out = np.asarray(tensor_hook(tname, data), dtype=np.float32)
+        if out.shape != data.shape:
+            raise ValueError(f"tensor_hook changed {tname}'s shape from {data.shape} to {out.shape}")
+        return out
 
     def add_weight(tname: str, n_out: int, n_in: int, std: float) -> None:
         # numpy shape (n_out, n_in) == GGML ne [n_in, n_out]: rows are input-dim long.
         data = rng.standard_normal((n_out, n_in), dtype=np.float32) * np.float32(std)
-        arr, qt = quantize_tensor(data, pick_type(tname, n_in))
+        arr, qt = quantize_tensor(hooked(tname, data), pick_type(tname, n_in))
         w.add_tensor(tname, arr, raw_dtype=qt)
 
     def add_norm(tname: str, n: int, center: float = 1.0) -> None:
         # Stored as the multiplier actually applied (for gemma that is HF's 1 + w,
         # which llama.cpp's converter bakes in), so draw around ``center`` (1).
-        w.add_tensor(tname, (center * (1.0 + 0.1 * rng.standard_normal(n))).astype(np.float32))
+        w.add_tensor(tname, hooked(tname, (center * (1.0 + 0.1 * rng.standard_normal(n))).astype(np.float32)))
 
     def add_bias(tname: str, n: int) -> None:
-        w.add_tensor(tname, (0.1 * rng.standard_normal(n)).astype(np.float32))
+        w.add_tensor(tname, hooked(tname, (0.1 * rng.standard_normal(n)).astype(np.float32)))
 
     q_dim = n_head * head_dim
     kv_dim = n_head_kv * head_dim
@@ -416,7 +432,8 @@ def write_tiny_model(
     if rope_freqs:
         half = (head_dim if n_rot is None else n_rot) // 2
         # Divisors from 1 (high frequencies untouched) to 8 (the lowest), as in Llama 3.1.
-        w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, half).astype(np.float32))
+        divisors = np.geomspace(1.0, 8.0, half).astype(np.float32)
+        w.add_tensor("rope_freqs.weight", hooked("rope_freqs.weight", divisors))
     if not tie:
         add_weight("output.weight", n_vocab, n_embd, 2.0 / np.sqrt(n_embd))
     for il in range(n_layer):

@@ -1,0 +1,188 @@
+"""A tiny real GGUF (qwen3 architecture) whose greedy reply is a script we choose, so that
+end-to-end tests can watch a model think (``<think>...</think>``), answer and call tools
+through the real engine, tokenizer, chat template and server.
+
+How the weights make the script: every layer's ``attn_output`` and ``ffn_down`` are zero, so
+each layer adds nothing to the residual stream and the final hidden state is
+RMSNorm(token_embd[current token]) (``output_norm`` is all ones). The chain's tokens (the
+prompt's last token, the reply's, then ``<|im_end|>``) get orthogonal embeddings of RMS 1, and
+the untied output head's row for a chain token is ``SCRIPT_LOGIT / n_embd`` times the
+embedding of the token before it; every other row is zero. From a chain token the next one's
+logit is then SCRIPT_LOGIT and every other logit is 0, so the script is followed at any
+ordinary temperature, whatever came earlier in the prompt. The next token depends on the
+current one only, so no token may occur twice in the chain: a reply piece may be any string
+(it becomes one token of its own), which keeps scripts free of repeats.
+
+The vocabulary is the tiny SentencePiece one (reference/tiny_gguf.build_vocab) with Qwen3's
+markup typed as llama.cpp types it in Qwen3's files: ``<|im_start|>``/``<|im_end|>`` control
+tokens (``<|im_end|>`` the EOS), ``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``
+user-defined; plus single tokens for "\\n" and "\\n\\n" (Qwen's BPE has both), so that a
+generation prompt ending in ``</think>\\n\\n`` ends on a token of its own. No BOS and no space
+prefix, as with Qwen3.
+
+THINKING_TEMPLATE and OPEN_THINK_TEMPLATE are ChatML templates written here; both render
+``tools`` in the system turn and assistant ``tool_calls`` in the history, so the server's tool
+path hands tools to them (tools.prompt.knows_tools) and reads calls back as Hermes-style
+``<tool_call>`` blocks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import gguf
+import numpy as np
+
+from ..tokenizer.chat_template import ChatTemplate
+from ..tokenizer.spm import SPACE_MARK
+from ..tokenizer.tokenizer import Tokenizer
+from .reference.tiny_gguf import build_vocab, write_tiny_model
+
+ARCH = "qwen3"
+END_OF_TURN = "<|im_end|>"
+CONTROL_PIECES = ("<|im_start|>", END_OF_TURN)
+USER_DEFINED_PIECES = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+NEWLINE_PIECES = ("\n", "\n\n")
+# Logit of the script's next token (every other logit is 0): e^-32 per rival token leaves
+# greedy and sampled replies alike on the script.
+SCRIPT_LOGIT = 32.0
+# A message to render when finding where the generation prompt ends.
+PROBE_MESSAGES = ({"role": "user", "content": "Hello"},)
+
+# The turns, shared by both templates: the system turn carries the tools; earlier assistant
+# turns keep only what follows their think block (Qwen3 drops old thinking the same way).
+_TURNS = (
+    "{%- set ns = namespace(first=0) -%}"
+    "{%- if tools or messages[0]['role'] == 'system' -%}"
+    "{{- '<|im_start|>system\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{{- messages[0]['content'] -}}{%- set ns.first = 1 -%}"
+    "{%- if tools -%}{{- '\n\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- if tools -%}"
+    "{{- 'These functions can be called:\n<tools>\n' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson -}}{{- '\n' -}}{%- endfor -%}"
+    "{{- '</tools>\nTo call one, write its name and arguments as JSON between tags:\n'"
+    " + '<tool_call>\n{\"name\": \"the name\", \"arguments\": {\"argument\": \"value\"}}\n</tool_call>' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages[ns.first:] -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{%- set answer = m['content'].split('</think>')[-1] | trim -%}"
+    "{{- '<|im_start|>assistant\n' + answer -}}"
+    "{%- for call in m.get('tool_calls') or [] -%}"
+    "{%- set f = call['function'] if call['function'] is defined else call -%}"
+    "{%- if answer or not loop.first -%}{{- '\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\n{\"name\": ' -}}{{- f['name'] | tojson -}}"
+    "{{- ', \"arguments\": ' -}}{{- f['arguments'] | tojson -}}{{- '}\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + m['content'] + '\n</tool_response><|im_end|>\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+# Qwen3's switch: enable_thinking=false gives the reply an empty think block up front.
+THINKING_TEMPLATE = _TURNS + (
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\n\n</think>\n\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+
+# DeepSeek-R1's distills' way: the prompt opens the think block, the model only closes it.
+OPEN_THINK_TEMPLATE = _TURNS + (
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\n<think>\n' -}}"
+    "{%- endif -%}"
+)
+
+
+def _vocab_piece(text: str) -> str:
+    """How a piece of text is spelled in the SentencePiece vocabulary."""
+    return text.replace(" ", SPACE_MARK)
+
+
+def _extra_pieces(reply: Sequence[str]) -> list[str]:
+    # once each: build_vocab would give a piece listed twice two tokens
+    pieces = CONTROL_PIECES + USER_DEFINED_PIECES + NEWLINE_PIECES + tuple(_vocab_piece(p) for p in reply)
+    return list(dict.fromkeys(pieces))
+
+
+def _mark_up(vocab: dict, chat_template: str) -> None:
+    """Type Qwen3's markup, make <|im_end|> the EOS and add the template (the vocab_hook)."""
+    index = {t: i for i, t in enumerate(vocab["tokens"])}
+    for piece in CONTROL_PIECES:
+        vocab["types"][index[piece]] = int(gguf.TokenType.CONTROL)
+    for piece in USER_DEFINED_PIECES:
+        vocab["types"][index[piece]] = int(gguf.TokenType.USER_DEFINED)
+    vocab.update(eos=index[END_OF_TURN], add_bos=False, add_eos=False, add_space_prefix=False,
+                 chat_template=chat_template)
+
+
+def scripted_tokenizer(reply: Sequence[str], chat_template: str) -> Tokenizer:
+    """The tokenizer that write_scripted_model's file for reply and chat_template will have."""
+    vocab = build_vocab(ARCH, None, _extra_pieces(reply))
+    _mark_up(vocab, chat_template)
+    return Tokenizer(vocab["tokens"], vocab["scores"], vocab["types"], model="llama", bos_id=vocab["bos"],
+                     eos_id=vocab["eos"], unk_id=vocab["unk"], add_bos=vocab["add_bos"],
+                     add_eos=vocab["add_eos"], add_space_prefix=vocab["add_space_prefix"])
+
+
+def script_chain(reply: Sequence[str], chat_template: str, variables: dict | None = None) -> list[int]:
+    """Token ids of the chain: the rendered generation prompt's last token, the reply's pieces,
+    <|im_end|>. Raises ValueError when a token comes twice."""
+    tokenizer = scripted_tokenizer(reply, chat_template)
+    prompt = ChatTemplate(chat_template).render(list(PROBE_MESSAGES), variables=variables)
+    start = tokenizer.encode(prompt, add_special=True, parse_special=True)[-1]
+    chain = [start] + [tokenizer.token_to_id(_vocab_piece(p)) for p in reply] + [tokenizer.eos_id]
+    seen: dict[int, int] = {}
+    for position, tid in enumerate(chain):
+        if tid in seen:
+            raise ValueError(f"token {tokenizer.tokens[tid]!r} comes twice in the chain (positions "
+                             f"{seen[tid]} and {position}; 0 is the prompt's last token): the next "
+                             "token can only depend on the current one")
+        seen[tid] = position
+    return chain
+
+
+def write_scripted_model(path: str | os.PathLike, reply: Sequence[str], chat_template: str, *,
+                         variables: dict | None = None, seed: int = 0, n_embd: int = 256,
+                         weight_type: str = "f16", **options: Any) -> str:
+    """Write a qwen3 GGUF whose reply to chat_template's generation prompt (rendered with
+    variables, e.g. {"enable_thinking": False}) is the pieces of reply, each one token, then
+    <|im_end|>; returns the path. options go to write_tiny_model (n_layer, name, ...)."""
+    chain = script_chain(reply, chat_template, variables)
+    if len(chain) > n_embd:
+        raise ValueError(f"a chain of {len(chain)} tokens needs n_embd >= {len(chain)} (orthogonal embeddings)")
+    rng = np.random.default_rng(seed)
+    # orthonormal columns, scaled so that each embedding's RMS (what RMSNorm divides by) is 1
+    basis = np.linalg.qr(rng.standard_normal((n_embd, len(chain))))[0].T * np.sqrt(n_embd)
+
+    def tensor_hook(name: str, data: np.ndarray) -> np.ndarray:
+        if name == "token_embd.weight":
+            data = data.copy()
+            data[chain] = basis
+            return data
+        if name == "output.weight":
+            head = np.zeros_like(data)
+            head[chain[1:]] = basis[:-1] * (SCRIPT_LOGIT / n_embd)
+            return head
+        if name == "output_norm.weight":
+            return np.ones_like(data)
+        if name.endswith((".attn_output.weight", ".ffn_down.weight")):
+            return np.zeros_like(data)
+        return data
+
+    return write_tiny_model(path, ARCH, weight_type=weight_type, n_embd=n_embd, tie_embeddings=False,
+                            seed=seed, extra_pieces=_extra_pieces(reply), tensor_hook=tensor_hook,
+                            vocab_hook=lambda vocab: _mark_up(vocab, chat_template),
+                            **options)

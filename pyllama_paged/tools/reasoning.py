@@ -1,0 +1,128 @@
+"""A reasoning model's thinking apart from its answer: Qwen3's and DeepSeek-R1's
+`<think>...</think>` split out of the generated text, whole or one delta at a time.
+
+Clients look for the thinking in its own field (Ollama's `message.thinking`, OpenAI-style
+`reasoning_content`, Responses' reasoning items, Anthropic's `thinking` blocks), so the split
+happens once, on the text the model writes, before any dialect renders it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+def template_thinks(template_source: str) -> bool:
+    """Whether a chat template knows a think block (renders, strips or switches it)."""
+    return THINK_CLOSE in template_source or "enable_thinking" in template_source
+
+
+def prompt_opens_thinking(prompt: str) -> bool:
+    """Whether the rendered prompt leaves the reply inside an open think block.
+
+    DeepSeek-R1's distills (and Qwen3's templates in some versions) end the generation prompt
+    with `<think>\\n`: the model then writes its thinking with no opening tag of its own."""
+    start = prompt.rfind(THINK_OPEN)
+    return start >= 0 and prompt.find(THINK_CLOSE, start) < 0
+
+
+@dataclass
+class ReasoningDelta:
+    """What one piece of generated text adds to the thinking and to the answer."""
+
+    thinking: str = ""
+    content: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.thinking or self.content)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of text that could be the start of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningSplitter:
+    """Splits a reply, delta by delta, into thinking and answer.
+
+    A think block is recognised only at the start of the reply (after whitespace) or, when the
+    prompt opened it, from the first token: a `<think>` the model writes later in its answer is
+    answer text. Text that might be the start of a tag is held back until the next delta says
+    which it is, so every way of cutting the reply into deltas gives the same two strings.
+    Whitespace between the block and the answer, and at the block's edges, is dropped."""
+
+    def __init__(self, in_thinking: bool = False):
+        self._state = "thinking" if in_thinking else "start"
+        self._held = ""
+        self._thinking_started = False
+
+    @property
+    def in_thinking(self) -> bool:
+        """Whether the reply is inside its think block now."""
+        return self._state == "thinking"
+
+    def feed(self, text: str) -> ReasoningDelta:
+        """The thinking and answer text that this delta makes certain."""
+        out = ReasoningDelta()
+        self._held += text
+        while self._held:
+            if self._state == "start":
+                stripped = self._held.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self._held = stripped[len(THINK_OPEN):]
+                    self._state = "thinking"
+                elif stripped and THINK_OPEN.startswith(stripped) or not stripped:
+                    return out   # still could be `<think>`: wait for more
+                else:
+                    self._state = "answer"
+            elif self._state == "thinking":
+                end = self._held.find(THINK_CLOSE)
+                if end >= 0:
+                    out.thinking += self._thinking_text(self._held[:end].rstrip())
+                    self._held = self._held[end + len(THINK_CLOSE):]
+                    self._state = "after"
+                    continue
+                keep = _partial_suffix(self._held, THINK_CLOSE)
+                body = self._held[:len(self._held) - keep]
+                # trailing whitespace waits: it is dropped if the block closes right after it
+                certain = body.rstrip()
+                out.thinking += self._thinking_text(certain)
+                self._held = self._held[len(certain):]
+                return out
+            elif self._state == "after":
+                stripped = self._held.lstrip()
+                if not stripped:
+                    self._held = ""
+                    return out
+                self._held = stripped
+                self._state = "answer"
+            else:
+                out.content += self._held
+                self._held = ""
+        return out
+
+    def _thinking_text(self, text: str) -> str:
+        if not self._thinking_started:
+            text = text.lstrip()
+            self._thinking_started = bool(text)
+        return text
+
+    def finish(self) -> ReasoningDelta:
+        """What is still held when the reply ends (an unclosed block is all thinking)."""
+        held, self._held = self._held, ""
+        if self._state == "thinking":
+            return ReasoningDelta(thinking=self._thinking_text(held.rstrip()))
+        if self._state == "after":
+            return ReasoningDelta()
+        return ReasoningDelta(content=held)
+
+
+def split_reasoning(text: str, in_thinking: bool = False) -> tuple[str, str]:
+    """(thinking, answer) of a whole reply."""
+    splitter = ReasoningSplitter(in_thinking)
+    first, last = splitter.feed(text), splitter.finish()
+    return first.thinking + last.thinking, first.content + last.content
