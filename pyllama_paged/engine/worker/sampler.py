@@ -1,5 +1,5 @@
 """Sampling parameters, each sequence's sampling state, and the batched sampler
-that draws every row of a step in one native call (native/src/sampler.c)."""
+that draws every row of a step in one native call (native/src/kernels/sampler.c)."""
 
 from __future__ import annotations
 

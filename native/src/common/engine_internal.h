@@ -1,0 +1,216 @@
+/* Structures shared by the model, KV cache, graph and kernel sources. */
+#ifndef PP_ENGINE_INTERNAL_H
+#define PP_ENGINE_INTERNAL_H
+
+#include "pyllama_paged.h"
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+
+#include <sys/types.h>   /* pid_t */
+
+#define PP_MAX_REPACK_BUFTS 8
+
+struct pp_q8_panels;          /* panels/panels.h */
+struct pp_panel_gemm_state;
+
+typedef struct pp_layer {
+    struct ggml_tensor *attn_norm;
+    struct ggml_tensor *wq, *wk, *wv, *wo;
+    struct ggml_tensor *bq, *bk, *bv;
+    struct ggml_tensor *q_norm, *k_norm;
+    struct ggml_tensor *post_attn_norm;
+    struct ggml_tensor *ffn_norm;
+    struct ggml_tensor *ffn_gate, *ffn_up, *ffn_down;
+    struct ggml_tensor *post_ffw_norm;
+    /* encoder (bert) only: output bias, post-norms with biases, FFN biases */
+    struct ggml_tensor *bo;
+    struct ggml_tensor *attn_out_norm, *attn_out_norm_b;
+    struct ggml_tensor *ffn_up_b, *ffn_down_b;
+    struct ggml_tensor *layer_out_norm, *layer_out_norm_b;
+} pp_layer;
+
+/* A decoder layer's matrix products, in the order of the model's panel slots. */
+enum pp_projection { PP_PROJ_Q, PP_PROJ_K, PP_PROJ_V, PP_PROJ_O, PP_PROJ_GATE, PP_PROJ_UP, PP_PROJ_DOWN, PP_N_PROJ };
+
+static inline struct ggml_tensor *pp_layer_weight(const pp_layer *L, int proj) {
+    struct ggml_tensor *const w[PP_N_PROJ] = {L->wq, L->wk, L->wv, L->wo, L->ffn_gate, L->ffn_up, L->ffn_down};
+    return w[proj];
+}
+
+struct pp_model {
+    pp_model_hparams    hp;
+    int32_t            *layer_window;
+    struct ggml_context *weights;   /* tensor metadata only; data is borrowed */
+    struct ggml_tensor *tok_embd;
+    struct ggml_tensor *output_norm;
+    struct ggml_tensor *output;     /* NULL: tied to tok_embd */
+    struct ggml_tensor *rope_freqs; /* NULL: none; else [n_rot / 2] f32 frequency divisors */
+    pp_layer           *layers;
+    /* encoder (bert) only: learned positions, token types, embedding norm */
+    struct ggml_tensor *pos_embd, *tok_types, *embd_norm, *embd_norm_b;
+    int                 finalized;
+    /* Weights moved out of the mapping into GGML's CPU extra buffer types
+     * (repacked layouts); the buffers own those tensors' bytes. */
+    ggml_backend_buffer_t repack_buffers[PP_MAX_REPACK_BUFTS];
+    int                 n_repack_buffers;   /* at most one per extra type, <= PP_MAX_REPACK_BUFTS */
+    int                 repack_done;
+    /* Weights packed into row panels for our VNNI GEMM (panels/panels.h), by
+     * slot: layer il's projection p at il * PP_N_PROJ + p, then the output
+     * head (tied: the input embedding too). NULL slots: GGML's own ops. */
+    struct pp_q8_panels **panels;
+    int32_t             n_panel_slots;
+    /* Offloaded to a GGML device (pp_model_offload): layers from
+     * device_first_layer on, and the output head and its norm when
+     * device_output. The tensors there are copies the device buffer owns. */
+    int32_t             device;               /* GGML device index; -1: all on the CPU */
+    int32_t             device_first_layer;
+    int32_t             device_output;
+    struct ggml_context *device_weights;
+    ggml_backend_buffer_t device_buffer;
+    /* With a device: a CPU buffer over the mapping, the home of the weights
+     * left there (it owns nothing). */
+    ggml_backend_buffer_t mapped_buffer;
+};
+
+/* model/device.c: the model's device (NULL: none). */
+ggml_backend_dev_t pp_model_device(const pp_model *m);
+
+/* model/weight_repack.c: the borrowed bytes of a weight moved elsewhere
+ * (repacked, packed into panels, offloaded to a device) are never read
+ * again: ask the kernel to reclaim the whole pages inside them, keeping
+ * their contents. */
+void pp_release_mapped(const void *data, size_t size);
+
+/* Whether layer il (il == n_layer: the output head) runs on the model's device. */
+static inline int pp_layer_on_device(const pp_model *m, int il) {
+    if (m->device < 0) return 0;
+    return il >= m->hp.n_layer ? m->device_output : il >= m->device_first_layer;
+}
+
+struct pp_kv_cache {
+    const pp_model      *model;
+    enum ggml_type       type;
+    int32_t              num_blocks;
+    int32_t              block_size;
+    int32_t              paged;
+    int64_t              num_slots;
+    struct ggml_context *meta;              /* the pools in host memory */
+    ggml_backend_buffer_t buffer;
+    struct ggml_context *device_meta;       /* the pools on the model's device (NULL: none) */
+    ggml_backend_buffer_t device_buffer;
+    int32_t              n_groups;          /* layer groups (1: ungrouped) */
+    int32_t              layers_per_group;  /* L: every group has as many layers */
+    int32_t             *layer_group;       /* per layer: its group */
+    struct ggml_tensor **kt, **vt;          /* the L distinct pools: [n_embd_kv, num_slots] each */
+    struct ggml_tensor **k;                 /* per layer: the pool it shares (kt[index in its group]) */
+    struct ggml_tensor **v;
+};
+
+/* Whether a pool of c lives on the model's device (else in host memory). */
+static inline int pp_pool_on_device(const pp_kv_cache *c, const struct ggml_tensor *pool) {
+    return c->device_buffer != NULL && !ggml_backend_buffer_is_host(pool->buffer);
+}
+
+#define PP_ATTN_MAX_ROWS  32   /* query rows of one tile: tokens x group heads */
+#define PP_ATTN_KEY_CHUNK 32   /* keys converted and scored together */
+
+struct pp_attention_math;
+
+/* Per-thread working memory of the paged-attention kernel, made with the
+ * context (or harness) so that a step never allocates: n_threads slices of
+ * floats_per_thread floats, plus the math variant this CPU runs. */
+typedef struct pp_attention_scratch {
+    float  *data;
+    size_t  floats_per_thread;
+    int32_t n_threads;
+    const struct pp_attention_math *math;
+} pp_attention_scratch;
+
+/* (Re)size s for n_threads threads and head_dim; on failure
+ * PP_ERR_NO_MEMORY and s is unchanged. Release with pp_attention_scratch_release. */
+int32_t pp_attention_scratch_init(pp_attention_scratch *s, int32_t head_dim, int32_t n_threads);
+void pp_attention_scratch_release(pp_attention_scratch *s);
+
+/* What the paged-attention operator of one layer needs besides its tensors.
+ * Points at the step's host-side batch, valid while the graph computes. */
+typedef struct pp_attention_params {
+    const pp_batch *batch;
+    const pp_attention_scratch *scratch;   /* sized for the context's threads */
+    int32_t block_size;
+    int32_t window;        /* 0: full causal attention */
+    int32_t group;         /* the layer's group: which block tables and slots it uses */
+    float   scale;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t head_dim;
+} pp_attention_params;
+
+#define PP_ATTN_MIN_SPLIT_KEYS 256   /* keys per slice below which splitting is not worth it */
+
+/* The CPU paged-attention operator (ggml_custom_4d callback).
+ * dst: [head_dim, n_head, n_tokens] f32; src[0] q with the same shape;
+ * src[1], src[2]: the layer's K and V pools after this step's writes. */
+void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
+
+/* Split-K variant for few long sequences: a partial pass over slices of
+ * each key range, then a log-sum-exp merge (see kernels/paged_attention.c). */
+void pp_paged_attention_partial_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
+void pp_paged_attention_merge_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
+
+/* The paged attention of one layer as graph nodes: one custom op, or the
+ * split-K pair when there are fewer work items than threads and long
+ * key ranges. Returns [head_dim, n_head, n_tokens] f32. */
+struct ggml_tensor *pp_paged_attention(struct ggml_context *ctx, struct ggml_tensor *q,
+                                       struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
+                                       pp_attention_params *ap, int n_threads);
+
+int32_t pp_check_batch(const pp_model *model, const pp_kv_cache *cache, const pp_batch *batch);
+
+/* Token i's sequence index is in range, its sequence's tokens are contiguous
+ * and their positions increase: what the kernel's query tiles rely on. */
+int32_t pp_check_token_order(const pp_batch *batch, int i);
+
+/* Build the forward graph of one step. Inputs are created with
+ * ggml_set_input and named "tokens", "positions", "slots", "logit_rows",
+ * and, where GGML's flash attention runs (slabs, or paged with gather set),
+ * "mask.<t0>.<windowed>" per sequence run and "kv_idx.<t0>.<group>.<windowed>"
+ * (paged: the run's key slots, from pp_gather_first_key); the output is named
+ * "logits". gather: paged attention as GGML ops (pages gathered by slot, then
+ * flash attention) instead of our CPU operator; layers whose pools are on
+ * a device take that path whatever gather says. */
+struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *model,
+                                   const pp_kv_cache *cache, const pp_batch *batch,
+                                   pp_attention_params *layer_params, struct pp_panel_gemm_state *gemm_states,
+                                   int n_threads, int gather, size_t max_nodes);
+
+/* First key position the gathered path reads for a run whose first query is at p0. */
+int pp_gather_first_key(int p0, int window);
+
+#define PP_MAX_GRAPH_NODES 8192
+/* Where GGML's flash attention runs (slabs, the gather path, pools on a
+ * device), each run of a sequence's tokens adds its own nodes to every
+ * layer (query view and permute, gathered K and V and their views, the
+ * attention, the concat): at most this many. */
+#define PP_GRAPH_NODES_PER_RUN 12
+
+/* Nodes a decoding graph may need: the fixed part, plus per layer one set
+ * per sequence run, up to one run per token of the largest batch. */
+static inline size_t pp_graph_capacity(int n_layer, int max_batch_tokens) {
+    return PP_MAX_GRAPH_NODES + (size_t)n_layer * (size_t)max_batch_tokens * PP_GRAPH_NODES_PER_RUN;
+}
+
+/* model/context.c: frees a compute context's allocator, backend and thread pool
+ * (each may be NULL). A forked child must not join its parent's workers, so
+ * a pool made by another process than pool_pid's is left alone. */
+void pp_compute_release(ggml_gallocr_t galloc, ggml_backend_t backend, ggml_threadpool_t threadpool,
+                        pid_t pool_pid);
+
+/* model/encoder_graph.c: the bert forward over n_seqs inputs padded to max_len
+ * tokens each. Inputs "tokens", "types", "positions" ([n_seqs * max_len]
+ * i32) and "kq_mask" ([max_len, max_len, 1, n_seqs] f32); output "hidden"
+ * [n_embd, n_seqs * max_len]. */
+struct ggml_cgraph *pp_build_encoder_graph(struct ggml_context *ctx, const pp_model *m, int n_seqs,
+                                           int max_len);
+
+#endif

@@ -1,0 +1,332 @@
+/* Paged attention on the CPU, run by GGML's thread pool as a custom op.
+ *
+ * Work is split into (query tile, KV head) items. A tile is up to a few
+ * consecutive tokens of one sequence; with the query heads of the KV head's
+ * GQA group it forms at most PP_ATTN_MAX_ROWS query rows. The kernel walks
+ * the tile's key range through the sequence's block table in chunks that
+ * never cross a page, converts each chunk's K and V rows to f32 once for all
+ * rows of the tile (prefill reuses every key across the tile's tokens,
+ * decode across the group's heads), scores them, masks per row (causal and
+ * sliding window), and folds the chunk into an online softmax (running max,
+ * running sum, rescaled accumulator): no score matrix is ever materialized
+ * beyond one chunk. The row arithmetic (conversion, dots, exp, P.V) is in
+ * attention_math.c. */
+#include "kernels/attention_math.h"
+#include "common/engine_internal.h"
+#include "common/pp_internal.h"
+#include "ggml-cpu.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int key_begin(const pp_attention_params *ap, int pos) {
+    return ap->window > 0 && pos - ap->window + 1 > 0 ? pos - ap->window + 1 : 0;
+}
+
+/* Working memory of one tile, sized by the caller for rows x head_dim. */
+typedef struct tile_state {
+    float *q;        /* [rows][head_dim] queries, pre-scaled */
+    float *acc;      /* [rows][head_dim] unnormalized outputs */
+    float *k, *v;    /* [KEY_CHUNK][head_dim] the chunk's rows in f32 */
+    float *p;        /* [rows][KEY_CHUNK] scores, then probabilities */
+    char  *q8;       /* [rows][q8_row] the queries as q8_0 (q8_0 caches only) */
+    const pp_attention_math *math;
+    float run_max[PP_ATTN_MAX_ROWS];
+    float run_sum[PP_ATTN_MAX_ROWS];
+    float correction[PP_ATTN_MAX_ROWS];   /* this chunk's rescale of each row's acc */
+} tile_state;
+
+/* Keys [*lo, *hi) of the chunk starting at key k0 (n keys) that a query at
+ * pos sees: causal, and within the window if the layer has one. */
+static void visible_keys(const pp_attention_params *ap, int pos, int k0, int n, int *lo, int *hi) {
+    *lo = key_begin(ap, pos) - k0;
+    *hi = pos + 1 - k0;
+    if (*lo < 0) *lo = 0;
+    if (*hi > n) *hi = n;
+}
+
+/* Fold keys [k_lo, k_hi) of the sequence of tokens [t0, t1) into st for KV
+ * head kvh; row r is token t0 + r / group, query head kvh * group + r % group.
+ * Each row still sees only its own causal (and window) range. */
+static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor *q,
+                        const struct ggml_tensor *kc, const struct ggml_tensor *vc, int t0, int t1,
+                        int kvh, int k_lo, int k_hi, tile_state *st) {
+    const pp_batch *batch = ap->batch;
+    const int hd = ap->head_dim;
+    const int group = ap->n_head / ap->n_head_kv;
+    const int rows = (t1 - t0) * group;
+    const int bs = ap->block_size;
+    const size_t kv_head_bytes = ggml_row_size(kc->type, hd);
+    /* The layer's group's tables (group-major, see pp_batch). */
+    const int32_t *table = batch->block_tables +
+                           ((size_t)ap->group * batch->n_seqs + batch->seq_index[t0]) * batch->max_blocks_per_seq;
+
+    /* q8_0 keys are dotted in int8 against queries quantized to q8_0 (their vec_dot_type). */
+    const struct ggml_type_traits_cpu *k_traits = kc->type == GGML_TYPE_Q8_0 ? ggml_get_type_traits_cpu(kc->type) : NULL;
+    const ggml_from_float_t quantize_q = k_traits ? ggml_get_type_traits_cpu(k_traits->vec_dot_type)->from_float : NULL;
+    const size_t q8_row = ggml_row_size(GGML_TYPE_Q8_0, hd);
+    for (int r = 0; r < rows; r++) {
+        const float *qrow = (const float *)((const char *)q->data + (t0 + r / group) * q->nb[2] +
+                                            (size_t)(kvh * group + r % group) * q->nb[1]);
+        for (int d = 0; d < hd; d++) st->q[(size_t)r * hd + d] = qrow[d] * ap->scale;
+        if (quantize_q) quantize_q(st->q + (size_t)r * hd, st->q8 + (size_t)r * q8_row, hd);
+        st->run_max[r] = -INFINITY;
+        st->run_sum[r] = 0.0f;
+    }
+    memset(st->acc, 0, sizeof(float) * (size_t)rows * hd);
+
+    for (int k0 = k_lo; k0 < k_hi;) {
+        const int page_end = (k0 / bs + 1) * bs;
+        int k1 = page_end < k_hi ? page_end : k_hi;
+        if (k1 - k0 > PP_ATTN_KEY_CHUNK) k1 = k0 + PP_ATTN_KEY_CHUNK;
+        const int n = k1 - k0;
+        const int64_t slot0 = (int64_t)table[k0 / bs] * bs + k0 % bs;
+        const char *krows = (const char *)kc->data + slot0 * kc->nb[1] + kvh * kv_head_bytes;
+        const char *vrows = (const char *)vc->data + slot0 * vc->nb[1] + kvh * kv_head_bytes;
+        for (int j = 0; j < n; j++) {
+            if (!k_traits) st->math->row_to_f32(kc, krows + j * kc->nb[1], st->k + (size_t)j * hd, hd);
+            st->math->row_to_f32(vc, vrows + j * vc->nb[1], st->v + (size_t)j * hd, hd);
+        }
+        /* q8_0 keys: integer dots straight from the cache against the
+         * quantized queries (GGML's vec_dot), no f32 copy of K. */
+        for (int r = 0; k_traits && r < rows; r++) {
+            int lo, hi;
+            visible_keys(ap, batch->positions[t0 + r / group], k0, n, &lo, &hi);
+            for (int j = lo; j < hi; j++)
+                k_traits->vec_dot(hd, st->p + (size_t)r * PP_ATTN_KEY_CHUNK + j, 0, krows + j * kc->nb[1], 0,
+                                  st->q8 + (size_t)r * q8_row, 0, 1);
+        }
+        /* f32 keys: scores two rows at a time over the union of their visible keys. */
+        for (int r = 0; !k_traits && r < rows; r += 2) {
+            const int r1 = r + 1 < rows ? r + 1 : r;
+            int lo0, hi0, lo1, hi1;
+            visible_keys(ap, batch->positions[t0 + r / group], k0, n, &lo0, &hi0);
+            visible_keys(ap, batch->positions[t0 + r1 / group], k0, n, &lo1, &hi1);
+            const int lo = lo0 < lo1 ? lo0 : lo1, hi = hi0 > hi1 ? hi0 : hi1;
+            if (lo >= hi) continue;
+            float *p0 = st->p + (size_t)r * PP_ATTN_KEY_CHUNK + lo;
+            const float *kl = st->k + (size_t)lo * hd;
+            if (r1 != r)
+                st->math->dot_rows2(st->q + (size_t)r * hd, st->q + (size_t)r1 * hd, kl, hi - lo, hd, p0,
+                             st->p + (size_t)r1 * PP_ATTN_KEY_CHUNK + lo);
+            else
+                st->math->dot_rows(st->q + (size_t)r * hd, kl, hi - lo, hd, p0);
+        }
+        /* Online softmax per row; masked keys get probability 0. */
+        for (int r = 0; r < rows; r++) {
+            float *p = st->p + (size_t)r * PP_ATTN_KEY_CHUNK;
+            int j_lo, j_hi;
+            visible_keys(ap, batch->positions[t0 + r / group], k0, n, &j_lo, &j_hi);
+            st->correction[r] = 1.0f;
+            if (j_lo >= j_hi) {
+                memset(p, 0, sizeof(float) * n);
+                continue;
+            }
+            float m = st->run_max[r];
+            for (int j = j_lo; j < j_hi; j++) m = p[j] > m ? p[j] : m;
+            const float correction = expf(st->run_max[r] - m);
+            const float sum = st->math->exp_shifted(p + j_lo, j_hi - j_lo, m);
+            for (int j = 0; j < j_lo; j++) p[j] = 0.0f;
+            for (int j = j_hi; j < n; j++) p[j] = 0.0f;
+            st->run_sum[r] = st->run_sum[r] * correction + sum;
+            st->run_max[r] = m;
+            st->correction[r] = correction;
+        }
+        for (int r = 0; r < rows; r += 2) {
+            float *acc = st->acc + (size_t)r * hd;
+            const float *p = st->p + (size_t)r * PP_ATTN_KEY_CHUNK;
+            if (r + 1 < rows)
+                st->math->accumulate_pv2(acc, acc + hd, st->correction[r], st->correction[r + 1], p,
+                                  p + PP_ATTN_KEY_CHUNK, st->v, n, hd);
+            else
+                st->math->accumulate_pv(acc, st->correction[r], p, st->v, n, hd);
+        }
+        k0 = k1;
+    }
+}
+
+/* Tokens per tile: as many as fit PP_ATTN_MAX_ROWS rows, but small enough
+ * that every thread gets about two items. */
+static int tile_tokens(const pp_attention_params *ap, int nth) {
+    const int group = ap->n_head / ap->n_head_kv;
+    int tq = PP_ATTN_MAX_ROWS / group;
+    const int by_threads = ap->batch->n_tokens * ap->n_head_kv / (2 * nth);
+    if (tq > by_threads) tq = by_threads;
+    return tq > 0 ? tq : 1;
+}
+
+/* Floats of one thread's tile memory for rows x hd (see tile_state). */
+static size_t tile_floats(int rows, int hd) {
+    const size_t q8_floats = (rows * ggml_row_size(GGML_TYPE_Q8_0, hd) + sizeof(float) - 1) / sizeof(float);
+    return (size_t)2 * rows * hd + (size_t)2 * PP_ATTN_KEY_CHUNK * hd + (size_t)rows * PP_ATTN_KEY_CHUNK +
+           q8_floats;
+}
+
+int32_t pp_attention_scratch_init(pp_attention_scratch *s, int32_t head_dim, int32_t n_threads) {
+    const size_t per_thread = tile_floats(PP_ATTN_MAX_ROWS, head_dim);
+    float *data = malloc(sizeof(float) * per_thread * (size_t)n_threads);
+    if (!data) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate attention tiles for %d threads", n_threads);
+    free(s->data);
+    s->data = data;
+    s->floats_per_thread = per_thread;
+    s->n_threads = n_threads;
+    s->math = pp_attention_math_select();
+    return PP_OK;
+}
+
+void pp_attention_scratch_release(pp_attention_scratch *s) {
+    free(s->data);
+    memset(s, 0, sizeof *s);
+}
+
+/* Point st's arrays into thread ith's slice of the scratch made at context
+ * creation: the kernel never allocates while a step runs. */
+static void tile_state_init(tile_state *st, const pp_attention_params *ap, int ith, int rows) {
+    const pp_attention_scratch *scratch = ap->scratch;
+    const int hd = ap->head_dim;
+    /* GGML runs a custom op on at most the backend's threads, which the scratch was sized for. */
+    GGML_ASSERT(ith < scratch->n_threads && rows <= PP_ATTN_MAX_ROWS &&
+                tile_floats(rows, hd) <= scratch->floats_per_thread);
+    float *f = scratch->data + (size_t)ith * scratch->floats_per_thread;
+    st->math = scratch->math;
+    st->q = f;
+    st->acc = st->q + (size_t)rows * hd;
+    st->k = st->acc + (size_t)rows * hd;
+    st->v = st->k + (size_t)PP_ATTN_KEY_CHUNK * hd;
+    st->p = st->v + (size_t)PP_ATTN_KEY_CHUNK * hd;
+    st->q8 = (char *)(st->p + (size_t)rows * PP_ATTN_KEY_CHUNK);
+}
+
+void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    const pp_attention_params *ap = userdata;
+    const pp_batch *batch = ap->batch;
+    const int hd = ap->head_dim;
+    const int group = ap->n_head / ap->n_head_kv;
+    const int tq = tile_tokens(ap, nth);
+    GGML_ASSERT(group <= PP_ATTN_MAX_ROWS);
+    tile_state st;
+    tile_state_init(&st, ap, ith, tq * group);
+
+    /* Tiles are cut the same way by every thread; item i goes to thread i % nth. */
+    int item = 0;
+    for (int t0 = 0; t0 < batch->n_tokens;) {
+        int t1 = t0 + 1;
+        while (t1 < batch->n_tokens && t1 - t0 < tq && batch->seq_index[t1] == batch->seq_index[t0]) t1++;
+        for (int kvh = 0; kvh < ap->n_head_kv; kvh++, item++) {
+            if (item % nth != ith) continue;
+            const int k_lo = key_begin(ap, batch->positions[t0]), k_hi = batch->positions[t1 - 1] + 1;
+            attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t0, t1, kvh, k_lo, k_hi, &st);
+            for (int r = 0; r < (t1 - t0) * group; r++) {
+                float *out = (float *)((char *)dst->data + (t0 + r / group) * dst->nb[2] +
+                                       (size_t)(kvh * group + r % group) * dst->nb[1]);
+                const float inv = st.run_sum[r] > 0.0f ? 1.0f / st.run_sum[r] : 0.0f;
+                for (int d = 0; d < hd; d++) out[d] = st.acc[(size_t)r * hd + d] * inv;
+            }
+        }
+        t0 = t1;
+    }
+}
+
+/* Split-K: work unit (token, KV head, split) folds one slice of the token's
+ * key range and stores its unnormalized accumulator plus (max, sum) in dst,
+ * laid out as [head_dim + 2, group, n_splits, n_tokens * n_kv]. */
+void pp_paged_attention_partial_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    const pp_attention_params *ap = userdata;
+    const pp_batch *batch = ap->batch;
+    const int hd = ap->head_dim;
+    const int n_kv = ap->n_head_kv;
+    const int group = ap->n_head / ap->n_head_kv;
+    const int n_splits = (int)dst->ne[2];
+    GGML_ASSERT(group <= PP_ATTN_MAX_ROWS);
+    tile_state st;
+    tile_state_init(&st, ap, ith, group);
+
+    const int n_units = batch->n_tokens * n_kv * n_splits;
+    for (int unit = ith; unit < n_units; unit += nth) {
+        const int item = unit / n_splits, split = unit % n_splits;
+        const int t = item / n_kv, kvh = item % n_kv;
+        const int pos = batch->positions[t];
+        const int lo = key_begin(ap, pos), len = pos + 1 - lo;
+        const int k_begin = lo + (int)((int64_t)len * split / n_splits);
+        const int k_end = lo + (int)((int64_t)len * (split + 1) / n_splits);
+        attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t, t + 1, kvh, k_begin, k_end, &st);
+        for (int g = 0; g < group; g++) {
+            float *out = (float *)((char *)dst->data + item * dst->nb[3] + split * dst->nb[2] + g * dst->nb[1]);
+            memcpy(out, st.acc + (size_t)g * hd, sizeof(float) * hd);
+            out[hd] = st.run_max[g];
+            out[hd + 1] = st.run_sum[g];
+        }
+    }
+}
+
+static void axpy(float *restrict y, const float *restrict x, float a, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+static void scale_row(float *restrict y, float a, int n) {
+    for (int i = 0; i < n; i++) y[i] *= a;
+}
+
+/* Merge the splits of each item by log-sum-exp into [head_dim, n_head, n_tokens]. */
+void pp_paged_attention_merge_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    const pp_attention_params *ap = userdata;
+    const struct ggml_tensor *part = dst->src[0];
+    const int head_dim = ap->head_dim;
+    const int n_kv = ap->n_head_kv;
+    const int group = ap->n_head / ap->n_head_kv;
+    const int n_splits = (int)part->ne[2];
+    const int n_items = ap->batch->n_tokens * n_kv;
+
+    for (int item = ith; item < n_items; item += nth) {
+        const int t = item / n_kv, kvh = item % n_kv;
+        for (int g = 0; g < group; g++) {
+            float m = -INFINITY;
+            for (int s = 0; s < n_splits; s++) {
+                const float *p = (const float *)((const char *)part->data + item * part->nb[3] +
+                                                 s * part->nb[2] + g * part->nb[1]);
+                if (p[head_dim] > m) m = p[head_dim];
+            }
+            float *out = (float *)((char *)dst->data + t * dst->nb[2] + (size_t)(kvh * group + g) * dst->nb[1]);
+            memset(out, 0, sizeof(float) * head_dim);
+            float total = 0.0f;
+            for (int s = 0; s < n_splits; s++) {
+                const float *p = (const float *)((const char *)part->data + item * part->nb[3] +
+                                                 s * part->nb[2] + g * part->nb[1]);
+                if (p[head_dim + 1] == 0.0f) continue;   /* empty slice */
+                const float w = expf(p[head_dim] - m);
+                total += p[head_dim + 1] * w;
+                axpy(out, p, w, head_dim);
+            }
+            if (total > 0.0f) scale_row(out, 1.0f / total, head_dim);
+        }
+    }
+}
+
+struct ggml_tensor *pp_paged_attention(struct ggml_context *ctx, struct ggml_tensor *q,
+                                       struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
+                                       pp_attention_params *ap, int n_threads) {
+    const pp_batch *b = ap->batch;
+    const int n_items = b->n_tokens * ap->n_head_kv;
+    int max_keys = 0;
+    for (int t = 0; t < b->n_tokens; t++) {
+        const int keys = b->positions[t] + 1 - key_begin(ap, b->positions[t]);
+        if (keys > max_keys) max_keys = keys;
+    }
+    int n_splits = 1;
+    if (n_items > 0 && n_items < n_threads) {
+        n_splits = (n_threads + n_items - 1) / n_items;
+        const int by_length = max_keys / PP_ATTN_MIN_SPLIT_KEYS;
+        if (n_splits > by_length) n_splits = by_length > 1 ? by_length : 1;
+    }
+    struct ggml_tensor *args[3] = {q, k_pool, v_pool};
+    const int group = ap->n_head / ap->n_head_kv;
+    if (n_splits == 1)
+        return ggml_custom_4d(ctx, GGML_TYPE_F32, ap->head_dim, ap->n_head, b->n_tokens, 1, args, 3,
+                              pp_paged_attention_cpu, GGML_N_TASKS_MAX, ap);
+    struct ggml_tensor *part = ggml_custom_4d(ctx, GGML_TYPE_F32, ap->head_dim + 2, group, n_splits,
+                                              n_items, args, 3, pp_paged_attention_partial_cpu,
+                                              GGML_N_TASKS_MAX, ap);
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, ap->head_dim, ap->n_head, b->n_tokens, 1, &part, 1,
+                          pp_paged_attention_merge_cpu, GGML_N_TASKS_MAX, ap);
+}

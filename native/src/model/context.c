@@ -1,0 +1,466 @@
+/* One compute context: the CPU backend (GGML's thread pool), the graph
+ * allocator reused across steps, and the per-step input upload. A model
+ * offloaded to a device (device.c) runs its graphs through GGML's
+ * scheduler instead: the device's backend first, the CPU's as fallback. */
+#include "common/engine_internal.h"
+#include "kernels/attention_math.h"
+#include "common/pp_internal.h"
+#include "panels/panels.h"
+#include "ggml-cpu.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+struct pp_context {
+    pp_model            *model;
+    pp_kv_cache         *cache;
+    ggml_backend_t       backend;
+    ggml_threadpool_t    threadpool;   /* persistent workers (GGML would spawn them per graph) */
+    pid_t                pool_pid;     /* the process whose threads those are (see fork below) */
+    ggml_gallocr_t       galloc;
+    void                *meta_buf;     /* graph metadata arena, reused each step */
+    size_t               meta_size;
+    size_t               max_nodes;       /* pp_graph_capacity: the graph, its tensors and the scheduler */
+    int32_t              max_batch_tokens;
+    int32_t              n_threads;
+    pp_attention_params *layer_params;
+    pp_panel_gemm_state *gemm_states;   /* per model panel slot (NULL: the model has no panels) */
+    pp_attention_scratch scratch;      /* the kernel's tiles, one slice per thread */
+    int32_t              attention_path;   /* enum pp_attention_path */
+    atomic_int           abort_requested;
+    const float         *step_logits;  /* the last step's logits in the compute buffer, or NULL */
+    int32_t              step_n_logits;
+    ggml_backend_t       device_backend;   /* NULL: the model runs on the CPU alone */
+    ggml_backend_sched_t sched;
+    float               *host_logits;      /* a device's logits read back (sched only) */
+    size_t               host_logits_floats;
+};
+
+/* GGML asks between graph nodes whether to stop (ggml_abort_callback). */
+static bool abort_requested(void *data) {
+    pp_context *c = data;
+    return atomic_load(&c->abort_requested) != 0;
+}
+
+static ggml_backend_t new_backend(pp_context *c) {
+    ggml_backend_t backend = ggml_backend_cpu_init();
+    if (backend) ggml_backend_cpu_set_abort_callback(backend, abort_requested, c);
+    return backend;
+}
+
+int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
+                          int32_t max_batch_tokens, pp_context **out) {
+    if (!m || !cache || !out) return pp_fail(PP_ERR_INVALID, "pp_context_create: NULL argument");
+    *out = NULL;
+    if (!m->finalized) return pp_fail(PP_ERR_INVALID, "model not finalized (missing tensors?)");
+    if (m->hp.arch == PP_ARCH_BERT)
+        return pp_fail(PP_ERR_INVALID, "an encoder-only model has no decoding context: use pp_encoder_create");
+    if (cache->model != m) return pp_fail(PP_ERR_INVALID, "KV cache was made for another model");
+    if (n_threads < 1 || max_batch_tokens < 1)
+        return pp_fail(PP_ERR_INVALID, "n_threads and max_batch_tokens must be >= 1 (got %d, %d)",
+                       n_threads, max_batch_tokens);
+    pp_context *c = calloc(1, sizeof *c);
+    if (!c) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate a context");
+    c->model = m;
+    c->cache = cache;
+    c->max_batch_tokens = max_batch_tokens;
+    /* Sized for a step of single-token sequences on the flash-attention path;
+     * the buffer is touched only as far as a step's graph reaches. */
+    c->max_nodes = pp_graph_capacity(m->hp.n_layer, max_batch_tokens);
+    c->meta_size = ggml_tensor_overhead() * c->max_nodes + ggml_graph_overhead_custom(c->max_nodes, false);
+    c->meta_buf = malloc(c->meta_size);
+    c->layer_params = calloc((size_t)m->hp.n_layer, sizeof *c->layer_params);
+    c->backend = new_backend(c);
+    c->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
+    if (!c->meta_buf || !c->layer_params || !c->backend || !c->galloc) {
+        pp_context_destroy(c);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute context");
+    }
+    ggml_backend_dev_t device = pp_model_device(m);
+    if (device) {
+        c->device_backend = ggml_backend_dev_init(device, NULL);
+        if (!c->device_backend) {
+            pp_context_destroy(c);
+            return pp_fail(PP_ERR_INVALID, "device %s: GGML cannot start its backend", ggml_backend_dev_name(device));
+        }
+        /* The device first: ops go where their weights and pools are, the CPU takes the rest. */
+        ggml_backend_t backends[2] = {c->device_backend, c->backend};
+        c->sched = ggml_backend_sched_new(backends, NULL, 2, c->max_nodes, false, false);
+        if (!c->sched) {
+            pp_context_destroy(c);
+            return pp_fail(PP_ERR_NO_MEMORY, "cannot set up GGML's scheduler for device %s",
+                           ggml_backend_dev_name(device));
+        }
+    }
+    int st = pp_context_set_threads(c, n_threads);
+    if (st != PP_OK) {
+        pp_context_destroy(c);
+        return st;
+    }
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        pp_attention_params *ap = &c->layer_params[il];
+        ap->block_size = cache->block_size;
+        ap->window = m->layer_window[il];
+        ap->group = cache->layer_group[il];
+        ap->scale = m->hp.attn_scale;
+        ap->n_head = m->hp.n_head;
+        ap->n_head_kv = m->hp.n_head_kv;
+        ap->head_dim = m->hp.head_dim;
+        ap->scratch = &c->scratch;
+    }
+    if (m->panels) {
+        c->gemm_states = calloc((size_t)m->n_panel_slots, sizeof *c->gemm_states);
+        if (!c->gemm_states) {
+            pp_context_destroy(c);
+            return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the panel GEMM states");
+        }
+        for (int i = 0; i < m->n_panel_slots; i++) {
+            c->gemm_states[i].w = m->panels[i];
+            c->gemm_states[i].kernel = pp_panel_kernel_select();
+        }
+    }
+    *out = c;
+    return PP_OK;
+}
+
+void pp_compute_release(ggml_gallocr_t galloc, ggml_backend_t backend, ggml_threadpool_t threadpool,
+                        pid_t pool_pid) {
+    if (galloc) ggml_gallocr_free(galloc);
+    if (backend) ggml_backend_free(backend);
+    if (threadpool && pool_pid == getpid()) ggml_threadpool_free(threadpool);
+}
+
+void pp_context_destroy(pp_context *c) {
+    if (!c) return;
+    if (c->sched) ggml_backend_sched_free(c->sched);
+    if (c->device_backend) ggml_backend_free(c->device_backend);
+    free(c->host_logits);
+    pp_compute_release(c->galloc, c->backend, c->threadpool, c->pool_pid);
+    free(c->meta_buf);
+    free(c->layer_params);
+    free(c->gemm_states);
+    pp_attention_scratch_release(&c->scratch);
+    free(c);
+}
+
+/* After fork() the child has the pool's memory but none of its threads:
+ * joining or even pausing it could hang. The child gets a fresh backend
+ * (freeing the old one touches only its own buffers) and leaves the
+ * parent's pool struct alone. */
+static int forget_parent_pool(pp_context *c) {
+    if (!c->threadpool || c->pool_pid == getpid()) return PP_OK;
+    /* GGML's device backends do not survive fork() (the scheduler holds the parent's backends). */
+    if (c->sched) return pp_fail(PP_ERR_INVALID, "a forked process cannot use its parent's device context");
+    ggml_backend_t backend = new_backend(c);
+    if (!backend) return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute backend after fork");
+    ggml_backend_free(c->backend);
+    c->backend = backend;
+    c->threadpool = NULL;
+    return PP_OK;
+}
+
+int32_t pp_context_set_threads(pp_context *c, int32_t n_threads) {
+    if (!c || n_threads < 1) return pp_fail(PP_ERR_INVALID, "n_threads must be >= 1");
+    if (n_threads > GGML_MAX_N_THREADS)
+        return pp_fail(PP_ERR_INVALID, "n_threads %d above GGML's limit of %d", n_threads, GGML_MAX_N_THREADS);
+    int st = forget_parent_pool(c);
+    if (st != PP_OK) return st;
+    if (c->threadpool && c->n_threads == n_threads) return PP_OK;
+    st = pp_attention_scratch_init(&c->scratch, c->model->hp.head_dim, n_threads);
+    if (st != PP_OK) return st;
+    /* Without a pool of its own GGML creates and joins its worker threads
+     * on every graph, i.e. every step. */
+    struct ggml_threadpool_params tpp = ggml_threadpool_params_default(n_threads);
+    /* Idle workers sleep instead of spinning between graphs: in a server the
+     * CPU between steps belongs to the HTTP and sampling threads. Measured
+     * in one process, polling did not make generation faster. */
+    tpp.poll = 0;
+    ggml_threadpool_t pool = ggml_threadpool_new(&tpp);
+    if (!pool) {
+        /* Keep the scratch big enough for the old pool (it may have fewer slices now). */
+        if (c->threadpool) pp_attention_scratch_init(&c->scratch, c->model->hp.head_dim, c->n_threads);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot start a pool of %d threads", n_threads);
+    }
+    ggml_backend_cpu_set_n_threads(c->backend, n_threads);
+    ggml_backend_cpu_set_threadpool(c->backend, pool);   /* pauses the previous pool */
+    if (c->threadpool) ggml_threadpool_free(c->threadpool);
+    c->threadpool = pool;
+    c->pool_pid = getpid();
+    c->n_threads = n_threads;
+    return PP_OK;
+}
+
+int32_t pp_check_token_order(const pp_batch *b, int i) {
+    const int s = b->seq_index[i];
+    if (s < 0 || s >= b->n_seqs)
+        return pp_fail(PP_ERR_INVALID, "token %d: sequence index %d outside [0, %d)", i, s, b->n_seqs);
+    if (i > 0 && s != b->seq_index[i - 1]) {
+        for (int j = 0; j < i; j++)
+            if (b->seq_index[j] == s)
+                return pp_fail(PP_ERR_INVALID, "tokens of sequence %d are not contiguous", s);
+    } else if (i > 0 && b->positions[i] <= b->positions[i - 1]) {
+        return pp_fail(PP_ERR_INVALID, "token %d: positions of a sequence must increase", i);
+    }
+    return PP_OK;
+}
+
+/* The blocks group g's queries of tokens [t0, t1) (one sequence's run) read
+ * are all present, and each token's slot is its block table's. */
+static int check_group_run(const pp_kv_cache *cache, const pp_batch *b, int32_t g, int32_t window,
+                           int t0, int t1) {
+    const int64_t bs = cache->block_size;
+    const size_t table_stride = (size_t)b->n_seqs * b->max_blocks_per_seq;
+    const int32_t *table = b->block_tables + g * table_stride + (size_t)b->seq_index[t0] * b->max_blocks_per_seq;
+    const int32_t *slots = b->slot_mapping + (size_t)g * b->n_tokens;
+    const int first_pos = b->positions[t0], last_pos = b->positions[t1 - 1];
+    const int first_key = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    for (int blk = (int)(first_key / bs); blk <= last_pos / bs; blk++)
+        if (table[blk] < 0)
+            return pp_fail(PP_ERR_INVALID, "token %d: group %d has no block for position %d", t0, g, blk * (int)bs);
+    for (int i = t0; i < t1; i++) {
+        const int pos = b->positions[i];
+        if (slots[i] != table[pos / bs] * bs + pos % bs)
+            return pp_fail(PP_ERR_INVALID, "token %d: slot %d does not match group %d's block table", i, slots[i], g);
+    }
+    return PP_OK;
+}
+
+int32_t pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_batch *b) {
+    if (!b || b->n_tokens < 1 || !b->token_ids || !b->positions || !b->slot_mapping ||
+        !b->seq_index || !b->block_tables || b->n_seqs < 1 || b->max_blocks_per_seq < 1 ||
+        b->n_logits < 0 || (b->n_logits > 0 && !b->logit_rows))
+        return pp_fail(PP_ERR_INVALID, "malformed batch (empty or missing arrays)");
+    const int32_t n_groups = b->n_groups > 0 ? b->n_groups : 1;
+    if (n_groups != cache->n_groups)
+        return pp_fail(PP_ERR_INVALID, "batch of %d layer groups for a KV cache of %d", n_groups, cache->n_groups);
+    for (size_t i = 0; i < (size_t)n_groups * b->n_seqs * b->max_blocks_per_seq; i++)
+        if (b->block_tables[i] < -1 || b->block_tables[i] >= cache->num_blocks)
+            return pp_fail(PP_ERR_INVALID, "block table entry %zu = %d outside the pool of %d blocks",
+                           i, b->block_tables[i], cache->num_blocks);
+    /* The window each group's layers attend over (all layers of a group share it). */
+    int32_t group_window[256] = {0};
+    for (int il = 0; il < m->hp.n_layer; il++) group_window[cache->layer_group[il]] = m->layer_window[il];
+    const int64_t bs = cache->block_size;
+    for (int i = 0; i < b->n_tokens; i++) {
+        const int s = b->seq_index[i], pos = b->positions[i];
+        if (b->token_ids[i] < 0 || b->token_ids[i] >= m->hp.n_vocab)
+            return pp_fail(PP_ERR_INVALID, "token %d: id %d outside the vocabulary of %d", i,
+                           b->token_ids[i], m->hp.n_vocab);
+        const int order = pp_check_token_order(b, i);
+        if (order != PP_OK) return order;
+        if (pos < 0 || pos / bs >= b->max_blocks_per_seq)
+            return pp_fail(PP_ERR_INVALID, "token %d: position %d beyond the block table", i, pos);
+        if (!cache->paged) {
+            const int32_t *table = b->block_tables + (size_t)s * b->max_blocks_per_seq;
+            if (table[0] < 0 || pos >= bs)
+                return pp_fail(PP_ERR_INVALID, "token %d: position %d outside its slab of %d", i, pos, (int)bs);
+            if (b->slot_mapping[i] != table[0] * bs + pos)
+                return pp_fail(PP_ERR_INVALID, "token %d: slot %d does not match its slab", i,
+                               b->slot_mapping[i]);
+        }
+    }
+    /* Paged: per sequence run and group, the blocks its queries read and its slots. */
+    for (int t0 = 0; cache->paged && t0 < b->n_tokens;) {
+        int t1 = t0 + 1;
+        while (t1 < b->n_tokens && b->seq_index[t1] == b->seq_index[t0]) t1++;
+        for (int32_t g = 0; g < n_groups; g++) {
+            const int st = check_group_run(cache, b, g, group_window[g], t0, t1);
+            if (st != PP_OK) return st;
+        }
+        t0 = t1;
+    }
+    for (int i = 0; i < b->n_logits; i++)
+        if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tokens)
+            return pp_fail(PP_ERR_INVALID, "logit row %d outside the batch of %d tokens",
+                           b->logit_rows[i], b->n_tokens);
+    if (b->n_hidden < 0 || (b->n_hidden > 0 && (!b->hidden_rows || !b->hidden)))
+        return pp_fail(PP_ERR_INVALID, "malformed batch: %d hidden rows without their arrays", b->n_hidden);
+    for (int i = 0; i < b->n_hidden; i++)
+        if (b->hidden_rows[i] < 0 || b->hidden_rows[i] >= b->n_tokens)
+            return pp_fail(PP_ERR_INVALID, "hidden row %d outside the batch of %d tokens",
+                           b->hidden_rows[i], b->n_tokens);
+    return PP_OK;
+}
+
+/* Fill the flash-attention path's masks, "mask.<first token>.<windowed>" per
+ * sequence run (windowed layers of one model share a single window size),
+ * and, paged, the run's key slots "kv_idx.<first token>.<group>.<windowed>":
+ * keys from the first query's window (pp_gather_first_key) to the last query. */
+static void fill_flash_inputs(struct ggml_cgraph *gf, const pp_batch *b, int swa_window, const pp_kv_cache *cache) {
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg = ggml_fp32_to_fp16(-INFINITY);
+    for (int t0 = 0; t0 < b->n_tokens;) {
+        int t1 = t0;
+        while (t1 < b->n_tokens && b->seq_index[t1] == b->seq_index[t0]) t1++;
+        for (int windowed = 0; windowed < 2; windowed++) {
+            char name[32];
+            snprintf(name, sizeof name, "mask.%d.%d", t0, windowed);
+            struct ggml_tensor *mask = ggml_graph_get_tensor(gf, name);
+            if (!mask) continue;
+            const int window = windowed ? swa_window : 0;
+            const int k_lo = cache->paged ? pp_gather_first_key(b->positions[t0], window) : 0;
+            ggml_fp16_t *data = mask->data;
+            const int64_t n_kv = mask->ne[0];
+            for (int i = t0; i < t1; i++) {
+                const int pos = b->positions[i];
+                for (int64_t j = 0; j < n_kv; j++) {
+                    const int64_t k = k_lo + j;
+                    const int visible = k <= pos && (window <= 0 || pos - k < window);
+                    data[(i - t0) * n_kv + j] = visible ? zero : neg;
+                }
+            }
+            const int bs = cache->block_size;
+            const size_t table_stride = (size_t)b->n_seqs * b->max_blocks_per_seq;
+            for (int32_t g = 0; cache->paged && g < cache->n_groups; g++) {
+                char idx_name[48];
+                snprintf(idx_name, sizeof idx_name, "kv_idx.%d.%d.%d", t0, g, windowed);
+                struct ggml_tensor *idx = ggml_graph_get_tensor(gf, idx_name);
+                if (!idx) continue;
+                const int32_t *table = b->block_tables + g * table_stride +
+                                       (size_t)b->seq_index[t0] * b->max_blocks_per_seq;
+                int32_t *slots = idx->data;
+                for (int64_t j = 0; j < idx->ne[0]; j++) {
+                    const int64_t k = k_lo + j;
+                    slots[j] = table[k / bs] * bs + (int32_t)(k % bs);
+                }
+            }
+        }
+        t0 = t1;
+    }
+}
+
+int32_t pp_context_set_attention_path(pp_context *c, int32_t path) {
+    if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_set_attention_path: context is NULL");
+    if (path != PP_ATTENTION_KERNEL && path != PP_ATTENTION_GATHER)
+        return pp_fail(PP_ERR_INVALID, "unknown attention path %d", path);
+    c->attention_path = path;
+    return PP_OK;
+}
+
+/* The step's inputs into the graph's input tensors (host memory: GGML's
+ * scheduler keeps inputs on the CPU and copies what a device reads). */
+static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_batch *b, int gather, int swa_window) {
+    ggml_backend_tensor_set(ggml_graph_get_tensor(gf, "tokens"), b->token_ids, 0, sizeof(int32_t) * b->n_tokens);
+    ggml_backend_tensor_set(ggml_graph_get_tensor(gf, "positions"), b->positions, 0, sizeof(int32_t) * b->n_tokens);
+    struct ggml_tensor *slots = ggml_graph_get_tensor(gf, "slots");
+    struct ggml_tensor *rows = ggml_graph_get_tensor(gf, "logit_rows");
+    if (!ggml_backend_buffer_is_host(slots->buffer) || !ggml_backend_buffer_is_host(rows->buffer))
+        return pp_fail(PP_ERR_COMPUTE, "GGML placed the step's inputs outside host memory");
+    int64_t *slot_data = slots->data;
+    for (int i = 0; i < b->n_tokens * c->cache->n_groups; i++) slot_data[i] = b->slot_mapping[i];
+    int32_t *out_rows = rows->data;
+    if (b->n_logits > 0) memcpy(out_rows, b->logit_rows, sizeof(int32_t) * b->n_logits);
+    if (b->n_hidden > 0) memcpy(out_rows + b->n_logits, b->hidden_rows, sizeof(int32_t) * b->n_hidden);
+    /* GGML's flash attention runs for slabs, the gather path, and the layers whose pools are on a device */
+    if (!c->cache->paged || gather || c->cache->device_buffer) fill_flash_inputs(gf, b, swa_window, c->cache);
+    return PP_OK;
+}
+
+/* The step's logits (left in the compute buffer on the CPU, read back from
+ * a device) and hidden rows. */
+static int32_t read_outputs(pp_context *c, struct ggml_cgraph *gf, const pp_batch *b, float *logits) {
+    const pp_model *m = c->model;
+    if (b->n_logits > 0) {
+        struct ggml_tensor *out = ggml_graph_get_tensor(gf, "logits");
+        const size_t floats = (size_t)b->n_logits * m->hp.n_vocab;
+        if (ggml_backend_buffer_is_host(out->buffer)) {
+            /* the graph output stays in the allocator's buffer until the next step allocates:
+             * with no logits buffer the caller reads it there (no copy of n_logits x n_vocab) */
+            c->step_logits = out->data;
+        } else {
+            if (c->host_logits_floats < floats) {
+                float *grown = realloc(c->host_logits, floats * sizeof(float));
+                if (!grown) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate %zu logits", floats);
+                c->host_logits = grown;
+                c->host_logits_floats = floats;
+            }
+            ggml_backend_tensor_get(out, c->host_logits, 0, floats * sizeof(float));
+            c->step_logits = c->host_logits;
+        }
+        c->step_n_logits = b->n_logits;
+        if (logits) memcpy(logits, c->step_logits, sizeof(float) * floats);
+    }
+    if (b->n_hidden > 0) {
+        /* a view of the normed rows: read row by row (its stride is the parent's) */
+        struct ggml_tensor *out = ggml_graph_get_tensor(gf, "hidden");
+        for (int i = 0; i < b->n_hidden; i++)
+            ggml_backend_tensor_get(out, b->hidden + (size_t)i * m->hp.n_embd, (size_t)i * out->nb[1],
+                                    sizeof(float) * m->hp.n_embd);
+    }
+    return PP_OK;
+}
+
+int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
+    if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_decode: context is NULL");
+    /* whatever happens next, the last step's rows are no longer this context's answer
+     * (and the compute buffer they live in is about to be reused) */
+    c->step_logits = NULL;
+    c->step_n_logits = 0;
+    int st = pp_check_batch(c->model, c->cache, b);
+    if (st != PP_OK) return st;
+    if (b->n_tokens > c->max_batch_tokens)
+        return pp_fail(PP_ERR_INVALID, "batch of %d tokens exceeds max_batch_tokens %d", b->n_tokens,
+                       c->max_batch_tokens);
+    st = pp_context_set_threads(c, c->n_threads);   /* a no-op unless this is a forked child */
+    if (st != PP_OK) return st;
+    const pp_model *m = c->model;
+    int swa_window = 0;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        c->layer_params[il].batch = b;
+        if (m->layer_window[il] > swa_window) swa_window = m->layer_window[il];
+    }
+
+    struct ggml_init_params params = {.mem_size = c->meta_size, .mem_buffer = c->meta_buf, .no_alloc = true};
+    struct ggml_context *ctx = ggml_init(params);
+    if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
+    const int gather = c->cache->paged && c->attention_path == PP_ATTENTION_GATHER;
+    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params, c->gemm_states, c->n_threads, gather,
+                                             c->max_nodes);
+    if (c->sched) ggml_backend_sched_reset(c->sched);
+    if (!(c->sched ? ggml_backend_sched_alloc_graph(c->sched, gf) : ggml_gallocr_alloc_graph(c->galloc, gf))) {
+        ggml_free(ctx);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the compute buffer for %d tokens", b->n_tokens);
+    }
+    st = upload_inputs(c, gf, b, gather, swa_window);
+    if (st != PP_OK) {
+        ggml_free(ctx);
+        return st;
+    }
+    enum ggml_status status = c->sched ? ggml_backend_sched_graph_compute(c->sched, gf)
+                                       : ggml_backend_graph_compute(c->backend, gf);
+    atomic_store(&c->abort_requested, 0);   /* a request is consumed by the step it stopped */
+    if (status != GGML_STATUS_SUCCESS) {
+        ggml_free(ctx);
+        return pp_fail(PP_ERR_COMPUTE, status == GGML_STATUS_ABORTED ? "step aborted on request"
+                                                                     : "graph compute failed with GGML status %d",
+                       (int)status);
+    }
+    st = read_outputs(c, gf, b, logits);
+    ggml_free(ctx);
+    return st;
+}
+
+const float *pp_context_step_logits(const pp_context *c, int32_t *n_rows) {
+    if (n_rows) *n_rows = c ? c->step_n_logits : 0;
+    return c ? c->step_logits : NULL;
+}
+
+int32_t pp_context_abort(pp_context *c) {
+    if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_abort: context is NULL");
+    atomic_store(&c->abort_requested, 1);
+    return PP_OK;
+}
+
+const char *pp_ggml_build_info(void) {
+    static char info[256];
+    /* llamafile = GGML's tinyBLAS GEMM for prompt processing (GGML_LLAMAFILE);
+     * attention = our kernel's math variant on this CPU. */
+    snprintf(info, sizeof info, "ggml %s; cpu: avx=%d avx2=%d f16c=%d fma=%d avx512=%d avx512_vnni=%d "
+             "llamafile=%d; attention=%s", ggml_version(), ggml_cpu_has_avx(), ggml_cpu_has_avx2(),
+             ggml_cpu_has_f16c(), ggml_cpu_has_fma(), ggml_cpu_has_avx512(), ggml_cpu_has_avx512_vnni(),
+             ggml_cpu_has_llamafile(), pp_attention_math_select()->name);
+    return info;
+}

@@ -1,0 +1,179 @@
+/* Model weights: hyper-parameter checks and the tensor registry, with the
+ * decoders' tensor tables (bert's are in encoder_model.c; both are looked up
+ * through tensor_table.c). The bytes stay in the caller's mapping of the
+ * GGUF file; we only describe them. */
+#include "common/engine_internal.h"
+#include "model/tensor_table.h"
+#include "panels/panels.h"
+#include "common/pp_internal.h"
+#include "ggml-cpu.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
+    if (!hp || !out) return pp_fail(PP_ERR_INVALID, "pp_model_create: NULL argument");
+    *out = NULL;
+#define REQUIRE(cond, ...) do { if (!(cond)) return pp_fail(PP_ERR_INVALID, __VA_ARGS__); } while (0)
+    REQUIRE(hp->arch >= PP_ARCH_LLAMA && hp->arch <= PP_ARCH_BERT, "unknown architecture id %d", hp->arch);
+    REQUIRE(hp->n_layer > 0 && hp->n_layer <= 512, "block_count %d out of range", hp->n_layer);
+    REQUIRE(hp->n_embd > 0, "embedding_length %d must be positive", hp->n_embd);
+    REQUIRE(hp->n_head > 0 && hp->n_head_kv > 0 && hp->n_head % hp->n_head_kv == 0,
+            "head_count %d must be a positive multiple of head_count_kv %d", hp->n_head, hp->n_head_kv);
+    REQUIRE(hp->n_head / hp->n_head_kv <= 32, "GQA ratio %d above the supported 32", hp->n_head / hp->n_head_kv);
+    REQUIRE(hp->head_dim > 0 && hp->head_dim <= 512 && hp->head_dim % 2 == 0,
+            "key_length %d must be even and at most 512", hp->head_dim);
+    REQUIRE(hp->n_ff > 0, "feed_forward_length %d must be positive", hp->n_ff);
+    REQUIRE(hp->n_vocab > 0, "vocabulary size %d must be positive", hp->n_vocab);
+    REQUIRE(hp->rope_type == 0 || hp->rope_type == 2, "rope type %d unsupported", hp->rope_type);
+    REQUIRE(hp->n_rot >= 0 && hp->n_rot <= hp->head_dim && hp->n_rot % 2 == 0,
+            "rope.dimension_count %d must be even and at most key_length %d", hp->n_rot, hp->head_dim);
+    REQUIRE(hp->rms_eps > 0, "layer_norm_rms_epsilon must be positive");
+#undef REQUIRE
+    pp_model *m = calloc(1, sizeof *m);
+    if (!m) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the model");
+    m->hp = *hp;
+    m->device = -1;
+    if (m->hp.n_rot == 0) m->hp.n_rot = hp->head_dim;
+    m->layer_window = calloc((size_t)hp->n_layer, sizeof(int32_t));
+    m->layers = calloc((size_t)hp->n_layer, sizeof(pp_layer));
+    size_t n_tensors = 4 + (size_t)hp->n_layer * 20;
+    struct ggml_init_params params = {
+        .mem_size = n_tensors * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
+    m->weights = ggml_init(params);
+    if (!m->layer_window || !m->layers || !m->weights) {
+        pp_model_destroy(m);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the model's tables");
+    }
+    if (hp->layer_window) memcpy(m->layer_window, hp->layer_window, sizeof(int32_t) * hp->n_layer);
+    m->hp.layer_window = m->layer_window;
+    *out = m;
+    return PP_OK;
+}
+
+void pp_model_destroy(pp_model *m) {
+    if (!m) return;
+    for (int i = 0; i < m->n_repack_buffers; i++) ggml_backend_buffer_free(m->repack_buffers[i]);
+    if (m->device_buffer) ggml_backend_buffer_free(m->device_buffer);
+    if (m->mapped_buffer) ggml_backend_buffer_free(m->mapped_buffer);
+    if (m->device_weights) ggml_free(m->device_weights);
+    for (int i = 0; m->panels && i < m->n_panel_slots; i++) pp_q8_panels_free(m->panels[i]);
+    free(m->panels);
+    if (m->weights) ggml_free(m->weights);
+    free(m->layer_window);
+    free(m->layers);
+    free(m);
+}
+
+/* The decoders' tensors (llama, qwen2, qwen3, gemma3); see pp_tensor_table. */
+static size_t decoder_globals(pp_model *m, pp_tensor_slot *out) {
+    const pp_model_hparams *hp = &m->hp;
+    const pp_tensor_slot table[] = {
+        {"token_embd.weight", &m->tok_embd, hp->n_embd, hp->n_vocab, 1},
+        {"output_norm.weight", &m->output_norm, hp->n_embd, 0, 1},
+        {"output.weight", &m->output, hp->n_embd, hp->n_vocab, 0},   /* absent: tied to the embedding */
+        {"rope_freqs.weight", &m->rope_freqs, hp->n_rot / 2, 0, 0},
+    };
+    _Static_assert(sizeof table <= PP_MAX_GLOBAL_SLOTS * sizeof table[0], "raise PP_MAX_GLOBAL_SLOTS");
+    memcpy(out, table, sizeof table);
+    return sizeof table / sizeof table[0];
+}
+
+static size_t decoder_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out) {
+    const pp_model_hparams *hp = &m->hp;
+    const int64_t n_embd = hp->n_embd, q_dim = (int64_t)hp->n_head * hp->head_dim,
+                  kv_dim = (int64_t)hp->n_head_kv * hp->head_dim;
+    const int arch = hp->arch, qk_norm = arch == PP_ARCH_QWEN3 || arch == PP_ARCH_GEMMA3;
+    const pp_tensor_slot table[] = {
+        {"attn_norm.weight", &L->attn_norm, n_embd, 0, 1},
+        {"attn_q.weight", &L->wq, n_embd, q_dim, 1},
+        {"attn_k.weight", &L->wk, n_embd, kv_dim, 1},
+        {"attn_v.weight", &L->wv, n_embd, kv_dim, 1},
+        {"attn_output.weight", &L->wo, q_dim, n_embd, 1},
+        {"ffn_norm.weight", &L->ffn_norm, n_embd, 0, 1},
+        {"ffn_gate.weight", &L->ffn_gate, n_embd, hp->n_ff, 1},
+        {"ffn_up.weight", &L->ffn_up, n_embd, hp->n_ff, 1},
+        {"ffn_down.weight", &L->ffn_down, hp->n_ff, n_embd, 1},
+        {"attn_q.bias", &L->bq, q_dim, 0, arch == PP_ARCH_QWEN2},
+        {"attn_k.bias", &L->bk, kv_dim, 0, arch == PP_ARCH_QWEN2},
+        {"attn_v.bias", &L->bv, kv_dim, 0, arch == PP_ARCH_QWEN2},
+        {"attn_q_norm.weight", &L->q_norm, hp->head_dim, 0, qk_norm},
+        {"attn_k_norm.weight", &L->k_norm, hp->head_dim, 0, qk_norm},
+        {"post_attention_norm.weight", &L->post_attn_norm, n_embd, 0, arch == PP_ARCH_GEMMA3},
+        {"post_ffw_norm.weight", &L->post_ffw_norm, n_embd, 0, arch == PP_ARCH_GEMMA3},
+    };
+    _Static_assert(sizeof table <= PP_MAX_LAYER_SLOTS * sizeof table[0], "raise PP_MAX_LAYER_SLOTS");
+    memcpy(out, table, sizeof table);
+    return sizeof table / sizeof table[0];
+}
+
+static const pp_tensor_table decoder_tensors = {decoder_globals, decoder_layer};
+
+/* Where a named tensor goes (1, with *spec) or 0 for a name the model does not use. */
+static int resolve(pp_model *m, const char *name, pp_tensor_slot *spec) {
+    if (m->hp.arch == PP_ARCH_BERT) return pp_encoder_resolve(m, name, spec);
+    return pp_resolve_tensor(m, &decoder_tensors, name, spec);
+}
+
+int32_t pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const int64_t *ne,
+                            int32_t n_dims, const void *data, int64_t n_bytes, int32_t *used) {
+    if (!m || !name || !ne || !data) return pp_fail(PP_ERR_INVALID, "pp_model_set_tensor: NULL argument");
+    if (used) *used = 0;
+    if (n_dims < 1 || n_dims > GGML_MAX_DIMS)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': %d dimensions (GGML takes 1 to %d)", name, n_dims,
+                       GGML_MAX_DIMS);
+    pp_tensor_slot spec;
+    if (!resolve(m, name, &spec)) return PP_OK;
+    if (type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size((enum ggml_type)type) == 0 ||
+        ggml_type_size((enum ggml_type)type) == 0)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': unsupported ggml type %d", name, type);
+    /* Compared as 2-D, a 1-D slot being [ne0, 1]: a [ne0, 0] tensor holds no bytes at all. */
+    const int64_t ne1 = n_dims > 1 ? ne[1] : 1, want1 = spec.ne1 ? spec.ne1 : 1;
+    for (int d = 2; d < n_dims; d++)
+        if (ne[d] != 1)
+            return pp_fail(PP_ERR_INVALID, "tensor '%s': expected at most 2 dimensions", name);
+    if (ne[0] != spec.ne0 || ne1 != want1)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': shape [%lld, %lld] but the hyper-parameters "
+                       "need [%lld, %lld]", name, (long long)ne[0], (long long)ne1,
+                       (long long)spec.ne0, (long long)want1);
+    if (ne[0] % ggml_blck_size((enum ggml_type)type) != 0)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': row of %lld is not whole %s blocks", name,
+                       (long long)ne[0], ggml_type_name((enum ggml_type)type));
+    if (*spec.slot) return pp_fail(PP_ERR_INVALID, "tensor '%s' given twice", name);
+    if (spec.slot == &m->rope_freqs && type != GGML_TYPE_F32)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s, but GGML's RoPE takes f32 frequency factors",
+                       name, ggml_type_name((enum ggml_type)type));
+    /* Types GGML stores but cannot compute with here would abort inside the
+     * first graph, so they are refused now: norms and biases meet f32
+     * activations in ggml_mul/ggml_add, which take f32 (as llama.cpp writes
+     * every 1-D weight); the 2-D weights feed ggml_mul_mat (the embedding
+     * also ggml_get_rows), which needs the type's CPU dot product. */
+    if (!spec.ne1 && type != GGML_TYPE_F32)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s, but norm weights and biases must be f32",
+                       name, ggml_type_name((enum ggml_type)type));
+    if (spec.ne1 && !ggml_get_type_traits_cpu((enum ggml_type)type)->vec_dot)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s has no CPU matrix multiplication", name,
+                       ggml_type_name((enum ggml_type)type));
+    struct ggml_tensor *t = spec.ne1
+        ? ggml_new_tensor_2d(m->weights, (enum ggml_type)type, spec.ne0, spec.ne1)
+        : ggml_new_tensor_1d(m->weights, (enum ggml_type)type, spec.ne0);
+    if (!t) return pp_fail(PP_ERR_NO_MEMORY, "tensor '%s': no room for metadata", name);
+    if (n_bytes < 0 || ggml_nbytes(t) != (size_t)n_bytes) {
+        /* t stays in the context, unused: the model is being given up anyway */
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': %lld bytes given, but %s of this shape takes %zu",
+                       name, (long long)n_bytes, ggml_type_name((enum ggml_type)type), ggml_nbytes(t));
+    }
+    ggml_set_name(t, name);
+    t->data = (void *)data;
+    *spec.slot = t;
+    if (used) *used = 1;
+    return PP_OK;
+}
+
+int32_t pp_model_finalize(pp_model *m) {
+    if (!m) return pp_fail(PP_ERR_INVALID, "pp_model_finalize: model is NULL");
+    const int32_t st = m->hp.arch == PP_ARCH_BERT ? pp_encoder_finalize(m) : pp_check_tensors(m, &decoder_tensors);
+    if (st == PP_OK) m->finalized = 1;
+    return st;
+}

@@ -1,0 +1,49 @@
+/* A model's tensors by GGUF name, in the one form every architecture
+ * describes them: tables of where each tensor goes in pp_model, the shape
+ * the hyper-parameters give it and whether the model needs it. The
+ * decoders' tables are in model.c, bert's in encoder_model.c; looking a
+ * name up and checking that a model is complete (tensor_table.c) work on
+ * any such table, so neither architecture's file calls the other's. */
+#ifndef PP_TENSOR_TABLE_H
+#define PP_TENSOR_TABLE_H
+
+#include "common/engine_internal.h"
+#include "common/pp_internal.h"
+
+/* A GGUF tensor name, where the tensor goes in pp_model, the 2-D shape it
+ * must have (ne1 = 0: 1-D), and whether finalizing fails without it. */
+typedef struct pp_tensor_slot {
+    const char *name;
+    struct ggml_tensor **slot;
+    int64_t ne0, ne1;
+    int required;
+} pp_tensor_slot;
+
+/* The most tensors outside the layers, and in one layer, of any table. */
+#define PP_MAX_GLOBAL_SLOTS 8
+#define PP_MAX_LAYER_SLOTS 24
+
+/* An architecture's tables: each writes its slots to out (room for
+ * PP_MAX_GLOBAL_SLOTS or PP_MAX_LAYER_SLOTS) and returns how many it wrote;
+ * a layer's are keyed by the name's suffix after "blk.<il>.". */
+typedef struct pp_tensor_table {
+    size_t (*globals)(pp_model *m, pp_tensor_slot *out);
+    size_t (*layer)(const pp_model *m, pp_layer *L, pp_tensor_slot *out);
+} pp_tensor_table;
+
+/* Where name goes (1, with *spec) or 0 for a name the model does not use:
+ * an entry of the globals, or for "blk.<il>.<suffix>" with il < n_layer the
+ * entry of layer il's table named suffix. */
+int pp_resolve_tensor(pp_model *m, const pp_tensor_table *table, const char *name, pp_tensor_slot *spec);
+
+/* PP_OK, or PP_ERR_INVALID naming the first required tensor missing (the
+ * globals first, then layer by layer, in table order). */
+PP_HIDDEN int32_t pp_check_tensors(pp_model *m, const pp_tensor_table *table);
+
+/* encoder_model.c: where a bert tensor name goes (as pp_resolve_tensor), and
+ * the check that bert's hyper-parameters fit and every tensor it needs is
+ * there. Call only for PP_ARCH_BERT models. */
+int pp_encoder_resolve(pp_model *m, const char *name, pp_tensor_slot *spec);
+int32_t pp_encoder_finalize(pp_model *m);
+
+#endif

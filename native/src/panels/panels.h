@@ -1,0 +1,127 @@
+/* Weights in row panels for our VNNI integer GEMM (the "panel GEMM"): what
+ * the rest of the library calls (panels.c, the one dispatcher over the
+ * formats); each format's own functions are in panel_formats.h.
+ *
+ * On small models the output head is most of a step's multiply-adds
+ * (Gemma 3 270M: 168M of its 268M per token) and the Q5_0 projections most
+ * of the rest. GGML multiplies such weights by Q8_0 activations with
+ * signed-by-signed byte products, two sign fix-ups and a scale per row,
+ * column and 32-value block, re-reading each weight block for every few
+ * columns. Here a weight's rows are interleaved eight at a time so one VNNI
+ * dot-product instruction multiplies eight rows by four bytes of one
+ * activation column: the eight lanes are eight output rows, the rows' block
+ * scales are one vector load, and the weight bytes are unsigned (value +
+ * 128) with the offset taken back out through the activation block's sum.
+ *
+ * Compute layout ("Q8 panels"): panel p holds rows 8p..8p+7; for each block
+ * b of 32 values, 272 bytes: the 8 rows' fp16 scales (16 bytes), then groups
+ * j = 0..7 of [8 rows][4 bytes] (values 4j..4j+3 of the block, as value +
+ * 128). 272 bytes are the 8 rows' Q8_0 blocks: packing Q8_0 changes the
+ * layout, not the size, and is exact.
+ *
+ * Q5_0 weights keep their 22 bytes per row-block (176 per panel-block): the
+ * scales (16 bytes), the low nibbles of the same 256 values in the same
+ * order (128 bytes: value i in byte i % 128, high nibble for i >= 128) and
+ * their fifth bits (32 bytes, bit i). A kernel widens one panel at a time
+ * into the compute layout (value - 16 + 128), on the stack. Q4_0 weights
+ * likewise keep their 18 bytes per row-block (144 per panel-block: the
+ * scales and the nibbles, no fifth bits), widened to value - 8 + 128.
+ *
+ * K-quant weights (Q4_K and Q6_K, what Q4_K_M files hold; Q5_K, with Q6_K
+ * what Q5_K_M files hold) keep their bytes too, in "K panels" of
+ * superblocks (8 rows x 256 values), see kquant_panels.c: a kernel widens
+ * one panel into unsigned codes in the same [group][row][4 bytes] order
+ * plus f32 sub-block scales (d * sc, and dmin * m for Q4_K and Q5_K), and
+ * takes the offsets (the mins; Q6_K's -32) back out through the column's
+ * block sums.
+ *
+ * F16 and BF16 weights ("float panels", float_panels.c) keep their 16-bit
+ * values in [quad of 4 values][8 rows][4] order and multiply the f32
+ * activations themselves: no quantize op, f32 FMAs. */
+#ifndef PP_PANELS_H
+#define PP_PANELS_H
+
+#include "pyllama_paged.h"
+#include "ggml.h"
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stddef.h>
+
+#define PP_PANEL_ROWS 8
+
+typedef struct pp_q8_panels {
+    enum ggml_type type;   /* storage: GGML_TYPE_Q8_0 (compute layout), Q5_0, Q4_0, Q4_K, Q5_K, Q6_K, F16 or BF16 */
+    int64_t  n_rows;       /* output rows, a multiple of PP_PANEL_ROWS */
+    int64_t  k;            /* values per row, a multiple of PP_PANEL_BLOCK */
+    uint8_t *data;         /* n_rows / 8 panels of k / 32 blocks; owned */
+} pp_q8_panels;
+
+/* The kernel a CPU runs, which instruction set multiplies the panels: enum
+ * pp_panel_kernel of pyllama_paged.h (pp_model_pack_panels reports it). */
+
+/* The fastest kernel this CPU has (PYLLAMA_PAGED_KERNELS=generic: scalar). */
+enum pp_panel_kernel pp_panel_kernel_select(void);
+
+/* Whether a [k, n_rows] weight of this type can be packed for this kernel
+ * (the AVX2 kernel multiplies K panels only: its 16-bit pair sums would
+ * saturate on Q8_0's codes). */
+int pp_q8_panels_fit(enum ggml_type type, int64_t k, int64_t n_rows, enum pp_panel_kernel kernel);
+static inline int pp_panel_type_is_k(enum ggml_type type) {
+    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
+}
+/* Float panels: their GEMM reads f32 activation columns, not quantized ones. */
+static inline int pp_panel_type_is_float(enum ggml_type type) {
+    return type == GGML_TYPE_F16 || type == GGML_TYPE_BF16;
+}
+
+/* Pack a Q8_0, Q5_0, Q4_0, Q4_K, Q5_K, Q6_K, F16 or BF16 [k, n_rows] weight (GGML's row layout)
+ * into panels, allocated here; NULL when out of memory or when it does not
+ * fit. */
+pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows);
+/* The same in two parts, so that threads can share a weight: the panels
+ * allocated (untouched; NULL as above), then panels [p0, p1) packed from
+ * the weight's GGML rows. */
+pp_q8_panels *pp_q8_panels_alloc(enum ggml_type type, int64_t k, int64_t n_rows);
+void pp_q8_panels_pack_range(pp_q8_panels *p, const void *data, int64_t p0, int64_t p1);
+void pp_q8_panels_free(pp_q8_panels *p);
+
+/* One row as f32 (the tied input embedding). */
+void pp_q8_panels_row(const pp_q8_panels *p, int64_t row, float *out);
+
+/* Per weight and compute context: the chunk counter the GEMM's threads
+ * share, rearmed each time the op is put in a graph. */
+typedef struct pp_panel_gemm_state {
+    const pp_q8_panels *w;
+    enum pp_panel_kernel kernel;
+    atomic_int          next_chunk;
+} pp_panel_gemm_state;
+
+/* Graph ops. pp_panel_quantize: x [k, n] f32 -> its columns as the kernels
+ * read them (one op, shared by the products of the same x);
+ * pp_panel_gemm: those columns (float panels: x itself, rows of k f32
+ * values) -> [n_rows, n] f32, panel chunks taken
+ * dynamically by the threads; pp_panel_embed: tokens [n] i32 -> rows [k, n]
+ * f32 of a (tied) head's panels. */
+struct ggml_tensor *pp_panel_quantize(struct ggml_context *ctx, struct ggml_tensor *x,
+                                      enum pp_panel_kernel kernel);
+struct ggml_tensor *pp_panel_gemm(struct ggml_context *ctx, pp_panel_gemm_state *state,
+                                  struct ggml_tensor *cols);
+struct ggml_tensor *pp_panel_embed(struct ggml_context *ctx, const pp_q8_panels *w,
+                                   struct ggml_tensor *tokens);
+
+/* Rows [p0 * 8, p1 * 8) of the product for columns [0, n): out[c * ldo + row].
+ * Every format's kernels have this type (panel_formats.h). */
+typedef void pp_panel_gemm_kernel(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
+                                  size_t col_stride, int64_t n, float *out, size_t ldo);
+typedef pp_panel_gemm_kernel *pp_panel_kernel_fn;
+/* One column of x into the layout the quantized formats' kernels read. */
+typedef void pp_panel_quantizer(const float *x, int64_t k, uint8_t *col);
+typedef pp_panel_quantizer *pp_panel_quantize_fn;
+/* Whether this CPU runs kernel k; the kernel for a weight type; the
+ * quantizer that goes with the kernel. */
+int pp_panel_kernel_runs_here(enum pp_panel_kernel k);
+pp_panel_kernel_fn pp_panel_kernel_for(enum pp_panel_kernel k, enum ggml_type type);
+pp_panel_quantize_fn pp_panel_quantizer_for(enum pp_panel_kernel k);
+
+#endif
