@@ -9,24 +9,48 @@ import time
 from .errors import PagedError
 
 
+def _options_of(*settings: type) -> list:
+    """The fields of these settings dataclasses that are options (a flag in their metadata)."""
+    import dataclasses
+
+    return [f for cls in settings for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+
+def _add_field_options(p: argparse.ArgumentParser, fields: list, none_means: str | None = None) -> None:
+    """One option per field, as its metadata says (flag, help, argparse's settings); the field's
+    name is the option's dest. none_means: how the help says a default of None."""
+    for f in fields:
+        settings = dict(f.metadata)
+        flag, help_text, aliases = settings.pop("flag"), settings.pop("help"), settings.pop("aliases", ())
+        shown = none_means if f.default is None else f.default
+        if "action" not in settings:
+            if "choices" not in settings:   # named after the flag, as argparse names an option without dest
+                settings.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+            if shown is not None:
+                help_text += f" (default {shown})"
+        p.add_argument(flag, *aliases, dest=f.name, default=f.default, help=help_text, **settings)
+
+
+def _engine_options() -> list:
+    """The engine options of run and chat: EngineConfig's fields with a flag, each also the
+    Llama argument of the same name."""
+    from .engine.config import EngineConfig
+
+    return _options_of(EngineConfig)
+
+
+_GPU_OPTIONS = ("n_gpu_layers", "main_gpu")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="GGUF file, or the name of a pulled model (default: the embedded Gemma 3 270M, a base "
                         "model: it continues text, it does not follow instructions)")
-    p.add_argument("--threads", "-t", type=int, default=None,
-                   help="CPU threads, exactly (default: each step on the cores free at the time)")
-    p.add_argument("--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
-    p.add_argument("--block-size", type=int, default=32, help="KV page size in tokens (default 32)")
-    p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"], help="KV cache type (default f16)")
-    p.add_argument("--no-paged", action="store_true", help="contiguous KV slab instead of pages")
-    _add_gpu_args(p)
+    _add_field_options(p, _engine_options())
 
 
 def _add_gpu_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpu-layers", "-ngl", type=int, default=0,
-                   help="layers on the GPU, the last ones first (-1 or more than the model has: all, and "
-                        "the output head); needs a GGML built for a GPU (see the README)")
-    p.add_argument("--main-gpu", type=int, default=0, help="which of GGML's GPUs (0: the first)")
+    _add_field_options(p, [f for f in _engine_options() if f.name in _GPU_OPTIONS])
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +62,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
 def _require_gpu(args) -> None:
     """--gpu-layers on a machine whose GGML lists no GPU is an error here (Llama only warns)."""
-    if args.gpu_layers:
+    if args.n_gpu_layers:
         from .engine.worker.devices import gpu_device
 
         gpu_device(args.main_gpu)
@@ -80,12 +104,10 @@ def _open_llama(args):
     from .api.llama import Llama
 
     _require_gpu(args)
-    if args.ctx < args.block_size:
-        raise PagedError(f"--ctx {args.ctx} is smaller than one KV page (--block-size {args.block_size}): "
+    if args.n_ctx < args.block_size:
+        raise PagedError(f"--ctx {args.n_ctx} is smaller than one KV page (--block-size {args.block_size}): "
                          f"give --ctx {args.block_size} or more")
-    return Llama(_model_path(args.model), paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads,
-                 block_size=args.block_size, kv_cache_type=args.kv_type, n_gpu_layers=args.gpu_layers,
-                 main_gpu=args.main_gpu)
+    return Llama(_model_path(args.model), **{f.name: getattr(args, f.name) for f in _engine_options()})
 
 
 def _limit(max_tokens: int) -> int | None:
@@ -217,22 +239,19 @@ def serve_settings(args) -> tuple:
 
     from .server.app import ORIGINS_ENV, origins_from
     from .server.generation import Limits
-    from .engine.worker.thread_policy import MAX_THREADS, default_threads
+    from .engine.worker.thread_policy import MAX_THREADS
     from .server.registry import EngineOptions
 
-    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+    if args.n_threads is not None and not 1 <= args.n_threads <= MAX_THREADS:
         raise SystemExit(f"--threads must be between 1 and {MAX_THREADS} (the native sampler's limit), "
-                         f"got {args.threads}")
-    # --threads given: exactly that many; else each step runs on the cores free at the time
-    options = EngineOptions(paged=not args.no_paged, n_ctx=args.ctx, n_threads=args.threads or default_threads(),
-                            adapt_threads=args.threads is None,
-                            block_size=args.block_size, kv_cache_type=args.kv_type,
-                            kv_budget_tokens=args.kv_budget[0], kv_budget_bytes=args.kv_budget[1],
-                            max_num_seqs=args.max_seqs,
-                            preemption_mode=args.preemption, itl_budget=_itl_budget(args.itl_budget_ms),
-                            n_gpu_layers=args.gpu_layers, main_gpu=args.main_gpu,
-                            speculative=_speculative(args), prefix_tiers=_prefix_tiers(args),
-                            max_loaded_models=_max_loaded(args))
+                         f"got {args.n_threads}")
+    if args.max_loaded_models < 1:
+        raise SystemExit(f"--max-loaded-models must be >= 1, got {args.max_loaded_models}")
+    # the options that are fields, by name; then those whose text is not one field's value
+    budget = {} if args.kv_budget is None else dict(zip(("kv_tokens", "kv_bytes"), args.kv_budget))
+    options = EngineOptions(**{f.name: getattr(args, f.name) for f in _serve_options()}, **budget,
+                            itl_budget=_itl_budget(args.itl_budget_ms),
+                            speculative=_speculative(args), prefix_tiers=_prefix_tiers(args))
     _allow_pulls(args)
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     api_key = args.api_key or os.environ.get("PYLLAMA_API_KEY") or None
@@ -240,11 +259,21 @@ def serve_settings(args) -> tuple:
     return options, limits, api_key, origins
 
 
-def _max_loaded(args) -> int:
-    """--max-loaded-models, checked."""
-    if args.max_loaded_models < 1:
-        raise SystemExit(f"--max-loaded-models must be >= 1, got {args.max_loaded_models}")
-    return args.max_loaded_models
+def _serve_options() -> list:
+    """serve's options that are fields: EngineOptions' (EngineConfig's and the server's own)
+    and the scheduler's."""
+    from .engine.sched.scheduler import SchedulerConfig
+    from .server.registry import EngineOptions
+
+    return _options_of(EngineOptions, SchedulerConfig)
+
+
+def _kv_budget_help() -> str:
+    """--kv-budget's help, with the server's default pool."""
+    from .server.registry import ServedEngineConfig
+
+    return ("KV pool size: bytes with a unit (512MiB, 1.5GiB, 84MB) or a number of tokens of every layer "
+            f"(default {ServedEngineConfig.kv_tokens})")
 
 
 def _allow_pulls(args) -> None:
@@ -330,13 +359,13 @@ def serve_on_ray(args) -> int:
     if args.kv_events:
         raise SystemExit("--kv-events publishes one server's cache; with --ray each replica would need an "
                          "endpoint of its own (not supported yet)")
-    cpus = args.replica_cpus if args.replica_cpus is not None else float(args.threads or 1)
-    if args.threads is None:   # a replica's threads are its reserved CPUs, not the driver machine's
-        args.threads = max(1, int(cpus))
+    cpus = args.replica_cpus if args.replica_cpus is not None else float(args.n_threads or 1)
+    if args.n_threads is None:   # a replica's threads are its reserved CPUs, not the driver machine's
+        args.n_threads = max(1, int(cpus))
     options, limits, api_key, origins = serve_settings(args)
     scale = ScaleOut(replicas=args.replicas, replica_cpus=cpus, replica_memory=args.replica_memory,
                      router=args.ray_router, prefix_chars=args.route_prefix_chars, imbalance=args.route_imbalance,
-                     max_ongoing_requests=args.max_seqs, graceful_shutdown_timeout_s=args.replica_drain_seconds)
+                     max_ongoing_requests=args.max_num_seqs, graceful_shutdown_timeout_s=args.replica_drain_seconds)
     return run_on_ray(args.ray, args.host, args.port, options, limits, scale, args.model, api_key, origins)
 
 
@@ -382,15 +411,9 @@ def kv_events_settings(args):
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
     """One option per Limits field: the flag and help live beside the field (server/generation.py)."""
-    import dataclasses
-
     from .server.generation import Limits
 
-    for f in dataclasses.fields(Limits):
-        default = f.default
-        shown = "the model's context" if default is None else default
-        p.add_argument(f.metadata["flag"], dest=f.name, type=f.metadata["type"], default=default,
-                       help=f"{f.metadata['help']} (default {shown})")
+    _add_field_options(p, _options_of(Limits), none_means="the model's context")
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -421,7 +444,7 @@ def cmd_info(args) -> int:
     from .engine.kv.groups import KVGroups
     from .engine.worker.model_runner import KV_TYPES, dense_kv_bytes_per_token
 
-    model = Model(args.path, n_gpu_layers=args.gpu_layers, main_gpu=args.main_gpu)
+    model = Model(args.path, n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu)
     cfg = model.config
     print(f"file: {model.path}")
     for key, value in model.metadata.items():
@@ -528,17 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=11434)
     srv.add_argument("--api-key", default=None, help="require this key (or set PYLLAMA_API_KEY)")
-    srv.add_argument("--threads", "-t", type=int, default=None,
-                     help="CPU threads (default: the CPUs this process may use, at most 64)")
-    srv.add_argument("--ctx", type=int, default=4096, help="context length per sequence")
-    srv.add_argument("--block-size", type=int, default=32)
-    srv.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"])
-    srv.add_argument("--kv-budget", type=parse_kv_budget, default=(32768, None),
-                     help="KV pool size: bytes with a unit (512MiB, 1.5GiB, 84MB) or a number of tokens "
-                          "of every layer (default 32768)")
-    srv.add_argument("--no-paged", action="store_true")
-    srv.add_argument("--max-seqs", type=int, default=64)
-    srv.add_argument("--preemption", default="recompute", choices=["recompute", "swap"])
+    _add_field_options(srv, _serve_options())
+    srv.add_argument("--kv-budget", type=parse_kv_budget, default=None, help=_kv_budget_help())
     srv.add_argument("--itl-budget-ms", default="auto",
                      help="inter-token budget of running streams: new users are admitted (and prompts "
                           "prefilled) only as far as every stream keeps this gap; 'auto' = 4x a lone "
@@ -584,12 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "exactly those accounts; docs/prefix-tiers.md) instead of keeping it private")
     srv.add_argument("--prefix-cache-disk", default="16GiB", metavar="SIZE",
                      help="most bytes of block files --prefix-cache-dir holds (oldest go first)")
-    srv.add_argument("--max-loaded-models", type=int, default=3, metavar="N",
-                     help="engines loaded at once (default 3, and never fewer than the --model files): loading "
-                          "another model first unloads the one idle longest; pulled models stay loaded 5 minutes "
-                          "after their last request unless a request's keep_alive says otherwise")
     _add_pull_allow(srv)
-    _add_gpu_args(srv)
     _add_limit_args(srv)
     _add_ray_args(srv)
     srv.set_defaults(func=cmd_serve)

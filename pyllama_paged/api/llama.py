@@ -21,8 +21,8 @@ from ..engine.worker.devices import list_devices
 from ..engine.worker.sampler import SamplingParams
 from ..engine.sched.scheduler import SchedulerConfig
 from ..engine.shared_steps import SharedSteps
-from ..engine.worker.thread_policy import default_threads
 from ..errors import PagedError, RequestError
+from .chat_call import ChatCall, prepare_call
 from .llama_chat import chat_chunks, collect_chat, legacy_functions
 from .llama_chat_format import is_vision_handler, vision_refusal
 from .llama_compat import (CHAT_FORMATS, LLAMA_DEFAULT_SEED, CompatWarnings, LlamaState, LlamaTokenizer,
@@ -35,8 +35,6 @@ from .sampling_options import PYTHON, sampling_params
 from .text_stream import TextAssembler
 from ..tokenizer.chat_template import ChatTemplate
 from ..tokenizer.tokenizer import Tokenizer
-from ..tools.messages import normalize_messages
-from ..tools.prompt import prepare_chat
 from .embeddings import embed_for_llama, openai_list
 from .rerank import rerank_for_llama
 
@@ -95,8 +93,6 @@ class Llama:
                             n_gpu_layers=n_gpu_layers, main_gpu=main_gpu)
         self.model_path = self._model.path
         self._tokenizer = Tokenizer.from_metadata(self._model.metadata)
-        # given: exactly that many; else each step on the cores free at the time (thread_policy.py)
-        self.n_threads = n_threads or n_threads_batch or default_threads()
         n_train = self._model.config.n_ctx_train
         self._n_ctx = min(n_ctx, n_train) if n_ctx > 0 else n_train   # 0: the training context
         self.n_batch = min(n_batch, self._n_ctx)
@@ -106,13 +102,15 @@ class Llama:
         # replaces self._tokens makes it stale (the list is another object then)
         self._last_logits: tuple[list[int], np.ndarray] | None = None
         self._token_sampler: TokenSampler | None = None
-        config = EngineConfig(paged=paged, n_ctx=self._n_ctx, n_seq_max=n_seq_max, n_threads=self.n_threads,
-                              adapt_threads=not (n_threads or n_threads_batch),
-                              n_batch=self.n_batch, block_size=block_size, kv_cache_type=kv_cache_type,
+        # threads given: exactly that many; else each step on the cores free at the time (EngineConfig)
+        config = EngineConfig(paged=paged, n_ctx=self._n_ctx, n_seq_max=n_seq_max,
+                              n_threads=n_threads or n_threads_batch, n_batch=self.n_batch,
+                              block_size=block_size, kv_cache_type=kv_cache_type,
                               n_gpu_layers=n_gpu_layers, main_gpu=main_gpu,
                               scheduler=SchedulerConfig(max_num_batched_tokens=self.n_batch),
                               speculative=speculative,
                               prefix_tiers=PrefixTierConfig(ram_bytes=prefix_cache_ram, disk_dir=prefix_cache_dir))
+        self.n_threads = config.n_threads
         self.llm_engine = build_engine(config, self._model, self._tokenizer.eot_ids)
         self._steps = SharedSteps(self.llm_engine)
         # bert: embeddings only, no KV cache and no chat
@@ -302,14 +300,18 @@ class Llama:
         return rerank_for_llama(self, query, documents, top_n, return_documents, truncate)
 
     # ---- generation: every path goes through the scheduler -----------------
+    def _sampling_fields(self, logits_processor, stopping_criteria, fields: dict) -> tuple[dict, Any]:
+        """llama-cpp-python's keyword arguments as sampling fields, and the StopWatch that
+        stopping criteria read (or None)."""
+        watch = StopWatch(logits_processor) if stopping_criteria is not None else None
+        return {"penalty_last_n": self.last_n_tokens_size, **fields, "logits_processor": watch or logits_processor}, \
+            watch
+
     def _params(self, logits_processor=None, stopping_criteria=None, **fields) -> tuple[SamplingParams, Any]:
         """SamplingParams from llama-cpp-python's keyword arguments (the model's seed when
         none is given), and the StopWatch that stopping criteria read (or None)."""
-        watch = StopWatch(logits_processor) if stopping_criteria is not None else None
-        fields.setdefault("penalty_last_n", self.last_n_tokens_size)
-        params = sampling_params(PYTHON, {**fields, "logits_processor": watch or logits_processor},
-                                 seed=self._seed)
-        return params, watch
+        fields, watch = self._sampling_fields(logits_processor, stopping_criteria, fields)
+        return sampling_params(PYTHON, fields, seed=self._seed), watch
 
     def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
@@ -510,18 +512,19 @@ class Llama:
                 logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
         self._warnings.sampling_args(typical_p=typical_p, tfs_z=tfs_z, mirostat_mode=mirostat_mode)
         tools, tool_choice = legacy_functions(functions, function_call, tools, tool_choice)
-        constraint = from_python(self._tokenizer, response_format, grammar)
-        prompt, constraint, names = prepare_chat(self.chat_template, self._tokenizer, normalize_messages(messages),
-                                                 tools, tool_choice, constraint)
-        params, watch = self._params(
-            logits_processor, stopping_criteria, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, stop=stop, seed=seed, n=n, ignore_eos=ignore_eos,
-            logit_bias=self._logit_bias(logit_bias), constraint=constraint, speculative=speculative,
-            logprobs=(top_logprobs or 0) if logprobs else None)
-        prompt_ids = self.tokenize(prompt, add_bos=True, special=True)
+        fields, watch = self._sampling_fields(logits_processor, stopping_criteria, dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            stop=stop, seed=seed, n=n, ignore_eos=ignore_eos, logit_bias=self._logit_bias(logit_bias),
+            speculative=speculative, logprobs=(top_logprobs or 0) if logprobs else None))
+        call = ChatCall(messages, tools, tool_choice,
+                        structured=lambda tokenizer: from_python(tokenizer, response_format, grammar),
+                        surface=PYTHON, sampling=fields, sampling_defaults={"seed": self._seed})
+        prepared = prepare_call(call, self.chat_template, self._tokenizer)
+        params = call.params(prepared.constraint)
         criteria = (watch, stopping_criteria) if watch is not None else None
-        chunks = chat_chunks(self, prompt_ids, params, names, model or self.model_path, criteria)
+        chunks = chat_chunks(self, prepared.prompt_ids, params, prepared.tool_names, model or self.model_path,
+                             criteria)
         return chunks if stream else collect_chat(chunks, n)
 
     def create_chat_completion_openai_v1(self, *args, **kwargs):

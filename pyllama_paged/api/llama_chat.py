@@ -8,7 +8,8 @@ import time
 import uuid
 from typing import Iterator
 
-from ..tools.calls import ToolCallStream
+from .chat_call import AnswerSplitter
+from .text_stream import TextDelta
 
 
 def token_logprob(tokenizer, event) -> dict:
@@ -37,7 +38,7 @@ def chat_chunks(llama, prompt_ids: list[int], params, names: set[str], model: st
     cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
     started: set = set()
     counts: dict = {}
-    calls: dict = {}   # sample -> ToolCallStream, when tools were offered
+    splitter = AnswerSplitter(names)
     want_logprobs = params.logprobs is not None
 
     def chunk(j, delta, finish=None, logprobs=None):
@@ -53,19 +54,13 @@ def chat_chunks(llama, prompt_ids: list[int], params, names: set[str], model: st
             lp = None
             if want_logprobs and ev is not None and ev.logprob is not None:
                 lp = {"content": [token_logprob(llama._tokenizer, ev)], "refusal": None}
-            found = []
-            if names:
-                stream = calls.setdefault(j, ToolCallStream(names))
-                text = stream.feed(text)
-                if finish:
-                    rest, found = stream.finish()
-                    text += rest
-            if text or lp:
-                yield chunk(j, {"content": text}, logprobs=lp)
-            if found:
-                yield chunk(j, {"tool_calls": [c.openai(k) for k, c in enumerate(found)]})
+            piece = splitter.feed(TextDelta(j, text, finish, ev))
+            if piece.text or lp:
+                yield chunk(j, {"content": piece.text}, logprobs=lp)
+            if piece.calls:
+                yield chunk(j, {"tool_calls": [c.openai(k) for k, c in enumerate(piece.calls)]})
             if finish:
-                yield chunk(j, {}, "tool_calls" if found else finish)
+                yield chunk(j, {}, "tool_calls" if piece.calls else finish)
 
     last = None
     for c in chunks():

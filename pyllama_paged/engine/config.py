@@ -11,22 +11,36 @@ from ..errors import PagedError
 from .sched.scheduler import SchedulerConfig
 from .kv.prefix_tiers import PrefixTierConfig
 from .spec.draft import SpeculativeConfig
+from .worker.model_runner import KV_TYPES
+from .worker.thread_policy import MAX_THREADS, default_threads
 
 
-@dataclass(slots=True)
+def cli_option(default, flag: str, help_text: str, **argparse_settings):
+    """A field that is also a command-line option (metadata: its flag, its help, and argparse's
+    other settings: type, choices, action, aliases), so that the CLI and every message that names
+    the option say the same."""
+    return field(default=default, metadata={"flag": flag, "help": help_text, **argparse_settings})
+
+
+@dataclass
 class EngineConfig:
     """One engine's settings. The KV budget is, first match: num_blocks (paged: exactly
     that many pages), kv_bytes, kv_tokens tokens of every layer, else n_seq_max
-    sequences of n_ctx tokens. paged=False spends the same budget on whole n_ctx slabs."""
+    sequences of n_ctx tokens. paged=False spends the same budget on whole n_ctx slabs.
+    A field with a flag is an option of `pyllama-paged run|chat|serve` (cli.py)."""
 
     model_path: str | None = None       # None: the embedded default model
-    n_ctx: int = 4096                   # tokens per sequence; <= 0: the model's training context (never more)
+    # <= 0: the model's training context (never more than it)
+    n_ctx: int = cli_option(4096, "--ctx", "context length in tokens, per sequence", type=int)
     n_batch: int = 512                  # tokens per forward step
-    n_threads: int = 2                  # exact, or the most a step may use with adapt_threads
-    adapt_threads: bool = False         # each step on the cores free now (thread_policy.py)
-    paged: bool = True
-    block_size: int = 32
-    kv_cache_type: str = "f16"
+    n_threads: int | None = cli_option(
+        None, "--threads", f"CPU threads, exactly, 1 to {MAX_THREADS} (default: each step on the cores free at "
+        "the time, at most every CPU this process may use)", type=int, aliases=("-t",))
+    adapt_threads: bool = False         # with n_threads given: each step on the cores free now, at most that many
+    paged: bool = cli_option(True, "--no-paged", "a contiguous KV slab per sequence instead of pages",
+                             action="store_false")
+    block_size: int = cli_option(32, "--block-size", "KV page size in tokens", type=int)
+    kv_cache_type: str = cli_option("f16", "--kv-type", "KV cache type", choices=tuple(KV_TYPES))
     num_blocks: int | None = None
     kv_bytes: int | None = None
     kv_tokens: int | None = None
@@ -35,13 +49,17 @@ class EngineConfig:
     attention: str = "kernel"           # "kernel": our CPU operator; "gather": GGML ops alone
     repack_weights: bool = True
     pack_panels: bool | str = True
-    n_gpu_layers: int = 0               # layers on a GPU (llama.cpp's rule; -1: all, head included)
-    main_gpu: int = 0                   # which of GGML's GPUs
+    n_gpu_layers: int = cli_option(0, "--gpu-layers", "layers on the GPU, the last ones first (-1 or more than "
+                                   "the model has: all, and the output head); needs a GGML built for a GPU, see "
+                                   "the README", type=int, aliases=("-ngl",))
+    main_gpu: int = cli_option(0, "--main-gpu", "which of GGML's GPUs, counted from 0", type=int)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None   # speculative decoding (None: off)
     prefix_tiers: PrefixTierConfig | None = None   # host-RAM / disk tiers below the prefix cache (None: off)
 
     def __post_init__(self):
+        if self.n_threads is None:
+            self.n_threads, self.adapt_threads = default_threads(), True
         for name in ("n_batch", "n_threads", "n_seq_max", "block_size"):
             if getattr(self, name) < 1:
                 raise PagedError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

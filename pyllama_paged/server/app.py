@@ -1,5 +1,5 @@
-"""The HTTP server: app factory, Host/Origin, API-key and body-size guards, error
-shapes, metrics, the live block-pool dashboard, and `serve`."""
+"""The HTTP server: app factory, Host/Origin, API-key and body-size guards, CORS
+(Starlette's), error shapes, metrics, the live block-pool dashboard, and `serve`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
+from .._version import __version__
 from ..errors import ModelLoadError, ModelsBusyError
 from .dashboard import DASHBOARD_HTML
 from .generation import APIError, Limits, limit_flag
@@ -31,7 +33,8 @@ from .ollama import api as ollama_api, manage as ollama_manage
 from .openai import api as openai_api, responses as openai_responses
 from .pooling import rerank as rerank_api
 from .scale_out import router_contract
-from .anthropic.schemas import error_body as anthropic_error_body
+from .error_bodies import anthropic_error_body, openai_error_object
+from .lookup import find_model
 
 log = logging.getLogger("pyllama_paged.server")
 
@@ -42,6 +45,7 @@ DEFAULT_ORIGINS = tuple(f"{scheme}://{host}{port}" for host in ("localhost", "12
     "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*",
     "chrome-extension://*", "moz-extension://*", "safari-extension://*", "ms-browser-extension://*")
 ORIGINS_ENV = "PYLLAMA_PAGED_ORIGINS"
+CORS_METHODS = ("GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS")
 
 
 def origins_from(text: str | None) -> list[str]:
@@ -51,7 +55,8 @@ def origins_from(text: str | None) -> list[str]:
 
 class OriginPolicy:
     """Which browser origins may call the server: the defaults plus the extra patterns
-    (`*` matches anything, a `:*` port any port; a lone `*` allows every origin)."""
+    (`*` matches anything, a `:*` port any port; a lone `*` allows every origin), as one
+    regular expression: the refusal of other origins and CORSMiddleware's allow_origin_regex."""
 
     def __init__(self, extra: list[str] | tuple[str, ...] = ()):
         self.patterns = list(DEFAULT_ORIGINS) + list(extra)
@@ -60,11 +65,13 @@ class OriginPolicy:
             rx = re.escape(pattern.lower())
             rx = rx[:-len(r":\*")] + r":\d+" if rx.endswith(r":\*") else rx
             parts.append(rx.replace(r"\*", ".*"))
-        self._rx = re.compile("|".join(f"(?:{p})" for p in parts))
+        # case-insensitive: schemes and host names are
+        self.regex = "(?i)" + "|".join(f"(?:{p})" for p in parts)
+        self._rx = re.compile(self.regex)
 
     def allows(self, origin: str) -> bool:
         """Whether a request with this Origin header may be served."""
-        return self._rx.fullmatch(origin.strip().lower()) is not None
+        return self._rx.fullmatch(origin.strip()) is not None
 
 
 def _is_loopback(host: str) -> bool:
@@ -135,7 +142,7 @@ def error_response(path: str, status: int, message: str, param: str | None = Non
     if path.startswith("/v1/messages"):
         body = anthropic_error_body(status, message)
     elif _is_openai(path):
-        body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+        body = {"error": openai_error_object(message, error_type, param, code)}
     else:
         body = {"error": message}
     return JSONResponse(body, status_code=status, headers=headers)
@@ -197,43 +204,52 @@ def request_headers(scope) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
 
-class GuardMiddleware:
-    """The access policy on every route, CORS for allowed origins, and a cap on request
-    body size."""
+class CallerMiddleware:
+    """The Host check and the Origin allow-list on every route, before anything else (CORS
+    included): a 403 in the route's error shape. Starlette's TrustedHostMiddleware cannot say
+    this rule: it applies only to a server bound to a loopback address (each connection's,
+    unless the bound host is given), and admits every loopback address (127.0.0.0/8, ::1)."""
 
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
-        self.access = AccessPolicy(state.api_key, state.origins, state.bind_host)
+    def __init__(self, app, access: AccessPolicy):
+        self.app, self.access = app, access
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (resp := self.access.refuse_caller(scope, request_headers(scope))):
+            return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class LocalCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS with a browser's preflight answered 204 No Content, as Ollama answers
+    it (Starlette's says 200 "OK"). A preflight carries no credentials: it is answered here,
+    before the key check, for the origins CallerMiddleware let through."""
+
+    def preflight_response(self, request_headers) -> Response:
+        """Starlette's preflight answer, without a body when it allows the request."""
+        response = super().preflight_response(request_headers)
+        if response.status_code != 200:
+            return response
+        kept = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        return Response(status_code=204, headers=kept)
+
+
+class GuardMiddleware:
+    """The API key on every route, JSON bodies whatever their content type, and a cap on
+    request body size."""
+
+    def __init__(self, app, state: ServerState, access: AccessPolicy):
+        self.app, self.state, self.access = app, state, access
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         headers = request_headers(scope)
-        if (resp := self.access.refuse_caller(scope, headers)) is not None:
-            return await resp(scope, receive, send)
-        origin = headers.get("origin")
-        cors = {"access-control-allow-origin": origin, "vary": "Origin"} if origin is not None else {}
-        if origin is not None and scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
-            # a browser's preflight carries no credentials: answered before the key check
-            resp = Response(status_code=204, headers={
-                **cors, "access-control-allow-methods": "GET, POST, PUT, DELETE, HEAD, OPTIONS",
-                "access-control-allow-headers": headers.get("access-control-request-headers", "*"),
-                "access-control-max-age": "600"})
-            return await resp(scope, receive, send)
-        if cors:
-            inner_send = send
-
-            async def send(message):
-                if message["type"] == "http.response.start":
-                    message = {**message, "headers": list(message.get("headers", [])) +
-                               [(k.encode("latin-1"), v.encode("latin-1")) for k, v in cors.items()]}
-                await inner_send(message)
         if (resp := self.access.refuse_key(scope, headers)) is not None:
             return await resp(scope, receive, send)
         if scope["method"] == "POST" and "json" not in headers.get("content-type", ""):
             # Ollama's own examples post JSON with curl -d (form content type): parse it as JSON.
-            # A page of another site cannot get here: its Origin was refused above.
+            # A page of another site cannot get here: CallerMiddleware refused its Origin.
             scope = dict(scope)
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
             scope["headers"].append((b"content-type", b"application/json"))
@@ -347,9 +363,15 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
     """The ASGI app serving the registry's models. origins: browser origins allowed beside
     the defaults; host: the address the server is bound to (None: each connection's)."""
     state = ServerState(registry, limits or Limits(), Metrics(), api_key, OriginPolicy(origins), host)
-    app = FastAPI(title="pyllama-paged", version="0.1.0")
+    app = FastAPI(title="pyllama-paged", version=__version__)
     app.state.pp = state
-    app.add_middleware(GuardMiddleware, state=state)
+    access = AccessPolicy(state.api_key, state.origins, state.bind_host)
+    # the last added runs first: Host and Origin, then CORS (preflights answered, headers on
+    # every answer after it, refusals of the key included), then the key and the body cap
+    app.add_middleware(GuardMiddleware, state=state, access=access)
+    app.add_middleware(LocalCORSMiddleware, allow_origin_regex=state.origins.regex, allow_methods=CORS_METHODS,
+                       allow_headers=["*"])
+    app.add_middleware(CallerMiddleware, access=access)
     _redact_access_log()
 
     @app.exception_handler(APIError)
@@ -438,9 +460,7 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
 
     @app.get("/api/pool")
     async def pool(model: str | None = None):
-        served = await registry.resolve(model)
-        if served is None:
-            raise APIError(404, f"model '{model}' not found", "model")
+        served = await find_model(registry, model)
         found, current = await served.figures(state.limits.stats_timeout)
         if found is None:   # dropped by keep_alive: no pages held (the next request loads it)
             return {"model": served.name, "paged": served.options.paged, "block_size": served.options.block_size,

@@ -148,7 +148,7 @@ async def off_loop(pool: Executor, fn, *args):
 def admit(served: ServedModel, limits: Limits, metrics: Metrics) -> None:
     """Take one of the model's places (running or queued) now, or a 503. The check and the
     count are one step with no await between, so a burst cannot overshoot the limit."""
-    if not metrics.admit(served.name, limits.max_queue + served.options.max_num_seqs):
+    if not metrics.admit(served.name, limits.max_queue + served.options.scheduler.max_num_seqs):
         raise APIError(503, "server busy: the request queue is full, retry shortly", None,
                        "server_busy", {"Retry-After": "1"})
 
@@ -268,13 +268,18 @@ def require_generative(served: ServedModel) -> None:
                        "generate text; use /api/embed or /v1/embeddings", "model")
 
 
+def field_error(e: PagedError) -> APIError:
+    """The 400 for an invalid sampling field, naming the field its message quotes."""
+    message = str(e)
+    return APIError(400, message, message.split("'")[1] if "'" in message else None)
+
+
 def request_params(surface: Surface, fields, **overrides) -> SamplingParams:
     """The request's SamplingParams; an invalid field is a 400 that names it."""
     try:
         return sampling_params(surface, fields, **overrides)
     except PagedError as e:
-        message = str(e)
-        raise APIError(400, message, message.split("'")[1] if "'" in message else None) from None
+        raise field_error(e) from None
 
 
 def fit_prompt(served: ServedModel, prompt_ids: list[int], limits: Limits, truncate: bool = False,

@@ -1,52 +1,23 @@
-"""Prometheus text-format metrics, written here (no client library needed): our own
-pyllama_* names, and beside them the vllm:* names and labels that routers and dashboards
-made for vLLM read (load-aware and cache-aware routing, autoscalers)."""
+"""The /metrics page, written by prometheus_client from one CollectorRegistry per app:
+our own pyllama_* names, and beside them the vllm:* names and labels that routers and
+dashboards made for vLLM read (load-aware and cache-aware routing, autoscalers)."""
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections import defaultdict
 
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-def label_value(value) -> str:
-    """A label value as the Prometheus text format writes it (backslash, quote and newline escaped)."""
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
 # vLLM's buckets for the same measures, so that its dashboards' quantiles read ours alike
 VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                      10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-
-class Histogram:
-    def __init__(self, buckets=LATENCY_BUCKETS):
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.total = 0.0
-        self.n = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.n += 1
-
-    def lines(self, name: str, labels: str) -> list[str]:
-        out, cum = [], 0
-        sep = "," if labels else ""
-        for bound, count in zip(self.buckets, self.counts):
-            cum += count
-            out.append(f'{name}_bucket{{{labels}{sep}le="{bound}"}} {cum}')
-        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.n}')
-        braces = f"{{{labels}}}" if labels else ""
-        out.append(f"{name}_sum{braces} {self.total}")
-        out.append(f"{name}_count{braces} {self.n}")
-        return out
-
+# vLLM's labels of a series: the served model's name and the engine's index (one engine per model)
+VLLM_LABELS = ("model_name", "engine")
 
 # The engine and pool gauges, one series per model: metric name -> (key in the engine's
 # stats, help text). The pool's block counts are named after the block states.
@@ -81,17 +52,6 @@ GAUGES = {
     "prefix_tier_disk_corrupt_files_total": ("tier_disk_corrupt_files", "Damaged block files found (misses)."),
 }
 
-
-class ModelCounters:
-    """What the request handlers saw of one model, for its vllm:* series."""
-
-    def __init__(self):
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.ttft = Histogram(VLLM_TTFT_BUCKETS)
-        self.e2e = Histogram(VLLM_E2E_BUCKETS)
-
-
 # vLLM's series read from each engine's stats: (name, type, help, value of the stats).
 # vLLM counts preempted requests among the waiting ones; we keep them apart as swapped.
 VLLM_ENGINE_SERIES = (
@@ -108,21 +68,14 @@ VLLM_ENGINE_SERIES = (
     ("vllm:num_preemptions", "counter", "Requests preempted.",
      lambda s: s.get("preemptions", 0)),
 )
-
-
-def vllm_labels(model: str) -> str:
-    """vLLM's labels of a series: the served model's name and the engine's index (one engine)."""
-    return f'model_name="{label_value(model)}",engine="0"'
-
-
-def _vllm_family(name: str, kind: str, help_text: str) -> list[str]:
-    # a counter's family is named with the _total its samples carry, as prometheus_client writes it
-    family = f"{name}_total" if kind == "counter" else name
-    return [f"# HELP {family} {help_text}", f"# TYPE {family} {kind}"]
+_FAMILIES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
 
 class Metrics:
-    """Counters and latency histograms updated by the request handlers."""
+    """What the request handlers count and time, in an app's own CollectorRegistry (several
+    apps live in one process: never the global one). The counts tests and admission read
+    (requests, tokens, requests in flight) are kept here and written by collect(), with
+    each engine's figures; the latencies and vLLM's per-model tokens are prometheus_client's."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -130,9 +83,22 @@ class Metrics:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.inflight = defaultdict(int)          # model -> requests admitted, not finished
-        self.ttft = Histogram()
-        self.itl = Histogram()
-        self.models: dict[str, ModelCounters] = defaultdict(ModelCounters)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)   # first: the request counts head the page
+        self._scrape = threading.Lock()
+        self._engine_stats: dict[str, dict] = {}  # the engines' figures while a page is written
+        r = self.registry
+        self.ttft = Histogram("pyllama_time_to_first_token_seconds", "Submit to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pyllama_inter_token_latency_seconds", "Gap between streamed tokens.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of answered requests.",
+                                          VLLM_LABELS, registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", VLLM_LABELS, registry=r)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Submit to first token, in seconds.",
+                                   VLLM_LABELS, buckets=VLLM_TTFT_BUCKETS, registry=r)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Submit to end of request, in seconds.",
+                                  VLLM_LABELS, buckets=VLLM_E2E_BUCKETS, registry=r)
 
     def count_request(self, route: str, status: int) -> None:
         """One answer; route is the route's template (/v1/models/{model}), never the raw path,
@@ -158,72 +124,56 @@ class Metrics:
         with self._lock:
             self.prompt_tokens += prompt
             self.generated_tokens += generated
-            if model is not None:
-                counters = self.models[model]
-                counters.prompt_tokens += prompt
-                counters.generation_tokens += generated
+        if model is not None:
+            self.vllm_prompt_tokens.labels(model, "0").inc(prompt)
+            self.vllm_generation_tokens.labels(model, "0").inc(generated)
 
     def observe_ttft(self, seconds: float, model: str | None = None) -> None:
         """Submit to first token, for the server and (named) for its model."""
-        with self._lock:
-            self.ttft.observe(seconds)
-            if model is not None:
-                self.models[model].ttft.observe(seconds)
+        self.ttft.observe(seconds)
+        if model is not None:
+            self.vllm_ttft.labels(model, "0").observe(seconds)
 
     def observe_e2e(self, model: str, seconds: float) -> None:
         """Submit to end of one request of model (vLLM's e2e request latency)."""
-        with self._lock:
-            self.models[model].e2e.observe(seconds)
+        self.vllm_e2e.labels(model, "0").observe(seconds)
 
     def observe_itl(self, seconds: float) -> None:
-        with self._lock:
-            self.itl.observe(seconds)
+        """One gap between streamed tokens."""
+        self.itl.observe(seconds)
 
-    def render(self, engine_stats: dict[str, dict]) -> str:
-        """The /metrics page: our counters plus each model's engine and pool gauges."""
-        lines = ["# HELP pyllama_requests_total HTTP requests by route and status.",
-                 "# TYPE pyllama_requests_total counter"]
+    def render(self, engine_stats: dict[str, dict]) -> bytes:
+        """The /metrics page (Prometheus' text format): the registry's series, with each
+        loaded model's engine and pool figures (engine_stats: model name -> stats)."""
+        with self._scrape:
+            self._engine_stats = engine_stats
+            try:
+                return generate_latest(self.registry)
+            finally:
+                self._engine_stats = {}
+
+    def collect(self):
+        """The series kept here (prometheus_client's collector protocol): request and token
+        counts, then the engines' gauges and vLLM's engine series."""
+        requests = CounterMetricFamily("pyllama_requests", "HTTP requests by route and status.",
+                                       labels=("route", "status"))
         with self._lock:
             for (route, status), n in sorted(self.requests.items()):
-                lines.append(f'pyllama_requests_total{{route="{label_value(route)}",status="{status}"}} {n}')
-            lines += ["# TYPE pyllama_prompt_tokens_total counter",
-                      f"pyllama_prompt_tokens_total {self.prompt_tokens}",
-                      "# TYPE pyllama_generated_tokens_total counter",
-                      f"pyllama_generated_tokens_total {self.generated_tokens}",
-                      "# HELP pyllama_time_to_first_token_seconds Submit to first token.",
-                      "# TYPE pyllama_time_to_first_token_seconds histogram"]
-            lines += self.ttft.lines("pyllama_time_to_first_token_seconds", "")
-            lines += ["# HELP pyllama_inter_token_latency_seconds Gap between streamed tokens.",
-                      "# TYPE pyllama_inter_token_latency_seconds histogram"]
-            lines += self.itl.lines("pyllama_inter_token_latency_seconds", "")
+                requests.add_metric((route, str(status)), n)
+            tokens = (("pyllama_prompt_tokens", "Prompt tokens of answered requests.", self.prompt_tokens),
+                      ("pyllama_generated_tokens", "Tokens generated.", self.generated_tokens))
+        yield requests
+        for name, help_text, n in tokens:
+            yield CounterMetricFamily(name, help_text, value=n)
+        stats = self._engine_stats
         for metric, (key, help_text) in GAUGES.items():
-            lines += [f"# HELP pyllama_{metric} {help_text}", f"# TYPE pyllama_{metric} gauge"]
-            for model, stats in engine_stats.items():
-                if key in stats:
-                    lines.append(f'pyllama_{metric}{{model="{label_value(model)}"}} {float(stats[key])}')
-        lines += self._vllm_lines(engine_stats)
-        return "\n".join(lines) + "\n"
-
-    def _vllm_lines(self, engine_stats: dict[str, dict]) -> list[str]:
-        """vLLM's series: its engine gauges and counters for each loaded model, then its token
-        counters and latency histograms for each model that was asked something."""
-        lines = []
+            family = GaugeMetricFamily(f"pyllama_{metric}", help_text, labels=("model",))
+            for model, figures in stats.items():
+                if key in figures:
+                    family.add_metric((model,), float(figures[key]))
+            yield family
         for name, kind, help_text, value in VLLM_ENGINE_SERIES:
-            lines += _vllm_family(name, kind, help_text)
-            suffix = "_total" if kind == "counter" else ""
-            lines += [f"{name}{suffix}{{{vllm_labels(model)}}} {float(value(stats))}"
-                      for model, stats in engine_stats.items()]
-        with self._lock:
-            models = sorted(self.models.items())
-            for name, field_name, help_text in (
-                    ("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens of answered requests."),
-                    ("vllm:generation_tokens", "generation_tokens", "Tokens generated.")):
-                lines += _vllm_family(name, "counter", help_text)
-                lines += [f"{name}_total{{{vllm_labels(model)}}} {float(getattr(c, field_name))}" for model, c in models]
-            for name, field_name, help_text in (
-                    ("vllm:time_to_first_token_seconds", "ttft", "Submit to first token, in seconds."),
-                    ("vllm:e2e_request_latency_seconds", "e2e", "Submit to end of request, in seconds.")):
-                lines += _vllm_family(name, "histogram", help_text)
-                for model, c in models:
-                    lines += getattr(c, field_name).lines(name, vllm_labels(model))
-        return lines
+            family = _FAMILIES[kind](name, help_text, labels=VLLM_LABELS)
+            for model, figures in stats.items():
+                family.add_metric((model, "0"), float(value(figures)))
+            yield family

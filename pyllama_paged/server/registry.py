@@ -5,6 +5,7 @@ was started with, and the models of the local store (pulled), loaded on first us
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import hashlib
 import logging
@@ -12,21 +13,18 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ..tokenizer.chat_template import ChatTemplate
 from ..engine.loop import EngineLoop
 from ..engine.builder import build_engine
-from ..engine.config import EngineConfig
-from ..engine.kv.prefix_tiers import PrefixTierConfig
-from ..engine.spec.draft import SpeculativeConfig
+from ..engine.config import EngineConfig, cli_option
 from ..engine.pooling.encoder import EncoderEngine
 from ..engine.llm_engine import LLMEngine
 from ..engine.worker.model import Model, default_model_path
 from ..engine.sched.scheduler import SchedulerConfig
 from ..engine.scoring import ScoreParams
-from ..engine.worker.thread_policy import default_threads
 from ..errors import ModelLoadError, ModelsBusyError, PagedError
 from ..models.store import ModelStore, StoredModel
 from ..tokenizer.tokenizer import Tokenizer
@@ -42,32 +40,49 @@ def _engine_figures(llm) -> dict:
     return llm.pool_figures()
 
 
+def _served_scheduler() -> SchedulerConfig:
+    # streams keep their pace while others arrive: an inter-token budget, and a ceiling on
+    # prefill beside decodes before the budget is learned
+    return SchedulerConfig(itl_budget="auto", max_prefill_tokens_with_decodes=128)
+
+
 @dataclass
-class EngineOptions:
-    paged: bool = True
-    n_ctx: int = 4096
-    n_threads: int = field(default_factory=default_threads)   # exact, or the most with adapt_threads
-    adapt_threads: bool = False   # each step on the cores free now (engine/worker/thread_policy.py)
-    n_batch: int = 512
-    block_size: int = 32
-    kv_cache_type: str = "f16"
-    kv_budget_tokens: int | None = 32768   # the KV pool, in tokens of every layer, shared by all users
-    kv_budget_bytes: int | None = None  # the KV pool in bytes (wins over kv_budget_tokens)
-    max_num_seqs: int = 64
-    preemption_mode: str = "recompute"
-    itl_budget: float | str | None = "auto"   # seconds, "auto" or None (see SchedulerConfig)
-    max_prefill_tokens_with_decodes: int | None = 128   # a ceiling under the budget, and before it is learned
-    n_gpu_layers: int = 0               # layers on a GPU (-1: all and the output head)
-    main_gpu: int = 0
-    speculative: SpeculativeConfig | None = None   # speculative decoding of every request that allows it
-    prefix_tiers: PrefixTierConfig | None = None   # host-RAM / disk tiers below each engine's prefix cache
+class ServedEngineConfig(EngineConfig):
+    """EngineConfig with the server's defaults (a KV pool of 32768 tokens of every layer,
+    shared by all users; the scheduler of _served_scheduler), and the server's own settings.
+    Each model's engine is this config with the model's path (ServedModel.engine_config)."""
+
+    kv_tokens: int | None = 32768
+    scheduler: SchedulerConfig = field(default_factory=_served_scheduler)
     # where each generative engine tells of its prefix cache's changes (a KVEventListener, e.g.
     # the server's ZMQ publisher; None: nowhere); attached again at every load
     kv_events: object | None = field(default=None, compare=False, repr=False)
     # engines loaded at once (Ollama's OLLAMA_MAX_LOADED_MODELS): loading one more first drops
     # the least recently used idle one; the files the server starts with are never fewer
-    max_loaded_models: int = 3
+    max_loaded_models: int = cli_option(
+        3, "--max-loaded-models", "engines loaded at once (never fewer than the --model files): loading another "
+        "model first unloads the one idle longest; pulled models stay loaded 5 minutes after their last request "
+        "unless a request's keep_alive says otherwise", type=int, metavar="N")
     stored_keep_alive: float | None = 300.0   # seconds a pulled model stays loaded idle (Ollama's 5m)
+
+
+# EngineConfig's fields under the names `serve` and Ray's builder arguments gave them first
+_EARLIER_NAMES = {"kv_budget_tokens": "kv_tokens", "kv_budget_bytes": "kv_bytes"}
+# the scheduler's settings a server takes flat; its token budget per step is n_batch
+_SCHEDULER_SETTINGS = frozenset(f.name for f in fields(SchedulerConfig)) - {"max_num_batched_tokens"}
+
+
+class EngineOptions(ServedEngineConfig):
+    """ServedEngineConfig, also given flat as `serve`'s options and Ray's builder arguments
+    give it: a SchedulerConfig field (max_num_seqs=8) sets the scheduler's, and kv_budget_tokens
+    / kv_budget_bytes are kv_tokens / kv_bytes."""
+
+    def __init__(self, **settings):
+        settings = {_EARLIER_NAMES.get(name, name): value for name, value in settings.items()}
+        flat = {name: settings.pop(name) for name in _SCHEDULER_SETTINGS & settings.keys()}
+        if flat:
+            settings["scheduler"] = dataclasses.replace(settings.get("scheduler") or _served_scheduler(), **flat)
+        super().__init__(**settings)
 
 
 class ServedModel:
@@ -130,19 +145,12 @@ class ServedModel:
         return self.model.device_bytes + self.engine.runner.kv_device_bytes
 
     def engine_config(self) -> EngineConfig:
-        """The engine these options describe. Bytes are what users size; a budget in tokens
-        is that many tokens of every layer (sliding-window groups then hold more tokens in
-        the same bytes)."""
+        """The engine of this model: the options' EngineConfig fields, with its path, and
+        as many tokens per scheduler step as per forward step."""
         o = self.options
-        return EngineConfig(
-            model_path=self.path, paged=o.paged, n_ctx=o.n_ctx, n_threads=o.n_threads,
-            adapt_threads=o.adapt_threads, n_batch=o.n_batch,
-            block_size=o.block_size, kv_cache_type=o.kv_cache_type, kv_bytes=o.kv_budget_bytes,
-            kv_tokens=o.kv_budget_tokens if o.kv_budget_bytes is None else None, n_gpu_layers=o.n_gpu_layers, main_gpu=o.main_gpu,
-            speculative=o.speculative, prefix_tiers=o.prefix_tiers,
-            scheduler=SchedulerConfig(max_num_batched_tokens=o.n_batch, max_num_seqs=o.max_num_seqs,
-                                      preemption_mode=o.preemption_mode, itl_budget=o.itl_budget,
-                                      max_prefill_tokens_with_decodes=o.max_prefill_tokens_with_decodes))
+        settings = {f.name: getattr(o, f.name) for f in fields(EngineConfig)}
+        return EngineConfig(**{**settings, "model_path": self.path,
+                               "scheduler": dataclasses.replace(o.scheduler, max_num_batched_tokens=o.n_batch)})
 
     @property
     def is_loaded(self) -> bool:

@@ -186,7 +186,7 @@ class _Handler(BaseHTTPRequestHandler):
         return None
 
 
-class ModelSources:
+class ModelSources(contextlib.AbstractContextManager):
     """A fake Hub and Ollama registry on a loopback port (url); close() stops it."""
 
     def __init__(self):
@@ -252,9 +252,6 @@ class ModelSources:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-    def __enter__(self) -> "ModelSources":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

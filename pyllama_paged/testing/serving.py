@@ -121,7 +121,7 @@ def tiny_registry(directory, name: str = "tiny", **options):
     from pyllama_paged.server.registry import EngineOptions, ModelRegistry
 
     path = write_tiny_model(Path(directory) / f"{name}.gguf", "gemma3", weight_type="q8_0")
-    settings = dict(n_ctx=512, n_threads=2, n_batch=128, kv_budget_tokens=2048, max_num_seqs=8)
+    settings = dict(n_ctx=512, n_threads=2, n_batch=128, kv_tokens=2048, max_num_seqs=8)
     return ModelRegistry([path], EngineOptions(**{**settings, **options}))
 
 

@@ -139,15 +139,12 @@ def check_tools(tools: Any) -> list[dict]:
     return out
 
 
-def prepare_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], tools: Any = None,
-                 tool_choice: Any = None, constraint: Constraint | None = None
-                 ) -> tuple[ChatPrompt, Constraint | None, set[str]]:
-    """(prompt text, the constraint to decode with, names of the tools whose calls to parse)
-    for OpenAI-shaped chat fields; ConstraintError for a tool_choice that cannot be met. The
-    text is a ``ChatPrompt``: ``tokenizer.encode(text, parse_special=True)`` (or
-    ``text.token_ids(tokenizer)``) keeps request text out of control tokens.
-    tool_choice: None (auto when tools are given), "none", "auto", "required", or
-    {"type": "function", "function": {"name": ...}}."""
+def plan_tools(template: ChatTemplate, tokenizer: Tokenizer, tools: Any = None, tool_choice: Any = None,
+               constraint: Constraint | None = None) -> tuple[list[dict], Constraint | None, set[str]]:
+    """(the tools to offer in the prompt, the constraint to decode with, names of the tools
+    whose calls to parse) for OpenAI-shaped tools and tool_choice: None (auto when tools are
+    given), "none", "auto", "required", or {"type": "function", "function": {"name": ...}}.
+    ConstraintError for a tool_choice that cannot be met."""
     tools = check_tools(tools)
     mode = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if mode not in ("none", "auto", "required") and not isinstance(mode, dict):
@@ -165,5 +162,15 @@ def prepare_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: list[di
                 raise ConstraintError("tool_choice must name a function: "
                                       "{\"type\": \"function\", \"function\": {\"name\": ...}}")
         constraint = forced_call_constraint(tokenizer, tool_family(template, tokenizer), tools, only)
-    text = render_chat(template, tokenizer, messages, offered)
-    return text, constraint, {t["function"]["name"] for t in offered}
+    return offered, constraint, {t["function"]["name"] for t in offered}
+
+
+def prepare_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], tools: Any = None,
+                 tool_choice: Any = None, constraint: Constraint | None = None
+                 ) -> tuple[ChatPrompt, Constraint | None, set[str]]:
+    """(prompt text, the constraint to decode with, names of the tools whose calls to parse)
+    for OpenAI-shaped chat fields (see plan_tools). The text is a ``ChatPrompt``:
+    ``tokenizer.encode(text, parse_special=True)`` (or ``text.token_ids(tokenizer)``) keeps
+    request text out of control tokens."""
+    offered, constraint, names = plan_tools(template, tokenizer, tools, tool_choice, constraint)
+    return render_chat(template, tokenizer, messages, offered), constraint, names

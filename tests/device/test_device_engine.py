@@ -11,7 +11,7 @@ from pyllama_paged.engine.worker.devices import list_devices
 from pyllama_paged.testing.device_checks import ARCH_WEIGHTS, run_check
 
 pytestmark = pytest.mark.skipif(not any(d.is_gpu for d in list_devices()),
-                                reason="GGML lists no GPU (build libggml-python for Vulkan or CUDA: see the README)")
+                                reason="GGML lists no GPU (build libggml-python for Vulkan or CUDA: see docs/builds-and-gpus.md)")
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_WEIGHTS))

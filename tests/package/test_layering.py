@@ -45,20 +45,25 @@ LAYERS = [
     ["engine.sched.preemption", "engine.beam_search", "engine.spec.verify", "engine.spec.draft_model"],
     ["engine.sched.step_cost"],
     ["engine.sched.scheduler"],
+    ["engine.kv.moves", "engine.postprocess"],
     ["engine.config"],
     ["engine.llm_engine", "engine.prompt_logprobs"],
     ["engine.loop", "engine.pooling.encoder", "engine.shared_steps", "engine.pooling.rerank_head"],
     ["engine.builder"],
     ["api.text_stream", "api.sampling_options", "tools.calls", "tools.messages", "tools.reasoning", "api.embeddings"],
     ["tools.prompt", "api.rerank_inputs"],
+    ["api.chat_call"],
     ["api.llama_compat", "api.llama_grammar", "api.llama_pretrained", "api.llama_chat", "api.llama_completion",
      "api.llama_eval", "api.llama_speculative",
      "api.rerank"],
     ["api.llama_chat_format"],
     ["api.llama"],
-    ["server.metrics", "server.dashboard", "server.openai.tokens", "server.scale_out.kv_events", "server.scale_out.router_contract"],
+    ["server.metrics", "server.dashboard", "server.scale_out.kv_events", "server.scale_out.router_contract"],
     ["server.registry"],
     ["server.generation"],
+    # what the dialects share: the model lookup, keep_alive, the one chat path, SSE, error bodies
+    ["server.lookup", "server.keep_alive", "server.chat", "server.sse", "server.error_bodies", "server.tool_schema",
+     "server.openai_token_arrays"],
     ["server.openai.schemas", "server.openai.logprobs", "server.ollama.pull", "server.ollama.manage",
      "server.anthropic.schemas"],
     ["server.anthropic.messages"],
@@ -75,9 +80,9 @@ LAYERS = [
     ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.sampling_reference",
      "testing.reference.bert_reference", "testing.reference.tiny_bert", "testing.reference.tiny_reranker",
      "testing.agreement", "testing.attention_harness", "testing.cuda_harness", "testing.serving", "testing.loop_control",
-     "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf", "testing.scripted_gguf",
+     "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf",
      "testing.synthetic_blocks", "testing.synthetic_bpe", "testing.synthetic_presets", "testing.vocab_metadata",
-     "testing.device_checks", "testing.model_sources",
+     "testing.device_checks", "testing.model_sources", "testing.scripted_gguf",
      "testing.ray_cluster", "testing.engine_runs"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer
@@ -166,3 +171,34 @@ def test_the_scheduler_keeps_books_and_never_reaches_the_model():
                     reached.add(dep)
                     todo.append(dep)
         assert not reached & {"engine.worker.model_runner", "engine.worker.model", "engine.llm_engine"}, module
+
+
+# The package's folders (ARCHITECTURE.md has a row for each). The server's dialect folders
+# share only what the server's top level and the layers below hold: a new dialect is a
+# protocol file and a renderer, never an import of another dialect.
+FOLDERS = ["_native", "gguf", "models", "convert", "tokenizer", "constrain",
+           "engine", "engine/kv", "engine/sched", "engine/worker", "engine/spec", "engine/pooling",
+           "tools", "api",
+           "server", "server/openai", "server/anthropic", "server/ollama", "server/pooling", "server/scale_out",
+           "testing", "testing/reference"]
+DIALECTS = ["server.openai", "server.anthropic", "server.ollama", "server.pooling", "server.scale_out"]
+
+
+def folder_of(module: str) -> str:
+    parts = module.split(".")
+    return module if (PACKAGE / Path(*parts)).is_dir() else ".".join(parts[:-1])
+
+
+def test_folders_are_the_listed_ones_and_each_has_its_row():
+    found = sorted(str(p.parent.relative_to(PACKAGE)) for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
+    assert found == sorted(FOLDERS)
+    architecture = (PACKAGE.parent / "ARCHITECTURE.md").read_text()
+    missing = [f for f in FOLDERS if f"`{f}/`" not in architecture and f"`pyllama_paged/{f}/`" not in architecture
+               and f"`{f.split('/')[-1]}/`" not in architecture]
+    assert not missing, f"ARCHITECTURE.md has no row for {missing}"
+
+
+def test_no_module_imports_across_dialect_folders():
+    crossing = [(m, dep) for m, deps in graph().items() for dep in deps
+                if folder_of(m) in DIALECTS and folder_of(dep) in DIALECTS and folder_of(m) != folder_of(dep)]
+    assert not crossing, f"a dialect imports another: {crossing}"

@@ -13,7 +13,7 @@ from pyllama_paged.testing.loop_control import paused
 from pyllama_paged.testing.serving import Running, tiny_registry, wait_until
 from pyllama_paged.engine.kv.block_pool import BlockPool
 from pyllama_paged.engine.loop import EngineLoop
-from pyllama_paged.server.ollama import api as ollama_api
+from pyllama_paged.api import chat_call
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 
@@ -110,7 +110,7 @@ def test_slow_prompt_work_leaves_other_routes_answering(registry, monkeypatch):
 
     # where the routes render: /api/generate through the template, /api/chat through render_chat
     monkeypatch.setattr(served.template, "render", slowed(served.template.render))
-    monkeypatch.setattr(ollama_api, "render_chat", slowed(ollama_api.render_chat))
+    monkeypatch.setattr(chat_call, "render_chat", slowed(chat_call.render_chat))
     s = Running(create_app(registry, Limits(prep_threads=2)))
     chat = {"model": M, "stream": False, "messages": [{"role": "user", "content": "SLOW"}],
             "options": {"num_predict": 1}}

@@ -9,8 +9,8 @@ import pytest
 
 from pyllama_paged.testing.serving import Running, tiny_registry
 from pyllama_paged.cli import build_parser, serve_settings
+from pyllama_paged.api import chat_call
 from pyllama_paged.server.ollama import api as ollama_api
-from pyllama_paged.server.openai import api as openai_api
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.engine.worker.thread_policy import MAX_THREADS
@@ -52,8 +52,7 @@ def work(registry, monkeypatch):
 
     monkeypatch.setattr(served.tokenizer, "encode", counted("encode", served.tokenizer.encode))
     monkeypatch.setattr(served.template, "render", counted("render", served.template.render))
-    monkeypatch.setattr(ollama_api, "render_chat", counted("render", ollama_api.render_chat))
-    monkeypatch.setattr(openai_api, "prepare_chat", counted("render", openai_api.prepare_chat))
+    monkeypatch.setattr(chat_call, "render_chat", counted("render", chat_call.render_chat))
     monkeypatch.setattr(ollama_api, "from_ollama", counted("format", ollama_api.from_ollama))
     return counts
 

@@ -80,7 +80,6 @@ class PagedKV:
         self.max_seq_len = max_seq_len
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
         self.events = None   # a PrefixCacheEvents told of what becomes computed (watch_cache)
-        self.tier_writer = None   # a prefix_tiers.TierWriter: full blocks go down before each commit
 
     def watch_cache(self, listener) -> None:
         """Report the prefix cache's changes to listener (a KVEventListener; None: stop). The
@@ -111,15 +110,10 @@ class PagedKV:
         return self.pool.append(handle, token_ids)
 
     def fork(self, handle: int) -> int:
-        child = self.pool.fork(handle)
-        if self.tier_writer is not None:
-            self.tier_writer.forked(handle, child)
-        return child
+        return self.pool.fork(handle)
 
     def free(self, handle: int) -> None:
         self.pool.free(handle)
-        if self.tier_writer is not None:
-            self.tier_writer.forget(handle)
 
     def mark_computed(self, handle: int, num_tokens: int) -> None:
         self.pool.mark_computed(handle, num_tokens)
@@ -196,8 +190,6 @@ class PagedKV:
 
     def commit_batch(self, items: np.ndarray) -> None:
         """Mark what a step computed (its full blocks become prefix-cache hits)."""
-        if self.tier_writer is not None:   # while every group still holds the new blocks
-            self.tier_writer.before_commit(items)
         check(lib.pp_pool_commit_batch(self.pool._handle, ffi.cast("const pp_step_item *", ffi.from_buffer(items)),
                                        len(items)), "commit_batch")
         if self.events is not None:

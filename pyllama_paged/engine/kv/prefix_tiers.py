@@ -14,17 +14,22 @@ to whoever cannot read that secret (file names are public inputs otherwise: the
 model and the tokens). A tier entry holds the block's K and V in every layer group,
 as the model runner reads them.
 
-Blocks go down as they are computed (write-through, before the pool's commit can
-give a sliding-window group's blocks back), so an eviction from the pool needs
-no hook in the native pool. They come back at admission (the scheduler: books),
-the engine writing the bytes into the pages it was given (data)."""
+Blocks go down as they are computed (write-through: the engine's KVMover, before
+the pool's commit can give a sliding-window group's blocks back), so an eviction
+from the pool needs no hook in the native pool. They come back at admission: the
+scheduler looks keys up and pins each block it restores (ids and counts), the
+engine writes the pinned bytes into the pages it was given. A disk entry is read
+and checked when pinned, not later: its checksum is known only once it is read,
+and the pool cannot take back a block it was told is computed (a window group may
+already have given it back, another prompt may already share it), so a damaged or
+vanished file must be found before the scheduler counts the block."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -117,6 +122,7 @@ class PrefixTiers:
         self.num_ram_hits = 0                # blocks restored from RAM
         self.num_disk_hits = 0               # ... from disk
         self.num_misses = 0                  # runs of lookups ended by a block no tier holds
+        self._pinned: dict[bytes, np.ndarray] = {}   # blocks being restored this step
 
     @property
     def entry_bytes(self) -> int:
@@ -157,6 +163,24 @@ class PrefixTiers:
         self.num_misses += 1   # held a moment ago (run_length), gone or damaged now
         return None
 
+    def pin(self, key: bytes) -> bool:
+        """Hold the block's bytes until unpin_all (the engine writes them into the pool
+        meanwhile); False if no tier can give them (a miss)."""
+        data = self.load(key)
+        if data is None:
+            return False
+        # held here, not only in the RAM tier: a later pin's disk hit may evict it from there
+        self._pinned[key] = data
+        return True
+
+    def pinned(self, key: bytes, group: int) -> np.ndarray:
+        """Layer group `group`'s part of a pinned block: one pool block's bytes."""
+        return self._pinned[key][group * self.block_bytes:(group + 1) * self.block_bytes]
+
+    def unpin_all(self) -> None:
+        """Let go of every pinned block (written into the pool, or never to be)."""
+        self._pinned.clear()
+
     def save(self, key: bytes, data: np.ndarray) -> None:
         """Keep a computed block in every tier (the tiers own data from here)."""
         self.num_saved += 1
@@ -196,53 +220,6 @@ class PrefixTiers:
             out.update(tier_disk_bytes=self.disk.num_bytes, tier_disk_max_bytes=self.disk.max_bytes,
                        tier_disk_corrupt_files=self.disk.num_corrupt, tier_disk_dropped_writes=self.disk.num_dropped)
         return out
-
-
-class TierWriter:
-    """Writes each block that becomes full and computed into the tiers, before the pool's
-    commit (PagedKV.commit_batch calls before_commit): afterwards a sliding-window group
-    may have given the block back. Keeps each sequence's chain keys as it grows."""
-
-    def __init__(self, tiers: PrefixTiers, kv, read_block: Callable[[int], np.ndarray]):
-        self.tiers = tiers
-        self.kv = kv
-        self.read_block = read_block
-        self._keys: dict[int, list[bytes]] = {}   # pool sequence handle -> keys of its full blocks
-
-    def before_commit(self, items: np.ndarray) -> None:
-        """items [(handle, start, count)] are about to be committed: save the blocks they fill."""
-        bs = self.kv.block_size
-        for handle, start, count in items.tolist():
-            first, end = start // bs, (start + count) // bs
-            if first < end:
-                self._save(handle, first, end)
-
-    def forget(self, handle: int) -> None:
-        """A sequence was freed (its handle may be reused)."""
-        self._keys.pop(handle, None)
-
-    def forked(self, parent: int, child: int) -> None:
-        """A sequence now shares its parent's tokens (and so its keys)."""
-        if parent in self._keys:
-            self._keys[child] = list(self._keys[parent])
-
-    def _save(self, handle: int, first: int, end: int) -> None:
-        known = self._keys.get(handle)
-        if known is None or len(known) < end:
-            tokens = self.kv.pool.tokens(handle)
-            known = self.tiers.keys(tokens, end, known)
-            self._keys[handle] = known
-        tables = None
-        for i in range(first, end):
-            key = known[i]
-            if self.tiers.has(key):
-                continue
-            if tables is None:
-                tables = [self.kv.block_table(handle, g) for g in range(self.kv.n_groups)]
-            blocks = [int(t[i]) if i < len(t) else -1 for t in tables]
-            if min(blocks) < 0:
-                continue   # a group holds no page for it: not a complete entry
-            self.tiers.save(key, np.concatenate([self.read_block(b) for b in blocks]))
 
 
 def default_disk_dir() -> str:

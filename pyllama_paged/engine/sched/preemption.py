@@ -4,12 +4,10 @@ CPU as cheap as copying); by swap, each sequence's pages are copied to host
 memory and written back into fresh pages when it resumes. The scheduler
 decides whom to preempt and when to resume; this module does the page
 bookkeeping and says which blocks' data must move (SwapMove ids): the engine
-moves it, and keeps the host copies (SwapSpace), before the step that
-follows writes anything."""
+moves it, and keeps the host copies (kv.moves.SwapSpace), before the step
+that follows writes anything."""
 
 from __future__ import annotations
-
-import numpy as np
 
 from ..kv.manager import SeqState
 from .request import Sequence
@@ -56,30 +54,3 @@ def swap_in(kv, seq: Sequence) -> list[SwapMove]:
     seq.swapped_pages = None
     return moves
 
-
-class SwapSpace:
-    """The host copies of swapped-out pages, keyed by (seq_id, group, index): owned by
-    the engine, which makes the copies the scheduler's SwapMoves ask for."""
-
-    def __init__(self):
-        self._pages: dict[int, dict[tuple[int, int], np.ndarray]] = {}
-
-    def save(self, move: SwapMove, data: np.ndarray) -> None:
-        self._pages.setdefault(move.seq_id, {})[(move.group, move.index)] = data
-
-    def take(self, move: SwapMove) -> np.ndarray:
-        """The host copy of a page being swapped back in (dropped from the space)."""
-        pages = self._pages[move.seq_id]
-        data = pages.pop((move.group, move.index))
-        if not pages:
-            del self._pages[move.seq_id]
-        return data
-
-    def drop(self, seq_id: int) -> None:
-        """Forget a sequence's copies (its request ended while swapped, or it came back
-        with some pages from the prefix cache instead)."""
-        self._pages.pop(seq_id, None)
-
-    @property
-    def num_pages(self) -> int:
-        return sum(len(p) for p in self._pages.values())

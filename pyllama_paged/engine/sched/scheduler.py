@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..kv.manager import SeqState, fork_state, new_cached_sequence, place_tokens
 from .preemption import PREEMPTION_MODES, release, swap_in, swap_out
@@ -30,9 +30,14 @@ from .request import Request, RequestStatus, Sequence
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int = 512   # tokens computed per step (decodes + prefill chunks)
-    max_num_seqs: int = 64              # running sequences at once
+    # the option of `serve` beside each field that has one (cli.py reads it)
+    max_num_seqs: int = field(default=64, metadata={"flag": "--max-seqs", "type": int,
+                                                    "help": "sequences running at once, per model"})
     watermark: float = 0.01             # fraction of blocks admission leaves free
-    preemption_mode: str = "recompute"  # recompute: cheaper on CPU (no copy traffic); swap: keeps work
+    # recompute: cheaper on CPU (no copy traffic); swap: keeps work
+    preemption_mode: str = field(default="recompute", metadata={
+        "flag": "--preemption", "choices": PREEMPTION_MODES,
+        "help": "what a preempted request loses: recompute its KV later, or swap it to host memory"})
     # Prefill tokens a step may add while decodes run: bounds every running
     # stream's inter-token gap when new users arrive, at the cost of their
     # time to first token (a long prompt takes several steps). None: up to
@@ -430,9 +435,10 @@ class Scheduler:
         """Extend a new sequence's cached prefix with the blocks a lower tier holds: place
         them (a piece of at most a step's tokens at a time, as a prefill would, so that
         sliding-window groups give pages back between pieces), mark them computed, and
-        plan the writes of their bytes. Stops at the first block no tier holds, when the
-        pool has no room (keeping the reserve), or one block before the prompt's end (its
-        last token must be computed for logits)."""
+        plan the loads of their bytes (block ids and tier keys: the tiers pin the bytes,
+        the engine writes them). Stops at the first block no tier holds, when the pool has
+        no room (keeping the reserve), or one block before the prompt's end (its last
+        token must be computed for logits)."""
         kv, tiers, bs = self.kv, self.tiers, self.kv.block_size
         max_blocks = (len(seq.token_ids) - 1) // bs
         done = seq.kv.num_computed // bs
@@ -449,21 +455,19 @@ class Scheduler:
                 return
             piece = []
             for key in keys[done:done + found]:
-                data = tiers.load(key)   # None if a file went bad or away since run_length
-                if data is None:
+                if not tiers.pin(key):   # a file went bad or away since run_length
                     break
-                piece.append(data)
+                piece.append(key)
             if not piece:
                 return
             end = done + len(piece)
             self._place(seq, seq.token_ids[seq.kv.num_tokens:end * bs])
             tables = [kv.block_table(seq.kv.handle, g) for g in range(kv.n_groups)]
-            size = tiers.block_bytes
-            for j, data in enumerate(piece):
+            for j, key in enumerate(piece):
                 for g, table in enumerate(tables):
                     block = int(table[done + j])
                     if block >= 0:   # a window group that never held it gives it back anyway
-                        self._plan.tier_loads.append(TierLoad(block, data[g * size:(g + 1) * size]))
+                        self._plan.tier_loads.append(TierLoad(block, key, g))
             kv.mark_computed(seq.kv.handle, end * bs)
             seq.kv.num_computed = end * bs
             self.tier_hit_tokens += len(piece) * bs

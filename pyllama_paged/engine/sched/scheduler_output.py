@@ -1,8 +1,9 @@
 """What the scheduler decided for one step, as plain data (ids and counts, no
-sequence objects): the token chunks each sequence computes, in batch order,
-and the KV data that must move first, as block ids. The engine carries the
-moves out through the model runner, runs the runner over `items`, and hands
-the output back to `Scheduler.update_from_output`, which advances progress."""
+sequence objects, no KV bytes): the token chunks each sequence computes, in
+batch order, and the KV data that must move first, as block ids (and, for a
+prefix restored from a tier, the tier's key). The engine carries the moves out
+(KVMover), runs the runner over `items`, and hands the output back to
+`Scheduler.update_from_output`, which advances progress."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ class SwapMove:
 
 @dataclass(slots=True)
 class TierLoad:
-    """One page of a prefix restored from a lower tier: its bytes, to write into block_id."""
+    """One page of a prefix restored from a lower tier: layer group `group`'s part of the
+    tier entry `key` (pinned in the tiers until the engine has written it), into block_id."""
 
     block_id: int
-    data: np.ndarray
+    key: bytes
+    group: int
 
 
 @dataclass(slots=True)

@@ -51,7 +51,7 @@ def gpu_device(main_gpu: int = 0) -> Device:
     if not gpus:
         raise PagedError(
             "a GPU was asked for (n_gpu_layers != 0) but GGML lists none: this libggml-python is built "
-            "for the CPU only, or no driver exposes a device (see the README's GPU builds; a software "
+            "for the CPU only, or no driver exposes a device (see docs/builds-and-gpus.md; a software "
             "Vulkan device needs GGML_VK_VISIBLE_DEVICES)")
     if not 0 <= main_gpu < len(gpus):
         raise PagedError(f"main_gpu {main_gpu} out of range: GGML lists {len(gpus)} GPU(s): "

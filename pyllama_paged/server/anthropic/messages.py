@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...api.chat_call import ChatCall
+from ...api.sampling_options import OPENAI
 from ...tools.calls import ToolCall
 from ...tools.messages import MessageError
 from .schemas import Block, MessagesRequest
@@ -125,6 +127,17 @@ def chat_tools(body: MessagesRequest) -> tuple[list[dict] | None, Any]:
             raise MessageError("tool_choice of type 'tool' needs the tool's \"name\"")
         return tools, {"type": "function", "function": {"name": choice.name}}
     return tools, {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def chat_call(body: MessagesRequest) -> ChatCall:
+    """The request as the server's chat path takes it; MessageError names a bad block."""
+    tools, tool_choice = chat_tools(body)
+    # Anthropic's sampling defaults (temperature 1, no top_p/top_k cut) are the OpenAI surface's
+    return ChatCall(messages=chat_messages(body), tools=tools, tool_choice=tool_choice, structured=body.constraint,
+                    surface=OPENAI, sampling=body.sampling(), model=body.model,
+                    limit_fields={"stop": body.stop_sequences, "messages": body.messages, "tools": body.tools,
+                                  "grammars": {"output_config": body.schema()}},
+                    refuse_unsupported=lambda served: body.refuse_unsupported(), messages_param=None)
 
 
 def tool_use_block(call: ToolCall) -> dict:

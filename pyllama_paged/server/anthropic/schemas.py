@@ -1,6 +1,6 @@
-"""Anthropic Messages API request bodies (POST /v1/messages) and Anthropic's error
-body. Fields Anthropic documents but we cannot honour are named so that asking
-for them is a 400 rather than silently ignored."""
+"""Anthropic Messages API request bodies (POST /v1/messages). Fields Anthropic
+documents but we cannot honour are named so that asking for them is a 400 rather
+than silently ignored."""
 
 from __future__ import annotations
 
@@ -8,26 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...api.sampling_options import OPENAI
 from ...constrain.grammar import Constraint, compile_constraint
-from ...engine.worker.sampler import SamplingParams
 from ...tokenizer.tokenizer import Tokenizer
-from ..generation import APIError, request_params
-
-# Anthropic's error types by HTTP status (its "Errors" page); anything else is an api_error
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                503: "overloaded_error", 529: "overloaded_error"}
-
-
-def error_type(status: int) -> str:
-    """Anthropic's error type for an HTTP status."""
-    return _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-
-
-def error_body(status: int, message: str) -> dict:
-    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
-    return {"type": "error", "error": {"type": error_type(status), "message": message}}
+from ..generation import APIError
 
 
 class _Strict(BaseModel):
@@ -132,12 +115,10 @@ class MessagesRequest(_Strict):
             return calls[:1]
         return calls
 
-    def params(self, constraint=None) -> SamplingParams:
-        """The sampling parameters; Anthropic's defaults (temperature 1, no top_p/top_k cut)
-        are the OpenAI surface's, so that surface serves both."""
-        fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                  "top_k": self.top_k, "stop": self.stop_sequences, "constraint": constraint}
-        return request_params(OPENAI, fields)
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields, as SamplingParams names them."""
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "stop": self.stop_sequences}
 
 
 class CountTokensRequest(MessagesRequest):

@@ -6,22 +6,22 @@ from __future__ import annotations
 
 import json
 
-from ...tools.calls import ToolCall, ToolCallStream
+from ...tools.calls import ToolCall
+from ..sse import sse as sse_event
 from .messages import stop_reason, tool_use_block
 
 
 def sse(data: dict) -> str:
     """One event: Anthropic names each event after its data's type."""
-    return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n"
+    return sse_event(data, data["type"])
 
 
 class AnswerEvents:
-    """Turns an answer's text, as it comes, into Anthropic's event sequence. With tools
-    offered, text that may be a tool call is held back until the answer ends."""
+    """Turns an answer, as its text and then its tool calls come (AnswerPiece), into
+    Anthropic's event sequence."""
 
-    def __init__(self, message: dict, names: set[str]):
+    def __init__(self, message: dict):
         self.message = message   # id, type, role, model, usage (the prompt's tokens)
-        self.tools = ToolCallStream(names) if names else None
         self.index = 0           # the index of the block being written (or the next one)
         self.text_open = False
 
@@ -47,20 +47,13 @@ class AnswerEvents:
         return [sse({"type": "content_block_stop", "index": self.index - 1})]
 
     def feed(self, text: str) -> list[str]:
-        """Events for a piece of the answer's text (none while it is held back)."""
-        if self.tools is not None:
-            text = self.tools.feed(text)
+        """Events for a piece of the answer's text (none for no text)."""
         return self._text(text) if text else []
 
-    def held(self) -> tuple[str, list[ToolCall]]:
-        """(text still held, tool calls) once the answer has ended; parsing can take a
-        while on a long answer, so the route runs this off the event loop."""
-        return self.tools.finish() if self.tools is not None else ("", [])
-
-    def end(self, rest: str, calls: list[ToolCall], finish: str | None, stop: str | None,
-            output_tokens: int) -> list[str]:
-        """The closing events: the last text, each tool_use block, the stop reason and usage."""
-        out = self._text(rest) if rest or not (calls or self.text_open) else []
+    def end(self, calls: list[ToolCall], finish: str | None, stop: str | None, output_tokens: int) -> list[str]:
+        """The closing events: each tool_use block, the stop reason and usage (an answer with
+        neither text nor calls still gets its empty text block)."""
+        out = self._text("") if not (calls or self.text_open) else []
         if self.text_open:
             self.text_open = False
             out += self._close()

@@ -12,18 +12,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...api.chat_call import ChatCall, split_as_streamed
+from ...api.sampling_options import OLLAMA
 from ...constrain.formats import from_ollama
 from ...engine.worker.sampler import SamplingParams
 from ...errors import PagedError
-from ...api.sampling_options import OLLAMA
-from ...tools.calls import ToolCallStream
-from ...tools.messages import normalize_messages
-from ...tools.prompt import check_tools, render_chat
-from ..generation import (APIError, check_request, fit_prompt, off_loop, request_params, require_generative,
-                         start_generation)
-from .manage import (OLLAMA_VERSION, NameRequest, describe, describe_stored, find_model, keep_alive_seconds,
-                            show_model)
-from ..openai.schemas import ToolFunction
+from ..chat import ChatRun, check_chat, start_chat
+from ..generation import APIError, check_request, fit_prompt, off_loop, request_params, require_generative, \
+    start_generation
+from ..keep_alive import keep_alive_seconds
+from ..lookup import find_model
+from ..tool_schema import ToolFunction
+from .manage import OLLAMA_VERSION, NameRequest, describe, describe_stored, show_model
 
 
 class Options(BaseModel):
@@ -112,27 +112,49 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _params(options: Options | None, default_max: int, constraint) -> SamplingParams:
-    options = options or Options()
-    options.refuse_unsupported()
+def _sampling(options: Options) -> dict[str, Any]:
+    """The sampling fields of options, as SamplingParams names them."""
     fields = options.model_dump(exclude={"mirostat", "typical_p", "tfs_z"})
     if fields.pop("repeat_last_n", None) is not None:
         last_n = options.repeat_last_n
         fields["penalty_last_n"] = 0 if last_n == -1 else last_n   # -1: the whole context
-    return request_params(OLLAMA, {**fields, "constraint": constraint}, max_tokens=default_max)
+    return fields
+
+
+def _params(options: Options | None, default_max: int, constraint) -> SamplingParams:
+    options = options or Options()
+    options.refuse_unsupported()
+    return request_params(OLLAMA, {**_sampling(options), "constraint": constraint}, max_tokens=default_max)
+
+
+def _refuse_think(body: _Common, served) -> None:
+    """A 400 for think on a model that cannot."""
+    if body.think not in (None, False, "false", "none", ""):
+        raise APIError(400, f"\"{served.name}\" does not support thinking", "think")
+
+
+def _chat_call(body: ChatRequest, max_tokens: int) -> ChatCall:
+    """/api/chat's request as the server's chat path takes it; max_tokens: the server's cap,
+    what an unset num_predict asks for."""
+    options = body.options or Options()
+
+    def refuse(served) -> None:
+        _refuse_think(body, served)
+        options.refuse_unsupported()
+
+    return ChatCall(
+        messages=[m.model_dump(exclude_none=True, exclude={"thinking"}) for m in body.messages],
+        tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+        structured=lambda tokenizer: from_ollama(tokenizer, body.format), surface=OLLAMA,
+        sampling=_sampling(options), sampling_defaults={"max_tokens": max_tokens},
+        truncate=body.truncate is not False, model=body.model,
+        limit_fields={"stop": options.stop, "messages": body.messages, "tools": body.tools,
+                      "grammars": {"format": body.format}},
+        refuse_unsupported=refuse, n_ctx=options.num_ctx)
 
 
 def build_router(state) -> APIRouter:
     router = APIRouter()
-
-    async def find(name: str):
-        return await find_model(state.registry, name)
-
-    def check_common(body: _Common, served) -> Any:
-        """keep_alive's seconds; a 400 for think on a model that cannot."""
-        if body.think not in (None, False, "false", "none", ""):
-            raise APIError(400, f"\"{served.name}\" does not support thinking", "think")
-        return keep_alive_seconds(body.keep_alive)
 
     async def after(served, keep_alive):
         """keep_alive 0 (this request's or a later one's) drops the engine now unless other
@@ -153,43 +175,31 @@ def build_router(state) -> APIRouter:
         body.update(gen.durations_ns())
         return body
 
-    async def respond(gen, request: Request, body: _Common, shape, keep_alive, tools: set[str] | None = None):
-        """NDJSON stream of shape(text, done) objects, or one object when stream is false."""
-        calls_of = ToolCallStream(tools) if tools else None
-        if body.stream is not False:
-            async def lines():
-                try:
-                    async for d in gen.deltas():
-                        if d.index != 0:
-                            continue
-                        text = calls_of.feed(d.text) if calls_of else d.text
-                        if text:
-                            yield json.dumps(shape(text, False)) + "\n"
-                    if calls_of:
-                        rest, calls = await off_loop(state.prep, calls_of.finish)
-                        if rest or calls:
-                            yield json.dumps(shape(rest, False, calls)) + "\n"
-                except APIError as e:   # after the 200 header: end the stream with Ollama's error line
-                    yield json.dumps({"error": e.message}) + "\n"
-                    return
-                finally:
-                    await after(gen.served, keep_alive)
-                yield json.dumps(final(gen, shape)) + "\n"
-            return StreamingResponse(lines(), media_type="application/x-ndjson")
+    async def lines(run: ChatRun, shape, keep_alive):
+        """The NDJSON stream: shape(text, False, calls) as the answer comes, then the final
+        object; an error after the 200 header ends it with Ollama's error line."""
         try:
-            text = "".join(d.text for d in await gen.collect(request) if d.index == 0)
+            async for piece in run.pieces():
+                if piece.index == 0 and (piece.text or piece.calls):
+                    yield json.dumps(shape(piece.text, False, piece.calls)) + "\n"
+        except APIError as e:
+            yield json.dumps({"error": e.message}) + "\n"
+            return
         finally:
-            await after(gen.served, keep_alive)
-        calls = []
-        if calls_of:
-            def parse():
-                # feed() passes on the text that cannot open a call: that is content too
-                streamed = calls_of.feed(text)
-                rest, found = calls_of.finish()
-                return streamed + rest, found
-            text, calls = await off_loop(state.prep, parse)
-        out = final(gen, shape)
-        out.update({k: v for k, v in shape(text, True, calls).items() if k in ("response", "message")})
+            await after(run.served, keep_alive)
+        yield json.dumps(final(run.gen, shape)) + "\n"
+
+    async def respond(run: ChatRun, request: Request, body: _Common, shape, keep_alive):
+        """NDJSON stream of shape(text, done, calls) objects, or one object when stream is false."""
+        if body.stream is not False:
+            return StreamingResponse(lines(run, shape, keep_alive), media_type="application/x-ndjson")
+        try:
+            # text a stream lets through before a tool call stays content, as it would have streamed
+            answer = (await run.answers(request, split_as_streamed))[0]
+        finally:
+            await after(run.served, keep_alive)
+        out = final(run.gen, shape)
+        out.update({k: v for k, v in shape(answer.content, True, answer.calls).items() if k in ("response", "message")})
         return JSONResponse(out)
 
     def loaded(body, served, reason: str):
@@ -201,9 +211,10 @@ def build_router(state) -> APIRouter:
     async def generate(body: GenerateRequest, request: Request):
         check_request(state.limits, stop=body.options.stop if body.options else None,
                       grammars={"format": body.format})
-        served = await find(body.model)
+        served = await find_model(state.registry, body.model)
         require_generative(served)
-        keep_alive = check_common(body, served)
+        _refuse_think(body, served)
+        keep_alive = keep_alive_seconds(body.keep_alive)
         if body.images:
             raise APIError(400, "images are not supported by this model", "images")
         if body.suffix:
@@ -239,76 +250,28 @@ def build_router(state) -> APIRouter:
             if done:   # Ollama's token context of this exchange (prompt + response)
                 out["context"] = gen.prompt_ids + gen.output_ids
             return out
-        return await respond(gen, request, body, shape, keep_alive)
-
-    def chat_prompt(served, messages, tools, body) -> list[int]:
-        """The rendered chat within the context: with truncate, Ollama drops the oldest
-        turns (never the system prompt or the last message) before cutting tokens."""
-        n_ctx = min(body.options.num_ctx if body.options and body.options.num_ctx else served.n_ctx, served.n_ctx)
-        truncate = body.truncate is not False
-        droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
-
-        def ids_without(k: int) -> list[int]:
-            """The chat's tokens with its k oldest droppable turns left out."""
-            gone = set(droppable[:k])
-            kept = [m for i, m in enumerate(messages) if i not in gone]
-            text = render_chat(served.template, served.tokenizer, kept, tools)
-            return served.tokenizer.encode(text, add_special=True, parse_special=True)
-
-        ids = ids_without(0)
-        if len(ids) < n_ctx or not truncate or not droppable:
-            return fit_prompt(served, ids, state.limits, truncate, n_ctx)
-        # The fewest turns to drop, by bisection: the prompt shrinks as turns go, so this is
-        # what dropping one at a time finds, in a logarithmic number of renders (one at a
-        # time re-rendered the whole chat per turn: quadratic, minutes for a long chat)
-        fewest, best = len(droppable), ids_without(len(droppable))
-        if len(best) >= n_ctx:   # even the system prompt and last message alone: cut tokens
-            return fit_prompt(served, best, state.limits, truncate, n_ctx)
-        low = 1   # dropping fewer than low does not fit; dropping `fewest` does
-        while low < fewest:
-            mid = (low + fewest) // 2
-            candidate = ids_without(mid)
-            if len(candidate) < n_ctx:
-                fewest, best = mid, candidate
-            else:
-                low = mid + 1
-        return fit_prompt(served, best, state.limits, truncate, n_ctx)
+        return await respond(ChatRun(served, gen, set(), state.prep), request, body, shape, keep_alive)
 
     @router.post("/api/chat")
     async def chat(body: ChatRequest, request: Request):
-        check_request(state.limits, stop=body.options.stop if body.options else None, messages=body.messages,
-                      tools=body.tools, grammars={"format": body.format})
-        served = await find(body.model)
-        require_generative(served)
-        keep_alive = check_common(body, served)
+        call = _chat_call(body, state.limits.max_tokens)   # unset num_predict: to the context
+        served = await check_chat(state, call)
+        keep_alive = keep_alive_seconds(body.keep_alive)
         if not body.messages:   # Ollama loads (or unloads) the model for an empty chat
             await preload(served, keep_alive)
             return loaded(body, served, "unload" if keep_alive == 0 else "load")
-        def prepare():
-            messages = normalize_messages([m.model_dump(exclude_none=True, exclude={"thinking"})
-                                           for m in body.messages])
-            tools = check_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
-            return tools, from_ollama(served.tokenizer, body.format), chat_prompt(served, messages, tools, body)
-
-        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
-            tools, constraint, ids = await off_loop(state.prep, prepare)
-        except PagedError as e:
-            raise APIError(400, str(e), "messages") from None
-        n_ctx = body.options.num_ctx if body.options else None
-        params = _params(body.options, state.limits.max_tokens, constraint)   # unset: to the context
-        gen = start_generation(served, ids, params, state.limits, state.metrics, n_ctx, keep_alive)
+        run = await start_chat(state, served, call, keep_alive)
 
         def shape(text, done, calls=None):
             message = {"role": "assistant", "content": text}
             if calls:
                 message["tool_calls"] = [c.ollama() for c in calls]
             return {"model": body.model, "created_at": _now(), "message": message, "done": done}
-        names = {t["function"]["name"] for t in tools}
-        return await respond(gen, request, body, shape, keep_alive, names or None)
+        return await respond(run, request, body, shape, keep_alive)
 
     @router.post("/api/show")
     async def show(body: NameRequest):
-        return show_model(await find(body.model or body.name or ""))
+        return show_model(await find_model(state.registry, body.model or body.name or ""))
 
     @router.get("/api/tags")
     async def tags():

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
-import re
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,14 +14,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..generation import APIError
-from .pull import pull_response
+from ..lookup import find_model, model_not_found
 from ..registry import quantization_level
+from .pull import pull_response
 
 # IDE clients refuse Ollama servers older than 0.6.4; we answer the API of this release
 OLLAMA_VERSION = "0.12.6"
-_DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)?$")
-_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, None: 1}
-MAX_KEEP_ALIVE = 100 * 365 * 86400   # seconds; longer is what -1 (forever) says
 
 
 class NameRequest(BaseModel):
@@ -38,34 +34,6 @@ class CopyRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     source: str
     destination: str
-
-
-def keep_alive_seconds(value: Any) -> float | None:
-    """Seconds from Ollama's keep_alive ("5m", "1h30m" is not Ollama's; 300; "0"; -1 forever);
-    None when not given. A 400 for anything else."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        match = _DURATION.match(str(value).strip())
-        if not match:
-            raise APIError(400, f"keep_alive {value!r} is not a duration such as \"5m\", \"30s\", 0 or -1",
-                           "keep_alive")
-        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-    # NaN never expires and never compares; a huge value overflows every date it is added to
-    if not math.isfinite(seconds) or seconds > MAX_KEEP_ALIVE:
-        raise APIError(400, f"keep_alive {value!r} is not a usable duration: at most {MAX_KEEP_ALIVE} seconds "
-                       "(100 years), or -1 to keep the model loaded", "keep_alive")
-    return seconds
-
-
-async def find_model(registry, name: str):
-    """The served model for a name (a stored one loaded on first use), or Ollama's 404."""
-    served = await registry.resolve(name)
-    if served is None:
-        raise APIError(404, f"model '{name}' not found; available: {', '.join(registry.names())}", "model")
-    return served
 
 
 def describe(served, name: str | None = None) -> dict[str, Any]:
@@ -129,8 +97,7 @@ def build_router(state) -> APIRouter:
 
     @router.post("/api/copy")
     async def copy(body: CopyRequest):
-        if await registry.resolve(body.source) is None:
-            raise APIError(404, f"model '{body.source}' not found", "source")
+        await find_model(registry, body.source, "source")
         try:
             registry.add_alias(body.destination, body.source)
         except ValueError as e:
@@ -148,7 +115,7 @@ def build_router(state) -> APIRouter:
                            "(names made with copy or create, and pulled models, can be)", "model")
         stored = registry.store.find_name(name) if name else None
         if stored is None:
-            raise APIError(404, f"model '{name}' not found", "model")
+            raise model_not_found(registry, name)
         try:
             await registry.delete_stored(stored)
         except ValueError as e:
@@ -165,8 +132,7 @@ def build_router(state) -> APIRouter:
         if unsupported or not isinstance(source, str):
             raise APIError(400, "only creating a new name 'from' a served model is supported "
                            f"(not {', '.join(unsupported) or 'without from'})", unsupported[0] if unsupported else "from")
-        if await registry.resolve(source) is None:
-            raise APIError(404, f"model '{source}' not found", "from")
+        await find_model(registry, source, "from")
         try:
             registry.add_alias(name, source)
         except ValueError as e:

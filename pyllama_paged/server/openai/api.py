@@ -5,19 +5,19 @@ aliases of the OpenAI routes without /v1."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
+from ...api.chat_call import Answer, AnswerPiece
 from ...errors import PagedError
-from ...tools.calls import ToolCallStream, parse_tool_calls
-from ...tools.messages import normalize_messages
-from ...tools.prompt import prepare_chat
+from ..chat import run_chat
 from ..generation import APIError, admit, check_request, fit_prompt, off_loop, require_generative, start_generation
+from ..lookup import find_model
+from ..sse import OPENAI_DONE, event_stream, openai_error_events, sse
 from .logprobs import chat_logprobs, completion_logprobs
 from .schemas import ChatRequest, CompletionRequest
 
@@ -43,10 +43,6 @@ def add_unversioned(router: APIRouter) -> APIRouter:
                                  response_class=route.response_class, include_in_schema=False,
                                  name=f"{route.name}_unversioned")
     return router
-
-
-def _sse(obj) -> str:
-    return "data: " + json.dumps(obj) + "\n\n"
 
 
 async def _merged(gens):
@@ -101,28 +97,68 @@ def scored_only(body, head: dict, tok, ids_of, echo_text, echo_lps):
     prompt_tokens = sum(len(ids) for ids in ids_of)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
     if body.stream:
-        events = [_sse({**head, "choices": [c]}) for c in choices]
+        events = [sse({**head, "choices": [c]}) for c in choices]
         if body.include_usage:
-            events.append(_sse({**head, "choices": [], "usage": usage}))
-        return StreamingResponse(iter(events + ["data: [DONE]\n\n"]), media_type="text/event-stream")
+            events.append(sse({**head, "choices": [], "usage": usage}))
+        return event_stream(events + [OPENAI_DONE])
     return JSONResponse({**head, "choices": choices, "usage": usage})
 
 
-async def find_model(state, name: str):
-    """The served model of that name (a stored one loaded on first use), or OpenAI's 404
-    listing the ones there are."""
-    served = await state.registry.resolve(name)
-    if served is None:
-        raise APIError(404, f"The model '{name}' does not exist; available: "
-                       f"{', '.join(state.registry.names())}", "model", code="model_not_found")
-    return served
+def _usage(gens) -> dict:
+    prompt = sum(len(g.prompt_ids) for g in gens)
+    completion = sum(g.num_generated for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _events(choice_lists, head: dict, gens, include_usage: bool):
+    """The SSE body: a chunk per choice as they come, usage if asked, then the end; an
+    error after the 200 header is an error event, then the end."""
+    try:
+        async for choices in choice_lists:
+            for c in choices:
+                yield sse({**head, "choices": [c]})
+    except APIError as e:
+        yield openai_error_events(e.message, e.type, e.param, e.code)
+        return
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": _usage(gens)})
+    yield OPENAI_DONE
+
+
+def _chat_choice(answer: Answer, logprobs_of) -> dict:
+    """A whole answer as a chat completion's choice."""
+    message = {"role": "assistant", "content": answer.text}
+    finish = answer.finish_reason
+    if answer.calls:
+        message = {"role": "assistant", "content": answer.content or None,
+                   "tool_calls": [c.openai() for c in answer.calls]}
+        finish = "tool_calls"
+    return {"index": answer.index, "message": message, "logprobs": logprobs_of(answer.events),
+            "finish_reason": finish}
+
+
+def _chat_chunk_choices(piece: AnswerPiece, started: set[int], logprobs_of) -> list[dict]:
+    """A piece of a streamed answer as chat chunks' choices: the role with a sample's first
+    content, its tool calls, then its finish reason."""
+    delta = {"content": piece.text} if piece.text else {}
+    if piece.index not in started:
+        started.add(piece.index)
+        delta = {"role": "assistant", **delta}
+    lps = logprobs_of([piece.event]) if piece.event is not None else None
+    out = []
+    if delta or lps:
+        out.append({"index": piece.index, "delta": delta, "logprobs": lps, "finish_reason": None})
+    if piece.calls:
+        out.append({"index": piece.index, "delta": {"tool_calls": [c.openai(k) for k, c in enumerate(piece.calls)]},
+                    "logprobs": None, "finish_reason": None})
+    if piece.finish_reason:
+        out.append({"index": piece.index, "delta": {}, "logprobs": None,
+                    "finish_reason": "tool_calls" if piece.calls else piece.finish_reason})
+    return out
 
 
 def build_router(state) -> APIRouter:
     router = APIRouter()
-
-    async def find(name: str):
-        return await find_model(state, name)
 
     def card(m) -> dict:
         return {"id": m.name, "object": "model", "created": int(m.loaded_at), "owned_by": "pyllama-paged"}
@@ -136,47 +172,12 @@ def build_router(state) -> APIRouter:
 
     @router.get("/v1/models/{model:path}")
     async def model(model: str):
-        return card(await find(model))
-
-    def usage(gens) -> dict:
-        prompt = sum(len(g.prompt_ids) for g in gens)
-        completion = sum(g.num_generated for g in gens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    async def respond(gens, request: Request, body, head: dict, choice, chunk_choices, final_chunks):
-        """One answer for all generations: SSE chunks, or one JSON body with every choice."""
-        n = body.n or 1
-        if body.stream:
-            async def events():
-                try:
-                    async for i, d in _merged(gens):
-                        for c in await chunk_choices(i * n + d.index, d):
-                            yield _sse({**head, "choices": [c]})
-                    for c in final_chunks():
-                        yield _sse({**head, "choices": [c]})
-                except APIError as e:   # after the 200 header: an error event, then the end
-                    error = {"message": e.message, "type": e.type, "param": e.param, "code": e.code}
-                    yield _sse({"error": error})
-                    yield "data: [DONE]\n\n"
-                    return
-                if body.include_usage:
-                    yield _sse({**head, "choices": [], "usage": usage(gens)})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
-        collected = await asyncio.gather(*(g.collect(request) for g in gens))
-
-        def every_choice():
-            return [choice(i * n + j, i, [d for d in deltas if d.index == j], gen.finish_reasons.get(j, "length"))
-                    for i, (gen, deltas) in enumerate(zip(gens, collected)) for j in range(n)]
-
-        choices = await off_loop(state.prep, every_choice)   # tool calls parsed, log-probs formatted
-        return JSONResponse({**head, "object": head["object"].replace(".chunk", ""), "choices": choices,
-                             "usage": usage(gens)})
+        return card(await find_model(state.registry, model))
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_request(state.limits, stop=body.stop, logit_bias=body.logit_bias, grammars=body.grammars())
-        served = await find(body.model)
+        served = await find_model(state.registry, body.model)
         require_generative(served)
         body.refuse_unsupported(served.config.n_vocab)
         if body.suffix:
@@ -235,99 +236,60 @@ def build_router(state) -> APIRouter:
             for gen in gens:
                 gen.leave()
             raise
+        n = body.n or 1
 
-        def choice(index, i, deltas, finish):
+        if body.stream:
+            echoed: set[int] = set()
+
+            def chunk_choices(index, d):
+                text = d.text
+                if body.echo and index not in echoed:
+                    echoed.add(index)
+                    text = echo_text[index // n] + text
+                lps = None
+                if body.logprobs is not None and d.event is not None:
+                    lps = completion_logprobs(tok, [], None, [d.event])
+                if text or d.finish_reason or lps:
+                    return [{"index": index, "text": text, "logprobs": lps, "finish_reason": d.finish_reason}]
+                return []
+
+            async def choice_lists():
+                async for i, d in _merged(gens):
+                    yield chunk_choices(i * n + d.index, d)
+
+            return event_stream(_events(choice_lists(), head, gens, body.include_usage))
+        collected = await asyncio.gather(*(g.collect(request) for g in gens))
+
+        def choice(i, j, deltas):
             lps = None
             if body.logprobs is not None:
                 lps = completion_logprobs(tok, gens[i].prompt_ids if body.echo else [], echo_lps[i],
                                           [d.event for d in deltas if d.event is not None])
-            return {"index": index, "text": echo_text[i] + "".join(d.text for d in deltas),
-                    "logprobs": lps, "finish_reason": finish}
+            return {"index": i * n + j, "text": echo_text[i] + "".join(d.text for d in deltas),
+                    "logprobs": lps, "finish_reason": gens[i].finish_reasons.get(j, "length")}
 
-        echoed: set[int] = set()
-
-        async def chunk_choices(index, d):
-            text = d.text
-            if body.echo and index not in echoed:
-                echoed.add(index)
-                text = echo_text[index // (body.n or 1)] + text
-            lps = None
-            if body.logprobs is not None and d.event is not None:
-                lps = completion_logprobs(tok, [], None, [d.event])
-            if text or d.finish_reason or lps:
-                return [{"index": index, "text": text, "logprobs": lps, "finish_reason": d.finish_reason}]
-            return []
-
-        return await respond(gens, request, body, head, choice, chunk_choices, lambda: [])
+        choices = await off_loop(state.prep, lambda: [   # log-probs formatted off the event loop
+            choice(i, j, [d for d in deltas if d.index == j]) for i, deltas in enumerate(collected) for j in range(n)])
+        return JSONResponse({**head, "choices": choices, "usage": _usage(gens)})
 
     @router.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        check_request(state.limits, stop=body.stop, logit_bias=body.logit_bias, messages=body.messages,
-                      tools=body.tools, grammars=body.grammars())
-        served = await find(body.model)
-        require_generative(served)
-        body.refuse_unsupported(served.config.n_vocab)
-        def prepare():
-            messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
-            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            text, constraint, names = prepare_chat(served.template, served.tokenizer, messages, tools,
-                                                   body.tool_choice, body.constraint(served.tokenizer))
-            return served.tokenizer.encode(text, add_special=True, parse_special=True), constraint, names
-
-        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
-            ids, constraint, names = await off_loop(state.prep, prepare)
-        except PagedError as e:
-            raise APIError(400, str(e), "messages" if "messages" in str(e) else None) from None
-        if body.max_completion_tokens and not body.max_tokens:
-            body.max_tokens = body.max_completion_tokens
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.params(state.limits.max_tokens, top, constraint)   # unset: to the context
-        gen = start_generation(served, ids, params, state.limits, state.metrics)
+        run = await run_chat(state, body.chat_call(state.limits.max_tokens))
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": served.name}
-        tok = served.tokenizer
+                "created": int(time.time()), "model": run.served.name}
+        tok = run.served.tokenizer
 
-        def choice(index, _, deltas, finish):
-            text = "".join(d.text for d in deltas)
-            message = {"role": "assistant", "content": text}
-            if names:
-                content, calls = parse_tool_calls(text, names)
-                if calls:
-                    message = {"role": "assistant", "content": content or None,
-                               "tool_calls": [c.openai() for c in calls]}
-                    finish = "tool_calls"
-            lps = chat_logprobs(tok, [d.event for d in deltas if d.event is not None]) if body.logprobs else None
-            return {"index": index, "message": message, "logprobs": lps, "finish_reason": finish}
+        def logprobs_of(events):
+            return chat_logprobs(tok, events) if body.logprobs else None
 
-        started: set[int] = set()
-        streams: dict[int, ToolCallStream] = {}
-
-        async def chunk_choices(index, d):
-            text = d.text
-            out = []
-            if names:
-                stream = streams.setdefault(index, ToolCallStream(names))
-                text = stream.feed(text)
-                if d.finish_reason:
-                    rest, calls = await off_loop(state.prep, stream.finish)
-                    text += rest
-                    if calls:
-                        out.append({"tool_calls": [c.openai(k) for k, c in enumerate(calls)]})
-            delta = {"content": text} if text else {}
-            if index not in started:
-                started.add(index)
-                delta = {"role": "assistant", **delta}
-            lps = chat_logprobs(tok, [d.event]) if body.logprobs and d.event is not None else None
-            chunks = []
-            if delta or lps:
-                chunks.append({"index": index, "delta": delta, "logprobs": lps, "finish_reason": None})
-            for extra in out:
-                chunks.append({"index": index, "delta": extra, "logprobs": None, "finish_reason": None})
-            if d.finish_reason:
-                finish = "tool_calls" if out else d.finish_reason
-                chunks.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish})
-            return chunks
-
-        return await respond([gen], request, body, head, choice, chunk_choices, lambda: [])
+        if body.stream:
+            async def choice_lists():
+                started: set[int] = set()
+                async for piece in run.pieces():
+                    yield _chat_chunk_choices(piece, started, logprobs_of)
+            return event_stream(_events(choice_lists(), head, [run.gen], body.include_usage))
+        answers = await run.answers(request)
+        choices = await off_loop(state.prep, lambda: [_chat_choice(a, logprobs_of) for a in answers])
+        return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage([run.gen])})
 
     return add_unversioned(router)

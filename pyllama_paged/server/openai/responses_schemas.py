@@ -8,12 +8,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ...api.chat_call import ChatCall
 from ...api.sampling_options import OPENAI
 from ...constrain.formats import from_openai
 from ...constrain.grammar import Constraint
-from ...engine.worker.sampler import SamplingParams
 from ...tokenizer.tokenizer import Tokenizer
-from ..generation import APIError, request_params
+from ..generation import APIError
 from .schemas import JsonSchemaFormat
 
 # the include values that only concern logprobs we do not compute here; every other value
@@ -153,11 +153,19 @@ class ResponsesRequest(BaseModel):
         """The structured output asked for, if any; ConstraintError (a 400) when it cannot be."""
         return from_openai(tokenizer, self.format_spec())
 
-    def params(self, max_tokens_default: int, constraint: Constraint | None) -> SamplingParams:
-        """The SamplingParams of the request, unset fields at OpenAI's defaults."""
-        fields = {"max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                  "seed": self.seed, "ignore_eos": self.ignore_eos, "constraint": constraint}
-        return request_params(OPENAI, fields, max_tokens=max_tokens_default)
+    def chat_call(self, messages: list[dict], max_tokens: int) -> ChatCall:
+        """The request as the server's chat path takes it, its input (and the conversation
+        before it) already as chat messages; max_tokens: the server's cap, what an unset
+        max_output_tokens asks for."""
+        return ChatCall(
+            messages=messages, tools=self.chat_tools(), tool_choice=self.chat_tool_choice(),
+            structured=self.constraint, surface=OPENAI,
+            sampling={"max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                      "seed": self.seed, "ignore_eos": self.ignore_eos},
+            sampling_defaults={"max_tokens": max_tokens}, model=self.model,
+            limit_fields={"messages": self.input if isinstance(self.input, list) else None, "tools": self.tools,
+                          "grammars": {"text.format": self.format_spec()}},
+            refuse_unsupported=lambda served: self.refuse_unsupported(), messages_param="input")
 
     def echo(self) -> dict[str, Any]:
         """The request's settings as the response object repeats them."""

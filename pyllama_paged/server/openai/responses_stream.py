@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from ...tools.calls import ToolCall
+from ..sse import sse
 from .responses_items import ResponseObject, call_item, message_item, new_id, text_part
 
 
@@ -26,7 +27,7 @@ class ResponseEvents:
         # the event line as OpenAI sends it; clients read the type inside the data too
         data = {"type": kind, **fields, "sequence_number": self.sequence}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+        return sse(data, kind)
 
     def _item_fields(self, item: dict) -> dict:
         # by identity: the items are dicts that change as they stream

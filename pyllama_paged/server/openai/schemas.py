@@ -11,8 +11,10 @@ from ...constrain.formats import from_openai
 from ...constrain.grammar import Constraint, ConstraintError, compile_constraint
 from ...engine.worker.sampler import MAX_LOGPROBS, SamplingParams
 from ...tokenizer.tokenizer import Tokenizer
+from ...api.chat_call import ChatCall
 from ...api.sampling_options import OPENAI
 from ..generation import APIError, request_params
+from ..tool_schema import ToolFunction
 
 
 class StreamOptions(BaseModel):
@@ -98,12 +100,19 @@ class Sampling(BaseModel):
             if not -100 <= bias <= 100:
                 raise APIError(400, f"logit_bias value {bias} for token {key} is outside [-100, 100]", "logit_bias")
 
-    def params(self, max_tokens_default: int, logprobs: int | None = None, constraint=None) -> SamplingParams:
+    def sampling(self, logprobs: int | None = None) -> dict[str, Any]:
+        """The sampling fields, as SamplingParams names them."""
         fields = self.model_dump(include={"max_tokens", "temperature", "top_p", "n", "stop", "seed",
                                           "presence_penalty", "frequency_penalty", "top_k", "min_p",
                                           "repeat_penalty", "ignore_eos", "speculative"})
-        bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
-        return request_params(OPENAI, {**fields, "logprobs": logprobs, "constraint": constraint, "logit_bias": bias},
+        # a key that is not a token id is refused (refuse_unsupported) before these are used
+        bias = {int(k): v for k, v in self.logit_bias.items() if k.isascii() and k.isdigit()} \
+            if self.logit_bias else None
+        return {**fields, "logprobs": logprobs, "logit_bias": bias}
+
+    def params(self, max_tokens_default: int, logprobs: int | None = None, constraint=None) -> SamplingParams:
+        """The SamplingParams of the request; an invalid field is a 400 that names it."""
+        return request_params(OPENAI, {**self.sampling(logprobs), "constraint": constraint},
                               max_tokens=max_tokens_default)
 
     @property
@@ -145,13 +154,6 @@ class ChatMessage(_Loose):
     name: str | None = None
 
 
-class ToolFunction(_Loose):
-    """A tool's function as a chat request declares it: Ollama's fields (OpenAI's add strict)."""
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-
-
 class FunctionDef(ToolFunction):
     strict: bool | None = None
 
@@ -191,3 +193,18 @@ class ChatRequest(Sampling):
                 raise APIError(400, f"{name} is not supported", name)
         if self.reasoning_effort not in (None, "none", "minimal"):
             raise APIError(400, "reasoning_effort: this model does not reason (think)", "reasoning_effort")
+
+    def chat_call(self, max_tokens: int) -> ChatCall:
+        """The request as the server's chat path takes it; max_tokens: the server's cap, what
+        an unset max_tokens asks for."""
+        sampling = self.sampling((self.top_logprobs or 0) if self.logprobs else None)
+        if self.max_completion_tokens and not self.max_tokens:
+            sampling["max_tokens"] = self.max_completion_tokens
+        return ChatCall(
+            messages=[m.model_dump(exclude_none=True) for m in self.messages],
+            tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
+            tool_choice=self.tool_choice, structured=self.constraint, surface=OPENAI, sampling=sampling,
+            sampling_defaults={"max_tokens": max_tokens}, model=self.model,
+            limit_fields={"stop": self.stop, "logit_bias": self.logit_bias, "messages": self.messages,
+                          "tools": self.tools, "grammars": self.grammars()},
+            refuse_unsupported=lambda served: self.refuse_unsupported(served.config.n_vocab))

@@ -18,8 +18,9 @@ from ...api.embeddings import as_base64, finish_vector, max_input_tokens, openai
 from ...engine.pooling.embedding import TOKEN_STATES, EmbedParams, default_pooling
 from ...errors import PagedError
 from ..generation import APIError, admit, off_loop, refuse_over
-from ..ollama.manage import find_model, keep_alive_seconds
-from ..openai.tokens import decode_openai_tokens
+from ..keep_alive import keep_alive_seconds
+from ..lookup import find_model
+from ..openai_token_arrays import decode_openai_tokens
 from ..registry import ServedModel
 
 
@@ -193,10 +194,7 @@ def build_router(state) -> APIRouter:
 
     @router.post("/v1/embeddings")
     async def openai_embeddings(body: OpenAIEmbedRequest):
-        served = await state.registry.resolve(body.model)
-        if served is None:
-            raise APIError(404, f"The model '{body.model}' does not exist; available: "
-                           f"{', '.join(state.registry.names())}", "model", code="model_not_found")
+        served = await find_model(state.registry, body.model)
         if body.encoding_format not in (None, "float", "base64"):
             raise APIError(400, f"encoding_format {body.encoding_format!r} is not one of 'float', 'base64'",
                            "encoding_format")
@@ -219,7 +217,7 @@ def build_router(state) -> APIRouter:
 
 
 def _texts_of(inputs: list) -> list[str]:
-    """OpenAI inputs as texts: strings as given, token arrays decoded (see openai_tokens)."""
+    """OpenAI inputs as texts: strings as given, token arrays decoded (see openai_token_arrays)."""
     texts = []
     for i, item in enumerate(inputs):
         if isinstance(item, str):

@@ -26,6 +26,7 @@ from ...engine.pooling.rerank_head import NotAReranker
 from ...errors import PagedError
 from .embeddings import holding, pooled_states
 from ..generation import APIError, off_loop, refuse_over
+from ..lookup import find_model
 from ..registry import ServedModel
 
 ROUTES = ("/v1/rerank", "/api/rerank")
@@ -62,10 +63,7 @@ def build_router(state) -> APIRouter:
     router = APIRouter()
 
     async def rerank(body: RerankRequest):
-        served = await state.registry.resolve(body.model)
-        if served is None:
-            raise APIError(404, f"model '{body.model}' not found; available: {', '.join(state.registry.names())}",
-                           "model", code="model_not_found")
+        served = await find_model(state.registry, body.model)
         texts = [d if isinstance(d, str) else d.text for d in body.documents]
         try:
             check_request(body.query, texts, body.top_n)

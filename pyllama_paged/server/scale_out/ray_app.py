@@ -47,12 +47,12 @@ from ray.serve.request_router import ReplicaID
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..anthropic.schemas import error_body as anthropic_error_body
-from ..anthropic.stream import sse as anthropic_sse
 from ..app import AccessPolicy, OriginPolicy, create_app, error_response, request_headers
+from ..error_bodies import anthropic_error_body
 from ..generation import Limits, limit_flag
 from .ray_routing import PIN_HEADER, POLICIES, PrefixAffinityRouter, RoutedRequest, routing_text
 from ..registry import EngineOptions, ModelRegistry
+from ..sse import openai_error_events, sse
 from .router_contract import unhealthy_reason
 
 log = logging.getLogger("pyllama_paged.server")
@@ -98,9 +98,8 @@ def _stream_error(content_type: str, path: str, message: str) -> bytes:
         return (json.dumps({"error": message}) + "\n").encode()
     if content_type.startswith("text/event-stream"):
         if path.startswith("/v1/messages"):
-            return anthropic_sse(anthropic_error_body(503, message)).encode()
-        error = {"message": message, "type": "server_error", "param": None, "code": "replica_failed"}
-        return f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
+            return sse(anthropic_error_body(503, message), "error").encode()
+        return openai_error_events(message, "server_error", None, "replica_failed").encode()
     return b""
 
 
@@ -319,8 +318,8 @@ def build_application(options: EngineOptions, limits: Limits, scale: ScaleOut, m
 def build(args: dict) -> Any:
     """Serve's application builder (`serve run pyllama_paged.server.scale_out.ray_app:build k=v ...`
     or a config file's import_path): ScaleOut fields at the top level, plus "models" (GGUF
-    paths; none: the embedded default), "engine" (EngineOptions fields), "limits" (Limits
-    fields), "api_key", "origins" and "host"."""
+    paths; none: the embedded default), "engine" (EngineOptions' settings: EngineConfig fields,
+    SchedulerConfig ones flat), "limits" (Limits fields), "api_key", "origins" and "host"."""
     return build_application(**build_arguments(args))
 
 

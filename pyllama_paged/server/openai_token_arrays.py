@@ -13,7 +13,7 @@ import os
 import tempfile
 import threading
 
-from ...errors import PagedError
+from ..errors import PagedError
 
 _lock = threading.Lock()
 _encoding = None   # loaded once; a failure is looked at again next time (the file may appear)

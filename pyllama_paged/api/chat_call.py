@@ -1,0 +1,182 @@
+"""One chat request, whichever API it came by, and the part of the chat path every API
+shares. OpenAI's chat completions, the Responses API, Anthropic's Messages and Ollama's
+/api/chat (on the server) and Llama.create_chat_completion each turn their request into a
+ChatCall; then, once for all of them: the messages normalized, the tools planned (a forced
+call compiled into a grammar), the template rendered (the oldest turns dropped to fit, for
+Ollama's truncate), the prompt tokenized, the sampling parameters made, and the answer's
+text split into content and tool calls, per delta while it streams (AnswerSplitter) or
+whole (split_answer). Each API renders the resulting pieces into its own body."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..constrain.grammar import Constraint
+from ..engine.outputs import TokenEvent
+from ..engine.worker.sampler import SamplingParams
+from ..tokenizer.chat_template import ChatTemplate
+from ..tokenizer.tokenizer import Tokenizer
+from ..tools.calls import ToolCall, ToolCallStream, parse_tool_calls
+from ..tools.messages import normalize_messages
+from ..tools.prompt import plan_tools, render_chat
+from .sampling_options import PYTHON, Surface, sampling_params
+from .text_stream import TextDelta
+
+
+@dataclass
+class ChatCall:
+    """One chat request in the shape every API's is turned into: what the model is asked
+    (messages and tools in OpenAI's chat shape, a structured output), how to sample (the
+    API's own fields over its Surface), and what only a server reads (the model asked for,
+    the request's fields as sent for its limits, the API's own refusals, Ollama's num_ctx
+    and keep_alive)."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    structured: Callable[[Tokenizer], Constraint | None] | None = None   # the structured output, compiled
+    surface: Surface = PYTHON
+    sampling: dict[str, Any] = field(default_factory=dict)           # the API's sampling fields (None: unset)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # for fields still unset (a server's cap)
+    truncate: bool = False   # past the context: the oldest turns dropped (never system prompts or the last turn)
+    # read by the server only
+    model: str | None = None
+    limit_fields: dict[str, Any] = field(default_factory=dict)   # stop, messages, tools, logit_bias, grammars as sent
+    refuse_unsupported: Callable[[Any], None] | None = None      # the API's refusals, given the served model
+    messages_param: str | None = "messages"   # the request field an unreadable message is reported under
+    n_ctx: int | None = None      # Ollama's num_ctx: prompt and answer within fewer tokens than the model's
+    keep_alive: Any = None        # Ollama's keep_alive, as sent
+
+    def params(self, constraint: Constraint | None) -> SamplingParams:
+        """The call's SamplingParams, decoding under constraint; PagedError names a bad field."""
+        return sampling_params(self.surface, {**self.sampling, "constraint": constraint}, **self.sampling_defaults)
+
+
+@dataclass
+class PreparedChat:
+    """A chat call ready to generate."""
+
+    prompt_ids: list[int]
+    constraint: Constraint | None   # the call's structured output, or a forced tool call's grammar
+    tool_names: set[str]            # the tools whose calls to look for in the answer
+
+
+def prepare_call(call: ChatCall, template: ChatTemplate, tokenizer: Tokenizer,
+                 n_ctx: int | None = None) -> PreparedChat:
+    """The call's prompt, constraint and tool names; with call.truncate, the fewest oldest
+    turns left out for the prompt to stay under n_ctx tokens. PagedError (MessageError,
+    ConstraintError) for what the request got wrong."""
+    messages = normalize_messages(call.messages)
+    constraint = call.structured(tokenizer) if call.structured is not None else None
+    tools, constraint, names = plan_tools(template, tokenizer, call.tools, call.tool_choice, constraint)
+    ids = _prompt_ids(template, tokenizer, messages, tools, n_ctx if call.truncate else None)
+    return PreparedChat(ids, constraint, names)
+
+
+def _prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], tools: list[dict],
+                fit_under: int | None) -> list[int]:
+    """The rendered chat's tokens; with fit_under, as Ollama truncates: the oldest turns
+    (never a system prompt or the last message) dropped until fewer than fit_under remain."""
+    droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
+
+    def ids_without(k: int) -> list[int]:
+        """The chat's tokens with its k oldest droppable turns left out."""
+        gone = set(droppable[:k])
+        text = render_chat(template, tokenizer, [m for i, m in enumerate(messages) if i not in gone], tools)
+        return tokenizer.encode(text, add_special=True, parse_special=True)
+
+    ids = ids_without(0)
+    if fit_under is None or len(ids) < fit_under or not droppable:
+        return ids
+    # The fewest turns to drop, by bisection: the prompt shrinks as turns go, so this is
+    # what dropping one at a time finds, in a logarithmic number of renders (one at a
+    # time re-rendered the whole chat per turn: quadratic, minutes for a long chat)
+    fewest, best = len(droppable), ids_without(len(droppable))
+    if len(best) >= fit_under:   # even the system prompt and last message alone: the caller cuts tokens
+        return best
+    low = 1   # dropping fewer than low does not fit; dropping `fewest` does
+    while low < fewest:
+        mid = (low + fewest) // 2
+        candidate = ids_without(mid)
+        if len(candidate) < fit_under:
+            fewest, best = mid, candidate
+        else:
+            low = mid + 1
+    return best
+
+
+@dataclass
+class AnswerPiece:
+    """What one text delta adds to a sample's answer."""
+
+    index: int                         # the sample
+    text: str                          # content that can be shown now
+    event: TokenEvent | None = None    # the token behind the delta (its log-probabilities), if any
+    finish_reason: str | None = None   # on the sample's last piece: how it ended
+    stop: str | None = None            # the stop string that ended it, if one did
+    calls: list[ToolCall] = field(default_factory=list)   # on the last piece: the tool calls it made
+
+
+class AnswerSplitter:
+    """Each sample's streamed text as content and tool calls: text that cannot open a call
+    passes at once; text that may be one is held until the sample ends, and parsed then
+    (which can take a while on a long answer: see ends_with_parse)."""
+
+    def __init__(self, tool_names: set[str]):
+        self.tool_names = tool_names
+        self._streams: dict[int, ToolCallStream] = {}
+
+    def ends_with_parse(self, delta: TextDelta) -> bool:
+        """Whether feeding this delta parses held text for tool calls."""
+        return bool(self.tool_names and delta.finish_reason)
+
+    def feed(self, delta: TextDelta) -> AnswerPiece:
+        """The piece a text delta makes; the last one of a sample carries its calls."""
+        text, calls = delta.text, []
+        if self.tool_names:
+            stream = self._streams.setdefault(delta.index, ToolCallStream(self.tool_names))
+            text = stream.feed(text)
+            if delta.finish_reason:
+                rest, calls = stream.finish()
+                text += rest
+        return AnswerPiece(delta.index, text, delta.event, delta.finish_reason, delta.stop, calls)
+
+
+def split_answer(text: str, tool_names: set[str]) -> tuple[str, list[ToolCall]]:
+    """(content, tool calls) of a whole answer."""
+    return parse_tool_calls(text, tool_names) if tool_names else (text, [])
+
+
+def split_as_streamed(text: str, tool_names: set[str]) -> tuple[str, list[ToolCall]]:
+    """(content, tool calls) of a whole answer as streaming splits it: text let through
+    before a call stays content as it was sent."""
+    piece = AnswerSplitter(tool_names).feed(TextDelta(0, text, "stop"))
+    return piece.text, piece.calls
+
+
+@dataclass
+class Answer:
+    """A sample's whole answer."""
+
+    index: int
+    text: str                 # as generated
+    content: str              # the text less its tool calls
+    calls: list[ToolCall]
+    finish_reason: str
+    stop: str | None          # the stop string that ended it, if one did
+    events: list[TokenEvent]  # its tokens (their log-probabilities)
+
+
+def collect_answers(deltas: list[TextDelta], n: int, tool_names: set[str],
+                    split: Callable[[str, set[str]], tuple[str, list[ToolCall]]] = split_answer) -> list[Answer]:
+    """Each of n samples' answer from all of a request's deltas, its tool calls split out."""
+    answers = []
+    for j in range(n):
+        own = [d for d in deltas if d.index == j]
+        text = "".join(d.text for d in own)
+        end = next((d for d in reversed(own) if d.finish_reason), None)
+        content, calls = split(text, tool_names)
+        answers.append(Answer(j, text, content, calls, end.finish_reason if end else "length",
+                              end.stop if end else None, [d.event for d in own if d.event is not None]))
+    return answers

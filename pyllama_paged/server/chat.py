@@ -1,0 +1,88 @@
+"""The server's one chat path. Every API's chat request (OpenAI's chat completions, the
+Responses API, Anthropic's Messages, Ollama's /api/chat) comes here as a ChatCall and goes
+the same way: the per-request limits, the model looked up (a 404), the generative check,
+the API's own refusals; then the shared core (api/chat_call.py: messages, tools, template,
+tokens) off the event loop, the sampling parameters and a Generation. Its answer comes back
+as pieces (text, tool calls, the end) or whole answers, which each API renders."""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from ..api.chat_call import (Answer, AnswerPiece, AnswerSplitter, ChatCall, PreparedChat, collect_answers,
+                             prepare_call, split_answer)
+from ..errors import PagedError
+from ..tools.messages import MessageError
+from .generation import APIError, Generation, check_request, field_error, fit_prompt, off_loop, \
+    require_generative, start_generation
+from .lookup import find_model
+from .registry import ServedModel
+
+
+@dataclass
+class ChatRun:
+    """A started generation whose answer is read as pieces or whole answers (a chat's, or
+    /api/generate's with no tools)."""
+
+    served: ServedModel
+    gen: Generation
+    tool_names: set[str]   # the tools whose calls the answer is read for
+    prep: Executor         # the server's pool for slow text work
+
+    async def pieces(self) -> AsyncIterator[AnswerPiece]:
+        """The answer as it streams, a piece per text delta (a sample's last one, whose held
+        text is parsed for tool calls, made off the event loop)."""
+        splitter = AnswerSplitter(self.tool_names)
+        async for d in self.gen.deltas():
+            yield await off_loop(self.prep, splitter.feed, d) if splitter.ends_with_parse(d) else splitter.feed(d)
+
+    async def answers(self, request, split=split_answer) -> list[Answer]:
+        """Each sample's whole answer (a client hanging up meanwhile aborts it: 499);
+        split: how its tool calls are split out (split_answer, or split_as_streamed)."""
+        deltas = await self.gen.collect(request)
+        params = self.gen.params
+        width = params.beam_width if params.beam_width > 1 else params.n
+        return await off_loop(self.prep, collect_answers, deltas, width, self.tool_names, split)
+
+
+async def check_chat(state, call: ChatCall) -> ServedModel:
+    """The checks before any work: the request's limits, its model (a 404), that the model
+    generates text, and the API's refusals of what it cannot honour."""
+    check_request(state.limits, **call.limit_fields)
+    served = await find_model(state.registry, call.model)
+    require_generative(served)
+    if call.refuse_unsupported is not None:
+        call.refuse_unsupported(served)
+    return served
+
+
+async def prepare_chat_call(state, served: ServedModel, call: ChatCall) -> PreparedChat:
+    """The call's prompt, constraint and tool names, made off the event loop (templates,
+    tokenizing and a first grammar take a while); what the request got wrong is a 400."""
+    n_ctx = min(call.n_ctx or served.n_ctx, served.n_ctx)
+    try:
+        return await off_loop(state.prep, prepare_call, call, served.template, served.tokenizer, n_ctx)
+    except PagedError as e:
+        raise APIError(400, str(e), call.messages_param if isinstance(e, MessageError) else None) from None
+
+
+async def start_chat(state, served: ServedModel, call: ChatCall, keep_alive: float | None = None) -> ChatRun:
+    """The checked call's generation started: a queue place taken, nothing held before it.
+    keep_alive: Ollama's, in seconds (None: the server's)."""
+    prepared = await prepare_chat_call(state, served, call)
+    ids = prepared.prompt_ids
+    if call.truncate:   # still too long without every droppable turn: its tokens are cut
+        ids = fit_prompt(served, ids, state.limits, True, call.n_ctx)
+    try:
+        params = call.params(prepared.constraint)
+    except PagedError as e:
+        raise field_error(e) from None
+    gen = start_generation(served, ids, params, state.limits, state.metrics, call.n_ctx, keep_alive)
+    return ChatRun(served, gen, prepared.tool_names, state.prep)
+
+
+async def run_chat(state, call: ChatCall) -> ChatRun:
+    """A chat call checked, prepared and started: the whole path before the answer."""
+    return await start_chat(state, await check_chat(state, call), call)
