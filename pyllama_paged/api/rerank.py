@@ -54,20 +54,20 @@ def check_request(query, documents, top_n) -> None:
 
 @dataclass
 class RerankJob:
-    """One request's pairs as engine inputs, and the head that scores their pooled states."""
+    """One request's distinct pairs as engine inputs, and the head that scores their pooled states.
+
+    A document given twice is encoded and scored once: the same pair must get the same score
+    (a batch's rows may differ in their last bits), and the work is not worth doing twice."""
 
     head: RankHead
     inputs: list[list[int]]
     params: list[EmbedParams]
-
-    @property
-    def n_tokens(self) -> int:
-        """The tokens of every pair together (the usage both APIs report)."""
-        return sum(len(ids) for ids in self.inputs)
+    rows: list[int]   # each document's row in inputs
+    n_tokens: int     # the tokens of every pair, repeats included (the usage both APIs report)
 
     def scores(self, states: list[np.ndarray]) -> np.ndarray:
-        """The relevance score of each pair from its pooled state."""
-        return self.head.scores(np.stack(states))
+        """The relevance score of each document from the pooled states of the distinct pairs."""
+        return self.head.scores(np.stack(states))[self.rows]
 
 
 def prepare_rerank(model, tokenizer, chat_template, limit: int, name: str, query: str, texts: list[str],
@@ -80,7 +80,16 @@ def prepare_rerank(model, tokenizer, chat_template, limit: int, name: str, query
     encoder = model.config.is_encoder
     pairs = PairEncoder(tokenizer, encoder, token_type_count(model) if encoder else 1, model.metadata,
                         chat_template, limit).encode(query, texts, truncate)
-    return RerankJob(head, [ids for ids, _ in pairs], [EmbedParams(head.pooling, types) for _, types in pairs])
+    distinct: dict[tuple, int] = {}
+    inputs, params, rows = [], [], []
+    for ids, types in pairs:
+        key = (tuple(ids), tuple(types) if types is not None else None)
+        if key not in distinct:
+            distinct[key] = len(inputs)
+            inputs.append(ids)
+            params.append(EmbedParams(head.pooling, types))
+        rows.append(distinct[key])
+    return RerankJob(head, inputs, params, rows, sum(len(ids) for ids, _ in pairs))
 
 
 def rerank_response(name: str, scores: np.ndarray, texts: list[str], n_tokens: int, top_n: int | None,
