@@ -32,7 +32,6 @@ GGML's CUDA backend and llama.cpp's tools load it.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -42,7 +41,7 @@ import sys
 from pathlib import Path
 
 from common.peers import llama_cpp_tools
-from common.report import RESULTS_DIR, markdown_table, nvidia_gpus, write_results
+from common.report import RESULTS_DIR, markdown_table, nvidia_gpus, save_figure, script_parser, write_results
 
 BENCH = Path(__file__).resolve().parent
 SYNTHETIC = BENCH / ".models" / "gemma3-synthetic-1.6b-q4_k_m.gguf"
@@ -275,8 +274,7 @@ def plot(path: Path, rows: list[dict], gpu_name: str) -> None:
     ax.set_xticks(range(len(bars)), [f"{r['model']}\n{r['workload']}\n{r['setting']}" for r in bars],
                   fontsize=7, rotation=90)
     ax.set(ylabel="ours / llama.cpp (throughput)", title=f"GPU: {gpu_name}, every layer on the GPU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
 
 
 def benchmark(args, gpus: list[dict]) -> int:
@@ -309,8 +307,7 @@ def benchmark(args, gpus: list[dict]) -> int:
 
 def main(argv=None) -> int:
     """Refuse without an NVIDIA GPU, else the functional check or the benchmark."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--functional-check", action="store_true",
                     help="on any GPU GGML lists (Vulkan's lavapipe too): check the engine there against the "
                          "CPU, print no timings")

@@ -259,3 +259,16 @@ def write_results(name: str, data: Mapping[str, Any], table_rows: Sequence[Mappi
     md_path = out / f"{name}.md"
     md_path.write_text("\n".join(md), encoding="utf-8")
     return {"json": json_path, "md": md_path}
+
+
+def script_parser(doc: str | None) -> "argparse.ArgumentParser":
+    """A benchmark's argument parser: its docstring's first paragraph as the description, defaults shown."""
+    import argparse
+    return argparse.ArgumentParser(description=(doc or "").split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def save_figure(fig, path, dpi: int = 100) -> None:
+    """Lay out a finished figure and write it (the plots the summaries show)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)

@@ -16,7 +16,6 @@ many layers on the GPU on both sides (bench/device_bench.py runs it so on CUDA).
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, write_results
+from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from common.peers import gpu_layers_flag, llama_cpp_tool
 from common.roofline import batched_ceiling, copy_bandwidth, int8_peak, macs_per_token
 
@@ -106,8 +105,7 @@ def ours(model_path: str | None, args) -> dict[int, dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--npp", type=int, default=128)
     ap.add_argument("--ntg", type=int, default=128)
     ap.add_argument("--npl", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
@@ -175,8 +173,7 @@ def main(argv=None) -> int:
            title=f"pp{args.npp} + tg{args.ntg} per sequence, {args.threads} threads")
     ax.set_xticks(args.npl, [str(n) for n in args.npl])
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(Path(args.out) / "batched.png", dpi=100)
+    save_figure(fig, Path(args.out) / "batched.png")
     print(markdown_table(rows))
     return 0
 

@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
 from common.peers import LLAMA_CPP_BIN
-from common.report import RESULTS_DIR, write_results
+from common.report import RESULTS_DIR, save_figure, write_results
 
 BUSY = "while True: pass"
 
@@ -202,8 +202,7 @@ def _plot(rows, counts, path: Path, peer: bool) -> None:
         ax.set_title(work)
         ax.set_ylabel("tokens/s")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ from every decode_*.json there, one combined table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -52,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, machine_line, write_results, jsonable
+from common.report import RESULTS_DIR, jsonable, machine_line, markdown_table, script_parser, write_results
 
 # A plain English passage, repeated with a counter until the prompt is long enough.
 _PASSAGE = (
@@ -269,8 +268,7 @@ includes the benchmark's own 2 threads.
 # ---- main ---------------------------------------------------------------------------
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M Q4_K_M)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)

@@ -16,7 +16,6 @@ Outputs: bench/results/embeddings.{json,md,png}. Run: python bench/engine/embedd
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, write_results
+from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 
 
@@ -54,8 +53,7 @@ def timed(embed, texts, batch) -> tuple[float, np.ndarray]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--sentences", type=int, default=512)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -178,8 +176,7 @@ def plot(rows, args) -> None:
     ax.barh(names, [r["sentences/s best"] for r in rows], color=[colors.get(r["side"], "C7") for r in rows])
     ax.invert_yaxis()
     ax.set(xlabel="sentences/s (best round)", title=f"all-MiniLM-L6-v2, batch {args.batch}")
-    fig.tight_layout()
-    fig.savefig(Path(args.out) / "embeddings.png", dpi=100)
+    save_figure(fig, Path(args.out) / "embeddings.png")
 
 
 if __name__ == "__main__":

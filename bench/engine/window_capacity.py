@@ -31,7 +31,6 @@ Writes bench/results/window_capacity.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import threading
@@ -43,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
 from common.conversations import make_conversations
 from common.peers import kv_buffer_mib, launch_llama_server, launch_ours, llama_cpp_tool
-from common.report import RESULTS_DIR, write_results
+from common.report import RESULTS_DIR, save_figure, script_parser, write_results
 from pyllama_paged.testing.serving import stop_server
 
 
@@ -266,13 +265,11 @@ def plot(path: Path, chat: dict | None, long: dict | None) -> None:
         axes[1].bar(range(len(labels)), values)
         axes[1].set_xticks(range(len(labels)), labels, fontsize=8)
         axes[1].set(ylabel="MiB", title=f"KV of one {long['context']}-token sequence")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--part", default="chat,longctx,long")
     ap.add_argument("--long-requests", type=int, default=8, help="requests of 4k-8k tokens (--part longctx)")
     ap.add_argument("--conversations", type=int, default=24)

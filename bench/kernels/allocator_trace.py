@@ -91,7 +91,6 @@ Run: python bench/kernels/allocator_trace.py [options]
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import sys
 import time
@@ -102,7 +101,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, write_results
+from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 from pyllama_paged.engine.kv.block_pool import BlockPool
 from pyllama_paged.errors import OutOfBlocksError
@@ -517,14 +516,12 @@ def plot(path: Path, names: list[str], series: list[Series], budget: int, title:
     ax.set_ylabel("requests\n(solid running; dotted queued)")
     ax.set_xlabel("step (one decode iteration)")
     ax.legend(loc="upper right", ncol=2, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--num-requests", type=int, default=2000)
     ap.add_argument("--budget-tokens", type=int, default=32768,
                     help="KV budget in token slots, the same for every allocator")

@@ -30,7 +30,6 @@ Every configuration also checks paged == contiguous output (max abs diff).
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -40,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, write_results
+from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 SHAPES = {  # name: (n_head, n_head_kv, head_dim)
     "gemma3-270m": (4, 1, 256),
@@ -203,14 +202,12 @@ def plot(results: list[dict], block_sizes: list[int], path) -> None:
             ax.legend(fontsize=7)
             ax2.legend(fontsize=7)
     fig.suptitle("One decode query: paged kernel vs GGML contiguous flash attention")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--contexts", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--block-sizes", default="16,32,64,128")

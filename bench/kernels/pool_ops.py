@@ -29,7 +29,6 @@ Run: python bench/kernels/pool_ops.py [options]
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import subprocess
@@ -41,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, write_results
+from common.report import RESULTS_DIR, markdown_table, script_parser, write_results
 
 from pyllama_paged.engine.kv.block_pool import BlockPool
 from pyllama_paged import _native
@@ -190,8 +189,7 @@ def run_py(block_size: int, num_blocks: int, args) -> dict:
 # ---- main ----------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--block-sizes", default="16,32")
     ap.add_argument("--concurrency", type=int, default=64, help="requests per phased round (R)")
     ap.add_argument("--prompt-len", type=int, default=100)

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import markdown_table, write_results
+from common.report import markdown_table, save_figure, write_results
 
 
 SETTINGS = {
@@ -161,8 +161,7 @@ def plot(micro_rows, engine_rows, path: Path) -> None:
               title=f"in the engine: {engine_rows[0]['sequences']} sequences")
     right.invert_yaxis()
     right.legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -50,7 +50,6 @@ bench/results/agent_trace/agent_trace.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -66,7 +65,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
 from common.peers import (add_server_arguments, llama_server_binary, parse_peer, peer_chat_template, peer_label,
                           start_llama_server, start_ours)
-from common.report import RESULTS_DIR, markdown_table, write_results
+from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from pyllama_paged.testing.serving import stop_server
 
 OUT_DIR = RESULTS_DIR / "agent_trace"
@@ -334,13 +333,11 @@ def plot(path: Path, runs: dict, restart_at: int) -> None:
     axes[2].legend(fontsize=8)
     for ax in axes[1:]:
         ax.tick_params(axis="x", labelsize=7, rotation=15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--agents", type=int, default=3)
     ap.add_argument("--users-per-agent", type=int, default=3)
     ap.add_argument("--turns", type=int, default=6, help="turns per user; the restart comes after half of them")

@@ -46,7 +46,6 @@ loader before any run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -57,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
 from common.peers import (DEFAULT_KV_BYTES, add_server_arguments, llama_server_binary, our_bytes_per_token,
                           parse_peer, peer_chat_template, peer_label, start_llama_server, start_ours)
-from common.report import BENCH_DIR, REPO_ROOT, RESULTS_DIR, markdown_table, write_results
+from common.report import BENCH_DIR, REPO_ROOT, RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from pyllama_paged.testing.serving import stop_server
 
 INSTALL_HINT = "python3 -m venv bench/.aiperf-venv && bench/.aiperf-venv/bin/pip install aiperf"
@@ -226,8 +225,7 @@ def plot(path: Path, runs: list[dict]) -> None:
         ax.set_xticks(sorted({r["concurrency"] for r in runs}), labels=[str(c) for c in sorted({r["concurrency"] for r in runs})])
     axes[1].set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
 
 
 def ratio_rows(runs: list[dict], ours: str, peers: list[str]) -> list[dict]:
@@ -250,8 +248,7 @@ def ratio_rows(runs: list[dict], ours: str, peers: list[str]) -> list[dict]:
 
 def main(argv=None) -> int:
     """Run the sweep on every side; write the JSON, the markdown table and the plot."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--concurrency", default="1,4,16", help="the sweep: requests kept in flight")
     ap.add_argument("--rounds", type=int, default=4, help="requests per level: this many x the concurrency ...")
     ap.add_argument("--min-requests", type=int, default=16, help="... and at least this many")

@@ -47,7 +47,6 @@ errors. Writes bench/results/chat_trace.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
@@ -58,7 +57,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
 from common.peers import (DEFAULT_KV_BYTES, add_server_arguments, llama_server_binary, our_bytes_per_token, parse_peer,
                           peer_chat_template, peer_label, start_llama_server, start_ours)
-from common.report import RESULTS_DIR, markdown_table, write_results
+from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from pyllama_paged.testing.serving import stop_server
 
 SYSTEM_PROMPTS = [
@@ -162,13 +161,11 @@ def plot(path: Path, runs: dict) -> None:
     axes[1].set(xlabel="time to first token (s)", ylabel="fraction of requests", xscale="log", title="TTFT CDF")
     axes[2].set(xlabel="inter-token gap (s)", ylabel="fraction of gaps", xscale="log", title="inter-token CDF")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     ap.add_argument("--output-mean", type=float, default=160, help="mean output tokens (log-normal)")

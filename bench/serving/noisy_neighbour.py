@@ -59,7 +59,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
 from common.peers import our_cli
-from common.report import RESULTS_DIR, write_results
+from common.report import RESULTS_DIR, save_figure, write_results
 from pyllama_paged.engine.worker.model import default_model_path
 from pyllama_paged.models.refs import REGISTRY_ENV
 from pyllama_paged.testing.serving import free_port, stop_server, wait_healthy
@@ -670,8 +670,7 @@ def plot(path: Path, phases: list[np.ndarray], t0: float, windows: list[Window],
     ax1.set_xticks(range(len(rows)), labels, rotation=45, ha="right", fontsize=7)
     ax1.set_yscale("log")
     ax1.set(ylabel="benign gap p99 (s)", title="Benign gap p99 in each window (red: the row fails)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -32,7 +32,6 @@ bench/results/scale_out/scale_out.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, write_results
+from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from pyllama_paged.server.scale_out.ray_routing import PIN_HEADER
 from pyllama_paged.testing.ray_cluster import RayCluster, start_ray_server, stop_ray_server
 
@@ -189,13 +188,11 @@ def plot(path: Path, runs: dict) -> None:
         axes[2].plot(ttft, np.linspace(0, 1, len(ttft)), label=n)
     axes[2].set(xlabel="time to first token (s)", ylabel="fraction of requests", title="TTFT CDF")
     axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="threads (and Ray CPUs) per replica")
     ap.add_argument("--policies", default="prefix,round_robin",

@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, write_results
+from common.report import RESULTS_DIR, save_figure, write_results
 
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
@@ -138,8 +138,7 @@ def main() -> None:
     axes[0].set(xlabel="concurrent clients", ylabel="generated tokens/s", xscale="log")
     axes[1].set(xlabel="concurrent clients", ylabel="TTFT p95 (s)", xscale="log")
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS_DIR / "serve_load.png", dpi=100)
+    save_figure(fig, RESULTS_DIR / "serve_load.png")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,6 @@ Run: python bench/serving/serve_trace.py [--num-requests N --budget-tokens T --n
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -86,7 +85,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, write_results
+from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 # ---- the text the prompts are cut from (original sentences, plain English) ----
 
@@ -575,14 +574,12 @@ def plot(path: Path, sides: dict, title: str, budget: int) -> None:
     axes[2].set_xlabel(f"wall time since the first arrival (s); same arrival times on both sides; "
                        f"KV budget {budget} tokens")
     axes[2].legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("--num-requests", type=int, default=40, help="client requests in the trace")
     ap.add_argument("--budget-tokens", type=int, default=8192, help="KV budget in token slots (both sides)")
     ap.add_argument("--n-ctx", type=int, default=1024, help="context = the slab size")

@@ -73,7 +73,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, write_results
+from common.report import RESULTS_DIR, markdown_table, save_figure, write_results
 from pyllama_paged.testing.serving import free_port, wait_healthy
 
 APIS = ("ollama/generate", "ollama/chat", "openai/chat", "openai/completions")
@@ -880,8 +880,7 @@ def plot(path: Path, samples: list[dict], probes: list[dict], records: list[dict
         for a in row:
             a.axvline(load_s / 60, color="k", lw=0.8, ls="--")
     fig.suptitle(title + " (dashed: end of the load)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
     plt.close(fig)
 
 
