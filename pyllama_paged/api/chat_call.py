@@ -20,6 +20,7 @@ from ..tokenizer.tokenizer import Tokenizer
 from ..tools.calls import ToolCall, ToolCallStream, parse_tool_calls
 from ..tools.messages import normalize_messages
 from ..tools.prompt import plan_tools, render_chat
+from ..tools.reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning, template_thinks
 from .sampling_options import PYTHON, Surface, sampling_params
 from .text_stream import TextDelta
 
@@ -39,6 +40,7 @@ class ChatCall:
     surface: Surface = PYTHON
     sampling: dict[str, Any] = field(default_factory=dict)           # the API's sampling fields (None: unset)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # for fields still unset (a server's cap)
+    thinking: bool | None = None   # the request's switch for a model that thinks (None: its template's default)
     truncate: bool = False   # past the context: the oldest turns dropped (never system prompts or the last turn)
     # read by the server only
     model: str | None = None
@@ -60,6 +62,8 @@ class PreparedChat:
     prompt_ids: list[int]
     constraint: Constraint | None   # the call's structured output, or a forced tool call's grammar
     tool_names: set[str]            # the tools whose calls to look for in the answer
+    thinks: bool = False            # the template writes a think block: the answer's thinking is split out
+    opens_thinking: bool = False    # the prompt ends inside an open think block
 
 
 def prepare_call(call: ChatCall, template: ChatTemplate, tokenizer: Tokenizer,
@@ -70,25 +74,36 @@ def prepare_call(call: ChatCall, template: ChatTemplate, tokenizer: Tokenizer,
     messages = normalize_messages(call.messages)
     constraint = call.structured(tokenizer) if call.structured is not None else None
     tools, constraint, names = plan_tools(template, tokenizer, call.tools, call.tool_choice, constraint)
-    ids = _prompt_ids(template, tokenizer, messages, tools, n_ctx if call.truncate else None)
-    return PreparedChat(ids, constraint, names)
+    thinks = template_thinks(template.source)
+    variables = {"enable_thinking": call.thinking} if thinks and call.thinking is not None else None
+    ids, text = _prompt_ids(template, tokenizer, messages, tools, n_ctx if call.truncate else None, variables)
+    return PreparedChat(ids, constraint, names, thinks, thinks and prompt_opens_thinking(text))
 
 
 def _prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], tools: list[dict],
-                fit_under: int | None) -> list[int]:
-    """The rendered chat's tokens; with fit_under, as Ollama truncates: the oldest turns
-    (never a system prompt or the last message) dropped until fewer than fit_under remain."""
+                fit_under: int | None, variables: dict | None = None) -> tuple[list[int], str]:
+    """The rendered chat's tokens and the whole chat's text (every render ends alike); with
+    fit_under, as Ollama truncates: the oldest turns (never a system prompt or the last
+    message) dropped until fewer than fit_under remain."""
     droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
+    rendered: list[str] = []
 
     def ids_without(k: int) -> list[int]:
         """The chat's tokens with its k oldest droppable turns left out."""
         gone = set(droppable[:k])
-        text = render_chat(template, tokenizer, [m for i, m in enumerate(messages) if i not in gone], tools)
+        text = render_chat(template, tokenizer, [m for i, m in enumerate(messages) if i not in gone], tools,
+                           variables)
+        rendered.append(text)
         return tokenizer.encode(text, add_special=True, parse_special=True)
 
     ids = ids_without(0)
     if fit_under is None or len(ids) < fit_under or not droppable:
-        return ids
+        return ids, rendered[0]
+    return _fewest_dropped(ids_without, droppable, fit_under), rendered[0]
+
+
+def _fewest_dropped(ids_without: Callable[[int], list[int]], droppable: list[int], fit_under: int) -> list[int]:
+    """The tokens with the fewest oldest turns dropped that fit under fit_under."""
     # The fewest turns to drop, by bisection: the prompt shrinks as turns go, so this is
     # what dropping one at a time finds, in a logarithmic number of renders (one at a
     # time re-rendered the whole chat per turn: quadratic, minutes for a long chat)
@@ -116,6 +131,7 @@ class AnswerPiece:
     finish_reason: str | None = None   # on the sample's last piece: how it ended
     stop: str | None = None            # the stop string that ended it, if one did
     calls: list[ToolCall] = field(default_factory=list)   # on the last piece: the tool calls it made
+    thinking: str = ""                 # thinking that can be shown now (a model that thinks)
 
 
 class AnswerSplitter:
@@ -123,9 +139,11 @@ class AnswerSplitter:
     passes at once; text that may be one is held until the sample ends, and parsed then
     (which can take a while on a long answer: see ends_with_parse)."""
 
-    def __init__(self, tool_names: set[str]):
+    def __init__(self, tool_names: set[str], thinks: bool = False, opens_thinking: bool = False):
         self.tool_names = tool_names
+        self.thinks, self.opens_thinking = thinks, opens_thinking
         self._streams: dict[int, ToolCallStream] = {}
+        self._reasoning: dict[int, ReasoningSplitter] = {}
 
     def ends_with_parse(self, delta: TextDelta) -> bool:
         """Whether feeding this delta parses held text for tool calls."""
@@ -133,14 +151,21 @@ class AnswerSplitter:
 
     def feed(self, delta: TextDelta) -> AnswerPiece:
         """The piece a text delta makes; the last one of a sample carries its calls."""
-        text, calls = delta.text, []
+        text, calls, thinking = delta.text, [], ""
+        if self.thinks:   # tool calls are read from the answer after the thinking, never inside it
+            splitter = self._reasoning.setdefault(delta.index, ReasoningSplitter(self.opens_thinking))
+            part = splitter.feed(text)
+            if delta.finish_reason:
+                last = splitter.finish()
+                part.thinking, part.content = part.thinking + last.thinking, part.content + last.content
+            thinking, text = part.thinking, part.content
         if self.tool_names:
             stream = self._streams.setdefault(delta.index, ToolCallStream(self.tool_names))
             text = stream.feed(text)
             if delta.finish_reason:
                 rest, calls = stream.finish()
                 text += rest
-        return AnswerPiece(delta.index, text, delta.event, delta.finish_reason, delta.stop, calls)
+        return AnswerPiece(delta.index, text, delta.event, delta.finish_reason, delta.stop, calls, thinking)
 
 
 def split_answer(text: str, tool_names: set[str]) -> tuple[str, list[ToolCall]]:
@@ -161,22 +186,26 @@ class Answer:
 
     index: int
     text: str                 # as generated
-    content: str              # the text less its tool calls
+    content: str              # the text less its thinking and its tool calls
     calls: list[ToolCall]
     finish_reason: str
     stop: str | None          # the stop string that ended it, if one did
     events: list[TokenEvent]  # its tokens (their log-probabilities)
+    thinking: str = ""        # its think block's text (a model that thinks)
 
 
 def collect_answers(deltas: list[TextDelta], n: int, tool_names: set[str],
-                    split: Callable[[str, set[str]], tuple[str, list[ToolCall]]] = split_answer) -> list[Answer]:
-    """Each of n samples' answer from all of a request's deltas, its tool calls split out."""
+                    split: Callable[[str, set[str]], tuple[str, list[ToolCall]]] = split_answer,
+                    thinks: bool = False, opens_thinking: bool = False) -> list[Answer]:
+    """Each of n samples' answer from all of a request's deltas, its thinking (a model that
+    thinks) and then its tool calls split out."""
     answers = []
     for j in range(n):
         own = [d for d in deltas if d.index == j]
         text = "".join(d.text for d in own)
         end = next((d for d in reversed(own) if d.finish_reason), None)
-        content, calls = split(text, tool_names)
+        thinking, answer = split_reasoning(text, opens_thinking) if thinks else ("", text)
+        content, calls = split(answer, tool_names)
         answers.append(Answer(j, text, content, calls, end.finish_reason if end else "length",
-                              end.stop if end else None, [d.event for d in own if d.event is not None]))
+                              end.stop if end else None, [d.event for d in own if d.event is not None], thinking))
     return answers

@@ -33,12 +33,14 @@ def legacy_functions(functions, function_call, tools, tool_choice):
 
 
 def chat_chunks(llama, prompt_ids: list[int], params, names: set[str], model: str,
-                stopping_criteria=None) -> Iterator[dict]:
-    """The chat stream: every chunk has choices[0]; the last one also carries usage."""
+                stopping_criteria=None, thinks: bool = False, opens_thinking: bool = False) -> Iterator[dict]:
+    """The chat stream: every chunk has choices[0]; the last one also carries usage. A model
+    that thinks (thinks; opens_thinking: its prompt opened the block) sends its thinking as
+    reasoning_content deltas, as OpenAI-compatible servers do."""
     cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
     started: set = set()
     counts: dict = {}
-    splitter = AnswerSplitter(names)
+    splitter = AnswerSplitter(names, thinks, opens_thinking)
     want_logprobs = params.logprobs is not None
 
     def chunk(j, delta, finish=None, logprobs=None):
@@ -55,6 +57,8 @@ def chat_chunks(llama, prompt_ids: list[int], params, names: set[str], model: st
             if want_logprobs and ev is not None and ev.logprob is not None:
                 lp = {"content": [token_logprob(llama._tokenizer, ev)], "refusal": None}
             piece = splitter.feed(TextDelta(j, text, finish, ev))
+            if piece.thinking:
+                yield chunk(j, {"reasoning_content": piece.thinking})
             if piece.text or lp:
                 yield chunk(j, {"content": piece.text}, logprobs=lp)
             if piece.calls:
@@ -77,6 +81,7 @@ def chat_chunks(llama, prompt_ids: list[int], params, names: set[str], model: st
 def collect_chat(chunks, n: int) -> dict:
     """The non-streamed chat completion built from the chunks."""
     texts = [""] * n
+    thinking = [""] * n
     finish = [None] * n
     logprobs: list = [None] * n
     tool_calls: list[list] = [[] for _ in range(n)]
@@ -87,6 +92,7 @@ def collect_chat(chunks, n: int) -> dict:
         for ch in c["choices"]:
             j = ch["index"]
             texts[j] += ch["delta"].get("content", "")
+            thinking[j] += ch["delta"].get("reasoning_content", "")
             tool_calls[j] += [{k: v for k, v in call.items() if k != "index"}
                               for call in ch["delta"].get("tool_calls", [])]
             finish[j] = ch["finish_reason"] or finish[j]
@@ -95,9 +101,12 @@ def collect_chat(chunks, n: int) -> dict:
                 logprobs[j]["content"] += ch["logprobs"]["content"]
 
     def message(j):
+        out = {"role": "assistant", "content": texts[j]}
         if tool_calls[j]:
-            return {"role": "assistant", "content": texts[j] or None, "tool_calls": tool_calls[j]}
-        return {"role": "assistant", "content": texts[j]}
+            out = {"role": "assistant", "content": texts[j] or None, "tool_calls": tool_calls[j]}
+        if thinking[j]:
+            out["reasoning_content"] = thinking[j]
+        return out
 
     return {"id": head["id"], "object": "chat.completion", "created": head["created"], "model": head["model"],
             "choices": [{"index": j, "message": message(j), "logprobs": logprobs[j], "finish_reason": finish[j]}

@@ -78,12 +78,12 @@ def knows_tools(template: ChatTemplate) -> bool:
 
 
 def render_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict],
-                tools: list[dict] | None = None) -> ChatPrompt:
+                tools: list[dict] | None = None, variables: dict | None = None) -> ChatPrompt:
     """Prompt text for messages (with tool history) and the tools offered, if any: a
     ``ChatPrompt``, whose tokens (``tokenizer.encode(text, parse_special=True)``) hold control
     tokens only where the template or our tool markup put them."""
     if knows_tools(template):
-        return template.render(messages, tools=tools or None)
+        return template.render(messages, tools=tools or None, variables=variables)
     family = tool_family(template, tokenizer)
 
     def inputs(escape: Escape):
@@ -96,7 +96,7 @@ def render_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dic
                 plain.insert(0, {"role": "system", "content": system})
         return plain, None
 
-    return template.render_with(inputs)
+    return template.render_with(inputs, variables=variables)
 
 
 def _call_schema(tool: dict, family: str) -> dict:

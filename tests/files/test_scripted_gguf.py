@@ -52,7 +52,9 @@ def caller(tmp_path_factory):
 def test_the_chat_reply_is_the_script_one_token_a_piece_then_end_of_turn(thinker):
     out = thinker.create_chat_completion(HELLO, temperature=0, max_tokens=32)
     choice = out["choices"][0]
-    assert choice["message"]["content"] == "".join(THINK_THEN_ANSWER)
+    # the thinking comes apart from the answer (reasoning_content), as OpenAI-compatible servers send it
+    assert choice["message"]["reasoning_content"] == "The user says hello."
+    assert choice["message"]["content"] == "Hello! How can I help?"
     assert choice["finish_reason"] == "stop"
     assert out["usage"]["completion_tokens"] == len(THINK_THEN_ANSWER) + 1   # and <|im_end|>
     assert [thinker.token_eos()] == thinker.tokenize(b"<|im_end|>", add_bos=False, special=True)
@@ -60,11 +62,12 @@ def test_the_chat_reply_is_the_script_one_token_a_piece_then_end_of_turn(thinker
 
 def test_streamed_pieces_are_the_script_and_sampling_keeps_to_it(thinker):
     chunks = thinker.create_chat_completion(HELLO, temperature=0, max_tokens=32, stream=True)
-    pieces = [c["choices"][0]["delta"].get("content") for c in chunks]
-    assert [p for p in pieces if p] == THINK_THEN_ANSWER
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user says hello."
+    assert [d["content"] for d in deltas if d.get("content")] == ["Hello!", " How can I help?"]
     # the next token's logit leads every other by 32: an ordinary temperature cannot leave the script
     sampled = thinker.create_chat_completion(HELLO, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
-    assert sampled["choices"][0]["message"]["content"] == "".join(THINK_THEN_ANSWER)
+    assert sampled["choices"][0]["message"]["content"] == "Hello! How can I help?"
 
 
 def test_enable_thinking_false_renders_an_empty_think_block_and_the_model_answers_at_once(thinker):
@@ -86,7 +89,8 @@ def test_a_prompt_that_opens_the_think_block_gets_thinking_without_an_opening_ta
     text = "".join(CLOSE_THEN_ANSWER)
     assert open_thinker.create_completion(str(prompt), temperature=0, max_tokens=32)["choices"][0]["text"] == text
     chat = open_thinker.create_chat_completion(HELLO, temperature=0, max_tokens=32)
-    assert chat["choices"][0]["message"]["content"] == text
+    message = chat["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("The user greets me.", "Hi there!")
 
 
 def test_a_tool_call_after_the_thinking_comes_back_as_a_tool_call(caller):
@@ -97,8 +101,7 @@ def test_a_tool_call_after_the_thinking_comes_back_as_a_tool_call(caller):
     [call] = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and call["function"]["arguments"] == '{"city": "Paris"}'
     message = choice["message"]
-    assert "The user wants the weather in Paris." in (message.get("content") or "") + \
-        (message.get("reasoning_content") or "")
+    assert message["reasoning_content"] == "The user wants the weather in Paris." and not message["content"]
     raw = caller.create_completion(str(ChatTemplate(THINKING_TEMPLATE).render(HELLO, tools=[WEATHER_TOOL])),
                                    temperature=0, max_tokens=32)
     assert raw["choices"][0]["text"] == "".join(THINK_THEN_CALL)

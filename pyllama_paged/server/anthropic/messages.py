@@ -9,6 +9,7 @@ from typing import Any
 from ...api.chat_call import ChatCall
 from ...api.sampling_options import OPENAI
 from ...tools.calls import ToolCall
+from ...tools.reasoning import template_thinks
 from ...tools.messages import MessageError
 from .schemas import Block, MessagesRequest
 
@@ -134,10 +135,11 @@ def chat_call(body: MessagesRequest) -> ChatCall:
     tools, tool_choice = chat_tools(body)
     # Anthropic's sampling defaults (temperature 1, no top_p/top_k cut) are the OpenAI surface's
     return ChatCall(messages=chat_messages(body), tools=tools, tool_choice=tool_choice, structured=body.constraint,
-                    surface=OPENAI, sampling=body.sampling(), model=body.model,
+                    surface=OPENAI, sampling=body.sampling(), model=body.model, thinking=body.thinks(),
                     limit_fields={"stop": body.stop_sequences, "messages": body.messages, "tools": body.tools,
                                   "grammars": {"output_config": body.schema()}},
-                    refuse_unsupported=lambda served: body.refuse_unsupported(), messages_param=None)
+                    refuse_unsupported=lambda served: body.refuse_unsupported(template_thinks(served.template.source)),
+                    messages_param=None)
 
 
 def tool_use_block(call: ToolCall) -> dict:
@@ -146,10 +148,16 @@ def tool_use_block(call: ToolCall) -> dict:
             "input": call.arguments}
 
 
-def content_blocks(text: str, calls: list[ToolCall]) -> list[dict]:
-    """The answer's content: its text (always a block when there is no tool call, as a
-    client reads content[0].text), then a tool_use block per call."""
-    blocks = [{"type": "text", "text": text}] if text or not calls else []
+def thinking_block(thinking: str) -> dict:
+    """A thinking block (its signature empty: nothing here signs a model's thinking)."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
+def content_blocks(text: str, calls: list[ToolCall], thinking: str = "") -> list[dict]:
+    """The answer's content: its thinking, if any, then its text (always a block when there is
+    no tool call, as a client reads content[0].text), then a tool_use block per call."""
+    blocks = [thinking_block(thinking)] if thinking else []
+    blocks += [{"type": "text", "text": text}] if text or not calls else []
     return blocks + [tool_use_block(c) for c in calls]
 
 

@@ -81,10 +81,15 @@ class MessagesRequest(_Strict):
     mcp_servers: list[dict[str, Any]] | None = None
     container: str | dict[str, Any] | None = None
 
-    def refuse_unsupported(self) -> None:
-        """A 400 for fields we would otherwise silently ignore."""
-        # adaptive leaves it to the model, which never thinks; a budget to think with cannot be met
-        if self.thinking is not None and self.thinking.get("type") not in ("disabled", "adaptive"):
+    def thinks(self) -> bool:
+        """Whether the request asks for thinking (Claude thinks only when asked: enabled)."""
+        return self.thinking is not None and self.thinking.get("type") == "enabled"
+
+    def refuse_unsupported(self, model_thinks: bool = False) -> None:
+        """A 400 for fields we would otherwise silently ignore (model_thinks: its template thinks)."""
+        # adaptive leaves it to the model; enabled asks a model that cannot think for what it cannot do
+        if self.thinking is not None and self.thinking.get("type") not in ("disabled", "adaptive") \
+                and not (model_thinks and self.thinks()):
             raise APIError(400, "thinking: this model does not think (extended thinking is not supported)",
                            "thinking")
         if self.schema() is not None and self.tool_choice and self.tool_choice.type in ("any", "tool"):

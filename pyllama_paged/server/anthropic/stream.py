@@ -24,6 +24,7 @@ class AnswerEvents:
         self.message = message   # id, type, role, model, usage (the prompt's tokens)
         self.index = 0           # the index of the block being written (or the next one)
         self.text_open = False
+        self.thinking_open = False
 
     def start(self) -> list[str]:
         """message_start (the message with no content yet) and a ping, sent before the
@@ -32,7 +33,7 @@ class AnswerEvents:
         return [sse({"type": "message_start", "message": empty}), sse({"type": "ping"})]
 
     def _text(self, text: str) -> list[str]:
-        out = []
+        out = self._end_thinking()
         if not self.text_open:
             self.text_open = True
             out.append(sse({"type": "content_block_start", "index": self.index,
@@ -50,10 +51,30 @@ class AnswerEvents:
         """Events for a piece of the answer's text (none for no text)."""
         return self._text(text) if text else []
 
+    def think(self, thinking: str) -> list[str]:
+        """Events for a piece of the answer's thinking, in a thinking block before the text."""
+        if not thinking:
+            return []
+        out = []
+        if not self.thinking_open:
+            self.thinking_open = True
+            out.append(sse({"type": "content_block_start", "index": self.index,
+                            "content_block": {"type": "thinking", "thinking": "", "signature": ""}}))
+        out.append(sse({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "thinking_delta", "thinking": thinking}}))
+        return out
+
+    def _end_thinking(self) -> list[str]:
+        if not self.thinking_open:
+            return []
+        self.thinking_open = False
+        return [sse({"type": "content_block_delta", "index": self.index,
+                     "delta": {"type": "signature_delta", "signature": ""}})] + self._close()
+
     def end(self, calls: list[ToolCall], finish: str | None, stop: str | None, output_tokens: int) -> list[str]:
         """The closing events: each tool_use block, the stop reason and usage (an answer with
         neither text nor calls still gets its empty text block)."""
-        out = self._text("") if not (calls or self.text_open) else []
+        out = self._text("") if not (calls or self.text_open) else self._end_thinking()
         if self.text_open:
             self.text_open = False
             out += self._close()

@@ -17,6 +17,7 @@ from ...api.sampling_options import OLLAMA
 from ...constrain.formats import from_ollama
 from ...engine.worker.sampler import SamplingParams
 from ...errors import PagedError
+from ...tools.reasoning import prompt_opens_thinking, template_thinks
 from ..chat import ChatRun, check_chat, start_chat
 from ..generation import APIError, check_request, fit_prompt, off_loop, request_params, require_generative, \
     start_generation
@@ -127,10 +128,25 @@ def _params(options: Options | None, default_max: int, constraint) -> SamplingPa
     return request_params(OLLAMA, {**_sampling(options), "constraint": constraint}, max_tokens=default_max)
 
 
+# Ollama's think efforts (gpt-oss's): any of them turns thinking on for a model that has one switch
+THINK_LEVELS = ("high", "medium", "low")
+
+
+def _think_switch(think) -> bool | None:
+    """Ollama's think (true/false, or an effort: "high", "medium", "low") as the template's
+    enable_thinking; None leaves the template's default."""
+    if think is None:
+        return None
+    return think not in (False, "false", "none", "")
+
+
 def _refuse_think(body: _Common, served) -> None:
-    """A 400 for think on a model that cannot."""
-    if body.think not in (None, False, "false", "none", ""):
+    """A 400 for think on a model that cannot, or for a think that is no switch nor effort."""
+    if _think_switch(body.think) and not template_thinks(served.template.source):
         raise APIError(400, f"\"{served.name}\" does not support thinking", "think")
+    if isinstance(body.think, str) and body.think not in THINK_LEVELS + ("true", "false", "none", ""):
+        raise APIError(400, f"think must be true, false or one of {', '.join(THINK_LEVELS)}, not {body.think!r}",
+                       "think")
 
 
 def _chat_call(body: ChatRequest, max_tokens: int) -> ChatCall:
@@ -147,7 +163,7 @@ def _chat_call(body: ChatRequest, max_tokens: int) -> ChatCall:
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
         structured=lambda tokenizer: from_ollama(tokenizer, body.format), surface=OLLAMA,
         sampling=_sampling(options), sampling_defaults={"max_tokens": max_tokens},
-        truncate=body.truncate is not False, model=body.model,
+        truncate=body.truncate is not False, model=body.model, thinking=_think_switch(body.think),
         limit_fields={"stop": options.stop, "messages": body.messages, "tools": body.tools,
                       "grammars": {"format": body.format}},
         refuse_unsupported=refuse, n_ctx=options.num_ctx)
@@ -176,12 +192,12 @@ def build_router(state) -> APIRouter:
         return body
 
     async def lines(run: ChatRun, shape, keep_alive):
-        """The NDJSON stream: shape(text, False, calls) as the answer comes, then the final
-        object; an error after the 200 header ends it with Ollama's error line."""
+        """The NDJSON stream: shape(text, False, calls, thinking) as the answer comes, then the
+        final object; an error after the 200 header ends it with Ollama's error line."""
         try:
             async for piece in run.pieces():
-                if piece.index == 0 and (piece.text or piece.calls):
-                    yield json.dumps(shape(piece.text, False, piece.calls)) + "\n"
+                if piece.index == 0 and (piece.text or piece.calls or piece.thinking):
+                    yield json.dumps(shape(piece.text, False, piece.calls, piece.thinking)) + "\n"
         except APIError as e:
             yield json.dumps({"error": e.message}) + "\n"
             return
@@ -199,7 +215,8 @@ def build_router(state) -> APIRouter:
         finally:
             await after(run.served, keep_alive)
         out = final(run.gen, shape)
-        out.update({k: v for k, v in shape(answer.content, True, answer.calls).items() if k in ("response", "message")})
+        whole = shape(answer.content, True, answer.calls, answer.thinking)
+        out.update({k: v for k, v in whole.items() if k in ("response", "message", "thinking")})
         return JSONResponse(out)
 
     def loaded(body, served, reason: str):
@@ -235,22 +252,29 @@ def build_router(state) -> APIRouter:
             else:
                 messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
                            [{"role": "user", "content": body.prompt}]
-                text = served.template.render(messages)
-            return constraint, list(body.context or []) + served.tokenizer.encode(
+                switch = _think_switch(body.think)
+                text = served.template.render(messages, variables=None if switch is None or not thinks else
+                                              {"enable_thinking": switch})
+            return constraint, text, list(body.context or []) + served.tokenizer.encode(
                 text, add_special=not body.context, parse_special=True)
 
-        constraint, ids = await off_loop(state.prep, prepare)   # a long prompt: never on the event loop
+        # a raw prompt is the caller's own: its text is not read for a think block
+        thinks = not body.raw and template_thinks(served.template.source)
+        constraint, text, ids = await off_loop(state.prep, prepare)   # a long prompt: never on the event loop
         n_ctx = body.options.num_ctx if body.options else None
         ids = fit_prompt(served, ids, state.limits, body.truncate is not False, n_ctx)
         params = _params(body.options, state.limits.max_tokens, constraint)   # unset: to the context
         gen = start_generation(served, ids, params, state.limits, state.metrics, n_ctx, keep_alive)
 
-        def shape(text, done, calls=None):
+        def shape(text, done, calls=None, thinking=""):
             out = {"model": body.model, "created_at": _now(), "response": text, "done": done}
+            if thinking:
+                out["thinking"] = thinking
             if done:   # Ollama's token context of this exchange (prompt + response)
                 out["context"] = gen.prompt_ids + gen.output_ids
             return out
-        return await respond(ChatRun(served, gen, set(), state.prep), request, body, shape, keep_alive)
+        run = ChatRun(served, gen, set(), state.prep, thinks, thinks and prompt_opens_thinking(text))
+        return await respond(run, request, body, shape, keep_alive)
 
     @router.post("/api/chat")
     async def chat(body: ChatRequest, request: Request):
@@ -262,8 +286,10 @@ def build_router(state) -> APIRouter:
             return loaded(body, served, "unload" if keep_alive == 0 else "load")
         run = await start_chat(state, served, call, keep_alive)
 
-        def shape(text, done, calls=None):
+        def shape(text, done, calls=None, thinking=""):
             message = {"role": "assistant", "content": text}
+            if thinking:   # Ollama's field for a thinking model's thinking, apart from the answer
+                message["thinking"] = thinking
             if calls:
                 message["tool_calls"] = [c.ollama() for c in calls]
             return {"model": body.model, "created_at": _now(), "message": message, "done": done}

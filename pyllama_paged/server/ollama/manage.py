@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from ...tools.reasoning import template_thinks
 from ..generation import APIError
 from ..lookup import find_model, model_not_found
 from ..registry import quantization_level
@@ -54,6 +55,14 @@ def describe_stored(stored) -> dict[str, Any]:
             "size": stored.size, "digest": stored.digest.split(":", 1)[-1], "details": details}
 
 
+def _capabilities(served) -> list[str]:
+    """What Ollama's clients may ask of the model (a template that thinks: "thinking" too)."""
+    if served.config.is_encoder:
+        return ["embedding"]
+    thinks = served.template is not None and template_thinks(served.template.source)
+    return ["completion", "tools"] + (["thinking"] if thinks else [])
+
+
 def show_model(served) -> dict[str, Any]:
     """/api/show: the context reported is the one this server runs, not the training one."""
     cfg = served.config
@@ -62,7 +71,7 @@ def show_model(served) -> dict[str, Any]:
     info[f"{cfg.arch}.context_length"] = served.n_ctx
     return {"modelfile": f"FROM {served.path}\n", "parameters": f"num_ctx {served.n_ctx}",
             "template": served.template.source if served.template else "", "details": served.details(),
-            "model_info": info, "capabilities": ["embedding"] if cfg.is_encoder else ["completion", "tools"],
+            "model_info": info, "capabilities": _capabilities(served),
             "kv_bytes_per_token": served.kv_bytes_per_token,
             "context_length": served.n_ctx, "architecture": cfg.arch,
             "modified_at": dt.datetime.fromtimestamp(served.loaded_at, dt.timezone.utc).isoformat()}

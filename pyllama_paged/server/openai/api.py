@@ -127,12 +127,14 @@ async def _events(choice_lists, head: dict, gens, include_usage: bool):
 
 def _chat_choice(answer: Answer, logprobs_of) -> dict:
     """A whole answer as a chat completion's choice."""
-    message = {"role": "assistant", "content": answer.text}
+    message = {"role": "assistant", "content": answer.content}
     finish = answer.finish_reason
     if answer.calls:
         message = {"role": "assistant", "content": answer.content or None,
                    "tool_calls": [c.openai() for c in answer.calls]}
         finish = "tool_calls"
+    if answer.thinking:   # vLLM's and llama-server's field for a reasoning model's thinking
+        message["reasoning_content"] = answer.thinking
     return {"index": answer.index, "message": message, "logprobs": logprobs_of(answer.events),
             "finish_reason": finish}
 
@@ -141,6 +143,8 @@ def _chat_chunk_choices(piece: AnswerPiece, started: set[int], logprobs_of) -> l
     """A piece of a streamed answer as chat chunks' choices: the role with a sample's first
     content, its tool calls, then its finish reason."""
     delta = {"content": piece.text} if piece.text else {}
+    if piece.thinking:
+        delta = {"reasoning_content": piece.thinking, **delta}
     if piece.index not in started:
         started.add(piece.index)
         delta = {"role": "assistant", **delta}

@@ -55,7 +55,7 @@ def build_router(state) -> APIRouter:
 
         if not body.stream:
             answer = (await run.answers(request))[0]
-            result = response.body(status(), output_items(answer.content, answer.calls, status()),
+            result = response.body(status(), output_items(answer.content, answer.calls, status(), answer.thinking),
                                    usage(len(gen.prompt_ids), gen.num_generated))
             keep(result, answer.content, answer.calls)
             return JSONResponse(result)
@@ -67,6 +67,9 @@ def build_router(state) -> APIRouter:
             try:
                 async for piece in run.pieces():
                     calls += piece.calls
+                    if piece.thinking:
+                        for event in writer.thinking(piece.thinking):
+                            yield event
                     if piece.text:
                         content.append(piece.text)
                         for event in writer.text(piece.text):

@@ -1,7 +1,7 @@
 """Responses API items both ways: the input items a client sends (messages,
 function calls and their outputs) as Chat Completions messages, which
-tools/messages.py and the chat templates already read; and an answer (text and
-parsed tool calls) as output items and the response object."""
+tools/messages.py and the chat templates already read; and an answer (thinking, text
+and parsed tool calls) as output items and the response object."""
 
 from __future__ import annotations
 
@@ -86,13 +86,15 @@ def input_messages(given: str | list[dict]) -> list[dict]:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue   # an earlier turn's thinking, passed back: templates leave old thinking out
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                         "content": output if isinstance(output, str) else _text(output, where + ".output")})
         else:
-            raise _bad(where, f".type {kind!r} is not supported: give message, function_call or "
-                       "function_call_output items")
+            raise _bad(where, f".type {kind!r} is not supported: give message, function_call, "
+                       "function_call_output or reasoning items")
     return out
 
 
@@ -132,14 +134,29 @@ def call_item(item_id: str, call: ToolCall, status: str, arguments: str | None =
             "arguments": json.dumps(call.arguments) if arguments is None else arguments}
 
 
-def output_items(content: str, calls: list[ToolCall], status: str) -> list[dict]:
-    """The output items of a whole answer: its text (if any, or nothing else came) then its calls."""
-    items = [message_item(new_id("msg"), content, status)] if content or not calls else []
+def reasoning_text(text: str) -> dict:
+    """A reasoning item's reasoning_text content part."""
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(item_id: str, thinking: str | None, status: str) -> dict:
+    """A reasoning output item: the model's thinking as reasoning text, with no summary (no
+    part yet when thinking is None)."""
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [],
+            "content": [] if thinking is None else [reasoning_text(thinking)]}
+
+
+def output_items(content: str, calls: list[ToolCall], status: str, thinking: str = "") -> list[dict]:
+    """The output items of a whole answer: its thinking (if any), its text (if any, or no call
+    came) then its calls."""
+    items = [reasoning_item(new_id("rs"), thinking, status)] if thinking else []
+    items += [message_item(new_id("msg"), content, status)] if content or not calls else []
     return items + [call_item(new_id("fc"), c, "completed") for c in calls]
 
 
 def usage(input_tokens: int, output_tokens: int) -> dict:
-    """The usage object (nothing is cached across requests by the API, nothing reasoned)."""
+    """The usage object (nothing is cached across requests by the API; thinking tokens are
+    counted in output_tokens, not apart)."""
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens}

@@ -13,11 +13,12 @@ from ...api.sampling_options import OPENAI
 from ...constrain.formats import from_openai
 from ...constrain.grammar import Constraint
 from ...tokenizer.tokenizer import Tokenizer
+from ...tools.reasoning import template_thinks
 from ..generation import APIError
 from .schemas import JsonSchemaFormat
 
 # the include values that only concern logprobs we do not compute here; every other value
-# names output of hosted tools or reasoning, which this server never produces
+# names output of hosted tools or encrypted reasoning, which this server never produces
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 # OpenAI's bounds on metadata (16 pairs, keys of 64 characters, values of 512); `user` has
@@ -99,15 +100,21 @@ class ResponsesRequest(BaseModel):
                                  f"got {len(value)}")
         return metadata
 
-    def refuse_unsupported(self) -> None:
-        """A 400 for fields we would otherwise silently ignore."""
+    def thinking(self) -> bool | None:
+        """reasoning.effort as the template's switch: "none" off, an effort on; absent, the
+        template's default."""
+        effort = (self.reasoning or {}).get("effort")
+        return None if effort is None else effort != "none"
+
+    def refuse_unsupported(self, thinks: bool = False) -> None:
+        """A 400 for fields we would otherwise silently ignore (thinks: the model can reason)."""
         if self.background:
             raise APIError(400, "background responses are not supported: use stream or wait for the answer",
                            "background")
         for name in ("conversation", "prompt"):
             if getattr(self, name) is not None:
                 raise APIError(400, f"{name} is not supported: send the input (and previous_response_id)", name)
-        if (self.reasoning or {}).get("effort") not in (None, "none", "minimal"):
+        if (self.reasoning or {}).get("effort") not in (None, "none", "minimal") and not thinks:
             raise APIError(400, "reasoning.effort: this model does not reason (think)", "reasoning")
         if self.truncation == "auto":
             raise APIError(400, "truncation 'auto' is not supported: a conversation longer than the context "
@@ -162,10 +169,11 @@ class ResponsesRequest(BaseModel):
             structured=self.constraint, surface=OPENAI,
             sampling={"max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
                       "seed": self.seed, "ignore_eos": self.ignore_eos},
-            sampling_defaults={"max_tokens": max_tokens}, model=self.model,
+            sampling_defaults={"max_tokens": max_tokens}, model=self.model, thinking=self.thinking(),
             limit_fields={"messages": self.input if isinstance(self.input, list) else None, "tools": self.tools,
                           "grammars": {"text.format": self.format_spec()}},
-            refuse_unsupported=lambda served: self.refuse_unsupported(), messages_param="input")
+            refuse_unsupported=lambda served: self.refuse_unsupported(template_thinks(served.template.source)),
+            messages_param="input")
 
     def echo(self) -> dict[str, Any]:
         """The request's settings as the response object repeats them."""
@@ -179,4 +187,5 @@ class ResponsesRequest(BaseModel):
                 "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls,
                 "text": {"format": fmt}, "previous_response_id": self.previous_response_id,
                 "store": self.store is not False, "metadata": self.metadata or {}, "user": self.user,
-                "truncation": "disabled", "reasoning": {"effort": None, "summary": None}}
+                "truncation": "disabled",
+                "reasoning": {"effort": (self.reasoning or {}).get("effort"), "summary": None}}

@@ -12,6 +12,7 @@ from ...constrain.grammar import Constraint, ConstraintError, compile_constraint
 from ...engine.worker.sampler import MAX_LOGPROBS, SamplingParams
 from ...tokenizer.tokenizer import Tokenizer
 from ...api.chat_call import ChatCall
+from ...tools.reasoning import template_thinks
 from ...api.sampling_options import OPENAI
 from ..generation import APIError, request_params
 from ..tool_schema import ToolFunction
@@ -179,10 +180,26 @@ class ChatRequest(Sampling):
     prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     web_search_options: dict[str, Any] | None = None
+    # vLLM's: variables for the chat template (enable_thinking switches a reasoning model's thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    def refuse_unsupported(self, n_vocab: int) -> None:
-        """A 400 for fields we would otherwise silently ignore."""
+    def thinking(self) -> bool | None:
+        """The request's thinking switch: chat_template_kwargs' enable_thinking, else
+        reasoning_effort ("none" off, an effort on); None leaves the template's default."""
+        kwargs = self.chat_template_kwargs or {}
+        if kwargs.get("enable_thinking") is not None:
+            return bool(kwargs["enable_thinking"])
+        if self.reasoning_effort is None:
+            return None
+        return self.reasoning_effort != "none"
+
+    def refuse_unsupported(self, n_vocab: int, thinks: bool = False) -> None:
+        """A 400 for fields we would otherwise silently ignore (thinks: the model can reason)."""
         super().refuse_unsupported(n_vocab)
+        unknown = set(self.chat_template_kwargs or {}) - {"enable_thinking"}
+        if unknown:
+            raise APIError(400, f"chat_template_kwargs: only enable_thinking is read, not {sorted(unknown)}",
+                           "chat_template_kwargs")
         if self.functions is not None or self.function_call is not None:
             raise APIError(400, "functions and function_call are deprecated and not supported: use tools and "
                            "tool_choice", "functions" if self.functions is not None else "function_call")
@@ -191,7 +208,7 @@ class ChatRequest(Sampling):
         for name in ("prediction", "web_search_options"):
             if getattr(self, name) is not None:
                 raise APIError(400, f"{name} is not supported", name)
-        if self.reasoning_effort not in (None, "none", "minimal"):
+        if self.reasoning_effort not in (None, "none", "minimal") and not thinks:
             raise APIError(400, "reasoning_effort: this model does not reason (think)", "reasoning_effort")
 
     def chat_call(self, max_tokens: int) -> ChatCall:
@@ -204,7 +221,8 @@ class ChatRequest(Sampling):
             messages=[m.model_dump(exclude_none=True) for m in self.messages],
             tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
             tool_choice=self.tool_choice, structured=self.constraint, surface=OPENAI, sampling=sampling,
-            sampling_defaults={"max_tokens": max_tokens}, model=self.model,
+            sampling_defaults={"max_tokens": max_tokens}, model=self.model, thinking=self.thinking(),
             limit_fields={"stop": self.stop, "logit_bias": self.logit_bias, "messages": self.messages,
                           "tools": self.tools, "grammars": self.grammars()},
-            refuse_unsupported=lambda served: self.refuse_unsupported(served.config.n_vocab))
+            refuse_unsupported=lambda served: self.refuse_unsupported(served.config.n_vocab,
+                                                                      template_thinks(served.template.source)))
