@@ -161,6 +161,32 @@ BASE_MODEL_NOTE = ("note: the default model (Gemma 3 270M) is a base model, not 
                    "`pyllama-paged pull gemma3:270m`, then `pyllama-paged chat --model gemma3:270m`.")
 
 
+class ThinkingWriter:
+    """A streamed answer's thinking, apart from its text: dimmed on a terminal, after a
+    "[thinking]" label where a program or a file reads the output, or left out (hide)."""
+
+    DIM, RESET = "\033[2m", "\033[0m"
+
+    def __init__(self, out, hide: bool):
+        self.out, self.hide, self.tty = out, hide, out.isatty()
+        self.open = False
+
+    def write(self, thinking: str) -> None:
+        """A piece of thinking (the block begun first)."""
+        if self.hide or not thinking:
+            return
+        if not self.open:
+            self.open = True
+            self.out.write(self.DIM if self.tty else "[thinking] ")
+        self.out.write(thinking)
+
+    def close(self, gap: str = "\n\n") -> None:
+        """The end of the thinking: the dimming ended, then gap (before the answer)."""
+        if self.open:
+            self.open = False
+            self.out.write((self.RESET if self.tty else "") + gap)
+
+
 def cmd_chat(args) -> int:
     with _open_llama(args) as llm:
         if args.model is None:
@@ -198,10 +224,14 @@ def cmd_chat(args) -> int:
             stream = llm.create_chat_completion(history, max_tokens=_limit(args.max_tokens),
                                                 temperature=args.temperature, seed=args.seed, stream=True,
                                                 ignore_eos=args.ignore_eos)
+            thinking = ThinkingWriter(sys.stdout, args.hide_thinking)
             try:
                 for chunk in stream:
                     for choice in chunk["choices"]:
+                        thinking.write(choice["delta"].get("reasoning_content", ""))
                         piece = choice["delta"].get("content", "")
+                        if piece:
+                            thinking.close()
                         answer.append(piece)
                         sys.stdout.write(piece)
                         sys.stdout.flush()
@@ -209,8 +239,10 @@ def cmd_chat(args) -> int:
                         n_tokens = chunk["usage"]["completion_tokens"]
             except KeyboardInterrupt:
                 stream.close()   # aborts the request: its pages go back to the pool
+                thinking.close("")
                 print("\n[stopped]", flush=True)
             else:
+                thinking.close("")
                 print(flush=True)
             elapsed = time.perf_counter() - start
             last_rate = n_tokens / elapsed if n_tokens and elapsed > 0 else None
@@ -544,6 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     _add_generation_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--hide-thinking", action="store_true",
+                      help="leave a reasoning model's thinking out (shown dimmed by default)")
     chat.set_defaults(func=cmd_chat)
     srv = sub.add_parser("serve", help="Ollama- and OpenAI-compatible HTTP server")
     srv.add_argument("--model", "-m", action="append", default=None,

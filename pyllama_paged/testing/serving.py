@@ -133,14 +133,20 @@ def wait_until(condition, timeout=20.0, what="condition"):
         time.sleep(0.02)
 
 
-@contextmanager
 def default_model_server(limits=None, **options):
     """The embedded default model served on a loopback port with these engine options; the
     server and then the model are stopped on leaving (the registry: .app.state.pp.registry)."""
+    return model_server(None, limits, **options)
+
+
+@contextmanager
+def model_server(paths, limits=None, **options):
+    """The GGUF files at paths (None: the embedded default model) served on a loopback port
+    with these engine options; the server and then the models are stopped on leaving."""
     from pyllama_paged.server.app import create_app
     from pyllama_paged.server.registry import EngineOptions, ModelRegistry
 
-    registry = ModelRegistry(None, EngineOptions(**options))
+    registry = ModelRegistry(paths, EngineOptions(**options))
     try:
         server = Running(create_app(registry, limits))
         try:

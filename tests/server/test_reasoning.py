@@ -1,20 +1,27 @@
-"""A reasoning model's thinking comes back apart from its answer (Ollama's message.thinking,
-OpenAI-style reasoning_content), streamed and not, through the unmodified ollama and openai
-clients, on tiny real models whose greedy reply is a script (testing/scripted_gguf.py);
-the request's switch (think, enable_thinking, reasoning_effort) renders the template without
-thinking, and a tool call after the thinking comes back as a tool call."""
+"""A reasoning model's thinking comes back apart from its answer (Ollama's message.thinking
+and generate's thinking, OpenAI-style reasoning_content, the Responses API's reasoning item,
+Anthropic's thinking block, the chat CLI's dimmed or hidden thinking), streamed and not,
+through the unmodified ollama, openai and anthropic clients, on tiny real models whose greedy
+reply is a script (testing/scripted_gguf.py); the request's switch (think, enable_thinking,
+reasoning_effort, reasoning.effort, thinking) renders the template without thinking, and a
+tool call after the thinking comes back as a tool call."""
 
 import json
 
+import os
+import pty
+import subprocess
+import sys
+
+import anthropic
 import ollama
 import openai
 import pytest
 
-from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import EngineOptions, ModelRegistry
+from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.scripted_gguf import OPEN_THINK_TEMPLATE, THINKING_TEMPLATE, write_scripted_model
-from pyllama_paged.testing.serving import Running
+from pyllama_paged.testing.serving import model_server
 
 HELLO = [{"role": "user", "content": "Hello"}]
 THINKING = "The user says hello."
@@ -31,17 +38,18 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("thinkers")
-    paths = [write_scripted_model(folder / "thinker.gguf", THINK_THEN_ANSWER, THINKING_TEMPLATE),
-             write_scripted_model(folder / "opener.gguf", CLOSE_THEN_ANSWER, OPEN_THINK_TEMPLATE),
-             write_scripted_model(folder / "caller.gguf", THINK_THEN_CALL, THINKING_TEMPLATE)]
-    registry = ModelRegistry(paths, EngineOptions(n_ctx=512, n_threads=2, n_batch=128, kv_tokens=4096,
-                                                  max_num_seqs=8))
-    s = Running(create_app(registry, Limits(max_tokens=64)))
-    yield s
-    s.close()
-    registry.close()
+    return {"thinker": write_scripted_model(folder / "thinker.gguf", THINK_THEN_ANSWER, THINKING_TEMPLATE),
+            "opener": write_scripted_model(folder / "opener.gguf", CLOSE_THEN_ANSWER, OPEN_THINK_TEMPLATE),
+            "caller": write_scripted_model(folder / "caller.gguf", THINK_THEN_CALL, THINKING_TEMPLATE)}
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    with model_server(list(models.values()), Limits(max_tokens=64), n_ctx=512, n_threads=2, n_batch=128,
+                      kv_tokens=4096, max_num_seqs=8) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +60,11 @@ def oai(server):
 @pytest.fixture(scope="module")
 def oll(server):
     return ollama.Client(host=server.url)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
 
 
 def test_ollama_thinking_apart_from_the_answer(oll):
@@ -114,15 +127,101 @@ def test_a_tool_call_after_the_thinking_is_a_tool_call(oai, oll):
         assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [(CALL["name"], CALL["arguments"])]
 
 
+def test_ollama_generate_thinking_apart_from_the_response(oll):
+    whole = oll.generate(model="thinker", prompt="Hello", think=True, options={"temperature": 0})
+    assert (whole.thinking, whole.response) == (THINKING, ANSWER)
+    pieces = list(oll.generate(model="thinker", prompt="Hello", think="high", stream=True,
+                               options={"temperature": 0}))
+    assert ("".join(p.thinking or "" for p in pieces), "".join(p.response for p in pieces)) == (THINKING, ANSWER)
+    off = oll.generate(model="thinker", prompt="Hello", think=False, options={"temperature": 0})
+    assert (off.thinking, off.response) == (None, ANSWER)
+    with pytest.raises(ollama.ResponseError, match="think must be"):
+        oll.generate(model="thinker", prompt="Hello", think="very")
+
+
+def test_responses_reasoning_item_before_the_message(oai):
+    whole = oai.responses.create(model="thinker", input="Hello", temperature=0)
+    reasoning, message = whole.output
+    assert (reasoning.type, reasoning.summary, [c.text for c in reasoning.content]) == ("reasoning", [], [THINKING])
+    assert message.type == "message" and whole.output_text == ANSWER
+    events = list(oai.responses.create(model="thinker", input="Hello", temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THINKING
+    assert [e.text for e in events if e.type == "response.reasoning_text.done"] == [THINKING]
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == ANSWER
+    assert final.output[0].content[0].text == THINKING
+    # the reasoning item passed back in the next turn's input is read past, as OpenAI asks clients to send it
+    again = oai.responses.create(model="thinker", temperature=0, input=[
+        {"role": "user", "content": "Hello"}, whole.output[0].model_dump(exclude_none=True),
+        {"role": "assistant", "content": ANSWER}, {"role": "user", "content": "Hello"}])
+    assert again.output_text == ANSWER
+    off = oai.responses.create(model="thinker", input="Hello", temperature=0, reasoning={"effort": "none"})
+    assert [o.type for o in off.output] == ["message"] and off.output_text == ANSWER
+
+
+def test_anthropic_thinking_block_only_when_asked(claude):
+    # the script's logit leads every other's by 32: sampling at Anthropic's temperature 1 keeps to it
+    enabled = {"type": "enabled", "budget_tokens": 1024}
+    whole = claude.messages.create(model="thinker", max_tokens=64, messages=HELLO, thinking=enabled)
+    assert [b.type for b in whole.content] == ["thinking", "text"]
+    assert (whole.content[0].thinking, whole.content[1].text) == (THINKING, ANSWER)
+    with claude.messages.stream(model="thinker", max_tokens=64, messages=HELLO, thinking=enabled) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert "thinking_delta" in kinds and kinds.index("thinking_delta") < kinds.index("text_delta")
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in streamed.content] == \
+        [("thinking", THINKING), ("text", ANSWER)]
+    # Claude thinks only when asked: thinking off renders the template without it
+    for extra in ({}, {"thinking": {"type": "disabled"}}):
+        plain = claude.messages.create(model="thinker", max_tokens=64, messages=HELLO, **extra)
+        assert [(b.type, b.text) for b in plain.content] == [("text", ANSWER)]
+    # a template with no switch thinks anyway: a client that did not ask still reads its text first
+    opened = claude.messages.create(model="opener", max_tokens=64, messages=HELLO)
+    assert [(b.type, b.text) for b in opened.content] == [("text", "Hi there!")]
+    omitted = claude.messages.create(model="opener", max_tokens=64, messages=HELLO,
+                                     thinking={**enabled, "display": "omitted"})
+    assert [(b.type, getattr(b, "thinking", None)) for b in omitted.content] == [("thinking", ""), ("text", None)]
+
+
+def test_chat_cli_labels_or_hides_the_thinking(models):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def chat(*flags):
+        p = subprocess.run([sys.executable, "-m", "pyllama_paged.cli", "chat", "--model", models["thinker"],
+                            "--threads", "2", "--ctx", "512", "--temperature", "0", *flags],
+                           input="Hello\n/exit\n", capture_output=True, text=True, timeout=300, env=env, cwd="/")
+        assert p.returncode == 0, p.stderr
+        return p.stdout.split("> ", 1)[1]
+
+    # not a terminal: a label, no ANSI codes
+    assert chat().startswith(f"[thinking] {THINKING}\n\n{ANSWER}\n")
+    assert chat("--hide-thinking").startswith(f"{ANSWER}\n")
+    # a terminal: the thinking dimmed
+    leader, follower = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "pyllama_paged.cli", "chat", "--model", models["thinker"],
+                          "--threads", "2", "--ctx", "512", "--temperature", "0"],
+                         stdin=subprocess.PIPE, stdout=follower, stderr=subprocess.DEVNULL, env=env, cwd="/")
+    os.close(follower)
+    p.communicate(b"Hello\n/exit\n", timeout=300)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:   # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    assert f"\033[2m{THINKING}\033[0m\n\n{ANSWER}".replace("\n", "\r\n").encode() in seen
+
+
 def test_a_model_that_does_not_think_still_refuses_think(tmp_path):
-    from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
     path = write_tiny_model(tmp_path / "plain.gguf", "gemma3", weight_type="q8_0")
-    registry = ModelRegistry([path], EngineOptions(n_ctx=256, n_threads=1, kv_tokens=1024, max_num_seqs=2))
-    s = Running(create_app(registry, Limits(max_tokens=8)))
-    try:
+    with model_server([path], Limits(max_tokens=8), n_ctx=256, n_threads=1, kv_tokens=1024, max_num_seqs=2) as s:
+        client = ollama.Client(host=s.url)
         with pytest.raises(ollama.ResponseError, match="does not support thinking"):
-            ollama.Client(host=s.url).chat(model="plain", messages=HELLO, think=True)
-        assert "thinking" not in ollama.Client(host=s.url).show("plain").capabilities
-    finally:
-        s.close()
-        registry.close()
+            client.chat(model="plain", messages=HELLO, think=True)
+        assert "thinking" not in client.show("plain").capabilities

@@ -35,7 +35,7 @@ async def _events(run: ChatRun, events: AnswerEvents, body: MessagesRequest):
     finish, stop, calls = "length", None, []
     try:
         async for piece in run.pieces():
-            for event in events.think(piece.thinking) + events.feed(piece.text):
+            for event in events.think(body.shown_thinking(piece.thinking)) + events.feed(piece.text):
                 yield event
             if piece.finish_reason:
                 finish, stop, calls = piece.finish_reason, piece.stop, body.kept_calls(piece.calls)
@@ -69,9 +69,8 @@ def build_router(state) -> APIRouter:
         answer = (await run.answers(request))[0]
         calls = body.kept_calls(answer.calls)
         reason, sequence = stop_reason(answer.finish_reason, answer.stop, calls)
-        return JSONResponse({**message, "content": content_blocks(answer.content, calls, answer.thinking),
-                             "stop_reason": reason,
-                             "stop_sequence": sequence,
+        content = content_blocks(answer.content, calls, body.shown_thinking(answer.thinking))
+        return JSONResponse({**message, "content": content, "stop_reason": reason, "stop_sequence": sequence,
                              "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": gen.num_generated}})
 
     return router

@@ -14,7 +14,7 @@ from ...tools.messages import MessageError
 from .schemas import Block, MessagesRequest
 
 # thinking blocks a client replays from an earlier turn: Anthropic drops them from the
-# context too, and this model never writes them
+# context too, as the templates of models that think drop old thinking
 _DROPPED = ("thinking", "redacted_thinking")
 _UNSUPPORTED = ("image", "document", "search_result", "container_upload")
 
@@ -135,7 +135,7 @@ def chat_call(body: MessagesRequest) -> ChatCall:
     tools, tool_choice = chat_tools(body)
     # Anthropic's sampling defaults (temperature 1, no top_p/top_k cut) are the OpenAI surface's
     return ChatCall(messages=chat_messages(body), tools=tools, tool_choice=tool_choice, structured=body.constraint,
-                    surface=OPENAI, sampling=body.sampling(), model=body.model, thinking=body.thinks(),
+                    surface=OPENAI, sampling=body.sampling(), model=body.model, thinking=body.thinking_switch(),
                     limit_fields={"stop": body.stop_sequences, "messages": body.messages, "tools": body.tools,
                                   "grammars": {"output_config": body.schema()}},
                     refuse_unsupported=lambda served: body.refuse_unsupported(template_thinks(served.template.source)),
@@ -153,10 +153,11 @@ def thinking_block(thinking: str) -> dict:
     return {"type": "thinking", "thinking": thinking, "signature": ""}
 
 
-def content_blocks(text: str, calls: list[ToolCall], thinking: str = "") -> list[dict]:
-    """The answer's content: its thinking, if any, then its text (always a block when there is
-    no tool call, as a client reads content[0].text), then a tool_use block per call."""
-    blocks = [thinking_block(thinking)] if thinking else []
+def content_blocks(text: str, calls: list[ToolCall], thinking: str | None = None) -> list[dict]:
+    """The answer's content: its thinking block (thinking None: none), then its text (always a
+    block when there is no tool call, as a client reads content[0].text), then a tool_use
+    block per call."""
+    blocks = [thinking_block(thinking)] if thinking is not None else []
     blocks += [{"type": "text", "text": text}] if text or not calls else []
     return blocks + [tool_use_block(c) for c in calls]
 

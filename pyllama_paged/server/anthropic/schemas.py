@@ -76,20 +76,34 @@ class MessagesRequest(_Strict):
     tool_choice: ToolChoice | None = None
     service_tier: str | None = None          # one tier here: accepted, nothing to choose
     output_config: OutputConfig | None = None
-    # what we cannot honour: named so that asking for it is a 400
+    # {"type": "enabled", "budget_tokens": N} (the budget a target, as Claude's, not a cut),
+    # "disabled" or "adaptive"; display "omitted" leaves the thinking's text out
     thinking: dict[str, Any] | None = None
+    # what we cannot honour: named so that asking for it is a 400
     mcp_servers: list[dict[str, Any]] | None = None
     container: str | dict[str, Any] | None = None
 
-    def thinks(self) -> bool:
-        """Whether the request asks for thinking (Claude thinks only when asked: enabled)."""
-        return self.thinking is not None and self.thinking.get("type") == "enabled"
+    def thinking_switch(self) -> bool | None:
+        """thinking as the template's switch: enabled on, adaptive the template's default,
+        disabled or absent off (Claude thinks only when asked)."""
+        kind = (self.thinking or {}).get("type", "disabled")
+        return None if kind == "adaptive" else kind == "enabled"
+
+    def shown_thinking(self, thinking: str) -> str | None:
+        """The thinking as its block shows it: None for no block (none written, or thinking
+        not asked for), "" with display "omitted"."""
+        # a template without a switch thinks anyway: a client that did not ask reads text first
+        if not thinking or self.thinking_switch() is False:
+            return None
+        return "" if (self.thinking or {}).get("display") == "omitted" else thinking
 
     def refuse_unsupported(self, model_thinks: bool = False) -> None:
         """A 400 for fields we would otherwise silently ignore (model_thinks: its template thinks)."""
-        # adaptive leaves it to the model; enabled asks a model that cannot think for what it cannot do
-        if self.thinking is not None and self.thinking.get("type") not in ("disabled", "adaptive") \
-                and not (model_thinks and self.thinks()):
+        kind = (self.thinking or {}).get("type", "disabled")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise APIError(400, f"thinking.type must be enabled, disabled or adaptive, not {kind!r}", "thinking")
+        # adaptive leaves it to the model, which may not think
+        if kind == "enabled" and not model_thinks:
             raise APIError(400, "thinking: this model does not think (extended thinking is not supported)",
                            "thinking")
         if self.schema() is not None and self.tool_choice and self.tool_choice.type in ("any", "tool"):

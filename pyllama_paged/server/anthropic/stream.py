@@ -1,6 +1,7 @@
-"""Anthropic's server-sent events for one streamed answer: message_start, a text
-block opened on the first text, tool_use blocks when the answer ends, then
-message_delta (stop reason, usage) and message_stop."""
+"""Anthropic's server-sent events for one streamed answer: message_start, a thinking
+block (a model that thinks, when asked), a text block opened on the first text,
+tool_use blocks when the answer ends, then message_delta (stop reason, usage) and
+message_stop."""
 
 from __future__ import annotations
 
@@ -51,17 +52,19 @@ class AnswerEvents:
         """Events for a piece of the answer's text (none for no text)."""
         return self._text(text) if text else []
 
-    def think(self, thinking: str) -> list[str]:
-        """Events for a piece of the answer's thinking, in a thinking block before the text."""
-        if not thinking:
+    def think(self, thinking: str | None) -> list[str]:
+        """Events for a piece of the answer's thinking, in a thinking block before the text
+        (None: nothing to show; "": the block, its text left out)."""
+        if thinking is None:
             return []
         out = []
         if not self.thinking_open:
             self.thinking_open = True
             out.append(sse({"type": "content_block_start", "index": self.index,
                             "content_block": {"type": "thinking", "thinking": "", "signature": ""}}))
-        out.append(sse({"type": "content_block_delta", "index": self.index,
-                        "delta": {"type": "thinking_delta", "thinking": thinking}}))
+        if thinking:
+            out.append(sse({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "thinking_delta", "thinking": thinking}}))
         return out
 
     def _end_thinking(self) -> list[str]:
