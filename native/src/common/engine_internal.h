@@ -184,8 +184,29 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *mod
                                    pp_attention_params *layer_params, struct pp_panel_gemm_state *gemm_states,
                                    int n_threads, int gather, size_t max_nodes);
 
-/* First key position the gathered path reads for a run whose first query is at p0. */
+/* A 1-d input tensor of a step's graph, named for its upload. */
+static inline struct ggml_tensor *pp_graph_input(struct ggml_context *ctx, enum ggml_type type, int64_t n,
+                                                 const char *name) {
+    struct ggml_tensor *t = ggml_new_tensor_1d(ctx, type, n);
+    ggml_set_name(t, name);
+    ggml_set_input(t);
+    return t;
+}
+
+/* model/attention_graph.c: first key position the gathered path reads for a
+ * run whose first query is at p0. */
 int pp_gather_first_key(int p0, int window);
+
+/* GGML's flash attention of the batch's queries q [head_dim, n_head, n_tokens]
+ * over a layer's pools (slabs, or pages gathered by slot); returns
+ * [head_dim, n_head, n_tokens] f32. Its inputs are filled by pp_fill_flash_inputs. */
+struct ggml_tensor *pp_flash_attention(struct ggml_context *ctx, const pp_kv_cache *cache,
+                                       const pp_batch *batch, struct ggml_tensor *q,
+                                       struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
+                                       const pp_attention_params *ap);
+
+/* The step's masks and gathered key slots into the graph's host input tensors. */
+void pp_fill_flash_inputs(struct ggml_cgraph *gf, const pp_batch *b, int swa_window, const pp_kv_cache *cache);
 
 #define PP_MAX_GRAPH_NODES 8192
 /* Where GGML's flash attention runs (slabs, the gather path, pools on a

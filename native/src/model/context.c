@@ -286,52 +286,6 @@ int32_t pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_bat
     return PP_OK;
 }
 
-/* Fill the flash-attention path's masks, "mask.<first token>.<windowed>" per
- * sequence run (windowed layers of one model share a single window size),
- * and, paged, the run's key slots "kv_idx.<first token>.<group>.<windowed>":
- * keys from the first query's window (pp_gather_first_key) to the last query. */
-static void fill_flash_inputs(struct ggml_cgraph *gf, const pp_batch *b, int swa_window, const pp_kv_cache *cache) {
-    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg = ggml_fp32_to_fp16(-INFINITY);
-    for (int t0 = 0; t0 < b->n_tokens;) {
-        int t1 = t0;
-        while (t1 < b->n_tokens && b->seq_index[t1] == b->seq_index[t0]) t1++;
-        for (int windowed = 0; windowed < 2; windowed++) {
-            char name[32];
-            snprintf(name, sizeof name, "mask.%d.%d", t0, windowed);
-            struct ggml_tensor *mask = ggml_graph_get_tensor(gf, name);
-            if (!mask) continue;
-            const int window = windowed ? swa_window : 0;
-            const int k_lo = cache->paged ? pp_gather_first_key(b->positions[t0], window) : 0;
-            ggml_fp16_t *data = mask->data;
-            const int64_t n_kv = mask->ne[0];
-            for (int i = t0; i < t1; i++) {
-                const int pos = b->positions[i];
-                for (int64_t j = 0; j < n_kv; j++) {
-                    const int64_t k = k_lo + j;
-                    const int visible = k <= pos && (window <= 0 || pos - k < window);
-                    data[(i - t0) * n_kv + j] = visible ? zero : neg;
-                }
-            }
-            const int bs = cache->block_size;
-            const size_t table_stride = (size_t)b->n_seqs * b->max_blocks_per_seq;
-            for (int32_t g = 0; cache->paged && g < cache->n_groups; g++) {
-                char idx_name[48];
-                snprintf(idx_name, sizeof idx_name, "kv_idx.%d.%d.%d", t0, g, windowed);
-                struct ggml_tensor *idx = ggml_graph_get_tensor(gf, idx_name);
-                if (!idx) continue;
-                const int32_t *table = b->block_tables + g * table_stride +
-                                       (size_t)b->seq_index[t0] * b->max_blocks_per_seq;
-                int32_t *slots = idx->data;
-                for (int64_t j = 0; j < idx->ne[0]; j++) {
-                    const int64_t k = k_lo + j;
-                    slots[j] = table[k / bs] * bs + (int32_t)(k % bs);
-                }
-            }
-        }
-        t0 = t1;
-    }
-}
-
 int32_t pp_context_set_attention_path(pp_context *c, int32_t path) {
     if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_set_attention_path: context is NULL");
     if (path != PP_ATTENTION_KERNEL && path != PP_ATTENTION_GATHER)
@@ -355,7 +309,7 @@ static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_bat
     if (b->n_logits > 0) memcpy(out_rows, b->logit_rows, sizeof(int32_t) * b->n_logits);
     if (b->n_hidden > 0) memcpy(out_rows + b->n_logits, b->hidden_rows, sizeof(int32_t) * b->n_hidden);
     /* GGML's flash attention runs for slabs, the gather path, and the layers whose pools are on a device */
-    if (!c->cache->paged || gather || c->cache->device_buffer) fill_flash_inputs(gf, b, swa_window, c->cache);
+    if (!c->cache->paged || gather || c->cache->device_buffer) pp_fill_flash_inputs(gf, b, swa_window, c->cache);
     return PP_OK;
 }
 

@@ -1,9 +1,6 @@
 /* The forward graph of one step for the supported architectures: plain
  * GGML ops for everything but attention, which is our paged operator (paged
- * caches on the CPU), GGML's flash attention over a sequence's contiguous
- * slab (the paged=False baseline), or the portable paged path: each
- * sequence's pages gathered by slot with ggml_get_rows, then GGML's flash
- * attention, so paging works on any backend GGML has. */
+ * caches on the CPU) or GGML's flash attention (attention_graph.c). */
 #include "common/engine_internal.h"
 #include "panels/panels.h"
 
@@ -13,79 +10,6 @@
 static struct ggml_tensor *norm(struct ggml_context *ctx, struct ggml_tensor *x,
                                 struct ggml_tensor *weight, float eps) {
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), weight);
-}
-
-static struct ggml_tensor *input(struct ggml_context *ctx, enum ggml_type type, int64_t n,
-                                 const char *name) {
-    struct ggml_tensor *t = ggml_new_tensor_1d(ctx, type, n);
-    ggml_set_name(t, name);
-    ggml_set_input(t);
-    return t;
-}
-
-/* The keys a run of one sequence's queries (positions p0..) reads in the
- * gathered path: from the first key of p0's window. */
-int pp_gather_first_key(int p0, int window) {
-    return window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
-}
-
-/* Rows [head_dim, n_kv, n_head_kv] of one sequence's keys (or values): a view
- * of its slab, or its pages' rows gathered by slot ("kv_idx.<t0>.<group>.<windowed>",
- * filled per step, shared by the group's layers). */
-static struct ggml_tensor *sequence_rows(struct ggml_context *ctx, const pp_kv_cache *cache,
-                                         const pp_batch *batch, struct ggml_tensor *pool,
-                                         const pp_attention_params *ap, int t0, int n_kv) {
-    if (!cache->paged) {
-        const int s = batch->seq_index[t0];
-        const int64_t slab = batch->block_tables[(size_t)s * batch->max_blocks_per_seq];
-        return ggml_view_3d(ctx, pool, ap->head_dim, n_kv, ap->n_head_kv, pool->nb[1],
-                            ggml_row_size(cache->type, ap->head_dim),
-                            (size_t)slab * cache->block_size * pool->nb[1]);
-    }
-    char name[48];
-    snprintf(name, sizeof name, "kv_idx.%d.%d.%d", t0, ap->group, ap->window > 0);
-    struct ggml_tensor *idx = ggml_get_tensor(ctx, name);
-    if (!idx) idx = input(ctx, GGML_TYPE_I32, n_kv, name);
-    struct ggml_tensor *rows = ggml_get_rows(ctx, pool, idx);   /* [n_embd_kv, n_kv] f32 */
-    return ggml_view_3d(ctx, rows, ap->head_dim, n_kv, ap->n_head_kv, rows->nb[1],
-                        ggml_row_size(rows->type, ap->head_dim), 0);
-}
-
-/* GGML flash attention of each sequence's queries over its keys: its slab
- * (paged=False) or its gathered pages (the portable paged path). */
-static struct ggml_tensor *flash_attention(struct ggml_context *ctx, const pp_kv_cache *cache,
-                                           const pp_batch *batch, struct ggml_tensor *q,
-                                           struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
-                                           const pp_attention_params *ap) {
-    struct ggml_tensor *out = NULL;
-    for (int t0 = 0; t0 < batch->n_tokens;) {
-        const int s = batch->seq_index[t0];
-        int t1 = t0;
-        while (t1 < batch->n_tokens && batch->seq_index[t1] == s) t1++;
-        const int n_q = t1 - t0;
-        /* A slab is read from its start; gathered pages from the first query's window. */
-        const int k_lo = cache->paged ? pp_gather_first_key(batch->positions[t0], ap->window) : 0;
-        const int n_kv = batch->positions[t1 - 1] + 1 - k_lo;
-        struct ggml_tensor *qs = ggml_view_3d(ctx, q, ap->head_dim, ap->n_head, n_q, q->nb[1],
-                                              q->nb[2], (size_t)t0 * q->nb[2]);
-        qs = ggml_permute(ctx, qs, 0, 2, 1, 3);  /* [head_dim, n_q, n_head] */
-        struct ggml_tensor *ks = sequence_rows(ctx, cache, batch, k_pool, ap, t0, n_kv);
-        struct ggml_tensor *vs = sequence_rows(ctx, cache, batch, v_pool, ap, t0, n_kv);
-        /* Layers share masks: one per sequence run and window kind. */
-        char name[32];
-        snprintf(name, sizeof name, "mask.%d.%d", t0, ap->window > 0);
-        struct ggml_tensor *mask = ggml_get_tensor(ctx, name);
-        if (!mask) {
-            mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_q);
-            ggml_set_name(mask, name);
-            ggml_set_input(mask);
-        }
-        struct ggml_tensor *o = ggml_flash_attn_ext(ctx, qs, ks, vs, mask, ap->scale, 0.0f, 0.0f);
-        ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
-        out = out ? ggml_concat(ctx, out, o, 2) : o;  /* [head_dim, n_head, tokens] */
-        t0 = t1;
-    }
-    return out;
 }
 
 /* GGML's CPU matrix products (tinyBLAS, the repacked Q4_K GEMM) work on
@@ -142,12 +66,12 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
     const int head_dim = hp->head_dim;
     struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, max_nodes, false);
 
-    struct ggml_tensor *tokens = input(ctx, GGML_TYPE_I32, n_tokens, "tokens");
-    struct ggml_tensor *positions = input(ctx, GGML_TYPE_I32, n_tokens, "positions");
+    struct ggml_tensor *tokens = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "tokens");
+    struct ggml_tensor *positions = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "positions");
     /* One run of slots per layer group (see pp_batch). */
-    struct ggml_tensor *slots = input(ctx, GGML_TYPE_I64, (int64_t)n_tokens * cache->n_groups, "slots");
+    struct ggml_tensor *slots = pp_graph_input(ctx, GGML_TYPE_I64, (int64_t)n_tokens * cache->n_groups, "slots");
     /* logit rows, then hidden rows (embeddings): the rows the last layer computes */
-    struct ggml_tensor *logit_rows = input(ctx, GGML_TYPE_I32, batch->n_logits + batch->n_hidden, "logit_rows");
+    struct ggml_tensor *logit_rows = pp_graph_input(ctx, GGML_TYPE_I32, batch->n_logits + batch->n_hidden, "logit_rows");
 
     pp_panel_gemm_state *head = gemm_states ? &gemm_states[hp->n_layer * PP_N_PROJ] : NULL;
     panel_columns last = {0};
@@ -196,7 +120,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         if (cache->paged && !gather && !pp_pool_on_device(cache, cache->k[il])) {
             attn = pp_paged_attention(ctx, q, k_pool, v_pool, ap, n_threads);
         } else {
-            attn = flash_attention(ctx, cache, batch, q, k_pool, v_pool, ap);
+            attn = pp_flash_attention(ctx, cache, batch, q, k_pool, v_pool, ap);
         }
         attn = ggml_reshape_2d(ctx, attn, head_dim * hp->n_head, n_tokens);
         if (il == hp->n_layer - 1) {
