@@ -43,7 +43,11 @@ cuda_setup() {
   # Lean where GGML offers it: flash attention only for the K=V types GGML picks by default
   # (f16, q4_0, q8_0, bf16), no NCCL (one GPU).
   CUDA_CMAKE_ARGS=("-DCMAKE_CUDA_ARCHITECTURES=$archs" "-DCMAKE_CUDA_COMPILER=$CUDA_HOME/bin/nvcc"
-                   "-DGGML_CUDA_FA_ALL_QUANTS=OFF" "-DGGML_CUDA_NCCL=OFF")
+                   "-DGGML_CUDA_FA_ALL_QUANTS=OFF" "-DGGML_CUDA_NCCL=OFF"
+                   # CUDA graphs: a decode step whose graph repeats (pp_context runs a step of the
+                   # last step's shape on the same graph) is replayed as one launch. A standalone
+                   # GGML build leaves them off; llama.cpp's own build turns them on.
+                   "-DGGML_CUDA_GRAPHS=ON")
 
   if [ ! -f "$CUDA_HOME/include/cublas_v2.h" ]; then
     # A pip-installed cuBLAS of this CUDA major first (PyTorch's GPU machines have one and

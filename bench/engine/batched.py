@@ -31,12 +31,12 @@ from common.peers import gpu_layers_flag, llama_cpp_tool
 from common.roofline import batched_ceiling, copy_bandwidth, int8_peak, macs_per_token
 
 
-def peer(binary: str, model: str, args) -> dict[int, dict]:
-    """llama-batched-bench's rows, by npl."""
+def peer(binary: str, model: str, args, extra=()) -> dict[int, dict]:
+    """llama-batched-bench's rows, by npl (extra: more of its flags)."""
     ctx = max(args.npl) * (args.npp + args.ntg)
     cmd = [binary, "-m", model, "-c", str(ctx), "-b", "2048", "-ub", "512", "-t", str(args.threads),
            "-npp", str(args.npp), "-ntg", str(args.ntg), "-npl", ",".join(map(str, args.npl)),
-           "-ngl", gpu_layers_flag(args.gpu_layers)]
+           "-ngl", gpu_layers_flag(args.gpu_layers), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = {}
     # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |

@@ -607,6 +607,22 @@ enum pp_attention_path {
  * GGML's flash attention). PP_ERR_INVALID for an unknown path. */
 int32_t pp_context_set_attention_path(pp_context *ctx, int32_t path);
 
+/* What the context's steps cost on the host, for benchmarks and tests. A
+ * step whose shape (tokens, logit rows, thread count, and the attention's
+ * grouping and bucketed key counts) equals the previous step's runs that
+ * step's graph again: no build, allocation or scheduling. */
+typedef struct pp_step_stats {
+    int32_t n_nodes;       /* the last graph's nodes */
+    int32_t n_inputs;      /* its input tensors, each set every step */
+    int64_t input_bytes;   /* their bytes */
+    int32_t reused;        /* 1: the last step ran the previous step's graph */
+    int64_t n_builds;      /* graphs built since the context was made */
+    int64_t n_steps;       /* steps computed since the context was made */
+} pp_step_stats;
+
+/* Copy the context's step statistics to *out. PP_ERR_INVALID for NULL. */
+int32_t pp_context_step_stats(const pp_context *ctx, pp_step_stats *out);
+
 /* Ask the step running on ctx, or the next one if none runs, to stop; it
  * returns PP_ERR_COMPUTE. Safe to call from any thread (it only sets a
  * flag); PP_ERR_INVALID for NULL. The flag is read between the ops GGML's

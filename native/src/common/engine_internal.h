@@ -134,8 +134,26 @@ void pp_attention_scratch_release(pp_attention_scratch *s);
 
 /* What the paged-attention operator of one layer needs besides its tensors.
  * Points at the step's host-side batch, valid while the graph computes. */
+/* model/attention_graph.c: how a step's sequence runs go through GGML's flash
+ * attention on a paged cache. Runs with the same number of queries form a
+ * group, one flash-attention call per layer. Arrays are the context's, sized
+ * for max_batch_tokens (+1 for group_first). */
+#define PP_FLASH_KV_BUCKET 256   /* keys gathered per run are padded to a multiple of this */
+typedef struct pp_flash_plan {
+    int32_t  n_runs;
+    int32_t  n_groups;
+    int32_t  in_order;      /* the groups' runs, concatenated, are the batch's token order */
+    int32_t *run_t0;        /* [n_runs] first token of each run, in batch order */
+    int32_t *run_nq;        /* [n_runs] its queries */
+    int32_t *order;         /* [n_runs] the runs by group, each group's in batch order */
+    int32_t *group_first;   /* [n_groups + 1] each group's first entry of order */
+    int32_t *group_nq;      /* [n_groups] queries per run */
+    int32_t *group_kv;      /* [2 n_groups] keys gathered per run: full layers, windowed layers */
+} pp_flash_plan;
+
 typedef struct pp_attention_params {
     const pp_batch *batch;
+    const pp_flash_plan *plan;   /* this step's, for GGML's flash attention on pages */
     const pp_attention_scratch *scratch;   /* sized for the context's threads */
     int32_t block_size;
     int32_t window;        /* 0: full causal attention */
@@ -158,6 +176,9 @@ void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *use
 void pp_paged_attention_partial_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
 void pp_paged_attention_merge_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
 
+/* How many key slices the layer's attention of this step is split into (1: none). */
+int pp_paged_attention_splits(const pp_attention_params *ap, int n_threads);
+
 /* The paged attention of one layer as graph nodes: one custom op, or the
  * split-K pair when there are fewer work items than threads and long
  * key ranges. Returns [head_dim, n_head, n_tokens] f32. */
@@ -174,8 +195,7 @@ int32_t pp_check_token_order(const pp_batch *batch, int i);
 /* Build the forward graph of one step. Inputs are created with
  * ggml_set_input and named "tokens", "positions", "slots", "logit_rows",
  * and, where GGML's flash attention runs (slabs, or paged with gather set),
- * "mask.<t0>.<windowed>" per sequence run and "kv_idx.<t0>.<group>.<windowed>"
- * (paged: the run's key slots, from pp_gather_first_key); the output is named
+ * the inputs pp_fill_flash_inputs fills (masks, gathered key slots); the output is named
  * "logits". gather: paged attention as GGML ops (pages gathered by slot, then
  * flash attention) instead of our CPU operator; layers whose pools are on
  * a device take that path whatever gather says. */
@@ -205,14 +225,22 @@ struct ggml_tensor *pp_flash_attention(struct ggml_context *ctx, const pp_kv_cac
                                        struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
                                        const pp_attention_params *ap);
 
-/* The step's masks and gathered key slots into the graph's host input tensors. */
-void pp_fill_flash_inputs(struct ggml_cgraph *gf, const pp_batch *b, int swa_window, const pp_kv_cache *cache);
+/* Group the batch's runs (see pp_flash_plan); swa_window: the model's window. */
+void pp_flash_plan_make(pp_flash_plan *plan, const pp_batch *b, int swa_window);
+
+/* A hash of what the plan's graph shapes depend on: equal for steps whose
+ * flash-attention nodes have equal shapes. */
+uint64_t pp_flash_plan_shape(const pp_flash_plan *plan);
+
+/* The step's masks, gathered key slots and row orders into the graph's host input tensors. */
+void pp_fill_flash_inputs(struct ggml_cgraph *gf, const pp_batch *b, const pp_flash_plan *plan, int swa_window,
+                          const pp_kv_cache *cache);
 
 #define PP_MAX_GRAPH_NODES 8192
-/* Where GGML's flash attention runs (slabs, the gather path, pools on a
- * device), each run of a sequence's tokens adds its own nodes to every
- * layer (query view and permute, gathered K and V and their views, the
- * attention, the concat): at most this many. */
+/* Where GGML's flash attention runs, each run of a sequence's tokens (slabs)
+ * or each group of runs (pages) adds its own nodes to every layer (query
+ * view and permute, K and V and their views, the attention, the concat): at
+ * most this many. */
 #define PP_GRAPH_NODES_PER_RUN 12
 
 /* Nodes a decoding graph may need: the fixed part, plus per layer one set

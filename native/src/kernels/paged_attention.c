@@ -303,22 +303,27 @@ void pp_paged_attention_merge_cpu(struct ggml_tensor *dst, int ith, int nth, voi
     }
 }
 
-struct ggml_tensor *pp_paged_attention(struct ggml_context *ctx, struct ggml_tensor *q,
-                                       struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
-                                       pp_attention_params *ap, int n_threads) {
+int pp_paged_attention_splits(const pp_attention_params *ap, int n_threads) {
     const pp_batch *b = ap->batch;
     const int n_items = b->n_tokens * ap->n_head_kv;
+    if (n_items <= 0 || n_items >= n_threads) return 1;
     int max_keys = 0;
     for (int t = 0; t < b->n_tokens; t++) {
         const int keys = b->positions[t] + 1 - key_begin(ap, b->positions[t]);
         if (keys > max_keys) max_keys = keys;
     }
-    int n_splits = 1;
-    if (n_items > 0 && n_items < n_threads) {
-        n_splits = (n_threads + n_items - 1) / n_items;
-        const int by_length = max_keys / PP_ATTN_MIN_SPLIT_KEYS;
-        if (n_splits > by_length) n_splits = by_length > 1 ? by_length : 1;
-    }
+    int n_splits = (n_threads + n_items - 1) / n_items;
+    const int by_length = max_keys / PP_ATTN_MIN_SPLIT_KEYS;
+    if (n_splits > by_length) n_splits = by_length > 1 ? by_length : 1;
+    return n_splits;
+}
+
+struct ggml_tensor *pp_paged_attention(struct ggml_context *ctx, struct ggml_tensor *q,
+                                       struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
+                                       pp_attention_params *ap, int n_threads) {
+    const pp_batch *b = ap->batch;
+    const int n_items = b->n_tokens * ap->n_head_kv;
+    const int n_splits = pp_paged_attention_splits(ap, n_threads);
     struct ggml_tensor *args[3] = {q, k_pool, v_pool};
     const int group = ap->n_head / ap->n_head_kv;
     if (n_splits == 1)

@@ -15,6 +15,13 @@
 #include <string.h>
 #include <unistd.h>
 
+/* What a step's graph depends on besides the model: equal shapes, equal graphs. */
+typedef struct step_shape {
+    int32_t  n_tokens, n_logits, n_hidden, path, n_threads;
+    int32_t  reusable;     /* 0: slabs, whose views move with each sequence's length */
+    uint64_t attention;    /* the attention nodes' shapes (flash plan, kernel splits) */
+} step_shape;
+
 struct pp_context {
     pp_model            *model;
     pp_kv_cache         *cache;
@@ -38,6 +45,14 @@ struct pp_context {
     ggml_backend_sched_t sched;
     float               *host_logits;      /* a device's logits read back (sched only) */
     size_t               host_logits_floats;
+    pp_flash_plan        plan;             /* this step's runs for GGML's flash attention */
+    int32_t             *plan_arrays;      /* the plan's arrays, sized for max_batch_tokens */
+    /* The last step's graph, kept allocated: a step of the same shape runs it
+     * again (no build, no allocation, no scheduling: what a device replays). */
+    struct ggml_context *graph_ctx;
+    struct ggml_cgraph  *graph;
+    step_shape           graph_shape;
+    pp_step_stats        stats;
 };
 
 /* GGML asks between graph nodes whether to stop (ggml_abort_callback). */
@@ -74,9 +89,16 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
     c->meta_size = ggml_tensor_overhead() * c->max_nodes + ggml_graph_overhead_custom(c->max_nodes, false);
     c->meta_buf = malloc(c->meta_size);
     c->layer_params = calloc((size_t)m->hp.n_layer, sizeof *c->layer_params);
+    c->plan_arrays = malloc(sizeof(int32_t) * ((size_t)max_batch_tokens * 7 + 1));
+    if (c->plan_arrays) {
+        int32_t *a = c->plan_arrays;
+        const size_t n = (size_t)max_batch_tokens;
+        c->plan.run_t0 = a, c->plan.run_nq = a + n, c->plan.order = a + 2 * n, c->plan.group_nq = a + 3 * n;
+        c->plan.group_kv = a + 4 * n, c->plan.group_first = a + 6 * n;   /* group_kv: 2 n; group_first: n + 1 */
+    }
     c->backend = new_backend(c);
     c->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
-    if (!c->meta_buf || !c->layer_params || !c->backend || !c->galloc) {
+    if (!c->meta_buf || !c->layer_params || !c->plan_arrays || !c->backend || !c->galloc) {
         pp_context_destroy(c);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute context");
     }
@@ -111,6 +133,7 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         ap->n_head_kv = m->hp.n_head_kv;
         ap->head_dim = m->hp.head_dim;
         ap->scratch = &c->scratch;
+        ap->plan = &c->plan;
     }
     if (m->panels) {
         c->gemm_states = calloc((size_t)m->n_panel_slots, sizeof *c->gemm_states);
@@ -140,7 +163,9 @@ void pp_context_destroy(pp_context *c) {
     if (c->device_backend) ggml_backend_free(c->device_backend);
     free(c->host_logits);
     pp_compute_release(c->galloc, c->backend, c->threadpool, c->pool_pid);
+    if (c->graph_ctx) ggml_free(c->graph_ctx);
     free(c->meta_buf);
+    free(c->plan_arrays);
     free(c->layer_params);
     free(c->gemm_states);
     pp_attention_scratch_release(&c->scratch);
@@ -296,7 +321,7 @@ int32_t pp_context_set_attention_path(pp_context *c, int32_t path) {
 
 /* The step's inputs into the graph's input tensors (host memory: GGML's
  * scheduler keeps inputs on the CPU and copies what a device reads). */
-static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_batch *b, int gather, int swa_window) {
+static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_batch *b, int flash, int swa_window) {
     ggml_backend_tensor_set(ggml_graph_get_tensor(gf, "tokens"), b->token_ids, 0, sizeof(int32_t) * b->n_tokens);
     ggml_backend_tensor_set(ggml_graph_get_tensor(gf, "positions"), b->positions, 0, sizeof(int32_t) * b->n_tokens);
     struct ggml_tensor *slots = ggml_graph_get_tensor(gf, "slots");
@@ -308,8 +333,61 @@ static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_bat
     int32_t *out_rows = rows->data;
     if (b->n_logits > 0) memcpy(out_rows, b->logit_rows, sizeof(int32_t) * b->n_logits);
     if (b->n_hidden > 0) memcpy(out_rows + b->n_logits, b->hidden_rows, sizeof(int32_t) * b->n_hidden);
-    /* GGML's flash attention runs for slabs, the gather path, and the layers whose pools are on a device */
-    if (!c->cache->paged || gather || c->cache->device_buffer) pp_fill_flash_inputs(gf, b, swa_window, c->cache);
+    if (flash) pp_fill_flash_inputs(gf, b, &c->plan, swa_window, c->cache);
+    return PP_OK;
+}
+
+/* The step's shape: what its graph's nodes and their sizes depend on. */
+static step_shape shape_of(pp_context *c, const pp_batch *b, int gather, int flash) {
+    step_shape s = {.n_tokens = b->n_tokens, .n_logits = b->n_logits, .n_hidden = b->n_hidden,
+                    .path = gather, .n_threads = c->n_threads, .reusable = c->cache->paged};
+    uint64_t h = flash ? pp_flash_plan_shape(&c->plan) : 0;
+    /* Our kernel's split-K choice is made per layer when the graph is built. */
+    for (int il = 0; !gather && il < c->model->hp.n_layer; il++)
+        h = (h ^ (uint64_t)pp_paged_attention_splits(&c->layer_params[il], c->n_threads)) * 1099511628211ull;
+    s.attention = h;
+    return s;
+}
+
+static int same_shape(const step_shape *a, const step_shape *b) {
+    return a->reusable && b->reusable && a->n_tokens == b->n_tokens && a->n_logits == b->n_logits &&
+           a->n_hidden == b->n_hidden && a->path == b->path && a->n_threads == b->n_threads &&
+           a->attention == b->attention;
+}
+
+static void forget_graph(pp_context *c) {
+    if (c->graph_ctx) ggml_free(c->graph_ctx);
+    c->graph_ctx = NULL;
+    c->graph = NULL;
+}
+
+/* Build and allocate the step's graph, or keep the last one when the shapes match. */
+static int32_t step_graph(pp_context *c, const pp_batch *b, int gather, const step_shape *shape) {
+    c->stats.reused = c->graph && same_shape(&c->graph_shape, shape);
+    if (c->stats.reused) return PP_OK;
+    forget_graph(c);
+    struct ggml_init_params params = {.mem_size = c->meta_size, .mem_buffer = c->meta_buf, .no_alloc = true};
+    struct ggml_context *ctx = ggml_init(params);
+    if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
+    struct ggml_cgraph *gf = pp_build_graph(ctx, c->model, c->cache, b, c->layer_params, c->gemm_states,
+                                            c->n_threads, gather, c->max_nodes);
+    if (c->sched) ggml_backend_sched_reset(c->sched);
+    if (!(c->sched ? ggml_backend_sched_alloc_graph(c->sched, gf) : ggml_gallocr_alloc_graph(c->galloc, gf))) {
+        ggml_free(ctx);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the compute buffer for %d tokens", b->n_tokens);
+    }
+    c->graph_ctx = ctx;
+    c->graph = gf;
+    c->graph_shape = *shape;
+    c->stats.n_builds++;
+    c->stats.n_nodes = ggml_graph_n_nodes(gf);
+    c->stats.n_inputs = 0;
+    c->stats.input_bytes = 0;
+    for (struct ggml_tensor *t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
+        if (!(t->flags & GGML_TENSOR_FLAG_INPUT)) continue;
+        c->stats.n_inputs++;
+        c->stats.input_bytes += (int64_t)ggml_nbytes(t);
+    }
     return PP_OK;
 }
 
@@ -366,35 +444,36 @@ int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
         c->layer_params[il].batch = b;
         if (m->layer_window[il] > swa_window) swa_window = m->layer_window[il];
     }
-
-    struct ggml_init_params params = {.mem_size = c->meta_size, .mem_buffer = c->meta_buf, .no_alloc = true};
-    struct ggml_context *ctx = ggml_init(params);
-    if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
     const int gather = c->cache->paged && c->attention_path == PP_ATTENTION_GATHER;
-    struct ggml_cgraph *gf = pp_build_graph(ctx, m, c->cache, b, c->layer_params, c->gemm_states, c->n_threads, gather,
-                                             c->max_nodes);
-    if (c->sched) ggml_backend_sched_reset(c->sched);
-    if (!(c->sched ? ggml_backend_sched_alloc_graph(c->sched, gf) : ggml_gallocr_alloc_graph(c->galloc, gf))) {
-        ggml_free(ctx);
-        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the compute buffer for %d tokens", b->n_tokens);
-    }
-    st = upload_inputs(c, gf, b, gather, swa_window);
+    /* GGML's flash attention runs for slabs, the gather path, and the layers whose pools are on a device */
+    const int flash = !c->cache->paged || gather || c->cache->device_buffer;
+    if (flash && c->cache->paged) pp_flash_plan_make(&c->plan, b, swa_window);
+    const step_shape shape = shape_of(c, b, gather, flash && c->cache->paged);
+    st = step_graph(c, b, gather, &shape);
+    if (st == PP_OK) st = upload_inputs(c, c->graph, b, flash, swa_window);
     if (st != PP_OK) {
-        ggml_free(ctx);
+        forget_graph(c);
         return st;
     }
+    struct ggml_cgraph *gf = c->graph;
+    if (c->gemm_states) pp_panel_gemm_rearm(c->gemm_states, m->n_panel_slots);
     enum ggml_status status = c->sched ? ggml_backend_sched_graph_compute(c->sched, gf)
                                        : ggml_backend_graph_compute(c->backend, gf);
     atomic_store(&c->abort_requested, 0);   /* a request is consumed by the step it stopped */
     if (status != GGML_STATUS_SUCCESS) {
-        ggml_free(ctx);
+        forget_graph(c);
         return pp_fail(PP_ERR_COMPUTE, status == GGML_STATUS_ABORTED ? "step aborted on request"
                                                                      : "graph compute failed with GGML status %d",
                        (int)status);
     }
-    st = read_outputs(c, gf, b, logits);
-    ggml_free(ctx);
-    return st;
+    c->stats.n_steps++;
+    return read_outputs(c, gf, b, logits);
+}
+
+int32_t pp_context_step_stats(const pp_context *c, pp_step_stats *out) {
+    if (!c || !out) return pp_fail(PP_ERR_INVALID, "pp_context_step_stats: NULL argument");
+    *out = c->stats;
+    return PP_OK;
 }
 
 const float *pp_context_step_logits(const pp_context *c, int32_t *n_rows) {

@@ -179,6 +179,10 @@ struct ggml_tensor *pp_panel_quantize(struct ggml_context *ctx, struct ggml_tens
                           quantize_op, GGML_N_TASKS_MAX, (void *)(intptr_t)kernel);
 }
 
+void pp_panel_gemm_rearm(pp_panel_gemm_state *states, int n) {
+    for (int i = 0; i < n; i++) atomic_store(&states[i].next_chunk, 0);
+}
+
 struct ggml_tensor *pp_panel_gemm(struct ggml_context *ctx, pp_panel_gemm_state *state,
                                   struct ggml_tensor *cols) {
     if (pp_panel_type_is_float(state->w->type)) {
@@ -187,9 +191,6 @@ struct ggml_tensor *pp_panel_gemm(struct ggml_context *ctx, pp_panel_gemm_state 
     } else {
         GGML_ASSERT(cols->ne[0] == (int64_t)pp_panel_column_bytes(state->w->k));
     }
-    /* Graphs are built before they run, one at a time per context: the
-     * counter is free to rearm here. */
-    atomic_store(&state->next_chunk, 0);
     return ggml_custom_4d(ctx, GGML_TYPE_F32, state->w->n_rows, cols->ne[1], 1, 1, &cols, 1, gemm_op,
                           GGML_N_TASKS_MAX, state);
 }

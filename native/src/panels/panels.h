@@ -97,6 +97,10 @@ typedef struct pp_panel_gemm_state {
     atomic_int          next_chunk;
 } pp_panel_gemm_state;
 
+/* Rearm the states' chunk counters: before each compute of a graph that
+ * reads them (a graph may run many times), never while one runs. */
+void pp_panel_gemm_rearm(pp_panel_gemm_state *states, int n);
+
 /* Graph ops. pp_panel_quantize: x [k, n] f32 -> its columns as the kernels
  * read them (one op, shared by the products of the same x);
  * pp_panel_gemm: those columns (float panels: x itself, rows of k f32

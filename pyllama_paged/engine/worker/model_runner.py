@@ -143,6 +143,14 @@ class ModelRunner:
             return self.kv_bytes_per_token * self.kv.block_size
         return self.kv_groups.steady_bytes(self.kv_slot_bytes, self.kv.block_size, num_tokens)
 
+    def step_stats(self) -> dict:
+        """The last step's graph (nodes, input tensors and their bytes, whether it was the
+        previous step's graph run again) and the builds and steps so far."""
+        stats = ffi.new("pp_step_stats *")
+        check(lib.pp_context_step_stats(self._ctx, stats), "step stats")
+        return {"nodes": stats.n_nodes, "inputs": stats.n_inputs, "input_bytes": stats.input_bytes,
+                "reused": bool(stats.reused), "builds": stats.n_builds, "steps": stats.n_steps}
+
     def set_threads(self, n_threads: int) -> None:
         check(lib.pp_context_set_threads(self._ctx, n_threads), "set_threads")
         self.n_threads = n_threads

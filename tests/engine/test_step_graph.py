@@ -1,0 +1,133 @@
+"""A step's graph: GGML's flash attention on pages as one call per group of sequence runs
+(the device path, timed here through attention="gather"), and graphs run again for steps of
+the same shape. What must hold: the node and input counts of a decode step do not grow with
+the number of sequences, a step of the previous step's shape runs that graph again, and any
+mix of decode runs and prefill chunks (which the grouping reorders) gives the kernel's logits."""
+
+import numpy as np
+import pytest
+
+from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine.worker.model_runner import ModelRunner
+from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
+
+# Two attention paths over f16 pages: agreement to f16 rounding of the products' inputs.
+LOGIT_TOLERANCE = 2e-2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("step_graph")
+    # gemma3: sliding-window layers beside full ones (two layer groups, windowed masks).
+    return {arch: write_tiny_model(root / f"{arch}.gguf", arch, weight_type="q8_0") for arch in ("llama", "gemma3")}
+
+
+def _runner(model, attention, **kw):
+    return ModelRunner(model, paged=True, n_ctx=128, n_seq_max=64, n_threads=2, n_batch=128, block_size=16,
+                       attention=attention, **kw)
+
+
+def _decode_stats(model, attention, n_seqs, rng):
+    runner = _runner(model, attention)
+    try:
+        seqs = [runner.add_sequence(list(rng.integers(4, 200, size=int(rng.integers(3, 40))))) for _ in range(n_seqs)]
+        for s in seqs:
+            runner.prefill(s)
+        for s in seqs:
+            runner.append_tokens(s, [7])
+        runner.step([(s, 1) for s in seqs])
+        first = runner.step_stats()
+        for s in seqs:
+            runner.append_tokens(s, [9])
+        runner.step([(s, 1) for s in seqs])
+        return first, runner.step_stats()
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_gathered_decode_step_has_the_same_graph_at_any_number_of_sequences(tiny, arch):
+    model = Model(tiny[arch])
+    try:
+        rng = np.random.default_rng(3)
+        seen = {n: _decode_stats(model, "gather", n, rng) for n in (1, 16, 64)}
+    finally:
+        model.close()
+    first = {n: (s[0]["nodes"], s[0]["inputs"]) for n, s in seen.items()}
+    assert len(set(first.values())) == 1, first
+    for n, (_, second) in seen.items():
+        # the next decode step has the same shape (same runs, same key bucket): no rebuild
+        assert second["reused"], (n, second)
+        assert (second["nodes"], second["inputs"]) == first[1]
+
+
+def test_the_kernel_path_runs_a_decode_graph_again(tiny):
+    model = Model(tiny["llama"])
+    try:
+        first, second = _decode_stats(model, "kernel", 8, np.random.default_rng(4))
+    finally:
+        model.close()
+    assert not first["reused"] and second["reused"]
+    assert second["builds"] == first["builds"]
+
+
+def test_a_step_of_another_shape_builds_its_own_graph(tiny):
+    model = Model(tiny["llama"])
+    runner = _runner(model, "gather")
+    try:
+        a, b = runner.add_sequence([5, 6, 7]), runner.add_sequence([8, 9, 10, 11, 12, 13, 14, 15])
+        runner.step([(a, 3)])
+        runner.step([(b, 2)])             # other token count (and no logits: not the prompt's end)
+        assert not runner.step_stats()["reused"]
+        runner.step([(b, 2)])             # same shape again
+        assert runner.step_stats()["reused"]
+        builds = runner.step_stats()["builds"]
+        runner.append_tokens(a, [4])
+        runner.step([(a, 1)])
+        assert not runner.step_stats()["reused"] and runner.step_stats()["builds"] == builds + 1
+    finally:
+        runner.close()
+        model.close()
+
+
+def _mixed_logits(model, attention):
+    """Steps mixing decode runs and prefill chunks of several lengths, in an order the
+    grouping by query count must undo; every row's logits."""
+    rng = np.random.default_rng(7)
+    runner = _runner(model, attention)
+    out = []
+    try:
+        prompts = [list(rng.integers(4, 200, size=n)) for n in (30, 9, 41, 5, 22)]
+        seqs = [runner.add_sequence(p) for p in prompts]
+        for s in seqs[::2]:
+            runner.prefill(s)
+        for s in seqs[::2]:
+            runner.append_tokens(s, [11])
+        # decode, chunk of 5, decode, chunk of 3, decode (then the rest of the chunks)
+        out.append(runner.step([(seqs[0], 1), (seqs[1], 5), (seqs[2], 1), (seqs[3], 3), (seqs[4], 1)]).copy())
+        out.append(runner.step([(seqs[3], 2), (seqs[1], 4)]).copy())
+        for s in seqs:
+            runner.append_tokens(s, [12, 13])
+        out.append(runner.step([(s, 2) for s in seqs]).copy())   # one group of equal chunks
+        for s in seqs:
+            runner.append_tokens(s, [14])
+        out.append(runner.step([(s, 1) for s in seqs]).copy())
+        return np.concatenate(out)
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_grouped_flash_attention_gives_the_kernels_logits(tiny, arch):
+    model = Model(tiny[arch])
+    try:
+        want = _mixed_logits(model, "kernel")
+        got = _mixed_logits(model, "gather")
+    finally:
+        model.close()
+    assert got.shape == want.shape
+    assert np.isfinite(got).all()
+    spread = want.max() - want.min()
+    assert np.abs(got - want).max() / spread < LOGIT_TOLERANCE
+    # each row is its own sequence's: rows put back in the wrong order would not agree
+    assert np.abs(got[:, None, :] - want[None, :, :]).max(axis=2).argmin(axis=1).tolist() == list(range(len(want)))
