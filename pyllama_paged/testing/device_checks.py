@@ -111,6 +111,51 @@ def check_forks() -> dict:
             model.close()
 
 
+def check_mixed(arch: str, n_gpu_layers: str = "-1", attention: str = "kernel") -> dict:
+    """Steps mixing decode runs and prefill chunks of several lengths in one batch (on a
+    device: one flash-attention call per group of equal-length runs, which reorders them),
+    each row against the reference's logits at that sequence's position; and the node and
+    input counts of decode steps over 1 and 6 sequences (equal: one group, whatever the count)."""
+    from .reference.numpy_model import ReferenceModel
+
+    rng = np.random.default_rng(11)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _tiny(arch, Path(tmp))
+        ref = ReferenceModel.from_gguf(path)
+        model, runner = _runner(path, int(n_gpu_layers), attention=attention, n_seq_max=6)
+        try:
+            texts = [list(rng.integers(4, 300, size=n)) for n in (30, 9, 41, 5, 22, 12)]
+            seqs = [runner.add_sequence(t) for t in texts]
+            rows = []   # (sequence, position, logits)
+
+            def step(work):
+                got = runner.step(work)
+                finished = [(i, s.num_tokens - 1) for i, s in ((seqs.index(s), s) for s, _ in work)
+                            if s.num_computed == s.num_tokens]
+                rows.extend((i, pos, got[k].copy()) for k, (i, pos) in enumerate(finished))
+
+            for i in (0, 2, 4):
+                runner.prefill(seqs[i])
+                runner.append_tokens(seqs[i], [11 + i])
+                texts[i].append(11 + i)
+            step([(seqs[0], 1), (seqs[1], 5), (seqs[2], 1), (seqs[3], 3), (seqs[4], 1), (seqs[5], 12)])
+            step([(seqs[3], 2), (seqs[1], 4)])
+            stats = {}
+            for n in (1, 6):
+                for i, s in enumerate(seqs[:n]):
+                    runner.append_tokens(s, [20 + n])
+                    texts[i].append(20 + n)
+                step([(s, 1) for s in seqs[:n]])
+                stats[n] = runner.step_stats()
+            errors = [_relative_error(got, ref.forward(texts[i][:pos + 1])[-1]) for i, pos, got in rows]
+            return {"errors": errors, "tolerance": TOLERANCE["f16"], "rows": len(rows),
+                    "decode_graphs": {n: (s["nodes"], s["inputs"]) for n, s in stats.items()},
+                    "placement": model.layer_placement()}
+        finally:
+            runner.close()
+            model.close()
+
+
 PROMPTS = [list(np.random.default_rng(i).integers(4, 300, size=n)) for i, n in enumerate([70, 17, 100, 48, 9, 60])]
 
 
@@ -303,7 +348,7 @@ def check_limits() -> dict:
         model.close()
 
 
-CHECKS = {"reference": check_reference, "forks": check_forks, "engine": check_engine, "window": check_window,
+CHECKS = {"reference": check_reference, "forks": check_forks, "mixed": check_mixed, "engine": check_engine, "window": check_window,
           "default_model": check_default_model, "server": check_server,
           "limits": check_limits}
 

@@ -27,6 +27,16 @@ def test_tiny_models_match_the_reference_on_the_device(arch):
     assert split[-2] == answer["device"] and set(split[:-2]) == {"CPU"} and split[-1] == "CPU"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_mixed_steps_match_the_reference_with_one_attention_call_per_group(arch):
+    """Decode runs and prefill chunks of several lengths in one step (sliding windows too):
+    every row against the reference; a decode step's graph is the same at 1 and 6 sequences."""
+    r = run_check("mixed", arch)["result"]
+    assert r["rows"] == 13 and max(r["errors"]) < r["tolerance"], r["errors"]
+    graphs = r["decode_graphs"]
+    assert graphs["1"] == graphs["6"], graphs
+
+
 def test_forks_copy_on_write_on_the_device():
     r = run_check("forks")["result"]
     assert max(r["errors"]) < r["tolerance"], r["errors"]

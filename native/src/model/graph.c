@@ -31,7 +31,9 @@ int32_t pp_matmul_columns(int32_t n) {
 static struct ggml_tensor *matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x) {
     const int64_t n = x->ne[1];
     const int64_t pad = pp_matmul_columns((int32_t)n) - n;
-    if (pad == 0 || x->ne[2] != 1 || x->ne[3] != 1) return ggml_mul_mat(ctx, w, x);
+    /* a device's products gain nothing from it, and its decode graphs keep one shape */
+    const int on_device = w->buffer && !ggml_backend_buffer_is_host(w->buffer);
+    if (pad == 0 || on_device || x->ne[2] != 1 || x->ne[3] != 1) return ggml_mul_mat(ctx, w, x);
     struct ggml_tensor *y = ggml_mul_mat(ctx, w, ggml_pad(ctx, x, 0, (int)pad, 0, 0));
     return ggml_view_2d(ctx, y, y->ne[0], n, y->nb[1], 0);
 }
