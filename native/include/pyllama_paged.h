@@ -545,6 +545,12 @@ typedef struct pp_batch {
     int32_t        n_hidden;
     const int32_t *hidden_rows;
     float         *hidden;
+    /* 1: of the logit rows the caller reads only their argmax ids
+     * (pp_context_step_argmax), as greedy decoding does: a context that
+     * computes them on a device then copies back n_logits ids instead of
+     * n_logits x n_vocab floats, and pp_context_step_logits gives NULL.
+     * 0 (or where the context computes no ids): the logits as usual. */
+    int32_t        argmax_only;
 } pp_batch;
 
 typedef struct pp_context pp_context;
@@ -588,6 +594,24 @@ int32_t pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits)
  * pp_context_decode on it or its destruction. NULL (and *n_rows 0) before
  * the first step, after a failed one, or when the step asked for no logits. */
 const float *pp_context_step_logits(const pp_context *ctx, int32_t *n_rows);
+
+/* Where a step computes each logit row's argmax (its greedy token) as part
+ * of its graph. */
+enum pp_argmax_mode {
+    PP_ARGMAX_ON_DEVICE = 0,   /* when the output head runs on a device (the default): its
+                                  ids come back instead of its logits (pp_batch.argmax_only) */
+    PP_ARGMAX_ALWAYS    = 1,   /* every step with logits, wherever it runs */
+    PP_ARGMAX_NEVER     = 2
+};
+
+/* Choose where later steps compute argmax ids. PP_ERR_INVALID for an unknown mode. */
+int32_t pp_context_set_argmax(pp_context *ctx, int32_t mode);
+
+/* The last successful step's argmax id per logit row (the first of equal
+ * maxima), owned by the context, valid until its next step. NULL (and
+ * *n_rows 0) when that step computed none (see pp_argmax_mode) or asked for
+ * no logits. */
+const int32_t *pp_context_step_argmax(const pp_context *ctx, int32_t *n_rows);
 
 /* The columns a step's matrix products compute for n tokens (or logit rows):
  * n, or n rounded up to a multiple of 4 where GGML's CPU GEMMs would take a

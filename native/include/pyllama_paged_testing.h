@@ -57,6 +57,11 @@ int32_t pp_attention_harness_write(pp_attention_harness *h, const int32_t *slots
 int32_t pp_attention_harness_read(const pp_attention_harness *h, const int32_t *slots, int32_t n,
                                   float *k, float *v);
 
+/* Attention sinks for later calls (both operators): n_head f32 logits, each
+ * joining its head's softmax as a key of value 0 (gpt-oss), copied; NULL:
+ * none again. PP_ERR_INVALID for a NULL harness. */
+int32_t pp_attention_harness_set_sinks(pp_attention_harness *h, const float *sinks);
+
 /* Paged attention for the batch's tokens (token_ids and slot_mapping are
  * ignored; positions, seq_index and block tables are used) with pages of
  * block_size slots. q and out: [n_tokens][n_head][head_dim] f32, out the

@@ -241,12 +241,16 @@ class LLMEngine:
             drafts = self.speculator.draft(output, seqs, requests, self.runner.kv, self.runner.n_batch,
                                            self.limit, self.scheduler.spare_prefill_tokens)
             self.scheduler.charge_prefill(self.speculator.last_catch_up_tokens)
+        # every row drawn by argmax: a step that computes them on a device reads back ids alone
+        argmax_only = hidden is None and not drafts and all(
+            r.score is None and not r.is_beam and all(s.sampler.plain_greedy for s in r.live_seqs) for r in requests)
         started = time.perf_counter()
         logits, rows = self.runner.execute(output.items_array(), hidden,
-                                           [r.score is not None for r in requests], drafts)
+                                           [r.score is not None for r in requests], drafts, argmax_only)
+        ids = self.runner.step_argmax() if argmax_only else None
         self.forward_seconds += time.perf_counter() - started
         self.num_computed_tokens += sum(output.num_tokens)
-        return ExecutedStep(seqs, owner, requests, hidden, logits, rows, drafts)
+        return ExecutedStep(seqs, owner, requests, hidden, logits, rows, drafts, ids)
 
     # ---- the prefix cache, as routers see it ---------------------------------
     def set_kv_event_listener(self, listener) -> None:

@@ -25,7 +25,8 @@ class ExecutedStep:
     """One step as the model ran it: the step's sequences by id and their requests (owner,
     and `requests[i]` for item i), the logits rows, the pooled rows for the embedding chunks
     that asked (`hidden[i]`: item i's (first, count), or None), and the draft tokens spliced
-    after item i (`drafts[i]`)."""
+    after item i (`drafts[i]`); `argmax`: the rows' greedy tokens, computed with the step when
+    every row is a plain greedy draw (then a device's logits were not read back)."""
 
     seqs: dict[int, Sequence]
     owner: dict[int, Request]
@@ -34,6 +35,7 @@ class ExecutedStep:
     logits: np.ndarray
     rows: np.ndarray
     drafts: dict[int, list[int]]
+    argmax: np.ndarray | None = None   # each logits row's argmax, when every row is drawn so
 
 
 class Postprocessor:
@@ -46,6 +48,7 @@ class Postprocessor:
         self.pooling = DecoderPooling()       # embedding requests' pooled states in flight
         self.scores = PromptScores()          # scoring requests' scores in flight
         self.sample_seconds = 0.0             # time in sampling, for /stats
+        self.argmax_draws = 0                 # rows drawn from the steps' argmax ids, not the sampler
         self.num_generated_tokens = 0
 
     def hidden_rows(self, output: SchedulerOutput, requests: list[Request], seqs: dict) -> list | None:
@@ -68,7 +71,8 @@ class Postprocessor:
         if step.hidden is not None:
             self._pool_embeddings(output, step, outputs)
         drafts = {output.seq_ids[i]: d for i, d in step.drafts.items()}   # by sequence from here on
-        self._sample(self._logit_rows(output, step, outputs, drafts), step.logits, step.owner, outputs, drafts)
+        self._sample(self._logit_rows(output, step, outputs, drafts), step.logits, step.owner, outputs, drafts,
+                     step.argmax)
 
     def forget(self, seq_id: int) -> None:
         """An ended request's sequence: drop its pooled rows and scores in flight."""
@@ -110,7 +114,7 @@ class Postprocessor:
             self._finish(request, out)
 
     def _sample(self, finishing: list[tuple[Sequence, int]], logits: np.ndarray, owner: dict,
-                outputs: dict[str, RequestOutput], drafts: dict) -> None:
+                outputs: dict[str, RequestOutput], drafts: dict, argmax: np.ndarray | None = None) -> None:
         """Sample every (sequence, logits row) that reached its last token in one call;
         append, fork (n>1), advance beams, finish. Drafted sequences (drafts: seq id ->
         tokens) are verified by the speculator instead."""
@@ -134,7 +138,11 @@ class Postprocessor:
                 picks += [(r, seq, row, seq.sampler) for r, seq, row in self._samples_of(request, items)
                           if seq.seq_id not in drafts]
         started = time.perf_counter()
-        drawn = self.sampler.sample(logits, [(row, sampler, seq.token_ids) for _, seq, row, sampler in picks])
+        if argmax is not None:   # plain greedy rows: the step's own argmax ids
+            drawn = [Sampled(int(argmax[row])) for _, _, row, _ in picks]
+            self.argmax_draws += len(picks)
+        else:
+            drawn = self.sampler.sample(logits, [(row, sampler, seq.token_ids) for _, seq, row, sampler in picks])
         self.sample_seconds += time.perf_counter() - started
         failed = {request.request_id: (request, sampled.error)
                   for (request, _, _, _), sampled in zip(picks, drawn) if sampled.error}

@@ -52,6 +52,14 @@ class AttentionHarness(NativeHandle):
         check(lib.pp_attention_harness_read(self._handle, sp, len(s), _f32(k)[1], _f32(v)[1]), "read")
         return k, v
 
+    def set_sinks(self, sinks) -> None:
+        """Attention sinks (one logit per query head) for later calls; None: none."""
+        if sinks is None:
+            check(lib.pp_attention_harness_set_sinks(self._handle, ffi.NULL), "sinks")
+            return
+        s, sp = _f32(np.asarray(sinks, dtype=np.float32).reshape(self.n_head))
+        check(lib.pp_attention_harness_set_sinks(self._handle, sp), "sinks")
+
     def paged(self, q: np.ndarray, positions, seq_index, block_tables, block_size: int,
               window: int = 0, scale: float | None = None) -> np.ndarray:
         """Paged attention; q [n_tokens, n_head, head_dim] -> out of the same shape."""

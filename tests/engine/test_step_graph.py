@@ -131,3 +131,59 @@ def test_grouped_flash_attention_gives_the_kernels_logits(tiny, arch):
     assert np.abs(got - want).max() / spread < LOGIT_TOLERANCE
     # each row is its own sequence's: rows put back in the wrong order would not agree
     assert np.abs(got[:, None, :] - want[None, :, :]).max(axis=2).argmin(axis=1).tolist() == list(range(len(want)))
+
+
+def test_argmax_ids_computed_in_the_step_are_the_logits_argmax(tiny):
+    model = Model(tiny["gemma3"])
+    runner = _runner(model, "gather")
+    try:
+        seqs = [runner.add_sequence([5 + i, 6, 7, 8 + i]) for i in range(3)]
+        runner.step([(s, 4) for s in seqs])
+        assert runner.step_argmax() is None            # the head is on the CPU: no ids by default
+        runner.set_argmax("always")
+        for s in seqs:
+            runner.append_tokens(s, [9])
+        logits, _ = runner.execute(np.array([(s.handle, 4, 1) for s in seqs], dtype=np.int32), argmax_only=True)
+        ids = runner.step_argmax()
+        assert ids.tolist() == logits.argmax(axis=1).tolist()   # host logits come back all the same
+        with pytest.raises(Exception, match="argmax mode"):
+            runner.set_argmax("sometimes")
+    finally:
+        runner.close()
+        model.close()
+
+
+def _greedy_texts(path, argmax: str, extra_params=None):
+    from pyllama_paged.engine.config import EngineConfig
+    from pyllama_paged.engine.llm_engine import LLMEngine
+    from pyllama_paged.engine.worker.sampler import SamplingParams
+
+    model = Model(path)
+    engine = LLMEngine.from_config(EngineConfig(n_ctx=128, n_threads=2, block_size=16, kv_tokens=1024),
+                                   model=model, eot_ids=[])
+    engine.runner.set_argmax(argmax)
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for _ in range(3)]
+        if extra_params:
+            params.append(extra_params)
+        ids = [engine.add_request([4 + i, 20, 30 + i], p).request_id for i, p in enumerate(params)]
+        got = {i: [] for i in ids}
+        while engine.has_work():
+            for out in engine.step():
+                got[out.request_id] += [e.token_id for e in out.events]
+        assert (engine.post.argmax_draws > 0) == (argmax == "always" and extra_params is None)
+        return [got[i] for i in ids]
+    finally:
+        engine.close()
+        model.close()
+
+
+def test_greedy_requests_drawn_from_the_steps_argmax_answer_as_the_sampler_does(tiny):
+    from pyllama_paged.engine.worker.sampler import SamplingParams
+
+    want = _greedy_texts(tiny["llama"], "never")
+    assert _greedy_texts(tiny["llama"], "always") == want
+    # a request that needs its logits (a penalty) beside them: the sampler draws every row
+    penalised = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repeat_penalty=1.5)
+    mixed = _greedy_texts(tiny["llama"], "always", penalised)
+    assert mixed[:3] == want and mixed[3] == _greedy_texts(tiny["llama"], "never", penalised)[3]

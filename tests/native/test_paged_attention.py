@@ -10,8 +10,9 @@ from pyllama_paged._native import ffi, lib
 from pyllama_paged.testing.attention_harness import AttentionHarness
 
 
-def gathered_attention(q, k_rows, v_rows, positions, n_head_kv, window, scale):
-    """Reference: q [T, H, D]; k_rows/v_rows [L, n_head_kv*D] in logical order."""
+def gathered_attention(q, k_rows, v_rows, positions, n_head_kv, window, scale, sinks=None):
+    """Reference: q [T, H, D]; k_rows/v_rows [L, n_head_kv*D] in logical order; sinks [H]:
+    one more logit per head in the softmax's denominator, whose value is 0 (gpt-oss)."""
     T, H, D = q.shape
     group = H // n_head_kv
     k = k_rows.reshape(len(k_rows), n_head_kv, D).astype(np.float64)
@@ -22,8 +23,10 @@ def gathered_attention(q, k_rows, v_rows, positions, n_head_kv, window, scale):
         for h in range(H):
             kv = h // group
             s = k[lo:pos + 1, kv] @ q[t, h].astype(np.float64) * scale
-            p = np.exp(s - s.max())
-            out[t, h] = (p / p.sum()) @ v[lo:pos + 1, kv]
+            top = s.max() if sinks is None else max(s.max(), sinks[h])
+            p = np.exp(s - top)
+            total = p.sum() + (0.0 if sinks is None else np.exp(sinks[h] - top))
+            out[t, h] = (p / total) @ v[lo:pos + 1, kv]
     return out
 
 
@@ -174,6 +177,38 @@ def test_split_k_decode_matches_gathered_softmax(n_threads, length, window):
     got = h.paged(q, [length - 1], [0], blocks[None, :], bs, window)
     want = gathered_attention(q, k, v, [length - 1], 1, window, D ** -0.5)
     assert np.abs(got - want).max() < 2e-3
+
+
+@pytest.mark.parametrize("n_threads,length,window", [(2, 40, 0), (2, 90, 32), (4, 3000, 0)])
+def test_attention_sinks_join_the_softmax_in_both_operators(n_threads, length, window):
+    """gpt-oss's sinks: our kernel (one pass, and split-K at 3000 keys on 4 threads, where
+    the sink must count once) and GGML's flash attention against the reference; and a
+    sink the size of the scores changes the output (a kernel that ignored it fails)."""
+    rng = np.random.default_rng(length)
+    bs, D, H = 16, 64, 4
+    num_blocks = -(-length // bs) + 2
+    h = AttentionHarness("f16", num_blocks * bs, H, 2, D, n_threads=n_threads)
+    blocks, k, v = scatter_sequence(rng, h, length, bs, num_blocks, 2 * D, set())
+    # comparable to the sum of a few thousand keys' weights, so each sink moves the output
+    sinks = np.array([2.0, -1.0, 0.5, 4.0], np.float32) + np.float32(np.log(length))
+    positions = list(range(length - 3, length))
+    q = rng.standard_normal((3, H, D)).astype(np.float32)
+    want = gathered_attention(q, k, v, positions, 2, window, D ** -0.5, sinks)
+    plain = gathered_attention(q, k, v, positions, 2, window, D ** -0.5)
+    assert np.abs(want - plain).max() > 0.05
+    h.set_sinks(sinks)
+    got = h.paged(q, positions, [0] * 3, blocks[None, :], bs, window)
+    assert np.abs(got - want).max() < 2e-3
+    if length == 3000:   # one query at a time: the split-K path (few items, long keys)
+        one = h.paged(q[-1:], positions[-1:], [0], blocks[None, :], bs, window)
+        assert np.abs(one - want[-1:]).max() < 2e-3
+    else:                # GGML's flash attention over the same rows laid out contiguously
+        h2 = AttentionHarness("f16", length, H, 2, D, n_threads=n_threads)
+        h2.write(range(length), k, v)
+        h2.set_sinks(sinks)
+        assert np.abs(h2.contiguous(q, 0, length, positions, window) - want).max() < 2e-2
+    h.set_sinks(None)
+    assert np.abs(h.paged(q, positions, [0] * 3, blocks[None, :], bs, window) - plain).max() < 2e-3
 
 
 def test_harness_refuses_batches_the_kernel_cannot_take():

@@ -23,6 +23,7 @@ typedef struct pp_layer {
     struct ggml_tensor *ffn_norm;
     struct ggml_tensor *ffn_gate, *ffn_up, *ffn_down;
     struct ggml_tensor *post_ffw_norm;
+    struct ggml_tensor *attn_sinks;   /* [n_head] f32: a learned logit per head in the softmax's denominator (gpt-oss), or NULL */
     /* encoder (bert) only: output bias, post-norms with biases, FFN biases */
     struct ggml_tensor *bo;
     struct ggml_tensor *attn_out_norm, *attn_out_norm_b;
@@ -154,6 +155,8 @@ typedef struct pp_flash_plan {
 typedef struct pp_attention_params {
     const pp_batch *batch;
     const pp_flash_plan *plan;   /* this step's, for GGML's flash attention on pages */
+    const float *sinks;          /* [n_head] attention sinks for our kernel (host memory), or NULL */
+    struct ggml_tensor *sinks_tensor;   /* the same as a tensor, for GGML's flash attention, or NULL */
     const pp_attention_scratch *scratch;   /* sized for the context's threads */
     int32_t block_size;
     int32_t window;        /* 0: full causal attention */

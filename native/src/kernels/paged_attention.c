@@ -48,10 +48,12 @@ static void visible_keys(const pp_attention_params *ap, int pos, int k0, int n, 
 
 /* Fold keys [k_lo, k_hi) of the sequence of tokens [t0, t1) into st for KV
  * head kvh; row r is token t0 + r / group, query head kvh * group + r % group.
- * Each row still sees only its own causal (and window) range. */
+ * Each row still sees only its own causal (and window) range. with_sink: the
+ * layer's sinks (if any) join the softmax as one more key of value 0, so a
+ * row starts at max = sink, sum = 1 (once per row: one slice of a split). */
 static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor *q,
                         const struct ggml_tensor *kc, const struct ggml_tensor *vc, int t0, int t1,
-                        int kvh, int k_lo, int k_hi, tile_state *st) {
+                        int kvh, int k_lo, int k_hi, int with_sink, tile_state *st) {
     const pp_batch *batch = ap->batch;
     const int hd = ap->head_dim;
     const int group = ap->n_head / ap->n_head_kv;
@@ -71,8 +73,9 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
                                             (size_t)(kvh * group + r % group) * q->nb[1]);
         for (int d = 0; d < hd; d++) st->q[(size_t)r * hd + d] = qrow[d] * ap->scale;
         if (quantize_q) quantize_q(st->q + (size_t)r * hd, st->q8 + (size_t)r * q8_row, hd);
-        st->run_max[r] = -INFINITY;
-        st->run_sum[r] = 0.0f;
+        const int sink = with_sink && ap->sinks;
+        st->run_max[r] = sink ? ap->sinks[kvh * group + r % group] : -INFINITY;
+        st->run_sum[r] = sink ? 1.0f : 0.0f;
     }
     memset(st->acc, 0, sizeof(float) * (size_t)rows * hd);
 
@@ -216,7 +219,7 @@ void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *use
         for (int kvh = 0; kvh < ap->n_head_kv; kvh++, item++) {
             if (item % nth != ith) continue;
             const int k_lo = key_begin(ap, batch->positions[t0]), k_hi = batch->positions[t1 - 1] + 1;
-            attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t0, t1, kvh, k_lo, k_hi, &st);
+            attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t0, t1, kvh, k_lo, k_hi, 1, &st);
             for (int r = 0; r < (t1 - t0) * group; r++) {
                 float *out = (float *)((char *)dst->data + (t0 + r / group) * dst->nb[2] +
                                        (size_t)(kvh * group + r % group) * dst->nb[1]);
@@ -250,7 +253,7 @@ void pp_paged_attention_partial_cpu(struct ggml_tensor *dst, int ith, int nth, v
         const int lo = key_begin(ap, pos), len = pos + 1 - lo;
         const int k_begin = lo + (int)((int64_t)len * split / n_splits);
         const int k_end = lo + (int)((int64_t)len * (split + 1) / n_splits);
-        attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t, t + 1, kvh, k_begin, k_end, &st);
+        attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t, t + 1, kvh, k_begin, k_end, split == 0, &st);
         for (int g = 0; g < group; g++) {
             float *out = (float *)((char *)dst->data + item * dst->nb[3] + split * dst->nb[2] + g * dst->nb[1]);
             memcpy(out, st.acc + (size_t)g * hd, sizeof(float) * hd);

@@ -139,6 +139,7 @@ static struct ggml_tensor *paged_flash_attention(struct ggml_context *ctx, const
         struct ggml_tensor *mask = shared_input(ctx, GGML_TYPE_F16, n_kv, n_q, n_runs, name);
         struct ggml_tensor *o = ggml_flash_attn_ext(ctx, qg, k, v, mask, ap->scale, 0.0f, 0.0f);
         ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
+        if (ap->sinks_tensor) ggml_flash_attn_ext_add_sinks(o, ap->sinks_tensor);
         o = ggml_reshape_2d(ctx, o, row, (int64_t)n_q * n_runs);   /* [head_dim x n_head, tokens] */
         out = out ? ggml_concat(ctx, out, o, 1) : o;
     }
@@ -177,6 +178,7 @@ static struct ggml_tensor *slab_flash_attention(struct ggml_context *ctx, const 
         struct ggml_tensor *mask = shared_input(ctx, GGML_TYPE_F16, n_kv, n_q, 1, name);
         struct ggml_tensor *o = ggml_flash_attn_ext(ctx, qs, ks, vs, mask, ap->scale, 0.0f, 0.0f);
         ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
+        if (ap->sinks_tensor) ggml_flash_attn_ext_add_sinks(o, ap->sinks_tensor);
         out = out ? ggml_concat(ctx, out, o, 2) : o;  /* [head_dim, n_head, tokens] */
         t0 = t1;
     }

@@ -17,7 +17,7 @@
 
 /* What a step's graph depends on besides the model: equal shapes, equal graphs. */
 typedef struct step_shape {
-    int32_t  n_tokens, n_logits, n_hidden, path, n_threads;
+    int32_t  n_tokens, n_logits, n_hidden, path, n_threads, argmax;
     int32_t  reusable;     /* 0: slabs, whose views move with each sequence's length */
     uint64_t attention;    /* the attention nodes' shapes (flash plan, kernel splits) */
 } step_shape;
@@ -41,6 +41,9 @@ struct pp_context {
     atomic_int           abort_requested;
     const float         *step_logits;  /* the last step's logits in the compute buffer, or NULL */
     int32_t              step_n_logits;
+    int32_t              argmax_mode;  /* enum pp_argmax_mode */
+    int32_t             *step_ids;     /* the last step's argmax ids (max_batch_tokens), if computed */
+    int32_t              step_n_ids;
     ggml_backend_t       device_backend;   /* NULL: the model runs on the CPU alone */
     ggml_backend_sched_t sched;
     float               *host_logits;      /* a device's logits read back (sched only) */
@@ -90,6 +93,7 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
     c->meta_buf = malloc(c->meta_size);
     c->layer_params = calloc((size_t)m->hp.n_layer, sizeof *c->layer_params);
     c->plan_arrays = malloc(sizeof(int32_t) * ((size_t)max_batch_tokens * 7 + 1));
+    c->step_ids = malloc(sizeof(int32_t) * (size_t)max_batch_tokens);
     if (c->plan_arrays) {
         int32_t *a = c->plan_arrays;
         const size_t n = (size_t)max_batch_tokens;
@@ -98,7 +102,7 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
     }
     c->backend = new_backend(c);
     c->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
-    if (!c->meta_buf || !c->layer_params || !c->plan_arrays || !c->backend || !c->galloc) {
+    if (!c->meta_buf || !c->layer_params || !c->plan_arrays || !c->step_ids || !c->backend || !c->galloc) {
         pp_context_destroy(c);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute context");
     }
@@ -134,6 +138,9 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         ap->head_dim = m->hp.head_dim;
         ap->scratch = &c->scratch;
         ap->plan = &c->plan;
+        const struct ggml_tensor *sinks = m->layers[il].attn_sinks;
+        ap->sinks_tensor = m->layers[il].attn_sinks;
+        ap->sinks = sinks && sinks->buffer && ggml_backend_buffer_is_host(sinks->buffer) ? sinks->data : NULL;
     }
     if (m->panels) {
         c->gemm_states = calloc((size_t)m->n_panel_slots, sizeof *c->gemm_states);
@@ -166,6 +173,7 @@ void pp_context_destroy(pp_context *c) {
     if (c->graph_ctx) ggml_free(c->graph_ctx);
     free(c->meta_buf);
     free(c->plan_arrays);
+    free(c->step_ids);
     free(c->layer_params);
     free(c->gemm_states);
     pp_attention_scratch_release(&c->scratch);
@@ -311,6 +319,21 @@ int32_t pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_bat
     return PP_OK;
 }
 
+int32_t pp_context_set_argmax(pp_context *c, int32_t mode) {
+    if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_set_argmax: context is NULL");
+    if (mode != PP_ARGMAX_ON_DEVICE && mode != PP_ARGMAX_ALWAYS && mode != PP_ARGMAX_NEVER)
+        return pp_fail(PP_ERR_INVALID, "unknown argmax mode %d", mode);
+    c->argmax_mode = mode;
+    return PP_OK;
+}
+
+/* Whether steps compute argmax ids: the output head's weights on a device, or asked. */
+static int computes_argmax(const pp_context *c) {
+    if (c->argmax_mode != PP_ARGMAX_ON_DEVICE) return c->argmax_mode == PP_ARGMAX_ALWAYS;
+    const struct ggml_tensor *head = c->model->output ? c->model->output : c->model->tok_embd;
+    return head->buffer && !ggml_backend_buffer_is_host(head->buffer);
+}
+
 int32_t pp_context_set_attention_path(pp_context *c, int32_t path) {
     if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_set_attention_path: context is NULL");
     if (path != PP_ATTENTION_KERNEL && path != PP_ATTENTION_GATHER)
@@ -340,7 +363,8 @@ static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_bat
 /* The step's shape: what its graph's nodes and their sizes depend on. */
 static step_shape shape_of(pp_context *c, const pp_batch *b, int gather, int flash) {
     step_shape s = {.n_tokens = b->n_tokens, .n_logits = b->n_logits, .n_hidden = b->n_hidden,
-                    .path = gather, .n_threads = c->n_threads, .reusable = c->cache->paged};
+                    .path = gather, .n_threads = c->n_threads, .reusable = c->cache->paged,
+                    .argmax = b->n_logits > 0 && computes_argmax(c)};
     uint64_t h = flash ? pp_flash_plan_shape(&c->plan) : 0;
     /* Our kernel's split-K choice is made per layer when the graph is built. */
     for (int il = 0; !gather && il < c->model->hp.n_layer; il++)
@@ -351,7 +375,7 @@ static step_shape shape_of(pp_context *c, const pp_batch *b, int gather, int fla
 
 static int same_shape(const step_shape *a, const step_shape *b) {
     return a->reusable && b->reusable && a->n_tokens == b->n_tokens && a->n_logits == b->n_logits &&
-           a->n_hidden == b->n_hidden && a->path == b->path && a->n_threads == b->n_threads &&
+           a->n_hidden == b->n_hidden && a->path == b->path && a->n_threads == b->n_threads && a->argmax == b->argmax &&
            a->attention == b->attention;
 }
 
@@ -371,6 +395,12 @@ static int32_t step_graph(pp_context *c, const pp_batch *b, int gather, const st
     if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
     struct ggml_cgraph *gf = pp_build_graph(ctx, c->model, c->cache, b, c->layer_params, c->gemm_states,
                                             c->n_threads, gather, c->max_nodes);
+    if (shape->argmax) {   /* each row's greedy token, beside (or, read back, instead of) its logits */
+        struct ggml_tensor *ids = ggml_argmax(ctx, ggml_graph_get_tensor(gf, "logits"));
+        ggml_set_name(ids, "argmax");
+        ggml_set_output(ids);
+        ggml_build_forward_expand(gf, ids);
+    }
     if (c->sched) ggml_backend_sched_reset(c->sched);
     if (!(c->sched ? ggml_backend_sched_alloc_graph(c->sched, gf) : ggml_gallocr_alloc_graph(c->galloc, gf))) {
         ggml_free(ctx);
@@ -395,10 +425,17 @@ static int32_t step_graph(pp_context *c, const pp_batch *b, int gather, const st
  * a device) and hidden rows. */
 static int32_t read_outputs(pp_context *c, struct ggml_cgraph *gf, const pp_batch *b, float *logits) {
     const pp_model *m = c->model;
+    struct ggml_tensor *ids = b->n_logits > 0 ? ggml_graph_get_tensor(gf, "argmax") : NULL;
+    if (ids) {
+        ggml_backend_tensor_get(ids, c->step_ids, 0, sizeof(int32_t) * b->n_logits);
+        c->step_n_ids = b->n_logits;
+    }
     if (b->n_logits > 0) {
         struct ggml_tensor *out = ggml_graph_get_tensor(gf, "logits");
         const size_t floats = (size_t)b->n_logits * m->hp.n_vocab;
-        if (ggml_backend_buffer_is_host(out->buffer)) {
+        if (ids && b->argmax_only && !logits && !ggml_backend_buffer_is_host(out->buffer)) {
+            /* the ids are all the caller reads: the rows stay on the device */
+        } else if (ggml_backend_buffer_is_host(out->buffer)) {
             /* the graph output stays in the allocator's buffer until the next step allocates:
              * with no logits buffer the caller reads it there (no copy of n_logits x n_vocab) */
             c->step_logits = out->data;
@@ -412,7 +449,7 @@ static int32_t read_outputs(pp_context *c, struct ggml_cgraph *gf, const pp_batc
             ggml_backend_tensor_get(out, c->host_logits, 0, floats * sizeof(float));
             c->step_logits = c->host_logits;
         }
-        c->step_n_logits = b->n_logits;
+        if (c->step_logits) c->step_n_logits = b->n_logits;
         if (logits) memcpy(logits, c->step_logits, sizeof(float) * floats);
     }
     if (b->n_hidden > 0) {
@@ -431,6 +468,7 @@ int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
      * (and the compute buffer they live in is about to be reused) */
     c->step_logits = NULL;
     c->step_n_logits = 0;
+    c->step_n_ids = 0;
     int st = pp_check_batch(c->model, c->cache, b);
     if (st != PP_OK) return st;
     if (b->n_tokens > c->max_batch_tokens)
@@ -474,6 +512,12 @@ int32_t pp_context_step_stats(const pp_context *c, pp_step_stats *out) {
     if (!c || !out) return pp_fail(PP_ERR_INVALID, "pp_context_step_stats: NULL argument");
     *out = c->stats;
     return PP_OK;
+}
+
+const int32_t *pp_context_step_argmax(const pp_context *c, int32_t *n_rows) {
+    const int32_t n = c ? c->step_n_ids : 0;
+    if (n_rows) *n_rows = n;
+    return n > 0 ? c->step_ids : NULL;
 }
 
 const float *pp_context_step_logits(const pp_context *c, int32_t *n_rows) {

@@ -14,6 +14,8 @@ struct pp_attention_harness {
     struct ggml_context  *meta;
     ggml_backend_buffer_t buffer;
     struct ggml_tensor   *k, *v;
+    struct ggml_tensor   *sinks;       /* [n_head] f32 */
+    int32_t               use_sinks;
     ggml_backend_t        backend;
     ggml_gallocr_t        galloc;
     void                 *graph_buf;
@@ -37,7 +39,7 @@ int32_t pp_attention_harness_create(int32_t kv_type, int32_t num_slots, int32_t 
     if (!h) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the harness");
     *h = (pp_attention_harness){.type = type, .num_slots = num_slots, .n_head = n_head, .n_head_kv = n_head_kv,
                                 .head_dim = head_dim};
-    struct ggml_init_params params = {.mem_size = 3 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
+    struct ggml_init_params params = {.mem_size = 4 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
     h->meta = ggml_init(params);
     h->graph_size = ggml_tensor_overhead() * 64 + ggml_graph_overhead_custom(64, false);
     h->graph_buf = malloc(h->graph_size);
@@ -46,6 +48,7 @@ int32_t pp_attention_harness_create(int32_t kv_type, int32_t num_slots, int32_t 
     if (h->meta) {
         h->k = ggml_new_tensor_2d(h->meta, type, (int64_t)head_dim * n_head_kv, num_slots);
         h->v = ggml_new_tensor_2d(h->meta, type, (int64_t)head_dim * n_head_kv, num_slots);
+        h->sinks = ggml_new_tensor_1d(h->meta, GGML_TYPE_F32, n_head);
         h->buffer = ggml_backend_alloc_ctx_tensors_from_buft(h->meta, ggml_backend_cpu_buffer_type());
     }
     if (!h->meta || !h->buffer || !h->graph_buf || !h->backend || !h->galloc) {
@@ -125,6 +128,13 @@ static int run_graph(pp_attention_harness *h, struct ggml_context *ctx, struct g
     return PP_OK;
 }
 
+int32_t pp_attention_harness_set_sinks(pp_attention_harness *h, const float *sinks) {
+    if (!h) return pp_fail(PP_ERR_INVALID, "pp_attention_harness_set_sinks: harness is NULL");
+    h->use_sinks = sinks != NULL;
+    if (sinks) memcpy(h->sinks->data, sinks, sizeof(float) * (size_t)h->n_head);
+    return PP_OK;
+}
+
 int32_t pp_attention_harness_paged(pp_attention_harness *h, const pp_batch *b, int32_t block_size,
                                    int32_t window, float scale, const float *q, float *out) {
     if (!h || !b || !q || !out || block_size < 1 || b->n_tokens < 1)
@@ -142,7 +152,8 @@ int32_t pp_attention_harness_paged(pp_attention_harness *h, const pp_batch *b, i
         }
     }
     pp_attention_params ap = {.batch = b, .scratch = &h->scratch, .block_size = block_size, .window = window, .scale = scale,
-                              .n_head = h->n_head, .n_head_kv = h->n_head_kv, .head_dim = h->head_dim};
+                              .n_head = h->n_head, .n_head_kv = h->n_head_kv, .head_dim = h->head_dim,
+                              .sinks = h->use_sinks ? h->sinks->data : NULL};
     struct ggml_init_params params = {.mem_size = h->graph_size, .mem_buffer = h->graph_buf, .no_alloc = true};
     struct ggml_context *ctx = ggml_init(params);
     struct ggml_tensor *qt = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, h->head_dim, h->n_head, b->n_tokens);
@@ -178,6 +189,7 @@ int32_t pp_attention_harness_contiguous(pp_attention_harness *h, int32_t first_s
     struct ggml_tensor *vs = ggml_view_3d(ctx, h->v, h->head_dim, n_kv, h->n_head_kv, h->v->nb[1], head_bytes, offset);
     struct ggml_tensor *o = ggml_flash_attn_ext(ctx, ggml_permute(ctx, qt, 0, 2, 1, 3), ks, vs, mask, scale, 0.0f, 0.0f);
     ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
+    if (h->use_sinks) ggml_flash_attn_ext_add_sinks(o, h->sinks);
     int st = run_graph(h, ctx, qt, mask, mask_data, o, q, out);
     ggml_free(ctx);
     free(mask_data);

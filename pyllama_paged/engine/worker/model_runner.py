@@ -23,6 +23,8 @@ from .thread_policy import ThreadPolicy
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type ids
 # Paged attention: our CPU operator, or GGML ops alone (pages gathered by slot, then GGML's
 # flash attention: the portable path for any backend).
+ARGMAX_MODES = {"device": lib.PP_ARGMAX_ON_DEVICE, "always": lib.PP_ARGMAX_ALWAYS,
+                "never": lib.PP_ARGMAX_NEVER}   # enum pp_argmax_mode
 ATTENTION_PATHS = {"kernel": lib.PP_ATTENTION_KERNEL, "gather": lib.PP_ATTENTION_GATHER}   # enum pp_attention_path
 _KV_ROW = {"f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}   # (values, bytes) per quantization group
 
@@ -194,7 +196,7 @@ class ModelRunner:
     # ---- the step ------------------------------------------------------------
     def execute(self, items: np.ndarray, hidden: Sequence[tuple[int, int] | None] | None = None,
                 all_logits: Sequence[bool] | None = None,
-                drafts: dict[int, list[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                drafts: dict[int, list[int]] | None = None, argmax_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Run one step over items [(kv handle, first token, count)], whose tokens are placed in
         the KV manager. Touches no sequence state: the caller marks the tokens computed
         (Scheduler.update_from_output, or commit_chunks).
@@ -208,7 +210,8 @@ class ModelRunner:
         logits row for every one of its tokens (prompt scoring), in place of its one row.
         drafts[i]: draft tokens that follow item i's last token in this step only (never
         placed in the pool; spec_batch.splice_drafts), each with a logits row after the
-        item's own."""
+        item's own. argmax_only: the caller reads only each row's argmax (step_argmax()); where
+        the step computed them on a device the logits are then not read back (empty rows)."""
         items = np.ascontiguousarray(items, dtype=np.int32).reshape(-1, 3)
         total = int(items[:, 2].sum())
         if (items[:, 2] < 1).any():
@@ -233,8 +236,24 @@ class ModelRunner:
                 tok, pos, slots, seqs, rows, items[:, 2], drafts, self.kv.n_groups, hidden_rows)
         hidden_out = np.empty((0 if hidden_rows is None else len(hidden_rows), self.model.config.n_embd),
                               dtype=np.float32)
-        self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out)
+        self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out, argmax_only)
         return self._step_logits(), hidden_out
+
+    def step_argmax(self) -> np.ndarray | None:
+        """The last step's argmax id per logits row when the step computed them (a head on a
+        device, or set_argmax("always")), else None; a view valid until the next step."""
+        n_rows = ffi.new("int32_t *")
+        ptr = lib.pp_context_step_argmax(self._ctx, n_rows)
+        if n_rows[0] == 0:
+            return None
+        return np.frombuffer(ffi.buffer(ptr, 4 * n_rows[0]), dtype=np.int32)
+
+    def set_argmax(self, mode: str) -> None:
+        """Where steps compute each row's argmax: "device" (when the head runs on one: the
+        default), "always" or "never"."""
+        if mode not in ARGMAX_MODES:
+            raise PagedError(f"argmax mode '{mode}' unknown: choose one of {', '.join(ARGMAX_MODES)}")
+        check(lib.pp_context_set_argmax(self._ctx, ARGMAX_MODES[mode]), "argmax mode")
 
     def step(self, work: Sequence[tuple[SeqState, int]]) -> np.ndarray:
         """Direct use without a scheduler (tests, benchmarks): compute the next n tokens of
@@ -291,7 +310,7 @@ class ModelRunner:
             n_rows[0], self.n_vocab)
 
     def _decode(self, tok, pos, slots, seqs, tables, rows, logits: np.ndarray | None, hidden_rows=None,
-                hidden: np.ndarray | None = None) -> None:
+                hidden: np.ndarray | None = None, argmax_only: bool = False) -> None:
         """The native step over contiguous int32 arrays, logits into a matching float32 buffer
         (None: left in place for _step_logits), and the hidden states of hidden_rows into hidden."""
         if self._ctx is None:
@@ -314,6 +333,7 @@ class ModelRunner:
         b.n_hidden = n_hidden
         b.hidden_rows = _ptr(hidden_rows) if n_hidden else ffi.NULL
         b.hidden = _ptr(hidden, "float *") if n_hidden else ffi.NULL
+        b.argmax_only = int(argmax_only)
         policy = self.thread_policy
         if policy is not None:
             threads = policy.threads_for_step(n)

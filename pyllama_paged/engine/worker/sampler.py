@@ -115,6 +115,10 @@ class Sampler:
             self.bias = (np.fromiter(params.logit_bias.keys(), dtype=np.int64, count=len(params.logit_bias)),
                          np.fromiter(params.logit_bias.values(), dtype=np.float32, count=len(params.logit_bias)))
         self.adjusts_logits = self.bias is not None or params.logits_processor is not None
+        # the row's argmax is its draw: no penalty, bias, processor, grammar or logprobs
+        self.plain_greedy = (params.greedy and params.logprobs is None and not self.adjusts_logits
+                             and self.constraint is None and params.repeat_penalty == 1.0
+                             and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
 
     def history(self, token_ids: list[int]) -> list[int]:
         """The tokens the penalties count: the last penalty_last_n (all if 0), or none
