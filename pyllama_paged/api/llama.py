@@ -496,10 +496,12 @@ class Llama:
                                model: str | None = None, logits_processor=None, grammar=None,
                                logit_bias: dict | None = None, logprobs: bool | None = None,
                                top_logprobs: int | None = None, *, n: int = 1, ignore_eos: bool = False,
-                               stopping_criteria=None, speculative: bool = True):
+                               stopping_criteria=None, speculative: bool = True, think: bool | None = None):
         """OpenAI-shaped chat completion over the model's chat template (or chat_handler's
-        answer when one was given); tool calls come back in message.tool_calls.
-        speculative=False opts this call out of the model's speculative decoding."""
+        answer when one was given); tool calls come back in message.tool_calls, a thinking
+        model's thinking in message.reasoning_content. speculative=False opts this call out
+        of the model's speculative decoding; think switches a thinking template's thinking
+        on or off (its enable_thinking; None: the template's default)."""
         if self.chat_handler is not None:
             return self.chat_handler(
                 llama=self, messages=messages, functions=functions, function_call=function_call, tools=tools,
@@ -519,7 +521,7 @@ class Llama:
             speculative=speculative, logprobs=(top_logprobs or 0) if logprobs else None))
         call = ChatCall(messages, tools, tool_choice,
                         structured=lambda tokenizer: from_python(tokenizer, response_format, grammar),
-                        surface=PYTHON, sampling=fields, sampling_defaults={"seed": self._seed})
+                        surface=PYTHON, sampling=fields, sampling_defaults={"seed": self._seed}, thinking=think)
         prepared = prepare_call(call, self.chat_template, self._tokenizer)
         params = call.params(prepared.constraint)
         criteria = (watch, stopping_criteria) if watch is not None else None

@@ -60,6 +60,16 @@ def test_the_chat_reply_is_the_script_one_token_a_piece_then_end_of_turn(thinker
     assert [thinker.token_eos()] == thinker.tokenize(b"<|im_end|>", add_bos=False, special=True)
 
 
+def test_think_false_renders_the_template_without_thinking(thinker):
+    for stream in (False, True):
+        out = thinker.create_chat_completion(HELLO, temperature=0, max_tokens=32, think=False, stream=stream)
+        messages = [c["choices"][0]["delta"] for c in out] if stream else [out["choices"][0]["message"]]
+        assert "".join(m.get("content") or "" for m in messages) == "Hello! How can I help?"
+        assert not any(m.get("reasoning_content") for m in messages)
+    on = thinker.create_chat_completion(HELLO, temperature=0, max_tokens=32, think=True)
+    assert on["choices"][0]["message"]["reasoning_content"] == "The user says hello."
+
+
 def test_streamed_pieces_are_the_script_and_sampling_keeps_to_it(thinker):
     chunks = thinker.create_chat_completion(HELLO, temperature=0, max_tokens=32, stream=True)
     deltas = [c["choices"][0]["delta"] for c in chunks]

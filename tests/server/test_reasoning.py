@@ -144,6 +144,8 @@ def test_responses_reasoning_item_before_the_message(oai):
     reasoning, message = whole.output
     assert (reasoning.type, reasoning.summary, [c.text for c in reasoning.content]) == ("reasoning", [], [THINKING])
     assert message.type == "message" and whole.output_text == ANSWER
+    # the thinking's tokens are counted apart (they are part of output_tokens)
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= whole.usage.output_tokens
     events = list(oai.responses.create(model="thinker", input="Hello", temperature=0, stream=True))
     kinds = [e.type for e in events]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
@@ -152,6 +154,7 @@ def test_responses_reasoning_item_before_the_message(oai):
     final = events[-1].response
     assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == ANSWER
     assert final.output[0].content[0].text == THINKING
+    assert final.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens_details.reasoning_tokens
     # the reasoning item passed back in the next turn's input is read past, as OpenAI asks clients to send it
     again = oai.responses.create(model="thinker", temperature=0, input=[
         {"role": "user", "content": "Hello"}, whole.output[0].model_dump(exclude_none=True),
@@ -159,6 +162,7 @@ def test_responses_reasoning_item_before_the_message(oai):
     assert again.output_text == ANSWER
     off = oai.responses.create(model="thinker", input="Hello", temperature=0, reasoning={"effort": "none"})
     assert [o.type for o in off.output] == ["message"] and off.output_text == ANSWER
+    assert off.usage.output_tokens_details.reasoning_tokens == 0
 
 
 def test_anthropic_thinking_block_only_when_asked(claude):

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..chat import run_chat
-from ..generation import APIError, refuse_over
+from ..generation import APIError, off_loop, refuse_over
 from ..sse import event_stream
 from .responses_items import ResponseObject, answer_message, input_messages, output_items, usage, with_instructions
 from .responses_schemas import ResponsesRequest
@@ -49,6 +49,11 @@ def build_router(state) -> APIRouter:
         def status() -> str:
             return "incomplete" if gen.finish_reasons.get(0, "length") == "length" else "completed"
 
+        async def spent(thinking: str) -> dict:
+            # the thinking's tokens: its text as the model's tokenizer cuts it, and the block's two tags
+            ids = await off_loop(state.prep, run.served.tokenizer.encode, thinking, False) if thinking else []
+            return usage(len(gen.prompt_ids), gen.num_generated, len(ids) + 2 if ids else 0)
+
         def keep(result: dict, content: str, calls) -> None:
             if body.store is not False:
                 store.put(response.id, StoredResponse(result, conversation + [answer_message(content, calls)]))
@@ -56,18 +61,19 @@ def build_router(state) -> APIRouter:
         if not body.stream:
             answer = (await run.answers(request))[0]
             result = response.body(status(), output_items(answer.content, answer.calls, status(), answer.thinking),
-                                   usage(len(gen.prompt_ids), gen.num_generated))
+                                   await spent(answer.thinking))
             keep(result, answer.content, answer.calls)
             return JSONResponse(result)
 
         async def events():
-            writer, content, calls = ResponseEvents(response), [], []
+            writer, content, calls, thinking = ResponseEvents(response), [], [], []
             for event in writer.start():
                 yield event
             try:
                 async for piece in run.pieces():
                     calls += piece.calls
                     if piece.thinking:
+                        thinking.append(piece.thinking)
                         for event in writer.thinking(piece.thinking):
                             yield event
                     if piece.text:
@@ -77,7 +83,7 @@ def build_router(state) -> APIRouter:
             except APIError as e:   # after the 200 header: the response fails, as OpenAI's would
                 yield writer.fail(e.code or e.type, e.message)
                 return
-            finished, result = writer.finish(calls, status(), usage(len(gen.prompt_ids), gen.num_generated))
+            finished, result = writer.finish(calls, status(), await spent("".join(thinking)))
             keep(result, "".join(content), calls)   # before the last event: a client may retrieve at once
             for event in finished:
                 yield event

@@ -154,11 +154,12 @@ def output_items(content: str, calls: list[ToolCall], status: str, thinking: str
     return items + [call_item(new_id("fc"), c, "completed") for c in calls]
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict:
-    """The usage object (nothing is cached across requests by the API; thinking tokens are
-    counted in output_tokens, not apart)."""
+def usage(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:
+    """The usage object (nothing is cached across requests by the API); reasoning_tokens:
+    those of output_tokens that were the model's thinking."""
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output_tokens)},
             "total_tokens": input_tokens + output_tokens}
 
 
