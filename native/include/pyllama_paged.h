@@ -210,6 +210,16 @@ int32_t pp_seq_append(pp_block_pool *pool, int32_t seq_id, const int32_t *token_
                       int32_t num_tokens, pp_block_copy *copies, int32_t max_copies,
                       int32_t *num_copies);
 
+/* One token for each of n distinct sequences (a decode step's placements),
+ * all or none: token_ids[i] goes to seq_ids[i], as pp_seq_append would put
+ * it, and the copy-on-write pairs of all of them go to copies[0..*num_copies).
+ * Checked before anything changes: PP_ERR_INVALID for an unknown or repeated
+ * id, PP_ERR_CAPACITY if max_copies may be short, PP_ERR_OUT_OF_BLOCKS if
+ * the pool may be short (the sum of each sequence's own cost, which can
+ * exceed the batch's when forks share a block: append one by one then). */
+int32_t pp_seq_append_each(pp_block_pool *pool, const int32_t *seq_ids, const int32_t *token_ids, int32_t n,
+                           pp_block_copy *copies, int32_t max_copies, int32_t *num_copies);
+
 /* Number of blocks pp_seq_append would take for num_tokens more tokens
  * (including a copy-on-write block). */
 int32_t pp_seq_blocks_needed(const pp_block_pool *pool, int32_t seq_id, int32_t num_tokens,

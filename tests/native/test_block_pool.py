@@ -69,6 +69,34 @@ def test_fork_of_full_last_block_needs_no_copy():
         assert pool.block_info(pool.block_table(parent)[0]).ref_count == 2
 
 
+def test_a_decode_steps_tokens_are_placed_in_one_call_all_or_none():
+    import numpy as np
+
+    ids = lambda *xs: np.array(xs, dtype=np.int32)   # noqa: E731
+    with BlockPool(6, 4) as pool:
+        a, _ = pool.create_sequence([1, 2, 3, 4, 5, 6])   # 2 blocks, the last half full
+        b = pool.fork(a)                                  # shares both
+        c, _ = pool.create_sequence([9, 9, 9, 9])         # 1 block, full
+        copies = pool.append_each(ids(b, a, c), ids(70, 80, 90))
+        # b copies the shared last block; a then writes its own; c takes a new block
+        assert len(copies) == 1 and copies[0][0] == pool.block_table(a)[1]
+        assert copies[0][1] == pool.block_table(b)[1]
+        assert [list(pool.tokens(s))[-1] for s in (a, b, c)] == [80, 70, 90]
+        assert [pool.length(s) for s in (a, b, c)] == [7, 7, 5]
+        before = [list(pool.tokens(s)) for s in (a, b, c)], pool.stats()
+        # 1 free block left: c (new block) fits, a + b + c (one new block each at 8 -> 9) may not
+        for s in (a, b):
+            pool.append(s, [1])
+        before = [list(pool.tokens(s)) for s in (a, b, c)], pool.stats()
+        assert pool.append_each(ids(a, b, c), ids(5, 6, 7)) is None   # nothing placed
+        assert ([list(pool.tokens(s)) for s in (a, b, c)], pool.stats()) == before
+        with pytest.raises(NativeError, match="listed twice"):
+            pool.append_each(ids(a, a), ids(1, 2))
+        with pytest.raises(NativeError, match="unknown sequence id 99"):
+            pool.append_each(ids(a, 99), ids(1, 2))
+        assert ([list(pool.tokens(s)) for s in (a, b, c)], pool.stats()) == before
+
+
 def test_out_of_blocks_is_recoverable_and_changes_nothing():
     with BlockPool(2, 4) as pool:
         seq, _ = pool.create_sequence([1, 2, 3, 4, 5])

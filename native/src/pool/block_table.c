@@ -263,6 +263,47 @@ int32_t pp_seq_append(pp_block_pool *p, int32_t seq_id, const int32_t *token_ids
     return PP_OK;
 }
 
+int32_t pp_seq_append_each(pp_block_pool *p, const int32_t *seq_ids, const int32_t *token_ids, int32_t n,
+                           pp_block_copy *copies, int32_t max_copies, int32_t *num_copies) {
+    if (!p || n < 0 || (n > 0 && (!seq_ids || !token_ids)) || !num_copies)
+        return pp_fail(PP_ERR_INVALID, "pp_seq_append_each: invalid argument (%d sequences)", n);
+    *num_copies = 0;
+    /* Checked whole before anything changes: each sequence's own cost, summed, is at least
+     * the batch's (a block two forks share is copied for the first only). */
+    int64_t cost = 0, cow = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (!live_seq(p, seq_ids[i])) return pp_fail(PP_ERR_INVALID, "unknown sequence id %d", seq_ids[i]);
+        for (int32_t j = 0; j < i; j++)
+            if (seq_ids[j] == seq_ids[i])
+                return pp_fail(PP_ERR_INVALID, "pp_seq_append_each: sequence %d listed twice", seq_ids[i]);
+        const pp_sequence *s = &p->seqs[seq_ids[i]];
+        cost += append_cost(p, s, 1);
+        cow += pp_cow_needed(p, s);
+    }
+    if (cow > max_copies || (cow > 0 && !copies))
+        return pp_fail(PP_ERR_CAPACITY, "pp_seq_append_each: %lld copy-on-write copies may be reported but room "
+                                        "for %d was given", (long long)cow, copies ? max_copies : 0);
+    const int32_t available = p->num_free + p->num_cached;
+    if (cost > available)
+        return pp_fail(PP_ERR_OUT_OF_BLOCKS, "out of KV blocks: one token for each of %d sequences needs up to "
+                                             "%lld blocks, %d available", n, (long long)cost, available);
+    for (int32_t i = 0; i < n; i++) {
+        int st = reserve_seq_arrays(&p->seqs[seq_ids[i]], (int64_t)p->seqs[seq_ids[i]].num_tokens + 1,
+                                    p->block_size, p->n_groups);
+        if (st != PP_OK) return st;   /* before any token is written: nothing changed */
+    }
+    for (int32_t i = 0; i < n; i++) {
+        pp_sequence *s = &p->seqs[seq_ids[i]];
+        const int need = pp_cow_needed(p, s);
+        if (need) {
+            pp_cow_last_blocks(p, s, copies + *num_copies);
+            *num_copies += need;
+        }
+        write_tokens(p, s, token_ids + i, 1);
+    }
+    return PP_OK;
+}
+
 int32_t pp_seq_fork(pp_block_pool *p, int32_t parent_id, int32_t *child_id) {
     if (!child_id) return pp_fail(PP_ERR_INVALID, "pp_seq_fork: child_id is NULL");
     if (!live_seq(p, parent_id)) return pp_fail(PP_ERR_INVALID, "unknown sequence id %d", parent_id);

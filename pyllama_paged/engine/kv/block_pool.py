@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..._native import check, ffi, lib
+from ..._native import PP_ERR_OUT_OF_BLOCKS, check, ffi, lib
 from ...errors import PagedError
 
 
@@ -84,6 +84,7 @@ class BlockPool:
         self._i32 = ffi.new("int32_t *")
         self._i32b = ffi.new("int32_t *")
         self._copy = ffi.new("pp_block_copy[]", self.n_groups)
+        self._each_copies = None   # append_each's, grown to the largest step
 
     # lifecycle -------------------------------------------------------------
     def close(self) -> None:
@@ -177,6 +178,21 @@ class BlockPool:
         check(lib.pp_seq_append(self._handle, seq_id, ptr, len(arr), self._copy, self.n_groups, self._i32),
               "append")
         return [(self._copy[i].src, self._copy[i].dst) for i in range(self._i32[0])]
+
+    def append_each(self, seq_ids: np.ndarray, token_ids: np.ndarray) -> list[tuple[int, int]] | None:
+        """One token for each sequence (int32 arrays, distinct ids), all or none: the
+        copy-on-write (src, dst) block copies to do, or None (nothing changed) when the pool
+        may be short, where appending one by one still may fit."""
+        n = len(seq_ids)
+        if self._each_copies is None or len(self._each_copies) < n * self.n_groups:
+            self._each_copies = ffi.new("pp_block_copy[]", max(64, 2 * n * self.n_groups))
+        status = lib.pp_seq_append_each(self._handle, ffi.cast("const int32_t *", ffi.from_buffer(seq_ids)),
+                                        ffi.cast("const int32_t *", ffi.from_buffer(token_ids)), n,
+                                        self._each_copies, len(self._each_copies), self._i32)
+        if status == PP_ERR_OUT_OF_BLOCKS:
+            return None
+        check(status, "append_each")
+        return [(self._each_copies[i].src, self._each_copies[i].dst) for i in range(self._i32[0])]
 
     def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         """Blocks that appending num_tokens would take (copy-on-write included)."""

@@ -41,6 +41,21 @@ def place_tokens(kv, seq: SeqState, token_ids: Sequence[int]) -> list[tuple[int,
     return copies
 
 
+def place_decodes(kv, seqs: Sequence[SeqState], token_ids: Sequence[int]) -> list[tuple[int, int]] | None:
+    """A decode step's placements, one token per sequence, in one native call: the block
+    copies to make, or None (nothing placed) when that cannot be done at once (the pool may
+    be short, a sequence would reach its context's end, or kv holds slabs): then place them
+    one by one with place_tokens, which says why."""
+    if not kv.paged or any(s.num_tokens + 1 > kv.max_seq_len for s in seqs):
+        return None
+    copies = kv.pool.append_each(np.fromiter((s.handle for s in seqs), np.int32, len(seqs)),
+                                 np.asarray(token_ids, dtype=np.int32))
+    if copies is not None:
+        for s in seqs:
+            s.num_tokens += 1
+    return copies
+
+
 def fork_state(kv, seq: SeqState) -> SeqState:
     """A new sequence in kv sharing every page of seq (copy-on-write on its last block)."""
     return SeqState(kv.fork(seq.handle), seq.num_computed, seq.num_tokens)

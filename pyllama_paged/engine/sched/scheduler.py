@@ -20,7 +20,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..kv.manager import SeqState, fork_state, new_cached_sequence, place_tokens
+from ..kv.manager import SeqState, fork_state, new_cached_sequence, place_decodes, place_tokens
 from .preemption import PREEMPTION_MODES, release, swap_in, swap_out
 from .step_cost import StepCostModel
 from .scheduler_output import SchedulerOutput, TierLoad
@@ -305,6 +305,8 @@ class Scheduler:
         sequences (n>1, beams) get their slots together or not at all: capacity is
         checked for all of them before any is appended."""
         self.running.sort(key=lambda r: r.arrival)
+        if self._place_all_decodes(step):
+            return
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING:
                 continue   # preempted while making room for an earlier request
@@ -323,6 +325,32 @@ class Scheduler:
                     self._add_chunk(seq, len(new))
             elif appends:
                 step.budget += sum(len(new) for _, new in appends)
+
+    def _place_all_decodes(self, step: "_StepState") -> bool:
+        """Every running decode placed in one native call, when the budget and the pool take
+        them all (no preemption to decide, the common step): True if so; else nothing changed."""
+        budget, picked = step.budget, []
+        for request in self.running:
+            if request.status != RequestStatus.RUNNING:
+                return False
+            for seq in request.live_seqs:
+                if seq.kv is None or seq.kv.num_computed < seq.kv.num_tokens or \
+                        len(seq.token_ids) - seq.kv.num_tokens != 1:
+                    continue
+                if budget <= 0:
+                    return False
+                picked.append(seq)
+                budget -= 1
+        if not picked:
+            return False
+        copies = place_decodes(self.kv, [s.kv for s in picked], [s.token_ids[-1] for s in picked])
+        if copies is None:
+            return False
+        self._plan.block_copies += copies
+        for seq in picked:
+            self._add_chunk(seq, 1)
+        step.budget = budget
+        return True
 
     def _make_room(self, request: Request, appends, step: "_StepState") -> bool:
         """Preempt the latest arrivals until request's appends fit; False if request itself
