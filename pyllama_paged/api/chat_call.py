@@ -18,9 +18,11 @@ from ..engine.worker.sampler import SamplingParams
 from ..tokenizer.chat_template import ChatTemplate
 from ..tokenizer.tokenizer import Tokenizer
 from ..tools.calls import ToolCall, ToolCallStream, parse_tool_calls
+from ..tools.harmony import HarmonySplitter, split_harmony
 from ..tools.messages import normalize_messages
 from ..tools.prompt import plan_tools, render_chat
-from ..tools.reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning, template_thinks
+from ..tools.reasoning import (ReasoningSplitter, prompt_opens_thinking, speaks_harmony, split_reasoning,
+                               template_thinks, thinking_variables)
 from .sampling_options import PYTHON, Surface, sampling_params
 from .text_stream import TextDelta
 
@@ -41,6 +43,7 @@ class ChatCall:
     sampling: dict[str, Any] = field(default_factory=dict)           # the API's sampling fields (None: unset)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # for fields still unset (a server's cap)
     thinking: bool | None = None   # the request's switch for a model that thinks (None: its template's default)
+    reasoning_effort: str | None = None   # low, medium or high, for gpt-oss (None: its template's default)
     truncate: bool = False   # past the context: the oldest turns dropped (never system prompts or the last turn)
     # read by the server only
     model: str | None = None
@@ -64,6 +67,7 @@ class PreparedChat:
     tool_names: set[str]            # the tools whose calls to look for in the answer
     thinks: bool = False            # the template writes a think block: the answer's thinking is split out
     opens_thinking: bool = False    # the prompt ends inside an open think block
+    harmony: bool = False           # the reply is harmony (gpt-oss): its channels are read instead
 
 
 def prepare_call(call: ChatCall, template: ChatTemplate, tokenizer: Tokenizer,
@@ -74,10 +78,11 @@ def prepare_call(call: ChatCall, template: ChatTemplate, tokenizer: Tokenizer,
     messages = normalize_messages(call.messages)
     constraint = call.structured(tokenizer) if call.structured is not None else None
     tools, constraint, names = plan_tools(template, tokenizer, call.tools, call.tool_choice, constraint)
-    thinks = template_thinks(template.source)
-    variables = {"enable_thinking": call.thinking} if thinks and call.thinking is not None else None
+    thinks, harmony = template_thinks(template.source), speaks_harmony(template.source)
+    variables = thinking_variables(template.source, call.thinking, call.reasoning_effort)
     ids, text = _prompt_ids(template, tokenizer, messages, tools, n_ctx if call.truncate else None, variables)
-    return PreparedChat(ids, constraint, names, thinks, thinks and prompt_opens_thinking(text))
+    return PreparedChat(ids, constraint, names, thinks, thinks and not harmony and prompt_opens_thinking(text),
+                        harmony)
 
 
 def _prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], tools: list[dict],
@@ -137,13 +142,16 @@ class AnswerPiece:
 class AnswerSplitter:
     """Each sample's streamed text as content and tool calls: text that cannot open a call
     passes at once; text that may be one is held until the sample ends, and parsed then
-    (which can take a while on a long answer: see ends_with_parse)."""
+    (which can take a while on a long answer: see ends_with_parse). A harmony reply is read
+    by its channels instead (tools/harmony.py), its call given at the end."""
 
-    def __init__(self, tool_names: set[str], thinks: bool = False, opens_thinking: bool = False):
+    def __init__(self, tool_names: set[str], thinks: bool = False, opens_thinking: bool = False,
+                 harmony: bool = False):
         self.tool_names = tool_names
-        self.thinks, self.opens_thinking = thinks, opens_thinking
+        self.thinks, self.opens_thinking, self.harmony = thinks, opens_thinking, harmony
         self._streams: dict[int, ToolCallStream] = {}
         self._reasoning: dict[int, ReasoningSplitter] = {}
+        self._harmony: dict[int, HarmonySplitter] = {}
 
     def ends_with_parse(self, delta: TextDelta) -> bool:
         """Whether feeding this delta parses held text for tool calls."""
@@ -151,6 +159,8 @@ class AnswerSplitter:
 
     def feed(self, delta: TextDelta) -> AnswerPiece:
         """The piece a text delta makes; the last one of a sample carries its calls."""
+        if self.harmony:
+            return self._feed_harmony(delta)
         text, calls, thinking = delta.text, [], ""
         if self.thinks:   # tool calls are read from the answer after the thinking, never inside it
             splitter = self._reasoning.setdefault(delta.index, ReasoningSplitter(self.opens_thinking))
@@ -166,6 +176,15 @@ class AnswerSplitter:
                 rest, calls = stream.finish()
                 text += rest
         return AnswerPiece(delta.index, text, delta.event, delta.finish_reason, delta.stop, calls, thinking)
+
+    def _feed_harmony(self, delta: TextDelta) -> AnswerPiece:
+        splitter = self._harmony.setdefault(delta.index, HarmonySplitter(self.tool_names))
+        part, calls = splitter.feed(delta.text), []
+        if delta.finish_reason:
+            last, calls = splitter.finish()
+            part.thinking, part.content = part.thinking + last.thinking, part.content + last.content
+        return AnswerPiece(delta.index, part.content, delta.event, delta.finish_reason, delta.stop, calls,
+                           part.thinking)
 
 
 def split_answer(text: str, tool_names: set[str]) -> tuple[str, list[ToolCall]]:
@@ -196,16 +215,19 @@ class Answer:
 
 def collect_answers(deltas: list[TextDelta], n: int, tool_names: set[str],
                     split: Callable[[str, set[str]], tuple[str, list[ToolCall]]] = split_answer,
-                    thinks: bool = False, opens_thinking: bool = False) -> list[Answer]:
+                    thinks: bool = False, opens_thinking: bool = False, harmony: bool = False) -> list[Answer]:
     """Each of n samples' answer from all of a request's deltas, its thinking (a model that
-    thinks) and then its tool calls split out."""
+    thinks) and then its tool calls split out (by its channels, for a harmony reply)."""
     answers = []
     for j in range(n):
         own = [d for d in deltas if d.index == j]
         text = "".join(d.text for d in own)
         end = next((d for d in reversed(own) if d.finish_reason), None)
-        thinking, answer = split_reasoning(text, opens_thinking) if thinks else ("", text)
-        content, calls = split(answer, tool_names)
+        if harmony:
+            thinking, content, calls = split_harmony(text, tool_names)
+        else:
+            thinking, answer = split_reasoning(text, opens_thinking) if thinks else ("", text)
+            content, calls = split(answer, tool_names)
         answers.append(Answer(j, text, content, calls, end.finish_reason if end else "length",
                               end.stop if end else None, [d.event for d in own if d.event is not None], thinking))
     return answers

@@ -526,7 +526,7 @@ class Llama:
         params = call.params(prepared.constraint)
         criteria = (watch, stopping_criteria) if watch is not None else None
         chunks = chat_chunks(self, prepared.prompt_ids, params, prepared.tool_names, model or self.model_path,
-                             criteria, prepared.thinks, prepared.opens_thinking)
+                             criteria, prepared.thinks, prepared.opens_thinking, prepared.harmony)
         return chunks if stream else collect_chat(chunks, n)
 
     def create_chat_completion_openai_v1(self, *args, **kwargs):

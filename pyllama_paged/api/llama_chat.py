@@ -33,14 +33,16 @@ def legacy_functions(functions, function_call, tools, tool_choice):
 
 
 def chat_chunks(llama, prompt_ids: list[int], params, names: set[str], model: str,
-                stopping_criteria=None, thinks: bool = False, opens_thinking: bool = False) -> Iterator[dict]:
+                stopping_criteria=None, thinks: bool = False, opens_thinking: bool = False,
+                harmony: bool = False) -> Iterator[dict]:
     """The chat stream: every chunk has choices[0]; the last one also carries usage. A model
     that thinks (thinks; opens_thinking: its prompt opened the block) sends its thinking as
-    reasoning_content deltas, as OpenAI-compatible servers do."""
+    reasoning_content deltas, as OpenAI-compatible servers do; a harmony reply (harmony) is read
+    by its channels."""
     cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
     started: set = set()
     counts: dict = {}
-    splitter = AnswerSplitter(names, thinks, opens_thinking)
+    splitter = AnswerSplitter(names, thinks, opens_thinking, harmony)
     want_logprobs = params.logprobs is not None
 
     def chunk(j, delta, finish=None, logprobs=None):

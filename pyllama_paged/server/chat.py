@@ -32,11 +32,12 @@ class ChatRun:
     prep: Executor         # the server's pool for slow text work
     thinks: bool = False   # the model writes a think block: its thinking comes apart from the answer
     opens_thinking: bool = False   # the prompt opened that block
+    harmony: bool = False   # the reply is harmony (gpt-oss): read by its channels
 
     async def pieces(self) -> AsyncIterator[AnswerPiece]:
         """The answer as it streams, a piece per text delta (a sample's last one, whose held
         text is parsed for tool calls, made off the event loop)."""
-        splitter = AnswerSplitter(self.tool_names, self.thinks, self.opens_thinking)
+        splitter = AnswerSplitter(self.tool_names, self.thinks, self.opens_thinking, self.harmony)
         async for d in self.gen.deltas():
             yield await off_loop(self.prep, splitter.feed, d) if splitter.ends_with_parse(d) else splitter.feed(d)
 
@@ -47,7 +48,7 @@ class ChatRun:
         params = self.gen.params
         width = params.beam_width if params.beam_width > 1 else params.n
         return await off_loop(self.prep, collect_answers, deltas, width, self.tool_names, split, self.thinks,
-                              self.opens_thinking)
+                              self.opens_thinking, self.harmony)
 
 
 async def check_chat(state, call: ChatCall) -> ServedModel:
@@ -83,7 +84,8 @@ async def start_chat(state, served: ServedModel, call: ChatCall, keep_alive: flo
     except PagedError as e:
         raise field_error(e) from None
     gen = start_generation(served, ids, params, state.limits, state.metrics, call.n_ctx, keep_alive)
-    return ChatRun(served, gen, prepared.tool_names, state.prep, prepared.thinks, prepared.opens_thinking)
+    return ChatRun(served, gen, prepared.tool_names, state.prep, prepared.thinks, prepared.opens_thinking,
+                   prepared.harmony)
 
 
 async def run_chat(state, call: ChatCall) -> ChatRun:

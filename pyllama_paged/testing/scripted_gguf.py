@@ -1,6 +1,6 @@
 """A tiny real GGUF (qwen3 architecture) whose greedy reply is a script we choose, so that
-end-to-end tests can watch a model think (``<think>...</think>``), answer and call tools
-through the real engine, tokenizer, chat template and server.
+end-to-end tests can watch a model think (``<think>...</think>``, or gpt-oss's harmony
+channels), answer and call tools through the real engine, tokenizer, chat template and server.
 
 How the weights make the script: every layer's ``attn_output`` and ``ffn_down`` are zero, so
 each layer adds nothing to the residual stream and the final hidden state is
@@ -24,12 +24,19 @@ THINKING_TEMPLATE and OPEN_THINK_TEMPLATE are ChatML templates written here; bot
 ``tools`` in the system turn and assistant ``tool_calls`` in the history, so the server's tool
 path hands tools to them (tools.prompt.knows_tools) and reads calls back as Hermes-style
 ``<tool_call>`` blocks.
+
+HARMONY_TEMPLATE is a template in the spirit of gpt-oss's, written here, for a vocabulary with
+HARMONY_MARKUP: harmony's special tokens typed as gpt-oss's GGUF types them (all control;
+``<|return|>`` the EOS). The reply is harmony (tools.harmony), and a reply piece may hold
+markup (e.g. ``"assistant<|channel|>"``), since the second message's ``<|channel|>`` and
+``<|message|>`` would otherwise repeat the first's tokens.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import gguf
@@ -50,6 +57,23 @@ NEWLINE_PIECES = ("\n", "\n\n")
 SCRIPT_LOGIT = 32.0
 # A message to render when finding where the generation prompt ends.
 PROBE_MESSAGES = ({"role": "user", "content": "Hello"},)
+
+
+@dataclass(frozen=True)
+class Markup:
+    """A chat format's special pieces as its GGUF types them, and the piece that is the EOS."""
+
+    control: tuple[str, ...]
+    user_defined: tuple[str, ...]
+    eos: str
+    plain: tuple[str, ...] = NEWLINE_PIECES   # ordinary pieces the format needs whole
+
+
+QWEN3_MARKUP = Markup(CONTROL_PIECES, USER_DEFINED_PIECES, END_OF_TURN)
+# gpt-oss's (o200k_harmony's) special tokens; the tokenizer makes <|end|> and the header
+# tokens user-defined and <|return|> and <|call|> the ends of generation, as llama.cpp does
+HARMONY_MARKUP = Markup(("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
+                         "<|call|>"), (), "<|return|>")
 
 # The turns, shared by both templates: the system turn carries the tools; earlier assistant
 # turns keep only what follows their think block (Qwen3 drops old thinking the same way).
@@ -105,45 +129,93 @@ OPEN_THINK_TEMPLATE = _TURNS + (
     "{%- endif -%}"
 )
 
+# gpt-oss's shape: a system message with the effort, a developer message with the instructions
+# and the tools as a namespace, earlier answers as final messages (their analysis dropped), a
+# call addressed to functions.NAME in the header, its result from functions.NAME as JSON text.
+HARMONY_TEMPLATE = (
+    "{{- '<|start|>system<|message|>You are a scripted model.\nReasoning: ' -}}"
+    "{{- reasoning_effort if reasoning_effort is defined else 'medium' -}}"
+    "{{- '\n\n# Valid channels: analysis, commentary, final.' -}}"
+    "{%- if tools -%}{{- \"\nCalls to these tools must go to the commentary channel: 'functions'.\" -}}{%- endif -%}"
+    "{{- '<|end|>' -}}"
+    "{%- set ns = namespace(first=0, called='') -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{%- set ns.first = 1 -%}{%- endif -%}"
+    "{%- if ns.first or tools -%}"
+    "{{- '<|start|>developer<|message|>' -}}"
+    "{%- if ns.first -%}{{- '# Instructions\n\n' + messages[0]['content'] + '\n\n' -}}{%- endif -%}"
+    "{%- if tools -%}"
+    "{{- '# Tools\n\n## functions\n\nnamespace functions {\n\n' -}}"
+    "{%- for tool in tools -%}"
+    "{%- set f = tool['function'] -%}"
+    "{{- '// ' + (f['description'] or '') + '\ntype ' + f['name'] + ' = (_: ' -}}"
+    "{{- f['parameters'] | tojson -}}{{- ') => any;\n\n' -}}"
+    "{%- endfor -%}"
+    "{{- '} // namespace functions' -}}"
+    "{%- endif -%}"
+    "{{- '<|end|>' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages[ns.first:] -%}"
+    "{%- if m['role'] == 'assistant' and m.get('tool_calls') -%}"
+    "{%- set f = m['tool_calls'][0]['function'] -%}"
+    "{{- '<|start|>assistant to=functions.' + f['name'] + '<|channel|>commentary json<|message|>' -}}"
+    "{{- f['arguments'] | tojson -}}{{- '<|call|>' -}}"
+    "{%- set ns.called = f['name'] -%}"
+    "{%- elif m['role'] == 'assistant' -%}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + m['content'] + '<|end|>' -}}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{{- '<|start|>functions.' + (ns.called or m.get('name') or '') -}}"
+    "{{- ' to=assistant<|channel|>commentary<|message|>' + m['content'] | tojson + '<|end|>' -}}"
+    "{%- else -%}"
+    "{{- '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start|>assistant' -}}{%- endif -%}"
+)
+
 
 def _vocab_piece(text: str) -> str:
     """How a piece of text is spelled in the SentencePiece vocabulary."""
     return text.replace(" ", SPACE_MARK)
 
 
-def _extra_pieces(reply: Sequence[str]) -> list[str]:
+def _extra_pieces(reply: Sequence[str], markup: Markup) -> list[str]:
     # once each: build_vocab would give a piece listed twice two tokens
-    pieces = CONTROL_PIECES + USER_DEFINED_PIECES + NEWLINE_PIECES + tuple(_vocab_piece(p) for p in reply)
+    pieces = markup.control + markup.user_defined + markup.plain + tuple(_vocab_piece(p) for p in reply)
     return list(dict.fromkeys(pieces))
 
 
-def _mark_up(vocab: dict, chat_template: str) -> None:
-    """Type Qwen3's markup, make <|im_end|> the EOS and add the template (the vocab_hook)."""
+def _mark_up(vocab: dict, chat_template: str, markup: Markup) -> None:
+    """Type the format's markup, make its EOS piece the EOS and add the template (the vocab_hook)."""
     index = {t: i for i, t in enumerate(vocab["tokens"])}
-    for piece in CONTROL_PIECES:
+    for piece in markup.control:
         vocab["types"][index[piece]] = int(gguf.TokenType.CONTROL)
-    for piece in USER_DEFINED_PIECES:
+    for piece in markup.user_defined:
         vocab["types"][index[piece]] = int(gguf.TokenType.USER_DEFINED)
-    vocab.update(eos=index[END_OF_TURN], add_bos=False, add_eos=False, add_space_prefix=False,
+    vocab.update(eos=index[markup.eos], add_bos=False, add_eos=False, add_space_prefix=False,
                  chat_template=chat_template)
 
 
-def scripted_tokenizer(reply: Sequence[str], chat_template: str) -> Tokenizer:
-    """The tokenizer that write_scripted_model's file for reply and chat_template will have."""
-    vocab = build_vocab(ARCH, None, _extra_pieces(reply))
-    _mark_up(vocab, chat_template)
+def scripted_tokenizer(reply: Sequence[str], chat_template: str, markup: Markup = QWEN3_MARKUP) -> Tokenizer:
+    """The tokenizer that write_scripted_model's file for reply, chat_template and markup will have."""
+    vocab = build_vocab(ARCH, None, _extra_pieces(reply, markup))
+    _mark_up(vocab, chat_template, markup)
     return Tokenizer(vocab["tokens"], vocab["scores"], vocab["types"], model="llama", bos_id=vocab["bos"],
                      eos_id=vocab["eos"], unk_id=vocab["unk"], add_bos=vocab["add_bos"],
                      add_eos=vocab["add_eos"], add_space_prefix=vocab["add_space_prefix"])
 
 
-def script_chain(reply: Sequence[str], chat_template: str, variables: dict | None = None) -> list[int]:
+def script_chain(reply: Sequence[str], chat_template: str, variables: dict | None = None,
+                 markup: Markup = QWEN3_MARKUP, end: str | None = None) -> list[int]:
     """Token ids of the chain: the rendered generation prompt's last token, the reply's pieces,
-    <|im_end|>. Raises ValueError when a token comes twice."""
-    tokenizer = scripted_tokenizer(reply, chat_template)
+    then end (one of markup's pieces that ends generation; None: the EOS, <|im_end|> for
+    Qwen3). Raises ValueError when a token comes twice."""
+    tokenizer = scripted_tokenizer(reply, chat_template, markup)
     prompt = ChatTemplate(chat_template).render(list(PROBE_MESSAGES), variables=variables)
     start = tokenizer.encode(prompt, add_special=True, parse_special=True)[-1]
-    chain = [start] + [tokenizer.token_to_id(_vocab_piece(p)) for p in reply] + [tokenizer.eos_id]
+    last = tokenizer.eos_id if end is None else tokenizer.token_to_id(end)
+    if last not in tokenizer.eot_ids:
+        raise ValueError(f"the reply must end with a token that ends generation, not {end!r}")
+    chain = [start] + [tokenizer.token_to_id(_vocab_piece(p)) for p in reply] + [last]
     seen: dict[int, int] = {}
     for position, tid in enumerate(chain):
         if tid in seen:
@@ -155,12 +227,13 @@ def script_chain(reply: Sequence[str], chat_template: str, variables: dict | Non
 
 
 def write_scripted_model(path: str | os.PathLike, reply: Sequence[str], chat_template: str, *,
-                         variables: dict | None = None, seed: int = 0, n_embd: int = 256,
-                         weight_type: str = "f16", **options: Any) -> str:
+                         variables: dict | None = None, markup: Markup = QWEN3_MARKUP, end: str | None = None,
+                         seed: int = 0, n_embd: int = 256, weight_type: str = "f16", **options: Any) -> str:
     """Write a qwen3 GGUF whose reply to chat_template's generation prompt (rendered with
     variables, e.g. {"enable_thinking": False}) is the pieces of reply, each one token, then
-    <|im_end|>; returns the path. options go to write_tiny_model (n_layer, name, ...)."""
-    chain = script_chain(reply, chat_template, variables)
+    end (None: the EOS of markup, Qwen3's by default); returns the path. options go to
+    write_tiny_model (n_layer, name, ...)."""
+    chain = script_chain(reply, chat_template, variables, markup, end)
     if len(chain) > n_embd:
         raise ValueError(f"a chain of {len(chain)} tokens needs n_embd >= {len(chain)} (orthogonal embeddings)")
     rng = np.random.default_rng(seed)
@@ -183,6 +256,6 @@ def write_scripted_model(path: str | os.PathLike, reply: Sequence[str], chat_tem
         return data
 
     return write_tiny_model(path, ARCH, weight_type=weight_type, n_embd=n_embd, tie_embeddings=False,
-                            seed=seed, extra_pieces=_extra_pieces(reply), tensor_hook=tensor_hook,
-                            vocab_hook=lambda vocab: _mark_up(vocab, chat_template),
+                            seed=seed, extra_pieces=_extra_pieces(reply, markup), tensor_hook=tensor_hook,
+                            vocab_hook=lambda vocab: _mark_up(vocab, chat_template, markup),
                             **options)

@@ -109,11 +109,21 @@ _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n{L}{N}]?[{L}]+|[{N}]{{1,3}}| ?[^{S}{L}{N}]+[
            r"|[{S}]*[\r\n]+|[{S}]+(?![^{S}])|[{S}]+")
 _QWEN2 = (_CONTRACTIONS + r"|[^\r\n{L}{N}]?[{L}]+|[{N}]| ?[^{S}{L}{N}]+[\r\n]*"
           r"|[{S}]*[\r\n]+|[{S}]+(?![^{S}])|[{S}]+")
+# OpenAI's o200k (GPT-4o, gpt-oss): a word is a run of upper-case letters then lower-case
+# ones (or the other way round), with an optional leading symbol and a trailing contraction;
+# numbers in groups of up to three; a symbol run takes the newlines and slashes after it.
+# Like llama.cpp, a non-ASCII letter counts as both cases (the category text keeps one class
+# of letters), so only ASCII letters change case inside a word.
+_UPPER, _LOWER = "A-Z" + _LETTER, "a-z" + _LETTER
+_O200K = (rf"[^\r\n{{L}}{{N}}]?[{_UPPER}]*[{_LOWER}]+{_CONTRACTIONS}?"
+          rf"|[^\r\n{{L}}{{N}}]?[{_UPPER}]+[{_LOWER}]*{_CONTRACTIONS}?"
+          r"|[{N}]{{1,3}}| ?[^{S}{L}{N}]+[\r\n/]*|[{S}]*[\r\n]+|[{S}]+(?![^{S}])|[{S}]+")
 
 # tokenizer.ggml.pre -> regexes applied in turn, and extra flags llama.cpp sets for that family.
 _PRE_FAMILIES = {
     "llama3": ([_LLAMA3], {"ignore_merges": True, "add_bos": True}),
     "qwen2": ([_QWEN2], {}),
+    "gpt-4o": ([_O200K], {}),
     "gpt2": ([_GPT2], {}),
     "smollm": ([r"[{N}]", _GPT2], {}),
     "falcon": ([r"[{P}$+<=>^~|`]+", _GPT2, r"[0-9][0-9][0-9]"], {}),
@@ -128,6 +138,7 @@ _PRE_ALIASES = {
     "smollm": "smollm", "starcoder": "smollm", "refact": "smollm", "command-r": "smollm",
     "codeshell": "smollm", "exaone": "smollm", "minerva-7b": "smollm",
     "falcon": "falcon",
+    "gpt-4o": "gpt-4o", "llama4": "gpt-4o", "kanana2": "gpt-4o", "talkie": "gpt-4o",
     "default": "default", "": "default",
 }
 

@@ -14,6 +14,7 @@ the template sees the very same values and the tokens are the ones it always gav
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import secrets
@@ -129,6 +130,13 @@ def _tojson_text(text: str) -> str:
             .replace("'", "\\u0027"))
 
 
+@jinja2.pass_eval_context
+def _plain_tojson(eval_ctx, value: Any, indent: int | None = None) -> str:
+    """Jinja's tojson as a plain string: its Markup would HTML-escape the markup it is added to
+    (gpt-oss's template writes `"...<|message|>" + content|tojson + "<|end|>"`)."""
+    return str(jinja2.filters.do_tojson(eval_ctx, value, indent))
+
+
 class ChatPrompt(str):
     """The rendered prompt text (a ``str``: everything that took the old text still works),
     plus ``token_ids``: the tokens with only the template's own markup parsed as control
@@ -212,6 +220,9 @@ class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
         env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = self._raise
+        # transformers' helper, which gpt-oss's template calls for the date in its system message
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        env.filters["tojson"] = _plain_tojson
         self.source = source
         self.template = env.from_string(source)
         self.bos_token, self.eos_token = bos_token, eos_token

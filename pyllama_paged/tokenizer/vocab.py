@@ -235,6 +235,8 @@ _END_OF_GENERATION_TEXTS = (
     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
     "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
 )
+# Harmony's message markup (gpt-oss), control tokens in its GGUF.
+_HARMONY_HEADER_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 # Of those, the ones that may serve as the EOT id when the GGUF names none.
 _END_OF_TURN_TEXTS = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
@@ -261,11 +263,19 @@ def end_of_generation(vocab: Mapping[str, int], types: list[int], eos_id: Option
         types[tid] = int(TokenType.CONTROL)
     # llama.cpp's exceptions: with <|return|>+<|call|> (or <|calls|>+<|flush|>), <|end|> is
     # plain text; next to <|tool_response>, </s> is a normal token.
+    continues = set()   # <|end|> ends a harmony message, not the reply, even as the EOT id
     if "<|end|>" in found and (("<|return|>" in found and "<|call|>" in found)
                                or ("<|calls|>" in found and "<|flush|>" in found)):
-        types[found.pop("<|end|>")] = int(TokenType.USER_DEFINED)
+        end = found.pop("<|end|>")
+        types[end] = int(TokenType.USER_DEFINED)
+        continues.add(end)
     if "</s>" in found and "<|tool_response>" in found:
         types[found.pop("</s>")] = int(TokenType.NORMAL)
+    # gpt-oss's harmony headers: llama.cpp makes them user-defined so that a reply's text keeps
+    # them and its channels can be read
+    for text in _HARMONY_HEADER_TEXTS:
+        if text in vocab:
+            types[vocab[text]] = int(TokenType.USER_DEFINED)
     eog = set(found.values())
     eog.update(t for t in (eos_id, eot_id, eom_id) if t is not None)
-    return eot_id, eom_id, frozenset(eog)
+    return eot_id, eom_id, frozenset(eog - continues)

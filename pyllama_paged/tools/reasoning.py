@@ -1,5 +1,6 @@
 """A reasoning model's thinking apart from its answer: Qwen3's and DeepSeek-R1's
-`<think>...</think>` split out of the generated text, whole or one delta at a time.
+`<think>...</think>` split out of the generated text, whole or one delta at a time (gpt-oss's
+harmony channels are read in harmony.py; which way a model writes is told here).
 
 Clients look for the thinking in its own field (Ollama's `message.thinking`, OpenAI-style
 `reasoning_content`, Responses' reasoning items, Anthropic's `thinking` blocks), so the split
@@ -13,9 +14,36 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 
+# The mark of gpt-oss's harmony format: its templates write every message's channel after it,
+# which no other family's does (llama.cpp tells gpt-oss's templates by the same text).
+HARMONY_CHANNEL = "<|channel|>"
+# The efforts gpt-oss's template reads as reasoning_effort (it has no "off").
+HARMONY_EFFORTS = ("low", "medium", "high")
+
+
+def speaks_harmony(template_source: str) -> bool:
+    """Whether a chat template writes harmony (gpt-oss): the reply's channels are read, not think tags."""
+    return HARMONY_CHANNEL in template_source
+
+
 def template_thinks(template_source: str) -> bool:
-    """Whether a chat template knows a think block (renders, strips or switches it)."""
-    return THINK_CLOSE in template_source or "enable_thinking" in template_source
+    """Whether a chat template knows a think block (renders, strips or switches it), or
+    speaks harmony, whose analysis channel is the thinking."""
+    return (THINK_CLOSE in template_source or "enable_thinking" in template_source
+            or speaks_harmony(template_source))
+
+
+def thinking_variables(template_source: str, thinking: bool | None, effort: str | None) -> dict | None:
+    """The template variables that carry a request's thinking switch (None: the template's
+    default): Qwen3's enable_thinking, or for harmony the effort (low, medium, high) as
+    gpt-oss's reasoning_effort. gpt-oss always writes its analysis, so a harmony template
+    takes no switch: thinking off (think: false, effort "none") keeps its default effort, as
+    Ollama does, and the analysis still comes back as thinking."""
+    if speaks_harmony(template_source):
+        return {"reasoning_effort": effort} if effort in HARMONY_EFFORTS else None
+    if thinking is not None and template_thinks(template_source):
+        return {"enable_thinking": thinking}
+    return None
 
 
 def prompt_opens_thinking(prompt: str) -> bool:

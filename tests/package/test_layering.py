@@ -51,7 +51,7 @@ LAYERS = [
     ["engine.loop", "engine.pooling.encoder", "engine.shared_steps", "engine.pooling.rerank_head"],
     ["engine.builder"],
     ["api.text_stream", "api.sampling_options", "tools.calls", "tools.messages", "tools.reasoning", "api.embeddings"],
-    ["tools.prompt", "api.rerank_inputs"],
+    ["tools.prompt", "tools.harmony", "api.rerank_inputs"],
     ["api.chat_call"],
     ["api.llama_compat", "api.llama_grammar", "api.llama_pretrained", "api.llama_chat", "api.llama_completion",
      "api.llama_eval", "api.llama_speculative",

@@ -17,7 +17,7 @@ from ...api.sampling_options import OLLAMA
 from ...constrain.formats import from_ollama
 from ...engine.worker.sampler import SamplingParams
 from ...errors import PagedError
-from ...tools.reasoning import prompt_opens_thinking, template_thinks
+from ...tools.reasoning import prompt_opens_thinking, speaks_harmony, template_thinks, thinking_variables
 from ..chat import ChatRun, check_chat, start_chat
 from ..generation import APIError, check_request, fit_prompt, off_loop, request_params, require_generative, \
     start_generation
@@ -140,6 +140,12 @@ def _think_switch(think) -> bool | None:
     return think not in (False, "false", "none", "")
 
 
+def _think_level(think) -> str | None:
+    """Ollama's think as gpt-oss's reasoning_effort: an effort as sent; true and false leave
+    the template's default, as Ollama does for gpt-oss."""
+    return think if think in THINK_LEVELS else None
+
+
 def _refuse_think(body: _Common, served) -> None:
     """A 400 for think on a model that cannot, or for a think that is no switch nor effort."""
     if _think_switch(body.think) and not template_thinks(served.template.source):
@@ -164,6 +170,7 @@ def _chat_call(body: ChatRequest, max_tokens: int) -> ChatCall:
         structured=lambda tokenizer: from_ollama(tokenizer, body.format), surface=OLLAMA,
         sampling=_sampling(options), sampling_defaults={"max_tokens": max_tokens},
         truncate=body.truncate is not False, model=body.model, thinking=_think_switch(body.think),
+        reasoning_effort=_think_level(body.think),
         limit_fields={"stop": options.stop, "messages": body.messages, "tools": body.tools,
                       "grammars": {"format": body.format}},
         refuse_unsupported=refuse, n_ctx=options.num_ctx)
@@ -252,9 +259,8 @@ def build_router(state) -> APIRouter:
             else:
                 messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
                            [{"role": "user", "content": body.prompt}]
-                switch = _think_switch(body.think)
-                text = served.template.render(messages, variables=None if switch is None or not thinks else
-                                              {"enable_thinking": switch})
+                text = served.template.render(messages, variables=thinking_variables(
+                    served.template.source, _think_switch(body.think), _think_level(body.think)))
             return constraint, text, list(body.context or []) + served.tokenizer.encode(
                 text, add_special=not body.context, parse_special=True)
 
@@ -273,7 +279,9 @@ def build_router(state) -> APIRouter:
             if done:   # Ollama's token context of this exchange (prompt + response)
                 out["context"] = gen.prompt_ids + gen.output_ids
             return out
-        run = ChatRun(served, gen, set(), state.prep, thinks, thinks and prompt_opens_thinking(text))
+        harmony = thinks and speaks_harmony(served.template.source)
+        run = ChatRun(served, gen, set(), state.prep, thinks, thinks and not harmony and prompt_opens_thinking(text),
+                      harmony)
         return await respond(run, request, body, shape, keep_alive)
 
     @router.post("/api/chat")

@@ -170,6 +170,7 @@ class ResponsesRequest(BaseModel):
             sampling={"max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
                       "seed": self.seed, "ignore_eos": self.ignore_eos},
             sampling_defaults={"max_tokens": max_tokens}, model=self.model, thinking=self.thinking(),
+            reasoning_effort=(self.reasoning or {}).get("effort"),
             limit_fields={"messages": self.input if isinstance(self.input, list) else None, "tools": self.tools,
                           "grammars": {"text.format": self.format_spec()}},
             refuse_unsupported=lambda served: self.refuse_unsupported(template_thinks(served.template.source)),

@@ -222,6 +222,7 @@ class ChatRequest(Sampling):
             tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
             tool_choice=self.tool_choice, structured=self.constraint, surface=OPENAI, sampling=sampling,
             sampling_defaults={"max_tokens": max_tokens}, model=self.model, thinking=self.thinking(),
+            reasoning_effort=self.reasoning_effort,
             limit_fields={"stop": self.stop, "logit_bias": self.logit_bias, "messages": self.messages,
                           "tools": self.tools, "grammars": self.grammars()},
             refuse_unsupported=lambda served: self.refuse_unsupported(served.config.n_vocab,
