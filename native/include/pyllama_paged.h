@@ -313,8 +313,10 @@ enum pp_arch {
     PP_ARCH_QWEN2  = 1,   /* q/k/v biases */
     PP_ARCH_QWEN3  = 2,   /* per-head q/k RMS norm */
     PP_ARCH_GEMMA3 = 3,   /* q/k norm, post norms, sliding-window layers, GELU, scaled embeddings */
-    PP_ARCH_BERT   = 4    /* encoder only (pp_encoder_*): learned positions, token types, layer norm
+    PP_ARCH_BERT   = 4,   /* encoder only (pp_encoder_*): learned positions, token types, layer norm
                              with bias, GELU, bidirectional attention; no KV cache */
+    PP_ARCH_QWEN3MOE = 5  /* qwen3's attention; routed experts (softmax, top n_expert_used,
+                             renormalised) instead of the dense FFN */
 };
 
 /* Hyper-parameters, read from the GGUF metadata by the caller. */
@@ -341,6 +343,9 @@ typedef struct pp_model_hparams {
     int32_t n_rot;               /* rotated dims of each head (rope.dimension_count), even,
                                     <= head_dim; 0 = head_dim */
     int32_t n_token_types;       /* bert: rows of token_types.weight; 0 = 2 */
+    int32_t n_expert;            /* routed experts per layer (mixture-of-experts archs; 0 = dense) */
+    int32_t n_expert_used;       /* experts each token runs, 1..n_expert */
+    int32_t n_ff_exp;            /* each expert's feed-forward width */
 } pp_model_hparams;
 
 typedef struct pp_model pp_model;

@@ -13,8 +13,11 @@ from ..errors import ModelLoadError
 __all__ = ["ARCH_IDS", "ENCODER_ARCHS", "POOLING_TYPES", "ModelConfig", "ModelLoadError", "config_from_metadata"]
 
 ARCH_IDS = {"llama": lib.PP_ARCH_LLAMA, "qwen2": lib.PP_ARCH_QWEN2, "qwen3": lib.PP_ARCH_QWEN3,
-            "gemma3": lib.PP_ARCH_GEMMA3, "bert": lib.PP_ARCH_BERT}   # enum pp_arch
+            "gemma3": lib.PP_ARCH_GEMMA3, "bert": lib.PP_ARCH_BERT,
+            "qwen3moe": lib.PP_ARCH_QWEN3MOE}   # enum pp_arch
 ENCODER_ARCHS = frozenset({"bert"})   # encoder-only: embeddings, no KV cache, no generation
+EXPERT_ARCHS = frozenset({"qwen3moe"})   # routed experts instead of the dense FFN
+MAX_EXPERTS = 1024   # pp_model_create's limit (llama.cpp's LLAMA_MAX_EXPERTS)
 POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}   # llama.cpp's <arch>.pooling_type
 ROPE_NORMAL, ROPE_NEOX = 0, 2
 
@@ -41,6 +44,11 @@ class ModelConfig:
     layer_window: list[int] = field(default_factory=list)
     n_rot: int = 0            # rotated dims per head (rope.dimension_count); 0 = head_dim
     pooling: str | None = None   # <arch>.pooling_type by name; None when the file says nothing
+    # mixture of experts (EXPERT_ARCHS; 0: dense). Out of the repr `info` prints, which stays a dense
+    # model's; its metadata lines show them.
+    n_expert: int = field(default=0, repr=False)
+    n_expert_used: int = field(default=0, repr=False)   # experts each token runs
+    n_ff_exp: int = field(default=0, repr=False)        # each expert's feed-forward width
 
     @property
     def is_encoder(self) -> bool:
@@ -151,7 +159,8 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
-        n_ff=f.integer("feed_forward_length"),
+        # an expert model's dense width is informational (its experts have their own)
+        n_ff=f.integer("feed_forward_length", 0, lo=0) if arch in EXPERT_ARCHS else f.integer("feed_forward_length"),
         n_vocab=n_vocab,
         n_ctx_train=f.integer("context_length", 4096),
         rope_type=ROPE_NORMAL if arch == "llama" else ROPE_NEOX,
@@ -169,6 +178,8 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
     cfg.pooling = POOLING_TYPES.get(pooling)
     if arch in ENCODER_ARCHS:
         _encoder_fields(cfg, f)
+    if arch in EXPERT_ARCHS:
+        _expert_fields(cfg, f)
     window = f.integer("attention.sliding_window", 0, lo=0)
     if arch == "gemma3":
         # Gemma 3 scales embeddings by sqrt(n_embd); five of every six layers
@@ -184,6 +195,19 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
     if n_head % n_head_kv:
         raise ModelLoadError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     return cfg
+
+
+def _expert_fields(cfg: ModelConfig, f: _Fields) -> None:
+    """Routed experts: how many, how many each token runs and their width. As in llama.cpp, the
+    width defaults to feed_forward_length / expert_used_count."""
+    cfg.n_expert = f.integer("expert_count", hi=MAX_EXPERTS)
+    cfg.n_expert_used = f.integer("expert_used_count")
+    if cfg.n_expert_used > cfg.n_expert:
+        raise ModelLoadError(f"{f.path}: metadata field '{f.arch}.expert_used_count' is {cfg.n_expert_used}, "
+                             f"more than the {cfg.n_expert} experts of '{f.arch}.expert_count'")
+    derived = cfg.n_ff // cfg.n_expert_used
+    cfg.n_ff_exp = f.integer("expert_feed_forward_length", derived if derived > 0 else _REQUIRED)
+    cfg.n_ff = cfg.n_ff or cfg.n_ff_exp * cfg.n_expert_used
 
 
 def _encoder_fields(cfg: ModelConfig, f: _Fields) -> None:

@@ -1,6 +1,6 @@
 """A random-weight GGUF the size of a model people run (Llama 3.2 1B/3B, Qwen 2.5 1.5B,
-Gemma 3 4B, or the 1.6B Gemma 3 the benchmarks have long used), quantized like Q4_K_M, for
-benchmarks where weight and KV bytes and prompt lengths must be realistic.
+Gemma 3 4B, Qwen3-30B-A3B, or the 1.6B Gemma 3 the benchmarks have long used), quantized like
+Q4_K_M, for benchmarks where weight and KV bytes and prompt lengths must be realistic.
 
 Presets (pyllama_paged/testing/synthetic_presets.py) give the real shapes; the tensor names,
 metadata and tokenizer are those of llama.cpp's own files, so both our engine and llama.cpp
@@ -9,11 +9,16 @@ files carry a synthetic byte-level BPE vocabulary of the real size and layout
 (pyllama_paged/testing/synthetic_bpe.py). Weights are random quantized blocks written
 directly (pyllama_paged/testing/synthetic_blocks.py), in the type mix llama.cpp's Q4_K_M
 gives: Q4_K for every matrix, Q6_K for the output head (the embedding when it is tied) and
-for attn_v and ffn_down in the layers that mix gives more bits.
+for attn_v and ffn_down (ffn_down_exps) in the layers that mix gives more bits; an expert
+model's router (ffn_gate_inp) stays F32, as llama-quantize leaves it. (Q4_K_M's own rule for
+models of exactly 8 experts, Q8_0 attn_k and attn_v, is not modelled: no preset has 8.)
+Each tensor is drawn as it is written, so a file larger than memory (Qwen3-30B-A3B's 18 GB)
+is never held whole.
 
     python -m pyllama_paged.testing.synthetic_gguf [--preset gemma3-1.6b] [--small]
         [--out bench/.models/<the preset's file name>]
-        [--n-embd N] [--n-layer N] [--n-head N] [--n-head-kv N] [--n-ff N] [--seed 0]
+        [--n-embd N] [--n-layer N] [--n-head N] [--n-head-kv N] [--n-ff N]
+        [--n-expert N] [--n-expert-used N] [--n-ff-exp N] [--seed 0]
 
 --out is relative to the working directory (a source checkout's root, run as `python -P -m ...`
 there so that the source tree, which has no native library, does not shadow the installed package).
@@ -33,7 +38,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ..gguf.reader import read_metadata
 from . import synthetic_presets as presets
-from .synthetic_blocks import q4_k_blocks, q6_k_blocks
+from .synthetic_blocks import Q4_K_BYTES, Q6_K_BYTES, QK_K, q4_k_blocks, q6_k_blocks
 from .synthetic_bpe import build_bpe_vocab
 from .vocab_metadata import add_tokenizer
 
@@ -51,7 +56,8 @@ def q4_k_m_type(name: str, n_layer: int, tied: bool) -> str:
     """The type llama.cpp's Q4_K_M gives weight matrix `name`: "Q6_K" or "Q4_K"."""
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         return "Q6_K"
-    if name.endswith((".attn_v.weight", ".ffn_down.weight")) and more_bits(int(name.split(".")[1]), n_layer):
+    more = (".attn_v.weight", ".ffn_down.weight", ".ffn_down_exps.weight")
+    if name.endswith(more) and more_bits(int(name.split(".")[1]), n_layer):
         return "Q6_K"
     return "Q4_K"
 
@@ -115,7 +121,7 @@ def _add_hparams(w, p: presets.Preset, meta: dict | None, n_vocab: int) -> None:
     w.add_feed_forward_length(p.n_ff)
     w.add_head_count(p.n_head)
     w.add_head_count_kv(p.n_head_kv)
-    if p.arch == "gemma3" or p.q_dim != p.n_embd:
+    if p.arch in ("gemma3", "qwen3moe") or p.q_dim != p.n_embd:
         w.add_key_length(p.head_dim)
         w.add_value_length(p.head_dim)
     w.add_layer_norm_rms_eps(pick(p.rms_eps, "attention.layer_norm_rms_epsilon", float))
@@ -128,26 +134,56 @@ def _add_hparams(w, p: presets.Preset, meta: dict | None, n_vocab: int) -> None:
     if p.rope_scaling_linear is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(p.rope_scaling_linear)
+    if p.n_expert:
+        w.add_expert_count(p.n_expert)
+        w.add_expert_used_count(p.n_expert_used)
+        w.add_expert_feed_forward_length(p.n_ff_exp)
 
 
 class _Tensors:
-    """Adds random tensors to a writer, counting the parameters."""
+    """Declares random tensors to a writer, counting the parameters; write_data then draws
+    and writes each in turn (in the order declared, which is also the order of the draws)."""
 
     def __init__(self, w, p: presets.Preset, rng: np.random.Generator):
         self.w, self.p, self.rng, self.n_params = w, p, rng, 0
+        self._draws = []
 
-    def matrix(self, name: str, n_out: int, n_in: int, std: float) -> None:
-        """A weight matrix in its Q4_K_M type."""
+    def _declare(self, name: str, shape: tuple, dtype, nbytes: int, draw, raw_dtype=None) -> None:
+        self.w.add_tensor_info(name, shape, np.dtype(dtype), nbytes, raw_dtype=raw_dtype)
+        self._draws.append(draw)
+
+    def matrix(self, name: str, n_out: int, n_in: int, std: float, n_mat: int = 0) -> None:
+        """A weight matrix in its Q4_K_M type; n_mat > 0: that many of them (experts) as one 3-D tensor."""
         q6 = q4_k_m_type(name, self.p.n_layer, self.p.tied) == "Q6_K"
-        blocks = (q6_k_blocks if q6 else q4_k_blocks)(self.rng, n_out, n_in, std)
-        self.w.add_tensor(name, blocks, raw_dtype=QT.Q6_K if q6 else QT.Q4_K)
+        blocks = q6_k_blocks if q6 else q4_k_blocks
+        shape = ((n_mat,) if n_mat else ()) + (n_out, n_in // QK_K * (Q6_K_BYTES if q6 else Q4_K_BYTES))
+        rows = n_out * max(n_mat, 1)
+        self._declare(name, shape, np.uint8, math.prod(shape),
+                      lambda: blocks(self.rng, rows, n_in, std).reshape(shape), QT.Q6_K if q6 else QT.Q4_K)
+        self.n_params += rows * n_in
+
+    def float_matrix(self, name: str, n_out: int, n_in: int, std: float) -> None:
+        """An f32 weight matrix (what llama-quantize does not quantize: an expert router)."""
+        self._declare(name, (n_out, n_in), np.float32, 4 * n_out * n_in,
+                      lambda: (std * self.rng.standard_normal((n_out, n_in))).astype(np.float32))
         self.n_params += n_out * n_in
 
     def vector(self, name: str, n: int, centre: float, spread: float) -> None:
         """An f32 norm weight (centre: the multiplier applied, which for gemma llama.cpp's
         converter bakes in as HF's 1 + w) or bias (centre 0)."""
-        self.w.add_tensor(name, (centre + spread * self.rng.standard_normal(n)).astype(np.float32))
+        self._declare(name, (n,), np.float32, 4 * n,
+                      lambda: (centre + spread * self.rng.standard_normal(n)).astype(np.float32))
         self.n_params += n
+
+    def table(self, name: str, values: np.ndarray) -> None:
+        """A fixed f32 table (not a parameter: not counted)."""
+        self._declare(name, values.shape, np.float32, values.nbytes, lambda: values)
+
+    def write_data(self) -> None:
+        """Draw and write every declared tensor, after the writer wrote their infos."""
+        for draw in self._draws:
+            self.w.write_tensor_data(draw())
+        self._draws = []
 
 
 def _add_tensors(t: _Tensors, n_vocab: int) -> None:
@@ -164,8 +200,7 @@ def _add_tensors(t: _Tensors, n_vocab: int) -> None:
     if not p.tied:
         t.matrix("output.weight", n_vocab, p.n_embd, embd_std)
     if p.llama3_rope:
-        # a fixed table, not a parameter: not counted
-        t.w.add_tensor("rope_freqs.weight", llama3_rope_divisors(p.head_dim, p.rope_freq_base))
+        t.table("rope_freqs.weight", llama3_rope_divisors(p.head_dim, p.rope_freq_base))
     kv_dim, in_std = p.n_head_kv * p.head_dim, 1.0 / np.sqrt(p.n_embd)
     for il in range(p.n_layer):
         b = f"blk.{il}."
@@ -176,16 +211,22 @@ def _add_tensors(t: _Tensors, n_vocab: int) -> None:
         if p.arch == "qwen2":
             for name, n in (("attn_q.bias", p.q_dim), ("attn_k.bias", kv_dim), ("attn_v.bias", kv_dim)):
                 t.vector(b + name, n, 0.0, 0.1)
-        if gemma:
+        if gemma or p.arch == "qwen3moe":
             t.vector(b + "attn_q_norm.weight", p.head_dim, 1.0, 0.1)
             t.vector(b + "attn_k_norm.weight", p.head_dim, 1.0, 0.1)
         t.matrix(b + "attn_output.weight", p.n_embd, p.q_dim, 1.0 / np.sqrt(p.q_dim))
         if gemma:
             t.vector(b + "post_attention_norm.weight", p.n_embd, 2.0, 0.2)
         t.vector(b + "ffn_norm.weight", p.n_embd, 1.0, 0.1)
-        t.matrix(b + "ffn_gate.weight", p.n_ff, p.n_embd, in_std)
-        t.matrix(b + "ffn_up.weight", p.n_ff, p.n_embd, in_std)
-        t.matrix(b + "ffn_down.weight", p.n_embd, p.n_ff, 1.0 / np.sqrt(p.n_ff))
+        if p.n_expert:
+            t.float_matrix(b + "ffn_gate_inp.weight", p.n_expert, p.n_embd, in_std)
+            t.matrix(b + "ffn_gate_exps.weight", p.n_ff_exp, p.n_embd, in_std, p.n_expert)
+            t.matrix(b + "ffn_up_exps.weight", p.n_ff_exp, p.n_embd, in_std, p.n_expert)
+            t.matrix(b + "ffn_down_exps.weight", p.n_embd, p.n_ff_exp, 1.0 / np.sqrt(p.n_ff_exp), p.n_expert)
+        else:
+            t.matrix(b + "ffn_gate.weight", p.n_ff, p.n_embd, in_std)
+            t.matrix(b + "ffn_up.weight", p.n_ff, p.n_embd, in_std)
+            t.matrix(b + "ffn_down.weight", p.n_embd, p.n_ff, 1.0 / np.sqrt(p.n_ff))
         if gemma:
             t.vector(b + "post_ffw_norm.weight", p.n_embd, 2.0, 0.2)
 
@@ -212,10 +253,12 @@ def write(out: Path, preset: str | presets.Preset = presets.DEFAULT, *, seed: in
     _add_tensors(tensors, n_vocab)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    tensors.write_data()
     w.close()
     return {"path": str(out), "preset": p.name, "arch": p.arch, "n_embd": p.n_embd, "n_layer": p.n_layer,
             "n_head": p.n_head, "n_head_kv": p.n_head_kv, "n_ff": p.n_ff, "head_dim": p.head_dim,
+            "n_expert": p.n_expert, "n_expert_used": p.n_expert_used, "n_ff_exp": p.n_ff_exp,
             "n_vocab": n_vocab, "n_params": tensors.n_params, "bytes": out.stat().st_size}
 
 
@@ -225,15 +268,15 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default=presets.DEFAULT, choices=list(presets.PRESETS))
     ap.add_argument("--small", action="store_true", help="the preset's scaled-down copy (2 layers), as tests use")
     ap.add_argument("--out", help="default: bench/.models/<the preset's file name>")
-    for flag in ("n-embd", "n-layer", "n-head", "n-head-kv", "n-ff"):
+    for flag in ("n-embd", "n-layer", "n-head", "n-head-kv", "n-ff", "n-expert", "n-expert-used", "n-ff-exp"):
         ap.add_argument(f"--{flag}", type=int, help="override the preset's value")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     p = presets.get(args.preset)
     if args.small:
         p = presets.shrink(p)
-    shape = {k: v for k in ("n_embd", "n_layer", "n_head", "n_head_kv", "n_ff")
-             if (v := getattr(args, k)) is not None}
+    shape = {k: v for k in ("n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_expert", "n_expert_used",
+                            "n_ff_exp") if (v := getattr(args, k)) is not None}
     out = Path(args.out or Path("bench") / ".models" / p.file_name)
     info = write(out, p, seed=args.seed, **shape)
     print(f"{info['path']}: {info['preset']}, {info['n_params'] / 1e9:.2f}B parameters, "

@@ -21,13 +21,13 @@ class Preset:
     """One model shape: what the writer needs besides the random weights."""
 
     name: str
-    arch: str                 # gemma3, llama or qwen2: the engine's and llama.cpp's names
+    arch: str                 # gemma3, llama, qwen2 or qwen3moe: the engine's and llama.cpp's names
     n_embd: int
     n_layer: int
     n_head: int
     n_head_kv: int
     head_dim: int
-    n_ff: int
+    n_ff: int                 # the dense FFN's width (a mixture of experts states it, unused)
     tokenizer: str            # "source": the default gemma3 model's; else a synthetic_bpe family
     n_vocab: int | None = None   # None: as many as the tokenizer has
     tied: bool = True         # the output head is token_embd (no output.weight)
@@ -40,6 +40,10 @@ class Preset:
     llama3_rope: bool = False  # rope_freqs.weight from Llama 3.1/3.2's long-context rule
     real_params: int | None = None   # the real model's parameter count (text model), to compare
     file_name: str = ""
+    # routed experts in place of the dense FFN (qwen3moe): how many, how many a token runs, their width
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -48,11 +52,15 @@ class Preset:
 
     def check(self) -> None:
         """Raise ValueError if a K-quant row would not be whole blocks or the heads do not group."""
-        for what, v in (("n_embd", self.n_embd), ("n_ff", self.n_ff), ("n_head * head_dim", self.q_dim)):
+        widths = [("n_embd", self.n_embd), ("n_ff", self.n_ff), ("n_head * head_dim", self.q_dim)]
+        for what, v in widths + ([("n_ff_exp", self.n_ff_exp)] if self.n_expert else []):
             if v % QK_K:
                 raise ValueError(f"{self.name}: {what} = {v} must be a multiple of {QK_K} for K-quant rows")
         if self.n_head % self.n_head_kv:
             raise ValueError(f"{self.name}: n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
+        if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
+            raise ValueError(f"{self.name}: n_expert_used {self.n_expert_used} must be between 1 and "
+                             f"n_expert {self.n_expert}")
 
 
 # Shapes from each model's Hugging Face config.json. Parameter counts are the text model's
@@ -76,6 +84,13 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("qwen2.5-1.5b", "qwen2", n_embd=1536, n_layer=28, n_head=12, n_head_kv=2, head_dim=128,
            n_ff=8960, tokenizer="qwen2", n_vocab=151936, context_length=32768, rope_freq_base=1e6,
            rms_eps=1e-6, real_params=1_543_714_304, file_name="qwen2.5-synthetic-1.5b-q4_k_m.gguf"),
+    # Qwen3-30B-A3B: 128 experts of 768, 8 per token (3.3B of its 30.5B parameters active); the
+    # Qwen2 tokenizer's vocabulary, an untied head; 40960 positions (the 2507 and Coder
+    # releases say 262144)
+    Preset("qwen3-30b-a3b", "qwen3moe", n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, head_dim=128,
+           n_ff=6144, tokenizer="qwen2", n_vocab=151936, tied=False, context_length=40960, rope_freq_base=1e6,
+           rms_eps=1e-6, n_expert=128, n_expert_used=8, n_ff_exp=768, real_params=30_532_122_624,
+           file_name="qwen3-synthetic-30b-a3b-q4_k_m.gguf"),
 )}
 DEFAULT = "gemma3-1.6b"
 
@@ -89,9 +104,10 @@ def get(name: str) -> Preset:
 
 
 def shrink(preset: Preset, n_layer: int = 2, n_ff: int = 512) -> Preset:
-    """A small copy of preset: same architecture, vocabulary, tokenizer, head size and query
-    heads per KV head, with n_layer layers, the fewest heads whose width is whole K-quant
-    blocks, n_embd that width (at least 256) and n_ff."""
+    """A small copy of preset: same architecture, vocabulary, tokenizer, head size, query
+    heads per KV head and experts (how many, how many a token runs), with n_layer layers, the
+    fewest heads whose width is whole K-quant blocks, n_embd that width (at least 256), n_ff
+    and experts one K-quant block wide."""
     group = preset.n_head // preset.n_head_kv
     n_head_kv = 1
     while (n_head_kv * group * preset.head_dim) % QK_K:
@@ -100,6 +116,7 @@ def shrink(preset: Preset, n_layer: int = 2, n_ff: int = 512) -> Preset:
     small = dataclasses.replace(
         preset, name=f"{preset.name}-small", n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
         n_embd=max(QK_K, n_head * preset.head_dim), n_ff=n_ff, real_params=None,
+        n_ff_exp=QK_K if preset.n_expert else 0,
         file_name=preset.file_name.replace("-q4_k_m", "-small-q4_k_m"))
     small.check()
     return small

@@ -41,18 +41,22 @@ def test_shrinking_keeps_what_tests_can_check(small):
 def test_the_type_mix_is_q4_k_m(small):
     preset, info = small
     types = {t.name: t.type for t in GGUFFile(info["path"]).tensors}
-    assert "output.weight" not in types and types["token_embd.weight"] == GGML_Q6_K   # every preset ties
-    # two layers: only layer 1 (the last eighth) keeps attn_v and ffn_down in Q6_K
+    # the head in Q6_K: the embedding when tied, else output.weight (the embedding then in Q4_K)
+    head = "token_embd.weight" if preset.tied else "output.weight"
+    assert ("output.weight" in types) == (not preset.tied) and types[head] == GGML_Q6_K
+    # two layers: only layer 1 (the last eighth) keeps attn_v and ffn_down(_exps) in Q6_K; an
+    # expert router is never quantized
     for name, ttype in types.items():
-        if name.endswith(("norm.weight", ".bias", "rope_freqs.weight")):
+        if name.endswith(("norm.weight", ".bias", "rope_freqs.weight", "ffn_gate_inp.weight")):
             assert ttype == GGML_F32, name
-        elif name.startswith("blk.1.") and name.endswith(("attn_v.weight", "ffn_down.weight")):
+        elif name.startswith("blk.1.") and name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
             assert ttype == GGML_Q6_K, name
-        elif name != "token_embd.weight":
+        elif name != head:
             assert ttype == GGML_Q4_K, name
     assert ("blk.0.attn_q.bias" in types) == (preset.arch == "qwen2")
-    assert ("blk.0.attn_q_norm.weight" in types) == ("blk.0.post_ffw_norm.weight" in types) == \
-           (preset.arch == "gemma3")
+    assert ("blk.0.attn_q_norm.weight" in types) == (preset.arch in ("gemma3", "qwen3moe"))
+    assert ("blk.0.post_ffw_norm.weight" in types) == (preset.arch == "gemma3")
+    assert ("blk.0.ffn_up_exps.weight" in types) == ("blk.0.ffn_up.weight" not in types) == (preset.n_expert > 0)
     assert ("rope_freqs.weight" in types) == preset.llama3_rope
 
 

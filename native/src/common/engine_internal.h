@@ -24,6 +24,11 @@ typedef struct pp_layer {
     struct ggml_tensor *ffn_gate, *ffn_up, *ffn_down;
     struct ggml_tensor *post_ffw_norm;
     struct ggml_tensor *attn_sinks;   /* [n_head] f32: a learned logit per head in the softmax's denominator (gpt-oss), or NULL */
+    /* mixture of experts (n_expert > 0; the dense ffn_gate/up/down are then NULL):
+     * the router [n_embd, n_expert], each expert's gate and up [n_embd, n_ff_exp,
+     * n_expert] and down [n_ff_exp, n_embd, n_expert] */
+    struct ggml_tensor *ffn_gate_inp;
+    struct ggml_tensor *ffn_gate_exps, *ffn_up_exps, *ffn_down_exps;
     /* encoder (bert) only: output bias, post-norms with biases, FFN biases */
     struct ggml_tensor *bo;
     struct ggml_tensor *attn_out_norm, *attn_out_norm_b;
@@ -215,6 +220,13 @@ static inline struct ggml_tensor *pp_graph_input(struct ggml_context *ctx, enum 
     ggml_set_input(t);
     return t;
 }
+
+/* model/moe_graph.c: the routed experts' FFN of layer L on cur [n_embd, n_tokens]
+ * (after ffn_norm): each token's n_expert_used most probable experts, their
+ * SwiGLU outputs summed with the router's probabilities renormalised over
+ * them. Returns [n_embd, n_tokens] f32. Call only for layers with experts. */
+struct ggml_tensor *pp_build_moe_ffn(struct ggml_context *ctx, const pp_model_hparams *hp, const pp_layer *L,
+                                     struct ggml_tensor *cur);
 
 /* model/attention_graph.c: first key position the gathered path reads for a
  * run whose first query is at p0. */

@@ -137,10 +137,14 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         x = ggml_add(ctx, cur, x);
 
         cur = norm(ctx, x, L->ffn_norm, hp->rms_eps);
-        struct ggml_tensor *gate = PROJECT(L->ffn_gate, PP_PROJ_GATE, cur);
-        struct ggml_tensor *up = PROJECT(L->ffn_up, PP_PROJ_UP, cur);
-        cur = hp->arch == PP_ARCH_GEMMA3 ? ggml_geglu_split(ctx, gate, up) : ggml_swiglu_split(ctx, gate, up);
-        cur = PROJECT(L->ffn_down, PP_PROJ_DOWN, cur);
+        if (L->ffn_gate_inp) {
+            cur = pp_build_moe_ffn(ctx, hp, L, cur);
+        } else {
+            struct ggml_tensor *gate = PROJECT(L->ffn_gate, PP_PROJ_GATE, cur);
+            struct ggml_tensor *up = PROJECT(L->ffn_up, PP_PROJ_UP, cur);
+            cur = hp->arch == PP_ARCH_GEMMA3 ? ggml_geglu_split(ctx, gate, up) : ggml_swiglu_split(ctx, gate, up);
+            cur = PROJECT(L->ffn_down, PP_PROJ_DOWN, cur);
+        }
         if (L->post_ffw_norm) cur = norm(ctx, cur, L->post_ffw_norm, hp->rms_eps);
         x = ggml_add(ctx, cur, x);
 #undef PROJECT

@@ -12,11 +12,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The most experts a layer may route among: llama.cpp's own limit. */
+#define PP_MAX_EXPERTS 1024
+
+/* Whether an architecture's FFN is routed experts (else one dense FFN per layer). */
+static int arch_routes_experts(int32_t arch) { return arch == PP_ARCH_QWEN3MOE; }
+
 int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
     if (!hp || !out) return pp_fail(PP_ERR_INVALID, "pp_model_create: NULL argument");
     *out = NULL;
 #define REQUIRE(cond, ...) do { if (!(cond)) return pp_fail(PP_ERR_INVALID, __VA_ARGS__); } while (0)
-    REQUIRE(hp->arch >= PP_ARCH_LLAMA && hp->arch <= PP_ARCH_BERT, "unknown architecture id %d", hp->arch);
+    REQUIRE(hp->arch >= PP_ARCH_LLAMA && hp->arch <= PP_ARCH_QWEN3MOE, "unknown architecture id %d", hp->arch);
     REQUIRE(hp->n_layer > 0 && hp->n_layer <= 512, "block_count %d out of range", hp->n_layer);
     REQUIRE(hp->n_embd > 0, "embedding_length %d must be positive", hp->n_embd);
     REQUIRE(hp->n_head > 0 && hp->n_head_kv > 0 && hp->n_head % hp->n_head_kv == 0,
@@ -30,6 +36,17 @@ int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
     REQUIRE(hp->n_rot >= 0 && hp->n_rot <= hp->head_dim && hp->n_rot % 2 == 0,
             "rope.dimension_count %d must be even and at most key_length %d", hp->n_rot, hp->head_dim);
     REQUIRE(hp->rms_eps > 0, "layer_norm_rms_epsilon must be positive");
+    if (arch_routes_experts(hp->arch)) {
+        REQUIRE(hp->n_expert > 0 && hp->n_expert <= PP_MAX_EXPERTS, "expert_count %d must be between 1 and %d",
+                hp->n_expert, PP_MAX_EXPERTS);
+        REQUIRE(hp->n_expert_used > 0 && hp->n_expert_used <= hp->n_expert,
+                "expert_used_count %d must be between 1 and expert_count %d", hp->n_expert_used, hp->n_expert);
+        REQUIRE(hp->n_ff_exp > 0, "expert_feed_forward_length %d must be positive", hp->n_ff_exp);
+    } else {
+        REQUIRE(hp->n_expert == 0 && hp->n_expert_used == 0,
+                "expert_count %d / expert_used_count %d given for an architecture without experts",
+                hp->n_expert, hp->n_expert_used);
+    }
 #undef REQUIRE
     pp_model *m = calloc(1, sizeof *m);
     if (!m) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the model");
@@ -66,7 +83,7 @@ void pp_model_destroy(pp_model *m) {
     free(m);
 }
 
-/* The decoders' tensors (llama, qwen2, qwen3, gemma3); see pp_tensor_table. */
+/* The decoders' tensors (llama, qwen2, qwen3, gemma3, qwen3moe); see pp_tensor_table. */
 static size_t decoder_globals(pp_model *m, pp_tensor_slot *out) {
     const pp_model_hparams *hp = &m->hp;
     const pp_tensor_slot table[] = {
@@ -80,11 +97,37 @@ static size_t decoder_globals(pp_model *m, pp_tensor_slot *out) {
     return sizeof table / sizeof table[0];
 }
 
+/* A layer's feed-forward tensors: one dense FFN, or a router and its experts
+ * (a name of the other kind is not the model's, and is ignored). */
+static size_t decoder_ffn(const pp_model *m, pp_layer *L, pp_tensor_slot *out) {
+    const pp_model_hparams *hp = &m->hp;
+    const int64_t n_embd = hp->n_embd;
+    if (!arch_routes_experts(hp->arch)) {
+        const pp_tensor_slot dense[] = {
+            {"ffn_gate.weight", &L->ffn_gate, n_embd, hp->n_ff, 1},
+            {"ffn_up.weight", &L->ffn_up, n_embd, hp->n_ff, 1},
+            {"ffn_down.weight", &L->ffn_down, hp->n_ff, n_embd, 1},
+        };
+        memcpy(out, dense, sizeof dense);
+        return sizeof dense / sizeof dense[0];
+    }
+    const int64_t n_ff = hp->n_ff_exp, n_expert = hp->n_expert;
+    const pp_tensor_slot experts[] = {
+        {"ffn_gate_inp.weight", &L->ffn_gate_inp, n_embd, n_expert, 1},
+        {"ffn_gate_exps.weight", &L->ffn_gate_exps, n_embd, n_ff, 1, n_expert},
+        {"ffn_up_exps.weight", &L->ffn_up_exps, n_embd, n_ff, 1, n_expert},
+        {"ffn_down_exps.weight", &L->ffn_down_exps, n_ff, n_embd, 1, n_expert},
+    };
+    memcpy(out, experts, sizeof experts);
+    return sizeof experts / sizeof experts[0];
+}
+
 static size_t decoder_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out) {
     const pp_model_hparams *hp = &m->hp;
     const int64_t n_embd = hp->n_embd, q_dim = (int64_t)hp->n_head * hp->head_dim,
                   kv_dim = (int64_t)hp->n_head_kv * hp->head_dim;
-    const int arch = hp->arch, qk_norm = arch == PP_ARCH_QWEN3 || arch == PP_ARCH_GEMMA3;
+    const int arch = hp->arch,
+              qk_norm = arch == PP_ARCH_QWEN3 || arch == PP_ARCH_GEMMA3 || arch == PP_ARCH_QWEN3MOE;
     const pp_tensor_slot table[] = {
         {"attn_norm.weight", &L->attn_norm, n_embd, 0, 1},
         {"attn_q.weight", &L->wq, n_embd, q_dim, 1},
@@ -92,9 +135,6 @@ static size_t decoder_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out)
         {"attn_v.weight", &L->wv, n_embd, kv_dim, 1},
         {"attn_output.weight", &L->wo, q_dim, n_embd, 1},
         {"ffn_norm.weight", &L->ffn_norm, n_embd, 0, 1},
-        {"ffn_gate.weight", &L->ffn_gate, n_embd, hp->n_ff, 1},
-        {"ffn_up.weight", &L->ffn_up, n_embd, hp->n_ff, 1},
-        {"ffn_down.weight", &L->ffn_down, hp->n_ff, n_embd, 1},
         {"attn_q.bias", &L->bq, q_dim, 0, arch == PP_ARCH_QWEN2},
         {"attn_k.bias", &L->bk, kv_dim, 0, arch == PP_ARCH_QWEN2},
         {"attn_v.bias", &L->bv, kv_dim, 0, arch == PP_ARCH_QWEN2},
@@ -103,9 +143,12 @@ static size_t decoder_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out)
         {"post_attention_norm.weight", &L->post_attn_norm, n_embd, 0, arch == PP_ARCH_GEMMA3},
         {"post_ffw_norm.weight", &L->post_ffw_norm, n_embd, 0, arch == PP_ARCH_GEMMA3},
     };
-    _Static_assert(sizeof table <= PP_MAX_LAYER_SLOTS * sizeof table[0], "raise PP_MAX_LAYER_SLOTS");
+    /* the FFN's slots (at most 4) follow */
+    _Static_assert(sizeof table + 4 * sizeof table[0] <= PP_MAX_LAYER_SLOTS * sizeof table[0],
+                   "raise PP_MAX_LAYER_SLOTS");
     memcpy(out, table, sizeof table);
-    return sizeof table / sizeof table[0];
+    const size_t n = sizeof table / sizeof table[0];
+    return n + decoder_ffn(m, L, out + n);
 }
 
 static const pp_tensor_table decoder_tensors = {decoder_globals, decoder_layer};
@@ -128,11 +171,17 @@ int32_t pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const i
     if (type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size((enum ggml_type)type) == 0 ||
         ggml_type_size((enum ggml_type)type) == 0)
         return pp_fail(PP_ERR_INVALID, "tensor '%s': unsupported ggml type %d", name, type);
-    /* Compared as 2-D, a 1-D slot being [ne0, 1]: a [ne0, 0] tensor holds no bytes at all. */
+    /* Compared as 2-D (3-D for experts), a 1-D slot being [ne0, 1]: a [ne0, 0] tensor holds no bytes at all. */
+    const int max_dims = spec.ne2 ? 3 : 2;
     const int64_t ne1 = n_dims > 1 ? ne[1] : 1, want1 = spec.ne1 ? spec.ne1 : 1;
-    for (int d = 2; d < n_dims; d++)
+    const int64_t ne2 = n_dims > 2 ? ne[2] : 1, want2 = spec.ne2 ? spec.ne2 : 1;
+    for (int d = max_dims; d < n_dims; d++)
         if (ne[d] != 1)
-            return pp_fail(PP_ERR_INVALID, "tensor '%s': expected at most 2 dimensions", name);
+            return pp_fail(PP_ERR_INVALID, "tensor '%s': expected at most %d dimensions", name, max_dims);
+    if (spec.ne2 && (ne[0] != spec.ne0 || ne1 != want1 || ne2 != want2))
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': shape [%lld, %lld, %lld] but the hyper-parameters "
+                       "need [%lld, %lld, %lld] (one matrix per expert)", name, (long long)ne[0], (long long)ne1,
+                       (long long)ne2, (long long)spec.ne0, (long long)want1, (long long)want2);
     if (ne[0] != spec.ne0 || ne1 != want1)
         return pp_fail(PP_ERR_INVALID, "tensor '%s': shape [%lld, %lld] but the hyper-parameters "
                        "need [%lld, %lld]", name, (long long)ne[0], (long long)ne1,
@@ -147,17 +196,18 @@ int32_t pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const i
     /* Types GGML stores but cannot compute with here would abort inside the
      * first graph, so they are refused now: norms and biases meet f32
      * activations in ggml_mul/ggml_add, which take f32 (as llama.cpp writes
-     * every 1-D weight); the 2-D weights feed ggml_mul_mat (the embedding
-     * also ggml_get_rows), which needs the type's CPU dot product. */
+     * every 1-D weight); the 2-D weights feed ggml_mul_mat (the experts
+     * ggml_mul_mat_id, the embedding also ggml_get_rows), which needs the
+     * type's CPU dot product. */
     if (!spec.ne1 && type != GGML_TYPE_F32)
         return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s, but norm weights and biases must be f32",
                        name, ggml_type_name((enum ggml_type)type));
     if (spec.ne1 && !ggml_get_type_traits_cpu((enum ggml_type)type)->vec_dot)
         return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s has no CPU matrix multiplication", name,
                        ggml_type_name((enum ggml_type)type));
-    struct ggml_tensor *t = spec.ne1
-        ? ggml_new_tensor_2d(m->weights, (enum ggml_type)type, spec.ne0, spec.ne1)
-        : ggml_new_tensor_1d(m->weights, (enum ggml_type)type, spec.ne0);
+    struct ggml_tensor *t = spec.ne2 ? ggml_new_tensor_3d(m->weights, (enum ggml_type)type, spec.ne0, spec.ne1, spec.ne2)
+                          : spec.ne1 ? ggml_new_tensor_2d(m->weights, (enum ggml_type)type, spec.ne0, spec.ne1)
+                                     : ggml_new_tensor_1d(m->weights, (enum ggml_type)type, spec.ne0);
     if (!t) return pp_fail(PP_ERR_NO_MEMORY, "tensor '%s': no room for metadata", name);
     if (n_bytes < 0 || ggml_nbytes(t) != (size_t)n_bytes) {
         /* t stays in the context, unused: the model is being given up anyway */

@@ -82,6 +82,7 @@ class Model:
             "rms_eps": cfg.rms_eps, "attn_scale": cfg.attn_scale, "embd_scale": cfg.embd_scale,
             "final_logit_softcap": cfg.final_logit_softcap, "layer_window": windows,
             "n_rot": cfg.n_rot, "n_token_types": self._rows_of("token_types.weight"),
+            "n_expert": cfg.n_expert, "n_expert_used": cfg.n_expert_used, "n_ff_exp": cfg.n_ff_exp,
         })
         out = ffi.new("pp_model **")
         self._wrap(lib.pp_model_create(hp, out), "model")

@@ -1,7 +1,7 @@
 """NumPy reference forward pass: the logits oracle for the engine (DESIGN.md §4).
 
 ``ReferenceModel.from_gguf(path)`` loads a GGUF of arch ``gemma3``, ``llama``,
-``qwen2`` or ``qwen3`` (the real default Gemma 3 270M file included), dequantizing
+``qwen2``, ``qwen3`` or ``qwen3moe`` (the real default Gemma 3 270M file included), dequantizing
 every tensor to float32 with ``gguf.quants.dequantize``; ``forward(token_ids)`` runs
 the whole sequence from position 0 with full causal attention (no KV cache, no
 batching) in float64 and returns logits ``[n_tokens, n_vocab]`` (float64).
@@ -38,6 +38,15 @@ file.  Each choice is commented where it is made; in short:
   factor 8; the 270M has none).
 * llama/qwen: FFN = down(silu(gate(x)) * up(x)); attention scale 1/sqrt(head_dim); no
   sliding window (llama.cpp ignores it for these archs too).
+* qwen3moe: qwen3's attention; the FFN is routed experts (llama.cpp's build_moe_ffn with
+  softmax gating and normalised weights): probs = softmax(ffn_gate_inp x) over
+  ``expert_count`` experts, the ``expert_used_count`` most probable kept (the lower id
+  first on a tie), their probs divided by their sum; the output is the so-weighted sum of
+  those experts' down_e(silu(gate_e(x)) * up_e(x)), expert e being matrix e of the 3-D
+  ``ffn_{gate,up,down}_exps`` tensors.  ``forward`` leaves in ``last_router_margin`` each
+  token's smallest gap (over the layers, in router logits) between the last expert kept and
+  the best one left out: an engine may route a token whose gap is within its rounding to the
+  other expert, a near-tie as between two best tokens.
 * Final logit soft-capping ``cap * tanh(logits / cap)`` iff
   ``{arch}.final_logit_softcapping`` is present and > 0 (Gemma 3 has none).
 * Output head: ``output.weight`` if present, otherwise tied to ``token_embd.weight``.
@@ -54,10 +63,10 @@ from typing import Any, Sequence
 import numpy as np
 import gguf
 
-SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", "qwen3moe")
 
 # llama.cpp's rope type per architecture.
-ROPE_NEOX = {"gemma3": True, "qwen2": True, "qwen3": True, "llama": False}
+ROPE_NEOX = {"gemma3": True, "qwen2": True, "qwen3": True, "qwen3moe": True, "llama": False}
 
 
 # --------------------------------------------------------------------------- ops
@@ -77,6 +86,38 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis."""
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def routed_experts(h: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                   n_used: int) -> np.ndarray:
+    """The routed experts' FFN of rows h [n, n_embd]: router [n_expert, n_embd], gate and up
+    [n_expert, n_ff_exp, n_embd], down [n_expert, n_embd, n_ff_exp] (numpy shapes)."""
+    probs = softmax(h @ router.T.astype(np.float64))
+    chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :n_used]   # [n, n_used]
+    weights = np.take_along_axis(probs, chosen, axis=-1)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    out = np.zeros((h.shape[0], down.shape[1]), dtype=np.float64)
+    for e in np.unique(chosen):
+        rows, slot = np.nonzero(chosen == e)
+        x = h[rows]
+        act = silu(x @ gate[e].T.astype(np.float64)) * (x @ up[e].T.astype(np.float64))
+        out[rows] += weights[rows, slot][:, None] * (act @ down[e].T.astype(np.float64))
+    return out
+
+
+def router_margin(h: np.ndarray, router: np.ndarray, n_used: int) -> np.ndarray:
+    """Per row of h, how far (in router logits) the last expert kept is above the best one left
+    out: where this is small, an engine's rounding may route the token to the other expert."""
+    logits = np.sort(h @ router.T.astype(np.float64), axis=-1)[:, ::-1]
+    if n_used >= logits.shape[1]:
+        return np.full(h.shape[0], np.inf)
+    return logits[:, n_used - 1] - logits[:, n_used]
 
 
 def rope(
@@ -295,6 +336,8 @@ class ReferenceModel:
     tensors: dict[str, np.ndarray]
     metadata: dict[str, Any]
     tokens: list[str] = field(default_factory=list)
+    n_expert: int = 0        # routed experts per layer (qwen3moe); 0: a dense FFN
+    n_expert_used: int = 0   # experts each token runs
     bos_id: int | None = None
     eos_id: int | None = None
     _piece_to_id: dict[str, int] | None = field(default=None, repr=False)
@@ -372,7 +415,10 @@ class ReferenceModel:
         return cls(
             arch=arch, tensors=tensors, metadata=meta,
             # the shapes
-            n_layer=n_layer, n_embd=n_embd, n_ff=int(hp("feed_forward_length")), n_vocab=n_vocab,
+            # (an expert model's dense feed_forward_length is informational)
+            n_layer=n_layer, n_embd=n_embd, n_vocab=n_vocab,
+            n_ff=int(hp("feed_forward_length", 0 if arch == "qwen3moe" else KeyError)),
+            n_expert=int(hp("expert_count", 0)), n_expert_used=int(hp("expert_used_count", 0)),
             n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, head_dim_v=head_dim_v, n_rot=n_rot,
             # attention and normalization
             rms_eps=float(hp("attention.layer_norm_rms_epsilon")), context_length=int(hp("context_length", 0)),
@@ -449,6 +495,8 @@ class ReferenceModel:
         freq_factors = self._w("rope_freqs.weight")
 
         x = self.tensors["token_embd.weight"][ids].astype(np.float64)
+        # per new token, its smallest router_margin over the layers (inf: no experts)
+        self.last_router_margin = np.full(n, np.inf)
         if gemma:
             x = x * math.sqrt(self.n_embd)  # Gemma's embedding normalizer
         kv_out = []
@@ -481,10 +529,18 @@ class ReferenceModel:
             x = x + o
 
             h = rms_norm(x, self.tensors[p + "ffn_norm.weight"], eps)
-            g = self._linear(h, p + "ffn_gate")
-            u = self._linear(h, p + "ffn_up")
-            act = gelu_tanh(g) if gemma else silu(g)
-            f = self._linear(act * u, p + "ffn_down")
+            if self.n_expert:
+                router = self.tensors[p + "ffn_gate_inp.weight"]
+                f = routed_experts(h, router, self.tensors[p + "ffn_gate_exps.weight"],
+                                   self.tensors[p + "ffn_up_exps.weight"], self.tensors[p + "ffn_down_exps.weight"],
+                                   self.n_expert_used)
+                self.last_router_margin = np.minimum(self.last_router_margin,
+                                                     router_margin(h, router, self.n_expert_used))
+            else:
+                g = self._linear(h, p + "ffn_gate")
+                u = self._linear(h, p + "ffn_up")
+                act = gelu_tanh(g) if gemma else silu(g)
+                f = self._linear(act * u, p + "ffn_down")
             pfn = self._w(p + "post_ffw_norm.weight")
             if pfn is not None:
                 f = rms_norm(f, pfn, eps)

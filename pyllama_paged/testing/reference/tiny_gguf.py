@@ -1,7 +1,7 @@
 """Write tiny GGUF models with random weights, laid out like llama.cpp's own files.
 
 ``write_tiny_model(path, arch, ...)`` produces a real GGUF (version 3) for one of the
-architectures the engine supports (``gemma3``, ``llama``, ``qwen2``, ``qwen3``): the
+architectures the engine supports (``gemma3``, ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``): the
 tensor names, GGML shapes and metadata keys are the ones llama.cpp's converter emits
 (mirrored from the real default ``gemma-3-270m`` file for gemma3), so the same loader
 code path serves tiny test models and real ones.  Weights are random (seeded), scaled
@@ -31,7 +31,8 @@ from gguf import GGMLQuantizationType as QT
 
 from ..vocab_metadata import add_tokenizer
 
-SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", "qwen3moe")
+EXPERT_ARCHS = ("qwen3moe",)   # routed experts (3-D ffn_*_exps tensors) instead of the dense FFN
 
 WEIGHT_TYPES: dict[str, QT] = {
     "f32": QT.F32,
@@ -270,6 +271,11 @@ _DEFAULTS = {
     # qwen3: head_dim deliberately != n_embd/n_head (as in Qwen3-0.6B: 16*128 != 1024)
     "qwen3": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=128, n_ff=512,
                   rope_freq_base=1_000_000.0, rms_eps=1e-6, sliding_window=None, tie_embeddings=True),
+    # qwen3moe: Qwen3-30B-A3B's layout (head_dim 128 != n_embd/n_head, an untied head; 2 of 8
+    # experts routed where it routes 8 of 128), experts n_embd wide so that every K-quant applies
+    "qwen3moe": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=128, n_ff=512,
+                     rope_freq_base=1_000_000.0, rms_eps=1e-6, sliding_window=None, tie_embeddings=False,
+                     n_expert=8, n_expert_used=2, n_ff_exp=256),
 }
 
 
@@ -284,6 +290,9 @@ def write_tiny_model(
     n_head_kv: int | None = None,
     head_dim: int | None = None,
     n_ff: int | None = None,
+    n_expert: int | None = None,
+    n_expert_used: int | None = None,
+    n_ff_exp: int | None = None,
     n_vocab: int | None = None,
     context_length: int = 512,
     sliding_window: int | None | str = "default",
@@ -321,6 +330,9 @@ def write_tiny_model(
     float32 data (same shape; before quantization); ``vocab_hook(vocab)`` edits in place the
     vocabulary written as tokenizer metadata (build_vocab's dict plus the add_* flags and an
     optional "chat_template"; the tensors take their vocabulary size from it afterwards).
+    ``n_expert``, ``n_expert_used`` and ``n_ff_exp`` size an expert arch's routed experts (an
+    F32 router ``ffn_gate_inp``, as llama.cpp's converter and quantizer keep it, and 3-D
+    ``ffn_{gate,up,down}_exps`` of ``weight_type``, patterns ``blk.*.ffn_*_exps.weight``).
     """
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported arch {arch!r}; choose from {SUPPORTED_ARCHS}")
@@ -332,6 +344,13 @@ def write_tiny_model(
     if head_dim is None:
         head_dim = d["head_dim"] if n_embd == d["n_embd"] and n_head == d["n_head"] else n_embd // n_head
     n_ff = d["n_ff"] if n_ff is None else n_ff
+    moe = arch in EXPERT_ARCHS
+    if not moe and (n_expert, n_expert_used, n_ff_exp) != (None, None, None):
+        raise ValueError(f"{arch} has no experts")
+    if moe:
+        n_expert = d["n_expert"] if n_expert is None else n_expert
+        n_expert_used = d["n_expert_used"] if n_expert_used is None else n_expert_used
+        n_ff_exp = d["n_ff_exp"] if n_ff_exp is None else n_ff_exp
     rope_freq_base = d["rope_freq_base"] if rope_freq_base is None else rope_freq_base
     rms_eps = d["rms_eps"] if rms_eps is None else rms_eps
     tie = d["tie_embeddings"] if tie_embeddings is None else tie_embeddings
@@ -376,7 +395,7 @@ def write_tiny_model(
     w.add_layer_norm_rms_eps(rms_eps)
     # llama.cpp's converter writes key_length/value_length for gemma3 and qwen3 (and
     # whenever head_dim != n_embd/n_head); llama writes rope.dimension_count + vocab_size.
-    if arch in ("gemma3", "qwen3") or head_dim * n_head != n_embd:
+    if arch in ("gemma3", "qwen3", "qwen3moe") or head_dim * n_head != n_embd:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if arch == "llama":
@@ -391,6 +410,10 @@ def write_tiny_model(
         w.add_rope_scaling_factor(float(rope_scaling_factor))
     if final_logit_softcapping is not None:
         w.add_final_logit_softcapping(float(final_logit_softcapping))
+    if moe:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+        w.add_expert_feed_forward_length(n_ff_exp)
 
     add_tokenizer(w, "llama", "default", vocab)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -404,10 +427,13 @@ def write_tiny_model(
             raise ValueError(f"tensor_hook changed {tname}'s shape from {data.shape} to {out.shape}")
         return out
 
-    def add_weight(tname: str, n_out: int, n_in: int, std: float) -> None:
-        # numpy shape (n_out, n_in) == GGML ne [n_in, n_out]: rows are input-dim long.
-        data = rng.standard_normal((n_out, n_in), dtype=np.float32) * np.float32(std)
-        arr, qt = quantize_tensor(hooked(tname, data), pick_type(tname, n_in))
+    def add_weight(tname: str, n_out: int, n_in: int, std: float, n_mat: int | None = None,
+                   wtype: str | None = None) -> None:
+        # numpy shape (n_out, n_in) == GGML ne [n_in, n_out]: rows are input-dim long;
+        # n_mat of them (experts) are one 3-D tensor (n_mat, n_out, n_in).
+        shape = (n_out, n_in) if n_mat is None else (n_mat, n_out, n_in)
+        data = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        arr, qt = quantize_tensor(hooked(tname, data), wtype or pick_type(tname, n_in))
         w.add_tensor(tname, arr, raw_dtype=qt)
 
     def add_norm(tname: str, n: int, center: float = 1.0) -> None:
@@ -446,16 +472,24 @@ def write_tiny_model(
             add_bias(p + "attn_q.bias", q_dim)
             add_bias(p + "attn_k.bias", kv_dim)
             add_bias(p + "attn_v.bias", kv_dim)
-        if arch in ("gemma3", "qwen3"):
+        if arch in ("gemma3", "qwen3", "qwen3moe"):
             add_norm(p + "attn_q_norm.weight", head_dim)
             add_norm(p + "attn_k_norm.weight", head_dim)
         add_weight(p + "attn_output.weight", n_embd, q_dim, 1.0 / np.sqrt(q_dim))
         if arch == "gemma3":
             add_norm(p + "post_attention_norm.weight", n_embd, post_center)
         add_norm(p + "ffn_norm.weight", n_embd)
-        add_weight(p + "ffn_gate.weight", n_ff, n_embd, 1.0 / np.sqrt(n_embd))
-        add_weight(p + "ffn_up.weight", n_ff, n_embd, 1.0 / np.sqrt(n_embd))
-        add_weight(p + "ffn_down.weight", n_embd, n_ff, 1.0 / np.sqrt(n_ff))
+        if moe:
+            # Router logits with a spread of ~3 keep the top experts' probabilities apart, so
+            # that rounding in an engine does not flip which experts a token runs.
+            add_weight(p + "ffn_gate_inp.weight", n_expert, n_embd, 3.0 / np.sqrt(n_embd), wtype="f32")
+            add_weight(p + "ffn_gate_exps.weight", n_ff_exp, n_embd, 1.0 / np.sqrt(n_embd), n_expert)
+            add_weight(p + "ffn_up_exps.weight", n_ff_exp, n_embd, 1.0 / np.sqrt(n_embd), n_expert)
+            add_weight(p + "ffn_down_exps.weight", n_embd, n_ff_exp, 1.0 / np.sqrt(n_ff_exp), n_expert)
+        else:
+            add_weight(p + "ffn_gate.weight", n_ff, n_embd, 1.0 / np.sqrt(n_embd))
+            add_weight(p + "ffn_up.weight", n_ff, n_embd, 1.0 / np.sqrt(n_embd))
+            add_weight(p + "ffn_down.weight", n_embd, n_ff, 1.0 / np.sqrt(n_ff))
         if arch == "gemma3":
             add_norm(p + "post_ffw_norm.weight", n_embd, post_center)
     if extend is not None:

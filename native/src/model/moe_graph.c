@@ -1,0 +1,43 @@
+/* The routed experts' feed-forward block (qwen3moe) as GGML ops: a router
+ * picks each token's experts, ggml_mul_mat_id runs every token through the
+ * matrices of its own experts, and the outputs are summed with the router's
+ * weights. The semantics are llama.cpp's for this architecture: softmax over
+ * all experts, the n_expert_used most probable kept, their probabilities
+ * renormalised to sum to 1. */
+#include "common/engine_internal.h"
+
+#include <math.h>
+
+/* The smallest positive f16 normal: llama.cpp's floor for the sum of the
+ * kept probabilities, which a softmax never gets near. */
+#define PP_MOE_MIN_WEIGHT_SUM 6.103515625e-5f
+
+struct ggml_tensor *pp_build_moe_ffn(struct ggml_context *ctx, const pp_model_hparams *hp, const pp_layer *L,
+                                     struct ggml_tensor *cur) {
+    const int64_t n_embd = cur->ne[0], n_tokens = cur->ne[1];
+    const int64_t n_expert = hp->n_expert, n_used = hp->n_expert_used;
+
+    struct ggml_tensor *probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, L->ffn_gate_inp, cur));   /* [n_expert, n_tokens] */
+    /* I32 [n_used, n_tokens], each token's experts by falling probability */
+    struct ggml_tensor *selected = ggml_argsort_top_k(ctx, probs, (int)n_used);
+    struct ggml_tensor *weights = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens), selected);
+    weights = ggml_reshape_2d(ctx, weights, n_used, n_tokens);
+    struct ggml_tensor *weight_sum = ggml_clamp(ctx, ggml_sum_rows(ctx, weights), PP_MOE_MIN_WEIGHT_SUM, INFINITY);
+    weights = ggml_reshape_3d(ctx, ggml_div(ctx, weights, weight_sum), 1, n_used, n_tokens);
+
+    /* one input column per token, broadcast over its n_used experts */
+    struct ggml_tensor *x = ggml_reshape_3d(ctx, cur, n_embd, 1, n_tokens);
+    struct ggml_tensor *gate = ggml_mul_mat_id(ctx, L->ffn_gate_exps, x, selected);   /* [n_ff_exp, n_used, n_tokens] */
+    struct ggml_tensor *up = ggml_mul_mat_id(ctx, L->ffn_up_exps, x, selected);
+    struct ggml_tensor *h = ggml_swiglu_split(ctx, gate, up);
+    struct ggml_tensor *experts = ggml_mul_mat_id(ctx, L->ffn_down_exps, h, selected);   /* [n_embd, n_used, n_tokens] */
+    experts = ggml_mul(ctx, experts, weights);
+
+    /* The sum over a token's experts, as adds of strided views: a reduction
+     * along the middle axis would need a transposed copy first. */
+    struct ggml_tensor *out = ggml_view_2d(ctx, experts, n_embd, n_tokens, experts->nb[2], 0);
+    for (int64_t i = 1; i < n_used; i++)
+        out = ggml_add(ctx, out, ggml_view_2d(ctx, experts, n_embd, n_tokens, experts->nb[2], i * experts->nb[1]));
+    /* a single expert's view is strided: the residual add wants it contiguous */
+    return n_used == 1 ? ggml_cont(ctx, out) : out;
+}
