@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's own tools (llama-server, llama-batched-bench, llama-bench) from the
-# source bundled in the llama-cpp-python sdist, for side-by-side benchmarks. Nothing of it is
-# committed: the sdist and the build live under $LLAMA_CPP_DIR (default bench/.llama.cpp,
+# Builds llama.cpp's own tools (llama-server, llama-batched-bench, llama-bench, llama-perplexity)
+# from the source bundled in the llama-cpp-python sdist, for side-by-side benchmarks. Nothing of
+# it is committed: the sdist and the build live under $LLAMA_CPP_DIR (default bench/.llama.cpp,
 # git-ignored). Prints the bin directory on its last line.
 #
 #     bench/build_llama_cpp.sh            # ~6 minutes on 2 cores
@@ -34,7 +34,8 @@ fi
 mkdir -p "$DIR"
 cd "$DIR"
 BIN="$DIR/$BUILD/bin"
-if [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-batched-bench" ] && [ -x "$BIN/llama-bench" ]; then
+if [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-batched-bench" ] && [ -x "$BIN/llama-bench" ] &&
+   [ -x "$BIN/llama-perplexity" ]; then
   echo "$BIN"; exit 0
 fi
 if [ ! -d "llama_cpp_python-$VERSION" ]; then
@@ -46,6 +47,7 @@ SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release "${CPU_FLAGS[@]}" -DLLAMA_CURL=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
       "${FLAGS[@]}" >"$DIR/$BUILD.log" 2>&1 || { tail -30 "$DIR/$BUILD.log" >&2; exit 1; }
-cmake --build "$BUILD" -j "$JOBS" --target llama-server llama-batched-bench llama-bench >>"$DIR/$BUILD.log" 2>&1 ||
+cmake --build "$BUILD" -j "$JOBS" --target llama-server llama-batched-bench llama-bench llama-perplexity \
+      >>"$DIR/$BUILD.log" 2>&1 ||
   { tail -30 "$DIR/$BUILD.log" >&2; exit 1; }
 echo "$BIN"
