@@ -144,7 +144,7 @@ void pp_attention_scratch_release(pp_attention_scratch *s);
  * attention on a paged cache. Runs with the same number of queries form a
  * group, one flash-attention call per layer. Arrays are the context's, sized
  * for max_batch_tokens (+1 for group_first). */
-#define PP_FLASH_KV_BUCKET 256   /* keys gathered per run are padded to a multiple of this */
+#define PP_FLASH_KV_BUCKET 64    /* keys gathered per run are padded to a multiple of at least this */
 typedef struct pp_flash_plan {
     int32_t  n_runs;
     int32_t  n_groups;

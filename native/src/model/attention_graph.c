@@ -5,7 +5,7 @@
  * group is ONE flash-attention call per layer, the runs stacked along the
  * call's 4th dimension. Each run's keys are gathered by slot from the pool
  * (one ggml_get_rows per group, K and V), padded to a bucketed length
- * (PP_FLASH_KV_BUCKET) whose extra keys the mask hides. A decode step is
+ * (bucket()) whose extra keys the mask hides. A decode step is
  * then one group: the same nodes and inputs at 1 or 64 sequences, and the
  * same shapes from step to step until a bucket fills, so the context can
  * reuse the graph (context.c) and a device can replay it.
@@ -29,8 +29,14 @@ static int run_keys(const pp_batch *b, const pp_flash_plan *p, int r, int window
     return b->positions[t0 + p->run_nq[r] - 1] + 1 - pp_gather_first_key(b->positions[t0], window);
 }
 
+/* Keys gathered per run: n rounded up to a step of an eighth of the next power of two (at
+ * least PP_FLASH_KV_BUCKET), so padding stays under 1/8 of the keys while a growing sequence
+ * changes the graph's shape only every 64, 128, ... steps. */
 static int32_t bucket(int32_t n) {
-    return (n + PP_FLASH_KV_BUCKET - 1) / PP_FLASH_KV_BUCKET * PP_FLASH_KV_BUCKET;
+    int32_t p = 1;
+    while (p < n) p <<= 1;
+    const int32_t step = p / 8 > PP_FLASH_KV_BUCKET ? p / 8 : PP_FLASH_KV_BUCKET;
+    return (n + step - 1) / step * step;
 }
 
 void pp_flash_plan_make(pp_flash_plan *p, const pp_batch *b, int swa_window) {
