@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .engine_runs import chunked_logits
+
 # Tolerances on logits relative to their spread, as tests/engine/test_engine_reference.py:
 # f16 KV rounds K/V to 11 bits; q8_0 KV quantizes K, V and the query.
 TOLERANCE = {"f16": 2e-2, "q8_0": 8e-2}
@@ -43,18 +45,6 @@ def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / (want.max() - want.min()))
 
 
-def _chunked_logits(runner, prompt, chunks=(23, 1, 16)) -> np.ndarray:
-    """All-position logits of prompt, in prefill chunks then single-token steps."""
-    seq = runner.add_sequence(prompt)
-    rows, done = [], 0
-    for n in list(chunks) + [1] * (len(prompt) - sum(chunks)):
-        slots, tables = runner.kv.batch_arrays(seq.handle, done, n)
-        rows.append(runner.forward(prompt[done:done + n], list(range(done, done + n)), slots, [0] * n, tables,
-                                   list(range(n))))
-        done += n
-    return np.concatenate(rows)
-
-
 def check_reference(arch: str) -> dict:
     """One architecture's tiny model: all layers on the device (pages f16 and q8_0, and
     the slab baseline), and a split (the last layer only), against the reference."""
@@ -70,7 +60,7 @@ def check_reference(arch: str) -> dict:
                               ("last_layer", 1, dict(kv_cache_type="f16"))):
             model, runner = _runner(path, ngl, **kw)
             try:
-                got = _chunked_logits(runner, PROMPT)
+                got = chunked_logits(runner, PROMPT)
                 out[name] = {"error": _relative_error(got, want), "tolerance": TOLERANCE[kw["kv_cache_type"]],
                              "argmax_agreement": float((got.argmax(-1) == want.argmax(-1)).mean()),
                              "placement": model.layer_placement()}

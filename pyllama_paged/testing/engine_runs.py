@@ -47,3 +47,18 @@ def greedy_with_and_without(engine, prompt, max_tokens: int, **params) -> tuple[
                                                                speculative=False, **params))])
     [[fast]] = run_together(engine, [(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, **params))])
     return plain, fast
+
+
+def chunked_logits(runner, prompt, chunks=(23, 1, 16)):
+    """All-position logits of prompt as one new sequence of runner, computed in prefill chunks
+    then single-token steps (what the reference checks compare with the float64 model)."""
+    import numpy as np
+
+    seq = runner.add_sequence(prompt)
+    rows, done = [], 0
+    for n in list(chunks) + [1] * (len(prompt) - sum(chunks)):
+        slots, tables = runner.kv.batch_arrays(seq.handle, done, n)
+        rows.append(runner.forward(prompt[done:done + n], list(range(done, done + n)), slots, [0] * n, tables,
+                                   list(range(n))))
+        done += n
+    return np.concatenate(rows)

@@ -7,6 +7,7 @@ import pytest
 
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.testing.engine_runs import chunked_logits
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
@@ -37,15 +38,7 @@ def engine_logits(path, prompt, *, paged, kv_cache_type, block_size=16, chunks=(
     runner = ModelRunner(model, paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=block_size,
                     kv_cache_type=kv_cache_type, attention=attention)
     try:
-        seq = runner.add_sequence(prompt)
-        rows = []
-        done = 0
-        for n in list(chunks) + [1] * (len(prompt) - sum(chunks)):
-            slots, tables = runner.kv.batch_arrays(seq.handle, done, n)
-            rows.append(runner.forward(
-                prompt[done:done + n], list(range(done, done + n)), slots, [0] * n, tables, list(range(n))))
-            done += n
-        return np.concatenate(rows)
+        return chunked_logits(runner, prompt, chunks)
     finally:
         runner.close()
         model.close()
