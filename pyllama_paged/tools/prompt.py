@@ -14,6 +14,7 @@ from typing import Any
 from ..constrain.grammar import Constraint, ConstraintError, closed_objects, compile_constraint
 from ..tokenizer.chat_template import ChatPrompt, ChatTemplate, Escape, no_escape
 from ..tokenizer.tokenizer import Tokenizer
+from .reasoning import speaks_harmony
 
 FAMILIES = ("hermes", "llama3", "mistral", "json")
 
@@ -155,6 +156,10 @@ def plan_tools(template: ChatTemplate, tokenizer: Tokenizer, tools: Any = None, 
             raise ConstraintError("tool_choice asks for a tool call but no tools are given")
         if constraint is not None:
             raise ConstraintError("response_format cannot be combined with a forced tool_choice")
+        if speaks_harmony(template.source):
+            # its call is a commentary message after the analysis, which a bare JSON grammar forbids
+            raise ConstraintError("a forced tool_choice ('required' or a named function) is not supported yet for "
+                                  "a harmony model (gpt-oss): use tool_choice 'auto'")
         only = None
         if isinstance(mode, dict):
             only = (mode.get("function") or {}).get("name")

@@ -298,3 +298,12 @@ def test_anthropic_thinking_block(server):
     # without thinking asked for, the analysis (gpt-oss writes one anyway) is not shown
     plain = claude.messages.create(model="harmony", max_tokens=64, messages=HELLO)
     assert [(b.type, b.text) for b in plain.content] == [("text", ANSWER)]
+
+
+def test_a_forced_tool_choice_is_refused_clearly_for_harmony(oai):
+    """A bare-JSON grammar would forbid the channels a harmony call is written in: a 400
+    that says what to use, never a reply that silently is not a tool call."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError, match="harmony model .*tool_choice 'auto'"):
+            oai.chat.completions.create(model="caller", messages=[WEATHER_QUESTION], tools=[WEATHER_TOOL],
+                                        tool_choice=choice, temperature=0)
