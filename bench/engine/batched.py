@@ -8,7 +8,8 @@ every sequence each step, exactly as the server runs it), npl requests added
 at once, stepped to completion, `ignore_eos`. llama-batched-bench decodes a
 fixed token without sampling, so our numbers carry the sampling it skips.
 Both: --threads threads, physical batch (ubatch) 512, f16 KV; with --gpu-layers, that
-many layers on the GPU on both sides (bench/device_bench.py runs it so on CUDA).
+many layers on the GPU on both sides, llama-batched-bench with flash attention on
+(bench/device_bench.py runs it so on CUDA).
 
     bench/build_llama_cpp.sh   # once
     python bench/engine/batched.py    # writes bench/results/batched.{json,md,png}
@@ -34,9 +35,11 @@ from common.roofline import batched_ceiling, copy_bandwidth, int8_peak, macs_per
 def peer(binary: str, model: str, args, extra=()) -> dict[int, dict]:
     """llama-batched-bench's rows, by npl (extra: more of its flags)."""
     ctx = max(args.npl) * (args.npp + args.ntg)
+    # on a GPU llama.cpp runs at its best with flash attention; extra may choose otherwise
+    flash = ["-fa", "on"] if args.gpu_layers and "-fa" not in extra else []
     cmd = [binary, "-m", model, "-c", str(ctx), "-b", "2048", "-ub", "512", "-t", str(args.threads),
            "-npp", str(args.npp), "-ntg", str(args.ntg), "-npl", ",".join(map(str, args.npl)),
-           "-ngl", gpu_layers_flag(args.gpu_layers), *extra]
+           "-ngl", gpu_layers_flag(args.gpu_layers), *flash, *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = {}
     # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |

@@ -6,7 +6,9 @@ time from an empty context) and pp512 (one 512-token prompt), and the same work 
 step reads every weight byte once and does one int8 multiply-accumulate per weight and token, so it takes at least the weights' bytes over
 this machine's memory bandwidth (a NumPy copy of 1 GiB, bytes read and written) and at least
 its MACs over the int8 peak (bench/kernels/int8_peak.c); the report gives each side's tokens/s against
-the ceiling that binds.
+the ceiling that binds. With --gpu-layers, that many layers on the GPU on both sides (llama-bench's
+-ngl, with flash attention on; bench/device_bench.py runs it so on CUDA), and no roofline (it is
+this CPU's).
 
     bench/build_llama_cpp.sh
     python bench/engine/single_stream.py --model bench/.models/<file>.gguf
@@ -32,8 +34,9 @@ from common.roofline import copy_bandwidth, int8_peak, macs_per_token, step_floo
 
 def llama_bench(binary: str, model: str, args) -> dict:
     """llama-bench's pp and tg tokens/s, one repetition each (its JSON output)."""
+    # llama-bench reads -ngl as llama.h does (negative: every layer), so ours passes through
     cmd = [binary, "-m", model, "-p", str(args.npp), "-n", str(args.ntg), "-t", str(args.threads),
-           "-r", "1", "-o", "json"]
+           "-ngl", str(args.gpu_layers), *(["-fa", "1"] if args.gpu_layers else []), "-r", "1", "-o", "json"]
     rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     out = {}
     for r in rows:
@@ -51,7 +54,7 @@ class Ours:
         from pyllama_paged.engine.worker.model_runner import ModelRunner
 
         self.args = args
-        self.model = Model(model_path)
+        self.model = Model(model_path, n_gpu_layers=args.gpu_layers)
         self.runner = ModelRunner(self.model, paged=True, n_ctx=args.npp + args.ntg + 16,
                                   n_threads=args.threads, n_batch=args.npp, block_size=16)
         self.rng = np.random.default_rng(0)
@@ -103,36 +106,46 @@ def main(argv=None) -> int:
     ap.add_argument("--ntg", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gpu-layers", type=int, default=0,
+                    help="layers on the GPU on both sides (-1: all; llama-bench then with flash attention on)")
     ap.add_argument("--llama-bench", default=str(LLAMA_CPP_BIN / "llama-bench"))
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
-    bandwidth = copy_bandwidth()
-    isa, peak = int8_peak(args.threads)
     theirs, mine, rounds = side_by_side(args)
-    weight_bytes = os.path.getsize(args.model)   # the file is the weights, a few MiB of metadata aside
-    body, head = macs_per_token(args.model)
-    tg_ceiling = 1 / step_floor_s(weight_bytes, body + head, bandwidth, peak)
-    # llama-bench's pp and ours both want the last token's logits only
-    pp_ceiling = args.npp / step_floor_s(weight_bytes, args.npp * body + head, bandwidth, peak)
     rows = [{"workload": f"pp{args.npp} t/s", "llama-bench": theirs["pp"], "ours": mine["pp"],
-             "ours / llama.cpp": mine["pp"] / theirs["pp"], "roofline t/s": pp_ceiling,
-             "ours / roofline": mine["pp"] / pp_ceiling},
+             "ours / llama.cpp": mine["pp"] / theirs["pp"]},
             {"workload": f"tg{args.ntg} t/s", "llama-bench": theirs["tg"], "ours": mine["tg"],
-             "ours / llama.cpp": mine["tg"] / theirs["tg"], "roofline t/s": tg_ceiling,
-             "ours / roofline": mine["tg"] / tg_ceiling}]
-    notes = (f"{args.threads} threads, best of {args.repeats} rounds for each side, interleaved. Roofline: {weight_bytes / 2**20:.0f} MiB of weights "
-             f"read per step over {bandwidth / 1e9:.1f} GB/s (NumPy copy, read + written), and "
-             f"{(body + head) / 1e9:.2f} GMAC per token ({head / 1e9:.2f} of them the head) over an int8 peak of {peak / 1e9:.0f} GMAC/s ({isa}, "
-             f"{args.threads} threads). Decode: memory binds, {tg_ceiling:.1f} tokens/s; ours reaches "
-             f"{mine['tg'] / tg_ceiling:.0%} of it, llama-bench {theirs['tg'] / tg_ceiling:.0%}. Prefill of "
-             f"{args.npp}: compute binds, {pp_ceiling:.0f} tokens/s; ours reaches {mine['pp'] / pp_ceiling:.0%}, "
-             f"llama-bench {theirs['pp'] / pp_ceiling:.0%}. Ours: panel kernel {mine['panel_kernel']}, "
-             f"{mine['n_panel_packed']} weights in panels.")
+             "ours / llama.cpp": mine["tg"] / theirs["tg"]}]
+    notes = f"{args.threads} threads, best of {args.repeats} rounds for each side, interleaved. "
+    roof = {}
+    if args.gpu_layers:
+        # the roofline below is this CPU's: it bounds nothing on a GPU
+        layers = "every layer" if args.gpu_layers < 0 else f"{args.gpu_layers} layers"
+        notes += (f"{layers} on the GPU on both sides, llama-bench with flash attention on. "
+                  f"Ours: panel kernel {mine['panel_kernel']}, {mine['n_panel_packed']} weights in panels.")
+    else:
+        bandwidth = copy_bandwidth()
+        isa, peak = int8_peak(args.threads)
+        weight_bytes = os.path.getsize(args.model)   # the file is the weights, a few MiB of metadata aside
+        body, head = macs_per_token(args.model)
+        tg_ceiling = 1 / step_floor_s(weight_bytes, body + head, bandwidth, peak)
+        # llama-bench's pp and ours both want the last token's logits only
+        pp_ceiling = args.npp / step_floor_s(weight_bytes, args.npp * body + head, bandwidth, peak)
+        for row, ceiling in zip(rows, (pp_ceiling, tg_ceiling)):
+            row.update({"roofline t/s": ceiling, "ours / roofline": row["ours"] / ceiling})
+        roof = {"copy_bandwidth_bytes_per_s": bandwidth, "int8_peak_macs_per_s": peak, "int8_peak_isa": isa,
+                "macs_per_token": {"body": body, "head": head}, "weight_bytes": weight_bytes}
+        notes += (f"Roofline: {weight_bytes / 2**20:.0f} MiB of weights "
+                  f"read per step over {bandwidth / 1e9:.1f} GB/s (NumPy copy, read + written), and "
+                  f"{(body + head) / 1e9:.2f} GMAC per token ({head / 1e9:.2f} of them the head) over an int8 peak of {peak / 1e9:.0f} GMAC/s ({isa}, "
+                  f"{args.threads} threads). Decode: memory binds, {tg_ceiling:.1f} tokens/s; ours reaches "
+                  f"{mine['tg'] / tg_ceiling:.0%} of it, llama-bench {theirs['tg'] / tg_ceiling:.0%}. Prefill of "
+                  f"{args.npp}: compute binds, {pp_ceiling:.0f} tokens/s; ours reaches {mine['pp'] / pp_ceiling:.0%}, "
+                  f"llama-bench {theirs['pp'] / pp_ceiling:.0%}. Ours: panel kernel {mine['panel_kernel']}, "
+                  f"{mine['n_panel_packed']} weights in panels.")
     write_results("single_stream", {"params": vars(args), "llama_bench": theirs, "ours": mine, "rounds": rounds,
-                                    "copy_bandwidth_bytes_per_s": bandwidth, "int8_peak_macs_per_s": peak,
-                                    "int8_peak_isa": isa, "macs_per_token": {"body": body, "head": head},
-                                    "weight_bytes": weight_bytes},
+                                    **roof},
                   rows, out_dir=args.out, title="Single stream: decode (tg) and prefill (pp) vs llama-bench",
                   notes=notes)
     import matplotlib
@@ -141,7 +154,7 @@ def main(argv=None) -> int:
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
     for ax, row in zip(axes, rows):
         ax.bar(["llama-bench", "ours"], [row["llama-bench"], row["ours"]], color=["tab:blue", "tab:orange"])
-        if row["roofline t/s"]:
+        if row.get("roofline t/s"):
             ax.axhline(row["roofline t/s"], color="grey", ls="--", label="roofline")
             ax.legend()
         ax.set(title=row["workload"], ylabel="tokens/s")

@@ -25,7 +25,8 @@ Sides
   buffer bytes are read from its log; every configuration has the same -c,
   so the same bytes.
 - --gpu-layers N puts that many layers on the GPU on both sides (`-ngl`; -1:
-  all), as bench/device_bench.py runs it on CUDA.
+  all; llama-server with flash attention on), as bench/device_bench.py runs it
+  on CUDA.
 - ours: `pyllama-paged serve` in its own process, paged, with a KV pool of
   the same bytes (pool tokens = llama-server's KV bytes / our bytes per token;
   with a sliding-window model llama-server's bytes grow with its slots: ours
@@ -196,8 +197,10 @@ def main(argv=None) -> int:
         name = peer_label(n_parallel, kvu) if side == "llama-server" else "ours"
         log = out_dir / f"chat_trace.{name.replace(' ', '_')}.server.log"
         if side == "llama-server":
+            # on a GPU llama-server runs at its best with flash attention (the KV bytes do not change)
+            flash = ["-fa", "on"] if args.gpu_layers else []
             proc, url, model, peer_bytes = start_llama_server(binary, model_path, args, n_parallel, kvu, log,
-                                                              template)
+                                                              [*template, *flash])
             peer_kv_bytes[name] = peer_bytes
             # llama-server sizes a sliding-window cache by its slots: ours gets the least of them
             kv_bytes = min(peer_kv_bytes.values())
