@@ -17,7 +17,8 @@ file.  Each choice is commented where it is made; in short:
   layout (rotate x[2i] with x[2i+1]) for llama - llama.cpp's rope type per arch; the
   llama converter permutes Q/K rows to match.  theta_i = pos * freq_scale *
   base^(-2i/n_rot) / freq_factor_i (``rope_freqs.weight`` if present).
-  ``freq_scale = 1/rope.scaling.factor`` for linear scaling; YaRN etc. are refused.
+  ``freq_scale = 1/rope.scaling.factor`` for linear scaling; YaRN (global layers) as GGML's
+  rope with llama.cpp's defaults (ext_factor 1, beta_fast 32, beta_slow 1); other kinds are refused.
 * GQA: query head h reads KV head ``h // (n_head / n_head_kv)`` (GGML broadcasting).
 * QK-norm (gemma3, qwen3): per-head RMSNorm of Q and K (weight length head_dim)
   before RoPE.
@@ -111,6 +112,38 @@ def routed_experts(h: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.n
     return out
 
 
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU (GGML's swiglu_oai): gate clamped above, up clamped both ways."""
+    x = np.minimum(gate, limit)
+    y = np.clip(up, -limit, limit)
+    return x / (1.0 + np.exp(-alpha * x)) * (y + 1.0)
+
+
+def gpt_oss_experts(h: np.ndarray, router: np.ndarray, router_bias: np.ndarray, gate: np.ndarray,
+                    gate_bias: np.ndarray, up: np.ndarray, up_bias: np.ndarray, down: np.ndarray,
+                    down_bias: np.ndarray, n_used: int) -> np.ndarray:
+    """gpt-oss's routed FFN of rows h [n, n_embd]: the top n_used router logits, softmaxed among
+    themselves (llama.cpp's SOFTMAX_WEIGHT gating), weight experts with per-expert biases [n_expert, rows]."""
+    logits = h @ router.T.astype(np.float64) + router_bias
+    chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :n_used]
+    weights = softmax(np.take_along_axis(logits, chosen, axis=-1))
+    out = np.zeros((h.shape[0], down.shape[1]), dtype=np.float64)
+    for e in np.unique(chosen):
+        rows, slot = np.nonzero(chosen == e)
+        x = h[rows]
+        act = swiglu_oai(x @ gate[e].T.astype(np.float64) + gate_bias[e], x @ up[e].T.astype(np.float64) + up_bias[e])
+        out[rows] += weights[rows, slot][:, None] * (act @ down[e].T.astype(np.float64) + down_bias[e])
+    return out
+
+
+def yarn_corr_dims(n_rot: int, n_ctx_orig: int, base: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:
+    """YaRN's ramp ends (in rotated-pair dims): where a pair's wavelength spans beta_fast and
+    beta_slow turns of the original context, floored/ceiled and clipped as GGML does."""
+    def dim(n_turns: float) -> float:
+        return n_rot * math.log(n_ctx_orig / (n_turns * 2 * math.pi)) / (2 * math.log(base))
+    return max(0.0, math.floor(dim(beta_fast))), min(n_rot - 1.0, math.ceil(dim(beta_slow)))
+
+
 def router_margin(h: np.ndarray, router: np.ndarray, n_used: int) -> np.ndarray:
     """Per row of h, how far (in router logits) the last expert kept is above the best one left
     out: where this is small, an engine's rounding may route the token to the other expert."""
@@ -129,11 +162,16 @@ def rope(
     freq_scale: float = 1.0,
     neox: bool,
     freq_factors: np.ndarray | None = None,
+    ext_factor: float = 0.0,
+    attn_factor: float = 1.0,
+    corr_dims: tuple[float, float] = (0.0, 0.0),
 ) -> np.ndarray:
     """Rotary embedding of ``x`` [n_tokens, n_heads, head_dim] at ``positions``.
 
     Only the first ``n_rot`` dims rotate.  NEOX pairs (i, i + n_rot/2), NORMAL pairs
     (2i, 2i+1); the angle of pair i is ``pos * freq_scale * base^(-2i/n_rot) / ff_i``.
+    With ``ext_factor`` (YaRN), pair i's angle blends the interpolated and the original one by
+    a ramp over ``corr_dims`` and cos/sin are scaled by ``attn_factor * (1 + 0.1 ln(1/freq_scale))``.
     """
     x = np.array(x, dtype=np.float64, copy=True)
     pos = np.asarray(positions, dtype=np.float64)
@@ -141,9 +179,18 @@ def rope(
     inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)
     if freq_factors is not None:
         inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)[:half]
-    theta = (pos * freq_scale)[:, None] * inv_freq[None, :]  # [n_tokens, half]
-    cos = np.cos(theta)[:, None, :]
-    sin = np.sin(theta)[:, None, :]
+    theta_extrap = pos[:, None] * inv_freq[None, :]  # [n_tokens, half]
+    theta = freq_scale * theta_extrap
+    mscale = attn_factor
+    if ext_factor != 0.0:
+        low, high = corr_dims
+        # GGML's ramp: 1 below low (extrapolate), 0 above high (interpolate), indexed by pair
+        ramp = 1.0 - np.clip((np.arange(half, dtype=np.float64) - low) / max(0.001, high - low), 0.0, 1.0)
+        mix = ramp * ext_factor
+        theta = theta * (1.0 - mix) + theta_extrap * mix
+        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
+    cos = (np.cos(theta) * mscale)[:, None, :]
+    sin = (np.sin(theta) * mscale)[:, None, :]
     if neox:
         a = x[..., :half].copy()
         b = x[..., half:n_rot].copy()
@@ -167,8 +214,12 @@ def attention(
     k_pos: Sequence[int] | np.ndarray | None = None,
     window: int | None = None,
     causal: bool = True,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Plain softmax(scale * Q K^T + mask) V with GQA and an optional sliding window.
+
+    ``sinks`` [n_head] (gpt-oss): each head's softmax gets one more logit, of a key whose
+    value is 0, so it only grows the denominator.
 
     q [n_q, n_head, d], k [n_k, n_head_kv, d], v [n_k, n_head_kv, d_v] -> [n_q, n_head, d_v].
     Positions default to 0..n-1 for keys and the last n_q key positions for queries.
@@ -197,9 +248,14 @@ def attention(
         allowed &= (qp[:, None] - kp[None, :]) < window
     s = np.where(allowed[None], s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True)
+    sink = None if sinks is None else np.asarray(sinks, dtype=np.float64)[:, None, None]
+    if sink is not None:
+        m = np.maximum(m, sink)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
     denom = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + np.exp(sink - m)
     p = np.divide(p, denom, out=np.zeros_like(p), where=denom > 0)
     return np.einsum("hqk,khd->qhd", p, vh)
 
@@ -313,6 +369,11 @@ class LayerInfo:
     sliding: bool  # local (sliding-window) attention layer
     rope_base: float
     rope_freq_scale: float
+    # YaRN (rope.scaling.type "yarn"): the ramp's blend, the cos/sin scale before YaRN's own
+    # magnitude factor, and the ramp's ends; the defaults are plain RoPE
+    yarn_ext_factor: float = 0.0
+    yarn_attn_factor: float = 1.0
+    yarn_corr_dims: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass
@@ -377,10 +438,18 @@ class ReferenceModel:
         freq_scale = 1.0
         scaling_type = hp("rope.scaling.type", None)
         factor = hp("rope.scaling.factor", None)
-        if scaling_type not in (None, "none", "linear"):
+        if scaling_type not in (None, "none", "linear", "yarn"):
             raise NotImplementedError(f"rope scaling {scaling_type!r} not modelled by the reference")
         if factor is not None and float(factor) not in (0.0, 1.0) and scaling_type != "none":
             freq_scale = 1.0 / float(factor)
+        yarn: dict[str, Any] = {}
+        if scaling_type == "yarn" and freq_scale != 1.0:
+            # llama.cpp's defaults (ext_factor 1, beta 32/1, the original context from the GGUF);
+            # its attn_factor cancels GGML's own 1 + 0.1 ln(factor) only when a log multiplier
+            # is given, which no supported architecture writes, so it stays 1
+            n_ctx_orig = int(hp("rope.scaling.original_context_length", hp("context_length", 0)))
+            yarn = dict(yarn_ext_factor=1.0, yarn_attn_factor=1.0,
+                        yarn_corr_dims=yarn_corr_dims(n_rot, n_ctx_orig, freq_base, 32.0, 1.0))
 
         sliding_window = None
         swa_flags = [False] * n_layer
@@ -400,7 +469,7 @@ class ReferenceModel:
                 swa_base = float(hp("rope.freq_base_swa", 10000.0))
                 swa_scale = 1.0
         layers = [
-            LayerInfo(True, swa_base, swa_scale) if swa_flags[il] else LayerInfo(False, freq_base, freq_scale)
+            LayerInfo(True, swa_base, swa_scale) if swa_flags[il] else LayerInfo(False, freq_base, freq_scale, **yarn)
             for il in range(n_layer)
         ]
 
@@ -512,9 +581,11 @@ class ReferenceModel:
             if kn is not None:
                 k = rms_norm(k, kn, eps)
             q = rope(q, pos, n_rot=self.n_rot, base=info.rope_base, freq_scale=info.rope_freq_scale,
-                     neox=neox, freq_factors=freq_factors)
+                     neox=neox, freq_factors=freq_factors, ext_factor=info.yarn_ext_factor,
+                     attn_factor=info.yarn_attn_factor, corr_dims=info.yarn_corr_dims)
             k = rope(k, pos, n_rot=self.n_rot, base=info.rope_base, freq_scale=info.rope_freq_scale,
-                     neox=neox, freq_factors=freq_factors)
+                     neox=neox, freq_factors=freq_factors, ext_factor=info.yarn_ext_factor,
+                     attn_factor=info.yarn_attn_factor, corr_dims=info.yarn_corr_dims)
             if past_kv:
                 k = np.concatenate([past_kv[il][0], k], axis=0)
                 v = np.concatenate([past_kv[il][1], v], axis=0)

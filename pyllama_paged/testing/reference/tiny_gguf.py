@@ -168,6 +168,39 @@ def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
     return out.reshape(*shape[:-1], shape[-1] // QK_K * 210)
 
 
+# E2M1's 16 codes (sign bit 3, then 2 exponent and 1 mantissa bits), as values.
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
+QK_MXFP4 = 32
+
+
+def quantize_mxfp4(rows: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks of float rows (last axis a multiple of 32) as GGML stores them: per 32 values
+    one E8M0 exponent byte (scale 2^(e-127)), then 16 bytes whose low nibbles are values 0-15
+    and high nibbles values 16-31, each an E2M1 code."""
+    shape = rows.shape
+    assert shape[-1] % QK_MXFP4 == 0, "MXFP4 rows are whole 32-value blocks"
+    blocks = np.asarray(rows, dtype=np.float64).reshape(-1, QK_MXFP4)
+    amax = np.abs(blocks).max(axis=1)
+    # the largest value lands in [4, 8) before rounding to E2M1 (whose top is 6), OCP MX's choice
+    with np.errstate(divide="ignore"):
+        exp = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - 2, -127)
+    biased = np.clip(exp + 127, 0, 254).astype(np.uint8)
+    scale = np.exp2(biased.astype(np.float64) - 127)
+    codes = np.abs(blocks[:, :, None] / scale[:, None, None] - _E2M1[None, None, :]).argmin(axis=2).astype(np.uint8)
+    nibbles = codes[:, :16] | (codes[:, 16:] << 4)
+    out = np.concatenate([biased[:, None], nibbles], axis=1)
+    return out.reshape(*shape[:-1], shape[-1] // QK_MXFP4 * 17)
+
+
+def dequantize_mxfp4(raw: np.ndarray) -> np.ndarray:
+    """Float64 values of MXFP4 rows (the last axis whole 17-byte blocks), the inverse of quantize_mxfp4."""
+    shape = raw.shape
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, 17)
+    scale = np.exp2(blocks[:, 0].astype(np.float64) - 127)
+    codes = np.concatenate([blocks[:, 1:] & 0x0F, blocks[:, 1:] >> 4], axis=1)
+    return (_E2M1[codes] * scale[:, None]).reshape(*shape[:-1], shape[-1] // 17 * QK_MXFP4)
+
+
 def quantize_tensor(data: np.ndarray, wtype: str) -> tuple[np.ndarray, QT]:
     """Return (array for GGUFWriter.add_tensor, raw GGML type)."""
     qt = WEIGHT_TYPES[wtype]
