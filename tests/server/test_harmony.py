@@ -170,16 +170,6 @@ def server(models):
         yield s
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def oll(server):
-    return ollama.Client(host=server.url)
-
-
 def _prompt_ids(messages, tools=None, effort=None):
     """The prompt the server's chat path makes for these messages (what the scripted models render)."""
     tokenizer = scripted_tokenizer(THINK_THEN_ANSWER, HARMONY_TEMPLATE, HARMONY_MARKUP)

@@ -53,16 +53,6 @@ def server(models):
 
 
 @pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def oll(server):
-    return ollama.Client(host=server.url)
-
-
-@pytest.fixture(scope="module")
 def claude(server):
     return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
 
