@@ -10,7 +10,6 @@ import random
 from pathlib import Path
 
 import anthropic
-import ollama
 import openai
 import pytest
 
