@@ -2,6 +2,7 @@
 figures overrule the OS's count only by comparison, and an engine whose thread count was
 not fixed really changes its pool. Decisions only: nothing here times anything."""
 
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -65,9 +66,34 @@ def test_measured_speed_overrules_a_misleading_count():
     assert policy.decisions["measured"] > 0
 
 
+def test_one_stalled_step_does_not_send_a_quiet_machine_to_fewer_threads():
+    # a step stalled by an interrupt or a page fault, right after a try of 1 thread left a
+    # fresh figure for it: a running average took the stall in and ran 1 thread until the
+    # next try, hundreds of steps later (15% of a quiet 2-core machine's batched speed)
+    policy = ThreadPolicy(max_threads=2, cores=2, read_load=Load(0))
+    chosen = run(policy, ThreadPolicy.EXPLORE_FIRST + 4, {1: 0.012, 2: 0.008})
+    assert 1 in chosen   # the try happened
+    threads = policy.threads_for_step()
+    assert threads == 2
+    policy.record(threads, 0.2, 1)   # the stalled step
+    chosen = run(policy, 200, {1: 0.012, 2: 0.008})
+    assert chosen.count(2) >= 195
+
+
+def test_a_measured_departure_from_the_os_count_revisits_it():
+    # the OS's count runs at least every REVISIT steps while measurements overrule it, so
+    # its figure cannot go stale and hold the departure after the disturbance passed
+    policy = ThreadPolicy(max_threads=2, cores=2, read_load=Load(cycle=[1, 1, 0, 1]))
+    chosen = run(policy, 600, {1: 0.012, 2: 0.006})
+    tail = chosen[200:]
+    ones = [i for i, t in enumerate(tail) if t == 1]
+    assert ones and all(b - a <= ThreadPolicy.REVISIT + 1 for a, b in zip(ones, ones[1:]))
+    assert len(ones) <= len(tail) // ThreadPolicy.REVISIT + 2   # and no more often than that
+
+
 def test_one_sided_figures_do_not_overrule_the_os():
     policy = ThreadPolicy(max_threads=2, cores=2, read_load=Load(0))
-    policy.seconds_per_token[(1, 1)] = (0.001, 0)   # only 1 thread was ever measured
+    policy.seconds_per_token[(1, 1)] = (deque([0.001]), 0)   # only 1 thread was ever measured
     assert policy.threads_for_step() == 2
 
 

@@ -8,18 +8,24 @@ thread count, each step runs on the cores that are free now:
 
 - what the OS says: the runnable tasks that are not this step (Linux's /proc/loadavg,
   sampled between steps, when our own workers sleep), averaged over the last few steps;
-- what the steps say: seconds per token measured for each thread count and step size,
-  so that when the OS's count misleads (a competitor that mostly sleeps), the count that
-  actually ran faster wins. The count next to the chosen one is tried now and then to keep
-  its figure fresh; the less it wins, the more rarely. More threads than the OS says are
-  free are tried only when its count varies (a competitor that sleeps at times): beside
-  competitors that never sleep such a try costs a time slice at every barrier, up to 50x
-  a step.
+- what the steps say: seconds per token measured for each thread count and step size
+  (the median of its last few steps: one step stalled by an interrupt or a page fault
+  moves nothing), so that when the OS's count misleads (a competitor that mostly sleeps),
+  the count that actually ran faster wins. The count next to the chosen one is tried now
+  and then to keep its figure fresh; the less it wins, the more rarely. More threads than
+  the OS says are free are tried only when its count varies (a competitor that sleeps at
+  times): beside competitors that never sleep such a try costs a time slice at every
+  barrier, up to 50x a step. A measured choice that departs from the OS's count holds
+  only while the OS's count was itself measured recently: it runs again at least every
+  REVISIT steps, so that a figure made stale by a passing disturbance cannot keep a quiet
+  machine on fewer threads for long (it did: a 2-core machine lost 15% of its batched
+  speed to it).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 from collections import deque
 from typing import Callable
 
@@ -69,7 +75,8 @@ class ThreadPolicy:
     # barrier (a step many times its usual length), trying fewer only the lost parallelism:
     # the first kind of try is this many times rarer.
     UP_FACTOR = 8
-    MEMORY = 0.3            # weight of a new measurement in a count's running figure
+    SAMPLES = 5             # a count's figure: the median of its last this many steps
+    REVISIT = 32            # a measured choice departs from the OS's count for at most this many steps
     MARGIN = 0.9            # a measured count must be this much faster to overrule the OS
     STALE_STEPS = 512       # a figure older than this no longer overrules the OS
 
@@ -79,7 +86,8 @@ class ThreadPolicy:
         self.cores = cores if cores is not None else cores_available()
         self.read_load = read_load
         self.load: deque[int] = deque(maxlen=self.WINDOW)
-        self.seconds_per_token: dict[tuple[int, int], tuple[float, int]] = {}   # (bucket, threads) -> (s, step)
+        # (bucket, threads) -> (the last SAMPLES seconds per token, the step of the last)
+        self.seconds_per_token: dict[tuple[int, int], tuple[deque[float], int]] = {}
         self.steps = 0
         self.explore_every = self.EXPLORE_FIRST
         self.next_explore = self.EXPLORE_FIRST
@@ -133,6 +141,8 @@ class ThreadPolicy:
     def _measured_best(self, bucket: int, base: int) -> int | None:
         """A neighbour of base that measured clearly faster on steps of this size, if fresh."""
         mine = self._fresh(bucket, base)
+        if mine is None or self.steps - self.seconds_per_token[(bucket, base)][1] > self.REVISIT:
+            return None   # the OS's count runs this step, and its figure is new again
         best, best_s = None, None
         for other in (base - 1, base + 1):
             if not 1 <= other <= self.max_threads:
@@ -149,7 +159,7 @@ class ThreadPolicy:
         entry = self.seconds_per_token.get((bucket, threads))
         if entry is None or self.steps - entry[1] > self.STALE_STEPS:
             return None
-        return entry[0]
+        return statistics.median(entry[0])
 
     def record(self, threads: int, seconds: float, tokens: int) -> None:
         """What a step of tokens took on threads."""
@@ -158,8 +168,9 @@ class ThreadPolicy:
         bucket = _bucket(tokens)
         per_token = seconds / tokens
         old = self.seconds_per_token.get((bucket, threads))
-        value = per_token if old is None else old[0] + self.MEMORY * (per_token - old[0])
-        self.seconds_per_token[(bucket, threads)] = (value, self.steps)
+        samples = old[0] if old is not None else deque(maxlen=self.SAMPLES)
+        samples.append(per_token)
+        self.seconds_per_token[(bucket, threads)] = (samples, self.steps)
         if self.exploring is not None:
             tried, departed = self.exploring
             self.exploring = None
