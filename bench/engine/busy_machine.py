@@ -35,6 +35,7 @@ from common.peers import LLAMA_CPP_BIN
 from common.report import RESULTS_DIR, save_figure, write_results
 
 BUSY = "while True: pass"
+MAX_SECONDS = 15.0   # one timed run of ours, at most
 
 
 class BusyProcesses:
@@ -69,38 +70,45 @@ class Ours:
 
     def run(self, threads: int | None, batch: int) -> float:
         """Decode tokens/s of batch sequences for args.ntg steps (threads None: the policy).
-        Each setting keeps its runner across runs, as a served engine lives on: the policy's
-        figures and its pool carry over, as they would."""
+        The policy lives across runs, as in a served engine: its figures carry over."""
         args, vocab = self.args, self.model.config.n_vocab
         runner = self._runner(threads, batch)
         seqs = [runner.add_sequence([int(self.rng.integers(1000, vocab // 2))]) for _ in range(batch)]
         try:
             started = time.perf_counter()
-            for _ in range(args.ntg):
+            steps = 0
+            # a thread count far past the free cores can take minutes for ntg steps: its
+            # rate is as well known after MAX_SECONDS
+            while steps < args.ntg and time.perf_counter() - started < MAX_SECONDS:
                 logits = runner.step([(s, 1) for s in seqs])
                 for s, row in zip(seqs, logits):
                     runner.append_tokens(s, [int(np.argmax(row))])
-            return batch * args.ntg / (time.perf_counter() - started)
+                steps += 1
+            return batch * steps / (time.perf_counter() - started)
         finally:
             for s in seqs:
                 runner.free(s)
 
     def _runner(self, threads: int | None, batch: int):
+        """The one runner of this batch size, set up for threads (None: its policy). Every
+        setting runs on the same runner: two runners of identical settings differed by up to
+        9% (their buffers' placement), more than the policy's own cost."""
         from pyllama_paged.engine.worker.model_runner import ModelRunner
         from pyllama_paged.engine.worker.thread_policy import ThreadPolicy, default_threads
 
-        key = (threads, batch)
-        if key not in self.runners:
-            most = threads or default_threads()
+        most = default_threads()
+        if batch not in self.runners:
             runner = ModelRunner(self.model, paged=True, n_ctx=self.args.ntg + 16, n_seq_max=batch, n_threads=most,
                                  n_batch=max(64, batch), block_size=16)
-            if threads is None:
-                runner.thread_policy = ThreadPolicy(most)
-            self.runners[key] = runner
-        return self.runners[key]
+            self.runners[batch] = (runner, ThreadPolicy(most))
+        runner, policy = self.runners[batch]
+        runner.thread_policy = policy if threads is None else None
+        if threads is not None:
+            runner.set_threads(threads)
+        return runner
 
     def close(self):
-        for runner in self.runners.values():
+        for runner, _ in self.runners.values():
             runner.close()
         self.model.close()
 
@@ -129,8 +137,21 @@ def batched_bench(model: str, threads: int | None, npl: int, ntg: int) -> float:
     raise RuntimeError("no row in llama-batched-bench's output:\n" + out[-2000:])
 
 
-def median_of(repeats: int, measure) -> float:
-    return statistics.median(measure() for _ in range(repeats))
+def interleaved_medians(settings: dict, repeats: int) -> dict:
+    """Each setting's median over rounds that run every setting once, in an order rotated
+    each round: a load that drifts (a busy process's core moving, a frequency step) then
+    reaches all settings alike instead of whichever ran at that moment. Ours runs once
+    untimed first, so that no setting's first round pays for a fresh pool and cold pages."""
+    names = list(settings)
+    for name in names:
+        if name.startswith("ours"):
+            settings[name]()
+    figures: dict = {name: [] for name in names}
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            figures[name].append(settings[name]())
+    return {name: statistics.median(values) for name, values in figures.items()}
 
 
 def main(argv=None) -> int:
@@ -139,7 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ntg", type=int, default=64)
     ap.add_argument("--npl", type=int, default=8, help="sequences of the batched run")
     ap.add_argument("--loads", default="0,1,2", help="busy processes beside the run")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-peer", action="store_true", help="ours only (no llama.cpp build)")
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
@@ -154,15 +175,14 @@ def main(argv=None) -> int:
             with BusyProcesses(load):
                 for work, batch in (("decode", 1), ("batched", args.npl)):
                     cell = {"busy processes": load, "work": f"{work} (npl {batch})"}
-                    cell["ours default"] = median_of(args.repeats, lambda: ours.run(None, batch))
-                    for k in counts:
-                        cell[f"ours {k}t"] = median_of(args.repeats, lambda: ours.run(k, batch))
+                    settings = {"ours default": lambda: ours.run(None, batch)}
+                    settings.update({f"ours {k}t": (lambda k=k: ours.run(k, batch)) for k in counts})
                     if not args.no_peer:
                         peer = (lambda t: llama_bench(model, t, args.ntg)) if batch == 1 else \
                             (lambda t: batched_bench(model, t, batch, args.ntg))
-                        cell["llama.cpp default"] = median_of(args.repeats, lambda: peer(None))
-                        for k in counts:
-                            cell[f"llama.cpp {k}t"] = median_of(args.repeats, lambda: peer(k))
+                        settings["llama.cpp default"] = lambda: peer(None)
+                        settings.update({f"llama.cpp {k}t": (lambda k=k: peer(k)) for k in counts})
+                    cell.update(interleaved_medians(settings, args.repeats))
                     best_fixed = max(cell[f"ours {k}t"] for k in counts)
                     cell["default / best fixed"] = cell["ours default"] / best_fixed
                     if not args.no_peer:
@@ -172,7 +192,8 @@ def main(argv=None) -> int:
                     print(cell, flush=True)
     finally:
         ours.close()
-    notes = (f"Tokens/s, median of {args.repeats} runs of {args.ntg} decode steps each; {cores} cores. "
+    notes = (f"Tokens/s, median of {args.repeats} rounds of {args.ntg} decode steps each, every setting once "
+             f"a round in a rotated order (ours warmed up first); {cores} cores. "
              "Busy processes: `python -c 'while True: pass'`, started before the level's runs. "
              "Ours default: the thread policy (each step on the cores the OS reports free, checked "
              "against measured step times), at most every core. llama.cpp default: -t left out.")

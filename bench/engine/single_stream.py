@@ -99,6 +99,15 @@ def side_by_side(args) -> tuple[dict, dict, list[dict]]:
     return best("llama_bench"), {**best("ours"), **mine}, rounds
 
 
+def paired_figures(rounds: list[dict], work: str) -> dict:
+    """The median of the rounds' ours / llama-bench ratios (each pair ran back to back, under
+    the same drift of the host) and each side's spread over the rounds."""
+    ratios = [r["ours"][work] / r["llama_bench"][work] for r in rounds]
+    spread = lambda side: (lambda v: (max(v) - min(v)) / float(np.median(v)))([r[side][work] for r in rounds])
+    return {"paired ratio (median)": float(np.median(ratios)), "spread ours": spread("ours"),
+            "spread llama-bench": spread("llama_bench")}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -113,11 +122,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     theirs, mine, rounds = side_by_side(args)
-    rows = [{"workload": f"pp{args.npp} t/s", "llama-bench": theirs["pp"], "ours": mine["pp"],
-             "ours / llama.cpp": mine["pp"] / theirs["pp"]},
-            {"workload": f"tg{args.ntg} t/s", "llama-bench": theirs["tg"], "ours": mine["tg"],
-             "ours / llama.cpp": mine["tg"] / theirs["tg"]}]
-    notes = f"{args.threads} threads, best of {args.repeats} rounds for each side, interleaved. "
+    rows = [{"workload": f"{w}{n} t/s", "llama-bench": theirs[w], "ours": mine[w],
+             "ours / llama.cpp": mine[w] / theirs[w], **paired_figures(rounds, w)}
+            for w, n in (("pp", args.npp), ("tg", args.ntg))]
+    notes = (f"{args.threads} threads, best of {args.repeats} rounds for each side, interleaved; the paired "
+             "ratio is each round's ours / llama-bench, its median over the rounds; the spreads are each "
+             "side's (max - min) / median over the rounds. ")
     roof = {}
     if args.gpu_layers:
         # the roofline below is this CPU's: it bounds nothing on a GPU
