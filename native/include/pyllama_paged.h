@@ -315,8 +315,12 @@ enum pp_arch {
     PP_ARCH_GEMMA3 = 3,   /* q/k norm, post norms, sliding-window layers, GELU, scaled embeddings */
     PP_ARCH_BERT   = 4,   /* encoder only (pp_encoder_*): learned positions, token types, layer norm
                              with bias, GELU, bidirectional attention; no KV cache */
-    PP_ARCH_QWEN3MOE = 5  /* qwen3's attention; routed experts (softmax, top n_expert_used,
+    PP_ARCH_QWEN3MOE = 5, /* qwen3's attention; routed experts (softmax, top n_expert_used,
                              renormalised) instead of the dense FFN */
+    PP_ARCH_GPT_OSS  = 6  /* gpt-oss: q/k/v/o biases, a sink logit per head, sliding-window
+                             layers (layer_window), YaRN rope; routed experts with biases (top
+                             n_expert_used router logits + bias, softmaxed among themselves)
+                             and a clamped SwiGLU; post_attention_norm is the FFN's norm */
 };
 
 /* Hyper-parameters, read from the GGUF metadata by the caller. */
@@ -346,6 +350,15 @@ typedef struct pp_model_hparams {
     int32_t n_expert;            /* routed experts per layer (mixture-of-experts archs; 0 = dense) */
     int32_t n_expert_used;       /* experts each token runs, 1..n_expert */
     int32_t n_ff_exp;            /* each expert's feed-forward width */
+    float   rope_freq_scale_swa; /* sliding-window layers' 1 / scaling factor; 0 = 1 (unscaled) */
+    /* YaRN rope scaling (GGML's ggml_rope_ext arguments), on every layer whose freq scale is
+     * not 1: ext_factor 0 = none (plain or linear scaling), else the ramp's blend in [0, 1] */
+    float   yarn_ext_factor;
+    float   yarn_attn_factor;    /* multiplies cos/sin (GGML adds YaRN's own 1 + 0.1 ln factor); 0 = 1 */
+    float   yarn_beta_fast;      /* the ramp's ends in turns of the original context (32 and 1 in */
+    float   yarn_beta_slow;      /* llama.cpp); both > 0, fast > slow, when ext_factor != 0 */
+    int32_t n_ctx_orig_yarn;     /* the context YaRN stretches (rope.scaling.original_context_length);
+                                    0 = n_ctx_train */
 } pp_model_hparams;
 
 typedef struct pp_model pp_model;

@@ -14,9 +14,12 @@ __all__ = ["ARCH_IDS", "ENCODER_ARCHS", "POOLING_TYPES", "ModelConfig", "ModelLo
 
 ARCH_IDS = {"llama": lib.PP_ARCH_LLAMA, "qwen2": lib.PP_ARCH_QWEN2, "qwen3": lib.PP_ARCH_QWEN3,
             "gemma3": lib.PP_ARCH_GEMMA3, "bert": lib.PP_ARCH_BERT,
-            "qwen3moe": lib.PP_ARCH_QWEN3MOE}   # enum pp_arch
+            "qwen3moe": lib.PP_ARCH_QWEN3MOE, "gpt-oss": lib.PP_ARCH_GPT_OSS}   # enum pp_arch
 ENCODER_ARCHS = frozenset({"bert"})   # encoder-only: embeddings, no KV cache, no generation
-EXPERT_ARCHS = frozenset({"qwen3moe"})   # routed experts instead of the dense FFN
+EXPERT_ARCHS = frozenset({"qwen3moe", "gpt-oss"})   # routed experts instead of the dense FFN
+YARN_ARCHS = frozenset({"gpt-oss"})   # the archs whose YaRN rope scaling is checked against the reference
+# llama.cpp's YaRN: the ramp's ends in turns of the original context (it reads no other from a file)
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
 MAX_EXPERTS = 1024   # pp_model_create's limit (llama.cpp's LLAMA_MAX_EXPERTS)
 POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}   # llama.cpp's <arch>.pooling_type
 ROPE_NORMAL, ROPE_NEOX = 0, 2
@@ -49,6 +52,12 @@ class ModelConfig:
     n_expert: int = field(default=0, repr=False)
     n_expert_used: int = field(default=0, repr=False)   # experts each token runs
     n_ff_exp: int = field(default=0, repr=False)        # each expert's feed-forward width
+    # sliding-window layers' 1 / rope scaling factor (gemma3's are unscaled, gpt-oss's scaled as the others)
+    rope_freq_scale_swa: float = field(default=1.0, repr=False)
+    # YaRN (rope.scaling.type "yarn", YARN_ARCHS): 0 = none, else GGML's ext_factor (llama.cpp: 1)
+    yarn_ext_factor: float = field(default=0.0, repr=False)
+    yarn_attn_factor: float = field(default=1.0, repr=False)   # rope.scaling.attn_factor
+    n_ctx_orig_yarn: int = field(default=0, repr=False)       # rope.scaling.original_context_length
 
     @property
     def is_encoder(self) -> bool:
@@ -150,7 +159,11 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
                              f"key_length {head_dim}")
     scaling_type = f.text("rope.scaling.type", "none")
     scaling_factor = f.number("rope.scaling.factor", 1.0) or 1.0  # 0 means none, as in llama.cpp
-    if scaling_type not in ("none", "linear") and scaling_factor != 1.0:
+    yarn = scaling_type == "yarn" and scaling_factor != 1.0
+    if yarn and arch not in YARN_ARCHS:
+        raise ModelLoadError(f"{path}: rope scaling 'yarn' is supported for {', '.join(sorted(YARN_ARCHS))} "
+                             f"only, not '{arch}'")
+    if scaling_type not in ("none", "linear", "yarn") and scaling_factor != 1.0:
         raise ModelLoadError(f"{path}: rope scaling '{scaling_type}' is not supported")
     cfg = ModelConfig(
         arch=arch,
@@ -180,6 +193,8 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
         _encoder_fields(cfg, f)
     if arch in EXPERT_ARCHS:
         _expert_fields(cfg, f)
+    if yarn:
+        _yarn_fields(cfg, f)
     window = f.integer("attention.sliding_window", 0, lo=0)
     if arch == "gemma3":
         # Gemma 3 scales embeddings by sqrt(n_embd); five of every six layers
@@ -190,6 +205,8 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
         scalar = f.number("attention.query_pre_attn_scalar", 0.0)
         if scalar:
             cfg.attn_scale = 1.0 / math.sqrt(scalar)
+    elif arch == "gpt-oss":
+        _gpt_oss_fields(cfg, f)
     elif window and arch == "llama":  # Mistral v0.1 style: every layer windowed
         cfg.layer_window = [window] * n_layer
     if n_head % n_head_kv:
@@ -208,6 +225,36 @@ def _expert_fields(cfg: ModelConfig, f: _Fields) -> None:
     derived = cfg.n_ff // cfg.n_expert_used
     cfg.n_ff_exp = f.integer("expert_feed_forward_length", derived if derived > 0 else _REQUIRED)
     cfg.n_ff = cfg.n_ff or cfg.n_ff_exp * cfg.n_expert_used
+
+
+def _yarn_fields(cfg: ModelConfig, f: _Fields) -> None:
+    """YaRN as llama.cpp runs it from a GGUF: ext_factor 1, beta 32/1 whatever the file says, the
+    original context from rope.scaling.original_context_length (else context_length), cos/sin
+    times rope.scaling.attn_factor; a yarn_log_multiplier (DeepSeek's) is not modelled."""
+    if f.number("rope.scaling.yarn_log_multiplier", 0.0):
+        f._fail("rope.scaling.yarn_log_multiplier", "is set; YaRN with a log multiplier is not supported")
+    cfg.yarn_ext_factor = 1.0
+    cfg.yarn_attn_factor = f.number("rope.scaling.attn_factor", 1.0, positive=True)
+    cfg.n_ctx_orig_yarn = f.integer("rope.scaling.original_context_length", cfg.n_ctx_train)
+
+
+def _gpt_oss_fields(cfg: ModelConfig, f: _Fields) -> None:
+    """gpt-oss (llama.cpp's openai-moe): a required sliding window on the layers of a pattern of 2
+    (even layers slide; sliding_window_pattern overrides it), whose rope is the full layers' own
+    (YaRN included) unless rope.freq_base_swa is given; attention scaled by 1/sqrt(n_rot)."""
+    window = f.integer("attention.sliding_window")
+    pattern = f._get("attention.sliding_window_pattern", 2)
+    if isinstance(pattern, (list, tuple)) or hasattr(pattern, "shape"):   # the reader gives arrays as numpy's
+        if len(pattern) < cfg.n_layer or not all(isinstance(b, (bool, np.bool_)) for b in pattern):
+            f._fail("attention.sliding_window_pattern", f"must be {cfg.n_layer} booleans, got {_describe(pattern)}")
+        sliding = [bool(b) for b in pattern[:cfg.n_layer]]
+    else:
+        period = f.integer("attention.sliding_window_pattern", 2, lo=0, hi=MAX_LAYERS)
+        sliding = [period == 0 or il % period < period - 1 for il in range(cfg.n_layer)]
+    cfg.layer_window = [window if s else 0 for s in sliding]
+    cfg.rope_freq_base_swa = f.number("rope.freq_base_swa", cfg.rope_freq_base, positive=True)
+    cfg.rope_freq_scale_swa = cfg.rope_freq_scale
+    cfg.attn_scale = 1.0 / math.sqrt(cfg.n_rot)
 
 
 def _encoder_fields(cfg: ModelConfig, f: _Fields) -> None:

@@ -1,5 +1,5 @@
-"""A synthetic byte-level BPE vocabulary ("gpt2" tokenizer model) laid out like Llama 3's
-or Qwen 2.5's, for the synthetic GGUF writer (pyllama_paged/testing/synthetic_gguf.py).
+"""A synthetic byte-level BPE vocabulary ("gpt2" tokenizer model) laid out like Llama 3's,
+Qwen 2.5's or gpt-oss's (o200k_harmony), for the synthetic GGUF writer (pyllama_paged/testing/synthetic_gguf.py).
 
 The real vocabularies cannot be shipped, but their layout is what matters to a benchmark
 or a loader: the 256 byte characters of GPT-2's byte-to-unicode table, then merged tokens
@@ -18,6 +18,7 @@ import gguf
 
 from ..tokenizer.bpe import BYTE_TO_CHAR, bytes_to_bpe_text
 from ..tokenizer.chat_template import CHATML_TEMPLATE, LLAMA3_TEMPLATE
+from .scripted_gguf import HARMONY_TEMPLATE
 
 NORMAL, CONTROL, USER_DEFINED, UNUSED = (int(gguf.TokenType.NORMAL), int(gguf.TokenType.CONTROL),
                                          int(gguf.TokenType.USER_DEFINED), int(gguf.TokenType.UNUSED))
@@ -62,12 +63,23 @@ _QWEN2_SPECIALS = tuple(
     + [(t, USER_DEFINED) for t in ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
                                    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")])
 
+# gpt-oss's o200k_harmony from id 199998, all control in its GGUF (the tokenizer itself makes
+# <|end|> and the harmony headers user-defined); the real file's reserved tokens past <|call|>
+# up to 201087 are left to the padding.
+_HARMONY_SPECIALS = tuple((t, CONTROL) for t in (
+    "<|startoftext|>", "<|endoftext|>", "<|reserved_200000|>", "<|reserved_200001|>", "<|return|>",
+    "<|constrain|>", "<|reserved_200004|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>",
+    "<|reserved_200009|>", "<|reserved_200010|>", "<|reserved_200011|>", "<|call|>"))
+
 FAMILIES: dict[str, BpeFamily] = {
     # bos/eos as in the instruct models' GGUFs: a turn ends generation
     "llama3": BpeFamily("llama-bpe", 128000, _llama3_specials(), bos="<|begin_of_text|>", eos="<|eot_id|>",
                         pad=None, add_bos=True, chat_template=LLAMA3_TEMPLATE),
     "qwen2": BpeFamily("qwen2", 151643, _QWEN2_SPECIALS, bos="<|endoftext|>", eos="<|im_end|>",
                        pad="<|endoftext|>", add_bos=False, chat_template=CHATML_TEMPLATE),
+    # <|return|> the EOS as in gpt-oss's GGUF; the template is harmony's shape, written here
+    "gpt-oss": BpeFamily("gpt-4o", 199998, _HARMONY_SPECIALS, bos="<|startoftext|>", eos="<|return|>",
+                         pad="<|endoftext|>", add_bos=False, chat_template=HARMONY_TEMPLATE),
 }
 
 # Merged first: what chat prompts and the tests' sentences are made of, and whitespace runs.

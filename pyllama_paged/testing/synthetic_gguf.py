@@ -1,6 +1,7 @@
 """A random-weight GGUF the size of a model people run (Llama 3.2 1B/3B, Qwen 2.5 1.5B,
-Gemma 3 4B, Qwen3-30B-A3B, or the 1.6B Gemma 3 the benchmarks have long used), quantized like
-Q4_K_M, for benchmarks where weight and KV bytes and prompt lengths must be realistic.
+Gemma 3 4B, Qwen3-30B-A3B, gpt-oss-20b, or the 1.6B Gemma 3 the benchmarks have long used),
+quantized like Q4_K_M (gpt-oss: like its release, MXFP4 experts and Q8_0 elsewhere), for
+benchmarks where weight and KV bytes and prompt lengths must be realistic.
 
 Presets (pyllama_paged/testing/synthetic_presets.py) give the real shapes; the tensor names,
 metadata and tokenizer are those of llama.cpp's own files, so both our engine and llama.cpp
@@ -38,7 +39,8 @@ from gguf import GGMLQuantizationType as QT
 
 from ..gguf.reader import read_metadata
 from . import synthetic_presets as presets
-from .synthetic_blocks import Q4_K_BYTES, Q6_K_BYTES, QK_K, q4_k_blocks, q6_k_blocks
+from .synthetic_blocks import (MXFP4_BYTES, Q4_K_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK_32, QK_K, mxfp4_blocks,
+                               q4_k_blocks, q6_k_blocks, q8_0_blocks)
 from .synthetic_bpe import build_bpe_vocab
 from .vocab_metadata import add_tokenizer
 
@@ -60,6 +62,16 @@ def q4_k_m_type(name: str, n_layer: int, tied: bool) -> str:
     if name.endswith(more) and more_bits(int(name.split(".")[1]), n_layer):
         return "Q6_K"
     return "Q4_K"
+
+
+def mxfp4_mix_type(name: str) -> str:
+    """The type gpt-oss's release gives weight matrix `name`: "MXFP4" for the experts, else "Q8_0"."""
+    return "MXFP4" if name.endswith("_exps.weight") else "Q8_0"
+
+
+# type -> (its block writer, bytes per block, values per block, GGML type)
+_BLOCKS = {"Q4_K": (q4_k_blocks, Q4_K_BYTES, QK_K, QT.Q4_K), "Q6_K": (q6_k_blocks, Q6_K_BYTES, QK_K, QT.Q6_K),
+           "Q8_0": (q8_0_blocks, Q8_0_BYTES, QK_32, QT.Q8_0), "MXFP4": (mxfp4_blocks, MXFP4_BYTES, QK_32, QT.MXFP4)}
 
 
 def llama3_rope_divisors(head_dim: int, freq_base: float) -> np.ndarray:
@@ -121,7 +133,7 @@ def _add_hparams(w, p: presets.Preset, meta: dict | None, n_vocab: int) -> None:
     w.add_feed_forward_length(p.n_ff)
     w.add_head_count(p.n_head)
     w.add_head_count_kv(p.n_head_kv)
-    if p.arch in ("gemma3", "qwen3moe") or p.q_dim != p.n_embd:
+    if p.arch in ("gemma3", "qwen3moe", "gpt-oss") or p.q_dim != p.n_embd:
         w.add_key_length(p.head_dim)
         w.add_value_length(p.head_dim)
     w.add_layer_norm_rms_eps(pick(p.rms_eps, "attention.layer_norm_rms_epsilon", float))
@@ -129,8 +141,12 @@ def _add_hparams(w, p: presets.Preset, meta: dict | None, n_vocab: int) -> None:
     if p.arch == "llama":
         w.add_vocab_size(n_vocab)
         w.add_rope_dimension_count(p.head_dim)
-    if p.arch == "gemma3":
+    if p.arch in ("gemma3", "gpt-oss"):
         w.add_sliding_window(pick(p.sliding_window, "attention.sliding_window", int))
+    if p.yarn_factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(p.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(p.yarn_original_context)
     if p.rope_scaling_linear is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(p.rope_scaling_linear)
@@ -153,13 +169,14 @@ class _Tensors:
         self._draws.append(draw)
 
     def matrix(self, name: str, n_out: int, n_in: int, std: float, n_mat: int = 0) -> None:
-        """A weight matrix in its Q4_K_M type; n_mat > 0: that many of them (experts) as one 3-D tensor."""
-        q6 = q4_k_m_type(name, self.p.n_layer, self.p.tied) == "Q6_K"
-        blocks = q6_k_blocks if q6 else q4_k_blocks
-        shape = ((n_mat,) if n_mat else ()) + (n_out, n_in // QK_K * (Q6_K_BYTES if q6 else Q4_K_BYTES))
+        """A weight matrix in its type of the preset's mix; n_mat > 0: that many of them (experts)
+        as one 3-D tensor."""
+        kind = mxfp4_mix_type(name) if self.p.type_mix == "mxfp4" else q4_k_m_type(name, self.p.n_layer, self.p.tied)
+        blocks, block_bytes, block_values, qtype = _BLOCKS[kind]
+        shape = ((n_mat,) if n_mat else ()) + (n_out, n_in // block_values * block_bytes)
         rows = n_out * max(n_mat, 1)
         self._declare(name, shape, np.uint8, math.prod(shape),
-                      lambda: blocks(self.rng, rows, n_in, std).reshape(shape), QT.Q6_K if q6 else QT.Q4_K)
+                      lambda: blocks(self.rng, rows, n_in, std).reshape(shape), qtype)
         self.n_params += rows * n_in
 
     def float_matrix(self, name: str, n_out: int, n_in: int, std: float) -> None:
@@ -202,6 +219,10 @@ def _add_tensors(t: _Tensors, n_vocab: int) -> None:
     if p.llama3_rope:
         t.table("rope_freqs.weight", llama3_rope_divisors(p.head_dim, p.rope_freq_base))
     kv_dim, in_std = p.n_head_kv * p.head_dim, 1.0 / np.sqrt(p.n_embd)
+    if p.arch == "gpt-oss":
+        for il in range(p.n_layer):
+            _add_gpt_oss_layer(t, f"blk.{il}.", kv_dim, in_std)
+        return
     for il in range(p.n_layer):
         b = f"blk.{il}."
         t.vector(b + "attn_norm.weight", p.n_embd, 1.0, 0.1)
@@ -231,6 +252,27 @@ def _add_tensors(t: _Tensors, n_vocab: int) -> None:
             t.vector(b + "post_ffw_norm.weight", p.n_embd, 2.0, 0.2)
 
 
+def _add_gpt_oss_layer(t: _Tensors, b: str, kv_dim: int, in_std: float) -> None:
+    """A gpt-oss layer as llama.cpp's converter writes it: every projection with a bias, a sink
+    logit per head, post_attention_norm (its FFN's norm), a router with a bias, experts with a
+    bias row each."""
+    p = t.p
+    t.vector(b + "attn_norm.weight", p.n_embd, 1.0, 0.1)
+    for name, n_out in (("attn_q", p.q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)):
+        t.matrix(b + name + ".weight", n_out, p.n_embd, in_std)
+        t.vector(b + name + ".bias", n_out, 0.0, 0.1)
+    t.matrix(b + "attn_output.weight", p.n_embd, p.q_dim, 1.0 / np.sqrt(p.q_dim))
+    t.vector(b + "attn_output.bias", p.n_embd, 0.0, 0.1)
+    t.vector(b + "attn_sinks.weight", p.n_head, 1.0, 1.0)
+    t.vector(b + "post_attention_norm.weight", p.n_embd, 1.0, 0.1)
+    t.float_matrix(b + "ffn_gate_inp.weight", p.n_expert, p.n_embd, in_std)
+    t.vector(b + "ffn_gate_inp.bias", p.n_expert, 0.0, 0.1)
+    for name, n_out, n_in in (("ffn_gate_exps", p.n_ff_exp, p.n_embd), ("ffn_up_exps", p.n_ff_exp, p.n_embd),
+                              ("ffn_down_exps", p.n_embd, p.n_ff_exp)):
+        t.matrix(b + name + ".weight", n_out, n_in, 1.0 / np.sqrt(n_in), p.n_expert)
+        t.float_matrix(b + name + ".bias", p.n_expert, n_out, 0.1)
+
+
 def write(out: Path, preset: str | presets.Preset = presets.DEFAULT, *, seed: int = 0,
           source: str | None = None, **shape) -> dict:
     """Write the preset's model (its fields overridden by shape, e.g. n_layer=2) to out;
@@ -248,7 +290,7 @@ def write(out: Path, preset: str | presets.Preset = presets.DEFAULT, *, seed: in
     _add_hparams(w, p, meta, n_vocab)   # before the tokenizer, as llama.cpp's converter orders them
     add_tokenizer(w, model, pre, vocab)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if p.type_mix == "mxfp4" else gguf.LlamaFileType.MOSTLY_Q4_K_M))
     tensors = _Tensors(w, p, np.random.default_rng(seed))
     _add_tensors(tensors, n_vocab)
     w.write_header_to_file()

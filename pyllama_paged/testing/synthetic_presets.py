@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .synthetic_blocks import QK_K
+from .synthetic_blocks import QK_32, QK_K
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Preset:
     """One model shape: what the writer needs besides the random weights."""
 
     name: str
-    arch: str                 # gemma3, llama, qwen2 or qwen3moe: the engine's and llama.cpp's names
+    arch: str                 # gemma3, llama, qwen2, qwen3moe or gpt-oss: the engine's and llama.cpp's names
     n_embd: int
     n_layer: int
     n_head: int
@@ -40,10 +40,19 @@ class Preset:
     llama3_rope: bool = False  # rope_freqs.weight from Llama 3.1/3.2's long-context rule
     real_params: int | None = None   # the real model's parameter count (text model), to compare
     file_name: str = ""
-    # routed experts in place of the dense FFN (qwen3moe): how many, how many a token runs, their width
+    # routed experts in place of the dense FFN (qwen3moe, gpt-oss): how many, how many a token runs, their width
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    # "q4_k_m": llama.cpp's Q4_K_M; "mxfp4": gpt-oss's release (MXFP4 experts, Q8_0 elsewhere)
+    type_mix: str = "q4_k_m"
+    yarn_factor: float | None = None       # YaRN rope scaling over yarn_original_context positions
+    yarn_original_context: int = 0
+
+    @property
+    def block(self) -> int:
+        """The row length every matrix of the type mix is a multiple of."""
+        return QK_32 if self.type_mix == "mxfp4" else QK_K
 
     @property
     def q_dim(self) -> int:
@@ -51,11 +60,12 @@ class Preset:
         return self.n_head * self.head_dim
 
     def check(self) -> None:
-        """Raise ValueError if a K-quant row would not be whole blocks or the heads do not group."""
+        """Raise ValueError if a quantized row would not be whole blocks or the heads do not group."""
         widths = [("n_embd", self.n_embd), ("n_ff", self.n_ff), ("n_head * head_dim", self.q_dim)]
         for what, v in widths + ([("n_ff_exp", self.n_ff_exp)] if self.n_expert else []):
-            if v % QK_K:
-                raise ValueError(f"{self.name}: {what} = {v} must be a multiple of {QK_K} for K-quant rows")
+            if v % self.block:
+                raise ValueError(f"{self.name}: {what} = {v} must be a multiple of {self.block} for "
+                                 f"{self.type_mix}'s rows")
         if self.n_head % self.n_head_kv:
             raise ValueError(f"{self.name}: n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
         if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
@@ -91,6 +101,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            n_ff=6144, tokenizer="qwen2", n_vocab=151936, tied=False, context_length=40960, rope_freq_base=1e6,
            rms_eps=1e-6, n_expert=128, n_expert_used=8, n_ff_exp=768, real_params=30_532_122_624,
            file_name="qwen3-synthetic-30b-a3b-q4_k_m.gguf"),
+    # gpt-oss-20b: 32 experts of 2880, 4 per token (3.6B of its 20.9B parameters active); head_dim
+    # 64 with n_embd 2880 (not 64 x 64 heads); even layers slide over 128 positions; YaRN x32 over
+    # 4096; o200k_harmony's vocabulary, an untied head; its release's type mix (MXFP4 experts)
+    Preset("gpt-oss-20b", "gpt-oss", n_embd=2880, n_layer=24, n_head=64, n_head_kv=8, head_dim=64,
+           n_ff=2880, tokenizer="gpt-oss", n_vocab=201088, tied=False, context_length=131072,
+           rope_freq_base=150000.0, rms_eps=1e-5, sliding_window=128, n_expert=32, n_expert_used=4,
+           n_ff_exp=2880, type_mix="mxfp4", yarn_factor=32.0, yarn_original_context=4096,
+           real_params=20_914_757_184, file_name="gpt-oss-synthetic-20b-mxfp4.gguf"),
 )}
 DEFAULT = "gemma3-1.6b"
 
@@ -107,7 +125,7 @@ def shrink(preset: Preset, n_layer: int = 2, n_ff: int = 512) -> Preset:
     """A small copy of preset: same architecture, vocabulary, tokenizer, head size, query
     heads per KV head and experts (how many, how many a token runs), with n_layer layers, the
     fewest heads whose width is whole K-quant blocks, n_embd that width (at least 256), n_ff
-    and experts one K-quant block wide."""
+    and experts one K-quant block wide (256 values, whole blocks of any type mix)."""
     group = preset.n_head // preset.n_head_kv
     n_head_kv = 1
     while (n_head_kv * group * preset.head_dim) % QK_K:
@@ -117,6 +135,6 @@ def shrink(preset: Preset, n_layer: int = 2, n_ff: int = 512) -> Preset:
         preset, name=f"{preset.name}-small", n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
         n_embd=max(QK_K, n_head * preset.head_dim), n_ff=n_ff, real_params=None,
         n_ff_exp=QK_K if preset.n_expert else 0,
-        file_name=preset.file_name.replace("-q4_k_m", "-small-q4_k_m"))
+        file_name=preset.file_name.replace("-q4_k_m", "-small-q4_k_m").replace("-mxfp4", "-small-mxfp4"))
     small.check()
     return small

@@ -1,6 +1,7 @@
 """pyllama_paged/testing/synthetic_presets.py and synthetic_gguf.py: every preset, shrunk to two
 layers (same architecture, vocabulary, tokenizer and type mix), loads in the engine, turns a
-chat into the family's markup and generates; its tensors are llama.cpp's Q4_K_M mix."""
+chat into the family's markup and generates; its tensors are llama.cpp's Q4_K_M mix (gpt-oss:
+its release's, MXFP4 experts and Q8_0 elsewhere)."""
 
 import dataclasses
 
@@ -15,8 +16,11 @@ MARKUP = {
     "llama3": (["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|begin_of_text|>"),
     "qwen2": (["<|im_start|>", "<|im_end|>"], None),
     "source": (["<start_of_turn>", "<end_of_turn>"], "<bos>"),
+    "gpt-oss": (["<|start|>", "<|message|>", "<|end|>"], None),
 }
-GGML_Q4_K, GGML_Q6_K, GGML_F32 = 12, 14, 0
+GGML_Q4_K, GGML_Q6_K, GGML_F32, GGML_Q8_0, GGML_MXFP4 = 12, 14, 0, 8, 39
+# how long each family's chat prompt for MESSAGES may be (harmony's template says more)
+PROMPT_TOKENS = {"gpt-oss": 90}
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the capital of France?"}]
 
@@ -41,6 +45,8 @@ def test_shrinking_keeps_what_tests_can_check(small):
 def test_the_type_mix_is_q4_k_m(small):
     preset, info = small
     types = {t.name: t.type for t in GGUFFile(info["path"]).tensors}
+    if preset.type_mix == "mxfp4":
+        return _check_the_mxfp4_mix(types)
     # the head in Q6_K: the embedding when tied, else output.weight (the embedding then in Q4_K)
     head = "token_embd.weight" if preset.tied else "output.weight"
     assert ("output.weight" in types) == (not preset.tied) and types[head] == GGML_Q6_K
@@ -60,6 +66,20 @@ def test_the_type_mix_is_q4_k_m(small):
     assert ("rope_freqs.weight" in types) == preset.llama3_rope
 
 
+def _check_the_mxfp4_mix(types):
+    """gpt-oss's release: MXFP4 experts, Q8_0 for every other matrix, f32 for the rest."""
+    for name, ttype in types.items():
+        if name.endswith("_exps.weight"):
+            assert ttype == GGML_MXFP4, name
+        elif name.endswith((".bias", "norm.weight", "attn_sinks.weight", "ffn_gate_inp.weight")):
+            assert ttype == GGML_F32, name
+        else:
+            assert ttype == GGML_Q8_0, name
+    assert {"blk.1.attn_sinks.weight", "blk.1.attn_output.bias", "blk.1.ffn_down_exps.bias",
+            "blk.1.post_attention_norm.weight", "output.weight"} <= set(types)
+    assert "blk.0.ffn_norm.weight" not in types
+
+
 def test_the_engine_tokenizes_a_chat_and_generates(small):
     from pyllama_paged import Llama
 
@@ -75,7 +95,8 @@ def test_the_engine_tokenizes_a_chat_and_generates(small):
     ids = llm.tokenize(str(llm.chat_template.render(MESSAGES)).encode(), special=True)
     assert all(one_id(t) in ids for t in markup)
     assert ids[0] == one_id(bos or markup[0])   # BOS where the family adds one, else the markup
-    assert len(ids) < 45   # the words are whole tokens: the prompt is about as long as a real one
+    # the words are whole tokens: the prompt is about as long as a real one
+    assert len(ids) < PROMPT_TOKENS.get(preset.tokenizer, 45)
     out = llm.create_chat_completion(MESSAGES, max_tokens=4, temperature=0)
     assert out["usage"]["prompt_tokens"] == len(ids) and 1 <= out["usage"]["completion_tokens"] <= 4
     seq = llm.runner.add_sequence(ids)

@@ -77,7 +77,8 @@ LAYERS = [
     ["server.scale_out.ray_routing"],
     ["server.scale_out.ray_app"],
     # what tests and benchmarks share (oracles, harnesses, a server runner): above all it checks
-    ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.sampling_reference",
+    ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.tiny_gpt_oss",
+     "testing.reference.sampling_reference",
      "testing.reference.bert_reference", "testing.reference.tiny_bert", "testing.reference.tiny_reranker",
      "testing.agreement", "testing.attention_harness", "testing.cuda_harness", "testing.serving", "testing.loop_control",
      "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf",

@@ -29,8 +29,12 @@ typedef struct pp_layer {
      * n_expert] and down [n_ff_exp, n_embd, n_expert] */
     struct ggml_tensor *ffn_gate_inp;
     struct ggml_tensor *ffn_gate_exps, *ffn_up_exps, *ffn_down_exps;
-    /* encoder (bert) only: output bias, post-norms with biases, FFN biases */
-    struct ggml_tensor *bo;
+    /* gpt-oss's expert biases, f32: the router's [n_expert], a row per expert for gate
+     * and up [n_ff_exp, n_expert] and down [n_embd, n_expert]; NULL elsewhere */
+    struct ggml_tensor *ffn_gate_inp_b;
+    struct ggml_tensor *ffn_gate_exps_b, *ffn_up_exps_b, *ffn_down_exps_b;
+    struct ggml_tensor *bo;   /* the attention output's bias (bert, gpt-oss), or NULL */
+    /* encoder (bert) only: post-norms with biases, FFN biases */
     struct ggml_tensor *attn_out_norm, *attn_out_norm_b;
     struct ggml_tensor *ffn_up_b, *ffn_down_b;
     struct ggml_tensor *layer_out_norm, *layer_out_norm_b;
@@ -227,6 +231,14 @@ static inline struct ggml_tensor *pp_graph_input(struct ggml_context *ctx, enum 
  * them. Returns [n_embd, n_tokens] f32. Call only for layers with experts. */
 struct ggml_tensor *pp_build_moe_ffn(struct ggml_context *ctx, const pp_model_hparams *hp, const pp_layer *L,
                                      struct ggml_tensor *cur);
+
+/* model/moe_graph.c: gpt-oss's routed experts on cur [n_embd, n_tokens] (after
+ * its post_attention_norm): each token's n_expert_used highest router logits
+ * (bias added), softmaxed among themselves, weight those experts' outputs,
+ * each expert with its gate/up/down biases and the clamped SwiGLU. Returns
+ * [n_embd, n_tokens] f32. Call only for PP_ARCH_GPT_OSS layers. */
+struct ggml_tensor *pp_build_gpt_oss_moe_ffn(struct ggml_context *ctx, const pp_model_hparams *hp,
+                                             const pp_layer *L, struct ggml_tensor *cur);
 
 /* model/attention_graph.c: first key position the gathered path reads for a
  * run whose first query is at p0. */

@@ -140,7 +140,8 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         ap->plan = &c->plan;
         const struct ggml_tensor *sinks = m->layers[il].attn_sinks;
         ap->sinks_tensor = m->layers[il].attn_sinks;
-        ap->sinks = sinks && sinks->buffer && ggml_backend_buffer_is_host(sinks->buffer) ? sinks->data : NULL;
+        /* a weight left in the caller's mapping has no buffer: host memory too */
+        ap->sinks = sinks && (!sinks->buffer || ggml_backend_buffer_is_host(sinks->buffer)) ? sinks->data : NULL;
     }
     if (m->panels) {
         c->gemm_states = calloc((size_t)m->n_panel_slots, sizeof *c->gemm_states);

@@ -49,13 +49,15 @@ static int layer_tensors(pp_layer *L, struct ggml_tensor ***out) {
     struct ggml_tensor **slots[] = {&L->attn_norm, &L->wq, &L->wk, &L->wv, &L->wo, &L->bq, &L->bk, &L->bv,
                                     &L->q_norm, &L->k_norm, &L->post_attn_norm, &L->ffn_norm, &L->ffn_gate,
                                     &L->ffn_up, &L->ffn_down, &L->post_ffw_norm, &L->ffn_gate_inp,
-                                    &L->ffn_gate_exps, &L->ffn_up_exps, &L->ffn_down_exps};
+                                    &L->ffn_gate_exps, &L->ffn_up_exps, &L->ffn_down_exps, &L->bo,
+                                    &L->attn_sinks, &L->ffn_gate_inp_b, &L->ffn_gate_exps_b, &L->ffn_up_exps_b,
+                                    &L->ffn_down_exps_b};
     const int n = (int)(sizeof slots / sizeof slots[0]);
     memcpy(out, slots, sizeof slots);
     return n;
 }
 
-#define MAX_LAYER_TENSORS 20
+#define MAX_LAYER_TENSORS 26
 #define MAPPED_ALIGNMENT 64   /* GGML asks a host pointer wrapped in a buffer to be aligned */
 
 /* The weights left in the caller's mapping get a CPU buffer over it: GGML's

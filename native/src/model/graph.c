@@ -100,11 +100,13 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         if (L->q_norm) q = norm(ctx, q, L->q_norm, hp->rms_eps);
         if (L->k_norm) k = norm(ctx, k, L->k_norm, hp->rms_eps);
         const float base = m->layer_window[il] > 0 ? hp->rope_freq_base_swa : hp->rope_freq_base;
-        const float freq_scale = m->layer_window[il] > 0 ? 1.0f : hp->rope_freq_scale;
-        q = ggml_rope_ext(ctx, q, positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_train,
-                          base, freq_scale, 0.0f, 1.0f, 0.0f, 0.0f);
-        k = ggml_rope_ext(ctx, k, positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_train,
-                          base, freq_scale, 0.0f, 1.0f, 0.0f, 0.0f);
+        const float freq_scale = m->layer_window[il] > 0 ? hp->rope_freq_scale_swa : hp->rope_freq_scale;
+        /* YaRN on an unscaled layer would be a no-op in GGML anyway */
+        const float ext_factor = freq_scale != 1.0f ? hp->yarn_ext_factor : 0.0f;
+        q = ggml_rope_ext(ctx, q, positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_orig_yarn,
+                          base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
+        k = ggml_rope_ext(ctx, k, positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_orig_yarn,
+                          base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
 
         /* Write this step's K/V rows to their slots before attention reads them. */
         struct ggml_tensor *k_rows = ggml_reshape_2d(ctx, k, head_dim * hp->n_head_kv, n_tokens);
@@ -133,11 +135,14 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
             x = ggml_get_rows(ctx, x, logit_rows);
         }
         cur = PROJECT(L->wo, PP_PROJ_O, attn);
+        if (L->bo) cur = ggml_add(ctx, cur, L->bo);
         if (L->post_attn_norm) cur = norm(ctx, cur, L->post_attn_norm, hp->rms_eps);
         x = ggml_add(ctx, cur, x);
 
         cur = norm(ctx, x, L->ffn_norm, hp->rms_eps);
-        if (L->ffn_gate_inp) {
+        if (hp->arch == PP_ARCH_GPT_OSS) {
+            cur = pp_build_gpt_oss_moe_ffn(ctx, hp, L, cur);
+        } else if (L->ffn_gate_inp) {
             cur = pp_build_moe_ffn(ctx, hp, L, cur);
         } else {
             struct ggml_tensor *gate = PROJECT(L->ffn_gate, PP_PROJ_GATE, cur);

@@ -16,13 +16,13 @@
 #define PP_MAX_EXPERTS 1024
 
 /* Whether an architecture's FFN is routed experts (else one dense FFN per layer). */
-static int arch_routes_experts(int32_t arch) { return arch == PP_ARCH_QWEN3MOE; }
+static int arch_routes_experts(int32_t arch) { return arch == PP_ARCH_QWEN3MOE || arch == PP_ARCH_GPT_OSS; }
 
 int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
     if (!hp || !out) return pp_fail(PP_ERR_INVALID, "pp_model_create: NULL argument");
     *out = NULL;
 #define REQUIRE(cond, ...) do { if (!(cond)) return pp_fail(PP_ERR_INVALID, __VA_ARGS__); } while (0)
-    REQUIRE(hp->arch >= PP_ARCH_LLAMA && hp->arch <= PP_ARCH_QWEN3MOE, "unknown architecture id %d", hp->arch);
+    REQUIRE(hp->arch >= PP_ARCH_LLAMA && hp->arch <= PP_ARCH_GPT_OSS, "unknown architecture id %d", hp->arch);
     REQUIRE(hp->n_layer > 0 && hp->n_layer <= 512, "block_count %d out of range", hp->n_layer);
     REQUIRE(hp->n_embd > 0, "embedding_length %d must be positive", hp->n_embd);
     REQUIRE(hp->n_head > 0 && hp->n_head_kv > 0 && hp->n_head % hp->n_head_kv == 0,
@@ -36,6 +36,18 @@ int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
     REQUIRE(hp->n_rot >= 0 && hp->n_rot <= hp->head_dim && hp->n_rot % 2 == 0,
             "rope.dimension_count %d must be even and at most key_length %d", hp->n_rot, hp->head_dim);
     REQUIRE(hp->rms_eps > 0, "layer_norm_rms_epsilon must be positive");
+    /* written as ranges that NaN fails */
+    REQUIRE(hp->rope_freq_scale_swa >= 0 && hp->rope_freq_scale_swa <= 1e6f,
+            "rope_freq_scale_swa %g must be finite and >= 0", (double)hp->rope_freq_scale_swa);
+    REQUIRE(hp->yarn_ext_factor >= 0 && hp->yarn_ext_factor <= 1, "yarn_ext_factor %g must be in [0, 1]",
+            (double)hp->yarn_ext_factor);
+    REQUIRE(hp->yarn_attn_factor >= 0 && hp->yarn_attn_factor <= 1e6f, "yarn_attn_factor %g must be finite and >= 0",
+            (double)hp->yarn_attn_factor);
+    REQUIRE(hp->n_ctx_orig_yarn >= 0, "n_ctx_orig_yarn %d must be >= 0", hp->n_ctx_orig_yarn);
+    if (hp->yarn_ext_factor != 0)
+        REQUIRE(hp->yarn_beta_slow > 0 && hp->yarn_beta_fast > hp->yarn_beta_slow && hp->yarn_beta_fast <= 1e6f,
+                "yarn_beta_fast %g must be above yarn_beta_slow %g, both positive", (double)hp->yarn_beta_fast,
+                (double)hp->yarn_beta_slow);
     if (arch_routes_experts(hp->arch)) {
         REQUIRE(hp->n_expert > 0 && hp->n_expert <= PP_MAX_EXPERTS, "expert_count %d must be between 1 and %d",
                 hp->n_expert, PP_MAX_EXPERTS);
@@ -55,7 +67,7 @@ int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
     if (m->hp.n_rot == 0) m->hp.n_rot = hp->head_dim;
     m->layer_window = calloc((size_t)hp->n_layer, sizeof(int32_t));
     m->layers = calloc((size_t)hp->n_layer, sizeof(pp_layer));
-    size_t n_tensors = 4 + (size_t)hp->n_layer * 20;
+    size_t n_tensors = 4 + (size_t)hp->n_layer * PP_MAX_LAYER_SLOTS;
     struct ggml_init_params params = {
         .mem_size = n_tensors * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
     m->weights = ggml_init(params);
@@ -65,6 +77,9 @@ int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
     }
     if (hp->layer_window) memcpy(m->layer_window, hp->layer_window, sizeof(int32_t) * hp->n_layer);
     m->hp.layer_window = m->layer_window;
+    if (m->hp.rope_freq_scale_swa == 0) m->hp.rope_freq_scale_swa = 1.0f;
+    if (m->hp.yarn_attn_factor == 0) m->hp.yarn_attn_factor = 1.0f;
+    if (m->hp.n_ctx_orig_yarn == 0) m->hp.n_ctx_orig_yarn = hp->n_ctx_train;
     *out = m;
     return PP_OK;
 }
@@ -83,7 +98,8 @@ void pp_model_destroy(pp_model *m) {
     free(m);
 }
 
-/* The decoders' tensors (llama, qwen2, qwen3, gemma3, qwen3moe); see pp_tensor_table. */
+/* The decoders' tensors (llama, qwen2, qwen3, gemma3, qwen3moe; gpt-oss's layers have a table of
+ * their own); see pp_tensor_table. */
 static size_t decoder_globals(pp_model *m, pp_tensor_slot *out) {
     const pp_model_hparams *hp = &m->hp;
     const pp_tensor_slot table[] = {
@@ -153,10 +169,55 @@ static size_t decoder_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out)
 
 static const pp_tensor_table decoder_tensors = {decoder_globals, decoder_layer};
 
+/* gpt-oss's layer (llama.cpp's openai-moe): every projection has a bias, a
+ * sink logit per head, post_attention_norm as the FFN's input norm (it has
+ * no ffn_norm and nothing normalises the attention output), and routed
+ * experts whose router and matrices have biases. */
+static size_t gpt_oss_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out) {
+    const pp_model_hparams *hp = &m->hp;
+    const int64_t n_embd = hp->n_embd, q_dim = (int64_t)hp->n_head * hp->head_dim,
+                  kv_dim = (int64_t)hp->n_head_kv * hp->head_dim, n_ff = hp->n_ff_exp, n_expert = hp->n_expert;
+    const pp_tensor_slot table[] = {
+        {"attn_norm.weight", &L->attn_norm, n_embd, 0, 1},
+        {"attn_q.weight", &L->wq, n_embd, q_dim, 1},
+        {"attn_k.weight", &L->wk, n_embd, kv_dim, 1},
+        {"attn_v.weight", &L->wv, n_embd, kv_dim, 1},
+        {"attn_output.weight", &L->wo, q_dim, n_embd, 1},
+        {"attn_q.bias", &L->bq, q_dim, 0, 1},
+        {"attn_k.bias", &L->bk, kv_dim, 0, 1},
+        {"attn_v.bias", &L->bv, kv_dim, 0, 1},
+        {"attn_output.bias", &L->bo, n_embd, 0, 1},
+        {"attn_sinks.weight", &L->attn_sinks, hp->n_head, 0, 1},
+        {"post_attention_norm.weight", &L->ffn_norm, n_embd, 0, 1},
+        {"ffn_gate_inp.bias", &L->ffn_gate_inp_b, n_expert, 0, 1},
+        {"ffn_gate_exps.bias", &L->ffn_gate_exps_b, n_ff, n_expert, 1},
+        {"ffn_up_exps.bias", &L->ffn_up_exps_b, n_ff, n_expert, 1},
+        {"ffn_down_exps.bias", &L->ffn_down_exps_b, n_embd, n_expert, 1},
+    };
+    /* the experts' slots (4) follow */
+    _Static_assert(sizeof table + 4 * sizeof table[0] <= PP_MAX_LAYER_SLOTS * sizeof table[0],
+                   "raise PP_MAX_LAYER_SLOTS");
+    memcpy(out, table, sizeof table);
+    const size_t n = sizeof table / sizeof table[0];
+    return n + decoder_ffn(m, L, out + n);
+}
+
+static const pp_tensor_table gpt_oss_tensors = {decoder_globals, gpt_oss_layer};
+
+static const pp_tensor_table *decoder_table(const pp_model *m) {
+    return m->hp.arch == PP_ARCH_GPT_OSS ? &gpt_oss_tensors : &decoder_tensors;
+}
+
 /* Where a named tensor goes (1, with *spec) or 0 for a name the model does not use. */
 static int resolve(pp_model *m, const char *name, pp_tensor_slot *spec) {
     if (m->hp.arch == PP_ARCH_BERT) return pp_encoder_resolve(m, name, spec);
-    return pp_resolve_tensor(m, &decoder_tensors, name, spec);
+    return pp_resolve_tensor(m, decoder_table(m), name, spec);
+}
+
+/* Whether name is a bias (ggml_add and ggml_add_id take them in f32 only). */
+static int is_bias(const char *name) {
+    const size_t n = strlen(name), k = sizeof ".bias" - 1;
+    return n >= k && !strcmp(name + n - k, ".bias");
 }
 
 int32_t pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const int64_t *ne,
@@ -199,7 +260,7 @@ int32_t pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const i
      * every 1-D weight); the 2-D weights feed ggml_mul_mat (the experts
      * ggml_mul_mat_id, the embedding also ggml_get_rows), which needs the
      * type's CPU dot product. */
-    if (!spec.ne1 && type != GGML_TYPE_F32)
+    if ((!spec.ne1 || is_bias(name)) && type != GGML_TYPE_F32)
         return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s, but norm weights and biases must be f32",
                        name, ggml_type_name((enum ggml_type)type));
     if (spec.ne1 && !ggml_get_type_traits_cpu((enum ggml_type)type)->vec_dot)
@@ -223,7 +284,7 @@ int32_t pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const i
 
 int32_t pp_model_finalize(pp_model *m) {
     if (!m) return pp_fail(PP_ERR_INVALID, "pp_model_finalize: model is NULL");
-    const int32_t st = m->hp.arch == PP_ARCH_BERT ? pp_encoder_finalize(m) : pp_check_tensors(m, &decoder_tensors);
+    const int32_t st = m->hp.arch == PP_ARCH_BERT ? pp_encoder_finalize(m) : pp_check_tensors(m, decoder_table(m));
     if (st == PP_OK) m->finalized = 1;
     return st;
 }

@@ -41,3 +41,41 @@ struct ggml_tensor *pp_build_moe_ffn(struct ggml_context *ctx, const pp_model_hp
     /* a single expert's view is strided: the residual add wants it contiguous */
     return n_used == 1 ? ggml_cont(ctx, out) : out;
 }
+
+/* ---- gpt-oss ------------------------------------------------------------
+ * llama.cpp's openai-moe semantics: the router's logits get their bias, the
+ * n_expert_used highest are kept and softmaxed among themselves (not over
+ * all experts), every expert matrix has a bias row of its own (added with
+ * ggml_add_id, which picks each token's experts' rows), and the activation
+ * is the clamped SwiGLU with gpt-oss's constants. */
+
+#define PP_GPT_OSS_SWIGLU_ALPHA 1.702f   /* the sigmoid's slope in x * sigmoid(alpha x) */
+#define PP_GPT_OSS_SWIGLU_LIMIT 7.0f     /* gate clamped above, up clamped both ways */
+
+struct ggml_tensor *pp_build_gpt_oss_moe_ffn(struct ggml_context *ctx, const pp_model_hparams *hp,
+                                             const pp_layer *L, struct ggml_tensor *cur) {
+    const int64_t n_embd = cur->ne[0], n_tokens = cur->ne[1];
+    const int64_t n_expert = hp->n_expert, n_used = hp->n_expert_used;
+
+    struct ggml_tensor *logits = ggml_add(ctx, ggml_mul_mat(ctx, L->ffn_gate_inp, cur), L->ffn_gate_inp_b);
+    struct ggml_tensor *selected = ggml_argsort_top_k(ctx, logits, (int)n_used);   /* I32 [n_used, n_tokens] */
+    struct ggml_tensor *weights = ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, n_expert, n_tokens), selected);
+    weights = ggml_soft_max(ctx, ggml_reshape_2d(ctx, weights, n_used, n_tokens));
+    weights = ggml_reshape_3d(ctx, weights, 1, n_used, n_tokens);
+
+    struct ggml_tensor *x = ggml_reshape_3d(ctx, cur, n_embd, 1, n_tokens);
+    struct ggml_tensor *gate = ggml_mul_mat_id(ctx, L->ffn_gate_exps, x, selected);   /* [n_ff_exp, n_used, n_tokens] */
+    gate = ggml_add_id(ctx, gate, L->ffn_gate_exps_b, selected);
+    struct ggml_tensor *up = ggml_mul_mat_id(ctx, L->ffn_up_exps, x, selected);
+    up = ggml_add_id(ctx, up, L->ffn_up_exps_b, selected);
+    struct ggml_tensor *h = ggml_swiglu_oai(ctx, gate, up, PP_GPT_OSS_SWIGLU_ALPHA, PP_GPT_OSS_SWIGLU_LIMIT);
+    struct ggml_tensor *experts = ggml_mul_mat_id(ctx, L->ffn_down_exps, h, selected);   /* [n_embd, n_used, n_tokens] */
+    experts = ggml_add_id(ctx, experts, L->ffn_down_exps_b, selected);
+    experts = ggml_mul(ctx, experts, weights);
+
+    /* summed over a token's experts as adds of strided views, as pp_build_moe_ffn does */
+    struct ggml_tensor *out = ggml_view_2d(ctx, experts, n_embd, n_tokens, experts->nb[2], 0);
+    for (int64_t i = 1; i < n_used; i++)
+        out = ggml_add(ctx, out, ggml_view_2d(ctx, experts, n_embd, n_tokens, experts->nb[2], i * experts->nb[1]));
+    return n_used == 1 ? ggml_cont(ctx, out) : out;
+}

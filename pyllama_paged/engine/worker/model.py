@@ -7,7 +7,8 @@ import warnings
 from ..._native import check, ffi, lib
 from ...errors import NativeError, PagedError
 from ...gguf.reader import GGUFFile
-from ...gguf.config import ARCH_IDS, ModelConfig, ModelLoadError, config_from_metadata
+from ...gguf.config import (ARCH_IDS, YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, ModelLoadError,
+                            config_from_metadata)
 from .devices import Device, LayerSplit, gpu_device
 
 
@@ -83,6 +84,9 @@ class Model:
             "final_logit_softcap": cfg.final_logit_softcap, "layer_window": windows,
             "n_rot": cfg.n_rot, "n_token_types": self._rows_of("token_types.weight"),
             "n_expert": cfg.n_expert, "n_expert_used": cfg.n_expert_used, "n_ff_exp": cfg.n_ff_exp,
+            "rope_freq_scale_swa": cfg.rope_freq_scale_swa, "yarn_ext_factor": cfg.yarn_ext_factor,
+            "yarn_attn_factor": cfg.yarn_attn_factor, "yarn_beta_fast": YARN_BETA_FAST,
+            "yarn_beta_slow": YARN_BETA_SLOW, "n_ctx_orig_yarn": cfg.n_ctx_orig_yarn,
         })
         out = ffi.new("pp_model **")
         self._wrap(lib.pp_model_create(hp, out), "model")

@@ -1,7 +1,7 @@
 """NumPy reference forward pass: the logits oracle for the engine (DESIGN.md §4).
 
 ``ReferenceModel.from_gguf(path)`` loads a GGUF of arch ``gemma3``, ``llama``,
-``qwen2``, ``qwen3`` or ``qwen3moe`` (the real default Gemma 3 270M file included), dequantizing
+``qwen2``, ``qwen3``, ``qwen3moe`` or ``gpt-oss`` (the real default Gemma 3 270M file included), dequantizing
 every tensor to float32 with ``gguf.quants.dequantize``; ``forward(token_ids)`` runs
 the whole sequence from position 0 with full causal attention (no KV cache, no
 batching) in float64 and returns logits ``[n_tokens, n_vocab]`` (float64).
@@ -48,6 +48,18 @@ file.  Each choice is commented where it is made; in short:
   token's smallest gap (over the layers, in router logits) between the last expert kept and
   the best one left out: an engine may route a token whose gap is within its rounding to the
   other expert, a near-tie as between two best tokens.
+* gpt-oss (llama.cpp's openai-moe graph): NEOX rope with YaRN on every layer (the file's
+  ``rope.scaling.factor`` and ``original_context_length``; beta 32/1, which llama.cpp keeps
+  whatever the file says; cos/sin times ``rope.scaling.attn_factor`` if given); biases on
+  q/k/v/o; a learned sink logit per head (``attn_sinks.weight``) in every softmax; layer il
+  sliding-window iff ``il % 2 == 0`` (llama.cpp's ``set_swa_pattern(2)``; a
+  ``sliding_window_pattern`` key overrides it as for gemma3), with the same rope as the full
+  layers unless ``rope.freq_base_swa`` is given; attention scale 1/sqrt(n_rot); no norm on
+  the attention output: ``post_attention_norm`` is the FFN's input norm (there is no
+  ``ffn_norm``); the FFN is ``gpt_oss_experts``: router logits plus ``ffn_gate_inp.bias``,
+  the top ``expert_used_count`` kept and softmaxed among themselves, each expert's gate/up/down
+  with its own bias row (``ffn_*_exps.bias``), the clamped SwiGLU (``swiglu_oai``).  MXFP4
+  expert weights are dequantized by gguf-py like every other type.
 * Final logit soft-capping ``cap * tanh(logits / cap)`` iff
   ``{arch}.final_logit_softcapping`` is present and > 0 (Gemma 3 has none).
 * Output head: ``output.weight`` if present, otherwise tied to ``token_embd.weight``.
@@ -64,10 +76,12 @@ from typing import Any, Sequence
 import numpy as np
 import gguf
 
-SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
 
 # llama.cpp's rope type per architecture.
-ROPE_NEOX = {"gemma3": True, "qwen2": True, "qwen3": True, "qwen3moe": True, "llama": False}
+ROPE_NEOX = {"gemma3": True, "qwen2": True, "qwen3": True, "qwen3moe": True, "gpt-oss": True, "llama": False}
+# archs whose FFN is routed experts; their dense feed_forward_length is informational
+EXPERT_ARCHS = ("qwen3moe", "gpt-oss")
 
 
 # --------------------------------------------------------------------------- ops
@@ -144,10 +158,14 @@ def yarn_corr_dims(n_rot: int, n_ctx_orig: int, base: float, beta_fast: float, b
     return max(0.0, math.floor(dim(beta_fast))), min(n_rot - 1.0, math.ceil(dim(beta_slow)))
 
 
-def router_margin(h: np.ndarray, router: np.ndarray, n_used: int) -> np.ndarray:
-    """Per row of h, how far (in router logits) the last expert kept is above the best one left
-    out: where this is small, an engine's rounding may route the token to the other expert."""
-    logits = np.sort(h @ router.T.astype(np.float64), axis=-1)[:, ::-1]
+def router_margin(h: np.ndarray, router: np.ndarray, n_used: int, bias: np.ndarray | None = None) -> np.ndarray:
+    """Per row of h, how far (in router logits, plus ``bias`` if the router has one) the last
+    expert kept is above the best one left out: where this is small, an engine's rounding may
+    route the token to the other expert."""
+    logits = h @ router.T.astype(np.float64)
+    if bias is not None:
+        logits = logits + bias
+    logits = np.sort(logits, axis=-1)[:, ::-1]
     if n_used >= logits.shape[1]:
         return np.full(h.shape[0], np.inf)
     return logits[:, n_used - 1] - logits[:, n_used]
@@ -397,7 +415,7 @@ class ReferenceModel:
     tensors: dict[str, np.ndarray]
     metadata: dict[str, Any]
     tokens: list[str] = field(default_factory=list)
-    n_expert: int = 0        # routed experts per layer (qwen3moe); 0: a dense FFN
+    n_expert: int = 0        # routed experts per layer (qwen3moe, gpt-oss); 0: a dense FFN
     n_expert_used: int = 0   # experts each token runs
     bos_id: int | None = None
     eos_id: int | None = None
@@ -448,7 +466,8 @@ class ReferenceModel:
             # its attn_factor cancels GGML's own 1 + 0.1 ln(factor) only when a log multiplier
             # is given, which no supported architecture writes, so it stays 1
             n_ctx_orig = int(hp("rope.scaling.original_context_length", hp("context_length", 0)))
-            yarn = dict(yarn_ext_factor=1.0, yarn_attn_factor=1.0,
+            # rope.scaling.attn_factor (llama.cpp's rope_attn_factor) multiplies cos/sin on top
+            yarn = dict(yarn_ext_factor=1.0, yarn_attn_factor=float(hp("rope.scaling.attn_factor", 1.0)),
                         yarn_corr_dims=yarn_corr_dims(n_rot, n_ctx_orig, freq_base, 32.0, 1.0))
 
         sliding_window = None
@@ -468,13 +487,29 @@ class ReferenceModel:
                 # no scaling (HF's rope_local_base_freq); a freq_base_swa key wins.
                 swa_base = float(hp("rope.freq_base_swa", 10000.0))
                 swa_scale = 1.0
+        swa_yarn: dict[str, Any] = {}
+        if arch == "gpt-oss":
+            # llama.cpp: the window is required; even layers slide (a pattern of 2), and they
+            # keep the full layers' rope, YaRN included, unless freq_base_swa says otherwise
+            sliding_window = int(hp("attention.sliding_window"))
+            pattern = hp("attention.sliding_window_pattern", 2)
+            if isinstance(pattern, (list, tuple)):
+                swa_flags = [bool(b) for b in pattern][:n_layer]
+            else:
+                n = int(pattern)
+                swa_flags = [n == 0 or (il % n) < (n - 1) for il in range(n_layer)]
+            swa_base = float(hp("rope.freq_base_swa", freq_base))
+            swa_yarn = yarn
         layers = [
-            LayerInfo(True, swa_base, swa_scale) if swa_flags[il] else LayerInfo(False, freq_base, freq_scale, **yarn)
+            LayerInfo(True, swa_base, swa_scale, **swa_yarn) if swa_flags[il]
+            else LayerInfo(False, freq_base, freq_scale, **yarn)
             for il in range(n_layer)
         ]
 
         if arch == "gemma3" and n_layer == 62:
             attn_scale = 1.0 / math.sqrt(n_embd / n_head)  # 27B: query_pre_attn_scalar = n_embd/n_head
+        elif arch == "gpt-oss":
+            attn_scale = 1.0 / math.sqrt(n_rot)   # llama.cpp's openai-moe graph scales by the rotated dims
         else:
             attn_scale = 1.0 / math.sqrt(head_dim)
 
@@ -486,7 +521,7 @@ class ReferenceModel:
             # the shapes
             # (an expert model's dense feed_forward_length is informational)
             n_layer=n_layer, n_embd=n_embd, n_vocab=n_vocab,
-            n_ff=int(hp("feed_forward_length", 0 if arch == "qwen3moe" else KeyError)),
+            n_ff=int(hp("feed_forward_length", 0 if arch in EXPERT_ARCHS else KeyError)),
             n_expert=int(hp("expert_count", 0)), n_expert_used=int(hp("expert_used_count", 0)),
             n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, head_dim_v=head_dim_v, n_rot=n_rot,
             # attention and normalization
@@ -560,6 +595,7 @@ class ReferenceModel:
         pos = np.arange(n_past, n_past + n)
         eps = self.rms_eps
         gemma = self.arch == "gemma3"
+        gpt_oss = self.arch == "gpt-oss"
         neox = ROPE_NEOX[self.arch]
         freq_factors = self._w("rope_freqs.weight")
 
@@ -592,15 +628,27 @@ class ReferenceModel:
             if return_kv:
                 kv_out.append((k, v))
             window = self.sliding_window if info.sliding else None
-            a = attention(q, k, v, scale=self.attn_scale, q_pos=pos, k_pos=np.arange(n_past + n), window=window)
+            a = attention(q, k, v, scale=self.attn_scale, q_pos=pos, k_pos=np.arange(n_past + n), window=window,
+                          sinks=self._w(p + "attn_sinks.weight"))
             o = self._linear(a.reshape(n, self.n_head * self.head_dim_v), p + "attn_output")
             pan = self._w(p + "post_attention_norm.weight")
-            if pan is not None:
+            if pan is not None and not gpt_oss:
                 o = rms_norm(o, pan, eps)
             x = x + o
 
-            h = rms_norm(x, self.tensors[p + "ffn_norm.weight"], eps)
-            if self.n_expert:
+            # gpt-oss's post_attention_norm is its FFN's input norm (llama.cpp's attn_post_norm)
+            h = rms_norm(x, pan if gpt_oss else self.tensors[p + "ffn_norm.weight"], eps)
+            if gpt_oss:
+                router, router_bias = self.tensors[p + "ffn_gate_inp.weight"], self.tensors[p + "ffn_gate_inp.bias"]
+                f = gpt_oss_experts(
+                    h, router, router_bias,
+                    self.tensors[p + "ffn_gate_exps.weight"], self.tensors[p + "ffn_gate_exps.bias"],
+                    self.tensors[p + "ffn_up_exps.weight"], self.tensors[p + "ffn_up_exps.bias"],
+                    self.tensors[p + "ffn_down_exps.weight"], self.tensors[p + "ffn_down_exps.bias"],
+                    self.n_expert_used)
+                self.last_router_margin = np.minimum(self.last_router_margin,
+                                                     router_margin(h, router, self.n_expert_used, router_bias))
+            elif self.n_expert:
                 router = self.tensors[p + "ffn_gate_inp.weight"]
                 f = routed_experts(h, router, self.tensors[p + "ffn_gate_exps.weight"],
                                    self.tensors[p + "ffn_up_exps.weight"], self.tensors[p + "ffn_down_exps.weight"],
