@@ -138,7 +138,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
 
         cur = norm(ctx, x, L->ffn_norm, hp->rms_eps);
         if (L->ffn_gate_inp) {
-            cur = pp_build_moe_ffn(ctx, hp, L, cur);
+            cur = pp_build_moe_ffn(ctx, hp, L, gs, cur);
         } else {
             struct ggml_tensor *gate = PROJECT(L->ffn_gate, PP_PROJ_GATE, cur);
             struct ggml_tensor *up = PROJECT(L->ffn_up, PP_PROJ_UP, cur);
