@@ -474,7 +474,9 @@ enum pp_panel_kernel {
  * K-quants and float weights only) and the
  * output head (output.weight, or token_embd.weight when tied: the input
  * embedding is then read from the panels too) of whole 8-row panels and
- * 32-value blocks. An exact change of layout in the same number of bytes
+ * 32-value blocks; and the routed experts' tensors (ffn_{gate,up,down}_exps)
+ * of those types, each expert's matrix in panels of its own, multiplied
+ * with a step's tokens grouped by expert. An exact change of layout in the same number of bytes
  * (Q4_K: 2.8% more, Q5_K 2.3%: their 6-bit sub-block scales unpacked to
  * bytes).
  * Done only where the CPU has AVX-512 VNNI (with VL and BW), AVX-VNNI or AVX2,
@@ -483,7 +485,7 @@ enum pp_panel_kernel {
  * pp_model_repack_weights and before any context is created. *kernel (may
  * be NULL) receives the kernel (enum pp_panel_kernel; PP_PANEL_KERNEL_NONE
  * when nothing was packed); *n_packed (may be NULL) the number of
- * weights packed. The model owns the panels; the packed weights' borrowed
+ * weights packed (a layer's expert tensor, all its experts, counts as one). The model owns the panels; the packed weights' borrowed
  * bytes are advised MADV_PAGEOUT. The packing runs on one thread per online
  * CPU (at most 16), all joined before it returns. PP_ERR_NO_MEMORY: the
  * panels could not all be allocated; nothing is packed and the model is

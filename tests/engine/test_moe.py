@@ -1,4 +1,5 @@
-"""qwen3moe (routed experts, GGML's fallback) against the float64 NumPy reference: logits
+"""qwen3moe (routed experts: our expert panels where the CPU runs them, else GGML's
+ggml_mul_mat_id; test_expert_panels.py compares the two) against the float64 NumPy reference: logits
 on every attention path and KV layout, forks, preemption, the Llama API and the HTTP
 server on a tiny model; and the errors of a broken expert file."""
 
@@ -113,8 +114,8 @@ def test_the_router_decides(tiny_moe, reference):
 
 
 def test_tokens_of_many_sequences_in_one_step_route_as_alone(model):
-    """A step's tokens from several sequences go through the experts together (one
-    ggml_mul_mat_id per matrix): each sequence's logits are those it gets alone."""
+    """A step's tokens from several sequences go through the experts together (one product
+    per expert matrix, grouped by expert): each sequence's logits are those it gets alone."""
     prompts = [[int(x) for x in np.random.default_rng(10 + i).integers(4, 200, size=n)]
                for i, n in enumerate([3, 9, 17, 1, 30])]
     def runner():

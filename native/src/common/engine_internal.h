@@ -12,6 +12,7 @@
 #define PP_MAX_REPACK_BUFTS 8
 
 struct pp_q8_panels;          /* panels/panels.h */
+struct pp_expert_panels;
 struct pp_panel_gemm_state;
 
 typedef struct pp_layer {
@@ -70,6 +71,10 @@ struct pp_model {
      * head (tied: the input embedding too). NULL slots: GGML's own ops. */
     struct pp_q8_panels **panels;
     int32_t             n_panel_slots;
+    /* By the same slots: a layer's expert tensors (its GATE, UP and DOWN
+     * slots), each expert in panels of its own; NULL slots: ggml_mul_mat_id.
+     * NULL: no expert was packed. */
+    struct pp_expert_panels **expert_panels;
     /* Offloaded to a GGML device (pp_model_offload): layers from
      * device_first_layer on, and the output head and its norm when
      * device_output. The tensors there are copies the device buffer owns. */
@@ -228,17 +233,21 @@ static inline struct ggml_tensor *pp_graph_input(struct ggml_context *ctx, enum 
 /* model/moe_graph.c: the routed experts' FFN of layer L on cur [n_embd, n_tokens]
  * (after ffn_norm): each token's n_expert_used most probable experts, their
  * SwiGLU outputs summed with the router's probabilities renormalised over
- * them. Returns [n_embd, n_tokens] f32. Call only for layers with experts. */
+ * them. gemm_states: the layer's PP_N_PROJ panel slots (their GATE, UP and
+ * DOWN hold the expert panels, if packed), or NULL. Returns [n_embd,
+ * n_tokens] f32. Call only for layers with experts. */
 struct ggml_tensor *pp_build_moe_ffn(struct ggml_context *ctx, const pp_model_hparams *hp, const pp_layer *L,
-                                     struct ggml_tensor *cur);
+                                     struct pp_panel_gemm_state *gemm_states, struct ggml_tensor *cur);
 
 /* model/moe_graph.c: gpt-oss's routed experts on cur [n_embd, n_tokens] (after
  * its post_attention_norm): each token's n_expert_used highest router logits
  * (bias added), softmaxed among themselves, weight those experts' outputs,
- * each expert with its gate/up/down biases and the clamped SwiGLU. Returns
- * [n_embd, n_tokens] f32. Call only for PP_ARCH_GPT_OSS layers. */
+ * each expert with its gate/up/down biases and the clamped SwiGLU.
+ * gemm_states as for pp_build_moe_ffn. Returns [n_embd, n_tokens] f32. Call
+ * only for PP_ARCH_GPT_OSS layers. */
 struct ggml_tensor *pp_build_gpt_oss_moe_ffn(struct ggml_context *ctx, const pp_model_hparams *hp,
-                                             const pp_layer *L, struct ggml_tensor *cur);
+                                             const pp_layer *L, struct pp_panel_gemm_state *gemm_states,
+                                             struct ggml_tensor *cur);
 
 /* model/attention_graph.c: first key position the gathered path reads for a
  * run whose first query is at p0. */

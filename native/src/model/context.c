@@ -151,6 +151,7 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         }
         for (int i = 0; i < m->n_panel_slots; i++) {
             c->gemm_states[i].w = m->panels[i];
+            c->gemm_states[i].experts = m->expert_panels ? m->expert_panels[i] : NULL;
             c->gemm_states[i].kernel = pp_panel_kernel_select();
         }
     }

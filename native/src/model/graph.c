@@ -141,9 +141,9 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
 
         cur = norm(ctx, x, L->ffn_norm, hp->rms_eps);
         if (hp->arch == PP_ARCH_GPT_OSS) {
-            cur = pp_build_gpt_oss_moe_ffn(ctx, hp, L, cur);
+            cur = pp_build_gpt_oss_moe_ffn(ctx, hp, L, gs, cur);
         } else if (L->ffn_gate_inp) {
-            cur = pp_build_moe_ffn(ctx, hp, L, cur);
+            cur = pp_build_moe_ffn(ctx, hp, L, gs, cur);
         } else {
             struct ggml_tensor *gate = PROJECT(L->ffn_gate, PP_PROJ_GATE, cur);
             struct ggml_tensor *up = PROJECT(L->ffn_up, PP_PROJ_UP, cur);

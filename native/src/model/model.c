@@ -92,6 +92,8 @@ void pp_model_destroy(pp_model *m) {
     if (m->device_weights) ggml_free(m->device_weights);
     for (int i = 0; m->panels && i < m->n_panel_slots; i++) pp_q8_panels_free(m->panels[i]);
     free(m->panels);
+    for (int i = 0; m->expert_panels && i < m->n_panel_slots; i++) pp_expert_panels_free(m->expert_panels[i]);
+    free(m->expert_panels);
     if (m->weights) ggml_free(m->weights);
     free(m->layer_window);
     free(m->layers);

@@ -1,10 +1,12 @@
 /* The routed experts' feed-forward block (qwen3moe) as GGML ops: a router
- * picks each token's experts, ggml_mul_mat_id runs every token through the
+ * picks each token's experts, ggml_mul_mat_id (or, for experts packed into
+ * panels, pp_expert_matmul) runs every token through the
  * matrices of its own experts, and the outputs are summed with the router's
  * weights. The semantics are llama.cpp's for this architecture: softmax over
  * all experts, the n_expert_used most probable kept, their probabilities
  * renormalised to sum to 1. */
 #include "common/engine_internal.h"
+#include "panels/panels.h"
 
 #include <math.h>
 
@@ -13,7 +15,7 @@
 #define PP_MOE_MIN_WEIGHT_SUM 6.103515625e-5f
 
 struct ggml_tensor *pp_build_moe_ffn(struct ggml_context *ctx, const pp_model_hparams *hp, const pp_layer *L,
-                                     struct ggml_tensor *cur) {
+                                     struct pp_panel_gemm_state *gemm_states, struct ggml_tensor *cur) {
     const int64_t n_embd = cur->ne[0], n_tokens = cur->ne[1];
     const int64_t n_expert = hp->n_expert, n_used = hp->n_expert_used;
 
@@ -27,10 +29,14 @@ struct ggml_tensor *pp_build_moe_ffn(struct ggml_context *ctx, const pp_model_hp
 
     /* one input column per token, broadcast over its n_used experts */
     struct ggml_tensor *x = ggml_reshape_3d(ctx, cur, n_embd, 1, n_tokens);
-    struct ggml_tensor *gate = ggml_mul_mat_id(ctx, L->ffn_gate_exps, x, selected);   /* [n_ff_exp, n_used, n_tokens] */
-    struct ggml_tensor *up = ggml_mul_mat_id(ctx, L->ffn_up_exps, x, selected);
+    /* the experts' panels where they were packed (gemm_states: the layer's slots), else ggml_mul_mat_id */
+    pp_expert_route route = {.selected = selected};
+#define EXPERTS(w, p, x) pp_expert_matmul(ctx, &route, (w), gemm_states ? &gemm_states[(p)] : NULL, (x))
+    struct ggml_tensor *gate = EXPERTS(L->ffn_gate_exps, PP_PROJ_GATE, x);   /* [n_ff_exp, n_used, n_tokens] */
+    struct ggml_tensor *up = EXPERTS(L->ffn_up_exps, PP_PROJ_UP, x);
     struct ggml_tensor *h = ggml_swiglu_split(ctx, gate, up);
-    struct ggml_tensor *experts = ggml_mul_mat_id(ctx, L->ffn_down_exps, h, selected);   /* [n_embd, n_used, n_tokens] */
+    struct ggml_tensor *experts = EXPERTS(L->ffn_down_exps, PP_PROJ_DOWN, h);   /* [n_embd, n_used, n_tokens] */
+#undef EXPERTS
     experts = ggml_mul(ctx, experts, weights);
 
     /* The sum over a token's experts, as adds of strided views: a reduction
@@ -53,7 +59,8 @@ struct ggml_tensor *pp_build_moe_ffn(struct ggml_context *ctx, const pp_model_hp
 #define PP_GPT_OSS_SWIGLU_LIMIT 7.0f     /* gate clamped above, up clamped both ways */
 
 struct ggml_tensor *pp_build_gpt_oss_moe_ffn(struct ggml_context *ctx, const pp_model_hparams *hp,
-                                             const pp_layer *L, struct ggml_tensor *cur) {
+                                             const pp_layer *L, struct pp_panel_gemm_state *gemm_states,
+                                             struct ggml_tensor *cur) {
     const int64_t n_embd = cur->ne[0], n_tokens = cur->ne[1];
     const int64_t n_expert = hp->n_expert, n_used = hp->n_expert_used;
 
@@ -64,12 +71,16 @@ struct ggml_tensor *pp_build_gpt_oss_moe_ffn(struct ggml_context *ctx, const pp_
     weights = ggml_reshape_3d(ctx, weights, 1, n_used, n_tokens);
 
     struct ggml_tensor *x = ggml_reshape_3d(ctx, cur, n_embd, 1, n_tokens);
-    struct ggml_tensor *gate = ggml_mul_mat_id(ctx, L->ffn_gate_exps, x, selected);   /* [n_ff_exp, n_used, n_tokens] */
+    /* as in pp_build_moe_ffn: the experts' panels where they were packed (MXFP4 never is) */
+    pp_expert_route route = {.selected = selected};
+#define EXPERTS(w, p, x) pp_expert_matmul(ctx, &route, (w), gemm_states ? &gemm_states[(p)] : NULL, (x))
+    struct ggml_tensor *gate = EXPERTS(L->ffn_gate_exps, PP_PROJ_GATE, x);   /* [n_ff_exp, n_used, n_tokens] */
     gate = ggml_add_id(ctx, gate, L->ffn_gate_exps_b, selected);
-    struct ggml_tensor *up = ggml_mul_mat_id(ctx, L->ffn_up_exps, x, selected);
+    struct ggml_tensor *up = EXPERTS(L->ffn_up_exps, PP_PROJ_UP, x);
     up = ggml_add_id(ctx, up, L->ffn_up_exps_b, selected);
     struct ggml_tensor *h = ggml_swiglu_oai(ctx, gate, up, PP_GPT_OSS_SWIGLU_ALPHA, PP_GPT_OSS_SWIGLU_LIMIT);
-    struct ggml_tensor *experts = ggml_mul_mat_id(ctx, L->ffn_down_exps, h, selected);   /* [n_embd, n_used, n_tokens] */
+    struct ggml_tensor *experts = EXPERTS(L->ffn_down_exps, PP_PROJ_DOWN, h);   /* [n_embd, n_used, n_tokens] */
+#undef EXPERTS
     experts = ggml_add_id(ctx, experts, L->ffn_down_exps_b, selected);
     experts = ggml_mul(ctx, experts, weights);
 

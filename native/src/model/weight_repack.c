@@ -203,6 +203,12 @@ static void pack_in_parallel(pack_work *work) {
         if (started[t]) pthread_join(threads[t], NULL);
 }
 
+/* Layer L's expert tensor in panel slot proj (gate, up, down), or NULL. */
+static struct ggml_tensor *expert_weight(const pp_layer *L, int proj) {
+    return proj == PP_PROJ_GATE ? L->ffn_gate_exps : proj == PP_PROJ_UP ? L->ffn_up_exps
+         : proj == PP_PROJ_DOWN ? L->ffn_down_exps : NULL;
+}
+
 int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int32_t *n_packed) {
     if (kernel) *kernel = PP_PANEL_KERNEL_NONE;
     if (n_packed) *n_packed = 0;
@@ -218,10 +224,14 @@ int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int3
     if (chosen == PP_PANEL_KERNEL_NONE) return PP_OK;
     const int n_slots = m->hp.n_layer * PP_N_PROJ + 1;
     pp_q8_panels **panels = calloc((size_t)n_slots, sizeof *panels);
+    pp_expert_panels **experts = calloc((size_t)n_slots, sizeof *experts);
     struct ggml_tensor **weights = calloc((size_t)n_slots, sizeof *weights);
-    if (!panels || !weights) {
+    struct ggml_tensor **expert_weights = calloc((size_t)n_slots, sizeof *expert_weights);
+    if (!panels || !experts || !weights || !expert_weights) {
         free(panels);
+        free(experts);
         free(weights);
+        free(expert_weights);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the panel table");
     }
     /* Allocate every weight's panels first: on failure nothing is packed and the model is unchanged. */
@@ -240,13 +250,31 @@ int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int3
         else
             n_chunks += (w->ne[1] / PP_PANEL_ROWS + PACK_CHUNK_PANELS - 1) / PACK_CHUNK_PANELS;
     }
+    for (int slot = 0; slot < n_slots - 1 && status == PP_OK; slot++) {
+        struct ggml_tensor *w = expert_weight(&m->layers[slot / PP_N_PROJ], slot % PP_N_PROJ);
+        /* as for the dense weights: what the panels do not take stays with ggml_mul_mat_id */
+        if (!w || pp_layer_on_device(m, slot / PP_N_PROJ) || !pp_q8_panels_fit(w->type, w->ne[0], w->ne[1], chosen))
+            continue;
+        experts[slot] = pp_expert_panels_alloc(w->type, w->ne[0], w->ne[1], w->ne[2]);
+        expert_weights[slot] = w;
+        if (!experts[slot])
+            status = pp_fail(PP_ERR_NO_MEMORY, "cannot allocate %zu bytes for the panels of '%s'", ggml_nbytes(w),
+                             w->name);
+        else
+            n_chunks += w->ne[2] * ((w->ne[1] / PP_PANEL_ROWS + PACK_CHUNK_PANELS - 1) / PACK_CHUNK_PANELS);
+    }
     pack_work work = {.chunks = status == PP_OK ? calloc((size_t)(n_chunks > 0 ? n_chunks : 1), sizeof(pack_chunk)) : NULL,
                       .n_chunks = n_chunks};
     if (status == PP_OK && !work.chunks) status = pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the packing work list");
     if (status != PP_OK) {
-        for (int slot = 0; slot < n_slots; slot++) pp_q8_panels_free(panels[slot]);
+        for (int slot = 0; slot < n_slots; slot++) {
+            pp_q8_panels_free(panels[slot]);
+            pp_expert_panels_free(experts[slot]);
+        }
         free(panels);
+        free(experts);
         free(weights);
+        free(expert_weights);
         return status;
     }
     int64_t c = 0;
@@ -258,14 +286,31 @@ int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int3
                                             p0 + PACK_CHUNK_PANELS < n_panels ? p0 + PACK_CHUNK_PANELS : n_panels,
                                             weights[slot]->nb[1]};
     }
+    for (int slot = 0; slot < n_slots; slot++) {
+        if (!experts[slot]) continue;
+        const struct ggml_tensor *w = expert_weights[slot];
+        const int64_t n_panels = w->ne[1] / PP_PANEL_ROWS;
+        for (int64_t e = 0; e < w->ne[2]; e++)
+            for (int64_t p0 = 0; p0 < n_panels; p0 += PACK_CHUNK_PANELS)
+                work.chunks[c++] = (pack_chunk){&experts[slot]->experts[e], (const uint8_t *)w->data + e * w->nb[2], p0,
+                                                p0 + PACK_CHUNK_PANELS < n_panels ? p0 + PACK_CHUNK_PANELS : n_panels,
+                                                w->nb[1]};
+    }
     atomic_init(&work.next, 0);
     pack_in_parallel(&work);
     free(work.chunks);
-    int packed = 0;
-    for (int slot = 0; slot < n_slots; slot++) packed += panels[slot] != NULL;
+    int packed = 0, packed_experts = 0;
+    for (int slot = 0; slot < n_slots; slot++) {
+        packed += panels[slot] != NULL;
+        packed_experts += experts[slot] != NULL;
+    }
     m->panels = panels;
     m->n_panel_slots = n_slots;
+    if (packed_experts) m->expert_panels = experts;
+    else free(experts);
+    packed += packed_experts;
     free(weights);
+    free(expert_weights);
     if (kernel && packed) *kernel = chosen;
     if (n_packed) *n_packed = packed;
     return PP_OK;

@@ -90,14 +90,19 @@ static uint8_t *panel_alloc(size_t size) {
     return mem;
 }
 
-pp_q8_panels *pp_q8_panels_alloc(enum ggml_type type, int64_t k, int64_t n_rows) {
-    if (!pp_q8_panels_fit(type, k, n_rows, PP_PANEL_KERNEL_SCALAR)) return NULL;
-    pp_q8_panels *p = calloc(1, sizeof *p);
+size_t pp_q8_panels_bytes(enum ggml_type type, int64_t k, int64_t n_rows) {
+    if (!pp_q8_panels_fit(type, k, n_rows, PP_PANEL_KERNEL_SCALAR)) return 0;
     const int64_t nb = k / PP_PANEL_BLOCK;
-    const size_t size = pp_panel_type_is_k(type)
+    return pp_panel_type_is_k(type)
         ? (size_t)(n_rows / PP_PANEL_ROWS) * (size_t)(k / PP_PANEL_KBLOCK) * pp_kpanel_superblock_bytes(type)
         : pp_panel_type_is_float(type) ? (size_t)n_rows * (size_t)k * 2
         : (size_t)(n_rows / PP_PANEL_ROWS) * nb * pp_q8panel_block_bytes(type);
+}
+
+pp_q8_panels *pp_q8_panels_alloc(enum ggml_type type, int64_t k, int64_t n_rows) {
+    if (!pp_q8_panels_fit(type, k, n_rows, PP_PANEL_KERNEL_SCALAR)) return NULL;
+    pp_q8_panels *p = calloc(1, sizeof *p);
+    const size_t size = pp_q8_panels_bytes(type, k, n_rows);
     if (p) p->data = panel_alloc(size);
     if (!p || !p->data) {
         free(p);
@@ -125,6 +130,35 @@ void pp_q8_panels_free(pp_q8_panels *p) {
     if (!p) return;
     free(p->data);
     free(p);
+}
+
+/* One allocation for all of a layer's experts: a 30B-A3B layer's gate is 128
+ * experts of 0.8 MiB, in 2 MiB pages only as one block. Each expert starts
+ * on a cache line. */
+pp_expert_panels *pp_expert_panels_alloc(enum ggml_type type, int64_t k, int64_t n_rows, int64_t n_expert) {
+    const size_t bytes = pp_q8_panels_bytes(type, k, n_rows);
+    if (bytes == 0 || n_expert <= 0) return NULL;
+    const size_t stride = (bytes + 63) / 64 * 64;
+    pp_expert_panels *ep = calloc(1, sizeof *ep);
+    if (!ep) return NULL;
+    ep->experts = calloc((size_t)n_expert, sizeof *ep->experts);
+    ep->data = ep->experts ? panel_alloc(stride * (size_t)n_expert) : NULL;
+    if (!ep->data) {
+        pp_expert_panels_free(ep);
+        return NULL;
+    }
+    ep->n_expert = n_expert;
+    ep->panel_bytes = pp_q8_panels_bytes(type, k, PP_PANEL_ROWS);
+    for (int64_t e = 0; e < n_expert; e++)
+        ep->experts[e] = (pp_q8_panels){.type = type, .n_rows = n_rows, .k = k, .data = ep->data + (size_t)e * stride};
+    return ep;
+}
+
+void pp_expert_panels_free(pp_expert_panels *ep) {
+    if (!ep) return;
+    free(ep->data);
+    free(ep->experts);
+    free(ep);
 }
 
 void pp_q8_panels_row(const pp_q8_panels *p, int64_t row, float *out) {

@@ -89,10 +89,32 @@ void pp_q8_panels_free(pp_q8_panels *p);
 /* One row as f32 (the tied input embedding). */
 void pp_q8_panels_row(const pp_q8_panels *p, int64_t row, float *out);
 
+/* Bytes of the panels of a [k, n_rows] weight of this type (0: it does not fit). */
+size_t pp_q8_panels_bytes(enum ggml_type type, int64_t k, int64_t n_rows);
+
+/* A layer's expert matrices ([k, n_rows, n_expert] in GGUF, see
+ * expert_panels.c), each expert's [k, n_rows] slice in panels of its own,
+ * all in one allocation. */
+typedef struct pp_expert_panels {
+    int64_t       n_expert;
+    size_t        panel_bytes;   /* one 8-row panel of an expert, as stored */
+    pp_q8_panels *experts;       /* [n_expert]: their data points into `data`; owned */
+    uint8_t      *data;          /* owned */
+} pp_expert_panels;
+
+/* Allocate (untouched) the panels of n_expert [k, n_rows] matrices of a
+ * quantized or float panel type; NULL when out of memory or when they do
+ * not fit. Pack each expert with pp_q8_panels_pack_range(&ep->experts[e], ...);
+ * free with pp_expert_panels_free (never pp_q8_panels_free on an expert). */
+pp_expert_panels *pp_expert_panels_alloc(enum ggml_type type, int64_t k, int64_t n_rows, int64_t n_expert);
+void pp_expert_panels_free(pp_expert_panels *ep);
+
 /* Per weight and compute context: the chunk counter the GEMM's threads
- * share, rearmed each time the op is put in a graph. */
+ * share, rearmed each time the op is put in a graph. An expert slot has
+ * experts set and w NULL. */
 typedef struct pp_panel_gemm_state {
     const pp_q8_panels *w;
+    const pp_expert_panels *experts;
     enum pp_panel_kernel kernel;
     atomic_int          next_chunk;
 } pp_panel_gemm_state;
@@ -113,6 +135,23 @@ struct ggml_tensor *pp_panel_gemm(struct ggml_context *ctx, pp_panel_gemm_state 
                                   struct ggml_tensor *cols);
 struct ggml_tensor *pp_panel_embed(struct ggml_context *ctx, const pp_q8_panels *w,
                                    struct ggml_tensor *tokens);
+
+/* The experts' products of a step, as ggml_mul_mat_id computes them, with
+ * the step's (token, slot) pairs grouped by expert so that each expert's
+ * panels are read once for all the tokens routed to it. A layer's route
+ * starts as {selected} (I32 [n_used, n_tokens], each token's experts); the
+ * grouping and the last input's grouped columns are made on first use and
+ * shared by the layer's later products (gate and up read the same columns).
+ * pp_expert_matmul: w [k, n_rows, n_expert] times x [k, 1 or n_used,
+ * n_tokens] f32 -> [n_rows, n_used, n_tokens] f32, through the experts'
+ * panels when state has them, else GGML's ggml_mul_mat_id. */
+typedef struct pp_expert_route {
+    struct ggml_tensor *selected;
+    struct ggml_tensor *grouping;   /* NULL until a panel product needs it */
+    struct ggml_tensor *x, *cols;   /* the last input and its grouped columns */
+} pp_expert_route;
+struct ggml_tensor *pp_expert_matmul(struct ggml_context *ctx, pp_expert_route *route, struct ggml_tensor *w,
+                                     pp_panel_gemm_state *state, struct ggml_tensor *x);
 
 /* Rows [p0 * 8, p1 * 8) of the product for columns [0, n): out[c * ldo + row].
  * Every format's kernels have this type (panel_formats.h). */
