@@ -21,7 +21,7 @@ log-probability to 16 bits over the 16 nats below the best token and leaves out 
 likely than e^-16, so the two columns of ours show what the format changes.
 
 Models: --model PATH (repeatable; default the default model, Gemma 3 270M Q4_K_M) and tiny random
-models written by pyllama_paged/testing/reference/tiny_gguf.py (--tiny ARCH ..., into bench/.models/).
+models written by pyllama_paged/testing/reference/tiny_gguf.py (--tiny ARCH ..., into bench/.models/; gpt-oss by tiny_gpt_oss.py).
 llama-perplexity comes from bench/build_llama_cpp.sh.
 Outputs: bench/results/kl_divergence/kl_divergence.{json,md,png}.
 Run: python bench/engine/kl_divergence.py
@@ -421,10 +421,14 @@ def tiny_model(arch: str, weights: str, ctx: int) -> str:
     """A tiny random-weight model of arch (tiny_gguf.py's defaults) in bench/.models/, written
     again each run (a second): the file follows tiny_gguf.py, the reference's cache its bytes."""
     from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
+    from pyllama_paged.testing.reference.tiny_gpt_oss import write_tiny_gpt_oss
 
     path = TINY_DIR / f"tiny-{arch}-{weights}-ctx{ctx}.gguf"
     TINY_DIR.mkdir(parents=True, exist_ok=True)
-    write_tiny_model(path.with_suffix(".tmp"), arch, weight_type=weights, context_length=ctx)
+    if arch == "gpt-oss":   # its own writer: MXFP4 experts, sinks, YaRN (the context is YaRN's)
+        write_tiny_gpt_oss(path.with_suffix(".tmp"), weight_type=weights)
+    else:
+        write_tiny_model(path.with_suffix(".tmp"), arch, weight_type=weights, context_length=ctx)
     path.with_suffix(".tmp").rename(path)
     return str(path)
 
