@@ -11,15 +11,13 @@ from pyllama_paged._native import ffi, lib
 from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.testing.engine_runs import chunked_logits
+from pyllama_paged.testing.routed_logits import ROUTER_NEAR_TIE, assert_one_step_routes_as_alone, file_logits, row_errors
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 N_LAYER = 2   # the tiny qwen3moe's
 # test_engine_reference.py's tolerance with F16 KV, relative to the logits' spread
 TOLERANCE = 2e-2
-# test_moe.py's: a token this close (in router logits) to another expert may run that one
-# instead in either engine, and its row is then off by more than rounding
-ROUTER_NEAR_TIE = 0.15
 PROMPT = [int(x) for x in np.random.default_rng(3).integers(4, 200, size=40)]
 # Expert type mixes as llama-quantize writes them: Q8_0; Q4_K_M's and Q5_K_M's Q4_K/Q5_K gate
 # and up with a Q6_K down
@@ -71,18 +69,7 @@ def packing(path, pack_panels=True):
 
 
 def engine_logits(path, chunks, pack_panels=True):
-    model = Model(path, pack_panels=pack_panels)
-    runner = ModelRunner(model, paged=True, n_ctx=64, n_threads=2, n_batch=64, block_size=16,
-                         kv_cache_type="f16")
-    try:
-        return chunked_logits(runner, PROMPT, chunks)
-    finally:
-        runner.close()
-        model.close()
-
-
-def row_errors(got, want):
-    return np.abs(got - want).max(axis=-1) / (want.max() - want.min())
+    return file_logits(path, PROMPT, chunks=chunks, pack_panels=pack_panels)
 
 
 def skip_unless_packed(kernel):
@@ -170,23 +157,8 @@ def test_many_sequences_in_one_step_route_as_alone_through_the_panels(tiny, weig
     prompts = [[int(x) for x in np.random.default_rng(10 + i).integers(4, 200, size=n)]
                for i, n in enumerate([3, 9, 17, 1, 30, 1, 1])]
 
-    def runner():
-        return ModelRunner(model, paged=True, n_ctx=64, n_seq_max=8, n_threads=2, n_batch=128, block_size=16)
-
     try:
-        alone = []
-        for p in prompts:   # each on a runner of its own: no prefix cache hit spares a token
-            r = runner()
-            alone.append(r.prefill(r.add_sequence(p)).copy())
-            r.close()
-        r = runner()
-        try:
-            seqs = [r.add_sequence(p) for p in prompts]
-            together = r.step([(s, len(p)) for s, p in zip(seqs, prompts)])
-            for row, want in zip(together, alone):
-                assert np.abs(row - want).max() / (want.max() - want.min()) < 1e-3
-        finally:
-            r.close()
+        assert_one_step_routes_as_alone(model, prompts)
     finally:
         model.close()
 

@@ -28,6 +28,9 @@ from pyllama_paged.errors import ModelLoadError
 from pyllama_paged.testing import gguf_mutate, synthetic_gguf
 from pyllama_paged.testing.agreement import assert_greedy_agree, run_to_completion
 from pyllama_paged.testing.engine_runs import chunked_logits
+from pyllama_paged.testing.routed_logits import TOLERANCE, assert_one_step_routes_as_alone, relative_error
+from pyllama_paged.testing.routed_logits import assert_routed_logits_match as assert_logits_match
+from pyllama_paged.testing.routed_logits import file_logits as engine_logits
 from pyllama_paged.testing.reference import numpy_model as ref
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_gguf import dequantize_mxfp4, quantize_mxfp4, write_tiny_model
@@ -129,13 +132,7 @@ def test_attention_sinks_are_a_zero_value_key_per_head():
 
 # ---- the whole model ----------------------------------------------------------------------
 
-# test_moe.py's tolerances and near-tie rules (relative to the logits' spread): a token whose last
-# expert kept is within ROUTER_NEAR_TIE router logits of the best one left out may run the other
-# expert in an engine, and its row is then off by a swapped expert's share
-TOLERANCE = {"f16": 2e-2, "q8_0": 8e-2}
-ROUTER_NEAR_TIE = 0.15
-SWAPPED_EXPERT = 0.25
-MAX_NEAR_TIE_ROWS = 0.2
+# the tolerances and near-tie rules are test_moe.py's (pyllama_paged/testing/routed_logits.py)
 # the tiny vocabulary: byte and merged tokens below this id, o200k_harmony's specials from it
 N_TEXT_TOKENS = 512 - 15
 PROMPT = [int(x) for x in np.random.default_rng(1).integers(0, N_TEXT_TOKENS, size=40)]
@@ -165,32 +162,6 @@ def model(tiny):
 @pytest.fixture(scope="module")
 def eot(tiny):
     return Tokenizer.from_gguf(str(tiny["f16"])).eot_ids
-
-
-def engine_logits(path, prompt, *, paged=True, kv_cache_type="f16", attention="kernel", chunks=(23, 1, 16)):
-    """All-position logits, computed in prefill chunks then single-token steps."""
-    model = Model(str(path))
-    runner = ModelRunner(model, paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=16,
-                         kv_cache_type=kv_cache_type, attention=attention)
-    try:
-        return chunked_logits(runner, prompt, chunks)
-    finally:
-        runner.close()
-        model.close()
-
-
-def relative_error(got, want):
-    return np.abs(got - want).max() / (want.max() - want.min())
-
-
-def assert_logits_match(got, want, router_margin, tolerance):
-    """got within tolerance of want, but for the rows of tokens routed at a near-tie."""
-    assert got.shape == want.shape
-    near = router_margin < ROUTER_NEAR_TIE
-    assert near.mean() <= MAX_NEAR_TIE_ROWS, f"{near.sum()} of {len(near)} tokens routed at a near-tie"
-    row_error = np.abs(got - want).max(axis=-1) / (want.max() - want.min())
-    assert row_error[~near].max() < tolerance, f"max relative error {row_error[~near].max():.4f}"
-    assert row_error.max() < SWAPPED_EXPERT, f"max relative error at a near-tie {row_error.max():.4f}"
 
 
 def mutated(tmp_path, source, ops, name="mutated.gguf"):
@@ -352,22 +323,7 @@ def test_tokens_of_many_sequences_in_one_step_route_as_alone(model):
     prompts = [[int(x) for x in np.random.default_rng(10 + i).integers(0, N_TEXT_TOKENS, size=n)]
                for i, n in enumerate([3, 9, 17, 1, 30])]
 
-    def runner():
-        return ModelRunner(model, paged=True, n_ctx=64, n_seq_max=8, n_threads=2, n_batch=128, block_size=16)
-
-    alone = []
-    for p in prompts:
-        r = runner()
-        alone.append(r.prefill(r.add_sequence(p)).copy())
-        r.close()
-    r = runner()
-    try:
-        seqs = [r.add_sequence(p) for p in prompts]
-        together = r.step([(s, len(p)) for s, p in zip(seqs, prompts)])
-        for row, want in zip(together, alone):
-            assert relative_error(row, want) < 1e-3
-    finally:
-        r.close()
+    assert_one_step_routes_as_alone(model, prompts)
 
 
 PROMPTS = [[int(x) for x in np.random.default_rng(20 + i).integers(0, N_TEXT_TOKENS, size=n)]

@@ -21,20 +21,13 @@ from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.errors import ModelLoadError
 from pyllama_paged.testing import gguf_mutate, synthetic_gguf
 from pyllama_paged.testing.agreement import assert_greedy_agree, run_to_completion
-from pyllama_paged.testing.engine_runs import chunked_logits
+from pyllama_paged.testing.routed_logits import TOLERANCE, assert_one_step_routes_as_alone, relative_error
+from pyllama_paged.testing.routed_logits import assert_routed_logits_match as assert_logits_match
+from pyllama_paged.testing.routed_logits import file_logits as engine_logits
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.serving import model_server
 
-# test_engine_reference.py's tolerances, relative to the logits' spread
-TOLERANCE = {"f16": 2e-2, "q8_0": 8e-2}
-# A token whose last expert kept is within this many router logits of the best one left out
-# (the reference's last_router_margin, in some layer) may run the other expert in an engine:
-# q8_0 KV moved a gap of 0.085 across. Its row is then off by a swapped expert's share (seen:
-# 10% of the spread), not by the rounding the tolerances allow; most rows have no such tie.
-ROUTER_NEAR_TIE = 0.15
-SWAPPED_EXPERT = 0.25
-MAX_NEAR_TIE_ROWS = 0.2
 EOT = {2}   # the tiny vocabulary's </s>
 PROMPT = [int(x) for x in np.random.default_rng(1).integers(4, 200, size=40)]
 
@@ -59,33 +52,6 @@ def model(tiny_moe):
     m = Model(tiny_moe["f16"])
     yield m
     m.close()
-
-
-def engine_logits(path, prompt, *, paged, kv_cache_type, attention="kernel", chunks=(23, 1, 16)):
-    """All-position logits, computed in prefill chunks then single-token steps."""
-    model = Model(path)
-    runner = ModelRunner(model, paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=16,
-                         kv_cache_type=kv_cache_type, attention=attention)
-    try:
-        return chunked_logits(runner, prompt, chunks)
-    finally:
-        runner.close()
-        model.close()
-
-
-def relative_error(got, want):
-    return np.abs(got - want).max() / (want.max() - want.min())
-
-
-def assert_logits_match(got, want, router_margin, tolerance):
-    """got within tolerance of want, but for the rows of tokens routed at a near-tie (see
-    ROUTER_NEAR_TIE), which may be a swapped expert away."""
-    assert got.shape == want.shape
-    near = router_margin < ROUTER_NEAR_TIE
-    assert near.mean() <= MAX_NEAR_TIE_ROWS, f"{near.sum()} of {len(near)} tokens routed at a near-tie"
-    row_error = np.abs(got - want).max(axis=-1) / (want.max() - want.min())
-    assert row_error[~near].max() < tolerance, f"max relative error {row_error[~near].max():.4f}"
-    assert row_error.max() < SWAPPED_EXPERT, f"max relative error at a near-tie {row_error.max():.4f}"
 
 
 @pytest.mark.parametrize("weights", ["q8_0", "q4_k"])
@@ -118,22 +84,7 @@ def test_tokens_of_many_sequences_in_one_step_route_as_alone(model):
     per expert matrix, grouped by expert): each sequence's logits are those it gets alone."""
     prompts = [[int(x) for x in np.random.default_rng(10 + i).integers(4, 200, size=n)]
                for i, n in enumerate([3, 9, 17, 1, 30])]
-    def runner():
-        return ModelRunner(model, paged=True, n_ctx=64, n_seq_max=8, n_threads=2, n_batch=128, block_size=16)
-
-    alone = []
-    for p in prompts:   # each on a runner of its own: no prefix cache hit spares a token
-        r = runner()
-        alone.append(r.prefill(r.add_sequence(p)).copy())
-        r.close()
-    r = runner()
-    try:
-        seqs = [r.add_sequence(p) for p in prompts]
-        together = r.step([(s, len(p)) for s, p in zip(seqs, prompts)])
-        for row, want in zip(together, alone):
-            assert relative_error(row, want) < 1e-3
-    finally:
-        r.close()
+    assert_one_step_routes_as_alone(model, prompts)
 
 
 @pytest.mark.parametrize("paged,attention", [(True, "kernel"), (True, "gather")])
