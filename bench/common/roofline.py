@@ -9,10 +9,18 @@ and what they allow a workload.
 A step reads every weight byte once and does one multiply-accumulate per weight and token (the
 output head only for tokens whose logits are wanted; attention's MACs are left out: at these
 contexts a few percent), so it cannot take less than max(weight bytes / bandwidth, MACs / peak).
+
+A mixture-of-experts model is counted by its active parameters: a token multiplies through the
+n_used experts it routes to (n_used / n_expert of the expert matrices' MACs), and a step reads
+the dense weights whole but only the experts its tokens picked, n_expert * (1 - (1 - n_used /
+n_expert) ** n_tokens) per layer if routing is uniform (random weights route near-uniformly;
+a trained router's favourites make it fewer, so this floor is the uniform case's).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import subprocess
 import tempfile
 import time
@@ -50,24 +58,60 @@ def int8_peak(threads: int, repeats: int = 3) -> tuple[str, float]:
     return isa, best
 
 
-def macs_per_token(model_path: str) -> tuple[int, int]:
-    """(body, head) weight multiply-accumulates per token: every 2-D weight but the input
-    embedding (a row lookup) and the output head, and the head (output.weight, or the input
-    embedding when tied to it), which a prompt's tokens skip but its last."""
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """What a step of a model reads and multiplies (see the module's docstring)."""
+    dense_bytes: int    # read whole by every step (the file less the experts' bytes)
+    expert_bytes: int   # all routed experts' matrices (and their biases); 0 for a dense model
+    n_expert: int
+    n_used: int
+    body_macs: int      # per token: every matrix but the embedding and the head, experts at n_used's share
+    head_macs: int      # per token whose logits are wanted
+
+    def step_bytes(self, n_tokens: int) -> float:
+        """Expected weight bytes a step of n_tokens reads (uniform routing)."""
+        if not self.expert_bytes:
+            return float(self.dense_bytes)
+        touched = 1.0 - (1.0 - self.n_used / self.n_expert) ** n_tokens
+        return self.dense_bytes + self.expert_bytes * touched
+
+
+def model_weights(model_path: str) -> Weights:
+    """The model file's Weights: tensor sizes and shapes, and its expert counts from the metadata."""
     import gguf
     reader = gguf.GGUFReader(model_path)
+    n_expert = n_used = 0
+    for field in reader.fields.values():
+        if field.name.endswith(".expert_count"):
+            n_expert = int(field.parts[field.data[0]][0])
+        elif field.name.endswith(".expert_used_count"):
+            n_used = int(field.parts[field.data[0]][0])
     names = {t.name for t in reader.tensors}
     head_name = "output.weight" if "output.weight" in names else "token_embd.weight"
-    body = head = 0
+    body = head = expert_bytes = 0
     for t in reader.tensors:
-        if len([d for d in t.shape if d > 1]) < 2:
+        routed = "_exps." in t.name
+        if routed:
+            expert_bytes += int(t.n_bytes)
+        if len([d for d in t.shape if d > 1]) < 2 or t.name.endswith(".bias"):
             continue
         n = int(np.prod([int(d) for d in t.shape]))
         if t.name == head_name:
             head = n
+        elif routed:
+            body += n * n_used // n_expert
         elif t.name != "token_embd.weight":
             body += n
-    return body, head
+    return Weights(os.path.getsize(model_path) - expert_bytes, expert_bytes, n_expert, n_used, body, head)
+
+
+def macs_per_token(model_path: str) -> tuple[int, int]:
+    """(body, head) weight multiply-accumulates per token: every 2-D weight but the input
+    embedding (a row lookup) and the output head, routed experts at the share a token uses,
+    and the head (output.weight, or the input embedding when tied to it), which a prompt's
+    tokens skip but its last."""
+    w = model_weights(model_path)
+    return w.body_macs, w.head_macs
 
 
 def step_floor_s(weight_bytes: int, macs: float, bandwidth: float, peak: float) -> float:
@@ -76,15 +120,15 @@ def step_floor_s(weight_bytes: int, macs: float, bandwidth: float, peak: float) 
     return max(weight_bytes / bandwidth, macs / peak)
 
 
-def batched_ceiling(weight_bytes: int, macs: tuple[int, int], npl: int, npp: int, ntg: int, ubatch: int,
+def batched_ceiling(weights: Weights, npl: int, npp: int, ntg: int, ubatch: int,
                     bandwidth: float, peak: float) -> float:
     """Total tokens/s the llama-batched-bench workload allows: npl prompts of npp tokens in
     ubatch-token steps (the head for each prompt's last token), then ntg steps of npl tokens."""
-    body, head = macs
+    body, head = weights.body_macs, weights.head_macs
     prompt = npl * npp
     chunks = [ubatch] * (prompt // ubatch) + ([prompt % ubatch] if prompt % ubatch else [])
     # a prompt's last token falls in the chunk that holds it: the head's MACs per chunk
     ends = [sum(1 for i in range(npl) if sum(chunks[:c]) < (i + 1) * npp <= sum(chunks[:c + 1]))
             for c in range(len(chunks))]
-    steps = [n * body + e * head for n, e in zip(chunks, ends)] + [npl * (body + head)] * ntg
-    return npl * (npp + ntg) / sum(step_floor_s(weight_bytes, m, bandwidth, peak) for m in steps)
+    steps = [(n, n * body + e * head) for n, e in zip(chunks, ends)] + [(npl, npl * (body + head))] * ntg
+    return npl * (npp + ntg) / sum(step_floor_s(weights.step_bytes(n), m, bandwidth, peak) for n, m in steps)

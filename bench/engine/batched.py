@@ -17,6 +17,7 @@ many layers on the GPU on both sides, llama-batched-bench with flash attention o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -29,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
 from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from common.peers import gpu_layers_flag, llama_cpp_tool
-from common.roofline import batched_ceiling, copy_bandwidth, int8_peak, macs_per_token
+from common.roofline import batched_ceiling, copy_bandwidth, int8_peak, model_weights
 
 
 def peer(binary: str, model: str, args, extra=()) -> dict[int, dict]:
@@ -137,13 +138,15 @@ def main(argv=None) -> int:
     roof = None
     if args.gpu_layers == 0:
         bandwidth, (isa, peak) = copy_bandwidth(), int8_peak(args.threads)
+        weights = model_weights(model_path)
         roof = {"copy_bandwidth_bytes_per_s": bandwidth, "int8_peak_macs_per_s": peak, "int8_peak_isa": isa,
-                "weight_bytes": os.path.getsize(model_path), "macs_per_token": macs_per_token(model_path)}
+                **dataclasses.asdict(weights), "weight_bytes": os.path.getsize(model_path),
+                "macs_per_token": [weights.body_macs, weights.head_macs]}
     rows = []
     for npl in args.npl:
         t, o = theirs.get(npl), mine.get(npl)
-        ceiling = roof and batched_ceiling(roof["weight_bytes"], roof["macs_per_token"], npl, args.npp, args.ntg,
-                                           512, roof["copy_bandwidth_bytes_per_s"], roof["int8_peak_macs_per_s"])
+        ceiling = roof and batched_ceiling(weights, npl, args.npp, args.ntg, 512,
+                                           roof["copy_bandwidth_bytes_per_s"], roof["int8_peak_macs_per_s"])
         rows.append({"npl": npl, "tokens": npl * (args.npp + args.ntg),
                      "llama-batched-bench s": t and t["t"], "llama-batched-bench t/s": t and t["s"],
                      "ours s": o and o["t"], "ours t/s": o and o["s"],
@@ -155,7 +158,11 @@ def main(argv=None) -> int:
              f"step (llama-batched-bench samples nothing), paged, block {args.block_size}; GGML: {ggml}. "
              f"Target: ours / llama.cpp >= 1.0 at every npl.")
     if roof:
-        notes += (f"\n\nRoofline (bench/common/roofline.py): every step reads {roof['weight_bytes'] / 2**20:.0f} MiB of weights "
+        reads = (f"every step reads {roof['weight_bytes'] / 2**20:.0f} MiB of weights" if not weights.expert_bytes else
+                 f"every step reads the {weights.dense_bytes / 2**20:.0f} MiB of dense weights and the experts its tokens "
+                 f"picked ({weights.n_used} of {weights.n_expert} per token, uniform routing; all of them: "
+                 f"{weights.expert_bytes / 2**20:.0f} MiB)")
+        notes += (f"\n\nRoofline (bench/common/roofline.py, active parameters): {reads} "
                   f"at {roof['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (NumPy copy) and does "
                   f"{sum(roof['macs_per_token']) / 1e9:.2f} GMAC per token (the head: {roof['macs_per_token'][1] / 1e9:.2f}, "
                   f"for a prompt's last token only) at {roof['int8_peak_macs_per_s'] / 1e9:.0f} "

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
 from common.report import RESULTS_DIR, markdown_table, save_figure, write_results
 from common.peers import LLAMA_CPP_BIN
-from common.roofline import copy_bandwidth, int8_peak, macs_per_token, step_floor_s
+from common.roofline import copy_bandwidth, int8_peak, model_weights, step_floor_s
 
 
 def llama_bench(binary: str, model: str, args) -> dict:
@@ -137,17 +137,17 @@ def main(argv=None) -> int:
     else:
         bandwidth = copy_bandwidth()
         isa, peak = int8_peak(args.threads)
-        weight_bytes = os.path.getsize(args.model)   # the file is the weights, a few MiB of metadata aside
-        body, head = macs_per_token(args.model)
+        weights = model_weights(args.model)   # active parameters: a MoE step reads the experts it picked
+        weight_bytes, body, head = weights.step_bytes(1), weights.body_macs, weights.head_macs
         tg_ceiling = 1 / step_floor_s(weight_bytes, body + head, bandwidth, peak)
         # llama-bench's pp and ours both want the last token's logits only
-        pp_ceiling = args.npp / step_floor_s(weight_bytes, args.npp * body + head, bandwidth, peak)
+        pp_ceiling = args.npp / step_floor_s(weights.step_bytes(args.npp), args.npp * body + head, bandwidth, peak)
         for row, ceiling in zip(rows, (pp_ceiling, tg_ceiling)):
             row.update({"roofline t/s": ceiling, "ours / roofline": row["ours"] / ceiling})
         roof = {"copy_bandwidth_bytes_per_s": bandwidth, "int8_peak_macs_per_s": peak, "int8_peak_isa": isa,
                 "macs_per_token": {"body": body, "head": head}, "weight_bytes": weight_bytes}
         notes += (f"Roofline: {weight_bytes / 2**20:.0f} MiB of weights "
-                  f"read per step over {bandwidth / 1e9:.1f} GB/s (NumPy copy, read + written), and "
+                  f"read per decode step{' (the dense weights and the experts one token picks)' if weights.expert_bytes else ''} over {bandwidth / 1e9:.1f} GB/s (NumPy copy, read + written), and "
                   f"{(body + head) / 1e9:.2f} GMAC per token ({head / 1e9:.2f} of them the head) over an int8 peak of {peak / 1e9:.0f} GMAC/s ({isa}, "
                   f"{args.threads} threads). Decode: memory binds, {tg_ceiling:.1f} tokens/s; ours reaches "
                   f"{mine['tg'] / tg_ceiling:.0%} of it, llama-bench {theirs['tg'] / tg_ceiling:.0%}. Prefill of "

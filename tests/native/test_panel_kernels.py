@@ -16,8 +16,9 @@ TYPES = {"q8_0": 8, "q5_0": 6, "q4_0": 2, "q4_k": 12, "q5_k": 13, "q6_k": 14}   
 FLOAT_TYPES = {"f16": 1, "bf16": 30}   # float panels: f32 activations, f32 FMAs
 KERNELS = {"portable": lib.PP_PANEL_KERNEL_SCALAR, "avx2": lib.PP_PANEL_KERNEL_AVX2,
            "avx-vnni": lib.PP_PANEL_KERNEL_AVXVNNI, "avx512-vnni": lib.PP_PANEL_KERNEL_AVX512VNNI}
-# (k, rows): a 2048-wide projection, Llama 3.2's 8192-wide ffn_down, Gemma 3 4B's 10240-wide one
-SHAPES = [(2048, 64), (8192, 16), (10240, 8)]
+# (k, rows): a 2048-wide projection, Llama 3.2's 8192-wide ffn_down, Gemma 3 4B's 10240-wide one,
+# and three panels (an odd count: single-column Q4_0 on AVX-512 takes panels in pairs, the last alone)
+SHAPES = [(2048, 64), (8192, 16), (10240, 8), (1280, 24)]
 # every tile width of both K-panel paths: straight from the stored panel (1, 2 and 4 columns; below
 # 20 columns with AVX-512 VNNI, below 8 otherwise) and widened (8 or 4, then 4 and 1), and remainders
 COLUMNS = [1, 3, 4, 8, 13, 21, 29]
