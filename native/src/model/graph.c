@@ -59,6 +59,25 @@ static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor 
     return pp_panel_gemm(ctx, state, last->cols);
 }
 
+/* GGML splits the gated activation's rows among the threads, so a decode
+ * step's single row (n_ff values) ran on one thread while the others waited
+ * at the next barrier: GELU's tanh made that 5% of a 270M model's step. The
+ * product is elementwise over contiguous gate and up, so it runs on rows of
+ * PP_GLU_ROW values instead and is viewed back. */
+#define PP_GLU_ROW 128
+
+static struct ggml_tensor *gated_activation(struct ggml_context *ctx, enum pp_arch arch, struct ggml_tensor *gate,
+                                            struct ggml_tensor *up) {
+    const int64_t n_ff = gate->ne[0], n_tokens = gate->ne[1];
+    const int split = n_ff % PP_GLU_ROW == 0 && ggml_is_contiguous(gate) && ggml_is_contiguous(up);
+    if (split) {
+        gate = ggml_reshape_2d(ctx, gate, PP_GLU_ROW, n_ff / PP_GLU_ROW * n_tokens);
+        up = ggml_reshape_2d(ctx, up, PP_GLU_ROW, n_ff / PP_GLU_ROW * n_tokens);
+    }
+    struct ggml_tensor *y = arch == PP_ARCH_GEMMA3 ? ggml_geglu_split(ctx, gate, up) : ggml_swiglu_split(ctx, gate, up);
+    return split ? ggml_reshape_2d(ctx, y, n_ff, n_tokens) : y;
+}
+
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
                                    const pp_kv_cache *cache, const pp_batch *batch,
                                    pp_attention_params *layer_params, pp_panel_gemm_state *gemm_states,
@@ -147,7 +166,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         } else {
             struct ggml_tensor *gate = PROJECT(L->ffn_gate, PP_PROJ_GATE, cur);
             struct ggml_tensor *up = PROJECT(L->ffn_up, PP_PROJ_UP, cur);
-            cur = hp->arch == PP_ARCH_GEMMA3 ? ggml_geglu_split(ctx, gate, up) : ggml_swiglu_split(ctx, gate, up);
+            cur = gated_activation(ctx, hp->arch, gate, up);
             cur = PROJECT(L->ffn_down, PP_PROJ_DOWN, cur);
         }
         if (L->post_ffw_norm) cur = norm(ctx, cur, L->post_ffw_norm, hp->rms_eps);
