@@ -45,18 +45,23 @@ typedef struct panel_columns {
     struct ggml_tensor *cols;
 } panel_columns;
 
-/* w x through the weight's panels when it has them (state non-NULL), else GGML's product. */
-static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor *w, pp_panel_gemm_state *state,
-                                   struct ggml_tensor *x, panel_columns *last) {
-    if (!state || !state->w) return matmul(ctx, w, x);
-    /* float panels multiply the f32 columns themselves */
-    if (pp_panel_type_is_float(state->w->type))
-        return pp_panel_gemm(ctx, state, x->nb[0] == sizeof(float) ? x : ggml_cont(ctx, x));
+/* x as a panel product reads it: float panels the f32 columns themselves,
+ * quantized ones its quantized columns (one op per x). */
+static struct ggml_tensor *panel_input(struct ggml_context *ctx, const pp_panel_gemm_state *state,
+                                       struct ggml_tensor *x, panel_columns *last) {
+    if (pp_panel_type_is_float(state->w->type)) return x->nb[0] == sizeof(float) ? x : ggml_cont(ctx, x);
     if (last->x != x) {
         last->cols = pp_panel_quantize(ctx, x, state->kernel);
         last->x = x;
     }
-    return pp_panel_gemm(ctx, state, last->cols);
+    return last->cols;
+}
+
+/* w x through the weight's panels when it has them (state non-NULL), else GGML's product. */
+static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor *w, pp_panel_gemm_state *state,
+                                   struct ggml_tensor *x, panel_columns *last) {
+    if (!state || !state->w) return matmul(ctx, w, x);
+    return pp_panel_gemm(ctx, state, panel_input(ctx, state, x, last));
 }
 
 /* GGML splits the gated activation's rows among the threads, so a decode
@@ -65,6 +70,8 @@ static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor 
  * product is elementwise over contiguous gate and up, so it runs on rows of
  * PP_GLU_ROW values instead and is viewed back. */
 #define PP_GLU_ROW 128
+/* pp_panel_gated takes gate's and up's states as a pair */
+_Static_assert(PP_PROJ_UP == PP_PROJ_GATE + 1, "gate and up states adjacent");
 
 static struct ggml_tensor *gated_activation(struct ggml_context *ctx, enum pp_arch arch, struct ggml_tensor *gate,
                                             struct ggml_tensor *up) {
@@ -164,9 +171,17 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         } else if (L->ffn_gate_inp) {
             cur = pp_build_moe_ffn(ctx, hp, L, gs, cur);
         } else {
-            struct ggml_tensor *gate = PROJECT(L->ffn_gate, PP_PROJ_GATE, cur);
-            struct ggml_tensor *up = PROJECT(L->ffn_up, PP_PROJ_UP, cur);
-            cur = gated_activation(ctx, hp->arch, gate, up);
+            if (gs && pp_panel_gated_takes(&gs[PP_PROJ_GATE], cur->ne[1])) {
+                cur = pp_panel_gated(ctx, &gs[PP_PROJ_GATE], panel_input(ctx, &gs[PP_PROJ_GATE], cur, &last),
+                                     hp->arch == PP_ARCH_GEMMA3);
+            } else {
+                struct ggml_tensor *gate = PROJECT(L->ffn_gate, PP_PROJ_GATE, cur);
+                struct ggml_tensor *up = PROJECT(L->ffn_up, PP_PROJ_UP, cur);
+                /* beside the fused op, the same activation (its values do not depend on the step's width) */
+                cur = gs && gs[PP_PROJ_GATE].w && gs[PP_PROJ_UP].w
+                          ? pp_panel_gated_activation(ctx, gate, up, gs[PP_PROJ_GATE].kernel, hp->arch == PP_ARCH_GEMMA3)
+                          : gated_activation(ctx, hp->arch, gate, up);
+            }
             cur = PROJECT(L->ffn_down, PP_PROJ_DOWN, cur);
         }
         if (L->post_ffw_norm) cur = norm(ctx, cur, L->post_ffw_norm, hp->rms_eps);
