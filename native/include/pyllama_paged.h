@@ -464,21 +464,21 @@ enum pp_panel_kernel {
     PP_PANEL_KERNEL_SCALAR     = 1,  /* portable C: for tests on any CPU, never chosen for speed */
     PP_PANEL_KERNEL_AVXVNNI    = 2,  /* AVX-VNNI (256-bit, 16 registers) */
     PP_PANEL_KERNEL_AVX512VNNI = 3,  /* AVX-512 VNNI (with VL and BW; float panels: AVX-512F FMAs) */
-    PP_PANEL_KERNEL_AVX2       = 4   /* AVX2 byte products (maddubs): K-quant weights; FMAs for float ones */
+    PP_PANEL_KERNEL_AVX2       = 4   /* AVX2 byte products (maddubs): K-quant and MXFP4 weights; FMAs for float ones */
 };
 
 /* Pack the weights our GEMMs multiply faster than GGML into row panels
- * (q8_panels.h in the sources): Q8_0, Q5_0, Q4_0, Q4_K, Q5_K and Q6_K
- * projections for the integer GEMM, F16 and BF16 ones for the float GEMM
- * (f32 FMAs on unrounded activations; on an AVX2 CPU without VNNI: the
- * K-quants and float weights only) and the
+ * (q8_panels.h in the sources): Q8_0, Q5_0, Q4_0, Q4_K, Q5_K, Q6_K and
+ * MXFP4 projections for the integer GEMM, F16 and BF16 ones for the float
+ * GEMM (f32 FMAs on unrounded activations; on an AVX2 CPU without VNNI: the
+ * K-quants, MXFP4 and float weights only) and the
  * output head (output.weight, or token_embd.weight when tied: the input
  * embedding is then read from the panels too) of whole 8-row panels and
  * 32-value blocks; and the routed experts' tensors (ffn_{gate,up,down}_exps)
  * of those types, each expert's matrix in panels of its own, multiplied
  * with a step's tokens grouped by expert. An exact change of layout in the same number of bytes
  * (Q4_K: 2.8% more, Q5_K 2.3%: their 6-bit sub-block scales unpacked to
- * bytes).
+ * bytes; MXFP4: the same 17 bytes per 32 values).
  * Done only where the CPU has AVX-512 VNNI (with VL and BW), AVX-VNNI or AVX2,
  * unless any_cpu is set (then a portable, slow kernel runs elsewhere: for
  * tests). Call once, after pp_model_finalize, before

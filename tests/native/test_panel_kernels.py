@@ -12,15 +12,18 @@ import pytest
 
 from pyllama_paged._native import ffi, lib
 
-TYPES = {"q8_0": 8, "q5_0": 6, "q4_0": 2, "q4_k": 12, "q5_k": 13, "q6_k": 14}   # GGML's type ids
+TYPES = {"q8_0": 8, "q5_0": 6, "q4_0": 2, "q4_k": 12, "q5_k": 13, "q6_k": 14, "mxfp4": 39}   # GGML's type ids
 FLOAT_TYPES = {"f16": 1, "bf16": 30}   # float panels: f32 activations, f32 FMAs
 KERNELS = {"portable": lib.PP_PANEL_KERNEL_SCALAR, "avx2": lib.PP_PANEL_KERNEL_AVX2,
            "avx-vnni": lib.PP_PANEL_KERNEL_AVXVNNI, "avx512-vnni": lib.PP_PANEL_KERNEL_AVX512VNNI}
 # (k, rows): a 2048-wide projection, Llama 3.2's 8192-wide ffn_down, Gemma 3 4B's 10240-wide one,
-# and three panels (an odd count: single-column Q4_0 on AVX-512 takes panels in pairs, the last alone)
+# and an odd count of panels (three)
 SHAPES = [(2048, 64), (8192, 16), (10240, 8), (1280, 24)]
+# gpt-oss's expert matrices: 2880 wide, not whole 256-value superblocks (MXFP4 blocks are 32)
+MXFP4_SHAPES = [(2880, 24)]
 # every tile width of both K-panel paths: straight from the stored panel (1, 2 and 4 columns; below
-# 20 columns with AVX-512 VNNI, below 8 otherwise) and widened (8 or 4, then 4 and 1), and remainders
+# 20 columns with AVX-512 VNNI, below 8 otherwise) and widened (8 or 4, then 4 and 1), and remainders;
+# MXFP4 panels' straight tiles (below 16 columns: 8 or 4, 4, 1) and widened ones likewise
 COLUMNS = [1, 3, 4, 8, 13, 21, 29]
 
 
@@ -83,11 +86,11 @@ def test_kernels_match_ggml_dequantized_products(type_name, kernel):
     if not runs_here(kernel):
         pytest.skip(f"this CPU has no {kernel}")
     if kernel == "avx2" and type_name in ("q8_0", "q5_0", "q4_0"):
-        pytest.skip("the AVX2 kernel takes K-quant panels only")
+        pytest.skip("the AVX2 kernel takes K-quant and MXFP4 panels only")
     rng = np.random.default_rng(7)
-    for k, n_rows in SHAPES:
-        if type_name in ("q5_0", "q4_0") and k > 8192:
-            continue   # Q5_0 and Q4_0 panels widen a whole row on the stack (PP_PANEL_MAX_K)
+    for k, n_rows in SHAPES + (MXFP4_SHAPES if type_name == "mxfp4" else []):
+        if type_name in ("q5_0", "q4_0", "mxfp4") and k > 8192:
+            continue   # Q5_0, Q4_0 and MXFP4 panels widen a whole row on the stack (PP_PANEL_MAX_K)
         w = _weights(rng, n_rows, k)
         data, w_ggml = ggml_quantize(w, type_name)
         for n in COLUMNS:
@@ -128,7 +131,7 @@ def test_float_kernels_match_the_exact_product(type_name, kernel):
             assert err.max() < 1e-5, (k, n_rows, n, float(err.max()))
 
 
-@pytest.mark.parametrize("type_name", ["q4_k", "q5_k", "q6_k", "q8_0", "q5_0", "q4_0", "f16", "bf16"])
+@pytest.mark.parametrize("type_name", ["q4_k", "q5_k", "q6_k", "q8_0", "q5_0", "q4_0", "mxfp4", "f16", "bf16"])
 def test_a_packed_row_reads_back_as_ggml_dequantizes_it(type_name):
     """A tied head's rows are the input embedding: each packed row is GGML's dequantized row, bit
     for bit."""
@@ -140,6 +143,41 @@ def test_a_packed_row_reads_back_as_ggml_dequantizes_it(type_name):
         type_id = {**TYPES, **FLOAT_TYPES}[type_name]
         assert lib.pp_panel_row_run(type_id, k, n_rows, data, row, ffi.from_buffer("float[]", out)) == 0
         assert np.array_equal(out, w_ggml[row])
+
+
+# E8M0 exponents: the f32 denormals 2^-128 and 2^-127 (0 and 1, formed apart by the SIMD
+# kernels), the smallest normals, and up to a scale of 2^29
+MXFP4_EXPONENTS = [0, 1, 2, 3, 64, 120, 127, 157]
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_mxfp4_scales_from_denormal_to_large_are_ggml_dequantized_ones(kernel):
+    """Rows of MXFP4 blocks written byte by byte, each row one exponent of MXFP4_EXPONENTS and
+    every one of the 16 codes drawn: the packed rows read back as GGML dequantizes them, bit for
+    bit, and each kernel's products (straight and widened tiles) are those of GGML's dequantized
+    weights, as for any exponent, however small or large the scale."""
+    if not runs_here(kernel):
+        pytest.skip(f"this CPU has no {kernel}")
+    rng = np.random.default_rng(13)
+    k, n_rows = 512, 16
+    nb = k // 32
+    exponents = np.repeat(np.array(MXFP4_EXPONENTS * 2, np.uint8)[:, None, None], nb, axis=1)
+    codes = rng.integers(0, 256, size=(n_rows, nb, 16), dtype=np.uint8)
+    data = np.concatenate([exponents, codes], axis=-1).tobytes()
+    w = np.empty((n_rows, k), np.float32)
+    assert lib.pp_ggml_dequantize_rows(TYPES["mxfp4"], data, n_rows, k, ffi.from_buffer("float[]", w)) == 0
+    assert np.all(np.isfinite(w)) and (w[0] != 0).any() and np.abs(w[0]).max() < 1e-36
+    for row in range(n_rows):
+        out = np.empty(k, np.float32)
+        assert lib.pp_panel_row_run(TYPES["mxfp4"], k, n_rows, data, row, ffi.from_buffer("float[]", out)) == 0
+        assert np.array_equal(out, w[row]), row
+    w64 = w.astype(np.float64)
+    for n in (1, 5, 21):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        got = panel_gemm(data, "mxfp4", k, n_rows, x, kernel).astype(np.float64)
+        xq = quantize_columns(x)
+        err = np.abs(got - xq @ w64.T) / (np.abs(xq) @ np.abs(w64).T)
+        assert err.max() < 1e-6, (n, float(err.max()), err.max(axis=0))
 
 
 def test_shapes_the_panels_do_not_take_are_refused():
@@ -154,3 +192,10 @@ def test_shapes_the_panels_do_not_take_are_refused():
     assert lib.pp_panel_row_run(TYPES["q4_k"], 256, 8, data, 8, ffi.from_buffer("float[]", out)) == lib.PP_ERR_INVALID
     assert lib.pp_panel_gemm_run(TYPES["q4_k"], 256, 8, data, ffi.from_buffer("float[]", x), 1, 99,
                                  ffi.from_buffer("float[]", out)) == lib.PP_ERR_INVALID
+    # MXFP4 rows longer than a widened panel on the stack holds (PP_PANEL_MAX_K): GGML's products
+    k = 8192 + 32
+    data, _ = ggml_quantize(_weights(rng, 8, k), "mxfp4")
+    x = np.zeros((1, k), np.float32)
+    assert lib.pp_panel_gemm_run(TYPES["mxfp4"], k, 8, data, ffi.from_buffer("float[]", x), 1,
+                                 lib.PP_PANEL_KERNEL_SCALAR, ffi.from_buffer("float[]", out)) == lib.PP_ERR_INVALID
+    assert "do not take" in ffi.string(lib.pp_last_error()).decode()

@@ -71,7 +71,7 @@ struct ggml_tensor *pp_build_gpt_oss_moe_ffn(struct ggml_context *ctx, const pp_
     weights = ggml_reshape_3d(ctx, weights, 1, n_used, n_tokens);
 
     struct ggml_tensor *x = ggml_reshape_3d(ctx, cur, n_embd, 1, n_tokens);
-    /* as in pp_build_moe_ffn: the experts' panels where they were packed (MXFP4 never is) */
+    /* as in pp_build_moe_ffn: the experts' panels where they were packed (MXFP4 ones in MXFP4 panels) */
     pp_expert_route route = {.selected = selected};
 #define EXPERTS(w, p, x) pp_expert_matmul(ctx, &route, (w), gemm_states ? &gemm_states[(p)] : NULL, (x))
     struct ggml_tensor *gate = EXPERTS(L->ffn_gate_exps, PP_PROJ_GATE, x);   /* [n_ff_exp, n_used, n_tokens] */

@@ -2,8 +2,9 @@
  * layout, packing and reading a row back, and its kernels, portable and per
  * instruction set; and the layout of the activation columns the quantized
  * formats' kernels read. The formats are q8_panels.c (Q8_0, Q5_0, Q4_0),
- * kquant_panels.c (Q4_K, Q5_K, Q6_K) and float_panels.c (F16, BF16), each
- * with its kernels beside it; none calls the dispatcher or another format. */
+ * kquant_panels.c (Q4_K, Q5_K, Q6_K), mxfp4_panels.c (MXFP4) and
+ * float_panels.c (F16, BF16), each with its kernels beside it; none calls
+ * the dispatcher or another format. */
 #ifndef PP_PANEL_FORMATS_H
 #define PP_PANEL_FORMATS_H
 
@@ -14,7 +15,7 @@
 #define PP_PANEL_BLOCK_BYTES (PP_PANEL_ROWS * (PP_PANEL_BLOCK + 2))      /* 272: Q8 panels */
 #define PP_PANEL_Q5_BLOCK_BYTES (PP_PANEL_ROWS * (PP_PANEL_BLOCK / 2 + 6)) /* 176: Q5_0 panels */
 #define PP_PANEL_Q4_BLOCK_BYTES (PP_PANEL_ROWS * (PP_PANEL_BLOCK / 2 + 2)) /* 144: Q4_0 panels */
-/* Longest Q5_0 or Q4_0 row: one widened panel (k / 32 x 272 bytes) lives on the stack. */
+/* Longest Q5_0, Q4_0 or MXFP4 row: one widened panel (k / 32 x 272 or 288 bytes) lives on the stack. */
 #define PP_PANEL_MAX_K 8192
 /* K panels: 256-value superblocks; a widened panel (k / 32 x 256 code bytes
  * plus its scales) of up to this many values lives on the stack. */
@@ -98,6 +99,29 @@ void pp_kpanel_widen_scales(const pp_q8_panels *w, int64_t pi, pp_kpanel *out);
 void pp_kpanel_widen_codes(const pp_q8_panels *w, int64_t pi, uint8_t *codes);
 pp_panel_gemm_kernel pp_kpanel_gemm_scalar;
 
+/* ---- MXFP4 panels (mxfp4_panels.c, mxfp4_panel_kernels.c) ----------------- */
+
+/* Stored: per panel and 32-value block, the 8 rows' E8M0 exponents (8
+ * bytes), then the 8 rows' E2M1 codes as Q4_0 panels hold their nibbles
+ * (128 bytes): 17 bytes per row-block, the file's. Widened (many columns):
+ * the rows' f32 scales (32 bytes), then 256 biased code bytes in the
+ * compute layout's [group][row][4] order. */
+#define PP_PANEL_MX_BLOCK_BYTES (PP_PANEL_ROWS * (PP_PANEL_BLOCK / 2 + 1))   /* 136 */
+#define PP_PANEL_MX_WIDE_BYTES (PP_PANEL_ROWS * 4 + PP_PANEL_ROWS * PP_PANEL_BLOCK)   /* 288 */
+/* The kernels multiply unsigned bytes: E2M1 code c as twice its value plus
+ * this bias (0..24; 2 x 24 x 127 cannot saturate AVX2's 16-bit pair sums),
+ * the bias taken back out through the column's byte sum. Twice the value
+ * makes every code an integer; the scale halves to 2^(e - 128). */
+#define PP_MX_CODE_BIAS 12
+extern const int8_t pp_mx_doubled_value[16];
+/* 2^(e - 128), what a doubled code is multiplied by (exact, denormals too). */
+float pp_mx_half_scale(uint8_t e);
+/* Pack panels [p0, p1) of a GGML [k, n_rows] MXFP4 weight into out; one row
+ * as f32 (GGML's dequantized values, bit for bit). */
+void pp_mxpanel_pack(const void *data, int64_t k, int64_t p0, int64_t p1, uint8_t *out);
+void pp_mxpanel_row(const pp_q8_panels *w, int64_t row, float *out);
+pp_panel_gemm_kernel pp_mxpanel_gemm_scalar;
+
 /* ---- float panels: F16 and BF16 (float_panels.c) -------------------------- */
 
 /* Pack panels [p0, p1) of a GGML [k, n_rows] F16 or BF16 weight into out
@@ -120,6 +144,8 @@ pp_panel_gemm_kernel pp_panel_gemm_avx512vnni, pp_panel_gemm_avxvnni;
 void pp_kpanel_widen_codes_avx2(const pp_q8_panels *w, int64_t pi, uint8_t *codes);
 void pp_kpanel_widen_scales_avx2(const pp_q8_panels *w, int64_t pi, pp_kpanel *out);
 pp_panel_gemm_kernel pp_kpanel_gemm_avx512vnni, pp_kpanel_gemm_avxvnni, pp_kpanel_gemm_avx2;
+/* MXFP4 panels: the codes through a byte shuffle, on each. */
+pp_panel_gemm_kernel pp_mxpanel_gemm_avx512vnni, pp_mxpanel_gemm_avxvnni, pp_mxpanel_gemm_avx2;
 /* Float panels: AVX-512F (run with the AVX-512 VNNI kernel) and AVX2 + FMA
  * + F16C; BF16 panels with the AVX-512 kernel: AVX-512 BF16 dot products on
  * the activations rounded to BF16, as GGML's BF16 products round them, where

@@ -59,6 +59,14 @@ pp_panel_kernel_fn pp_panel_kernel_for(enum pp_panel_kernel k, enum ggml_type ty
 #endif
         return pp_kpanel_gemm_scalar;
     }
+    if (type == GGML_TYPE_MXFP4) {
+#if defined(__x86_64__)
+        if (k == PP_PANEL_KERNEL_AVX512VNNI) return pp_mxpanel_gemm_avx512vnni;
+        if (k == PP_PANEL_KERNEL_AVXVNNI) return pp_mxpanel_gemm_avxvnni;
+        if (k == PP_PANEL_KERNEL_AVX2) return pp_mxpanel_gemm_avx2;
+#endif
+        return pp_mxpanel_gemm_scalar;
+    }
 #if defined(__x86_64__)
     if (k == PP_PANEL_KERNEL_AVX512VNNI) return pp_panel_gemm_avx512vnni;
     if (k == PP_PANEL_KERNEL_AVXVNNI) return pp_panel_gemm_avxvnni;
@@ -70,6 +78,8 @@ int pp_q8_panels_fit(enum ggml_type type, int64_t k, int64_t n_rows, enum pp_pan
     if (k <= 0 || n_rows <= 0 || k % PP_PANEL_BLOCK || n_rows % PP_PANEL_ROWS) return 0;
     if (pp_panel_type_is_k(type)) return k % PP_PANEL_KBLOCK == 0 && k <= PP_PANEL_K_MAX_K;
     if (pp_panel_type_is_float(type)) return 1;
+    /* MXFP4's biased codes keep AVX2's pair sums small: every kernel takes it */
+    if (type == GGML_TYPE_MXFP4) return k <= PP_PANEL_MAX_K;
     if (kernel == PP_PANEL_KERNEL_AVX2) return 0;
     return type == GGML_TYPE_Q8_0 || ((type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q4_0) && k <= PP_PANEL_MAX_K);
 }
@@ -96,6 +106,7 @@ size_t pp_q8_panels_bytes(enum ggml_type type, int64_t k, int64_t n_rows) {
     return pp_panel_type_is_k(type)
         ? (size_t)(n_rows / PP_PANEL_ROWS) * (size_t)(k / PP_PANEL_KBLOCK) * pp_kpanel_superblock_bytes(type)
         : pp_panel_type_is_float(type) ? (size_t)n_rows * (size_t)k * 2
+        : type == GGML_TYPE_MXFP4 ? (size_t)(n_rows / PP_PANEL_ROWS) * nb * PP_PANEL_MX_BLOCK_BYTES
         : (size_t)(n_rows / PP_PANEL_ROWS) * nb * pp_q8panel_block_bytes(type);
 }
 
@@ -117,6 +128,7 @@ pp_q8_panels *pp_q8_panels_alloc(enum ggml_type type, int64_t k, int64_t n_rows)
 void pp_q8_panels_pack_range(pp_q8_panels *p, const void *data, int64_t p0, int64_t p1) {
     if (pp_panel_type_is_k(p->type)) pp_kpanel_pack(data, p->type, p->k, p0, p1, p->data);
     else if (pp_panel_type_is_float(p->type)) pp_fpanel_pack(data, p->k, p0, p1, p->data);
+    else if (p->type == GGML_TYPE_MXFP4) pp_mxpanel_pack(data, p->k, p0, p1, p->data);
     else pp_q8panel_pack(data, p->type, p->k, p0, p1, p->data);
 }
 
@@ -164,6 +176,7 @@ void pp_expert_panels_free(pp_expert_panels *ep) {
 void pp_q8_panels_row(const pp_q8_panels *p, int64_t row, float *out) {
     if (pp_panel_type_is_k(p->type)) pp_kpanel_row(p, row, out);
     else if (pp_panel_type_is_float(p->type)) pp_fpanel_row(p, row, out);
+    else if (p->type == GGML_TYPE_MXFP4) pp_mxpanel_row(p, row, out);
     else pp_q8panel_row(p, row, out);
 }
 

@@ -35,6 +35,12 @@
  * takes the offsets (the mins; Q6_K's -32) back out through the column's
  * block sums.
  *
+ * MXFP4 weights (gpt-oss's experts) keep their 17 bytes per row-block
+ * (136 per panel-block: the 8 rows' E8M0 exponents, then their 4-bit codes
+ * as Q4_0 panels hold nibbles), see mxfp4_panels.c: a byte shuffle turns a
+ * group of codes into unsigned bytes (twice the E2M1 value, plus a bias the
+ * column's byte sum takes back out) and the exponents become f32 scales.
+ *
  * F16 and BF16 weights ("float panels", float_panels.c) keep their 16-bit
  * values in [quad of 4 values][8 rows][4] order and multiply the f32
  * activations themselves: no quantize op, f32 FMAs. */
@@ -51,7 +57,7 @@
 #define PP_PANEL_ROWS 8
 
 typedef struct pp_q8_panels {
-    enum ggml_type type;   /* storage: GGML_TYPE_Q8_0 (compute layout), Q5_0, Q4_0, Q4_K, Q5_K, Q6_K, F16 or BF16 */
+    enum ggml_type type;   /* storage: GGML_TYPE_Q8_0 (compute layout), Q5_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, F16 or BF16 */
     int64_t  n_rows;       /* output rows, a multiple of PP_PANEL_ROWS */
     int64_t  k;            /* values per row, a multiple of PP_PANEL_BLOCK */
     uint8_t *data;         /* n_rows / 8 panels of k / 32 blocks; owned */
@@ -64,8 +70,8 @@ typedef struct pp_q8_panels {
 enum pp_panel_kernel pp_panel_kernel_select(void);
 
 /* Whether a [k, n_rows] weight of this type can be packed for this kernel
- * (the AVX2 kernel multiplies K panels only: its 16-bit pair sums would
- * saturate on Q8_0's codes). */
+ * (the AVX2 kernel multiplies K, MXFP4 and float panels only: its 16-bit
+ * pair sums would saturate on Q8_0's codes). */
 int pp_q8_panels_fit(enum ggml_type type, int64_t k, int64_t n_rows, enum pp_panel_kernel kernel);
 static inline int pp_panel_type_is_k(enum ggml_type type) {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
@@ -75,7 +81,7 @@ static inline int pp_panel_type_is_float(enum ggml_type type) {
     return type == GGML_TYPE_F16 || type == GGML_TYPE_BF16;
 }
 
-/* Pack a Q8_0, Q5_0, Q4_0, Q4_K, Q5_K, Q6_K, F16 or BF16 [k, n_rows] weight (GGML's row layout)
+/* Pack a Q8_0, Q5_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, F16 or BF16 [k, n_rows] weight (GGML's row layout)
  * into panels, allocated here; NULL when out of memory or when it does not
  * fit. */
 pp_q8_panels *pp_q8_panels_pack(const void *data, enum ggml_type type, int64_t k, int64_t n_rows);

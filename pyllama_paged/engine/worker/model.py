@@ -137,7 +137,7 @@ class Model:
 
     def _pack_panels(self, any_cpu: bool) -> None:
         # Projections and head go to our panel GEMMs (q8_panels.h) where the CPU runs them
-        # (Q8_0/Q5_0/Q4_0: VNNI; K-quants, F16, BF16: AVX2 too); "any-cpu" packs them elsewhere
+        # (Q8_0/Q5_0/Q4_0: VNNI; K-quants, MXFP4, F16, BF16: AVX2 too); "any-cpu" packs them elsewhere
         # too, for the portable kernel (tests).
         kernel, n = ffi.new("int32_t *"), ffi.new("int32_t *")
         self._wrap(lib.pp_model_pack_panels(self._native, int(any_cpu), kernel, n), "packing weights into panels")

@@ -1,0 +1,183 @@
+/* The SIMD kernels of the MXFP4-panel GEMM (panel_formats.h, mxfp4_panels.c),
+ * compiled per function for their instruction sets like q8_panel_kernels.c.
+ *
+ * A tile is one panel (8 rows, one per lane) by NC activation columns, as
+ * the Q8 panels' tiles. Per block: the rows' exponents become 8 f32 scales
+ * 2^(e - 128) by integer shifts into the float bits; each 32-byte group of
+ * codes is a nibble mask and one byte shuffle (the 16 codes' doubled values
+ * plus PP_MX_CODE_BIAS, a table in a register) away from unsigned bytes;
+ * per column, the accumulator starts at -bias x the block's byte sum (from
+ * the column's offset, -128 x that sum), eight dot products add 8 rows x 4
+ * bytes each, then one convert and one FMA apply the scales. VNNI forms the
+ * dot products with DPBUSD; AVX2 with maddubs (biased codes 0..24 times
+ * bytes of at most 127: pairs within 16 bits) and a multiply-add of the
+ * pairs.
+ *
+ * Few columns (decode) run straight from the stored panel, decoding each
+ * group once per tile of 8 (or 4), 4, 2 or 1 columns: a decode step of 16
+ * sequences routes 2 or 3 columns to most of gpt-oss's experts, and the
+ * two-column tile took that step from about 70 to 60 ms (a reduced-width
+ * synthetic gpt-oss-20b).
+ * From PP_MX_WIDEN_COLUMNS on, each panel is widened once (scales and
+ * codes, PP_PANEL_MX_WIDE_BYTES a block) on the stack and the tiles read
+ * plain loads from it. */
+#include "panels/panel_formats.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <string.h>
+
+/* From this many columns a panel is widened first; below, read straight:
+ * Q4_0 panels' crossover (q8_panel_kernels.c), whose straight groups cost
+ * the same but for the shuffle. A 256-token prefill of the reduced-width
+ * file was within the machine's noise at 4, 16 and never. */
+#define PP_MX_WIDEN_COLUMNS 16
+
+/* How far ahead the straight tiles prefetch, as the Q8 panels' do. */
+#define PP_MX_PF_BYTES 2048
+
+static inline int32_t load_i32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float load_f32(const uint8_t *p) {
+    float v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* 2^(e - 128) for the 8 rows' exponent bytes at e8: e >= 2 is the float of
+ * biased exponent e - 1; e = 0 and 1 are the denormals 2^-128 and 2^-127,
+ * bit 21 or 22 of the mantissa. */
+static inline __attribute__((target("avx2"), always_inline)) __m256 mx_scales(const uint8_t *e8) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e8));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i denormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i is_denormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, denormal, is_denormal));
+}
+
+/* Code -> its doubled value plus the bias, in both 128-bit lanes. */
+static inline __attribute__((target("avx2"), always_inline)) __m256i mx_code_table(void) {
+    return _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                            12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+}
+
+/* Group j of a stored block: groups j and j + 4 are the low and high
+ * nibbles of the same 32 bytes. */
+static inline __attribute__((target("avx2"), always_inline)) __m256i stored_group(const uint8_t *blk, int j) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + PP_PANEL_ROWS + 32 * (j % 4)));
+    const __m256i code = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+    return _mm256_shuffle_epi8(mx_code_table(), code);
+}
+
+static inline __attribute__((target("avx2"), always_inline)) __m256 stored_scales(const uint8_t *blk) {
+    return mx_scales(blk);
+}
+
+static inline __attribute__((target("avx2"), always_inline)) __m256i wide_group(const uint8_t *blk, int j) {
+    return _mm256_load_si256((const __m256i *)(blk + 32 + 32 * j));
+}
+
+static inline __attribute__((target("avx2"), always_inline)) __m256 wide_scales(const uint8_t *blk) {
+    return _mm256_load_ps((const float *)blk);
+}
+
+/* A stored panel widened for the wide tiles (out 32-byte aligned). */
+static inline __attribute__((target("avx2"), always_inline)) void widen(const uint8_t *panel, int64_t nb,
+                                                                       uint8_t *out) {
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *src = panel + (size_t)b * PP_PANEL_MX_BLOCK_BYTES;
+        uint8_t *dst = out + (size_t)b * PP_PANEL_MX_WIDE_BYTES;
+        _mm256_store_ps((float *)dst, mx_scales(src));
+        for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(dst + 32 + 32 * j), stored_group(src, j));
+    }
+}
+
+/* One panel by NC columns over blocks of BLOCK_BYTES, their scales and code
+ * groups read by SCALES and GROUP; SPLIT chains per column (narrow tiles:
+ * the dot products' latency). PREFETCH: straight from memory, so the bytes
+ * PP_MX_PF_BYTES ahead are asked for, every line of them. */
+#define PP_MX_TILE(NAME, TARGET, DOT, NC, SPLIT, BLOCK_BYTES, SCALES, GROUP, PREFETCH)                      \
+    static inline __attribute__((target(TARGET), always_inline)) void NAME(                                 \
+        const uint8_t *panel, int64_t nb, int64_t k, const uint8_t *cols, size_t col_stride, float *out,    \
+        size_t ldo) {                                                                                       \
+        __m256 accf[NC];                                                                                    \
+        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) accf[i] = _mm256_setzero_ps();                \
+        for (int64_t b = 0; b < nb; b++) {                                                                  \
+            const uint8_t *blk = panel + b * (BLOCK_BYTES);                                                 \
+            if (PREFETCH)                                                                                   \
+                _Pragma("GCC unroll 8") for (int off = 0; off < (BLOCK_BYTES); off += 64)                   \
+                    _mm_prefetch((const char *)blk + PP_MX_PF_BYTES + off, _MM_HINT_T0);                    \
+            const __m256 dw = SCALES(blk);                                                                  \
+            __m256i acci[NC][SPLIT];                                                                        \
+            _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
+                /* -128 x the byte sum, exact in 32ths: -bias x the sum */                                  \
+                const int32_t offset = load_i32(cols + i * col_stride + k + 4 * nb + 4 * b);                \
+                acci[i][0] = _mm256_set1_epi32(offset / 128 * PP_MX_CODE_BIAS);                             \
+                _Pragma("GCC unroll 2") for (int s = 1; s < SPLIT; s++) acci[i][s] = _mm256_setzero_si256(); \
+            }                                                                                               \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                           \
+                const __m256i wv = GROUP(blk, j);                                                           \
+                _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) acci[i][j % SPLIT] = DOT(              \
+                    acci[i][j % SPLIT], wv, _mm256_set1_epi32(load_i32(cols + i * col_stride + 32 * b + 4 * j))); \
+            }                                                                                               \
+            _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
+                __m256i sum = acci[i][0];                                                                   \
+                _Pragma("GCC unroll 2") for (int s = 1; s < SPLIT; s++) sum = _mm256_add_epi32(sum, acci[i][s]); \
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(load_f32(cols + i * col_stride + k + 4 * b))); \
+                accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, accf[i]);                         \
+            }                                                                                               \
+        }                                                                                                   \
+        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) _mm256_storeu_ps(out + i * ldo, accf[i]);     \
+    }
+
+#define PP_MX_COLUMNS(NAME, PANEL, NB, K, COLS, STRIDE, N, O, LDO, NC_MAIN)                                 \
+    do {                                                                                                    \
+        int64_t c = 0;                                                                                      \
+        for (; c + NC_MAIN <= (N); c += NC_MAIN) NAME##_main(PANEL, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
+        for (; c + 4 <= (N); c += 4) NAME##_four(PANEL, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
+        for (; c + 2 <= (N); c += 2) NAME##_two(PANEL, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
+        for (; c < (N); c++) NAME##_one(PANEL, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
+    } while (0)
+
+#define PP_MX_KERNEL(NAME, TARGET, DOT, NC_MAIN)                                                            \
+    PP_MX_TILE(NAME##_stored_main, TARGET, DOT, NC_MAIN, 1, PP_PANEL_MX_BLOCK_BYTES, stored_scales, stored_group, 1) \
+    PP_MX_TILE(NAME##_stored_four, TARGET, DOT, 4, 1, PP_PANEL_MX_BLOCK_BYTES, stored_scales, stored_group, 1) \
+    PP_MX_TILE(NAME##_stored_two, TARGET, DOT, 2, 2, PP_PANEL_MX_BLOCK_BYTES, stored_scales, stored_group, 1)  \
+    PP_MX_TILE(NAME##_stored_one, TARGET, DOT, 1, 2, PP_PANEL_MX_BLOCK_BYTES, stored_scales, stored_group, 1) \
+    PP_MX_TILE(NAME##_wide_main, TARGET, DOT, NC_MAIN, 1, PP_PANEL_MX_WIDE_BYTES, wide_scales, wide_group, 0) \
+    PP_MX_TILE(NAME##_wide_four, TARGET, DOT, 4, 1, PP_PANEL_MX_WIDE_BYTES, wide_scales, wide_group, 0)     \
+    PP_MX_TILE(NAME##_wide_two, TARGET, DOT, 2, 2, PP_PANEL_MX_WIDE_BYTES, wide_scales, wide_group, 0)      \
+    PP_MX_TILE(NAME##_wide_one, TARGET, DOT, 1, 2, PP_PANEL_MX_WIDE_BYTES, wide_scales, wide_group, 0)      \
+    __attribute__((target(TARGET))) void NAME(const pp_q8_panels *w, int64_t p0, int64_t p1,               \
+                                              const uint8_t *cols, size_t col_stride, int64_t n, float *out, \
+                                              size_t ldo) {                                                 \
+        const int64_t k = w->k, nb = k / PP_PANEL_BLOCK;                                                    \
+        _Alignas(64) uint8_t wide[PP_PANEL_MAX_K / PP_PANEL_BLOCK * PP_PANEL_MX_WIDE_BYTES];                \
+        for (int64_t pi = p0; pi < p1; pi++) {                                                              \
+            float *o = out + (size_t)pi * PP_PANEL_ROWS;                                                    \
+            const uint8_t *stored = w->data + (size_t)pi * nb * PP_PANEL_MX_BLOCK_BYTES;                    \
+            if (n < PP_MX_WIDEN_COLUMNS) {                                                                  \
+                PP_MX_COLUMNS(NAME##_stored, stored, nb, k, cols, col_stride, n, o, ldo, NC_MAIN);          \
+                continue;                                                                                   \
+            }                                                                                               \
+            widen(stored, nb, wide);                                                                        \
+            PP_MX_COLUMNS(NAME##_wide, wide, nb, k, cols, col_stride, n, o, ldo, NC_MAIN);                  \
+        }                                                                                                   \
+    }
+
+static inline __attribute__((target("avx2"), always_inline)) __m256i dot_avx2(__m256i acc, __m256i w, __m256i a) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+}
+
+/* AVX-512 VNNI on 256-bit registers (AVX512VL): 32 registers hold 8 columns. */
+PP_MX_KERNEL(pp_mxpanel_gemm_avx512vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni", _mm256_dpbusd_epi32, 8)
+/* AVX-VNNI (Alder Lake and later, Zen 5): 16 registers, 4 columns. */
+PP_MX_KERNEL(pp_mxpanel_gemm_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32, 4)
+/* AVX2 without VNNI: maddubs, 4 columns. */
+PP_MX_KERNEL(pp_mxpanel_gemm_avx2, "avx2,fma,f16c", dot_avx2, 4)
+
+#endif
