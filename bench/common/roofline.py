@@ -6,7 +6,8 @@ and what they allow a workload.
 - int8 compute: bench/kernels/int8_peak.c, compiled here for this CPU (-march=native), the widest
   int8 dot-product instruction in independent register chains on --threads threads.
 
-A step reads every weight byte once and does one multiply-accumulate per weight and token (the
+A step reads every weight byte once (but an input embedding apart from the head: a step reads
+its tokens' rows of it) and does one multiply-accumulate per weight and token (the
 output head only for tokens whose logits are wanted; attention's MACs are left out: at these
 contexts a few percent), so it cannot take less than max(weight bytes / bandwidth, MACs / peak).
 
@@ -61,7 +62,7 @@ def int8_peak(threads: int, repeats: int = 3) -> tuple[str, float]:
 @dataclasses.dataclass(frozen=True)
 class Weights:
     """What a step of a model reads and multiplies (see the module's docstring)."""
-    dense_bytes: int    # read whole by every step (the file less the experts' bytes)
+    dense_bytes: int    # read whole by every step: the file less the experts and an untied input embedding
     expert_bytes: int   # all routed experts' matrices (and their biases); 0 for a dense model
     n_expert: int
     n_used: int
@@ -88,11 +89,13 @@ def model_weights(model_path: str) -> Weights:
             n_used = int(field.parts[field.data[0]][0])
     names = {t.name for t in reader.tensors}
     head_name = "output.weight" if "output.weight" in names else "token_embd.weight"
-    body = head = expert_bytes = 0
+    body = head = expert_bytes = lookup_bytes = 0
     for t in reader.tensors:
         routed = "_exps." in t.name
         if routed:
             expert_bytes += int(t.n_bytes)
+        if t.name == "token_embd.weight" and head_name != t.name:
+            lookup_bytes = int(t.n_bytes)   # untied: a step reads its tokens' rows only
         if len([d for d in t.shape if d > 1]) < 2 or t.name.endswith(".bias"):
             continue
         n = int(np.prod([int(d) for d in t.shape]))
@@ -102,7 +105,7 @@ def model_weights(model_path: str) -> Weights:
             body += n * n_used // n_expert
         elif t.name != "token_embd.weight":
             body += n
-    return Weights(os.path.getsize(model_path) - expert_bytes, expert_bytes, n_expert, n_used, body, head)
+    return Weights(os.path.getsize(model_path) - expert_bytes - lookup_bytes, expert_bytes, n_expert, n_used, body, head)
 
 
 def macs_per_token(model_path: str) -> tuple[int, int]:

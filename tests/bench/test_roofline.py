@@ -5,6 +5,7 @@ picked, and a token multiplies through n_used experts only (active parameters)."
 import sys
 from pathlib import Path
 
+import gguf
 import pytest
 
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
@@ -25,11 +26,24 @@ def files(tmp_path_factory):
     return {"dense": Path(dense), **{f"moe{u}": Path(p) for u, p in moe.items()}}
 
 
+def lookup_bytes(path: Path) -> int:
+    """An untied input embedding's bytes (a step reads only its tokens' rows), else 0."""
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    return int(tensors["token_embd.weight"].n_bytes) if "output.weight" in tensors else 0
+
+
 def test_a_dense_step_reads_the_whole_file_at_any_batch(files):
+    """...but an untied input embedding, of which it reads its tokens' rows."""
     w = model_weights(str(files["dense"]))
     assert (w.expert_bytes, w.n_expert) == (0, 0)
-    size = files["dense"].stat().st_size
+    size = files["dense"].stat().st_size - lookup_bytes(files["dense"])
     assert [w.step_bytes(n) for n in (1, 16, 512)] == [size] * 3
+
+
+def test_a_tied_embedding_is_the_head_and_read_every_step(tmp_path):
+    path = Path(write_tiny_model(tmp_path / "tied.gguf", "gemma3", weight_type="f16", strict=True))
+    assert lookup_bytes(path) == 0
+    assert model_weights(str(path)).step_bytes(1) == path.stat().st_size
 
 
 def test_an_expert_step_reads_the_experts_its_tokens_picked(files):
@@ -37,7 +51,7 @@ def test_an_expert_step_reads_the_experts_its_tokens_picked(files):
     # gate, up and down of every expert in every layer, f16
     experts = SHAPE["n_layer"] * 3 * N_EXPERT * N_FF_EXP * SHAPE["n_embd"] * 2
     assert w.expert_bytes == experts
-    assert w.dense_bytes + w.expert_bytes == files["moe2"].stat().st_size
+    assert w.dense_bytes + w.expert_bytes + lookup_bytes(files["moe2"]) == files["moe2"].stat().st_size
     # one token touches n_used / n_expert of the experts; more tokens touch more, never past all
     assert w.step_bytes(1) == pytest.approx(w.dense_bytes + experts * 2 / N_EXPERT)
     reads = [w.step_bytes(n) for n in (1, 2, 4, 16, 64, 4096)]
