@@ -171,16 +171,13 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         } else if (L->ffn_gate_inp) {
             cur = pp_build_moe_ffn(ctx, hp, L, gs, cur);
         } else {
-            if (gs && pp_panel_gated_takes(&gs[PP_PROJ_GATE], cur->ne[1])) {
+            if (gs && pp_panel_gated_takes(&gs[PP_PROJ_GATE])) {
                 cur = pp_panel_gated(ctx, &gs[PP_PROJ_GATE], panel_input(ctx, &gs[PP_PROJ_GATE], cur, &last),
                                      hp->arch == PP_ARCH_GEMMA3);
             } else {
                 struct ggml_tensor *gate = PROJECT(L->ffn_gate, PP_PROJ_GATE, cur);
                 struct ggml_tensor *up = PROJECT(L->ffn_up, PP_PROJ_UP, cur);
-                /* beside the fused op, the same activation (its values do not depend on the step's width) */
-                cur = gs && gs[PP_PROJ_GATE].w && gs[PP_PROJ_UP].w
-                          ? pp_panel_gated_activation(ctx, gate, up, gs[PP_PROJ_GATE].kernel, hp->arch == PP_ARCH_GEMMA3)
-                          : gated_activation(ctx, hp->arch, gate, up);
+                cur = gated_activation(ctx, hp->arch, gate, up);
             }
             cur = PROJECT(L->ffn_down, PP_PROJ_DOWN, cur);
         }

@@ -3,7 +3,9 @@
  * gate, up and the activation as three ops: two more barriers per layer, and
  * an activation GGML splits by rows, i.e. one thread for a single token's
  * row while the others waited. Here each thread takes a chunk of panels,
- * runs both kernels into its tiles and writes act(gate) * up for those rows. */
+ * runs both kernels into its tiles and writes act(gate) * up for those rows.
+ * One op at every width keeps a step's graph the same shape whatever the
+ * number of sequences. */
 #include "panels/panel_formats.h"
 
 #include <math.h>
@@ -17,9 +19,14 @@
 #pragma GCC pop_options
 #endif
 
+/* Each thread's two tiles (gate's and up's rows of a chunk, column by
+ * column) hold GATED_TILE_FLOATS: a decode chunk of up to 32 panels, a
+ * prefill chunk of fewer panels over up to GATED_TILE_FLOATS / 8 columns at
+ * a time. */
 #define GATED_CHUNK_PANELS 32
+#define GATED_TILE_FLOATS 16384
 
-static _Thread_local _Alignas(64) float gated_tile[2][GATED_CHUNK_PANELS * PP_PANEL_ROWS * PP_PANEL_GATED_MAX_COLUMNS];
+static _Thread_local _Alignas(64) float gated_tile[2][GATED_TILE_FLOATS];
 
 /* GELU's tanh form, 0.5 x (1 + tanh(y)) with y = sqrt(2 / pi) (x + 0.044715 x^3),
  * is x * sigmoid(2 y); SiLU is x * sigmoid(x). */
@@ -66,14 +73,17 @@ static void gated_op(struct ggml_tensor *dst, int ith, int nth, pp_panel_gemm_st
     const int64_t k = gate->w->k, n_rows = gate->w->n_rows, n_panels = n_rows / PP_PANEL_ROWS, n = cols->ne[1];
     const size_t gate_panel = pp_q8_panels_bytes(gate->w->type, k, PP_PANEL_ROWS);
     const size_t up_panel = pp_q8_panels_bytes(up->w->type, k, PP_PANEL_ROWS);
-    int64_t chunk = n_panels / (8 * (int64_t)nth);
-    chunk = chunk < 1 ? 1 : chunk > GATED_CHUNK_PANELS ? GATED_CHUNK_PANELS : chunk;
+    const int64_t block = n < GATED_TILE_FLOATS / PP_PANEL_ROWS ? n : GATED_TILE_FLOATS / PP_PANEL_ROWS;
+    int64_t chunk = n_panels / (8 * (int64_t)nth), fits = GATED_TILE_FLOATS / (PP_PANEL_ROWS * block);
+    chunk = chunk > GATED_CHUNK_PANELS ? GATED_CHUNK_PANELS : chunk;
+    chunk = chunk > fits ? fits : chunk < 1 ? 1 : chunk;
 #if defined(__x86_64__)
     void (*rows_fn)(float *, const float *, const float *, int64_t, int) =
         gate->kernel == PP_PANEL_KERNEL_SCALAR ? gated_rows_portable : gated_rows_avx2;
 #else
     void (*rows_fn)(float *, const float *, const float *, int64_t, int) = gated_rows_portable;
 #endif
+    const size_t ldd = dst->nb[1] / sizeof(float);
     float *out = dst->data;
     for (;;) {
         const int64_t p0 = (int64_t)atomic_fetch_add(&gate->next_chunk, 1) * chunk;
@@ -85,11 +95,15 @@ static void gated_op(struct ggml_tensor *dst, int ith, int nth, pp_panel_gemm_st
         g.data += (size_t)p0 * gate_panel;
         u.data += (size_t)p0 * up_panel;
         g.n_rows = u.n_rows = rows;
-        fn_gate(&g, 0, p1 - p0, cols->data, cols->nb[1], n, gated_tile[0], (size_t)rows);
-        fn_up(&u, 0, p1 - p0, cols->data, cols->nb[1], n, gated_tile[1], (size_t)rows);
-        for (int64_t c = 0; c < n; c++)
-            rows_fn(out + c * (dst->nb[1] / sizeof(float)) + p0 * PP_PANEL_ROWS, gated_tile[0] + c * rows,
-                    gated_tile[1] + c * rows, rows, gelu);
+        for (int64_t c0 = 0; c0 < n; c0 += block) {
+            const int64_t nc = n - c0 < block ? n - c0 : block;
+            const uint8_t *cc = (const uint8_t *)cols->data + (size_t)c0 * cols->nb[1];
+            fn_gate(&g, 0, p1 - p0, cc, cols->nb[1], nc, gated_tile[0], (size_t)rows);
+            fn_up(&u, 0, p1 - p0, cc, cols->nb[1], nc, gated_tile[1], (size_t)rows);
+            for (int64_t c = 0; c < nc; c++)
+                rows_fn(out + (size_t)(c0 + c) * ldd + p0 * PP_PANEL_ROWS, gated_tile[0] + c * rows,
+                        gated_tile[1] + c * rows, rows, gelu);
+        }
     }
     (void)ith;
 }
@@ -102,45 +116,15 @@ static void gated_silu_op(struct ggml_tensor *dst, int ith, int nth, void *userd
     gated_op(dst, ith, nth, userdata, 0);
 }
 
-/* The same activation over gate and up made apart (more columns than the
- * fused op takes), so a sequence's values do not depend on the step's width;
- * the flat range is cut into one share per thread. */
-static void activation_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    const struct ggml_tensor *gate = dst->src[0], *up = dst->src[1];
-    const int64_t n = ggml_nelements(dst), per = (n / nth + 7) / 8 * 8;
-    const int64_t i0 = per * ith < n ? per * ith : n, i1 = i0 + per < n ? i0 + per : n;
-    const int gelu = (int)(intptr_t)userdata >> 8;
-    const enum pp_panel_kernel kernel = (enum pp_panel_kernel)((intptr_t)userdata & 0xFF);
-#if defined(__x86_64__)
-    if (kernel != PP_PANEL_KERNEL_SCALAR) {
-        gated_rows_avx2((float *)dst->data + i0, (const float *)gate->data + i0, (const float *)up->data + i0, i1 - i0,
-                        gelu);
-        return;
-    }
-#endif
-    (void)kernel;
-    gated_rows_portable((float *)dst->data + i0, (const float *)gate->data + i0, (const float *)up->data + i0, i1 - i0,
-                        gelu);
-}
-
-struct ggml_tensor *pp_panel_gated_activation(struct ggml_context *ctx, struct ggml_tensor *gate,
-                                              struct ggml_tensor *up, enum pp_panel_kernel kernel, int gelu) {
-    GGML_ASSERT(gate->type == GGML_TYPE_F32 && up->type == GGML_TYPE_F32 && ggml_is_contiguous(gate) &&
-                ggml_is_contiguous(up) && ggml_are_same_shape(gate, up));
-    struct ggml_tensor *args[2] = {gate, up};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, gate->ne[0], gate->ne[1], gate->ne[2], gate->ne[3], args, 2,
-                          activation_op, GGML_N_TASKS_MAX, (void *)(intptr_t)((gelu << 8) | (int)kernel));
-}
-
-int pp_panel_gated_takes(const pp_panel_gemm_state *gate_up, int64_t n_columns) {
+int pp_panel_gated_takes(const pp_panel_gemm_state *gate_up) {
     const pp_q8_panels *g = gate_up[0].w, *u = gate_up[1].w;
-    return g && u && g->k == u->k && g->n_rows == u->n_rows && n_columns <= PP_PANEL_GATED_MAX_COLUMNS &&
+    return g && u && g->k == u->k && g->n_rows == u->n_rows &&
            pp_panel_type_is_float(g->type) == pp_panel_type_is_float(u->type) && gate_up[0].kernel == gate_up[1].kernel;
 }
 
 struct ggml_tensor *pp_panel_gated(struct ggml_context *ctx, pp_panel_gemm_state *gate_up, struct ggml_tensor *cols,
                                    int gelu) {
-    GGML_ASSERT(pp_panel_gated_takes(gate_up, cols->ne[1]));
+    GGML_ASSERT(pp_panel_gated_takes(gate_up));
     return ggml_custom_4d(ctx, GGML_TYPE_F32, gate_up[0].w->n_rows, cols->ne[1], 1, 1, &cols, 1,
                           gelu ? gated_gelu_op : gated_silu_op, GGML_N_TASKS_MAX, gate_up);
 }

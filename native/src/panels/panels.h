@@ -142,21 +142,15 @@ struct ggml_tensor *pp_panel_gemm(struct ggml_context *ctx, pp_panel_gemm_state 
 struct ggml_tensor *pp_panel_embed(struct ggml_context *ctx, const pp_q8_panels *w,
                                    struct ggml_tensor *tokens);
 
-/* A dense FFN's act(gate x) * up x in one op (gated_panels.c), for at most
- * PP_PANEL_GATED_MAX_COLUMNS columns (decode): gate_up points at two
- * adjacent states, gate's then up's, both with panels of one kind (float or
- * quantized: they read the same columns, made as for pp_panel_gemm) and the
- * same shape (pp_panel_gated_takes says whether they are); gelu: GELU's tanh
- * form, else SiLU. -> [n_rows, n] f32; the chunk counter is gate's. */
-#define PP_PANEL_GATED_MAX_COLUMNS 16
-int pp_panel_gated_takes(const pp_panel_gemm_state *gate_up, int64_t n_columns);
+/* A dense FFN's act(gate x) * up x in one op (gated_panels.c), any number
+ * of columns: gate_up points at two adjacent states, gate's then up's, both
+ * with panels of one kind (float or quantized: they read the same columns,
+ * made as for pp_panel_gemm) and the same shape (pp_panel_gated_takes says
+ * whether they are); gelu: GELU's tanh form, else SiLU. -> [n_rows, n] f32;
+ * the chunk counter is gate's. */
+int pp_panel_gated_takes(const pp_panel_gemm_state *gate_up);
 struct ggml_tensor *pp_panel_gated(struct ggml_context *ctx, pp_panel_gemm_state *gate_up, struct ggml_tensor *cols,
                                    int gelu);
-/* The same activation over gate and up products made apart (f32, same
- * shape, contiguous), with the kernel's vector math: a step wider than the
- * fused op takes gives each sequence the values it gets alone. */
-struct ggml_tensor *pp_panel_gated_activation(struct ggml_context *ctx, struct ggml_tensor *gate,
-                                              struct ggml_tensor *up, enum pp_panel_kernel kernel, int gelu);
 
 /* The experts' products of a step, as ggml_mul_mat_id computes them, with
  * the step's (token, slot) pairs grouped by expert so that each expert's
