@@ -36,17 +36,7 @@
 /* How far ahead the straight tiles prefetch, as the Q8 panels' do. */
 #define PP_MX_PF_BYTES 2048
 
-static inline int32_t load_i32(const uint8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float load_f32(const uint8_t *p) {
-    float v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+#include "panels/panel_tile.h"
 
 /* 2^(e - 128) for the 8 rows' exponent bytes at e8: e >= 2 is the float of
  * biased exponent e - 1; e = 0 and 1 are the denormals 2^-128 and 2^-127,
@@ -96,43 +86,9 @@ static inline __attribute__((target("avx2"), always_inline)) void widen(const ui
     }
 }
 
-/* One panel by NC columns over blocks of BLOCK_BYTES, their scales and code
- * groups read by SCALES and GROUP; SPLIT chains per column (narrow tiles:
- * the dot products' latency). PREFETCH: straight from memory, so the bytes
- * PP_MX_PF_BYTES ahead are asked for, every line of them. */
-#define PP_MX_TILE(NAME, TARGET, DOT, NC, SPLIT, BLOCK_BYTES, SCALES, GROUP, PREFETCH)                      \
-    static inline __attribute__((target(TARGET), always_inline)) void NAME(                                 \
-        const uint8_t *panel, int64_t nb, int64_t k, const uint8_t *cols, size_t col_stride, float *out,    \
-        size_t ldo) {                                                                                       \
-        __m256 accf[NC];                                                                                    \
-        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) accf[i] = _mm256_setzero_ps();                \
-        for (int64_t b = 0; b < nb; b++) {                                                                  \
-            const uint8_t *blk = panel + b * (BLOCK_BYTES);                                                 \
-            if (PREFETCH)                                                                                   \
-                _Pragma("GCC unroll 8") for (int off = 0; off < (BLOCK_BYTES); off += 64)                   \
-                    _mm_prefetch((const char *)blk + PP_MX_PF_BYTES + off, _MM_HINT_T0);                    \
-            const __m256 dw = SCALES(blk);                                                                  \
-            __m256i acci[NC][SPLIT];                                                                        \
-            _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
-                /* -128 x the byte sum, exact in 32ths: -bias x the sum */                                  \
-                const int32_t offset = load_i32(cols + i * col_stride + k + 4 * nb + 4 * b);                \
-                acci[i][0] = _mm256_set1_epi32(offset / 128 * PP_MX_CODE_BIAS);                             \
-                _Pragma("GCC unroll 2") for (int s = 1; s < SPLIT; s++) acci[i][s] = _mm256_setzero_si256(); \
-            }                                                                                               \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                           \
-                const __m256i wv = GROUP(blk, j);                                                           \
-                _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) acci[i][j % SPLIT] = DOT(              \
-                    acci[i][j % SPLIT], wv, _mm256_set1_epi32(load_i32(cols + i * col_stride + 32 * b + 4 * j))); \
-            }                                                                                               \
-            _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
-                __m256i sum = acci[i][0];                                                                   \
-                _Pragma("GCC unroll 2") for (int s = 1; s < SPLIT; s++) sum = _mm256_add_epi32(sum, acci[i][s]); \
-                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(load_f32(cols + i * col_stride + k + 4 * b))); \
-                accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, accf[i]);                         \
-            }                                                                                               \
-        }                                                                                                   \
-        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) _mm256_storeu_ps(out + i * ldo, accf[i]);     \
-    }
+/* The accumulator starts at -bias x the column's byte sum: its stored
+ * offset, -128 x that sum, is exact in 128ths. */
+#define mx_offset(o) ((o) / 128 * PP_MX_CODE_BIAS)
 
 #define PP_MX_COLUMNS(NAME, PANEL, NB, K, COLS, STRIDE, N, O, LDO, NC_MAIN)                                 \
     do {                                                                                                    \
@@ -144,14 +100,14 @@ static inline __attribute__((target("avx2"), always_inline)) void widen(const ui
     } while (0)
 
 #define PP_MX_KERNEL(NAME, TARGET, DOT, NC_MAIN)                                                            \
-    PP_MX_TILE(NAME##_stored_main, TARGET, DOT, NC_MAIN, 1, PP_PANEL_MX_BLOCK_BYTES, stored_scales, stored_group, 1) \
-    PP_MX_TILE(NAME##_stored_four, TARGET, DOT, 4, 1, PP_PANEL_MX_BLOCK_BYTES, stored_scales, stored_group, 1) \
-    PP_MX_TILE(NAME##_stored_two, TARGET, DOT, 2, 2, PP_PANEL_MX_BLOCK_BYTES, stored_scales, stored_group, 1)  \
-    PP_MX_TILE(NAME##_stored_one, TARGET, DOT, 1, 2, PP_PANEL_MX_BLOCK_BYTES, stored_scales, stored_group, 1) \
-    PP_MX_TILE(NAME##_wide_main, TARGET, DOT, NC_MAIN, 1, PP_PANEL_MX_WIDE_BYTES, wide_scales, wide_group, 0) \
-    PP_MX_TILE(NAME##_wide_four, TARGET, DOT, 4, 1, PP_PANEL_MX_WIDE_BYTES, wide_scales, wide_group, 0)     \
-    PP_MX_TILE(NAME##_wide_two, TARGET, DOT, 2, 2, PP_PANEL_MX_WIDE_BYTES, wide_scales, wide_group, 0)      \
-    PP_MX_TILE(NAME##_wide_one, TARGET, DOT, 1, 2, PP_PANEL_MX_WIDE_BYTES, wide_scales, wide_group, 0)      \
+    PP_PANEL_TILE(NAME##_stored_main, TARGET, DOT, NC_MAIN, 1, PP_PANEL_MX_BLOCK_BYTES, stored_scales, mx_offset, stored_group, PP_MX_PF_BYTES) \
+    PP_PANEL_TILE(NAME##_stored_four, TARGET, DOT, 4, 1, PP_PANEL_MX_BLOCK_BYTES, stored_scales, mx_offset, stored_group, PP_MX_PF_BYTES) \
+    PP_PANEL_TILE(NAME##_stored_two, TARGET, DOT, 2, 2, PP_PANEL_MX_BLOCK_BYTES, stored_scales, mx_offset, stored_group, PP_MX_PF_BYTES)  \
+    PP_PANEL_TILE(NAME##_stored_one, TARGET, DOT, 1, 2, PP_PANEL_MX_BLOCK_BYTES, stored_scales, mx_offset, stored_group, PP_MX_PF_BYTES) \
+    PP_PANEL_TILE(NAME##_wide_main, TARGET, DOT, NC_MAIN, 1, PP_PANEL_MX_WIDE_BYTES, wide_scales, mx_offset, wide_group, 0) \
+    PP_PANEL_TILE(NAME##_wide_four, TARGET, DOT, 4, 1, PP_PANEL_MX_WIDE_BYTES, wide_scales, mx_offset, wide_group, 0)     \
+    PP_PANEL_TILE(NAME##_wide_two, TARGET, DOT, 2, 2, PP_PANEL_MX_WIDE_BYTES, wide_scales, mx_offset, wide_group, 0)      \
+    PP_PANEL_TILE(NAME##_wide_one, TARGET, DOT, 1, 2, PP_PANEL_MX_WIDE_BYTES, wide_scales, mx_offset, wide_group, 0)      \
     __attribute__((target(TARGET))) void NAME(const pp_q8_panels *w, int64_t p0, int64_t p1,               \
                                               const uint8_t *cols, size_t col_stride, int64_t n, float *out, \
                                               size_t ldo) {                                                 \

@@ -15,17 +15,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-static inline int32_t load_i32(const uint8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float load_f32(const uint8_t *p) {
-    float v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+#include "panels/panel_tile.h"
 
 /* Group j of a block's codes for the tile: Q8 panels (and widened ones)
  * store it as 32 bytes; Q4_0 panels hold groups j and j + 4 as the low and
@@ -39,43 +29,14 @@ static inline __attribute__((target("avx2"), always_inline)) __m256i q4_group(co
     return _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
 }
 
-/* One panel by NC columns over blocks of BLOCK_BYTES whose groups GROUP
- * reads. The accumulator starts at the column's offset over OFFSET_DIV:
- * -128 x sum for codes q + 128 (1), -8 x sum for Q4_0's q (16, exact).
- * PREFETCH: the tile reads stored panels straight from memory (few
- * columns: decode), so it asks for the bytes PP_Q8_PF_BYTES ahead, every
- * line of them; over a widened panel (hot in L1) it asks for nothing. */
-#define PP_TILE(NAME, TARGET, DPBUSD, NC, SPLIT, BLOCK_BYTES, OFFSET_DIV, GROUP, PREFETCH)                  \
-    static inline __attribute__((target(TARGET), always_inline)) void NAME(                                 \
-        const uint8_t *panel, int64_t nb, int64_t k, const uint8_t *cols, size_t col_stride, float *out,    \
-        size_t ldo) {                                                                                       \
-        __m256 accf[NC];                                                                                    \
-        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) accf[i] = _mm256_setzero_ps();                \
-        for (int64_t b = 0; b < nb; b++) {                                                                  \
-            const uint8_t *blk = panel + b * (BLOCK_BYTES);                                                 \
-            if (PREFETCH)                                                                                   \
-                _Pragma("GCC unroll 8") for (int off = 0; off < (BLOCK_BYTES); off += 64)                   \
-                    _mm_prefetch((const char *)blk + PP_Q8_PF_BYTES + off, _MM_HINT_T0);                    \
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));                       \
-            __m256i acci[NC][SPLIT];                                                                        \
-            _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
-                acci[i][0] = _mm256_set1_epi32(load_i32(cols + i * col_stride + k + 4 * nb + 4 * b) / (OFFSET_DIV)); \
-                _Pragma("GCC unroll 2") for (int s = 1; s < SPLIT; s++) acci[i][s] = _mm256_setzero_si256(); \
-            }                                                                                               \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                           \
-                const __m256i wv = GROUP(blk, j);                                                           \
-                _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) acci[i][j % SPLIT] = DPBUSD(           \
-                    acci[i][j % SPLIT], wv, _mm256_set1_epi32(load_i32(cols + i * col_stride + 32 * b + 4 * j))); \
-            }                                                                                               \
-            _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) {                                          \
-                __m256i sum = acci[i][0];                                                                   \
-                _Pragma("GCC unroll 2") for (int s = 1; s < SPLIT; s++) sum = _mm256_add_epi32(sum, acci[i][s]); \
-                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(load_f32(cols + i * col_stride + k + 4 * b))); \
-                accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, accf[i]);                         \
-            }                                                                                               \
-        }                                                                                                   \
-        _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) _mm256_storeu_ps(out + i * ldo, accf[i]);     \
-    }
+/* The rows' scales: a block's first 16 bytes, 8 f16. The accumulator
+ * starts at -128 x the column's byte sum for codes q + 128 (Q8 panels and
+ * widened ones), -8 x it for Q4_0's q (exact: the stored offset over 16). */
+static inline __attribute__((target("avx2,f16c"), always_inline)) __m256 f16_scales(const uint8_t *blk) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+}
+#define q8_offset(o) (o)
+#define q4_offset(o) ((o) / 16)
 
 /* Q4_0 panels are read straight (q4 tiles) below this many columns; from it
  * on each panel is widened once (widen_q4_avx2) and the column tiles run
@@ -88,12 +49,12 @@ static inline __attribute__((target("avx2"), always_inline)) __m256i q4_group(co
 #define PP_Q8_PF_BYTES 2048
 
 #define PP_PANEL_KERNEL(NAME, TARGET, DPBUSD, NC_MAIN, WIDEN)                                               \
-    PP_TILE(NAME##_main, TARGET, DPBUSD, NC_MAIN, 1, PP_PANEL_BLOCK_BYTES, 1, q8_group, 0)                  \
-    PP_TILE(NAME##_four, TARGET, DPBUSD, 4, 1, PP_PANEL_BLOCK_BYTES, 1, q8_group, 0)                        \
-    PP_TILE(NAME##_one, TARGET, DPBUSD, 1, 2, PP_PANEL_BLOCK_BYTES, 1, q8_group, 0)                         \
-    PP_TILE(NAME##_q4_main, TARGET, DPBUSD, NC_MAIN, 1, PP_PANEL_Q4_BLOCK_BYTES, 16, q4_group, 1)           \
-    PP_TILE(NAME##_q4_four, TARGET, DPBUSD, 4, 1, PP_PANEL_Q4_BLOCK_BYTES, 16, q4_group, 1)                 \
-    PP_TILE(NAME##_q4_one, TARGET, DPBUSD, 1, 2, PP_PANEL_Q4_BLOCK_BYTES, 16, q4_group, 1)                  \
+    PP_PANEL_TILE(NAME##_main, TARGET, DPBUSD, NC_MAIN, 1, PP_PANEL_BLOCK_BYTES, f16_scales, q8_offset, q8_group, 0)                  \
+    PP_PANEL_TILE(NAME##_four, TARGET, DPBUSD, 4, 1, PP_PANEL_BLOCK_BYTES, f16_scales, q8_offset, q8_group, 0)                        \
+    PP_PANEL_TILE(NAME##_one, TARGET, DPBUSD, 1, 2, PP_PANEL_BLOCK_BYTES, f16_scales, q8_offset, q8_group, 0)                         \
+    PP_PANEL_TILE(NAME##_q4_main, TARGET, DPBUSD, NC_MAIN, 1, PP_PANEL_Q4_BLOCK_BYTES, f16_scales, q4_offset, q4_group, PP_Q8_PF_BYTES)           \
+    PP_PANEL_TILE(NAME##_q4_four, TARGET, DPBUSD, 4, 1, PP_PANEL_Q4_BLOCK_BYTES, f16_scales, q4_offset, q4_group, PP_Q8_PF_BYTES)                 \
+    PP_PANEL_TILE(NAME##_q4_one, TARGET, DPBUSD, 1, 2, PP_PANEL_Q4_BLOCK_BYTES, f16_scales, q4_offset, q4_group, PP_Q8_PF_BYTES)                  \
     __attribute__((target(TARGET))) void NAME(const pp_q8_panels *w, int64_t p0, int64_t p1,               \
                                               const uint8_t *cols, size_t col_stride, int64_t n, float *out, \
                                               size_t ldo) {                                                 \
@@ -151,13 +112,13 @@ static inline __attribute__((target("avx2"), always_inline)) __m256i q4_group(co
 /* AVX-512: add under the 32 bits taken as a byte mask. */
 static inline __attribute__((target("avx2,avx512f,avx512vl,avx512bw"), always_inline)) __m256i add_fifth_avx512(
     __m256i v, const uint8_t *bits) {
-    return _mm256_mask_add_epi8(v, _cvtu32_mask32((uint32_t)load_i32(bits)), v, _mm256_set1_epi8(0x10));
+    return _mm256_mask_add_epi8(v, _cvtu32_mask32((uint32_t)pp_load_i32(bits)), v, _mm256_set1_epi8(0x10));
 }
 
 /* AVX2: each bit spread to its byte by a shuffle (byte k takes source byte
  * k / 8), then tested against 1 << k % 8. */
 static inline __attribute__((target("avx2"), always_inline)) __m256i add_fifth_avx2(__m256i v, const uint8_t *bits) {
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(load_i32(bits)),
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(pp_load_i32(bits)),
                                                _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                                 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
