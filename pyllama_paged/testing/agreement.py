@@ -70,3 +70,32 @@ def run_to_completion(llm, prompts, params):
             for ev in out.events:
                 outputs[out.request_id].setdefault(ev.seq_index, []).append(ev.token_id)
     return [outputs[r.request_id] for r in requests], requests
+
+
+def reference_next_logits(ref) -> Callable[[Sequence[int]], np.ndarray]:
+    """logits_of(ids) for assert_greedy_agree from a float64 reference model: its last row."""
+    return lambda ids: ref.forward(ids)[-1]
+
+
+def assert_forked_samples_agree(llm, prompt, ref, end_ids, n: int = 3, max_tokens: int = 16) -> None:
+    """n greedy samples of prompt on llm share its pages and copy the partial last block on
+    their first write (at least n - 1 copies); each continues as ref's greedy answer does, up
+    to a near-tie, and every block is free afterwards."""
+    from ..engine.worker.sampler import SamplingParams
+    (outs,), _ = run_to_completion(llm, [prompt], SamplingParams(max_tokens=max_tokens, temperature=0, n=n))
+    assert sorted(outs) == list(range(n)) and llm.stats()["cow_copies"] >= n - 1
+    want = ref.generate_greedy(prompt, max_tokens)
+    for answer in outs.values():
+        assert_greedy_agree(prompt, want, answer, reference_next_logits(ref), end_ids)
+    assert llm.stats()["blocks_used"] == 0
+
+
+def assert_preempted_answers_agree(llm, prompts, params, ref, answers, end_ids) -> None:
+    """prompts on llm, whose pool cannot hold them all at once: at least one preemption, each
+    answer ref's greedy one (answers) up to a near-tie, every block free afterwards."""
+    got, _ = run_to_completion(llm, prompts, params)
+    assert llm.stats()["preemptions"] > 0
+    logits_of = reference_next_logits(ref)
+    for prompt, want, answer in zip(prompts, answers, got):
+        assert_greedy_agree(prompt, want, answer[0], logits_of, end_ids)
+    assert llm.stats()["blocks_used"] == 0

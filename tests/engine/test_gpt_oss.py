@@ -26,7 +26,8 @@ from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.errors import ModelLoadError
 from pyllama_paged.testing import gguf_mutate, synthetic_gguf
-from pyllama_paged.testing.agreement import assert_greedy_agree, run_to_completion
+from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
+                                              assert_preempted_answers_agree, reference_next_logits)
 from pyllama_paged.testing.engine_runs import chunked_logits
 from pyllama_paged.testing.routed_logits import TOLERANCE, assert_one_step_routes_as_alone, relative_error
 from pyllama_paged.testing.routed_logits import assert_routed_logits_match as assert_logits_match
@@ -342,10 +343,6 @@ def make_engine(model, eot, num_blocks=200, mode="recompute", budget=64):
     return LLMEngine(runner, eot, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
 
 
-def reference_next_logits(r):
-    return lambda ids: r.forward(ids)[-1]
-
-
 @pytest.fixture(scope="module")
 def reference_answers(reference):
     return [reference["f16"].generate_greedy(p, GREEDY.max_tokens) for p in PROMPTS]
@@ -355,27 +352,19 @@ def test_parallel_samples_fork_and_copy_on_write_keep_the_reference_answer(model
     """n=3 greedy samples share the prompt's pages, copy the partial last block on their first
     write, and each continues as the reference does."""
     llm = make_engine(model, eot)
-    prompt = PROMPTS[2]   # 2 full blocks and a partial one
-    (outs,), _ = run_to_completion(llm, [prompt], SamplingParams(max_tokens=16, temperature=0, n=3))
-    assert sorted(outs) == [0, 1, 2] and llm.stats()["cow_copies"] >= 2
-    r = reference["f16"]
-    want = r.generate_greedy(prompt, 16)
-    for answer in outs.values():
-        assert_greedy_agree(prompt, want, answer, reference_next_logits(r), eot)
-    assert llm.stats()["blocks_used"] == 0
-    llm.runner.close()
+    try:
+        assert_forked_samples_agree(llm, PROMPTS[2], reference["f16"], eot)   # 2 full blocks and a partial one
+    finally:
+        llm.runner.close()
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_the_reference_answers(model, reference, reference_answers, eot, mode):
     llm = make_engine(model, eot, num_blocks=12, mode=mode)
-    got, _ = run_to_completion(llm, PROMPTS, GREEDY)
-    assert llm.stats()["preemptions"] > 0
-    logits_of = reference_next_logits(reference["f16"])
-    for prompt, want, answer in zip(PROMPTS, reference_answers, got):
-        assert_greedy_agree(prompt, want, answer[0], logits_of, eot)
-    assert llm.stats()["blocks_used"] == 0
-    llm.runner.close()
+    try:
+        assert_preempted_answers_agree(llm, PROMPTS, GREEDY, reference["f16"], reference_answers, eot)
+    finally:
+        llm.runner.close()
 
 
 HELLO = [{"role": "user", "content": "Hello"}]

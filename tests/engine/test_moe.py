@@ -20,7 +20,8 @@ from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.errors import ModelLoadError
 from pyllama_paged.testing import gguf_mutate, synthetic_gguf
-from pyllama_paged.testing.agreement import assert_greedy_agree, run_to_completion
+from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
+                                              assert_preempted_answers_agree, reference_next_logits)
 from pyllama_paged.testing.routed_logits import TOLERANCE, assert_one_step_routes_as_alone, relative_error
 from pyllama_paged.testing.routed_logits import assert_routed_logits_match as assert_logits_match
 from pyllama_paged.testing.routed_logits import file_logits as engine_logits
@@ -134,10 +135,6 @@ def make_engine(model, num_blocks=200, mode="recompute", budget=64):
     return LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
 
 
-def reference_next_logits(ref):
-    return lambda ids: ref.forward(ids)[-1]
-
-
 PROMPTS = [[int(x) for x in np.random.default_rng(20 + i).integers(4, 300, size=n)]
            for i, n in enumerate([5, 17, 33, 48, 9, 60])]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
@@ -153,27 +150,19 @@ def test_parallel_samples_fork_and_copy_on_write_keep_the_reference_answer(model
     """n=3 greedy samples share the prompt's pages, copy the partial last block on their first
     write, and each continues as the reference does."""
     llm = make_engine(model)
-    prompt = PROMPTS[2]   # 2 full blocks and a partial one
-    (outs,), _ = run_to_completion(llm, [prompt], SamplingParams(max_tokens=16, temperature=0, n=3))
-    assert sorted(outs) == [0, 1, 2] and llm.stats()["cow_copies"] >= 2
-    ref = reference["f16"]
-    want = ref.generate_greedy(prompt, 16)
-    for answer in outs.values():
-        assert_greedy_agree(prompt, want, answer, reference_next_logits(ref), EOT)
-    assert llm.stats()["blocks_used"] == 0
-    llm.runner.close()
+    try:
+        assert_forked_samples_agree(llm, PROMPTS[2], reference["f16"], EOT)   # 2 full blocks and a partial one
+    finally:
+        llm.runner.close()
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_the_reference_answers(model, reference, reference_answers, mode):
     llm = make_engine(model, num_blocks=12, mode=mode)
-    got, _ = run_to_completion(llm, PROMPTS, GREEDY)
-    assert llm.stats()["preemptions"] > 0
-    logits_of = reference_next_logits(reference["f16"])
-    for prompt, want, answer in zip(PROMPTS, reference_answers, got):
-        assert_greedy_agree(prompt, want, answer[0], logits_of, EOT)
-    assert llm.stats()["blocks_used"] == 0
-    llm.runner.close()
+    try:
+        assert_preempted_answers_agree(llm, PROMPTS, GREEDY, reference["f16"], reference_answers, EOT)
+    finally:
+        llm.runner.close()
 
 
 def test_llama_api_and_http_server_answer_as_the_reference(tiny_moe, reference):
