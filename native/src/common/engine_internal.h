@@ -7,6 +7,7 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 
+#include <stdatomic.h>
 #include <sys/types.h>   /* pid_t */
 
 #define PP_MAX_REPACK_BUFTS 8
@@ -179,6 +180,7 @@ typedef struct pp_attention_params {
     int32_t n_head;
     int32_t n_head_kv;
     int32_t head_dim;
+    atomic_int slices_done;   /* split-K: threads through this step's slices (reset each step) */
 } pp_attention_params;
 
 #define PP_ATTN_MIN_SPLIT_KEYS 256   /* keys per slice below which splitting is not worth it */
@@ -188,17 +190,18 @@ typedef struct pp_attention_params {
  * src[1], src[2]: the layer's K and V pools after this step's writes. */
 void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
 
-/* Split-K variant for few long sequences: a partial pass over slices of
- * each key range, then a log-sum-exp merge (see kernels/paged_attention.c). */
-void pp_paged_attention_partial_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
-void pp_paged_attention_merge_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
+/* Split-K variant for fewer work items than threads: slices of each key
+ * range, merged by log-sum-exp by the last thread to finish its slices (see
+ * kernels/paged_attention.c). dst: the output's [head_dim, n_head, n_tokens]
+ * f32 values, then the slices' partial results; a view gives the output. */
+void pp_paged_attention_split_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata);
 
 /* How many key slices the layer's attention of this step is split into (1: none). */
 int pp_paged_attention_splits(const pp_attention_params *ap, int n_threads);
 
-/* The paged attention of one layer as graph nodes: one custom op, or the
- * split-K pair when there are fewer work items than threads and long
- * key ranges. Returns [head_dim, n_head, n_tokens] f32. */
+/* The paged attention of one layer as one custom op (split-K when there are
+ * fewer work items than threads and the key ranges are long enough).
+ * Returns [head_dim, n_head, n_tokens] f32. */
 struct ggml_tensor *pp_paged_attention(struct ggml_context *ctx, struct ggml_tensor *q,
                                        struct ggml_tensor *k_pool, struct ggml_tensor *v_pool,
                                        pp_attention_params *ap, int n_threads);

@@ -231,36 +231,14 @@ void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *use
     }
 }
 
-/* Split-K: work unit (token, KV head, split) folds one slice of the token's
- * key range and stores its unnormalized accumulator plus (max, sum) in dst,
- * laid out as [head_dim + 2, group, n_splits, n_tokens * n_kv]. */
-void pp_paged_attention_partial_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    const pp_attention_params *ap = userdata;
-    const pp_batch *batch = ap->batch;
-    const int hd = ap->head_dim;
-    const int n_kv = ap->n_head_kv;
-    const int group = ap->n_head / ap->n_head_kv;
-    const int n_splits = (int)dst->ne[2];
-    GGML_ASSERT(group <= PP_ATTN_MAX_ROWS);
-    tile_state st;
-    tile_state_init(&st, ap, ith, group);
-
-    const int n_units = batch->n_tokens * n_kv * n_splits;
-    for (int unit = ith; unit < n_units; unit += nth) {
-        const int item = unit / n_splits, split = unit % n_splits;
-        const int t = item / n_kv, kvh = item % n_kv;
-        const int pos = batch->positions[t];
-        const int lo = key_begin(ap, pos), len = pos + 1 - lo;
-        const int k_begin = lo + (int)((int64_t)len * split / n_splits);
-        const int k_end = lo + (int)((int64_t)len * (split + 1) / n_splits);
-        attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t, t + 1, kvh, k_begin, k_end, split == 0, &st);
-        for (int g = 0; g < group; g++) {
-            float *out = (float *)((char *)dst->data + item * dst->nb[3] + split * dst->nb[2] + g * dst->nb[1]);
-            memcpy(out, st.acc + (size_t)g * hd, sizeof(float) * hd);
-            out[hd] = st.run_max[g];
-            out[hd + 1] = st.run_sum[g];
-        }
-    }
+/* Split-K. Work unit (token, KV head, slice) folds one slice of the token's
+ * key range into its unnormalized accumulator plus (max, sum), stored after
+ * the output in dst as [head_dim + 2] per (item, slice, group head). The
+ * thread that finishes last merges them by log-sum-exp into the output: one
+ * op, where a separate merge op cost a barrier per layer (and, on two
+ * threads, a decode step's attention ran on one while the other waited). */
+static float *slice_part(float *parts, int item, int split, int g, int n_splits, int group, int hd) {
+    return parts + (((size_t)item * n_splits + split) * group + g) * (size_t)(hd + 2);
 }
 
 static void axpy(float *restrict y, const float *restrict x, float a, int n) {
@@ -271,39 +249,66 @@ static void scale_row(float *restrict y, float a, int n) {
     for (int i = 0; i < n; i++) y[i] *= a;
 }
 
-/* Merge the splits of each item by log-sum-exp into [head_dim, n_head, n_tokens]. */
-void pp_paged_attention_merge_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    const pp_attention_params *ap = userdata;
-    const struct ggml_tensor *part = dst->src[0];
-    const int head_dim = ap->head_dim;
-    const int n_kv = ap->n_head_kv;
-    const int group = ap->n_head / ap->n_head_kv;
-    const int n_splits = (int)part->ne[2];
+static void merge_slices(const pp_attention_params *ap, float *parts, int n_splits, float *out_base) {
+    const int hd = ap->head_dim, n_kv = ap->n_head_kv, group = ap->n_head / ap->n_head_kv;
     const int n_items = ap->batch->n_tokens * n_kv;
-
-    for (int item = ith; item < n_items; item += nth) {
+    for (int item = 0; item < n_items; item++) {
         const int t = item / n_kv, kvh = item % n_kv;
         for (int g = 0; g < group; g++) {
             float m = -INFINITY;
             for (int s = 0; s < n_splits; s++) {
-                const float *p = (const float *)((const char *)part->data + item * part->nb[3] +
-                                                 s * part->nb[2] + g * part->nb[1]);
-                if (p[head_dim] > m) m = p[head_dim];
+                const float *p = slice_part(parts, item, s, g, n_splits, group, hd);
+                if (p[hd] > m) m = p[hd];
             }
-            float *out = (float *)((char *)dst->data + t * dst->nb[2] + (size_t)(kvh * group + g) * dst->nb[1]);
-            memset(out, 0, sizeof(float) * head_dim);
+            float *out = out_base + ((size_t)t * ap->n_head + (size_t)kvh * group + g) * hd;
+            memset(out, 0, sizeof(float) * hd);
             float total = 0.0f;
             for (int s = 0; s < n_splits; s++) {
-                const float *p = (const float *)((const char *)part->data + item * part->nb[3] +
-                                                 s * part->nb[2] + g * part->nb[1]);
-                if (p[head_dim + 1] == 0.0f) continue;   /* empty slice */
-                const float w = expf(p[head_dim] - m);
-                total += p[head_dim + 1] * w;
-                axpy(out, p, w, head_dim);
+                const float *p = slice_part(parts, item, s, g, n_splits, group, hd);
+                if (p[hd + 1] == 0.0f) continue;   /* empty slice */
+                const float w = expf(p[hd] - m);
+                total += p[hd + 1] * w;
+                axpy(out, p, w, hd);
             }
-            if (total > 0.0f) scale_row(out, 1.0f / total, head_dim);
+            if (total > 0.0f) scale_row(out, 1.0f / total, hd);
         }
     }
+}
+
+void pp_paged_attention_split_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    pp_attention_params *ap = userdata;
+    const pp_batch *batch = ap->batch;
+    const int hd = ap->head_dim;
+    const int n_kv = ap->n_head_kv;
+    const int group = ap->n_head / ap->n_head_kv;
+    const int n_items = batch->n_tokens * n_kv;
+    const int64_t out_floats = (int64_t)hd * ap->n_head * batch->n_tokens;
+    const int n_splits = (int)((dst->ne[0] - out_floats) / ((int64_t)n_items * group * (hd + 2)));
+    float *out = dst->data, *parts = out + out_floats;
+    GGML_ASSERT(group <= PP_ATTN_MAX_ROWS);
+    tile_state st;
+    tile_state_init(&st, ap, ith, group);
+
+    const int n_units = n_items * n_splits;
+    for (int unit = ith; unit < n_units; unit += nth) {
+        const int item = unit / n_splits, split = unit % n_splits;
+        const int t = item / n_kv, kvh = item % n_kv;
+        const int pos = batch->positions[t];
+        const int lo = key_begin(ap, pos), len = pos + 1 - lo;
+        const int k_begin = lo + (int)((int64_t)len * split / n_splits);
+        const int k_end = lo + (int)((int64_t)len * (split + 1) / n_splits);
+        attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t, t + 1, kvh, k_begin, k_end, split == 0, &st);
+        for (int g = 0; g < group; g++) {
+            float *p = slice_part(parts, item, split, g, n_splits, group, hd);
+            memcpy(p, st.acc + (size_t)g * hd, sizeof(float) * hd);
+            p[hd] = st.run_max[g];
+            p[hd + 1] = st.run_sum[g];
+        }
+    }
+    /* every thread of the op passes here once per step (the counter is reset with the step's
+     * batch); acq_rel: the last one sees the others' slices */
+    if (atomic_fetch_add_explicit(&ap->slices_done, 1, memory_order_acq_rel) == nth - 1)
+        merge_slices(ap, parts, n_splits, out);
 }
 
 int pp_paged_attention_splits(const pp_attention_params *ap, int n_threads) {
@@ -332,9 +337,10 @@ struct ggml_tensor *pp_paged_attention(struct ggml_context *ctx, struct ggml_ten
     if (n_splits == 1)
         return ggml_custom_4d(ctx, GGML_TYPE_F32, ap->head_dim, ap->n_head, b->n_tokens, 1, args, 3,
                               pp_paged_attention_cpu, GGML_N_TASKS_MAX, ap);
-    struct ggml_tensor *part = ggml_custom_4d(ctx, GGML_TYPE_F32, ap->head_dim + 2, group, n_splits,
-                                              n_items, args, 3, pp_paged_attention_partial_cpu,
-                                              GGML_N_TASKS_MAX, ap);
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, ap->head_dim, ap->n_head, b->n_tokens, 1, &part, 1,
-                          pp_paged_attention_merge_cpu, GGML_N_TASKS_MAX, ap);
+    const int64_t out_floats = (int64_t)ap->head_dim * ap->n_head * b->n_tokens;
+    const int64_t part_floats = (int64_t)n_items * n_splits * group * (ap->head_dim + 2);
+    struct ggml_tensor *both = ggml_custom_4d(ctx, GGML_TYPE_F32, out_floats + part_floats, 1, 1, 1, args, 3,
+                                              pp_paged_attention_split_cpu, GGML_N_TASKS_MAX, ap);
+    return ggml_view_3d(ctx, both, ap->head_dim, ap->n_head, b->n_tokens, sizeof(float) * ap->head_dim,
+                        sizeof(float) * ap->head_dim * ap->n_head, 0);
 }

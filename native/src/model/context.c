@@ -55,6 +55,10 @@ struct pp_context {
     struct ggml_context *graph_ctx;
     struct ggml_cgraph  *graph;
     step_shape           graph_shape;
+    /* its inputs and outputs, looked up by name once per build (a lookup compares
+     * the name with every node's: hundreds of strcmp a step otherwise) */
+    struct ggml_tensor  *in_tokens, *in_positions, *in_slots, *in_rows;
+    struct ggml_tensor  *out_logits, *out_argmax, *out_hidden;
     pp_step_stats        stats;
 };
 
@@ -347,10 +351,9 @@ int32_t pp_context_set_attention_path(pp_context *c, int32_t path) {
 /* The step's inputs into the graph's input tensors (host memory: GGML's
  * scheduler keeps inputs on the CPU and copies what a device reads). */
 static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_batch *b, int flash, int swa_window) {
-    ggml_backend_tensor_set(ggml_graph_get_tensor(gf, "tokens"), b->token_ids, 0, sizeof(int32_t) * b->n_tokens);
-    ggml_backend_tensor_set(ggml_graph_get_tensor(gf, "positions"), b->positions, 0, sizeof(int32_t) * b->n_tokens);
-    struct ggml_tensor *slots = ggml_graph_get_tensor(gf, "slots");
-    struct ggml_tensor *rows = ggml_graph_get_tensor(gf, "logit_rows");
+    ggml_backend_tensor_set(c->in_tokens, b->token_ids, 0, sizeof(int32_t) * b->n_tokens);
+    ggml_backend_tensor_set(c->in_positions, b->positions, 0, sizeof(int32_t) * b->n_tokens);
+    struct ggml_tensor *slots = c->in_slots, *rows = c->in_rows;
     if (!ggml_backend_buffer_is_host(slots->buffer) || !ggml_backend_buffer_is_host(rows->buffer))
         return pp_fail(PP_ERR_COMPUTE, "GGML placed the step's inputs outside host memory");
     int64_t *slot_data = slots->data;
@@ -385,6 +388,8 @@ static void forget_graph(pp_context *c) {
     if (c->graph_ctx) ggml_free(c->graph_ctx);
     c->graph_ctx = NULL;
     c->graph = NULL;
+    c->in_tokens = c->in_positions = c->in_slots = c->in_rows = NULL;
+    c->out_logits = c->out_argmax = c->out_hidden = NULL;
 }
 
 /* Build and allocate the step's graph, or keep the last one when the shapes match. */
@@ -411,6 +416,13 @@ static int32_t step_graph(pp_context *c, const pp_batch *b, int gather, const st
     c->graph_ctx = ctx;
     c->graph = gf;
     c->graph_shape = *shape;
+    c->in_tokens = ggml_graph_get_tensor(gf, "tokens");
+    c->in_positions = ggml_graph_get_tensor(gf, "positions");
+    c->in_slots = ggml_graph_get_tensor(gf, "slots");
+    c->in_rows = ggml_graph_get_tensor(gf, "logit_rows");
+    c->out_logits = ggml_graph_get_tensor(gf, "logits");
+    c->out_argmax = ggml_graph_get_tensor(gf, "argmax");
+    c->out_hidden = ggml_graph_get_tensor(gf, "hidden");
     c->stats.n_builds++;
     c->stats.n_nodes = ggml_graph_n_nodes(gf);
     c->stats.n_inputs = 0;
@@ -425,15 +437,15 @@ static int32_t step_graph(pp_context *c, const pp_batch *b, int gather, const st
 
 /* The step's logits (left in the compute buffer on the CPU, read back from
  * a device) and hidden rows. */
-static int32_t read_outputs(pp_context *c, struct ggml_cgraph *gf, const pp_batch *b, float *logits) {
+static int32_t read_outputs(pp_context *c, const pp_batch *b, float *logits) {
     const pp_model *m = c->model;
-    struct ggml_tensor *ids = b->n_logits > 0 ? ggml_graph_get_tensor(gf, "argmax") : NULL;
+    struct ggml_tensor *ids = b->n_logits > 0 ? c->out_argmax : NULL;
     if (ids) {
         ggml_backend_tensor_get(ids, c->step_ids, 0, sizeof(int32_t) * b->n_logits);
         c->step_n_ids = b->n_logits;
     }
     if (b->n_logits > 0) {
-        struct ggml_tensor *out = ggml_graph_get_tensor(gf, "logits");
+        struct ggml_tensor *out = c->out_logits;
         const size_t floats = (size_t)b->n_logits * m->hp.n_vocab;
         if (ids && b->argmax_only && !logits && !ggml_backend_buffer_is_host(out->buffer)) {
             /* the ids are all the caller reads: the rows stay on the device */
@@ -456,7 +468,7 @@ static int32_t read_outputs(pp_context *c, struct ggml_cgraph *gf, const pp_batc
     }
     if (b->n_hidden > 0) {
         /* a view of the normed rows: read row by row (its stride is the parent's) */
-        struct ggml_tensor *out = ggml_graph_get_tensor(gf, "hidden");
+        struct ggml_tensor *out = c->out_hidden;
         for (int i = 0; i < b->n_hidden; i++)
             ggml_backend_tensor_get(out, b->hidden + (size_t)i * m->hp.n_embd, (size_t)i * out->nb[1],
                                     sizeof(float) * m->hp.n_embd);
@@ -482,6 +494,7 @@ int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     int swa_window = 0;
     for (int il = 0; il < m->hp.n_layer; il++) {
         c->layer_params[il].batch = b;
+        atomic_store(&c->layer_params[il].slices_done, 0);
         if (m->layer_window[il] > swa_window) swa_window = m->layer_window[il];
     }
     const int gather = c->cache->paged && c->attention_path == PP_ATTENTION_GATHER;
@@ -507,7 +520,7 @@ int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
                        (int)status);
     }
     c->stats.n_steps++;
-    return read_outputs(c, gf, b, logits);
+    return read_outputs(c, b, logits);
 }
 
 int32_t pp_context_step_stats(const pp_context *c, pp_step_stats *out) {

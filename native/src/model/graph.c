@@ -136,8 +136,8 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
 
         /* Write this step's K/V rows to their slots before attention reads them. */
         struct ggml_tensor *k_rows = ggml_reshape_2d(ctx, k, head_dim * hp->n_head_kv, n_tokens);
-        struct ggml_tensor *v_rows = ggml_reshape_2d(ctx, ggml_cont(ctx, v), head_dim * hp->n_head_kv,
-                                                     n_tokens);
+        struct ggml_tensor *v_rows = ggml_reshape_2d(ctx, ggml_is_contiguous(v) ? v : ggml_cont(ctx, v),
+                                                     head_dim * hp->n_head_kv, n_tokens);
         struct ggml_tensor *layer_slots = ggml_view_1d(ctx, slots, n_tokens,
                                                        (size_t)ap->group * n_tokens * slots->nb[0]);
         struct ggml_tensor *k_pool = ggml_set_rows(ctx, cache->k[il], k_rows, layer_slots);

@@ -82,6 +82,7 @@ class BlockPool:
         self.group_window = tuple(group_window)
         self.n_groups = len(group_window)
         self._i32 = ffi.new("int32_t *")
+        self._one_token = ffi.new("int32_t[1]")
         self._i32b = ffi.new("int32_t *")
         self._copy = ffi.new("pp_block_copy[]", self.n_groups)
         self._each_copies = None   # append_each's, grown to the largest step
@@ -174,8 +175,13 @@ class BlockPool:
 
     def append(self, seq_id: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Append tokens; returns the copy-on-write (src, dst) block copies to do."""
-        arr, ptr = _token_array(token_ids)
-        check(lib.pp_seq_append(self._handle, seq_id, ptr, len(arr), self._copy, self.n_groups, self._i32),
+        if len(token_ids) == 1:   # a decode step's token: no array to make
+            self._one_token[0] = token_ids[0]
+            n, ptr = 1, self._one_token
+        else:
+            arr, ptr = _token_array(token_ids)
+            n = len(arr)
+        check(lib.pp_seq_append(self._handle, seq_id, ptr, n, self._copy, self.n_groups, self._i32),
               "append")
         return [(self._copy[i].src, self._copy[i].dst) for i in range(self._i32[0])]
 

@@ -61,13 +61,17 @@ def fork_state(kv, seq: SeqState) -> SeqState:
     return SeqState(kv.fork(seq.handle), seq.num_computed, seq.num_tokens)
 
 
-def commit_chunks(kv, work: Sequence[tuple[SeqState, int]]) -> None:
+def commit_chunks(kv, work: Sequence[tuple[SeqState, int]], items: np.ndarray | None = None,
+                  item_pointer=None) -> None:
     """Mark a step's chunks [(seq, n)] computed, in the sequences and in the pool: for
-    callers driving a ModelRunner without a scheduler (tests, benchmarks, direct use)."""
-    items = np.array([(seq.handle, seq.num_computed, n) for seq, n in work], dtype=np.int32).reshape(-1, 3)
+    callers driving a ModelRunner without a scheduler (tests, benchmarks, direct use).
+    items: the step's [(handle, first token, count)] rows when the caller built them (and
+    item_pointer, them as const pp_step_item *)."""
+    if items is None:
+        items = np.array([(seq.handle, seq.num_computed, n) for seq, n in work], dtype=np.int32).reshape(-1, 3)
     for seq, n in work:
         seq.num_computed += n
-    kv.commit_batch(items)
+    kv.commit_batch(items, item_pointer)
 
 
 def new_cached_sequence(kv, token_ids: Sequence[int]) -> SeqState:
@@ -197,16 +201,18 @@ class PagedKV:
         """A step's batch for items [(handle, start, count)] into buffers, in one native
         call; returns (tokens, logit rows)."""
         b = buffers.native
-        check(lib.pp_pool_build_batch(self.pool._handle, ffi.cast("const pp_step_item *", ffi.from_buffer(items)),
+        check(lib.pp_pool_build_batch(self.pool._handle, buffers.item_pointer(items),
                                       len(items), buffers.max_blocks_per_seq, buffers.capacity_tokens, b),
               "build_batch")
         buffers.n_tokens = b.n_tokens
         return b.n_tokens, b.n_logits
 
-    def commit_batch(self, items: np.ndarray) -> None:
-        """Mark what a step computed (its full blocks become prefix-cache hits)."""
-        check(lib.pp_pool_commit_batch(self.pool._handle, ffi.cast("const pp_step_item *", ffi.from_buffer(items)),
-                                       len(items)), "commit_batch")
+    def commit_batch(self, items: np.ndarray, item_pointer=None) -> None:
+        """Mark what a step computed (its full blocks become prefix-cache hits); item_pointer:
+        items as const pp_step_item * when the caller holds it (StepBuffers.item_pointer)."""
+        if item_pointer is None:
+            item_pointer = ffi.cast("const pp_step_item *", ffi.from_buffer(items))
+        check(lib.pp_pool_commit_batch(self.pool._handle, item_pointer, len(items)), "commit_batch")
         if self.events is not None:
             self.events.computed(items)
 
@@ -324,7 +330,7 @@ class SlabKV:
                 n_logits += 1
         return at, n_logits
 
-    def commit_batch(self, items: np.ndarray) -> None:
+    def commit_batch(self, items: np.ndarray, item_pointer=None) -> None:
         pass  # slabs are never shared
 
     def close(self) -> None:

@@ -99,6 +99,9 @@ class ModelRunner:
         self._batch = ffi.new("pp_batch *")
         self._buffers = StepBuffers()
         self._no_logits = np.empty((0, self.n_vocab), dtype=np.float32)
+        self._no_hidden = np.empty((0, model.config.n_embd), dtype=np.float32)
+        self._n_rows = ffi.new("int32_t *")
+        self._logits_view = (None, 0, self._no_logits)   # (native pointer, rows, the view over it)
 
     @property
     def n_vocab(self) -> int:
@@ -213,8 +216,9 @@ class ModelRunner:
         item's own. argmax_only: the caller reads only each row's argmax (step_argmax()); where
         the step computed them on a device the logits are then not read back (empty rows)."""
         items = np.ascontiguousarray(items, dtype=np.int32).reshape(-1, 3)
-        total = int(items[:, 2].sum())
-        if (items[:, 2] < 1).any():
+        counts = items[:, 2].tolist()   # in Python: a few items, and numpy's reductions cost more
+        total = sum(counts)
+        if counts and min(counts) < 1:
             raise PagedError("every step item must compute at least one token")
         if total > self.n_batch:
             raise PagedError(f"step of {total} tokens exceeds n_batch {self.n_batch}")
@@ -226,6 +230,11 @@ class ModelRunner:
         hidden_rows = None
         hidden = hidden if hidden is not None and any(h is not None for h in hidden) else None
         all_logits = all_logits if all_logits is not None and any(all_logits) else None
+        if hidden is None and all_logits is None and not drafts:
+            # the arrays are the buffers' own, from their start: their pointers are cached
+            self._decode(tok, pos, slots, seqs, tables, rows, None, argmax_only=argmax_only,
+                         pointers=buffers.pointers)
+            return self._step_logits(), self._no_hidden
         if hidden is not None or all_logits is not None:
             rows, hidden_rows = _select_rows(items[:, 2].tolist(), rows, hidden, all_logits)
         if drafts:
@@ -262,9 +271,10 @@ class ModelRunner:
             if n < 1 or seq.num_computed + n > seq.num_tokens:
                 raise PagedError(f"cannot compute {n} tokens at {seq.num_computed} of a "
                                  f"{seq.num_tokens}-token sequence")
-        logits, _ = self.execute(np.array([(seq.handle, seq.num_computed, n) for seq, n in work],
-                                          dtype=np.int32).reshape(-1, 3))
-        commit_chunks(self.kv, work)
+        items = np.array([(seq.handle, seq.num_computed, n) for seq, n in work], dtype=np.int32).reshape(-1, 3)
+        logits, _ = self.execute(items)
+        buffers = self._buffers
+        commit_chunks(self.kv, work, buffers.last_items, buffers.item_pointer(buffers.last_items))
         return logits
 
     def prefill(self, seq: SeqState) -> np.ndarray:
@@ -302,33 +312,34 @@ class ModelRunner:
 
     def _step_logits(self) -> np.ndarray:
         """The last step's logits rows where GGML left them (no copy): valid until the next step."""
-        n_rows = ffi.new("int32_t *")
-        ptr = lib.pp_context_step_logits(self._ctx, n_rows)
-        if n_rows[0] == 0:
+        ptr = lib.pp_context_step_logits(self._ctx, self._n_rows)
+        n_rows = self._n_rows[0]
+        if n_rows == 0:
             return self._no_logits
-        return np.frombuffer(ffi.buffer(ptr, 4 * n_rows[0] * self.n_vocab), dtype=np.float32).reshape(
-            n_rows[0], self.n_vocab)
+        last_ptr, last_rows, view = self._logits_view
+        if ptr != last_ptr or n_rows != last_rows:   # a reused graph leaves them where they were
+            view = np.frombuffer(ffi.buffer(ptr, 4 * n_rows * self.n_vocab), dtype=np.float32).reshape(
+                n_rows, self.n_vocab)
+            self._logits_view = (ptr, n_rows, view)
+        return view
 
     def _decode(self, tok, pos, slots, seqs, tables, rows, logits: np.ndarray | None, hidden_rows=None,
-                hidden: np.ndarray | None = None, argmax_only: bool = False) -> None:
+                hidden: np.ndarray | None = None, argmax_only: bool = False, pointers: tuple = ()) -> None:
         """The native step over contiguous int32 arrays, logits into a matching float32 buffer
-        (None: left in place for _step_logits), and the hidden states of hidden_rows into hidden."""
+        (None: left in place for _step_logits), and the hidden states of hidden_rows into hidden.
+        pointers: the six arrays' data as cdata when the caller holds them (StepBuffers.pointers)."""
         if self._ctx is None:
             raise PagedError("this model runner is closed")
         self.model.native   # raises if the model was closed under us (its weights are gone)
         n = len(tok)
         b = self._batch
         b.n_tokens = n
-        b.token_ids = _ptr(tok)
-        b.positions = _ptr(pos)
-        b.slot_mapping = _ptr(slots)
-        b.seq_index = _ptr(seqs)
-        b.n_groups = tables.shape[0]
-        b.n_seqs = tables.shape[1]
-        b.block_tables = _ptr(tables)
-        b.max_blocks_per_seq = tables.shape[2]
+        if not pointers:
+            pointers = (_ptr(tok), _ptr(pos), _ptr(slots), _ptr(seqs), _ptr(tables),
+                        _ptr(rows) if len(rows) else ffi.NULL)
+        b.token_ids, b.positions, b.slot_mapping, b.seq_index, b.block_tables, b.logit_rows = pointers
+        b.n_groups, b.n_seqs, b.max_blocks_per_seq = tables.shape
         b.n_logits = len(rows)
-        b.logit_rows = _ptr(rows) if len(rows) else ffi.NULL
         n_hidden = 0 if hidden_rows is None else len(hidden_rows)
         b.n_hidden = n_hidden
         b.hidden_rows = _ptr(hidden_rows) if n_hidden else ffi.NULL
