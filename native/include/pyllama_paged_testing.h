@@ -111,6 +111,18 @@ int32_t pp_panel_gemm_run(int32_t type, int64_t k, int64_t n_rows, const void *w
  * PP_ERR_INVALID for a row outside the weight. */
 int32_t pp_panel_row_run(int32_t type, int64_t k, int64_t n_rows, const void *weight, int64_t row, float *out);
 
+/* How a panel GEMM's threads share a weight of n_panels panels, run
+ * without data: n_threads threads (at most 16) take chunks of at most
+ * `chunk` panels. Entry i of `schedule` (n_schedule thread indices) is one
+ * request by that thread; then every thread the schedule lists asks until
+ * it gets nothing, in index order (a thread never listed is one the OS never
+ * ran). Each chunk given out is written to claims (the caller's, 3 x
+ * max_claims int64: thread, first panel, end panel). Returns the number of
+ * chunks, or -1 with PP_ERR_INVALID set for bad arguments or more chunks
+ * than max_claims (PP_ERR_NO_MEMORY if no memory). */
+int64_t pp_panel_chunks_run(int64_t n_panels, int32_t n_threads, int64_t chunk, const int32_t *schedule,
+                            int32_t n_schedule, int64_t *claims, int64_t max_claims);
+
 #ifdef __cplusplus
 }
 #endif

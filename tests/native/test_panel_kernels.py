@@ -199,3 +199,46 @@ def test_shapes_the_panels_do_not_take_are_refused():
     assert lib.pp_panel_gemm_run(TYPES["mxfp4"], k, 8, data, ffi.from_buffer("float[]", x), 1,
                                  lib.PP_PANEL_KERNEL_SCALAR, ffi.from_buffer("float[]", out)) == lib.PP_ERR_INVALID
     assert "do not take" in ffi.string(lib.pp_last_error()).decode()
+
+
+def _chunks(n_panels, n_threads, chunk, schedule):
+    claims = np.zeros((4 * n_panels + 8, 3), dtype=np.int64)
+    sched = np.asarray(schedule, dtype=np.int32)
+    n = lib.pp_panel_chunks_run(n_panels, n_threads, chunk, ffi.from_buffer("int32_t[]", sched), len(sched),
+                                ffi.from_buffer("int64_t[]", claims), len(claims))
+    assert n >= 0
+    return [tuple(int(v) for v in row) for row in claims[:n]]
+
+
+def _covered_once(claims, n_panels):
+    seen = np.zeros(n_panels, dtype=int)
+    for _, p0, p1 in claims:
+        seen[p0:p1] += 1
+    return (seen == 1).all()
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3, 16])
+def test_each_thread_streams_its_own_range_of_panels_in_order(n_threads):
+    """Running in turn, each thread's chunks are one contiguous ascending run (its bytes in
+    order, which a decode step's small projections need), and every panel is computed once."""
+    n_panels = 1000
+    claims = _chunks(n_panels, n_threads, 7, list(range(n_threads)) * 400)
+    assert _covered_once(claims, n_panels)
+    for t in range(n_threads):
+        mine = [(p0, p1) for th, p0, p1 in claims if th == t]
+        assert mine[0][0] == n_panels * t // n_threads
+        assert all(a[1] == b[0] for a, b in zip(mine, mine[1:]))
+        assert mine[-1][1] == n_panels * (t + 1) // n_threads
+
+
+def test_a_thread_the_os_never_ran_holds_up_nothing():
+    """Thread 1 never runs: thread 0 takes its whole range, chunk by chunk from the back,
+    after its own; with thread 1 running late, it loses only what thread 0 took."""
+    n_panels, chunk = 100, 8
+    alone = _chunks(n_panels, 2, chunk, [0])
+    assert {t for t, _, _ in alone} == {0} and _covered_once(alone, n_panels)
+    stolen = [(p0, p1) for _, p0, p1 in alone if p0 >= 50]
+    assert stolen[0] == (42 + 50, 100) and all(p1 - p0 <= chunk for p0, p1 in stolen)
+    late = _chunks(n_panels, 2, chunk, [0] * 9 + [1])   # thread 0 done with its own, one steal, then 1 runs
+    assert _covered_once(late, n_panels)
+    assert [c for c in late if c[0] == 1][0] == (1, 50, 58)   # its range's front, untouched

@@ -148,7 +148,10 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         ap->sinks = sinks && (!sinks->buffer || ggml_backend_buffer_is_host(sinks->buffer)) ? sinks->data : NULL;
     }
     if (m->panels) {
-        c->gemm_states = calloc((size_t)m->n_panel_slots, sizeof *c->gemm_states);
+        /* aligned: each thread's range of a state is a cache line of its own */
+        const size_t bytes = (size_t)m->n_panel_slots * sizeof *c->gemm_states;
+        c->gemm_states = aligned_alloc(_Alignof(pp_panel_gemm_state), bytes);
+        if (c->gemm_states) memset(c->gemm_states, 0, bytes);
         if (!c->gemm_states) {
             pp_context_destroy(c);
             return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the panel GEMM states");
@@ -509,7 +512,7 @@ int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
         return st;
     }
     struct ggml_cgraph *gf = c->graph;
-    if (c->gemm_states) pp_panel_gemm_rearm(c->gemm_states, m->n_panel_slots);
+    if (c->gemm_states) pp_panel_gemm_rearm(c->gemm_states, m->n_panel_slots, c->n_threads);
     enum ggml_status status = c->sched ? ggml_backend_sched_graph_compute(c->sched, gf)
                                        : ggml_backend_graph_compute(c->backend, gf);
     atomic_store(&c->abort_requested, 0);   /* a request is consumed by the step it stopped */

@@ -85,10 +85,10 @@ static void gated_op(struct ggml_tensor *dst, int ith, int nth, pp_panel_gemm_st
 #endif
     const size_t ldd = dst->nb[1] / sizeof(float);
     float *out = dst->data;
-    for (;;) {
-        const int64_t p0 = (int64_t)atomic_fetch_add(&gate->next_chunk, 1) * chunk;
-        if (p0 >= n_panels) break;
-        const int64_t p1 = p0 + chunk < n_panels ? p0 + chunk : n_panels, rows = (p1 - p0) * PP_PANEL_ROWS;
+    int cursor = 0;
+    int64_t p0, p1;
+    while (pp_panel_next_chunk(gate, ith, nth, n_panels, chunk, &cursor, &p0, &p1)) {
+        const int64_t rows = (p1 - p0) * PP_PANEL_ROWS;
         /* the kernels address panels by index from data: a header that starts at the chunk
          * puts its rows at the top of the tiles */
         pp_q8_panels g = *gate->w, u = *up->w;
@@ -105,7 +105,6 @@ static void gated_op(struct ggml_tensor *dst, int ith, int nth, pp_panel_gemm_st
                         gated_tile[1] + c * rows, rows, gelu);
         }
     }
-    (void)ith;
 }
 
 static void gated_gelu_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {

@@ -205,18 +205,49 @@ static int64_t chunk_panels(int64_t n_panels, int nth) {
     return chunk < 1 ? 1 : chunk > PP_PANEL_CHUNK ? PP_PANEL_CHUNK : chunk;
 }
 
-/* Chunks of panels, taken from the shared counter until none is left. */
+static uint64_t pack_range(uint64_t lo, uint64_t hi) {
+    return lo | hi << 32;
+}
+
+/* Up to chunk panels from range r: the front for its owner, the back for others. */
+static int claim(pp_panel_range *r, int owner, int64_t chunk, int64_t *p0, int64_t *p1) {
+    uint64_t cur = atomic_load_explicit(&r->lo_hi, memory_order_relaxed);
+    for (;;) {
+        const int64_t lo = (int64_t)(cur & 0xffffffffu), hi = (int64_t)(cur >> 32);
+        if (lo >= hi) return 0;
+        const int64_t n = hi - lo < chunk ? hi - lo : chunk;
+        const uint64_t next = owner ? pack_range((uint64_t)(lo + n), (uint64_t)hi) : pack_range((uint64_t)lo, (uint64_t)(hi - n));
+        if (atomic_compare_exchange_weak_explicit(&r->lo_hi, &cur, next, memory_order_relaxed, memory_order_relaxed)) {
+            *p0 = owner ? lo : hi - n;
+            *p1 = owner ? lo + n : hi;
+            return 1;
+        }
+    }
+}
+
+int pp_panel_next_chunk(pp_panel_gemm_state *st, int ith, int nth, int64_t n_panels, int64_t chunk, int *cursor,
+                        int64_t *p0, int64_t *p1) {
+    if (st->n_ranges != nth) {   /* cut for another thread count: chunks in turn */
+        *p0 = (int64_t)atomic_fetch_add(&st->next_chunk, 1) * chunk;
+        if (*p0 >= n_panels) return 0;
+        *p1 = *p0 + chunk < n_panels ? *p0 + chunk : n_panels;
+        return 1;
+    }
+    for (; *cursor < nth; ++*cursor)
+        if (claim(&st->ranges[(ith + *cursor) % nth], *cursor == 0, chunk, p0, p1)) return 1;
+    return 0;
+}
+
+/* Chunks of panels, this thread's range first, until none is left. */
 static void gemm_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     pp_panel_gemm_state *st = userdata;
     const struct ggml_tensor *cols = dst->src[0];
     const pp_panel_kernel_fn fn = pp_panel_kernel_for(st->kernel, st->w->type);
     const int64_t n_panels = st->w->n_rows / PP_PANEL_ROWS, chunk = chunk_panels(n_panels, nth);
-    for (;;) {
-        const int64_t p0 = (int64_t)atomic_fetch_add(&st->next_chunk, 1) * chunk;
-        if (p0 >= n_panels) break;
-        const int64_t p1 = p0 + chunk < n_panels ? p0 + chunk : n_panels;
+    int cursor = 0;
+    int64_t p0, p1;
+    while (pp_panel_next_chunk(st, ith, nth, n_panels, chunk, &cursor, &p0, &p1))
         fn(st->w, p0, p1, cols->data, cols->nb[1], cols->ne[1], dst->data, dst->nb[1] / sizeof(float));
-    }
 }
 
 struct ggml_tensor *pp_panel_quantize(struct ggml_context *ctx, struct ggml_tensor *x,
@@ -226,8 +257,17 @@ struct ggml_tensor *pp_panel_quantize(struct ggml_context *ctx, struct ggml_tens
                           quantize_op, GGML_N_TASKS_MAX, (void *)(intptr_t)kernel);
 }
 
-void pp_panel_gemm_rearm(pp_panel_gemm_state *states, int n) {
-    for (int i = 0; i < n; i++) atomic_store(&states[i].next_chunk, 0);
+void pp_panel_gemm_rearm(pp_panel_gemm_state *states, int n, int n_threads) {
+    for (int i = 0; i < n; i++) {
+        pp_panel_gemm_state *st = &states[i];
+        atomic_store(&st->next_chunk, 0);
+        st->n_ranges = st->w && n_threads <= PP_PANEL_MAX_RANGES ? n_threads : 0;
+        const int64_t n_panels = st->w ? st->w->n_rows / PP_PANEL_ROWS : 0;
+        for (int t = 0; t < st->n_ranges; t++)
+            atomic_store_explicit(&st->ranges[t].lo_hi,
+                                  pack_range((uint64_t)(n_panels * t / n_threads), (uint64_t)(n_panels * (t + 1) / n_threads)),
+                                  memory_order_relaxed);
+    }
 }
 
 struct ggml_tensor *pp_panel_gemm(struct ggml_context *ctx, pp_panel_gemm_state *state,

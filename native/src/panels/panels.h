@@ -115,19 +115,45 @@ typedef struct pp_expert_panels {
 pp_expert_panels *pp_expert_panels_alloc(enum ggml_type type, int64_t k, int64_t n_rows, int64_t n_expert);
 void pp_expert_panels_free(pp_expert_panels *ep);
 
-/* Per weight and compute context: the chunk counter the GEMM's threads
- * share, rearmed each time the op is put in a graph. An expert slot has
- * experts set and w NULL. */
+/* Threads of a step that split a weight's panels in ranges of their own;
+ * more take chunks from one shared counter. */
+#define PP_PANEL_MAX_RANGES 16
+
+/* One thread's range of panels [lo, hi), packed lo | hi << 32: the owner
+ * takes chunks from the front, threads done with their own from the back;
+ * a line of its own, as two threads write it. */
+typedef struct pp_panel_range {
+    _Alignas(64) _Atomic uint64_t lo_hi;
+} pp_panel_range;
+
+/* Per weight and compute context: how the GEMM's threads share its panels,
+ * rearmed before each compute of a graph. A dense weight's panels are split
+ * in one contiguous range per thread: each thread streams its own bytes in
+ * order (chunks taken from a shared counter interleave the threads, and a
+ * decode step's small projections ran 7% slower so), and a thread done
+ * early takes chunks from the end of another's range, so a descheduled
+ * thread holds up at most the chunk it is in. An expert slot has experts
+ * set and w NULL, and its items come from next_chunk. */
 typedef struct pp_panel_gemm_state {
     const pp_q8_panels *w;
     const pp_expert_panels *experts;
     enum pp_panel_kernel kernel;
     atomic_int          next_chunk;
+    int32_t             n_ranges;    /* threads the ranges were cut for (0: none) */
+    pp_panel_range      ranges[PP_PANEL_MAX_RANGES];
 } pp_panel_gemm_state;
 
-/* Rearm the states' chunk counters: before each compute of a graph that
- * reads them (a graph may run many times), never while one runs. */
-void pp_panel_gemm_rearm(pp_panel_gemm_state *states, int n);
+/* Rearm the states for a compute on n_threads threads (ranges, counters):
+ * before each compute of a graph that reads them (a graph may run many
+ * times), never while one runs. */
+void pp_panel_gemm_rearm(pp_panel_gemm_state *states, int n, int n_threads);
+
+/* The next chunk [*p0, *p1) of at most `chunk` panels thread ith (of nth)
+ * computes, from its own range and then from the others' (*cursor: 0 at
+ * the op's start, advanced here); from next_chunk when the ranges were cut
+ * for another number of threads. 0 when no panel is left. */
+int pp_panel_next_chunk(pp_panel_gemm_state *st, int ith, int nth, int64_t n_panels, int64_t chunk, int *cursor,
+                        int64_t *p0, int64_t *p1);
 
 /* Graph ops. pp_panel_quantize: x [k, n] f32 -> its columns as the kernels
  * read them (one op, shared by the products of the same x);

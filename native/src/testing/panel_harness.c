@@ -5,6 +5,7 @@
 #include "panels/panel_formats.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 static int quantizable(int32_t type, int64_t k) {
     if (type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size((enum ggml_type)type) <= 0) return 0;
@@ -99,4 +100,52 @@ int32_t pp_panel_row_run(int32_t type, int64_t k, int64_t n_rows, const void *we
     pp_q8_panels_row(p, row, out);
     pp_q8_panels_free(p);
     return PP_OK;
+}
+
+int64_t pp_panel_chunks_run(int64_t n_panels, int32_t n_threads, int64_t chunk, const int32_t *schedule,
+                            int32_t n_schedule, int64_t *claims, int64_t max_claims) {
+    if (n_panels < 0 || n_threads < 1 || n_threads > PP_PANEL_MAX_RANGES || chunk < 1 || n_schedule < 0 ||
+        (n_schedule > 0 && !schedule) || !claims || max_claims < 0) {
+        pp_fail(PP_ERR_INVALID, "pp_panel_chunks_run: bad arguments");
+        return -1;
+    }
+    /* a weight of n_panels panels (no data: only the sharing is run) */
+    pp_q8_panels w = {.type = GGML_TYPE_Q8_0, .n_rows = n_panels * PP_PANEL_ROWS, .k = PP_PANEL_BLOCK};
+    pp_panel_gemm_state *st = aligned_alloc(_Alignof(pp_panel_gemm_state), sizeof *st);
+    if (!st) {
+        pp_fail(PP_ERR_NO_MEMORY, "pp_panel_chunks_run: no memory");
+        return -1;
+    }
+    memset(st, 0, sizeof *st);
+    st->w = &w;
+    pp_panel_gemm_rearm(st, 1, n_threads);
+    int cursor[PP_PANEL_MAX_RANGES] = {0}, listed[PP_PANEL_MAX_RANGES] = {0};
+    int64_t n = 0;
+    for (int32_t i = 0; i < n_schedule; i++) {
+        if (schedule[i] < 0 || schedule[i] >= n_threads) {
+            free(st);
+            pp_fail(PP_ERR_INVALID, "pp_panel_chunks_run: thread %d outside %d", schedule[i], n_threads);
+            return -1;
+        }
+        listed[schedule[i]] = 1;
+    }
+    for (int32_t i = 0; i < n_schedule + n_threads; i++) {
+        const int t = i < n_schedule ? schedule[i] : i - n_schedule;
+        if (!listed[t]) continue;
+        int64_t p0, p1;
+        while (pp_panel_next_chunk(st, t, n_threads, n_panels, chunk, &cursor[t], &p0, &p1)) {
+            if (n == max_claims) {
+                free(st);
+                pp_fail(PP_ERR_INVALID, "pp_panel_chunks_run: more than %lld chunks", (long long)max_claims);
+                return -1;
+            }
+            claims[3 * n] = t;
+            claims[3 * n + 1] = p0;
+            claims[3 * n + 2] = p1;
+            n++;
+            if (i < n_schedule) break;   /* one request per schedule entry */
+        }
+    }
+    free(st);
+    return n;
 }
