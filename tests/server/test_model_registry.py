@@ -73,22 +73,26 @@ def test_no_room_while_every_engine_is_busy_is_a_503(three_models):
     from pyllama_paged.server.app import create_app
     from pyllama_paged.testing.serving import Running
 
+    # one slot beside the --model file (at least one, whatever the cap says)
     registry = _registry(three_models, max_loaded_models=1)
     registry.LOAD_WAIT_S = 0.5
     server = Running(create_app(registry))
+
+    def generate(model):
+        return httpx.post(f"{server.url}/api/generate", timeout=60,
+                          json={"model": model, "prompt": "hi", "stream": False, "options": {"num_predict": 1}})
     try:
-        base = registry.served("base")
-        assert base.is_loaded
-        base.active += 1   # a request in flight holds it: it may not be unloaded
+        assert generate("a").status_code == 200
+        a = registry.served("a")
+        a.active += 1   # a request in flight holds it: it may not be unloaded
         try:
-            r = httpx.post(f"{server.url}/api/generate", json={"model": "a", "prompt": "hi", "stream": False},
-                           timeout=60)
+            r = generate("b")
             assert r.status_code == 503, r.text
             assert "every one is in use" in r.json()["error"]
+            assert generate("base").status_code == 200   # the operator's model is not in that queue
         finally:
-            base.active -= 1
-        r = httpx.post(f"{server.url}/api/generate", timeout=60,
-                       json={"model": "a", "prompt": "hi", "stream": False, "options": {"num_predict": 1}})
+            a.active -= 1
+        r = generate("b")
         assert r.status_code == 200, r.text   # once it is idle, it makes room
     finally:
         server.close()
