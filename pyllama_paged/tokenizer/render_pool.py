@@ -340,6 +340,9 @@ class InProcessRenderer:
         except jinja2.TemplateError as e:
             raise render_error(sandbox.FAILED, str(e), self.limits) from e
 
+    def close(self) -> None:
+        """Nothing to stop (the pool's counterpart)."""
+
 
 _lock = threading.Lock()
 _shared: dict = {}   # "limits", "pool", "trusted": this process's renderers
