@@ -125,9 +125,11 @@ class _Process:
 
     @property
     def pid(self) -> int:
+        """The process's id."""
         return self.proc.pid
 
     def alive(self) -> bool:
+        """Whether the process still runs."""
         return self.proc.poll() is None
 
     def run(self, job: bytes, deadline: float) -> tuple[bytes, str]:

@@ -39,6 +39,8 @@ import jinja2.sandbox
 MAX_PRODUCT_ITEMS = 1 << 22
 MAX_INT_BITS = 1 << 16
 MAX_WIDTH = 1 << 16
+# a template's source (real ones are tens of KiB): the server parses it when the model loads
+MAX_SOURCE_CHARS = 1 << 20
 # templates a renderer process keeps compiled (a server has a few models)
 CACHED_TEMPLATES = 32
 
@@ -100,6 +102,12 @@ def _check_replace(text: str, old: Any, new: Any, count: Any = -1) -> None:
         _refuse(f"the template replaces text into more than {MAX_PRODUCT_ITEMS} characters")
 
 
+def _check_join(separator: Any, items: Any) -> None:
+    if isinstance(separator, str) and hasattr(items, "__len__") \
+            and len(separator) * max(len(items) - 1, 0) > MAX_PRODUCT_ITEMS:
+        _refuse(f"the template joins {len(items)} items with a separator of {len(separator)} characters")
+
+
 def _check_product(left: Any, right: Any) -> None:
     for seq, count in ((left, right), (right, left)):
         if isinstance(seq, (str, list, tuple)) and isinstance(count, int) \
@@ -125,6 +133,7 @@ _STR_METHODS = {
     "zfill": lambda s, width=0, *_: _check_width(width, "pads text"),
     "expandtabs": lambda s, tabsize=8, *_: _check_width(tabsize, "expands tabs"),
     "replace": _check_replace,
+    "join": lambda s, items=(), *_: _check_join(s, items),
 }
 
 
@@ -135,6 +144,7 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset(["*", "**", "%"])
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        """`*`, `**` and `%` from the template, refused when their result would be huge."""
         if operator == "*":
             _check_product(left, right)
         elif operator == "**":
@@ -181,7 +191,14 @@ def _check_center(value: Any, width: Any = 80) -> None:
 
 
 def _check_indent(value: Any, width: Any = 4, *_: Any, **__: Any) -> None:
-    _check_width(width if isinstance(width, int) else len(str(width)), "indents text")
+    columns = width if isinstance(width, int) else len(str(width))
+    _check_width(columns, "indents text")
+    if (str(value).count("\n") + 1) * max(columns, 0) > MAX_PRODUCT_ITEMS:
+        _refuse(f"the template indents text into more than {MAX_PRODUCT_ITEMS} characters")
+
+
+def _check_join_filter(value: Any, d: Any = "", attribute: Any = None) -> None:
+    _check_join(d, value)
 
 
 def _check_format_filter(value: Any, *args: Any, **kwargs: Any) -> None:
@@ -217,7 +234,7 @@ def environment() -> BoundedSandbox:
     env.globals.pop("lipsum", None)   # paragraphs of filler text on demand: no chat needs them
     env.filters["tojson"] = _plain_tojson
     for name, check in (("center", _check_center), ("indent", _check_indent), ("format", _check_format_filter),
-                        ("replace", _check_replace_filter)):
+                        ("replace", _check_replace_filter), ("join", _check_join_filter)):
         env.filters[name] = _bounded_filter(name, check)
     return env
 
@@ -226,7 +243,13 @@ def check_syntax(source: str) -> None:
     """jinja2.TemplateSyntaxError unless source parses. Parsing only: compiling folds constant
     expressions (`{{ 'x'|center(10**9) }}` would run at compile time), so compiling a template
     is left to the renderer process."""
-    environment().parse(source)
+    if len(source) > MAX_SOURCE_CHARS:
+        raise jinja2.TemplateSyntaxError(f"the template has {len(source)} characters, more than the "
+                                         f"{MAX_SOURCE_CHARS} a chat template may have", 1)
+    try:
+        environment().parse(source)
+    except RecursionError:
+        raise jinja2.TemplateSyntaxError("the template is nested too deeply", 1) from None
 
 
 # ---- the renderer process -------------------------------------------------------------

@@ -19,17 +19,21 @@ from pyllama_paged.testing.serving import Running, tiny_registry
 NOT_GGUF = b"<!doctype html><html><body>Sign in to continue</body></html>\n" * 64
 
 
-def _files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.exists() else []
+def _left_nothing(tmp_path: Path) -> None:
+    """No model in the store, no blob or partial in it, nothing in Hugging Face's cache."""
+    def files(root: Path) -> list[str]:
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.exists() else []
+    assert ModelStore().list() == []
+    assert [f for f in files(tmp_path / "store") if not f.endswith((".lock", "index.json"))] == []
+    assert not [f for f in files(tmp_path / "hf" / "hub") if "blobs/" in f or "snapshots/" in f]
 
 
 def test_a_registry_layer_that_is_not_gguf_is_refused_and_deleted(model_sources, tmp_path):
     digest = model_sources.add_registry_model("page", "latest", NOT_GGUF)
     with pytest.raises(DownloadError, match=r"not a GGUF model \(it starts with b'<!do'.*deleted and nothing was stored"):
         pull("page")
-    store = ModelStore()
-    assert not store.blob_path(digest).exists() and store.list() == []
-    assert [f for f in _files(store.root) if not f.endswith((".lock", "index.json"))] == []   # no partial
+    assert not ModelStore().blob_path(digest).exists()
+    _left_nothing(tmp_path)
     registry = tiny_registry(tmp_path, name="base")
     server = Running(create_app(registry))
     try:   # the same through the server: an error naming the problem, and the name does not exist
@@ -46,9 +50,7 @@ def test_a_hub_file_that_is_not_gguf_is_refused_and_deleted(model_sources, tmp_p
     model_sources.add_hub_file("someone/page-GGUF", "page-Q4_K_M.gguf", NOT_GGUF)
     with pytest.raises(DownloadError, match="someone/page-GGUF/page-Q4_K_M.gguf: the downloaded file is not a GGUF"):
         pull("hf.co/someone/page-GGUF")
-    hub_files = _files(tmp_path / "hf" / "hub")
-    assert not any("blobs/" in f or "snapshots/" in f for f in hub_files), hub_files
-    assert ModelStore().list() == []
+    _left_nothing(tmp_path)
 
 
 def test_a_real_gguf_still_pulls(model_sources, tiny_gguf_bytes):

@@ -49,6 +49,7 @@ class CgroupCPU:
 
     @property
     def found(self) -> bool:
+        """Whether this process's cgroup v2 folder was found."""
         return self.folder is not None
 
     def quota_cpus(self) -> float | None:
