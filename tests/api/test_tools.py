@@ -145,6 +145,30 @@ def test_forced_call_grammar_admits_a_call_then_the_end(llm, family, answer):
         pytest.fail("a call to get_time passed a grammar for get_weather only")
 
 
+COUNT = {"type": "function", "function": {
+    "name": "count", "parameters": {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"}},
+                                    "required": ["n", "x"]}}}
+
+
+@pytest.mark.parametrize("family,prefix", [
+    ("hermes", '<tool_call>\n{"name":"count","arguments":{"n":'),
+    ("llama3", '{"name":"count","parameters":{"n":1,"x":0.'),
+    ("mistral", '[{"name":"count","arguments":{"n":'),
+    ("json", '{"name":"count","arguments":{"n":1,"x":'),
+])
+def test_a_forced_calls_numbers_take_at_most_16_digits(llm, family, prefix):
+    tok = llm._tokenizer
+    state = forced_call_constraint(tok, family, [COUNT]).start()
+    for token in tok.encode(prefix, add_special=False):
+        state.accept(token)
+    buffer, nine = MaskBuffer(tok.n_vocab), tok.encode("9", add_special=False)[0]
+    written = 0
+    while written < 40 and buffer.fill([state])[0][nine]:
+        state.accept(nine)
+        written += 1
+    assert written == 16
+
+
 def test_tool_choice_errors(llm):
     for tools, choice, needle in ((TOOLS, {"type": "function", "function": {"name": "nope"}}, "not among"),
                                   ([], "required", "no tools"), (TOOLS, "sometimes", "not none, auto"),
@@ -215,6 +239,27 @@ def test_openai_forced_and_named_tool_calls_round_trip(server):
     _check_call(deltas[0].function.name, deltas[0].function.arguments)
     assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
     assert wait_pool_empty(server.url)
+
+
+def test_a_model_that_prefers_digits_ends_its_forced_call_and_its_json_over_http(server, llm):
+    """logit_bias makes every digit the model's first choice: without a bound on a number's
+    digits it writes them until max_tokens and nothing parses."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    tok = llm._tokenizer
+    bias = {str(tok.encode(str(d), add_special=False)[0]): 100 for d in range(10)}
+    messages = [{"role": "user", "content": "Count to three."}]
+    r = client.chat.completions.create(model=M, messages=messages, tools=[COUNT], tool_choice="required",
+                                       max_tokens=120, seed=1, logit_bias=bias)
+    assert r.choices[0].finish_reason == "tool_calls"
+    arguments = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+    jsonschema.validate(arguments, COUNT["function"]["parameters"])
+    assert len(str(arguments["n"])) == 16
+    schema = COUNT["function"]["parameters"]
+    r = client.chat.completions.create(model=M, messages=messages, max_tokens=120, seed=2, logit_bias=bias,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "count", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 def test_ollama_tool_call_round_trip(server):
