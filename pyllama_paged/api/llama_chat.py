@@ -8,6 +8,7 @@ import time
 import uuid
 from typing import Iterator
 
+from ..tools.harmony import HarmonyTokens
 from .chat_call import AnswerSplitter
 from .text_stream import TextDelta
 
@@ -34,7 +35,7 @@ def legacy_functions(functions, function_call, tools, tool_choice):
 
 def chat_chunks(llama, prompt_ids: list[int], params, names: set[str], model: str,
                 stopping_criteria=None, thinks: bool = False, opens_thinking: bool = False,
-                harmony: bool = False) -> Iterator[dict]:
+                harmony: HarmonyTokens | None = None) -> Iterator[dict]:
     """The chat stream: every chunk has choices[0]; the last one also carries usage. A model
     that thinks (thinks; opens_thinking: its prompt opened the block) sends its thinking as
     reasoning_content deltas, as OpenAI-compatible servers do; a harmony reply (harmony) is read

@@ -14,6 +14,7 @@ from typing import AsyncIterator
 from ..api.chat_call import (Answer, AnswerPiece, AnswerSplitter, ChatCall, PreparedChat, collect_answers,
                              prepare_call, split_answer)
 from ..errors import PagedError
+from ..tools.harmony import HarmonyTokens
 from ..tools.messages import MessageError
 from .generation import APIError, Generation, check_request, field_error, fit_prompt, off_loop, \
     require_generative, start_generation
@@ -32,7 +33,7 @@ class ChatRun:
     prep: Executor         # the server's pool for slow text work
     thinks: bool = False   # the model writes a think block: its thinking comes apart from the answer
     opens_thinking: bool = False   # the prompt opened that block
-    harmony: bool = False   # the reply is harmony (gpt-oss): read by its channels
+    harmony: HarmonyTokens | None = None   # the reply is harmony (gpt-oss): read by its channels
 
     async def pieces(self) -> AsyncIterator[AnswerPiece]:
         """The answer as it streams, a piece per text delta (a sample's last one, whose held

@@ -27,6 +27,7 @@ LAYERS = [
     ["tokenizer.spm"],
     ["tokenizer.bpe", "tokenizer.wordpiece", "tokenizer.special"],
     ["tokenizer.tokenizer", "tokenizer.chat_template"],
+    ["constrain.digits"],
     ["constrain.vocab"],
     ["constrain.grammar"],
     ["constrain.masks", "constrain.formats"],
