@@ -9,7 +9,7 @@ whole (split_answer). Each API renders the resulting pieces into its own body.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..constrain.grammar import Constraint
@@ -142,10 +142,12 @@ class AnswerPiece:
 
 class AnswerSplitter:
     """Each sample's streamed text as content and tool calls: text that cannot open a call
-    passes at once; text that may be one is held until the sample ends, and parsed then
-    (which can take a while on a long answer: see ends_with_parse). A harmony reply is read
-    by its channels instead (tools/harmony.py: from the deltas' token ids), its call given at
-    the end."""
+    passes at once; text that may be one is held until it can be told (tools/calls.py), and
+    calls are parsed when the sample ends (which can take a while on a long answer: see
+    ends_with_parse) or when text that is no call follows whole ones: the sample's answer
+    ends there (finish_reason "stop", the text after its calls dropped; see cut and
+    all_ended). A harmony reply is read by its channels instead (tools/harmony.py: from the
+    deltas' token ids), its call given at the end."""
 
     def __init__(self, tool_names: set[str], thinks: bool = False, opens_thinking: bool = False,
                  harmony: HarmonyTokens | None = None):
@@ -154,6 +156,17 @@ class AnswerSplitter:
         self._streams: dict[int, ToolCallStream] = {}
         self._reasoning: dict[int, ReasoningSplitter] = {}
         self._harmony: dict[int, HarmonyReader] = {}
+        self._ended: set[int] = set()      # samples whose last piece was made
+        self._cut: dict[int, int] = {}     # samples ended after their calls: characters dropped
+
+    def cut(self, index: int) -> int | None:
+        """How many characters of sample index's text were dropped after its calls when its
+        answer ended with them (None: it was not cut; its later deltas add nothing)."""
+        return self._cut.get(index)
+
+    def all_ended(self, n: int) -> bool:
+        """Whether each of n samples has had its last piece (its finish, or its calls' end)."""
+        return len(self._ended) >= n
 
     def ends_with_parse(self, delta: TextDelta) -> bool:
         """Whether feeding this delta parses held text for tool calls."""
@@ -161,6 +174,10 @@ class AnswerSplitter:
 
     def feed(self, delta: TextDelta) -> AnswerPiece:
         """The piece a text delta makes; the last one of a sample carries its calls."""
+        if delta.index in self._ended:   # after its calls' end: what the model wrote on is dropped
+            return AnswerPiece(delta.index, "")
+        if delta.finish_reason:
+            self._ended.add(delta.index)
         if self.harmony is not None:
             return self._feed_harmony(delta)
         text, calls, thinking = delta.text, [], ""
@@ -171,13 +188,19 @@ class AnswerSplitter:
                 last = splitter.finish()
                 part.thinking, part.content = part.thinking + last.thinking, part.content + last.content
             thinking, text = part.thinking, part.content
+        finish, stop = delta.finish_reason, delta.stop
         if self.tool_names:
             stream = self._streams.setdefault(delta.index, ToolCallStream(self.tool_names))
             text = stream.feed(text)
-            if delta.finish_reason:
+            if stream.done:   # whole calls, then text that is none: the answer ends here
+                self._cut[delta.index] = stream.dropped
+                if not finish:
+                    finish, stop = "stop", None
+                    self._ended.add(delta.index)
+            if finish:
                 rest, calls = stream.finish()
                 text += rest
-        return AnswerPiece(delta.index, text, delta.event, delta.finish_reason, delta.stop, calls, thinking)
+        return AnswerPiece(delta.index, text, delta.event, finish, stop, calls, thinking)
 
     def _feed_harmony(self, delta: TextDelta) -> AnswerPiece:
         reader = self._harmony.setdefault(delta.index, HarmonyReader(self.harmony, self.tool_names))
@@ -196,6 +219,19 @@ def _read_harmony(deltas: list[TextDelta], harmony: HarmonyTokens, tool_names: s
     pieces = [splitter.feed(d) for d in deltas]
     return AnswerPiece(0, "".join(p.text for p in pieces), thinking="".join(p.thinking for p in pieces),
                        calls=[c for p in pieces for c in p.calls])
+
+
+def without_dropped(deltas: list[TextDelta], splitter: AnswerSplitter) -> list[TextDelta]:
+    """The deltas less what each cut sample wrote after its calls (the text its splitter dropped)."""
+    out, left = list(deltas), {}
+    for k in range(len(out) - 1, -1, -1):   # from each sample's end
+        d = out[k]
+        drop = left.setdefault(d.index, splitter.cut(d.index) or 0)
+        if drop and d.text:
+            keep = max(0, len(d.text) - drop)
+            left[d.index] = drop - (len(d.text) - keep)
+            out[k] = replace(d, text=d.text[:keep])
+    return out
 
 
 def split_answer(text: str, tool_names: set[str]) -> tuple[str, list[ToolCall]]:

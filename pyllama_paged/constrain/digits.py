@@ -15,6 +15,7 @@ runs raises the bound to fit them, so that no schema is made unsatisfiable.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -40,8 +41,16 @@ def schema_digit_bound(schema: Any) -> int:
         elif isinstance(item, list):
             stack.extend(item)
         elif isinstance(item, (int, float)) and not isinstance(item, bool):
-            longest = max(longest, _longest_run(repr(item).encode()))
+            longest = max(longest, _digits(item))
     return max(DIGIT_BOUND, longest)
+
+
+def _digits(value: int | float) -> int:
+    """The longest digit run of a number as JSON may write it (1e16 is 17 digits when whole)."""
+    longest = _longest_run(repr(value).encode())
+    if isinstance(value, float) and math.isfinite(value):
+        longest = max(longest, len(str(int(abs(value)))))
+    return longest
 
 
 class DigitTable:

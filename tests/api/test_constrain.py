@@ -9,6 +9,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from pyllama_paged.constrain.digits import schema_digit_bound
 from pyllama_paged.constrain.grammar import ConstraintError, closed_objects, compile_constraint
 from pyllama_paged.constrain.masks import MaskBuffer
 from pyllama_paged.errors import PagedError
@@ -160,6 +161,7 @@ def test_digits_in_strings_and_the_schemas_own_numbers_are_not_bounded(llm):
         assert buffer.fill([state])[0][token]
         state.accept(token)
     assert set(np.flatnonzero(buffer.fill([state])[0])) == set(tok.eot_ids)
+    assert schema_digit_bound({"minimum": 1e17}) == 18 and schema_digit_bound({"enum": [1.5, "x" * 40]}) == 16
 
 
 def _digit_bias(tok) -> dict[int, float]:

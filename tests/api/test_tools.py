@@ -83,6 +83,64 @@ def test_several_calls_and_things_that_are_not_calls():
     assert stream.feed("Sure") == "Sure" and stream.feed(", <tool") == ", " and stream.feed("bar>") == "<toolbar>"
 
 
+def _stream(text, names=NAMES):
+    """(content streamed, the characters fed before the first content, calls, the stream) for
+    text fed one character at a time until the stream is done."""
+    stream, out, first = ToolCallStream(names), [], None
+    for k, ch in enumerate(text):
+        piece = stream.feed(ch)
+        if piece and first is None:
+            first = k + 1
+        out.append(piece)
+        if stream.done:
+            break
+    rest, calls = stream.finish()
+    return "".join(out) + rest, first, [(c.name, c.arguments) for c in calls], stream
+
+
+@pytest.mark.parametrize("call", [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>',
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}',
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}',
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}]',
+    '```json\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n```',
+    '```tool_code\nget_weather(city="Paris", unit="C")\n```',
+])
+def test_a_call_then_text_ends_the_answer_with_the_call(call):
+    """Whole-text parsing once read a call followed by text as plain text; the stream stops
+    at the first character after the call that no call goes on with, and drops it."""
+    trailing = "\n\nThe weather in Paris is sunny."
+    content, _, calls, stream = _stream(call + trailing)
+    assert (content, calls) == ("", [("get_weather", PARIS)])
+    assert stream.done and stream.dropped == len("\n\nT")
+
+
+def test_calls_one_after_another_are_all_read_before_the_end():
+    hermes = ('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n'
+              '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}</tool_call>')
+    llama = ('{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+             '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}')
+    for text in (hermes, llama):
+        content, _, calls, stream = _stream(text + " Done.")
+        assert [name for name, _ in calls] == ["get_time", "get_weather"] and not content and stream.done
+
+
+@pytest.mark.parametrize("text,told_after", [
+    ('{"answer": 42, "name": "get_weather"}', 4),      # a key no call has
+    ('{"name": "Alice", "age": 36}', 11),              # a name no tool has
+    ('{"name": "get_weatherman", "arguments": {}}', 22),
+    ('[1, 2, 3]', 2), ('[TOOL', 6),                    # an array of no calls; not a marker
+    ('```python\nprint(1)\n```', 11),                 # a fence of code that is no JSON
+    ("<b>bold</b>", 2), ("{broken", 2),
+    ('{"name": "get_weather", "arguments": {}, "x": 1}', 43),   # a key after the call's own
+])
+def test_text_that_cannot_be_a_call_streams_once_it_cannot(text, told_after):
+    content, first, calls, _ = _stream(text + " and more")
+    assert (content, calls) == (text + " and more", [])
+    assert first == told_after   # let through at the character that told, not at the end
+    assert parse_tool_calls(text, NAMES) == (text, [])   # and the whole answer reads the same
+
+
 # ---- rendering ----------------------------------------------------------------
 # A template of our own in the shape of the tool-aware ones GGUF files carry.
 TOOL_TEMPLATE = (

@@ -51,6 +51,7 @@ LAYERS = [
     ["engine.llm_engine", "engine.prompt_logprobs"],
     ["engine.loop", "engine.pooling.encoder", "engine.shared_steps", "engine.pooling.rerank_head"],
     ["engine.builder"],
+    ["tools.call_scan"],
     ["api.text_stream", "api.sampling_options", "tools.calls", "tools.messages", "tools.reasoning", "api.embeddings"],
     ["tools.prompt", "tools.harmony", "api.rerank_inputs"],
     ["api.chat_call"],
