@@ -55,7 +55,8 @@ class HarmonyTokens:
     markers: dict[int, str]   # token id -> the marker it is
 
 
-_found: "weakref.WeakKeyDictionary[Tokenizer, HarmonyTokens]" = weakref.WeakKeyDictionary()
+# per tokenizer, its markers only: a value holding the tokenizer would keep its key alive
+_found: "weakref.WeakKeyDictionary[Tokenizer, dict[int, str]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -63,12 +64,12 @@ def harmony_tokens(tokenizer: Tokenizer) -> HarmonyTokens:
     """The tokenizer's harmony markers: its special (control or user-defined) tokens whose text
     is one, every such id (a vocabulary may hold a marker twice); found once per tokenizer."""
     with _lock:
-        found = _found.get(tokenizer)
-        if found is None:
+        markers = _found.get(tokenizer)
+        if markers is None:
             types = tokenizer.token_types
             markers = {i: t for i, t in enumerate(tokenizer.tokens) if t in MARKERS and types[i] in _SPECIAL_TYPES}
-            found = _found[tokenizer] = HarmonyTokens(tokenizer, markers)
-        return found
+            _found[tokenizer] = markers
+    return HarmonyTokens(tokenizer, markers)
 
 
 def header_fields(parts: list[tuple[bool, str]]) -> tuple[str | None, str | None]:
