@@ -24,6 +24,7 @@ import numpy as np
 DIGIT_BOUND = 16   # digits in a run outside strings: an integral part, a fraction or an exponent
 _DIGITS = re.compile(rb"[0-9]+")
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_MAX_MASKS = 64
 
 
 def _longest_run(data: bytes) -> int:
@@ -70,20 +71,25 @@ class DigitTable:
             if digits < len(piece):
                 self.later[token_id] = _longest_run(piece[digits:])
         self.most_lead, self.most_later = int(self.lead.max(initial=0)), int(self.later.max(initial=0))
-        self._masks: dict[tuple[int, int], np.ndarray] = {}
+        self._masks: dict = {}
 
     def admits(self, run: int, bound: int) -> np.ndarray | None:
         """uint8 mask of the tokens that keep every run within bound after a run of `run`
         digits outside strings; None when every token does (the usual case)."""
-        if run + self.most_lead <= bound and self.most_later <= bound:
+        room = bound - run
+        if room >= self.most_lead and self.most_later <= bound:
             return None
-        key = (run, bound)
+        # keyed by what the mask depends on: a few rooms below most_lead, so requests' own
+        # bounds cannot fill memory with masks (and the odd vocabulary's pairs are capped)
+        key = room if self.most_later <= bound else (room, bound)
         mask = self._masks.get(key)
         if mask is None:
             # a token is judged as if its later runs were outside strings too: only tokens
             # holding more than `bound` digits in a row are refused for that, and none of a
             # real vocabulary's do
-            refused = (self.lead > bound - run) | (self.later > bound)
+            refused = (self.lead > max(room, 0)) | (self.later > bound)
+            if len(self._masks) >= _MAX_MASKS:
+                self._masks.clear()
             mask = self._masks[key] = (~refused).astype(np.uint8)
         return mask
 
