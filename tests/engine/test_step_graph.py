@@ -50,7 +50,10 @@ def test_a_gathered_decode_step_has_the_same_graph_at_any_number_of_sequences(ti
     model = Model(tiny[arch])
     try:
         rng = np.random.default_rng(3)
-        seen = {n: _decode_stats(model, "gather", n, rng) for n in (1, 16, 64)}
+        # from 2 sequences: on the CPU one sequence's products over the types tinyBLAS takes run
+        # as two columns (a pad and a view each, docs/batch-invariance.md), which a device's
+        # graph never has
+        seen = {n: _decode_stats(model, "gather", n, rng) for n in (2, 16, 64)}
     finally:
         model.close()
     first = {n: (s[0]["nodes"], s[0]["inputs"]) for n, s in seen.items()}
@@ -58,7 +61,7 @@ def test_a_gathered_decode_step_has_the_same_graph_at_any_number_of_sequences(ti
     for n, (_, second) in seen.items():
         # the next decode step has the same shape (same runs, same key bucket): no rebuild
         assert second["reused"], (n, second)
-        assert (second["nodes"], second["inputs"]) == first[1]
+        assert (second["nodes"], second["inputs"]) == first[2]
 
 
 def test_the_kernel_path_runs_a_decode_graph_again(tiny):
