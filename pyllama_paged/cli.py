@@ -351,7 +351,7 @@ def _prefix_tiers(args):
 
 def _speculative(args):
     """serve's speculative-decoding flags as a SpeculativeConfig (None: off)."""
-    from .engine.spec.draft import SpeculativeConfig
+    from .engine.spec_decode.draft import SpeculativeConfig
     from .errors import PagedError
 
     method = args.speculative

@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from pyllama_paged.engine.worker.model import Model, default_model_path
-    from pyllama_paged.engine.spec.draft import SpeculativeConfig
+    from pyllama_paged.engine.spec_decode.draft import SpeculativeConfig
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

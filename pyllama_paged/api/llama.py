@@ -16,7 +16,7 @@ from ..engine.worker.model import Model
 from ..engine.builder import build_engine
 from ..engine.config import EngineConfig
 from ..engine.kv.prefix_tiers import PrefixTierConfig
-from ..engine.spec.draft import SpeculativeConfig
+from ..engine.spec_decode.draft import SpeculativeConfig
 from ..engine.worker.devices import list_devices
 from ..engine.worker.sampler import SamplingParams
 from ..engine.sched.scheduler import SchedulerConfig

@@ -1,7 +1,7 @@
 """Reranking as the APIs give it: a query and its documents checked, each pair made the
 model's input (rerank_inputs.py), every pair submitted to the engine at once as a pooled
 request (an encoder runs them as a few padded batches, a decoder's scheduler prefills them
-side by side), the pooled states scored by the model's head (engine/pooling/rerank_head.py), then
+side by side), the pooled states scored by the model's head (api/rerank_head.py), then
 ordered and shaped as llama.cpp's server answers /v1/rerank (Jina's and Cohere's shape).
 
 Results: highest relevance_score first (equal scores keep the documents' order); top_n
@@ -17,7 +17,7 @@ import numpy as np
 
 from ..engine.pooling.embedding import EmbedParams, run_embeddings
 from ..engine.pooling.encoder import token_type_count
-from ..engine.pooling.rerank_head import RankHead, declared_reranker, not_a_reranker, rank_head
+from .rerank_head import RankHead, declared_reranker, not_a_reranker, rank_head
 from ..errors import RequestError
 from .embeddings import max_input_tokens
 from .rerank_inputs import PairEncoder

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ..errors import PagedError
 from .sched.scheduler import SchedulerConfig
 from .kv.prefix_tiers import PrefixTierConfig
-from .spec.draft import SpeculativeConfig
+from .spec_decode.draft import SpeculativeConfig
 from .worker.model_runner import KV_TYPES
 from .worker.thread_policy import MAX_THREADS, default_threads
 

@@ -19,13 +19,13 @@ from .outputs import RequestOutput, TokenEvent  # noqa: F401 - callers import a 
 from ..errors import PagedError, RequestError
 from .worker.sampler import Sampler, SamplingParams
 from .scoring import ScoreParams
-from .kv.moves import KVMover
+from .kv_moves import KVMover
 from .kv.prefix_tiers import PrefixTierConfig, PrefixTiers, kv_identity, model_fingerprint
 from .postprocess import ExecutedStep, Postprocessor
 from .sched.scheduler import Scheduler, SchedulerConfig
 from .sched.scheduler_output import SchedulerOutput
-from .spec.verify import Speculator
-from .spec.draft_model import drafter_for
+from .spec_decode.verify import Speculator
+from .spec_decode.draft_model import drafter_for
 from .sched.request import Request, RequestStatus, Sequence
 from ..tokenizer.tokenizer import Tokenizer
 

@@ -20,7 +20,7 @@ from pyllama_paged.convert.bert_gguf import convert, head_tensor_name
 from pyllama_paged.engine.pooling.embedding import EmbedParams
 from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.engine.prompt_logprobs import prompt_logprobs
-from pyllama_paged.engine.pooling.rerank_head import NotAReranker
+from pyllama_paged.api.rerank_head import NotAReranker
 from pyllama_paged.testing.reference.bert_reference import cross_encoder_logits
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_bert import converted, write_tiny_bert, write_tiny_cross_encoder

@@ -13,8 +13,8 @@ from pyllama_paged.engine.llm_engine import LLMEngine
 from pyllama_paged.engine.worker.model import default_model_path
 from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.spec.draft import SpeculativeConfig
-from pyllama_paged.engine.spec.draft_model import DraftModelDrafter
+from pyllama_paged.engine.spec_decode.draft import SpeculativeConfig
+from pyllama_paged.engine.spec_decode.draft_model import DraftModelDrafter
 from pyllama_paged.errors import PagedError
 from pyllama_paged.testing import synthetic_gguf, synthetic_presets
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits

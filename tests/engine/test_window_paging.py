@@ -13,7 +13,7 @@ from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.worker.step_batch import StepBuffers
+from pyllama_paged.engine.kv.step_batch import StepBuffers
 from pyllama_paged.testing.agreement import run_to_completion, assert_greedy_agree, engine_logits
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 

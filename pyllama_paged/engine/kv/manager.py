@@ -17,7 +17,7 @@ from ...errors import OutOfBlocksError, PagedError
 from .block_pool import BlockPool
 from .events import PrefixCacheEvents
 from .groups import KVGroups, window_blocks_held
-from ..worker.step_batch import StepBuffers
+from .step_batch import StepBuffers
 
 
 @dataclass

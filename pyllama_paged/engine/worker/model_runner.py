@@ -16,8 +16,8 @@ from ...errors import PagedError
 from ..kv.groups import KVGroups
 from ..kv.manager import PagedKV, SeqState, SlabKV, commit_chunks, fork_state, new_cached_sequence, place_tokens
 from .model import Model
-from ..spec.batch import splice_drafts
-from .step_batch import StepBuffers
+from .draft_splice import splice_drafts
+from ..kv.step_batch import StepBuffers
 from .thread_policy import ThreadPolicy
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type ids

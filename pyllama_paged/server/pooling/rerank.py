@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ...api.embeddings import max_input_tokens
 from ...api.rerank import RerankJob, RerankRequestError, check_request, prepare_rerank, rerank_response
-from ...engine.pooling.rerank_head import NotAReranker
+from ...api.rerank_head import NotAReranker
 from ...errors import PagedError
 from .embeddings import holding, pooled_states
 from ..generation import APIError, off_loop, refuse_over

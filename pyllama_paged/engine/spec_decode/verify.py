@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kv.manager import place_tokens
-from .batch import block_room
+from ..worker.draft_splice import block_room
 from .draft import PromptLookupDrafter, SpeculativeConfig
 from .length import DraftLengths
 

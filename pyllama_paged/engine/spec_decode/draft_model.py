@@ -34,7 +34,7 @@ from ...errors import OutOfBlocksError, PagedError
 from ..kv.manager import SeqState, place_tokens
 from ..worker.model import Model
 from ..worker.model_runner import ModelRunner, dense_kv_bytes_per_token
-from .batch import block_room
+from ..worker.draft_splice import block_room
 from .draft import SpeculativeConfig
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..sched.scheduler_output import SchedulerOutput, SwapMove, TierLoad
-from .prefix_tiers import PrefixTiers
+from .sched.scheduler_output import SchedulerOutput, SwapMove, TierLoad
+from .kv.prefix_tiers import PrefixTiers
 
 
 class SwapSpace:
