@@ -108,7 +108,7 @@ def put_cuda_libraries_on_path() -> None:
 
 def ggml_gpus() -> list:
     """The GPUs the installed GGML lists (pyllama_paged.engine.worker.devices.Device)."""
-    from pyllama_paged.engine.worker.devices import list_devices
+    from pyllama_paged.engine import list_devices
     return [d for d in list_devices() if d.is_gpu]
 
 
@@ -122,7 +122,7 @@ def refuse(message: str) -> int:
 
 def greedy_answers(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy continuations of prompts, all added at once (one batch) and stepped to the end."""
-    from pyllama_paged.engine.worker.sampler import SamplingParams
+    from pyllama_paged.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params).request_id for p in prompts]
@@ -137,9 +137,7 @@ def greedy_answers(engine, prompts: list[list[int]], max_tokens: int) -> list[li
 
 def functional_check(args) -> int:
     """The engine on a GGML GPU device against the CPU: placement and greedy agreement."""
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import EngineConfig, LLMEngine, Model
     from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
@@ -216,7 +214,7 @@ def resolve_model(name: str) -> tuple[str, str, str | None]:
     """A --models entry as (label, GGUF path, the synthetic preset that writes it or None);
     writes nothing."""
     if name == "default":
-        from pyllama_paged.engine.worker.model import default_model_path
+        from pyllama_paged.engine import default_model_path
         return name, default_model_path(), None
     from pyllama_paged.testing.synthetic_presets import PRESETS
     preset = SYNTHETIC_PRESET if name == "synthetic" else name

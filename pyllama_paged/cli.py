@@ -34,7 +34,7 @@ def _add_field_options(p: argparse.ArgumentParser, fields: list, none_means: str
 def _engine_options() -> list:
     """The engine options of run and chat: EngineConfig's fields with a flag, each also the
     Llama argument of the same name."""
-    from .engine.config import EngineConfig
+    from .engine import EngineConfig
 
     return _options_of(EngineConfig)
 
@@ -63,7 +63,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 def _require_gpu(args) -> None:
     """--gpu-layers on a machine whose GGML lists no GPU is an error here (Llama only warns)."""
     if args.n_gpu_layers:
-        from .engine.worker.devices import gpu_device
+        from .engine import gpu_device
 
         gpu_device(args.main_gpu)
 
@@ -271,7 +271,7 @@ def serve_settings(args) -> tuple:
 
     from .server.app import ORIGINS_ENV, origins_from
     from .server.generation import Limits
-    from .engine.worker.thread_policy import MAX_THREADS
+    from .engine import MAX_THREADS
     from .server.registry import EngineOptions
 
     if args.n_threads is not None and not 1 <= args.n_threads <= MAX_THREADS:
@@ -294,7 +294,7 @@ def serve_settings(args) -> tuple:
 def _serve_options() -> list:
     """serve's options that are fields: EngineOptions' (EngineConfig's and the server's own)
     and the scheduler's."""
-    from .engine.sched.scheduler import SchedulerConfig
+    from .engine import SchedulerConfig
     from .server.registry import EngineOptions
 
     return _options_of(EngineOptions, SchedulerConfig)
@@ -329,8 +329,7 @@ def _add_pull_allow(p: argparse.ArgumentParser) -> None:
 
 def _prefix_tiers(args):
     """serve's prefix-cache tier flags as a PrefixTierConfig (None: no tier)."""
-    from .engine.kv.block_store import check_directory
-    from .engine.kv.prefix_tiers import PrefixTierConfig
+    from .engine import PrefixTierConfig
 
     if args.cache_ram < 0:
         raise SystemExit(f"--cache-ram must be >= 0 MiB, got {args.cache_ram}")
@@ -342,8 +341,7 @@ def _prefix_tiers(args):
     try:
         config = PrefixTierConfig(ram_bytes=args.cache_ram << 20, disk_dir=args.prefix_cache_dir,
                                   disk_bytes=disk_bytes, disk_group=args.prefix_cache_group)
-        if config.disk_dir is not None:   # at startup, not at the first request's model load
-            check_directory(config.disk_dir, config.disk_group)
+        config.check_disk()
     except PagedError as e:
         raise SystemExit(f"--prefix-cache-dir / --prefix-cache-disk: {e}") from None
     return config if config.enabled else None
@@ -351,7 +349,7 @@ def _prefix_tiers(args):
 
 def _speculative(args):
     """serve's speculative-decoding flags as a SpeculativeConfig (None: off)."""
-    from .engine.spec_decode.draft import SpeculativeConfig
+    from .engine import SpeculativeConfig
     from .errors import PagedError
 
     method = args.speculative
@@ -472,9 +470,7 @@ def parse_kv_budget(text: str) -> tuple[int | None, int | None]:
 
 
 def cmd_info(args) -> int:
-    from .engine.worker.model import Model
-    from .engine.kv.groups import KVGroups
-    from .engine.worker.model_runner import KV_TYPES, dense_kv_bytes_per_token
+    from .engine import KV_TYPES, KVGroups, Model, dense_kv_bytes_per_token
 
     model = Model(args.path, n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu)
     cfg = model.config
@@ -516,7 +512,7 @@ def cmd_info(args) -> int:
 
 
 def _print_devices(model) -> None:
-    from .engine.worker.devices import list_devices
+    from .engine import list_devices
 
     print("devices (GGML):")
     for d in list_devices():

@@ -120,7 +120,7 @@ def our_cli() -> str:
 
 def our_bytes_per_token(model: str | None) -> int:
     """KV bytes one token takes in our paged pool for `model` (None: the default model)."""
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     from pyllama_paged.engine.worker.model_runner import ModelRunner
     m = Model(model)
     runner = ModelRunner(m, paged=True, n_ctx=16, block_size=16, num_blocks=1, n_threads=1, n_batch=16)

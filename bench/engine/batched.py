@@ -56,12 +56,8 @@ def peer(binary: str, model: str, args, extra=()) -> dict[int, dict]:
 
 
 def ours(model_path: str | None, args) -> dict[int, dict]:
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.model import Model
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.worker.model_runner import dense_kv_bytes_per_token
-    from pyllama_paged.engine.worker.sampler import SamplingParams
-    from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+    from pyllama_paged.engine import (EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig,
+                                      dense_kv_bytes_per_token)
 
     model = Model(model_path, n_gpu_layers=args.gpu_layers)
     per_seq = args.npp + args.ntg
@@ -124,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
     model_path = args.model or default_model_path()
     theirs = {}
     if "llama.cpp" in args.sides:

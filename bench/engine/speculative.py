@@ -136,9 +136,7 @@ def loop_share(tokens: list[int], max_period: int = MAX_LOOP_PERIOD) -> float:
 def run_ours(model, prompt: list[int], args, speculative, seed: int | None) -> dict:
     """One request alone on a fresh engine (greedy, or Ollama's sampling with seed):
     decode tokens/s and the draft counters."""
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.sampler import SamplingParams
+    from pyllama_paged.engine import EngineConfig, LLMEngine, SamplingParams
 
     if args.sampling == "ollama":
         o = OLLAMA_SAMPLING
@@ -250,8 +248,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
-    from pyllama_paged.engine.worker.model import Model, default_model_path
-    from pyllama_paged.engine.spec_decode.draft import SpeculativeConfig
+    from pyllama_paged.engine import Model, SpeculativeConfig, default_model_path
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

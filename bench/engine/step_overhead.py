@@ -102,10 +102,7 @@ def _has_stats() -> bool:
 
 def engine_steps(model, attention: str, npl: int, args) -> float:
     """ms per decode step through LLMEngine (scheduler, greedy sampling of every sequence)."""
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-    from pyllama_paged.engine.worker.sampler import SamplingParams
+    from pyllama_paged.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
     per_seq = args.npp + args.ntg
     blocks = -(-per_seq // args.block_size) + 1
     config = EngineConfig(n_ctx=per_seq, n_threads=args.threads, n_batch=512, block_size=args.block_size,
@@ -131,7 +128,7 @@ def engine_steps(model, attention: str, npl: int, args) -> float:
 
 
 def ours(model_path: str, args) -> dict:
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     model = Model(model_path, n_gpu_layers=args.gpu_layers)
     out = {}
     try:

@@ -142,7 +142,7 @@ def run_burst(side, url, model, convs) -> dict:
 
 
 def part_chat(args, model_path, binary, out_dir) -> dict:
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
     m = Model(args.model)
     tokenizer = Tokenizer.from_metadata(m.metadata)
@@ -174,7 +174,7 @@ def part_chat(args, model_path, binary, out_dir) -> dict:
 
 
 def part_longctx(args, model_path, binary, out_dir) -> dict:
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
     m = Model(args.model)
     tokenizer = Tokenizer.from_metadata(m.metadata)
@@ -202,11 +202,7 @@ def part_longctx(args, model_path, binary, out_dir) -> dict:
 
 
 def part_long(args, model_path, binary, out_dir) -> dict:
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.model import Model
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.worker.sampler import SamplingParams
-    from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+    from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
     n = args.long_tokens
     proc, url, mib = start_llama_server(binary, model_path, args.threads, n, 1, out_dir / "window_capacity.long.log")
     stop_server(proc)

@@ -56,7 +56,7 @@ REGEX_TEXT = "555-867-5309 (Jenny From Accounting)"
 
 
 def dump_vocab(path: str) -> None:
-    from pyllama_paged.engine.worker.model import Model, default_model_path
+    from pyllama_paged.engine import Model, default_model_path
     from pyllama_paged.constrain.vocab import vocabulary_bytes
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
@@ -90,7 +90,7 @@ def measure_llguidance(data: dict) -> dict:
     # ours: the same LLTokenizer the server builds (llguidance calls back into our
     # tokenizer while it computes masks, so the vocabulary alone is not enough)
     from pyllama_paged.constrain.vocab import ll_tokenizer
-    from pyllama_paged.engine.worker.model import Model, default_model_path
+    from pyllama_paged.engine import Model, default_model_path
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
     model = Model(default_model_path())

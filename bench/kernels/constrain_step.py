@@ -24,11 +24,7 @@ from common.report import markdown_table, write_results
 from pyllama_paged.constrain import grammar as grammar_mod
 from pyllama_paged.constrain import masks as masks_mod
 from pyllama_paged.constrain.grammar import compile_constraint
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.worker.model import Model, default_model_path
-from pyllama_paged.engine.config import EngineConfig
-from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig, default_model_path
 from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
 # long answers, so every sequence is still running for the measured steps: a list of

@@ -44,7 +44,7 @@ def model_like_logits(rng, rows, n_vocab):
 
 
 def micro(args):
-    from pyllama_paged.engine.worker.sampler import BatchSampler, Sampler, SamplingParams
+    from pyllama_paged.engine import BatchSampler, Sampler, SamplingParams
     from pyllama_paged.testing.reference.sampling_reference import reference_probs
 
     rng = np.random.default_rng(0)
@@ -85,11 +85,7 @@ TEXT_PROMPTS = [
 
 
 def in_engine(args):
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.model import Model
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.worker.sampler import SamplingParams
-    from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+    from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
 
     model = Model()
     config = EngineConfig(n_ctx=512, n_threads=args.threads, n_batch=512, block_size=32,

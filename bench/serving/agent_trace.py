@@ -360,7 +360,7 @@ def main(argv=None) -> int:
     if args.turns < 2:
         ap.error("--turns must be >= 2 (the restart comes after half of them)")
 
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
     from pyllama_paged.tokenizer.vocab import read_tokenizer_metadata
     model_path = args.model or default_model_path()

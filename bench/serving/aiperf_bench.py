@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS_DIR / "aiperf"))
     args = ap.parse_args(argv)
 
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
     # our server is this interpreter's `pyllama-paged`, whether or not its venv is activated
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     levels = [int(c) for c in args.concurrency.split(",")]

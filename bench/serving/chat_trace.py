@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
     model_path = args.model or default_model_path()
     binary = llama_server_binary(args)
     trace = make_trace(args)

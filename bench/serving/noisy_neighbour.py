@@ -60,7 +60,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
 from common.peers import our_cli
 from common.report import RESULTS_DIR, save_figure, write_results
-from pyllama_paged.engine.worker.model import default_model_path
+from pyllama_paged.engine import default_model_path
 from pyllama_paged.models.refs import REGISTRY_ENV
 from pyllama_paged.testing.serving import free_port, stop_server, wait_healthy
 

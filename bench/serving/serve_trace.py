@@ -242,10 +242,7 @@ def _cpu_busy_s() -> float | None:
 
 
 def run_side(name: str, paged: bool, model, tok, trace: list[ClientRequest], args) -> dict:
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.sampler import SamplingParams
-    from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+    from pyllama_paged.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
     from pyllama_paged.engine.sched.request import RequestStatus
 
     budget = args.budget_tokens
@@ -604,7 +601,7 @@ def main(argv=None) -> int:
     if args.budget_tokens % args.n_ctx or args.budget_tokens % args.block_size:
         ap.error("--budget-tokens must be a multiple of --n-ctx and of --block-size")
 
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
     t_all = time.perf_counter()

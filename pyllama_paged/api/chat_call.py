@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..constrain.grammar import Constraint
-from ..engine.outputs import TokenEvent
-from ..engine.worker.sampler import SamplingParams
+from ..engine import SamplingParams, TokenEvent
 from ..tokenizer.chat_template import ChatTemplate
 from ..tokenizer.tokenizer import Tokenizer
 from ..tools.calls import ToolCall, ToolCallStream, parse_tool_calls

@@ -11,16 +11,8 @@ import numpy as np
 
 from .._native import GGML_LOG_DEBUG, lib
 from ..constrain.formats import from_python
-from ..engine.llm_engine import RequestOutput
-from ..engine.worker.model import Model
-from ..engine.builder import build_engine
-from ..engine.config import EngineConfig
-from ..engine.kv.prefix_tiers import PrefixTierConfig
-from ..engine.spec_decode.draft import SpeculativeConfig
-from ..engine.worker.devices import list_devices
-from ..engine.worker.sampler import SamplingParams
-from ..engine.sched.scheduler import SchedulerConfig
-from ..engine.shared_steps import SharedSteps
+from ..engine import (EngineConfig, Model, PrefixTierConfig, RequestOutput, SamplingParams, SchedulerConfig,
+                      SharedSteps, SpeculativeConfig, build_engine, list_devices)
 from ..errors import PagedError, RequestError
 from .chat_call import ChatCall, prepare_call
 from .llama_chat import chat_chunks, collect_chat, legacy_functions

@@ -8,7 +8,7 @@ import warnings
 
 import numpy as np
 
-from ..engine.spec_decode.draft import PromptLookupDrafter, SpeculativeConfig
+from ..engine import PromptLookupDrafter, SpeculativeConfig
 from ..errors import RequestError
 
 _MAX_DRAFT = 32   # SpeculativeConfig's bound on num_draft_tokens

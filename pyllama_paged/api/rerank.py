@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.pooling.embedding import EmbedParams, run_embeddings
-from ..engine.pooling.encoder import token_type_count
+from ..engine import EmbedParams
 from .rerank_head import RankHead, declared_reranker, not_a_reranker, rank_head
 from ..errors import RequestError
-from .embeddings import max_input_tokens
+from .embeddings import max_input_tokens, run_embeddings
 from .rerank_inputs import PairEncoder
 
 LLAMA_POOLING_TYPE_RANK = 4   # Llama(pooling_type=4) makes any decoder a yes/no reranker
@@ -78,7 +77,7 @@ def prepare_rerank(model, tokenizer, chat_template, limit: int, name: str, query
         raise not_a_reranker(name, model)
     head = rank_head(model, tokenizer)
     encoder = model.config.is_encoder
-    pairs = PairEncoder(tokenizer, encoder, token_type_count(model) if encoder else 1, model.metadata,
+    pairs = PairEncoder(tokenizer, encoder, model.n_token_types if encoder else 1, model.metadata,
                         chat_template, limit).encode(query, texts, truncate)
     distinct: dict[tuple, int] = {}
     inputs, params, rows = [], [], []

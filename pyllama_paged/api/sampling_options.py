@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..engine.worker.sampler import SamplingParams
+from ..engine import SamplingParams
 
 
 @dataclass(frozen=True)

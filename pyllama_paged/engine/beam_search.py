@@ -7,7 +7,8 @@ penalized log-probability."""
 from __future__ import annotations
 
 from .sched.request import Request, Sequence
-from .worker.sampler import Sampler, SamplingParams
+from .params import SamplingParams
+from .worker.sampler import Sampler
 
 
 def expansion_sampler(width: int) -> Sampler:

@@ -10,15 +10,14 @@ import itertools
 import time
 import numpy as np
 
-from .pooling.embedding import EmbedParams
 from .config import EngineConfig
 from .worker.devices import device_kv_budget
 from .worker.model import Model
 from .worker.model_runner import ModelRunner, dense_kv_bytes_per_token
-from .outputs import RequestOutput, TokenEvent  # noqa: F401 - callers import a step's outputs from here
+from .outputs import RequestOutput
 from ..errors import PagedError, RequestError
-from .worker.sampler import Sampler, SamplingParams
-from .scoring import ScoreParams
+from .worker.sampler import Sampler
+from .params import EmbedParams, SamplingParams, ScoreParams
 from .kv_moves import KVMover
 from .kv.prefix_tiers import PrefixTierConfig, PrefixTiers, kv_identity, model_fingerprint
 from .postprocess import ExecutedStep, Postprocessor

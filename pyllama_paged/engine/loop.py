@@ -13,8 +13,9 @@ import threading
 from collections import deque
 
 from ..errors import PagedError
-from .llm_engine import LLMEngine, RequestOutput
-from .worker.sampler import SamplingParams
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .params import SamplingParams
 
 _END = object()
 

@@ -11,7 +11,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..engine.worker.sampler import SamplingParams
+from ..engine import SamplingParams
 from ..errors import PagedError
 from ..api.sampling_options import Surface, sampling_params
 from ..api.text_stream import TextAssembler, TextDelta

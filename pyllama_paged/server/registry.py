@@ -17,14 +17,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ..tokenizer.chat_template import ChatTemplate
-from ..engine.loop import EngineLoop
-from ..engine.builder import build_engine
-from ..engine.config import EngineConfig, cli_option
-from ..engine.pooling.encoder import EncoderEngine
-from ..engine.llm_engine import LLMEngine
-from ..engine.worker.model import Model, default_model_path
-from ..engine.sched.scheduler import SchedulerConfig
-from ..engine.scoring import ScoreParams
+from ..engine import (EncoderEngine, EngineConfig, EngineLoop, LLMEngine, Model, SchedulerConfig, ScoreParams,
+                      build_engine, cli_option, default_model_path)
 from ..errors import ModelLoadError, ModelsBusyError, PagedError
 from ..models.store import ModelStore, StoredModel
 from ..tokenizer.tokenizer import Tokenizer

@@ -141,7 +141,7 @@ def open_case(path: str, exercise: bool) -> dict:
     """Open one case file the way the library does; classify the outcome."""
     from pyllama_paged.tokenizer.chat_template import ChatTemplate
     from pyllama_paged.errors import PagedError
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
     stage = "reader"

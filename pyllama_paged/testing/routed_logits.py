@@ -23,7 +23,7 @@ def file_logits(path, prompt, *, paged: bool = True, kv_cache_type: str = "f16",
                 chunks=(23, 1, 16), pack_panels: bool = True) -> np.ndarray:
     """All-position logits of prompt on the model file at path, computed in prefill chunks
     then single-token steps, on a runner made for this call alone."""
-    from ..engine.worker.model import Model
+    from ..engine import Model
     from ..engine.worker.model_runner import ModelRunner
 
     model = Model(str(path), pack_panels=pack_panels)

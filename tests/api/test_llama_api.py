@@ -247,7 +247,7 @@ def test_llama_grammar(llm, tmp_path):
 
 
 def test_from_pretrained_local_directory_and_hf_cache(tmp_path, monkeypatch):
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
     from pyllama_paged.testing.model_sources import ModelSources
 
     src = default_model_path()

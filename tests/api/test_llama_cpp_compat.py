@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pyllama_paged import Llama  # was: from llama_cpp import Llama
-from pyllama_paged.engine.worker.model import default_model_path
+from pyllama_paged.engine import default_model_path
 
 MODEL_PATH = default_model_path()
 

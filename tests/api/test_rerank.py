@@ -17,8 +17,7 @@ from pyllama_paged.api.embeddings import InputTooLong
 from pyllama_paged.api.rerank import RerankRequestError, prepare_rerank
 from pyllama_paged.api.rerank_inputs import QWEN3_TEMPLATE, PairEncoder
 from pyllama_paged.convert.bert_gguf import convert, head_tensor_name
-from pyllama_paged.engine.pooling.embedding import EmbedParams
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import EmbedParams, Model
 from pyllama_paged.engine.prompt_logprobs import prompt_logprobs
 from pyllama_paged.api.rerank_head import NotAReranker
 from pyllama_paged.testing.reference.bert_reference import cross_encoder_logits

@@ -101,7 +101,7 @@ def test_the_base_file_round_trips_in_llama_perplexitys_layout(kld, tmp_path):
 
 
 def test_our_scored_rows_line_up_with_the_references_on_a_tiny_model(kld, tmp_path, monkeypatch):
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     from pyllama_paged.engine.worker.model_runner import ModelRunner
     from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer

@@ -7,11 +7,8 @@ import time
 import pytest
 
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.loop import EngineLoop
+from pyllama_paged.engine import EngineLoop, LLMEngine, Model, SamplingParams
 from pyllama_paged.errors import PagedError
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.worker.model import Model
-from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 from pyllama_paged.testing.loop_control import finishes, paused
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model

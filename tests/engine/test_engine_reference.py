@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import Model
 from pyllama_paged.testing.engine_runs import chunked_logits
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model

@@ -5,14 +5,9 @@ request's logits row, and they free their pages."""
 import numpy as np
 import pytest
 
-from pyllama_paged.engine.config import EngineConfig
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.loop import EngineLoop
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import (MAX_SCORE_ROWS, EngineConfig, EngineLoop, LLMEngine, Model, SamplingParams,
+                                  SchedulerConfig, ScoreParams)
 from pyllama_paged.engine.prompt_logprobs import prompt_logprobs
-from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.scoring import MAX_SCORE_ROWS, ScoreParams
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 

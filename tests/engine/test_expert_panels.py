@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pyllama_paged._native import ffi, lib
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.testing.engine_runs import chunked_logits
 from pyllama_paged.testing.routed_logits import ROUTER_NEAR_TIE, assert_one_step_routes_as_alone, file_logits, row_errors

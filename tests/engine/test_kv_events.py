@@ -6,12 +6,10 @@ import numpy as np
 import pytest
 
 from pyllama_paged._native import lib
-from pyllama_paged.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, reference_group
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import (AllBlocksCleared, BlockRemoved, BlockStored, LLMEngine, Model, SamplingParams,
+                                  SchedulerConfig)
+from pyllama_paged.engine.kv.events import reference_group
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 BS = 16

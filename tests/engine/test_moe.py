@@ -13,11 +13,8 @@ import pytest
 
 from pyllama_paged._native import ffi, lib
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import LLMEngine, Model, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.errors import ModelLoadError
 from pyllama_paged.testing import gguf_mutate, synthetic_gguf
 from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,

@@ -7,11 +7,8 @@ import pytest
 from pyllama_paged.errors import ComputeError, PagedError
 
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.kv.groups import KVGroups
-from pyllama_paged.engine.worker.model import Model
-from pyllama_paged.engine.worker.sampler import MAX_BEAM_WIDTH, SamplingParams, log_softmax
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+from pyllama_paged.engine import MAX_BEAM_WIDTH, KVGroups, LLMEngine, Model, SamplingParams, SchedulerConfig
+from pyllama_paged.engine.worker.sampler import log_softmax
 from pyllama_paged.engine.sched.step_cost import StepCostModel, decode_columns
 from pyllama_paged.testing.agreement import run_to_completion, assert_greedy_agree, engine_logits
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
@@ -457,7 +454,7 @@ def test_beam_width_and_logprobs_bounded_by_the_native_result(model):
     """The native result holds PP_SAMPLE_MAX_TOP entries; wider requests are refused
     before any sampling (a width of 17 once wrote 34 entries into 20)."""
     from pyllama_paged._native import ffi, lib
-    from pyllama_paged.engine.worker.sampler import MAX_LOGPROBS
+    from pyllama_paged.engine import MAX_LOGPROBS
     assert ffi.sizeof("pp_sample_result") >= lib.PP_SAMPLE_MAX_TOP * 8
     assert 2 * MAX_BEAM_WIDTH <= lib.PP_SAMPLE_MAX_TOP and MAX_LOGPROBS <= lib.PP_SAMPLE_MAX_TOP
     llm = make_engine(model)

@@ -8,13 +8,11 @@ import numpy as np
 import pytest
 
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.engine.config import EngineConfig
-from pyllama_paged.engine.llm_engine import LLMEngine
+from pyllama_paged.engine import (BatchSampler, EngineConfig, LLMEngine, PromptLookupDrafter, Sampler,
+                                  SamplingParams, SpeculativeConfig)
 from pyllama_paged.engine.kv.manager import PagedKV, SeqState
 from pyllama_paged.engine.sched.request import Request, Sequence
-from pyllama_paged.engine.worker.sampler import BatchSampler, Sampler, SamplingParams
 from pyllama_paged.engine.worker.draft_splice import block_room, splice_drafts
-from pyllama_paged.engine.spec_decode.draft import PromptLookupDrafter, SpeculativeConfig
 from pyllama_paged.engine.spec_decode.length import DraftLengths
 from pyllama_paged.engine.spec_decode.verify import Speculator
 from pyllama_paged.errors import PagedError

@@ -7,7 +7,7 @@ mix of decode runs and prefill chunks (which the grouping reorders) gives the ke
 import numpy as np
 import pytest
 
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
@@ -154,9 +154,7 @@ def test_argmax_ids_computed_in_the_step_are_the_logits_argmax(tiny):
 
 
 def _greedy_texts(path, argmax: str, extra_params=None):
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.sampler import SamplingParams
+    from pyllama_paged.engine import EngineConfig, LLMEngine, SamplingParams
 
     model = Model(path)
     engine = LLMEngine.from_config(EngineConfig(n_ctx=128, n_threads=2, block_size=16, kv_tokens=1024),
@@ -179,7 +177,7 @@ def _greedy_texts(path, argmax: str, extra_params=None):
 
 
 def test_greedy_requests_drawn_from_the_steps_argmax_answer_as_the_sampler_does(tiny):
-    from pyllama_paged.engine.worker.sampler import SamplingParams
+    from pyllama_paged.engine import SamplingParams
 
     want = _greedy_texts(tiny["llama"], "never")
     assert _greedy_texts(tiny["llama"], "always") == want

@@ -18,12 +18,9 @@ import pytest
 
 from pyllama_paged.engine.kv import block_store
 from pyllama_paged.engine.kv.block_store import DiskBlockStore
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import LLMEngine, Model, PrefixTierConfig, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.kv.prefix_tiers import PrefixTierConfig, PrefixTiers, chain_keys
-from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+from pyllama_paged.engine.kv.prefix_tiers import PrefixTiers, chain_keys
 from pyllama_paged.errors import PagedError
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 

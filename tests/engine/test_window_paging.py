@@ -6,13 +6,10 @@ import numpy as np
 import pytest
 
 from pyllama_paged.engine.kv.block_pool import BlockPool, BlockState
-from pyllama_paged.engine.kv.groups import KVGroups, first_needed_block, window_blocks_held
+from pyllama_paged.engine import KVGroups, LLMEngine, Model, SamplingParams, SchedulerConfig
+from pyllama_paged.engine.kv.groups import first_needed_block, window_blocks_held
 from pyllama_paged.engine.kv.manager import PagedKV
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
 from pyllama_paged.engine.kv.step_batch import StepBuffers
 from pyllama_paged.testing.agreement import run_to_completion, assert_greedy_agree, engine_logits
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model

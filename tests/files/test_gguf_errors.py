@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import Model
 from pyllama_paged.gguf.config import ModelLoadError
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 

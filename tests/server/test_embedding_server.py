@@ -21,7 +21,7 @@ from langchain_openai import OpenAIEmbeddings  # noqa: E402
 
 from pyllama_paged import Llama  # noqa: E402
 from pyllama_paged.convert.bert_gguf import convert  # noqa: E402
-from pyllama_paged.engine.worker.model import default_model_path  # noqa: E402
+from pyllama_paged.engine import default_model_path  # noqa: E402
 from pyllama_paged.server.app import create_app  # noqa: E402
 from pyllama_paged.server.generation import Limits  # noqa: E402
 from pyllama_paged.server.registry import EngineOptions, ModelRegistry, model_name_for  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
-from pyllama_paged.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from pyllama_paged.engine import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from pyllama_paged.server.app import create_app  # noqa: E402
 from pyllama_paged.server.generation import Limits  # noqa: E402
 from pyllama_paged.server.scale_out import kv_events  # noqa: E402

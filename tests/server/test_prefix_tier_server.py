@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pyllama_paged.cli import _prefix_tiers, build_parser
-from pyllama_paged.engine.kv.prefix_tiers import PrefixTierConfig
+from pyllama_paged.engine import PrefixTierConfig
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry

@@ -17,7 +17,7 @@ zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from pyllama_paged.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from pyllama_paged.engine import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from pyllama_paged.server.app import create_app  # noqa: E402
 from pyllama_paged.server.generation import Limits  # noqa: E402
 from pyllama_paged.server.scale_out.kv_events import KVEventPublisher, KVEventsConfig, encode_batch  # noqa: E402

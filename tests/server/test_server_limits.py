@@ -13,7 +13,7 @@ from pyllama_paged.api import chat_call
 from pyllama_paged.server.ollama import api as ollama_api
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.engine.worker.thread_policy import MAX_THREADS
+from pyllama_paged.engine import MAX_THREADS
 from pyllama_paged.server.registry import EngineOptions
 from pyllama_paged.tools.prompt import render_chat
 

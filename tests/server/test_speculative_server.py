@@ -6,8 +6,7 @@ import httpx
 import pytest
 
 from pyllama_paged.cli import _speculative, build_parser
-from pyllama_paged.engine.worker.model import default_model_path
-from pyllama_paged.engine.spec_decode.draft import SpeculativeConfig
+from pyllama_paged.engine import SpeculativeConfig, default_model_path
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry

@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from ...errors import PagedError
-from .block_store import KEY_BYTES, DiskBlockStore, HostBlockStore
+from .block_store import KEY_BYTES, DiskBlockStore, HostBlockStore, check_directory
 
 # bytes of each tensor's data that go into a model's fingerprint: weights that differ
 # anywhere differ in every tensor's first rows (a fine-tune, another quantization)
@@ -62,6 +62,12 @@ class PrefixTierConfig:
     @property
     def enabled(self) -> bool:
         return self.ram_bytes > 0 or self.disk_dir is not None
+
+    def check_disk(self) -> None:
+        """Create the disk tier's directory if needed and check it is safe and writable (at
+        startup, not at the first model load); PagedError saying why not."""
+        if self.disk_dir is not None:
+            check_directory(self.disk_dir, self.disk_group)
 
 
 def model_fingerprint(gguf) -> bytes:

@@ -7,10 +7,9 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from ..pooling.embedding import EmbedParams
 from ..kv.manager import SeqState
-from ..worker.sampler import Sampler, SamplingParams
-from ..scoring import MAX_SCORE_ROWS, ScoreParams
+from ..params import MAX_SCORE_ROWS, EmbedParams, SamplingParams, ScoreParams
+from ..worker.sampler import Sampler
 
 
 class RequestStatus(enum.Enum):

@@ -3,7 +3,7 @@ sequence's newest tokens (an n-gram, longest first) are looked up earlier in its
 history (prompt + generated); the tokens that followed the latest earlier occurrence
 are the draft. It pays where answers copy their prompt (code edits, summaries,
 quotes). Knows nothing of the KV cache or the model (the draft-model drafter lives in
-spec_draft_model.py)."""
+draft_model.py)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ one target sequence: each step it is caught up with the target's tokens (placed
 and computed, every speculating sequence in one batched forward; the last of
 these gives the first draft token), then k - 1 greedy steps run batched across
 sequences. Those draft tokens are never placed: like the target's spliced drafts
-(spec_batch.py) they take the positions and slots after the newest placed token,
+(worker/draft_splice.py) they take the positions and slots after the newest placed token,
 inside its block (the attention kernel attends by position), and the next catch-up
 places whichever of them the target accepted and computes them again. Recomputing
 a few accepted tokens is cheaper than tracking which draft slots survived, and

@@ -14,11 +14,11 @@ each emitted token costs one draw as without speculation (a seeded request draws
 the same tokens up to float near-ties). Rows are drawn in rounds (row j of every
 live draft per call) because row j's grammar mask and penalty history depend on
 the tokens accepted before it; the grammar advances only over emitted tokens.
-A draft model drafting greedily (argmax, spec_draft_model.py) is a deterministic
+A draft model drafting greedily (argmax, draft_model.py) is a deterministic
 draft too, so the same rule stays exact for it.
 
 Accepted draft tokens are placed in the pool after the step (their K/V are already
-in the right slots, spec_batch) and committed then: only then can a block they fill
+in the right slots, worker/draft_splice.py) and committed then: only then can a block they fill
 become a prefix-cache entry."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, drafter=None):
         self.config = config
-        # drafter: prompt lookup unless given (spec_draft_model.DraftModelDrafter)
+        # drafter: prompt lookup unless given (draft_model.DraftModelDrafter)
         self.drafter = drafter if drafter is not None else PromptLookupDrafter(config)
         self.lengths = DraftLengths(config.draft_token_cost)   # how many tokens pay, per sequence
         self.num_draft_tokens = 0       # tokens proposed and verified

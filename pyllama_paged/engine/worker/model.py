@@ -122,6 +122,14 @@ class Model:
         """Bytes of weights on the GPU (0: none)."""
         return int(lib.pp_model_device_bytes(self.native))
 
+    @property
+    def n_token_types(self) -> int:
+        """How many token types (segments) the model embeds: token_types.weight's rows, 1 without it."""
+        for t in self.gguf.tensors:
+            if t.name == "token_types.weight":
+                return int(t.shape[1]) if len(t.shape) == 2 else 1
+        return 1
+
     def layer_placement(self) -> list[str]:
         """Per layer, then the output head: the device name it runs on ("CPU" for the CPU)."""
         n = self.config.n_layer

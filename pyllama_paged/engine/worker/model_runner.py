@@ -212,7 +212,7 @@ class ModelRunner:
         rows in item order, as a fresh [rows, n_embd] array. all_logits[i] gives item i a
         logits row for every one of its tokens (prompt scoring), in place of its one row.
         drafts[i]: draft tokens that follow item i's last token in this step only (never
-        placed in the pool; spec_batch.splice_drafts), each with a logits row after the
+        placed in the pool; worker/draft_splice.py), each with a logits row after the
         item's own. argmax_only: the caller reads only each row's argmax (step_argmax()); where
         the step computed them on a device the logits are then not read back (empty rows)."""
         items = np.ascontiguousarray(items, dtype=np.int32).reshape(-1, 3)

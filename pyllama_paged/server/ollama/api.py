@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ...api.chat_call import ChatCall, split_as_streamed
 from ...api.sampling_options import OLLAMA
 from ...constrain.formats import from_ollama
-from ...engine.worker.sampler import SamplingParams
+from ...engine import SamplingParams
 from ...errors import PagedError
 from ...tools.reasoning import prompt_opens_thinking, speaks_harmony, template_thinks, thinking_variables
 from ..chat import ChatRun, check_chat, start_chat

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...constrain.formats import from_openai
 from ...constrain.grammar import Constraint, ConstraintError, compile_constraint
-from ...engine.worker.sampler import MAX_LOGPROBS, SamplingParams
+from ...engine import MAX_LOGPROBS, SamplingParams
 from ...tokenizer.tokenizer import Tokenizer
 from ...api.chat_call import ChatCall
 from ...tools.reasoning import template_thinks

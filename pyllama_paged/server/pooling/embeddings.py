@@ -15,7 +15,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...api.embeddings import as_base64, finish_vector, max_input_tokens, openai_list, tokenize_inputs
-from ...engine.pooling.embedding import TOKEN_STATES, EmbedParams, default_pooling
+from ...engine import EmbedParams, TOKEN_STATES, default_pooling
 from ...errors import PagedError
 from ..generation import APIError, admit, off_loop, refuse_over
 from ..keep_alive import keep_alive_seconds

@@ -34,7 +34,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ...engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from ...engine import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger("pyllama_paged.server")
 
