@@ -16,7 +16,7 @@ def expansion_sampler(width: int) -> Sampler:
     return Sampler(SamplingParams(temperature=0.0, logprobs=2 * width))
 
 
-def advance_beams(request: Request, items, scheduler, eot_ids, limit: int) -> list[Sequence]:
+def advance_beams(request: Request, items, scheduler, eot_ids) -> list[Sequence]:
     """Keep the beam_width best continuations; forked beams share pages. items: (beam,
     its 2 x width likeliest next tokens -> log-probability); the scheduler keeps the KV
     books (fork_sequence, free_sequence). Returns the live beams, in the order their new
@@ -58,8 +58,7 @@ def advance_beams(request: Request, items, scheduler, eot_ids, limit: int) -> li
             seq.finish_reason = "pruned"
     live = [s for s, _, _ in new_seqs]
     request.seqs = live + [s for s in request.seqs if s.is_finished and s not in live]
-    max_tokens = request.params.max_tokens or limit
-    length_done = live and (len(live[0].output_ids) >= max_tokens or len(live[0].token_ids) >= limit)
+    length_done = live and len(live[0].token_ids) >= request.max_len
     penalty = request.params.length_penalty
     best_live = max((s.cumulative_logprob / len(s.output_ids) ** penalty for s in live), default=None)
     enough = len(request.finished_beams) >= width and request.params.early_stopping

@@ -115,7 +115,6 @@ class EngineLoop:
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                request_id: str | None = None) -> RequestStream:
         """Queue a request from any thread; returns its stream of RequestOutput."""
-        params.validate()
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id)
         with self._cv:

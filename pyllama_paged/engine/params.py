@@ -46,8 +46,12 @@ class SamplingParams:
     logits_processor: Any = None
     speculative: bool = True    # False: this request never speculates, even when the engine does
 
+    def __post_init__(self):
+        self.validate()
+
     def validate(self) -> None:
-        """Raise PagedError naming the first invalid field."""
+        """Raise RequestError naming the first invalid field (construction checks; call it
+        again after changing a field)."""
         finite = math.isfinite
         checks = [
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "must be >= 0"),
@@ -106,6 +110,9 @@ class EmbedParams:
     pooling: str = "mean"
     token_types: tuple[int, ...] | None = None   # one per token (encoders only); None: all 0
 
+    def __post_init__(self):
+        self.validate()
+
     def validate(self) -> None:
         """PagedError naming the field when the pooling is not one we run."""
         if self.pooling not in POOLINGS and self.pooling != TOKEN_STATES:
@@ -126,6 +133,9 @@ class ScoreParams:
     at each position, the top_n likeliest tokens."""
 
     top_n: int = 0
+
+    def __post_init__(self):
+        self.validate()
 
     def validate(self) -> None:
         """PagedError naming the field when top_n is out of range."""

@@ -48,11 +48,11 @@ class Speculator:
         """Whether a request speculates: sampled (not beams), not opted out."""
         return not request.is_beam and getattr(request.params, "speculative", True) is not False
 
-    def draft(self, output, seqs: dict, requests: list, kv, n_batch: int, limit: int,
+    def draft(self, output, seqs: dict, requests: list, kv, n_batch: int,
               catch_up_budget: int | None = None) -> dict[int, list[int]]:
         """Drafts for the step's decode items: {item index: tokens}. A draft stays in the
-        block of its sequence's newest token, within the step's n_batch, the context
-        limit and the request's max_tokens (the step emits at most draft + 1 tokens).
+        block of its sequence's newest token, within the step's n_batch and the request's
+        max_len (the step emits at most draft + 1 tokens).
         catch_up_budget: the tokens a draft model may compute this step to catch up
         sequences it lags behind (the step's spare prefill budget; None: no bound)."""
         room = n_batch - sum(output.num_tokens)
@@ -62,16 +62,13 @@ class Speculator:
         for i in range(output.num_decodes):
             if room <= 0:
                 break
-            seq_id = output.seq_ids[i]
-            request, seq = requests[i], seqs[seq_id]
+            seq_id, request = output.seq_ids[i], requests[i]
             if not self.applies(request):
                 continue
             _, start, n = output.items[i]
             last = start + n - 1            # the newest token's position
-            max_new = request.params.max_tokens or limit
-            # the step emits up to k + 1 tokens: all must fit the context and max_tokens
-            k = min(room, block_room(last, kv.block_size), limit - 2 - last,
-                    max_new - len(seq.output_ids) - 1)
+            # the step emits up to k + 1 tokens after it: all must fit the request's max_len
+            k = min(room, block_room(last, kv.block_size), request.max_len - 2 - last)
             k = self.lengths.length(seq_id, k) if k > 0 else 0
             if k <= 0:
                 continue

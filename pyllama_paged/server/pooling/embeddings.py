@@ -63,9 +63,8 @@ async def embed_ids(served: ServedModel, inputs: list[list[int]], pooling: str |
     """Pooled vectors of token lists, every input a request on the model's engine loop."""
     if pooling == TOKEN_STATES:   # per-token states are Llama.embed's; an answer holds one vector per input
         raise APIError(400, f"pooling '{pooling}' is not supported (choose one of mean, cls, last)", "pooling")
-    params = EmbedParams(pooling or default_pooling(served.config))
     try:
-        params.validate()
+        params = EmbedParams(pooling or default_pooling(served.config))   # checks itself
     except PagedError as e:
         raise APIError(400, str(e), "pooling") from None
     return await pooled_states(served, inputs, [params] * len(inputs))
