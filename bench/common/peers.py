@@ -120,10 +120,10 @@ def our_cli() -> str:
 
 def our_bytes_per_token(model: str | None) -> int:
     """KV bytes one token takes in our paged pool for `model` (None: the default model)."""
-    from pyllama_paged.engine import Model
+    from pyllama_paged.engine import EngineConfig, Model
     from pyllama_paged.engine.worker.model_runner import ModelRunner
     m = Model(model)
-    runner = ModelRunner(m, paged=True, n_ctx=16, block_size=16, num_blocks=1, n_threads=1, n_batch=16)
+    runner = ModelRunner(m, EngineConfig(paged=True, n_ctx=16, block_size=16, num_blocks=1, n_threads=1, n_batch=16))
     try:
         return runner.kv_bytes_per_token
     finally:

@@ -94,12 +94,13 @@ class Ours:
         setting runs on the same runner: two runners of identical settings differed by up to
         9% (their buffers' placement), more than the policy's own cost."""
         from pyllama_paged.engine.worker.model_runner import ModelRunner
+        from pyllama_paged.engine import EngineConfig
         from pyllama_paged.engine.worker.thread_policy import ThreadPolicy, default_threads
 
         most = default_threads()
         if batch not in self.runners:
-            runner = ModelRunner(self.model, paged=True, n_ctx=self.args.ntg + 16, n_seq_max=batch, n_threads=most,
-                                 n_batch=max(64, batch), block_size=16)
+            runner = ModelRunner(self.model, EngineConfig(paged=True, n_ctx=self.args.ntg + 16, n_seq_max=batch,
+                                                          n_threads=most, n_batch=max(64, batch), block_size=16))
             self.runners[batch] = (runner, ThreadPolicy(most))
         runner, policy = self.runners[batch]
         runner.thread_policy = policy if threads is None else None

@@ -131,10 +131,11 @@ class served:
         import ollama
 
         from pyllama_paged.server.app import create_app
-        from pyllama_paged.server.registry import EngineOptions, ModelRegistry
+        from pyllama_paged.server.config import ServeConfig
+        from pyllama_paged.server.registry import ModelRegistry
         from pyllama_paged.testing.serving import Running
 
-        self.registry = ModelRegistry([str(path)], EngineOptions(n_threads=threads))
+        self.registry = ModelRegistry([str(path)], ServeConfig.flat(n_threads=threads))
         self.server = Running(create_app(self.registry))
         self.client = ollama.Client(host=self.server.url)
         self.name = path.stem

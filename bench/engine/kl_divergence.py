@@ -358,7 +358,7 @@ def summary(scores: Sequence[RowScores]) -> dict:
 def measure_model(model_path: str, text: str, args, work: Path) -> dict:
     """Every engine's figures on one model: ours on both attention paths (base-file formula and
     exact), llama.cpp through llama-perplexity."""
-    from pyllama_paged.engine import Model
+    from pyllama_paged.engine import EngineConfig, Model
     from pyllama_paged.engine.worker.model_runner import ModelRunner
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
@@ -371,8 +371,9 @@ def measure_model(model_path: str, text: str, args, work: Path) -> dict:
     scored = scored_positions(args.ctx)
 
     model = Model(model_path)
-    runners = {engine: ModelRunner(model, paged=True, n_ctx=args.ctx, n_threads=args.threads, n_batch=args.batch,
-                                   attention=path) for engine, path in ATTENTION_PATHS.items()}
+    runners = {engine: ModelRunner(model, EngineConfig(paged=True, n_ctx=args.ctx, n_threads=args.threads,
+                                                       n_batch=args.batch, attention=path))
+               for engine, path in ATTENTION_PATHS.items()}
     base = work / f"{Path(model_path).stem}.kld-base"
     base_scores: dict[str, list[RowScores]] = {e: [] for e in runners}
     exact_scores: dict[str, list[RowScores]] = {e: [] for e in runners}

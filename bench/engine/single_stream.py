@@ -51,13 +51,13 @@ class Ours:
     steps from an empty context, the logits of each (what llama-bench times)."""
 
     def __init__(self, model_path: str, args):
-        from pyllama_paged.engine import Model
+        from pyllama_paged.engine import EngineConfig, Model
         from pyllama_paged.engine.worker.model_runner import ModelRunner
 
         self.args = args
         self.model = Model(model_path, n_gpu_layers=args.gpu_layers)
-        self.runner = ModelRunner(self.model, paged=True, n_ctx=args.npp + args.ntg + 16,
-                                  n_threads=args.threads, n_batch=args.npp, block_size=16)
+        self.runner = ModelRunner(self.model, EngineConfig(paged=True, n_ctx=args.npp + args.ntg + 16,
+                                                           n_threads=args.threads, n_batch=args.npp, block_size=16))
         self.rng = np.random.default_rng(0)
         self.round()   # warms up
 

@@ -65,11 +65,13 @@ def peer(binary: str, model: str, args) -> dict[int, float]:
 def runner_steps(model, attention: str, npl: int, args) -> dict:
     """ms per decode step of npl sequences on the native step alone, and the steps' graphs."""
     from pyllama_paged.engine.worker.model_runner import ModelRunner
+    from pyllama_paged.engine import EngineConfig
     rng = np.random.default_rng(npl)
     per_seq = args.npp + args.ntg
     blocks = -(-per_seq // args.block_size) + 1   # every sequence whole: the bench never preempts
-    runner = ModelRunner(model, paged=True, n_ctx=per_seq, n_seq_max=npl, n_threads=args.threads,
-                         n_batch=512, block_size=args.block_size, attention=attention, num_blocks=npl * blocks)
+    runner = ModelRunner(model, EngineConfig(paged=True, n_ctx=per_seq, n_seq_max=npl, n_threads=args.threads,
+                                             n_batch=512, block_size=args.block_size, attention=attention,
+                                             num_blocks=npl * blocks))
     try:
         seqs = [runner.add_sequence(rng.integers(1000, 50000, size=args.npp).tolist()) for _ in range(npl)]
         for s in seqs:

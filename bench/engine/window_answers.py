@@ -51,7 +51,7 @@ def main() -> None:
     together, peak = run(m, tok, prompts, KV_BYTES)
     alone = [run(m, tok, [p], KV_BYTES)[0][0] for p in prompts]
     same = sum(a == b for a, b in zip(alone, together))
-    r = ModelRunner(m, n_ctx=2048, n_threads=2, n_batch=512, block_size=32)
+    r = ModelRunner(m, EngineConfig(n_ctx=2048, n_threads=2, n_batch=512, block_size=32))
     logits_of = engine_logits(r)
     near = 0
     for p, a, b in zip(prompts, alone, together):

@@ -24,7 +24,8 @@ from common.report import RESULTS_DIR, save_figure, write_results
 
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.server.config import ServeConfig
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, ModelRegistry
 from pyllama_paged.testing.serving import Running, free_port, wait_healthy
 
 QUESTIONS = ["Why is the sky blue?", "Write a haiku about rivers.", "What is a prime number?",
@@ -33,8 +34,8 @@ QUESTIONS = ["Why is the sky blue?", "Write a haiku about rivers.", "What is a p
 
 
 def start_ours(paged: bool, args):
-    opts = EngineOptions(paged=paged, n_ctx=args.n_ctx, n_threads=args.threads, n_batch=256,
-                         block_size=16, kv_budget_tokens=args.budget_tokens, max_num_seqs=64)
+    opts = ServeConfig.flat(paged=paged, n_ctx=args.n_ctx, n_threads=args.threads, n_batch=256,
+                            block_size=16, kv_budget_tokens=args.budget_tokens, max_num_seqs=64)
     registry = ModelRegistry(None, opts)
     server = Running(create_app(registry, Limits(max_queue=1024)))
 

@@ -12,14 +12,14 @@ from .kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVE
 from .kv.groups import KVGroups
 from .kv.prefix_tiers import PrefixTierConfig
 from .worker.devices import gpu_device, list_devices
-from .worker.model import Model, default_model_path
+from .worker.model import Model, default_model_path, load_model
 from .worker.model_runner import KV_TYPES, dense_kv_bytes_per_token
 from .worker.sampler import BatchSampler, Sampler
 from .worker.thread_policy import MAX_THREADS
 from .spec_decode.draft import PromptLookupDrafter, SpeculativeConfig
 from .sched.scheduler import SchedulerConfig
 from .pooling.encoder import EncoderEngine
-from .config import EngineConfig, cli_option
+from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .builder import build_engine
 from .loop import EngineLoop, RequestStream
@@ -33,7 +33,7 @@ __all__ = [
     "RequestOutput", "TokenEvent", "KVEvent", "KVEventListener", "BlockStored", "BlockRemoved", "AllBlocksCleared",
     # the engine, its config, and how it is built
     "LLMEngine", "EncoderEngine", "EngineConfig", "SchedulerConfig", "SpeculativeConfig", "PrefixTierConfig",
-    "cli_option", "KV_TYPES", "MAX_THREADS", "build_engine",
+    "KV_TYPES", "MAX_THREADS", "load_model", "build_engine",
     # callers of one engine: the background loop and its request streams, shared steps
     "EngineLoop", "RequestStream", "SharedSteps",
     # the model: weights, devices, KV bytes per token, a sampler for the Python API's sample()

@@ -7,13 +7,14 @@ Single-threaded; EngineLoop runs it for many callers."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import numpy as np
 
 from .config import EngineConfig
 from .worker.devices import device_kv_budget
-from .worker.model import Model
+from .worker.model import Model, load_model
 from .worker.model_runner import ModelRunner, dense_kv_bytes_per_token
 from .outputs import RequestOutput
 from ..errors import PagedError, RequestError
@@ -28,6 +29,18 @@ from .spec_decode.verify import Speculator
 from .spec_decode.draft_model import drafter_for
 from .sched.request import Request, RequestStatus, Sequence
 from ..tokenizer.tokenizer import Tokenizer
+
+
+def runner_config(config: EngineConfig, model: Model) -> EngineConfig:
+    """config as the runner of model takes it: the context resolved against the model's
+    training context, and a model with layers on a GPU given a pool that fits its free memory
+    unless the budget was set."""
+    n_ctx = config.context_for(model.config.n_ctx_train)
+    resolved = dataclasses.replace(config, n_ctx=n_ctx)
+    if model.device is not None and not config.kv_budget_given:
+        dense = dense_kv_bytes_per_token(model.config, config.kv_cache_type)
+        resolved.kv_bytes = device_kv_budget(model, config.kv_budget_bytes(n_ctx, dense))
+    return resolved
 
 
 class LLMEngine:
@@ -54,27 +67,13 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, model: Model | None = None, eot_ids=None) -> "LLMEngine":
-        """The engine config describes: its model (loaded from config.model_path unless given;
-        one loaded here is closed with the engine), KV pool, runner and scheduler. eot_ids:
-        the ids that end generation (None: the GGUF tokenizer's)."""
+        """The engine config describes: its model (load_model(config) unless given; one loaded
+        here is closed with the engine), KV pool, runner, scheduler, speculator and tiers.
+        eot_ids: the ids that end generation (None: the GGUF tokenizer's)."""
         owned = model is None
-        model = model or Model(config.model_path, repack_weights=config.repack_weights,
-                               pack_panels=config.pack_panels, n_gpu_layers=config.n_gpu_layers,
-                               main_gpu=config.main_gpu)
+        model = model or load_model(config)
         try:
-            n_ctx = config.context_for(model.config.n_ctx_train)
-            budget = config.kv_budget_bytes(n_ctx, dense_kv_bytes_per_token(model.config, config.kv_cache_type))
-            if model.device is not None and not config.kv_budget_given:
-                budget = device_kv_budget(model, budget)
-            if config.paged:
-                sizes = dict(num_blocks=config.num_blocks, kv_bytes=budget)
-            else:   # the baseline: the same bytes as whole n_ctx slabs
-                dense_slab = n_ctx * dense_kv_bytes_per_token(model.config, config.kv_cache_type)
-                sizes = dict(n_seq_max=max(1, budget // dense_slab))
-            runner = ModelRunner(model, paged=config.paged, n_ctx=n_ctx, n_threads=config.n_threads,
-                                 n_batch=config.n_batch, block_size=config.block_size,
-                                 kv_cache_type=config.kv_cache_type, free_window_blocks=config.free_window_blocks,
-                                 attention=config.attention, **sizes)
+            runner = ModelRunner(model, runner_config(config, model))
             if eot_ids is None:
                 eot_ids = Tokenizer.from_metadata(model.metadata).eot_ids
         except BaseException:
@@ -83,17 +82,15 @@ class LLMEngine:
             raise
         engine = cls(runner, eot_ids, config.scheduler)
         engine._owned_model = model if owned else None
-        if config.speculative is not None:
-            try:   # a draft model (method draft_model) loads here, checked against the target
-                engine.use_speculator(Speculator(config.speculative, drafter_for(
-                    config.speculative, model, runner, n_threads=config.n_threads,
-                    kv_cache_type=config.kv_cache_type, attention=config.attention,
-                    n_gpu_layers=config.n_gpu_layers, main_gpu=config.main_gpu)))
-            except BaseException:
-                engine.close()
-                raise
-        if config.prefix_tiers is not None and config.prefix_tiers.enabled and config.paged:
-            engine.use_prefix_tiers(config.prefix_tiers)
+        try:   # a draft model (method draft_model) loads here, checked against the target
+            if config.speculative is not None:
+                engine.use_speculator(Speculator(config.speculative,
+                                                 drafter_for(config.speculative, model, runner, config)))
+            if config.prefix_tiers is not None and config.prefix_tiers.enabled and config.paged:
+                engine.use_prefix_tiers(config.prefix_tiers)
+        except BaseException:
+            engine.close()
+            raise
         return engine
 
     is_encoder = False   # EncoderEngine's counterpart: this engine generates

@@ -23,10 +23,11 @@ from starlette.middleware.cors import CORSMiddleware
 from .._version import __version__
 from ..errors import ModelLoadError, ModelsBusyError
 from .dashboard import DASHBOARD_HTML
-from .generation import APIError, Limits, limit_flag
-from .scale_out.kv_events import KVEventPublisher, KVEventsConfig
+from .config import ORIGINS_ENV, Limits, ServeConfig
+from .generation import APIError, limit_flag
+from .scale_out.kv_events import KVEventPublisher
 from .metrics import Metrics
-from .registry import EngineOptions, ModelRegistry
+from .registry import ModelRegistry
 from .anthropic import api as anthropic_api
 from .pooling import embeddings as embeddings_api
 from .ollama import api as ollama_api, manage as ollama_manage
@@ -44,13 +45,7 @@ DEFAULT_ORIGINS = tuple(f"{scheme}://{host}{port}" for host in ("localhost", "12
                         for scheme in ("http", "https") for port in ("", ":*")) + (
     "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*",
     "chrome-extension://*", "moz-extension://*", "safari-extension://*", "ms-browser-extension://*")
-ORIGINS_ENV = "PYLLAMA_PAGED_ORIGINS"
 CORS_METHODS = ("GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS")
-
-
-def origins_from(text: str | None) -> list[str]:
-    """Origins from a comma-separated list (the --origins option, the PYLLAMA_PAGED_ORIGINS variable)."""
-    return [o.strip() for o in (text or "").split(",") if o.strip()]
 
 
 class OriginPolicy:
@@ -463,7 +458,8 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
         served = await find_model(registry, model)
         found, current = await served.figures(state.limits.stats_timeout)
         if found is None:   # dropped by keep_alive: no pages held (the next request loads it)
-            return {"model": served.name, "paged": served.options.paged, "block_size": served.options.block_size,
+            engine = served.serving.engine
+            return {"model": served.name, "paged": engine.paged, "block_size": engine.block_size,
                     "blocks": [], "counts": {}, "loaded": served.is_loaded, "current": current,
                     "stats": {"blocks_used": 0, "blocks_total": 0}}
         stats = found["stats"]
@@ -488,21 +484,22 @@ def block_counts(stats: dict) -> dict[str, int]:
             "cached": stats.get("blocks_cached", 0), "free": stats.get("blocks_free", 0)}
 
 
-def serve(model_paths: list[str] | None, host: str, port: int, api_key: str | None,
-          options: EngineOptions, limits: Limits, origins: list[str] | tuple[str, ...] = (),
-          kv_events: KVEventsConfig | None = None, drain_seconds: float = 0.0) -> None:
-    """Load the models and run uvicorn until interrupted (draining for drain_seconds first);
-    kv_events: publish the prefix caches' changes there."""
+def serve(config: ServeConfig) -> None:
+    """Load config's models and run uvicorn on config.host:config.port until interrupted
+    (draining for config.drain_seconds first), publishing the prefix caches' changes on
+    config.kv_events (a ZMQ socket) when set."""
     import uvicorn
 
-    publisher = KVEventPublisher(kv_events) if kv_events is not None else None
+    publisher = KVEventPublisher(config.kv_events) if config.kv_events is not None else None
     try:
-        options = dataclasses.replace(options, kv_events=publisher) if publisher is not None else options
-        registry = ModelRegistry(model_paths, options)
+        if publisher is not None:
+            config = dataclasses.replace(config, kv_event_listener=publisher)
+        registry = ModelRegistry(config.models, config)
         try:
-            app = create_app(registry, limits, api_key, origins, host)
-            config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
-            router_contract.DrainingServer(config, app.state.pp, drain_seconds).run()
+            app = create_app(registry, config.limits, config.api_key, config.origins, config.host)
+            server = uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                    timeout_graceful_shutdown=5)
+            router_contract.DrainingServer(server, app.state.pp, config.drain_seconds).run()
         finally:
             registry.close()   # the engines' last events (their caches cleared) go out before the socket closes
     finally:

@@ -5,7 +5,6 @@ was started with, and the models of the local store (pulled), loaded on first us
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import datetime as dt
 import hashlib
 import logging
@@ -13,15 +12,15 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ..tokenizer.chat_template import ChatTemplate
-from ..engine import (EncoderEngine, EngineConfig, EngineLoop, LLMEngine, Model, SchedulerConfig, ScoreParams,
-                      build_engine, cli_option, default_model_path)
+from ..engine import (EncoderEngine, EngineConfig, EngineLoop, LLMEngine, Model, ScoreParams, build_engine,
+                      default_model_path, load_model)
 from ..errors import ModelLoadError, ModelsBusyError, PagedError
 from ..models.store import ModelStore, StoredModel
 from ..tokenizer.tokenizer import Tokenizer
+from .config import ServeConfig
 
 DEFAULT_MODEL_NAME = "gemma3:270m"
 log = logging.getLogger("pyllama_paged.server")
@@ -34,59 +33,14 @@ def _engine_figures(llm) -> dict:
     return llm.pool_figures()
 
 
-def _served_scheduler() -> SchedulerConfig:
-    # streams keep their pace while others arrive: an inter-token budget, and a ceiling on
-    # prefill beside decodes before the budget is learned
-    return SchedulerConfig(itl_budget="auto", max_prefill_tokens_with_decodes=128)
-
-
-@dataclass
-class ServedEngineConfig(EngineConfig):
-    """EngineConfig with the server's defaults (a KV pool of 32768 tokens of every layer,
-    shared by all users; the scheduler of _served_scheduler), and the server's own settings.
-    Each model's engine is this config with the model's path (ServedModel.engine_config)."""
-
-    kv_tokens: int | None = 32768
-    scheduler: SchedulerConfig = field(default_factory=_served_scheduler)
-    # where each generative engine tells of its prefix cache's changes (a KVEventListener, e.g.
-    # the server's ZMQ publisher; None: nowhere); attached again at every load
-    kv_events: object | None = field(default=None, compare=False, repr=False)
-    # engines loaded at once (Ollama's OLLAMA_MAX_LOADED_MODELS): loading one more first drops
-    # the least recently used idle one; the files the server starts with are never fewer
-    max_loaded_models: int = cli_option(
-        3, "--max-loaded-models", "engines loaded at once (never fewer than the --model files): loading another "
-        "model first unloads the one idle longest; pulled models stay loaded 5 minutes after their last request "
-        "unless a request's keep_alive says otherwise", type=int, metavar="N")
-    stored_keep_alive: float | None = 300.0   # seconds a pulled model stays loaded idle (Ollama's 5m)
-
-
-# EngineConfig's fields under the names `serve` and Ray's builder arguments gave them first
-_EARLIER_NAMES = {"kv_budget_tokens": "kv_tokens", "kv_budget_bytes": "kv_bytes"}
-# the scheduler's settings a server takes flat; its token budget per step is n_batch
-_SCHEDULER_SETTINGS = frozenset(f.name for f in fields(SchedulerConfig)) - {"max_num_batched_tokens"}
-
-
-class EngineOptions(ServedEngineConfig):
-    """ServedEngineConfig, also given flat as `serve`'s options and Ray's builder arguments
-    give it: a SchedulerConfig field (max_num_seqs=8) sets the scheduler's, and kv_budget_tokens
-    / kv_budget_bytes are kv_tokens / kv_bytes."""
-
-    def __init__(self, **settings):
-        settings = {_EARLIER_NAMES.get(name, name): value for name, value in settings.items()}
-        flat = {name: settings.pop(name) for name in _SCHEDULER_SETTINGS & settings.keys()}
-        if flat:
-            settings["scheduler"] = dataclasses.replace(settings.get("scheduler") or _served_scheduler(), **flat)
-        super().__init__(**settings)
-
-
 class ServedModel:
     """One served GGUF. Its engine (weights, KV pool, runner, loop) is loaded while
     it is used and dropped when keep_alive runs out or is 0 with no request in
     flight; a snapshot of its metadata keeps /api/tags and /api/show answering,
     and the next request loads it again (Ollama's keep_alive)."""
 
-    def __init__(self, name: str, path: str, options: EngineOptions):
-        self.name, self.path, self.options = name, str(path), options
+    def __init__(self, name: str, path: str, serving: ServeConfig):
+        self.name, self.path, self.serving = name, str(path), serving
         self.model: Model | None = None
         self.engine: LLMEngine | EncoderEngine | None = None
         self.loop: EngineLoop | None = None
@@ -117,16 +71,17 @@ class ServedModel:
     def _load(self) -> None:
         """Weights, KV pool, runner and engine loop (blocking: seconds)."""
         self.loads += 1
-        model = Model(self.path, n_gpu_layers=self.options.n_gpu_layers, main_gpu=self.options.main_gpu)
+        config = self.engine_config()
+        model = load_model(config)
         try:
             if self.tokenizer is None:   # kept across unloads, like the metadata
                 self.tokenizer = Tokenizer.from_metadata(model.metadata)
-            engine = build_engine(self.engine_config(), model, self.tokenizer.eot_ids)
+            engine = build_engine(config, model, self.tokenizer.eot_ids)
         except BaseException:
             model.close()
             raise
-        if self.options.kv_events is not None and not engine.is_encoder:
-            engine.set_kv_event_listener(self.options.kv_events)
+        if self.serving.kv_event_listener is not None and not engine.is_encoder:
+            engine.set_kv_event_listener(self.serving.kv_event_listener)
         self.loop = EngineLoop(engine)
         self.model, self.engine = model, engine
         self.loaded_at = time.time()
@@ -139,12 +94,9 @@ class ServedModel:
         return self.model.device_bytes + self.engine.runner.kv_device_bytes
 
     def engine_config(self) -> EngineConfig:
-        """The engine of this model: the options' EngineConfig fields, with its path, and
-        as many tokens per scheduler step as per forward step."""
-        o = self.options
-        settings = {f.name: getattr(o, f.name) for f in fields(EngineConfig)}
-        return EngineConfig(**{**settings, "model_path": self.path,
-                               "scheduler": dataclasses.replace(o.scheduler, max_num_batched_tokens=o.n_batch)})
+        """The engine of this model (ServeConfig.engine_for its path): what load_model and
+        build_engine are given, every field of the server's EngineConfig included."""
+        return self.serving.engine_for(self.path)
 
     @property
     def is_loaded(self) -> bool:
@@ -353,17 +305,17 @@ class ModelRegistry:
     then, and served under its store name from then on; a stored name whose GGUF is a file
     already served (another tag of the same blob, or a --model file) shares that engine.
 
-    At most options.max_loaded_models engines are loaded (never fewer than the files the
+    At most serving.max_loaded_models engines are loaded (never fewer than the files the
     server starts with): a load beyond it first drops the least recently used idle engine,
     and waits (up to LOAD_WAIT_S) while every loaded one is busy. A pulled model stays
-    loaded options.stored_keep_alive seconds after its last request unless a request says
+    loaded serving.stored_keep_alive seconds after its last request unless a request says
     otherwise. That first load runs on a worker thread (resolve)."""
 
     LOAD_WAIT_S = 120.0
     ROOM_POLL_S = 0.05
 
-    def __init__(self, paths: list[str] | None, options: EngineOptions, store: ModelStore | None = None):
-        self.options = options
+    def __init__(self, paths: list[str] | None, serving: ServeConfig | None = None, store: ModelStore | None = None):
+        self.serving = serving = serving if serving is not None else ServeConfig()
         self.store = store if store is not None else ModelStore()
         self.models: dict[str, ServedModel] = {}
         self.aliases: dict[str, str] = {}     # a name made with copy/create -> a served model's name
@@ -374,7 +326,7 @@ class ModelRegistry:
             self._load(DEFAULT_MODEL_NAME, default_model_path())
         for path in paths or []:
             self._load(model_name_for(path), path)
-        self.max_loaded = max(options.max_loaded_models, len(self.models))
+        self.max_loaded = max(serving.max_loaded_models, len(self.models))
         self._sweep_store()
 
     def _sweep_store(self) -> None:
@@ -388,7 +340,7 @@ class ModelRegistry:
             log.warning("the model store at %s is not used for writing: %s", self.store.root, e)
 
     def _load(self, name: str, path: str) -> None:
-        served = ServedModel(name, str(path), self.options)
+        served = ServedModel(name, str(path), self.serving)
         served.make_room = self.make_room
         self.models[name] = served
 
@@ -473,9 +425,9 @@ class ModelRegistry:
     async def _load_stored(self, key: str, path: str) -> ServedModel:
         """A stored model's first engine, after making room for it."""
         await self.make_room(None)
-        served = await asyncio.get_running_loop().run_in_executor(None, ServedModel, key, path, self.options)
+        served = await asyncio.get_running_loop().run_in_executor(None, ServedModel, key, path, self.serving)
         served.make_room = self.make_room
-        served.default_keep_alive = self.options.stored_keep_alive
+        served.default_keep_alive = self.serving.stored_keep_alive
         served.keep_alive = None
         return served
 

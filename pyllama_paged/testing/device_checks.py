@@ -33,12 +33,12 @@ def _tiny(arch: str, folder: Path) -> str:
 
 
 def _runner(path, n_gpu_layers: int, **kw):
-    from ..engine import Model
+    from ..engine import EngineConfig, Model
     from ..engine.worker.model_runner import ModelRunner
 
     model = Model(path, n_gpu_layers=n_gpu_layers)
     settings = dict(n_ctx=256, n_threads=2, n_batch=64, block_size=16)
-    return model, ModelRunner(model, **{**settings, **kw})
+    return model, ModelRunner(model, EngineConfig(**{**settings, **kw}))
 
 
 def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -150,11 +150,11 @@ PROMPTS = [list(np.random.default_rng(i).integers(4, 300, size=n)) for i, n in e
 
 
 def _engine(model, num_blocks=None, mode="recompute", free=True):
-    from ..engine import LLMEngine, SchedulerConfig
+    from ..engine import EngineConfig, LLMEngine, SchedulerConfig
     from ..engine.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(model, n_ctx=256, n_threads=2, n_batch=64, block_size=16, num_blocks=num_blocks,
-                         free_window_blocks=free)
+    runner = ModelRunner(model, EngineConfig(n_ctx=256, n_threads=2, n_batch=64, block_size=16, num_blocks=num_blocks,
+                                             free_window_blocks=free))
     return LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=64, preemption_mode=mode))
 
 
@@ -316,18 +316,18 @@ def check_server() -> dict:
 def check_limits() -> dict:
     """Asking the device for more than it holds: a KV pool above what it binds in one
     tensor is a clear error, and the same process then serves a model that fits."""
-    from ..engine import Model
+    from ..engine import EngineConfig, Model
     from ..engine.worker.model_runner import ModelRunner
     from ..errors import PagedError
 
     model = Model(n_gpu_layers=-1)
     try:
         try:
-            ModelRunner(model, n_ctx=512, n_threads=2, kv_bytes=64 * 2**30)
+            ModelRunner(model, EngineConfig(n_ctx=512, n_threads=2, kv_bytes=64 * 2**30))
             refused = None
         except PagedError as e:
             refused = str(e)
-        runner = ModelRunner(model, n_ctx=512, n_threads=2)
+        runner = ModelRunner(model, EngineConfig(n_ctx=512, n_threads=2))
         seq = runner.add_sequence([2, 651, 1957, 6037, 9692, 659])
         finite = bool(np.isfinite(runner.prefill(seq)).all())
         runner.close()

@@ -101,7 +101,7 @@ def test_the_base_file_round_trips_in_llama_perplexitys_layout(kld, tmp_path):
 
 
 def test_our_scored_rows_line_up_with_the_references_on_a_tiny_model(kld, tmp_path, monkeypatch):
-    from pyllama_paged.engine import Model
+    from pyllama_paged.engine import EngineConfig, Model
     from pyllama_paged.engine.worker.model_runner import ModelRunner
     from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
@@ -118,7 +118,7 @@ def test_our_scored_rows_line_up_with_the_references_on_a_tiny_model(kld, tmp_pa
     head = kld.ReferenceHead.from_gguf(path)
     model = Model(path)
     # steps of 20 tokens: the scored rows start inside a step, and the last step is short
-    runner = ModelRunner(model, paged=True, n_ctx=64, n_threads=2, n_batch=20, block_size=16)
+    runner = ModelRunner(model, EngineConfig(paged=True, n_ctx=64, n_threads=2, n_batch=20, block_size=16))
     try:
         for chunk, chunk_states in zip(chunks, states):
             ref = head.log_probs(chunk_states)

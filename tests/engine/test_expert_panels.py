@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pyllama_paged._native import ffi, lib
-from pyllama_paged.engine import Model
+from pyllama_paged.engine import EngineConfig, Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.testing.engine_runs import chunked_logits
 from pyllama_paged.testing.routed_logits import ROUTER_NEAR_TIE, assert_one_step_routes_as_alone, file_logits, row_errors
@@ -176,7 +176,8 @@ def test_an_expert_routed_more_tokens_than_a_tile_holds_gives_the_short_runs_row
     prompt = [int(x) for x in np.random.default_rng(5).integers(4, 200, size=300)]
 
     def all_logits(chunks):
-        r = ModelRunner(model, paged=True, n_ctx=320, n_threads=2, n_batch=320, block_size=16, kv_cache_type="f16")
+        r = ModelRunner(model, EngineConfig(paged=True, n_ctx=320, n_threads=2, n_batch=320, block_size=16,
+                                            kv_cache_type="f16"))
         try:
             return chunked_logits(r, prompt, chunks)
         finally:
@@ -298,7 +299,8 @@ def test_mxfp4_experts_routed_more_columns_than_a_tile_holds(gpt_oss):
 
     def all_logits(chunks, pack_panels=True):
         model = Model(path, pack_panels=pack_panels)
-        r = ModelRunner(model, paged=True, n_ctx=320, n_threads=2, n_batch=320, block_size=16, kv_cache_type="f16")
+        r = ModelRunner(model, EngineConfig(paged=True, n_ctx=320, n_threads=2, n_batch=320, block_size=16,
+                                            kv_cache_type="f16"))
         try:
             return model.n_panel_packed, chunked_logits(r, prompt, chunks)
         finally:

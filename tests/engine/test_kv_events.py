@@ -10,6 +10,7 @@ from pyllama_paged.engine import (AllBlocksCleared, BlockRemoved, BlockStored, L
                                   SchedulerConfig)
 from pyllama_paged.engine.kv.events import reference_group
 from pyllama_paged.engine.worker.model_runner import ModelRunner
+from pyllama_paged.engine import EngineConfig
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 BS = 16
@@ -47,8 +48,8 @@ class Recorder:
 
 
 def engine(model, num_blocks, mode="recompute", windows=False):
-    runner = ModelRunner(model, paged=True, n_ctx=256, n_threads=1, n_batch=64, block_size=BS,
-                         num_blocks=num_blocks, free_window_blocks=windows)
+    runner = ModelRunner(model, EngineConfig(paged=True, n_ctx=256, n_threads=1, n_batch=64, block_size=BS,
+                                             num_blocks=num_blocks, free_window_blocks=windows))
     llm = LLMEngine(runner, {1}, SchedulerConfig(max_num_batched_tokens=64, preemption_mode=mode))
     recorder = Recorder()
     llm.set_kv_event_listener(recorder)
@@ -166,7 +167,7 @@ def test_reset_clears_and_later_blocks_are_stored_again(model):
 
 
 def test_no_listener_no_events_and_slabs_have_none(model):
-    runner = ModelRunner(model, paged=False, n_ctx=256, n_threads=1, n_batch=64, n_seq_max=2)
+    runner = ModelRunner(model, EngineConfig(paged=False, n_ctx=256, n_threads=1, n_batch=64, n_seq_max=2))
     llm = LLMEngine(runner, {1}, SchedulerConfig(max_num_batched_tokens=64))
     rec = Recorder()
     llm.set_kv_event_listener(rec)   # no prefix cache: nothing to tell

@@ -13,7 +13,7 @@ import pytest
 
 from pyllama_paged._native import ffi, lib
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.engine import LLMEngine, Model, SamplingParams, SchedulerConfig
+from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.errors import ModelLoadError
 from pyllama_paged.testing import gguf_mutate, synthetic_gguf
@@ -94,8 +94,8 @@ def test_a_deep_model_routing_eight_experts_fits_the_graph(tmp_path, paged, atte
                             n_head=4, n_head_kv=1, head_dim=16, n_expert=16, n_expert_used=8, n_ff_exp=32)
     model = Model(path)
     n = 64
-    runner = ModelRunner(model, paged=paged, n_ctx=8, n_seq_max=n + 1, n_threads=2, n_batch=n, block_size=8,
-                         num_blocks=(n + 1) * 2, attention=attention)
+    runner = ModelRunner(model, EngineConfig(paged=paged, n_ctx=8, n_seq_max=n + 1, n_threads=2, n_batch=n,
+                                             block_size=8, num_blocks=(n + 1) * 2, attention=attention))
     try:
         seqs = [runner.add_sequence([5 + i]) for i in range(n)]
         together = runner.step([(s, 1) for s in seqs]).copy()
@@ -119,7 +119,7 @@ def test_the_qwen3_30b_a3b_preset_shrinks_and_takes_shape_flags(tmp_path):
         assert (cfg.arch, cfg.n_layer, cfg.n_embd, cfg.head_dim, cfg.n_vocab, cfg.n_ctx_train) == \
                ("qwen3moe", 2, 256, 128, 151936, 40960)
         assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp) == (16, 4, 256)
-        runner = ModelRunner(model, n_ctx=64, n_threads=2, n_batch=64, block_size=16)
+        runner = ModelRunner(model, EngineConfig(n_ctx=64, n_threads=2, n_batch=64, block_size=16))
         logits = runner.prefill(runner.add_sequence(list(range(100, 120))))
         assert logits.shape == (151936,) and np.isfinite(logits).all() and logits.std() > 0.5
         runner.close()
@@ -128,7 +128,8 @@ def test_the_qwen3_30b_a3b_preset_shrinks_and_takes_shape_flags(tmp_path):
 
 
 def make_engine(model, num_blocks=200, mode="recompute", budget=64):
-    runner = ModelRunner(model, n_ctx=128, n_threads=2, n_batch=budget, block_size=16, num_blocks=num_blocks)
+    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=budget, block_size=16,
+                                             num_blocks=num_blocks))
     return LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
 
 

@@ -7,7 +7,7 @@ mix of decode runs and prefill chunks (which the grouping reorders) gives the ke
 import numpy as np
 import pytest
 
-from pyllama_paged.engine import Model
+from pyllama_paged.engine import EngineConfig, Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
@@ -23,8 +23,8 @@ def tiny(tmp_path_factory):
 
 
 def _runner(model, attention, **kw):
-    return ModelRunner(model, paged=True, n_ctx=128, n_seq_max=64, n_threads=2, n_batch=128, block_size=16,
-                       attention=attention, **kw)
+    return ModelRunner(model, EngineConfig(paged=True, n_ctx=128, n_seq_max=64, n_threads=2, n_batch=128,
+                                           block_size=16, attention=attention, **kw))
 
 
 def _decode_stats(model, attention, n_seqs, rng):
@@ -191,8 +191,8 @@ def _long_decode_logits(model, attention, n_threads):
     """One sequence of 600 prompt tokens, then three decode steps: with fewer sequences than
     threads and this many keys the kernel splits each key range (one op, the last thread to
     finish merging); the logits of each step and whether it reused the graph."""
-    runner = ModelRunner(model, paged=True, n_ctx=640, n_threads=n_threads, n_batch=128, block_size=16,
-                         attention=attention)
+    runner = ModelRunner(model, EngineConfig(paged=True, n_ctx=640, n_threads=n_threads, n_batch=128, block_size=16,
+                                             attention=attention))
     try:
         seq = runner.add_sequence([(5 * i) % 190 + 4 for i in range(600)])
         runner.prefill(seq)

@@ -18,7 +18,7 @@ import pytest
 
 from pyllama_paged.engine.kv import block_store
 from pyllama_paged.engine.kv.block_store import DiskBlockStore
-from pyllama_paged.engine import LLMEngine, Model, PrefixTierConfig, SamplingParams, SchedulerConfig
+from pyllama_paged.engine import EngineConfig, LLMEngine, Model, PrefixTierConfig, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.engine.kv.prefix_tiers import PrefixTiers, chain_keys
 from pyllama_paged.errors import PagedError
@@ -406,7 +406,8 @@ def model(tmp_path_factory):
 
 
 def test_reset_empties_the_ram_tier_and_keeps_the_disk(model, tmp_path):
-    runner = ModelRunner(model, paged=True, n_ctx=256, n_threads=1, n_batch=64, block_size=16, num_blocks=200)
+    runner = ModelRunner(model, EngineConfig(paged=True, n_ctx=256, n_threads=1, n_batch=64, block_size=16,
+                                             num_blocks=200))
     llm = LLMEngine(runner, {1}, SchedulerConfig(max_num_batched_tokens=64))
     tiers = llm.use_prefix_tiers(PrefixTierConfig(ram_bytes=64 << 20, disk_dir=str(tmp_path / "kv")))
     try:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pyllama_paged.engine.kv.block_pool import BlockPool, BlockState
-from pyllama_paged.engine import KVGroups, LLMEngine, Model, SamplingParams, SchedulerConfig
+from pyllama_paged.engine import EngineConfig, KVGroups, LLMEngine, Model, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.kv.groups import first_needed_block, window_blocks_held
 from pyllama_paged.engine.kv.manager import PagedKV
 from pyllama_paged.engine.worker.model_runner import ModelRunner
@@ -163,8 +163,8 @@ def model(tmp_path_factory):
 
 
 def runner_for(model, free, num_blocks=None, n_batch=64):
-    return ModelRunner(model, n_ctx=256, n_threads=1, n_batch=n_batch, block_size=16, num_blocks=num_blocks,
-                       free_window_blocks=free)
+    return ModelRunner(model, EngineConfig(n_ctx=256, n_threads=1, n_batch=n_batch, block_size=16,
+                                           num_blocks=num_blocks, free_window_blocks=free))
 
 
 def test_long_sequences_give_the_logits_they_give_without_freeing(model):
@@ -276,7 +276,8 @@ def test_the_portable_gather_path_reads_only_what_the_window_kept(model):
     prompt = list(np.random.default_rng(9).integers(4, 300, size=120))
     out = {}
     for attention in ("kernel", "gather"):
-        runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=64, block_size=16, attention=attention)
+        runner = ModelRunner(model, EngineConfig(n_ctx=256, n_threads=1, n_batch=64, block_size=16,
+                                                 attention=attention))
         seq = runner.add_sequence_cached(prompt)
         rows = []
         while seq.num_computed < len(prompt):
@@ -293,4 +294,4 @@ def test_the_portable_gather_path_reads_only_what_the_window_kept(model):
 def test_an_unknown_attention_path_is_refused(model):
     from pyllama_paged.errors import PagedError
     with pytest.raises(PagedError, match="attention 'cuda' unknown"):
-        ModelRunner(model, n_ctx=64, n_threads=1, attention="cuda")
+        ModelRunner(model, EngineConfig(n_ctx=64, n_threads=1, attention="cuda"))

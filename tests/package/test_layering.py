@@ -13,6 +13,7 @@ PACKAGE = Path(pyllama_paged.__file__).resolve().parent
 # Bottom first; a module may import from its own layer or any layer below.
 LAYERS = [
     ["errors", "_version"],
+    ["flags"],   # settings that are command-line options: below everything that has some
     ["_native.library"],
     ["_native.status", "_native.ggml_log", "_native.handle"],
     ["_native"],   # the binding's facade (_native/__init__.py) re-exports its modules
@@ -42,6 +43,7 @@ LAYERS = [
     ["api.llama_chat_format"],
     ["api.llama"],
     ["server.metrics", "server.dashboard", "server.scale_out.kv_events", "server.scale_out.router_contract"],
+    ["server.config"],
     ["server.registry"],
     ["server.generation"],
     # what the dialects share: the model lookup, keep_alive, the one chat path, SSE, error bodies

@@ -17,7 +17,8 @@ from pydantic import BaseModel
 
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, ModelRegistry
+from pyllama_paged.server.config import ServeConfig
 from pyllama_paged.testing.serving import Running, pool_used, wait_pool_empty, wait_until
 
 M = DEFAULT_MODEL_NAME
@@ -32,8 +33,8 @@ WEATHER = {"name": "get_weather", "description": "Current weather in a city",
 
 @pytest.fixture(scope="module")
 def registry():
-    reg = ModelRegistry(None, EngineOptions(n_ctx=1024, n_threads=2, n_batch=256, block_size=32,
-                                            kv_budget_tokens=16384, max_num_seqs=16))
+    reg = ModelRegistry(None, ServeConfig.flat(n_ctx=1024, n_threads=2, n_batch=256, block_size=32,
+                                               kv_budget_tokens=16384, max_num_seqs=16))
     yield reg
     reg.close()
 

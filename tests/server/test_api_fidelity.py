@@ -17,7 +17,8 @@ from pyllama_paged.engine.worker.sampler import log_softmax
 from pyllama_paged.api.sampling_options import OLLAMA, OPENAI, sampling_params
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, ModelRegistry
+from pyllama_paged.server.config import ServeConfig
 
 M = DEFAULT_MODEL_NAME
 KEY = "fidelity-key"
@@ -25,8 +26,8 @@ KEY = "fidelity-key"
 
 @pytest.fixture(scope="module")
 def registry():
-    reg = ModelRegistry(None, EngineOptions(n_ctx=512, n_threads=2, n_batch=256, block_size=32,
-                                            kv_budget_tokens=8192, max_num_seqs=64))
+    reg = ModelRegistry(None, ServeConfig.flat(n_ctx=512, n_threads=2, n_batch=256, block_size=32,
+                                               kv_budget_tokens=8192, max_num_seqs=64))
     yield reg
     reg.close()
 

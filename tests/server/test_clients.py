@@ -24,7 +24,8 @@ from pydantic import BaseModel, Field  # noqa: E402
 from pyllama_paged.testing.serving import Running, wait_pool_empty  # noqa: E402
 from pyllama_paged.server.app import create_app  # noqa: E402
 from pyllama_paged.server.generation import Limits  # noqa: E402
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry  # noqa: E402
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, ModelRegistry  # noqa: E402
+from pyllama_paged.server.config import ServeConfig
 
 M = DEFAULT_MODEL_NAME
 ASK = "Describe a person."
@@ -55,8 +56,8 @@ CALL_FORMAT = {"type": "object", "properties": {"name": {"const": "get_weather"}
 
 @pytest.fixture(scope="module")
 def server():
-    registry = ModelRegistry(None, EngineOptions(n_ctx=1024, n_threads=2, n_batch=256, block_size=32,
-                                                 kv_budget_tokens=16384, max_num_seqs=32))
+    registry = ModelRegistry(None, ServeConfig.flat(n_ctx=1024, n_threads=2, n_batch=256, block_size=32,
+                                                    kv_budget_tokens=16384, max_num_seqs=32))
     s = Running(create_app(registry, Limits(max_tokens=300)))
     yield s
     s.close()

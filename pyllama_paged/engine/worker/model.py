@@ -28,6 +28,14 @@ PANEL_KERNELS = {lib.PP_PANEL_KERNEL_NONE: "ggml", lib.PP_PANEL_KERNEL_SCALAR: "
                  lib.PP_PANEL_KERNEL_AVX2: "avx2"}
 
 
+def load_model(config) -> "Model":
+    """The model an EngineConfig (engine/config.py) names: its file (None: the embedded default
+    model), its weights in the layouts and on the GPU layers the config asks for. The one way
+    the engine, the server and the Python API load a model."""
+    return Model(config.model_path, repack_weights=config.repack_weights, pack_panels=config.pack_panels,
+                 n_gpu_layers=config.n_gpu_layers, main_gpu=config.main_gpu)
+
+
 class Model:
     """Weights of one GGUF model, described to the native core (data stays mapped)."""
 
