@@ -510,7 +510,7 @@ class Llama:
             repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             stop=stop, seed=seed, n=n, ignore_eos=ignore_eos, logit_bias=self._logit_bias(logit_bias),
             speculative=speculative, logprobs=(top_logprobs or 0) if logprobs else None))
-        call = ChatCall(messages, tools, tool_choice,
+        call = ChatCall(messages=messages, tools=tools, tool_choice=tool_choice,
                         structured=lambda tokenizer: from_python(tokenizer, response_format, grammar),
                         surface=PYTHON, sampling=fields, sampling_defaults={"seed": self._seed}, thinking=think)
         prepared = prepare_call(call, self.chat_template, self._tokenizer)

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
@@ -36,6 +36,8 @@ from .pooling import rerank as rerank_api
 from .scale_out import router_contract
 from .error_bodies import anthropic_error_body, openai_error_object
 from .lookup import find_model
+from .openai.responses_store import ResponseStore
+from .state import server_state
 
 log = logging.getLogger("pyllama_paged.server")
 
@@ -119,6 +121,7 @@ class ServerState:
     # tokenizing, templates, grammars, tool-call parsing: a few threads of their own
     prep: ThreadPoolExecutor | None = None
     draining: bool = False   # stopping: /health answers 503 while requests still finish
+    responses: ResponseStore = field(default_factory=ResponseStore)   # the Responses API's, one per app
 
     def __post_init__(self):
         if self.prep is None:
@@ -368,6 +371,24 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
                        allow_headers=["*"])
     app.add_middleware(CallerMiddleware, access=access)
     _redact_access_log()
+    _add_error_handlers(app, state)
+    _expire_idle_models(app, registry)
+
+    async def stop_prep():
+        state.prep.shutdown(wait=False, cancel_futures=True)
+
+    app.router.on_shutdown.append(stop_prep)
+    for routes in (ollama_api.router, ollama_manage.router, openai_api.router, openai_responses.router,
+                   # llama-server's /embeddings beside /v1/embeddings (openai_api's routes add their own)
+                   openai_api.add_unversioned(embeddings_api.router), rerank_api.router, anthropic_api.router,
+                   router_contract.router, router):
+        app.include_router(routes)
+    _document_errors(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Every error in the shape of the API it was asked of, counted in /metrics."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -417,64 +438,56 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
             state.metrics.count_request(route_label(request.scope), response.status_code)
         return response
 
-    _expire_idle_models(app, registry)
 
-    async def stop_prep():
-        state.prep.shutdown(wait=False, cancel_futures=True)
+# the server's own routes: its banner, /metrics, the pool view and its dashboard
+router = APIRouter()
 
-    app.router.on_shutdown.append(stop_prep)
-    app.include_router(ollama_api.build_router(state))
-    app.include_router(ollama_manage.build_router(state))
-    app.include_router(openai_api.build_router(state))
-    app.include_router(openai_responses.build_router(state))
-    # llama-server's /embeddings beside /v1/embeddings (openai_api's routes add their own)
-    app.include_router(openai_api.add_unversioned(embeddings_api.build_router(state)))
-    app.include_router(rerank_api.build_router(state))
-    app.include_router(anthropic_api.build_router(state))
-    app.include_router(router_contract.build_router(state))
 
-    @app.get("/", response_class=PlainTextResponse)
-    async def root():
-        return PlainTextResponse("Ollama is running (pyllama-paged)")
+@router.get("/", response_class=PlainTextResponse)
+async def root():
+    return PlainTextResponse("Ollama is running (pyllama-paged)")
 
-    @app.head("/", response_class=Response)
-    async def root_head():
-        return Response()
 
-    async def all_stats() -> dict[str, dict]:
-        """Each loaded model's engine figures (a model keep_alive dropped has none), the
-        models read together so that one busy engine costs one timeout, not one each."""
-        models = list(registry.models.items())
-        found = await asyncio.gather(*(m.figures(state.limits.stats_timeout) for _, m in models))
-        return {name: figures["stats"] for (name, _), (figures, _) in zip(models, found) if figures is not None}
+@router.head("/", response_class=Response)
+async def root_head():
+    return Response()
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        return PlainTextResponse(state.metrics.render(await all_stats()),
-                                 media_type="text/plain; version=0.0.4")
 
-    @app.get("/api/pool")
-    async def pool(model: str | None = None):
-        served = await find_model(registry, model)
-        found, current = await served.figures(state.limits.stats_timeout)
-        if found is None:   # dropped by keep_alive: no pages held (the next request loads it)
-            engine = served.serving.engine
-            return {"model": served.name, "paged": engine.paged, "block_size": engine.block_size,
-                    "blocks": [], "counts": {}, "loaded": served.is_loaded, "current": current,
-                    "stats": {"blocks_used": 0, "blocks_total": 0}}
-        stats = found["stats"]
-        counts = block_counts(stats)
-        # the cells in state order, from the pool's counters (which block is which is not shown)
-        blocks = [name for name in ("used", "shared", "cached", "free") for _ in range(counts[name])]
-        return {"model": served.name, "paged": found["paged"], "block_size": found["block_size"],
-                "blocks": blocks, "counts": counts, "stats": stats, "loaded": True, "current": current}
+async def _all_stats(state: ServerState) -> dict[str, dict]:
+    """Each loaded model's engine figures (a model keep_alive dropped has none), the
+    models read together so that one busy engine costs one timeout, not one each."""
+    models = list(state.registry.models.items())
+    found = await asyncio.gather(*(m.figures(state.limits.stats_timeout) for _, m in models))
+    return {name: figures["stats"] for (name, _), (figures, _) in zip(models, found) if figures is not None}
 
-    @app.get("/dashboard", response_class=HTMLResponse)
-    async def dashboard():
-        return HTMLResponse(DASHBOARD_HTML)
 
-    _document_errors(app)
-    return app
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request):
+    state = server_state(request)
+    return PlainTextResponse(state.metrics.render(await _all_stats(state)), media_type="text/plain; version=0.0.4")
+
+
+@router.get("/api/pool")
+async def pool(request: Request, model: str | None = None):
+    state = server_state(request)
+    served = await find_model(state.registry, model)
+    found, current = await served.figures(state.limits.stats_timeout)
+    if found is None:   # dropped by keep_alive: no pages held (the next request loads it)
+        engine = served.serving.engine
+        return {"model": served.name, "paged": engine.paged, "block_size": engine.block_size,
+                "blocks": [], "counts": {}, "loaded": served.is_loaded, "current": current,
+                "stats": {"blocks_used": 0, "blocks_total": 0}}
+    stats = found["stats"]
+    counts = block_counts(stats)
+    # the cells in state order, from the pool's counters (which block is which is not shown)
+    blocks = [name for name in ("used", "shared", "cached", "free") for _ in range(counts[name])]
+    return {"model": served.name, "paged": found["paged"], "block_size": found["block_size"],
+            "blocks": blocks, "counts": counts, "stats": stats, "loaded": True, "current": current}
+
+
+@router.get("/dashboard", response_class=HTMLResponse)
+async def dashboard():
+    return HTMLResponse(DASHBOARD_HTML)
 
 
 def block_counts(stats: dict) -> dict[str, int]:

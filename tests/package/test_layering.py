@@ -48,6 +48,7 @@ LAYERS = [
     ["server.generation"],
     # what the dialects share: the model lookup, keep_alive, the one chat path, SSE, error bodies
     ["server.lookup", "server.keep_alive", "server.chat", "server.sse", "server.error_bodies", "server.tool_schema",
+     "server.state",
      "server.openai_token_arrays"],
     ["server.openai.schemas", "server.openai.logprobs", "server.ollama.pull", "server.ollama.manage",
      "server.anthropic.schemas"],
