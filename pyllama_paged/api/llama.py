@@ -15,7 +15,7 @@ from ..constrain.formats import from_python
 from ..engine import (EngineConfig, PrefixTierConfig, RequestOutput, SamplingParams, SchedulerConfig,
                       SharedSteps, SpeculativeConfig, build_engine, list_devices, load_model)
 from ..errors import PagedError, RequestError
-from .chat_call import ChatCall, prepare_call
+from ..calls.chat_call import ChatCall, prepare_call
 from .llama_chat import chat_chunks, collect_chat, legacy_functions
 from .llama_chat_format import is_vision_handler, vision_refusal
 from .llama_compat import (CHAT_FORMATS, LLAMA_DEFAULT_SEED, CompatWarnings, LlamaState, LlamaTokenizer,
@@ -24,12 +24,12 @@ from .llama_completion import collect_completion, completion_chunks
 from .llama_eval import TokenSampler, logits_after
 from .llama_pretrained import find_pretrained
 from .llama_speculative import speculative_of
-from .sampling_options import PYTHON, sampling_params
-from .text_stream import TextAssembler
+from ..calls.sampling_options import PYTHON, sampling_params
+from ..calls.text_stream import TextAssembler
 from ..tokenizer.chat_template import ChatTemplate
 from ..tokenizer.tokenizer import Tokenizer
-from .embeddings import embed_for_llama, openai_list
-from .rerank import rerank_for_llama
+from ..calls.embeddings import embed_for_llama, openai_list
+from ..calls.rerank import rerank_for_llama
 
 
 class Llama:
@@ -287,7 +287,7 @@ class Llama:
     def rerank(self, query: str, documents: Sequence, top_n: int | None = None, return_documents: bool = False,
                truncate: bool = False) -> dict:
         """Documents (strings or {"text": ...}) ranked against query, as /v1/rerank answers (see
-        api/rerank.py); the model must be a reranker, or a decoder loaded with pooling_type=4."""
+        calls/rerank.py); the model must be a reranker, or a decoder loaded with pooling_type=4."""
         return rerank_for_llama(self, query, documents, top_n, return_documents, truncate)
 
     # ---- generation: every path goes through the scheduler -----------------

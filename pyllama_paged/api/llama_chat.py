@@ -8,8 +8,8 @@ import time
 import uuid
 from typing import Iterator
 
-from .chat_call import AnswerSplitter
-from .text_stream import TextDelta
+from ..calls.chat_call import AnswerSplitter
+from ..calls.text_stream import TextDelta
 
 
 def token_logprob(tokenizer, event) -> dict:

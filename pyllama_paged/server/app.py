@@ -25,7 +25,7 @@ from ..errors import ModelLoadError, ModelsBusyError
 from .dashboard import DASHBOARD_HTML
 from .config import ORIGINS_ENV, Limits, ServeConfig
 from .generation import APIError, limit_flag
-from .scale_out.kv_events import KVEventPublisher
+from .routing.kv_events import KVEventPublisher
 from .metrics import Metrics
 from .registry import ModelRegistry
 from .anthropic import api as anthropic_api
@@ -33,7 +33,7 @@ from .pooling import embeddings as embeddings_api
 from .ollama import api as ollama_api, manage as ollama_manage
 from .openai import api as openai_api, responses as openai_responses
 from .pooling import rerank as rerank_api
-from .scale_out import router_contract
+from .routing import router_contract
 from .error_bodies import anthropic_error_body, openai_error_object
 from .lookup import find_model
 from .openai.responses_store import ResponseStore

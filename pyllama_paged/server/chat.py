@@ -3,7 +3,7 @@ the Responses API, Anthropic's Messages, Ollama's /api/chat) comes here as a Cha
 (run_chat), every text completion (OpenAI's completions, Ollama's /api/generate) as a
 PromptCall (run_prompt), and goes the same way: the per-request limits, an unset max_tokens
 given its default within the server's cap, the model looked up (a 404), the generative
-check, the API's own refusals; then the shared core (api/chat_call.py: messages, tools,
+check, the API's own refusals; then the shared core (calls/chat_call.py: messages, tools,
 template, tokens) off the event loop, the sampling parameters and a Generation per prompt.
 Its answer comes back as pieces (text, tool calls, the end) or whole answers, which each
 API renders."""
@@ -14,7 +14,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from ..api.chat_call import (Answer, AnswerPiece, AnswerSplitter, Call, ChatCall, PreparedChat, PromptCall,
+from ..calls.chat_call import (Answer, AnswerPiece, AnswerSplitter, Call, ChatCall, PreparedChat, PromptCall,
                              collect_answers, prepare_call, prepare_prompts, split_answer)
 from ..errors import PagedError
 from ..tools.messages import MessageError

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from ..engine import MAX_THREADS, EngineConfig, PrefixTierConfig, SchedulerConfig
 from ..errors import PagedError
 from ..flags import flagged, group, size_bytes
-from .scale_out.kv_events import KVEventsConfig
+from .routing.kv_events import KVEventsConfig
 
 
 @dataclass

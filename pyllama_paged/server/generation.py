@@ -13,8 +13,8 @@ from typing import Any
 
 from ..engine import SamplingParams
 from ..errors import PagedError
-from ..api.sampling_options import Surface, sampling_params
-from ..api.text_stream import TextAssembler, TextDelta
+from ..calls.sampling_options import Surface, sampling_params
+from ..calls.text_stream import TextAssembler, TextDelta
 from ..flags import flag_of
 from .config import Limits
 from .metrics import Metrics

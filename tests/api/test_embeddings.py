@@ -168,8 +168,8 @@ def test_decoder_embedding_matches_reference(tiny_decoders, arch, pooling):
 
 
 def _embed_ids(llm, prompts, pooling):
-    from pyllama_paged.api.embeddings import finish_vector
-    from pyllama_paged.api.embeddings import run_embeddings
+    from pyllama_paged.calls.embeddings import finish_vector
+    from pyllama_paged.calls.embeddings import run_embeddings
     from pyllama_paged.engine import SharedSteps
     return [finish_vector(v) for v in run_embeddings(SharedSteps(llm.llm_engine), prompts, EmbedParams(pooling))]
 

@@ -5,7 +5,7 @@ import pytest
 
 from pyllama_paged.errors import PagedError
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.api.text_stream import StopMatcher
+from pyllama_paged.calls.text_stream import StopMatcher
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from pyllama_paged._native import ffi, last_error, lib
-from pyllama_paged.api.chat_call import ChatCall, prepare_call
+from pyllama_paged.calls.chat_call import ChatCall, prepare_call
 from pyllama_paged.api.llama import Llama
 from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.worker.model_runner import ModelRunner

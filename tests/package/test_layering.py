@@ -34,21 +34,21 @@ LAYERS = [
     ["constrain.grammar"],
     ["constrain.masks", "constrain.formats"],
     ["engine"],   # the engine: its districts below (ENGINE), reached from outside only through its front door
-    ["api.text_stream", "api.sampling_options", "tools.calls", "tools.messages", "tools.reasoning", "api.embeddings"],
-    ["tools.prompt", "tools.harmony", "api.rerank_inputs", "api.rerank_head"],
-    ["api.chat_call"],
+    ["calls.text_stream", "calls.sampling_options", "tools.calls", "tools.messages", "tools.reasoning", "calls.embeddings"],
+    ["tools.prompt", "tools.harmony", "calls.rerank_inputs", "calls.rerank_head"],
+    ["calls.chat_call"],
     ["api.llama_compat", "api.llama_grammar", "api.llama_pretrained", "api.llama_chat", "api.llama_completion",
      "api.llama_eval", "api.llama_speculative",
-     "api.rerank"],
+     "calls.rerank"],
     ["api.llama_chat_format"],
     ["api.llama"],
-    ["server.metrics", "server.dashboard", "server.scale_out.kv_events", "server.scale_out.router_contract"],
+    ["server.metrics", "server.dashboard", "server.state", "server.routing.kv_events",
+     "server.routing.router_contract"],
     ["server.config"],
     ["server.registry"],
     ["server.generation"],
     # what the dialects share: the model lookup, keep_alive, the one chat path, SSE, error bodies
     ["server.lookup", "server.keep_alive", "server.chat", "server.sse", "server.error_bodies", "server.tool_schema",
-     "server.state",
      "server.openai_token_arrays"],
     ["server.openai.schemas", "server.openai.logprobs", "server.ollama.pull", "server.ollama.manage",
      "server.anthropic.schemas"],
@@ -220,8 +220,9 @@ def test_the_scheduler_keeps_books_and_never_reaches_the_model():
 # protocol file and a renderer, never an import of another dialect.
 FOLDERS = ["_native", "gguf", "models", "convert", "tokenizer", "constrain",
            "engine", "engine/kv", "engine/sched", "engine/worker", "engine/spec_decode", "engine/pooling",
-           "tools", "api",
-           "server", "server/openai", "server/anthropic", "server/ollama", "server/pooling", "server/scale_out",
+           "tools", "calls", "api",
+           "server", "server/openai", "server/anthropic", "server/ollama", "server/pooling", "server/routing",
+           "server/scale_out",
            "testing", "testing/reference"]
 DIALECTS = ["server.openai", "server.anthropic", "server.ollama", "server.pooling", "server.scale_out"]
 

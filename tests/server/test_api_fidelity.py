@@ -14,7 +14,7 @@ import pytest
 from pyllama_paged.testing.agreement import NEAR_TIE, engine_logits
 from pyllama_paged.testing.serving import Running, wait_pool_empty
 from pyllama_paged.engine.worker.sampler import log_softmax
-from pyllama_paged.api.sampling_options import OLLAMA, OPENAI, sampling_params
+from pyllama_paged.calls.sampling_options import OLLAMA, OPENAI, sampling_params
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, ModelRegistry

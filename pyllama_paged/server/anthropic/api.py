@@ -8,7 +8,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ...api.chat_call import ChatCall
+from ...calls.chat_call import ChatCall
 from ...tools.messages import MessageError
 from ..chat import ChatRun, check_call, prepare_chat_call, run_chat
 from ..error_bodies import anthropic_error_body

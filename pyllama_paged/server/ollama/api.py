@@ -12,8 +12,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...api.chat_call import ChatCall, PromptCall, split_as_streamed
-from ...api.sampling_options import OLLAMA
+from ...calls.chat_call import ChatCall, PromptCall, split_as_streamed
+from ...calls.sampling_options import OLLAMA
 from ...constrain.formats import from_ollama
 from ...tools.reasoning import template_thinks
 from ..chat import ChatRun, check_call, run_prompt, start_chat

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse
 
-from ...api.chat_call import Answer, AnswerPiece
+from ...calls.chat_call import Answer, AnswerPiece
 from ...errors import PagedError
 from ..chat import prepare_prompt, run_chat, start_prompts
 from ..generation import APIError, admit, off_loop

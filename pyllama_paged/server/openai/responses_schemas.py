@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ...api.chat_call import ChatCall
-from ...api.sampling_options import OPENAI
+from ...calls.chat_call import ChatCall
+from ...calls.sampling_options import OPENAI
 from ...constrain.formats import from_openai
 from ...constrain.grammar import Constraint
 from ...tokenizer.tokenizer import Tokenizer

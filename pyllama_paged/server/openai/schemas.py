@@ -11,9 +11,9 @@ from ...constrain.formats import from_openai
 from ...constrain.grammar import Constraint, ConstraintError, compile_constraint
 from ...engine import MAX_LOGPROBS
 from ...tokenizer.tokenizer import Tokenizer
-from ...api.chat_call import ChatCall, PromptCall
+from ...calls.chat_call import ChatCall, PromptCall
 from ...tools.reasoning import template_thinks
-from ...api.sampling_options import OPENAI
+from ...calls.sampling_options import OPENAI
 from ..generation import APIError
 from ..tool_schema import ToolFunction
 

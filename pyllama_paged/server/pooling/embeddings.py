@@ -14,7 +14,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...api.embeddings import as_base64, finish_vector, max_input_tokens, openai_list, tokenize_inputs
+from ...calls.embeddings import as_base64, finish_vector, max_input_tokens, openai_list, tokenize_inputs
 from ...engine import EmbedParams, TOKEN_STATES, default_pooling
 from ...errors import PagedError
 from ..generation import APIError, admit, off_loop, refuse_over

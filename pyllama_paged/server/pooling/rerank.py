@@ -3,7 +3,7 @@ POST /v1/rerank (and its aliases /v1/reranking, /rerank, /reranking) and /api/re
 shape for all. The request is Jina's and Cohere's: {model, query, documents: [str | {text}],
 top_n, return_documents}, plus ours `truncate` (cut each document to fit the model's context;
 without it an over-long pair is a 400). The answer: {model, object: "list", results: [{index,
-relevance_score, document?}], usage: {prompt_tokens, total_tokens}}; see api/rerank.py for
+relevance_score, document?}], usage: {prompt_tokens, total_tokens}}; see calls/rerank.py for
 the order, top_n, return_documents and what a score means.
 
 Every document of a request is its own engine request, all submitted together, so they run
@@ -20,9 +20,9 @@ import time
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from ...api.embeddings import max_input_tokens
-from ...api.rerank import RerankJob, RerankRequestError, check_request, prepare_rerank, rerank_response
-from ...api.rerank_head import NotAReranker
+from ...calls.embeddings import max_input_tokens
+from ...calls.rerank import RerankJob, RerankRequestError, check_request, prepare_rerank, rerank_response
+from ...calls.rerank_head import NotAReranker
 from ...errors import PagedError
 from .embeddings import holding, pooled_states
 from ..generation import APIError, off_loop, refuse_over

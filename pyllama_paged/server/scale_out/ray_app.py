@@ -53,7 +53,7 @@ from ..generation import limit_flag
 from .ray_routing import PIN_HEADER, POLICIES, PrefixAffinityRouter, RoutedRequest, routing_text
 from ..registry import ModelRegistry
 from ..sse import openai_error_events, sse
-from .router_contract import unhealthy_reason
+from ..routing.router_contract import unhealthy_reason
 
 log = logging.getLogger("pyllama_paged.server")
 

@@ -1,7 +1,7 @@
 """Reranking as the APIs give it: a query and its documents checked, each pair made the
 model's input (rerank_inputs.py), every pair submitted to the engine at once as a pooled
 request (an encoder runs them as a few padded batches, a decoder's scheduler prefills them
-side by side), the pooled states scored by the model's head (api/rerank_head.py), then
+side by side), the pooled states scored by the model's head (rerank_head.py), then
 ordered and shaped as llama.cpp's server answers /v1/rerank (Jina's and Cohere's shape).
 
 Results: highest relevance_score first (equal scores keep the documents' order); top_n
