@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from common.report import BENCH_DIR
+from bench.common.report import BENCH_DIR
 
 MODELS_DIR = BENCH_DIR / ".models"
 FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.report import BENCH_DIR
+from bench.common.report import BENCH_DIR
 
 # pyllama_paged is imported inside the functions: device_bench.py imports this module before it
 # has put pip's CUDA libraries on the loader's path (and runs itself again).

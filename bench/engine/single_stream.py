@@ -11,7 +11,7 @@ the ceiling that binds. With --gpu-layers, that many layers on the GPU on both s
 this CPU's).
 
     bench/build_llama_cpp.sh
-    python bench/engine/single_stream.py --model bench/.models/<file>.gguf
+    python -m bench.engine.single_stream --model bench/.models/<file>.gguf
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, write_results
-from common.peers import LLAMA_CPP_BIN
-from common.roofline import copy_bandwidth, int8_peak, model_weights, step_floor_s
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, write_results
+from bench.common.peers import LLAMA_CPP_BIN
+from bench.common.roofline import copy_bandwidth, int8_peak, model_weights, step_floor_s
 
 
 def llama_bench(binary: str, model: str, args) -> dict:

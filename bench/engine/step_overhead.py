@@ -9,7 +9,7 @@ widths, so per-step overheads are not hidden behind matrix products:
 
     python -m pyllama_paged.testing.synthetic_gguf --preset llama3.2-1b --n-embd 256 \
         --n-head 4 --n-head-kv 1 --n-ff 256      # written for you when --model is not given
-    python bench/engine/step_overhead.py        # bench/results/step_overhead.{json,md,png}
+    python -m bench.engine.step_overhead        # bench/results/step_overhead.{json,md,png}
 
 Ours: ModelRunner (the native step, no scheduler or sampling, as llama-batched-bench samples
 nothing): npl sequences of --npp prompt tokens each, prefilled, then --ntg decode steps of all
@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
-from common.peers import llama_cpp_tool
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.peers import llama_cpp_tool
 
 MODELS = Path(__file__).resolve().parents[1] / ".models"
 SHAPE = {"n_embd": 256, "n_head": 4, "n_head_kv": 1, "n_ff": 256}
@@ -51,7 +50,7 @@ def default_model() -> Path:
 def peer(binary: str, model: str, args) -> dict[int, float]:
     """llama-batched-bench's ms per decode step, by npl: the better of flash attention on
     and off (the tool at its best)."""
-    from engine.batched import peer as batched_peer   # its command and output parser
+    from bench.engine.batched import peer as batched_peer   # its command and output parser
     best: dict[int, float] = {}
     for fa in ("on", "off"):
         rows = batched_peer(binary, model, args, extra=["-fa", fa])

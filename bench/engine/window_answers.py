@@ -4,18 +4,15 @@ and all together on the engine (same pool bytes); an answer that differs must
 part only where the two best logits are within a near-tie (pyllama_paged/testing/agreement.py),
 as batch shapes round differently. Writes bench/results/window_answers.{json,md}.
 
-    python bench/engine/window_answers.py
+    python -m bench.engine.window_answers
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.conversations import make_conversations
-from common.report import write_results
+from bench.common.conversations import make_conversations
+from bench.common.report import write_results
 from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits

@@ -26,7 +26,7 @@ ours vs llama.cpp's llama-server (iSWA cache), side by side in one run.
 Writes bench/results/window_capacity.{json,md,png}.
 
     bench/build_llama_cpp.sh      # once
-    python bench/engine/window_capacity.py
+    python -m bench.engine.window_capacity
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.conversations import make_conversations
-from common.peers import kv_buffer_mib, launch_llama_server, launch_ours, llama_cpp_tool
-from common.report import RESULTS_DIR, save_figure, script_parser, write_results
+from bench.common.conversations import make_conversations
+from bench.common.peers import kv_buffer_mib, launch_llama_server, launch_ours, llama_cpp_tool
+from bench.common.report import RESULTS_DIR, save_figure, script_parser, write_results
 from pyllama_paged.testing.serving import stop_server
 
 

@@ -10,10 +10,10 @@ once per step.
 Two phases, because xgrammar cannot be installed beside our package without
 torch and transformers (its hard dependencies, several GB on Linux):
 
-  python bench/kernels/constrain_libraries.py vocab /tmp/vocab.pkl      # our venv
-  python bench/kernels/constrain_libraries.py measure /tmp/vocab.pkl llguidance
-  python bench/kernels/constrain_libraries.py measure /tmp/vocab.pkl xgrammar  # a venv with xgrammar --no-deps
-  python bench/kernels/constrain_libraries.py report                    # bench/results/constrain_libraries.{json,md}
+  python -m bench.kernels.constrain_libraries vocab /tmp/vocab.pkl      # our venv
+  python -m bench.kernels.constrain_libraries measure /tmp/vocab.pkl llguidance
+  python -m bench.kernels.constrain_libraries measure /tmp/vocab.pkl xgrammar  # a venv with xgrammar --no-deps
+  python -m bench.kernels.constrain_libraries report                    # bench/results/constrain_libraries.{json,md}
 
 For the xgrammar run, stand-in `torch`/`transformers` modules are installed in
 sys.modules: xgrammar imports both at module level but takes any DLPack array
@@ -29,12 +29,10 @@ import statistics
 import sys
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, write_results
+from bench.common.report import RESULTS_DIR, write_results
 
 SCHEMA = {
     "type": "object",

@@ -11,20 +11,18 @@ Part 2 (in the engine): --rows concurrent greedy-free requests (temperature
 0.8, top-p 0.95, top-k 0 and 40) on the default model, 2 threads; the
 LLMEngine's own counters split each decode step into forward and sampling.
 
-Outputs: bench/results/sampling.{json,md,png}. Run: python bench/kernels/sampling.py
+Outputs: bench/results/sampling.{json,md,png}. Run: python -m bench.kernels.sampling
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import markdown_table, save_figure, write_results
+from bench.common.report import markdown_table, save_figure, write_results
 
 
 SETTINGS = {

@@ -44,8 +44,8 @@ restart's downtime, reported apart, excluded). Writes
 bench/results/agent_trace/agent_trace.{json,md,png}.
 
     bench/build_llama_cpp.sh      # once: llama.cpp's llama-server
-    python bench/serving/agent_trace.py
-    python bench/serving/agent_trace.py --agents 2 --users-per-agent 1 --turns 3 --system-tokens 1000   # smoke
+    python -m bench.serving.agent_trace
+    python -m bench.serving.agent_trace --agents 2 --users-per-agent 1 --turns 3 --system-tokens 1000   # smoke
 """
 
 from __future__ import annotations
@@ -62,10 +62,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.peers import (add_server_arguments, llama_server_binary, parse_peer, peer_chat_template, peer_label,
+from bench.common.peers import (add_server_arguments, llama_server_binary, parse_peer, peer_chat_template, peer_label,
                           start_llama_server, start_ours)
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from pyllama_paged.testing.serving import stop_server
 
 OUT_DIR = RESULTS_DIR / "agent_trace"

@@ -27,7 +27,7 @@ requests per replica (the x-pyllama-replica header). Writes
 bench/results/scale_out/scale_out.{json,md,png}.
 
     pip install 'pyllama-paged[ray,bench]'
-    python bench/serving/scale_out.py
+    python -m bench.serving.scale_out
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from pyllama_paged.server.scale_out.ray_routing import PIN_HEADER
 from pyllama_paged.testing.ray_cluster import RayCluster, start_ray_server, stop_ray_server
 

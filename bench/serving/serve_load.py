@@ -3,7 +3,7 @@ paged=True vs paged=False in the same KV budget (and llama.cpp's llama-server
 when --llama-server BINARY is given). Throughput, TTFT and inter-token latency
 percentiles, errors; writes bench/results/serve_load.{json,md,png}.
 
-    python bench/serving/serve_load.py --clients 1 8 32 --requests-per-client 2
+    python -m bench.serving.serve_load --clients 1 8 32 --requests-per-client 2
 """
 
 from __future__ import annotations
@@ -11,16 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, save_figure, write_results
+from bench.common.report import RESULTS_DIR, save_figure, write_results
 
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits

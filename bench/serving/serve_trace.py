@@ -69,7 +69,7 @@ Metrics (per side)
   contended (load averages are recorded too).
 
 Outputs: bench/results/serve_trace.{json,md,png}.
-Run: python bench/serving/serve_trace.py [--num-requests N --budget-tokens T --n-ctx C
+Run: python -m bench.serving.serve_trace [--num-requests N --budget-tokens T --n-ctx C
 --seed S --threads K --rate R]
 """
 
@@ -84,8 +84,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 # ---- the text the prompts are cut from (original sentences, plain English) ----
 

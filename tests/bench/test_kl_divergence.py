@@ -2,28 +2,17 @@
 hand, llama-perplexity's base-file format written and read back (its layout checked byte by byte),
 and our engine's scored rows lined up with the float64 reference's on a tiny model."""
 
-import importlib.util
 import math
 import struct
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "engine" / "kl_divergence.py"
 
 
 @pytest.fixture(scope="module")
-def kld():
-    spec = importlib.util.spec_from_file_location("kl_divergence_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up while the script runs
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+def kld(bench):
+    return bench("bench.engine.kl_divergence")
 
 
 def logits_of(probs):
