@@ -106,6 +106,11 @@ class LLMEngine:
         return self.runner.kv_bytes_per_token
 
     @property
+    def kv_device_bytes(self) -> int:
+        """Bytes of the KV pools on the model's GPU (0: all in host memory)."""
+        return self.runner.kv_device_bytes
+
+    @property
     def num_generated_tokens(self) -> int:
         """Tokens sampled so far, all requests together."""
         return self.post.num_generated_tokens

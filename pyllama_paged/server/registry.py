@@ -91,7 +91,7 @@ class ServedModel:
         """Bytes this model holds on a GPU (weights and KV pools), as Ollama's /api/ps reports."""
         if self.model is None or self.model.device is None or self.engine is None or self.engine.is_encoder:
             return 0
-        return self.model.device_bytes + self.engine.runner.kv_device_bytes
+        return self.model.device_bytes + self.engine.kv_device_bytes
 
     def engine_config(self) -> EngineConfig:
         """The engine of this model (ServeConfig.engine_for its path): what load_model and
