@@ -150,15 +150,20 @@ def size_bytes(text: str) -> int:
     return int(amount[0] * (amount[1] or 1))
 
 
+def at_least_zero(text: str, kind: type, what: str, unit: str = ""):
+    """An option's number (kind: int or float) >= 0; ArgumentTypeError saying what it must be."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not {what}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0{unit}, got {text}")
+    return value
+
+
 def mebibytes(text: str) -> int:
     """An option in MiB (>= 0) as bytes."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number of MiB") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 MiB, got {value}")
-    return value << 20
+    return at_least_zero(text, int, "a number of MiB", " MiB") << 20
 
 
 def show_size(value: int) -> str:

@@ -106,11 +106,6 @@ class LLMEngine:
         return self.runner.kv_bytes_per_token
 
     @property
-    def kv_device_bytes(self) -> int:
-        """Bytes of the KV pools on the model's GPU (0: all in host memory)."""
-        return self.runner.kv_device_bytes
-
-    @property
     def num_generated_tokens(self) -> int:
         """Tokens sampled so far, all requests together."""
         return self.post.num_generated_tokens
@@ -299,11 +294,11 @@ class LLMEngine:
 
     # ---- what callers read through the engine (never its runner or pool) ----
     def pool_figures(self) -> dict:
-        """The pool as /api/pool and /metrics show it: stats and the pool's shape (counts
-        from the pool's own counters, no walk over its blocks)."""
+        """The pool as /api/pool, /api/ps and /metrics show it: stats and the pool's shape
+        (counts from the pool's own counters, no walk over its blocks), and its bytes on a GPU."""
         kv = self.runner.kv
         return {"stats": self.stats(), "kv_pool_bytes": self.runner.kv_pool_bytes, "paged": kv.paged,
-                "block_size": kv.block_size}
+                "block_size": kv.block_size, "kv_device_bytes": self.runner.kv_device_bytes}
 
     # ---- statistics --------------------------------------------------------
     def stats(self) -> dict:

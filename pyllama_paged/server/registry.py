@@ -86,12 +86,13 @@ class ServedModel:
         self.model, self.engine = model, engine
         self.loaded_at = time.time()
 
-    @property
-    def size_vram(self) -> int:
-        """Bytes this model holds on a GPU (weights and KV pools), as Ollama's /api/ps reports."""
-        if self.model is None or self.model.device is None or self.engine is None or self.engine.is_encoder:
+    def size_vram(self, figures: dict | None) -> int:
+        """Bytes this model holds on a GPU (weights and, from its engine's figures, KV pools), as
+        Ollama's /api/ps reports."""
+        model = self.model
+        if model is None or model.device is None or figures is None:
             return 0
-        return self.model.device_bytes + self.engine.kv_device_bytes
+        return model.device_bytes + figures.get("kv_device_bytes", 0)
 
     def engine_config(self) -> EngineConfig:
         """The engine of this model (ServeConfig.engine_for its path): what load_model and

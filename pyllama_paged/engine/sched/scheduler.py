@@ -16,7 +16,6 @@ the chunks move past their window."""
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from .preemption import PREEMPTION_MODES, release, swap_in, swap_out
 from .step_cost import StepCostModel
 from .scheduler_output import SchedulerOutput, TierLoad
 from ...errors import OutOfBlocksError
-from ...flags import flagged
+from ...flags import at_least_zero, flagged
 from .request import Request, RequestStatus, Sequence
 
 # "auto" budget: a running stream may slow to this many times a lone stream's
@@ -41,12 +40,7 @@ def itl_budget_option(text: str) -> float | str | None:
         return "auto"
     if text == "off":
         return None
-    try:
-        ms = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto', 'off' or milliseconds, got {text!r}") from None
-    if ms < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    ms = at_least_zero(text, float, "'auto', 'off' or milliseconds")
     return ms / 1000 if ms > 0 else None
 
 

@@ -315,7 +315,7 @@ async def ps(request: Request):
         if figures is None and not served.is_loaded:   # dropped meanwhile
             continue
         entry = {**describe(served), "expires_at": served.expires_at(),
-                 "size_vram": served.size_vram, "context_length": served.n_ctx}
+                 "size_vram": served.size_vram(figures), "context_length": served.n_ctx}
         if figures is not None:
             entry["kv_cache"] = {"bytes": figures["kv_pool_bytes"], "paged": figures["paged"],
                                  **figures["stats"], "current": current}
