@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from bench.common.report import BENCH_DIR
@@ -185,3 +186,20 @@ def llama_server_binary(args) -> str | None:
         return args.llama_server
     return llama_cpp_tool("llama-server")
 
+
+def stream_chat(client, model: str, messages: list[dict], max_tokens: int, record: dict, on_chunk=None):
+    """One greedy streamed chat completion of max_tokens (past end-of-text) through an openai
+    client: its tokens into record, on_chunk(chunk) for each chunk; returns (the stream, when the
+    first text came, or None)."""
+    stream = client.chat.completions.create(
+        model=model, messages=messages, stream=True, max_tokens=max_tokens, temperature=0,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    first = None
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            record.update(tokens=chunk.usage.completion_tokens, prompt_tokens=chunk.usage.prompt_tokens)
+        if on_chunk is not None:
+            on_chunk(chunk)
+    return stream, first

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, save_npl_figure, script_parser, write_results
 from bench.common.peers import gpu_layers_flag, llama_cpp_tool
 from bench.common.roofline import batched_ceiling, copy_bandwidth, int8_peak, model_weights
 
@@ -174,13 +174,9 @@ def main(argv=None) -> int:
     ax.plot(args.npl, [r["ours t/s"] for r in rows], "s-", label="ours (paged, with sampling)")
     if roof:
         ax.plot(args.npl, [r["roofline t/s"] for r in rows], "--", color="grey", label="roofline")
-    ax.set(xscale="log", xlabel="parallel sequences (npl)", ylabel="total tokens/s",
-           title=f"pp{args.npp} + tg{args.ntg} per sequence, {args.threads} threads")
-    ax.set_xticks(args.npl, [str(n) for n in args.npl])
-    ax.legend()
-    save_figure(fig, Path(args.out) / "batched.png")
-    print(markdown_table(rows))
-    return 0
+    return save_npl_figure(fig, ax, args.npl, "total tokens/s",
+                           f"pp{args.npp} + tg{args.ntg} per sequence, {args.threads} threads",
+                           Path(args.out) / "batched.png", rows)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, save_npl_figure, script_parser, write_results
 from bench.common.peers import llama_cpp_tool
 
 MODELS = Path(__file__).resolve().parents[1] / ".models"
@@ -219,13 +219,9 @@ def main(argv=None) -> int:
                     label=f"before, {attention}")
     if theirs:
         ax.plot(args.npl, [theirs[n] for n in args.npl], "s--", label="llama-batched-bench")
-    ax.set(xscale="log", xlabel="sequences decoded per step", ylabel="ms per decode step",
-           title=f"{Path(model_path).name}, {args.threads} thread(s)")
-    ax.set_xticks(args.npl, [str(n) for n in args.npl])
-    ax.legend()
-    save_figure(fig, Path(args.out) / "step_overhead.png")
-    print(markdown_table(rows))
-    return 0
+    return save_npl_figure(fig, ax, args.npl, "ms per decode step",
+                           f"{Path(model_path).name}, {args.threads} thread(s)", Path(args.out) / "step_overhead.png",
+                           rows, xlabel="sequences decoded per step")
 
 
 def argparse_hidden():

@@ -62,8 +62,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.common.peers import (add_server_arguments, llama_server_binary, parse_peer, peer_chat_template, peer_label,
-                          start_llama_server, start_ours)
+from bench.common.peers import (add_server_arguments, llama_server_binary, parse_peer, peer_chat_template,
+                                peer_label, start_llama_server, start_ours, stream_chat)
 from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from pyllama_paged.testing.serving import stop_server
 
@@ -176,19 +176,12 @@ def stream_turn(client, model: str, item: dict, args, t0: float) -> dict:
     sent = time.perf_counter()
     record["sent"] = sent - t0
     try:
-        stream = client.chat.completions.create(
-            model=model, messages=item["messages"], stream=True, max_tokens=args.max_tokens, temperature=0,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        first = None
-        for chunk in stream:
-            if first is None and chunk.choices and chunk.choices[0].delta.content:
-                first = time.perf_counter()
-            if chunk.usage is not None:
-                record["tokens"] = chunk.usage.completion_tokens
-                record["prompt_tokens"] = chunk.usage.prompt_tokens
+        def timed(chunk) -> None:   # llama-server's prompt timings, when it sends them
             timings = (chunk.model_extra or {}).get("timings")
             if timings:
                 record.update(prompt_n=timings.get("prompt_n"), cache_n=timings.get("cache_n"))
+
+        _, first = stream_chat(client, model, item["messages"], args.max_tokens, record, timed)
         if first is None:
             raise RuntimeError("no tokens streamed")
         record.update(ttft=first - sent, done=time.perf_counter() - t0)

@@ -62,3 +62,15 @@ def chunked_logits(runner, prompt, chunks=(23, 1, 16)):
                                    list(range(n))))
         done += n
     return np.concatenate(rows)
+
+
+def prompt_logits(model, prompt):
+    """The logits after prompt, prefilled on a fresh 64-token runner of model (closed after)."""
+    from ..engine import EngineConfig
+    from ..engine.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(model, EngineConfig(n_ctx=64, n_threads=2, n_batch=64, block_size=16))
+    try:
+        return runner.prefill(runner.add_sequence(list(prompt)))
+    finally:
+        runner.close()

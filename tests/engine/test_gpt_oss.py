@@ -25,7 +25,7 @@ from pyllama_paged.errors import ModelLoadError
 from pyllama_paged.testing import gguf_mutate, synthetic_gguf
 from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
                                               assert_preempted_answers_agree, reference_next_logits)
-from pyllama_paged.testing.engine_runs import chunked_logits
+from pyllama_paged.testing.engine_runs import chunked_logits, prompt_logits
 from pyllama_paged.testing.routed_logits import TOLERANCE, assert_one_step_routes_as_alone, relative_error
 from pyllama_paged.testing.routed_logits import assert_routed_logits_match as assert_logits_match
 from pyllama_paged.testing.routed_logits import file_logits as engine_logits
@@ -146,15 +146,9 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny):
-    return {wt: ReferenceModel.from_gguf(path) for wt, path in tiny.items()}
-
-
-@pytest.fixture(scope="module")
 def model(tiny):
-    m = Model(tiny["f16"])
-    yield m
-    m.close()
+    with Model(tiny["f16"]) as loaded:
+        yield loaded
 
 
 @pytest.fixture(scope="module")
@@ -418,10 +412,8 @@ def test_the_gpt_oss_20b_preset_shrinks_and_takes_shape_flags(tmp_path):
                 cfg.n_ctx_train) == ("gpt-oss", 2, 512, 64, 8, 201088, 131072)
         assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.layer_window) == (8, 2, 256, [128, 0])
         assert (cfg.rope_freq_scale, cfg.yarn_ext_factor, cfg.n_ctx_orig_yarn) == (1 / 32, 1.0, 4096)
-        runner = ModelRunner(model, EngineConfig(n_ctx=64, n_threads=2, n_batch=64, block_size=16))
-        logits = runner.prefill(runner.add_sequence(list(range(100, 120))))
+        logits = prompt_logits(model, range(100, 120))
         assert logits.shape == (201088,) and np.isfinite(logits).all() and logits.std() > 0.5
-        runner.close()
     finally:
         model.close()
     bench = LLAMA_CPP_BIN / "llama-bench"

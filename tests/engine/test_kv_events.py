@@ -6,22 +6,17 @@ import numpy as np
 import pytest
 
 from pyllama_paged._native import lib
-from pyllama_paged.engine import (AllBlocksCleared, BlockRemoved, BlockStored, LLMEngine, Model, SamplingParams,
+from pyllama_paged.engine import (AllBlocksCleared, BlockRemoved, BlockStored, LLMEngine, SamplingParams, 
                                   SchedulerConfig)
 from pyllama_paged.engine.kv.events import reference_group
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.engine import EngineConfig
-from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    m = Model(write_tiny_model(tmp_path_factory.mktemp("kv-events") / "gemma3.gguf", "gemma3", weight_type="q8_0"))
-    yield m
-    m.close()
+# `model`: tests/engine/conftest.py's tiny Gemma 3
 
 
 class Recorder:

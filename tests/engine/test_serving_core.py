@@ -7,22 +7,12 @@ import pytest
 from pyllama_paged.errors import ComputeError, PagedError
 
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine import EngineConfig
-from pyllama_paged.engine import MAX_BEAM_WIDTH, KVGroups, LLMEngine, Model, SamplingParams, SchedulerConfig
+from pyllama_paged.engine import MAX_BEAM_WIDTH, EngineConfig, KVGroups, LLMEngine, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.worker.sampler import log_softmax
 from pyllama_paged.engine.sched.step_cost import StepCostModel, decode_columns
 from pyllama_paged.testing.agreement import run_to_completion, assert_greedy_agree, engine_logits
-from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 EOT = {1}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("serve") / "gemma3.gguf", "gemma3", weight_type="q8_0")
-    m = Model(path)
-    yield m
-    m.close()
 
 
 def make_engine(model, num_blocks=400, mode="recompute", budget=64, paged=True, n_seq_max=1,

@@ -47,12 +47,9 @@ def _decode_stats(model, attention, n_seqs, rng):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_a_gathered_decode_step_has_the_same_graph_at_any_number_of_sequences(tiny, arch):
-    model = Model(tiny[arch])
-    try:
-        rng = np.random.default_rng(3)
+    rng = np.random.default_rng(3)
+    with Model(tiny[arch]) as model:
         seen = {n: _decode_stats(model, "gather", n, rng) for n in (1, 16, 64)}
-    finally:
-        model.close()
     first = {n: (s[0]["nodes"], s[0]["inputs"]) for n, s in seen.items()}
     assert len(set(first.values())) == 1, first
     for n, (_, second) in seen.items():
@@ -119,12 +116,8 @@ def _mixed_logits(model, attention):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_grouped_flash_attention_gives_the_kernels_logits(tiny, arch):
-    model = Model(tiny[arch])
-    try:
-        want = _mixed_logits(model, "kernel")
-        got = _mixed_logits(model, "gather")
-    finally:
-        model.close()
+    with Model(tiny[arch]) as model:
+        want, got = _mixed_logits(model, "kernel"), _mixed_logits(model, "gather")
     assert got.shape == want.shape
     assert np.isfinite(got).all()
     spread = want.max() - want.min()

@@ -18,11 +18,10 @@ import pytest
 
 from pyllama_paged.engine.kv import block_store
 from pyllama_paged.engine.kv.block_store import DiskBlockStore
-from pyllama_paged.engine import EngineConfig, LLMEngine, Model, PrefixTierConfig, SamplingParams, SchedulerConfig
+from pyllama_paged.engine import EngineConfig, LLMEngine, PrefixTierConfig, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.engine.kv.prefix_tiers import PrefixTiers, chain_keys
 from pyllama_paged.errors import PagedError
-from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 VICTIM_TEXT = b"the victim's own bytes\n"
 
@@ -397,12 +396,7 @@ def test_the_disk_bound_holds_for_every_process_sharing_the_directory(tmp_path):
 
 
 # ---- reset -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    m = Model(write_tiny_model(tmp_path_factory.mktemp("tier-safety") / "gemma3.gguf", "gemma3",
-                               weight_type="q8_0"))
-    yield m
-    m.close()
+# `model`: tests/engine/conftest.py's tiny Gemma 3
 
 
 def test_reset_empties_the_ram_tier_and_keeps_the_disk(model, tmp_path):

@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 
 from pyllama_paged.engine.kv.block_pool import BlockPool, BlockState
-from pyllama_paged.engine import EngineConfig, KVGroups, LLMEngine, Model, SamplingParams, SchedulerConfig
+from pyllama_paged.engine import EngineConfig, KVGroups, LLMEngine, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.kv.groups import first_needed_block, window_blocks_held
 from pyllama_paged.engine.kv.manager import PagedKV
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.engine.kv.step_batch import StepBuffers
 from pyllama_paged.testing.agreement import run_to_completion, assert_greedy_agree, engine_logits
-from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 BS = 4
 
@@ -153,13 +152,7 @@ def test_a_step_over_a_released_block_is_refused():
 
 # ---- the engine ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    # tiny Gemma 3: 6 layers, 5 of them with a window of 16 tokens
-    path = write_tiny_model(tmp_path_factory.mktemp("swa") / "gemma3.gguf", "gemma3", weight_type="q8_0")
-    m = Model(path)
-    yield m
-    m.close()
+# the module's `model`: tests/engine/conftest.py's tiny Gemma 3 (5 of its 6 layers windowed to 16 tokens)
 
 
 def runner_for(model, free, num_blocks=None, n_batch=64):

@@ -6,7 +6,6 @@ anthropic clients on tiny real models whose greedy reply is a script in harmony
 call round trip included; the request's effort reaches the template as reasoning_effort."""
 
 import json
-import random
 from pathlib import Path
 
 import anthropic
@@ -22,6 +21,7 @@ from pyllama_paged.testing.serving import model_server
 from pyllama_paged.tokenizer.chat_template import ChatTemplate
 from pyllama_paged.tools.harmony import HarmonySplitter, parse_header, split_harmony
 from pyllama_paged.tools.reasoning import speaks_harmony, template_thinks, thinking_variables
+from pyllama_paged.testing.deltas import delta_cuts
 
 HELLO = [{"role": "user", "content": "Hello"}]
 THINKING = "The user says hello."
@@ -91,11 +91,7 @@ def test_whole_reply(reply, names, thinking, answer, calls):
 
 @pytest.mark.parametrize("reply,names,thinking,answer,calls", SPLITS)
 def test_every_cut_into_deltas_gives_the_same_split(reply, names, thinking, answer, calls):
-    rng = random.Random(len(reply))
-    cuts = [[i] for i in range(len(reply) + 1)] + [sorted(rng.sample(range(len(reply) + 1), min(5, len(reply))))
-                                                      for _ in range(20)]
-    cuts.append(list(range(len(reply) + 1)))   # one character at a time
-    for points in cuts:
+    for points in delta_cuts(reply, 5):
         splitter = HarmonySplitter(names)
         pieces = []
         bounds = [0, *points, len(reply)]

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
-from pyllama_paged.testing.serving import Running, tiny_registry, wait_until
+from pyllama_paged.testing.serving import Running, wait_until
 from pyllama_paged.cli import build_parser, serve_config
 from pyllama_paged.server.app import ORIGINS_ENV, create_app
 from pyllama_paged.server.generation import Limits
@@ -23,18 +23,8 @@ KEY = "sekrit-dashboard-key"
 GENERATE = json.dumps({"model": M, "prompt": "hi", "stream": False, "options": {"num_predict": 1}})
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    reg = tiny_registry(tmp_path_factory.mktemp("access"))
-    yield reg
-    reg.close()
-
-
-@pytest.fixture(scope="module")
-def server(registry):
-    s = Running(create_app(registry, Limits(), origins=["https://*.example.org"]))
-    yield s
-    s.close()
+TINY = True
+APP = {"origins": ["https://*.example.org"]}
 
 
 def _post_as_page(url, origin, path="/api/generate"):

@@ -9,7 +9,7 @@ import pytest
 
 from pyllama_paged.testing.serving import Running, tiny_registry
 from pyllama_paged.cli import build_parser, serve_config
-from pyllama_paged.api import chat_call
+from pyllama_paged.calls import chat_call
 from pyllama_paged.server.ollama import api as ollama_api
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
@@ -23,18 +23,7 @@ LIMITS = Limits(max_body_bytes=64 * 1024, max_stop=2, max_stop_chars=8, max_tool
                 max_grammar_bytes=200, max_schema_depth=8)
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    reg = tiny_registry(tmp_path_factory.mktemp("limits"))
-    yield reg
-    reg.close()
-
-
-@pytest.fixture(scope="module")
-def server(registry):
-    s = Running(create_app(registry, LIMITS))
-    yield s
-    s.close()
+TINY = True
 
 
 @pytest.fixture

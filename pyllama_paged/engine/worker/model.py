@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from ..._native import check, ffi, lib
+from ..._native import Closing, check, ffi, lib
 from ...errors import NativeError, PagedError
 from ...gguf.reader import GGUFFile
 from ...gguf.config import (ARCH_IDS, YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, ModelLoadError,
@@ -36,7 +36,7 @@ def load_model(config) -> "Model":
                  n_gpu_layers=config.n_gpu_layers, main_gpu=config.main_gpu)
 
 
-class Model:
+class Model(Closing):
     """Weights of one GGUF model, described to the native core (data stays mapped)."""
 
     def __init__(self, model_path: str | None = None, *, repack_weights: bool = True,
