@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from .errors import PagedError
-from .flags import add_flags, flagged, read_flags, tokens_or_bytes
+from .flags import add_flags, flagged, read_flags
 
 
 def _require_gpu(config) -> None:
@@ -262,48 +262,29 @@ def serve_config(args):
 
     try:
         config = read_flags(serve_defaults(), args, skip=_SERVE_SKIPS)
-        if args.kv_budget is not None:   # --kv-budget: tokens, or bytes with a unit
-            tokens, size = args.kv_budget
-            config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, kv_tokens=tokens,
-                                                                           kv_bytes=size))
         return dataclasses.replace(config, api_key=config.api_key or os.environ.get("PYLLAMA_API_KEY") or None,
                                    origins=origin_list(os.environ.get(ORIGINS_ENV)) + config.origins)
     except PagedError as e:
         raise SystemExit(str(e)) from None
 
 
-def _kv_budget_help() -> str:
-    """--kv-budget's help, with the server's default pool."""
-    from .server.config import served_engine
-
-    return ("KV pool size: bytes with a unit (512MiB, 1.5GiB, 84MB) or a number of tokens of every layer "
-            f"(default {served_engine().kv_tokens})")
-
-
-def _allow_pulls(args) -> None:
+def _allow_pulls(hosts: str | None) -> None:
     """--pull-allow: the hosts added to what pulls may reach, for this process and its children
     (models.egress reads them from the environment at each pull)."""
     import os
 
     from .models.egress import PULL_ALLOW_ENV
 
-    added = [h.strip() for h in (args.pull_allow or "").split(",") if h.strip()]
+    added = [h.strip() for h in (hosts or "").split(",") if h.strip()]
     if added:
         os.environ[PULL_ALLOW_ENV] = ",".join(filter(None, [os.environ.get(PULL_ALLOW_ENV, ""), *added]))
-
-
-def _add_pull_allow(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pull-allow", default=None, metavar="HOST[:PORT],...",
-                   help="hosts pulls may use besides the configured registry (PYLLAMA_PAGED_REGISTRY) and the "
-                        "Hugging Face Hub, comma-separated (also PYLLAMA_PAGED_PULL_ALLOW); a host named here may "
-                        "be on a private or loopback address (docs/models.md)")
 
 
 def cmd_serve(args) -> int:
     from .server.app import serve
 
-    _allow_pulls(args)
     config = serve_config(args)
+    _allow_pulls(config.pull_allow)
     if config.scale_out is not None:
         return serve_on_ray(config)
     serve(config)
@@ -396,7 +377,7 @@ def cmd_pull(args) -> int:
     from .models.progress import TerminalProgress
     from .models.pull import pull
 
-    _allow_pulls(args)
+    _allow_pulls(args.pull_allow)
     bar = TerminalProgress()
     try:
         stored = pull(args.reference, args.file, progress=bar)
@@ -409,10 +390,11 @@ def cmd_pull(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The console script's argument parser (every subcommand): each option a flagged field of
-    the settings it sets (flags.py), but for the positional arguments, --kv-budget (one option,
-    either of two fields), --file and --pull-allow (pulls' own)."""
+    """The console script's argument parser (every subcommand): each option of run, chat and
+    serve a flagged field of the settings it sets (flags.py); pull's and the positional
+    arguments written here."""
     from .engine import EngineConfig
+    from .models.egress import PULL_ALLOW_HELP
 
     parser = argparse.ArgumentParser(prog="pyllama-paged", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -427,8 +409,6 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
     srv = sub.add_parser("serve", help="Ollama- and OpenAI-compatible HTTP server")
     add_flags(srv, serve_defaults(), skip=_SERVE_SKIPS)
-    srv.add_argument("--kv-budget", type=tokens_or_bytes, default=None, help=_kv_budget_help())
-    _add_pull_allow(srv)
     srv.set_defaults(func=cmd_serve)
     info = sub.add_parser("info", help="print a model's metadata and KV bytes per token")
     info.add_argument("path", nargs="?", default=None)
@@ -443,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("reference", metavar="REF")
     pull.add_argument("--file", default=None, metavar="GLOB",
                       help="the file of a Hugging Face USER/REPO to fetch (a glob such as '*Q4_K_M.gguf')")
-    _add_pull_allow(pull)
+    pull.add_argument("--pull-allow", default=None, metavar="HOST[:PORT],...", help=PULL_ALLOW_HELP)
     pull.set_defaults(func=cmd_pull)
     return parser
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, fields
 
 from ..engine import MAX_THREADS, EngineConfig, PrefixTierConfig, SchedulerConfig
 from ..errors import PagedError
-from ..flags import flagged, group, size_bytes
+from ..flags import flagged, group, size_bytes, tokens_or_bytes
+from ..models.egress import PULL_ALLOW_HELP
 from .routing.kv_events import KVEventsConfig
 
 
@@ -93,10 +94,13 @@ def served_scheduler(**settings) -> SchedulerConfig:
     return SchedulerConfig(**{"itl_budget": "auto", "max_prefill_tokens_with_decodes": 128, **settings})
 
 
+_SERVED_KV_TOKENS = 32768
+
+
 def served_engine(**settings) -> EngineConfig:
     """EngineConfig with the server's defaults: a KV pool of 32768 tokens of every layer,
     shared by all users, and served_scheduler()."""
-    return EngineConfig(**{"kv_tokens": 32768, "scheduler": served_scheduler(), **settings})
+    return EngineConfig(**{"kv_tokens": _SERVED_KV_TOKENS, "scheduler": served_scheduler(), **settings})
 
 
 # `serve`'s RAM tier unless --cache-ram 0 (llama-server's --cache-ram default)
@@ -130,6 +134,12 @@ class ServeConfig:
         "model first unloads the one idle longest; pulled models stay loaded 5 minutes after their last request "
         "unless a request's keep_alive says otherwise", type=int, metavar="N")
     stored_keep_alive: float | None = 300.0   # seconds a pulled model stays loaded idle (Ollama's 5m)
+    # the engines' KV pool as given on the command line: (tokens, None) or (None, bytes), which
+    # set engine.kv_tokens or engine.kv_bytes (None: the engine's own)
+    kv_budget: tuple[int | None, int | None] | None = flagged(
+        None, "--kv-budget", "KV pool size: bytes with a unit (512MiB, 1.5GiB, 84MB) or a number of tokens of "
+        f"every layer (default {_SERVED_KV_TOKENS})", type=tokens_or_bytes)
+    pull_allow: str | None = flagged(None, "--pull-allow", PULL_ALLOW_HELP, metavar="HOST[:PORT],...")
     engine: EngineConfig = group(EngineConfig, default_factory=served_engine)
     limits: Limits = group(Limits, default_factory=Limits)
     kv_events: KVEventsConfig | None = group(KVEventsConfig, switches=("endpoint",))
@@ -140,6 +150,9 @@ class ServeConfig:
     kv_event_listener: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
+        if self.kv_budget is not None:
+            tokens, size = self.kv_budget
+            self.engine = dataclasses.replace(self.engine, kv_tokens=tokens, kv_bytes=size)
         if self.max_loaded_models < 1:
             raise PagedError(f"--max-loaded-models must be >= 1, got {self.max_loaded_models}")
         if not 1 <= self.engine.n_threads <= MAX_THREADS:
