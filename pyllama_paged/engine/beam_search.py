@@ -12,8 +12,11 @@ from .worker.sampler import Sampler
 
 
 def expansion_sampler(width: int) -> Sampler:
-    """The sampler of a beam's row: greedy, with its 2 x width likeliest tokens' log-probabilities."""
-    return Sampler(SamplingParams(temperature=0.0, logprobs=2 * width))
+    """The sampler of a beam's row: greedy, with its 2 x width likeliest tokens' log-probabilities
+    (past the bound a request's logprobs are checked against: the native result holds them)."""
+    params = SamplingParams(temperature=0.0)
+    params.logprobs = 2 * width
+    return Sampler(params)
 
 
 def advance_beams(request: Request, items, scheduler, eot_ids) -> list[Sequence]:

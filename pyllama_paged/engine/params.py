@@ -89,7 +89,8 @@ class SamplingParams:
         """Parameters of the index-th of n samples: its own seed so samples differ."""
         if index == 0:
             return self
-        return replace(self, seed=None if self.seed is None else self.seed + index)
+        # modulo 2**64, as the sampler reads a seed: the last 64-bit seed's next sample wraps
+        return replace(self, seed=None if self.seed is None else (self.seed + index) % 2**64)
 
     @property
     def greedy(self) -> bool:
