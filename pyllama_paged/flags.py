@@ -107,10 +107,12 @@ def _read_group(f: dataclasses.Field, current, args: argparse.Namespace, skip: t
     if current is None and switches and all(getattr(args, prefix + s) is None for s in switches):
         return None   # off, and nothing on the command line turns it on
     values = _read(current if current is not None else cls, args, skip, None, prefix)
+    if current is not None:   # made again from what it was given: the fields it resolves itself are not
+        resolved = getattr(cls, "RESOLVED_FIELDS", ())
+        values = {**{g.name: getattr(current, g.name) for g in dataclasses.fields(cls)
+                     if g.init and g.name not in resolved}, **values}
     try:
-        if build is not None:
-            return build(values)
-        return dataclasses.replace(current, **values) if current is not None else cls(**values)
+        return build(values) if build is not None else cls(**values)
     except (PagedError, ValueError) as e:
         options = " / ".join(g.metadata["flag"] for g in dataclasses.fields(cls) if "flag" in g.metadata)
         raise PagedError(f"{options}: {e}") from None
