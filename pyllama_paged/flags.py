@@ -41,8 +41,10 @@ def flag_of(settings: type, name: str) -> str:
 
 def _defaults(settings, switches: tuple[str, ...]) -> dict[str, Any]:
     """Each field's value in settings (an object), or for a class its default, None for its switches."""
-    if not isinstance(settings, type):
-        return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+    if not isinstance(settings, type):   # a field it resolves itself shows what it was given: its default
+        resolved = getattr(settings, "RESOLVED_FIELDS", ())
+        return {f.name: f.default if f.name in resolved else getattr(settings, f.name)
+                for f in dataclasses.fields(settings)}
     return {f.name: None if f.name in switches else f.default if f.default is not dataclasses.MISSING
             else f.default_factory() if f.default_factory is not dataclasses.MISSING else None
             for f in dataclasses.fields(settings)}
@@ -107,7 +109,7 @@ def _read_group(f: dataclasses.Field, current, args: argparse.Namespace, skip: t
     if current is None and switches and all(getattr(args, prefix + s) is None for s in switches):
         return None   # off, and nothing on the command line turns it on
     values = _read(current if current is not None else cls, args, skip, None, prefix)
-    if current is not None:   # made again from what it was given: the fields it resolves itself are not
+    if current is not None:   # made again from what it was given: the fields it resolves itself anew
         resolved = getattr(cls, "RESOLVED_FIELDS", ())
         values = {**{g.name: getattr(current, g.name) for g in dataclasses.fields(cls)
                      if g.init and g.name not in resolved}, **values}

@@ -24,9 +24,9 @@ class EngineConfig:
     sequences of n_ctx tokens. paged=False spends the same budget on whole n_ctx slabs.
     A flagged field is an option of `pyllama-paged run|chat|serve` (cli.py, flags.py)."""
 
-    # fields __post_init__ resolves from others (the thread count not given: each step adapts);
-    # settings made again from flags (flags.read_flags) resolve them anew
-    RESOLVED_FIELDS = ("adapt_threads",)
+    # fields __post_init__ resolves (the thread count not given: the CPUs, each step adapting);
+    # an option shows their declared default, and settings made again from flags resolve them anew
+    RESOLVED_FIELDS = ("n_threads", "adapt_threads")
 
     model_path: str | None = flagged(None, "--model", "GGUF file, or the name of a pulled model (default: the "
                                      "embedded Gemma 3 270M, a base model: it continues text, it does not follow "
