@@ -246,6 +246,16 @@ def quantize_tensor(data: np.ndarray, wtype: str) -> tuple[np.ndarray, QT]:
     return gguf.quants.quantize(data, qt), qt
 
 
+def hook_tensor(tensor_hook, tname: str, data: np.ndarray) -> np.ndarray:
+    """data as tensor_hook(tname, data) makes it (None: unchanged), which may not change its shape."""
+    if tensor_hook is None:
+        return data
+    out = np.asarray(tensor_hook(tname, data), dtype=np.float32)
+    if out.shape != data.shape:
+        raise ValueError(f"tensor_hook changed {tname}'s shape from {data.shape} to {out.shape}")
+    return out
+
+
 def _block_size(wtype: str) -> int:
     return gguf.GGML_QUANT_SIZES[WEIGHT_TYPES[wtype]][0]
 
@@ -485,12 +495,7 @@ def write_tiny_model(
     w.add_file_type(int(_FILE_TYPES[weight_type.lower()]))
 
     def hooked(tname: str, data: np.ndarray) -> np.ndarray:
-        if tensor_hook is None:
-            return data
-        out = np.asarray(tensor_hook(tname, data), dtype=np.float32)
-        if out.shape != data.shape:
-            raise ValueError(f"tensor_hook changed {tname}'s shape from {data.shape} to {out.shape}")
-        return out
+        return hook_tensor(tensor_hook, tname, data)
 
     def add_weight(tname: str, n_out: int, n_in: int, std: float, n_mat: int | None = None,
                    wtype: str | None = None) -> None:
