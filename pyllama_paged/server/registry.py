@@ -334,7 +334,7 @@ class ModelRegistry:
     every loaded pulled one is busy. A pulled model stays loaded serving.stored_keep_alive
     seconds after its last request unless a request says otherwise. That first load runs on
     a worker thread (resolve). A stored name pulled again (or re-pointed) at another file is
-    served from the new file: the old engine finishes its requests and goes.
+    served from the new file: the old engine finishes its requests and goes."""
 
     LOAD_WAIT_S = 120.0
     ROOM_POLL_S = 0.05
