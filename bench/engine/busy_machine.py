@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common.peers import LLAMA_CPP_BIN
-from bench.common.report import RESULTS_DIR, save_figure, write_results
+from bench.common.report import RESULTS_DIR, save_figure, write_report
 
 BUSY = "while True: pass"
 MAX_SECONDS = 15.0   # one timed run of ours, at most
@@ -197,10 +197,9 @@ def main(argv=None) -> int:
              "Busy processes: `python -c 'while True: pass'`, started before the level's runs. "
              "Ours default: the thread policy (each step on the cores the OS reports free, checked "
              "against measured step times), at most every core. llama.cpp default: -t left out.")
-    write_results("busy_machine", {"params": vars(args), "cores": cores, "cells": data}, rows, out_dir=args.out,
-                  title="Decode on a busy machine: ours and llama.cpp, quiet and beside busy processes", notes=notes)
-    _plot(rows, counts, Path(args.out) / "busy_machine.png", peer=not args.no_peer)
-    return 0
+    return write_report("busy_machine", args, {"cores": cores, "cells": data}, rows, out_dir=args.out, notes=notes,
+                        title="Decode on a busy machine: ours and llama.cpp, quiet and beside busy processes",
+                        plot=lambda path: _plot(rows, counts, path, peer=not args.no_peer))
 
 
 def _plot(rows, counts, path: Path, peer: bool) -> None:

@@ -44,7 +44,7 @@ from typing import BinaryIO, Sequence
 import numpy as np
 
 from bench.common.peers import LLAMA_CPP_BIN
-from bench.common.report import BENCH_DIR, RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import BENCH_DIR, RESULTS_DIR, markdown_table, save_figure, script_parser, write_report
 
 CACHE_DIR = BENCH_DIR / ".cache" / "kl_divergence"
 TINY_DIR = BENCH_DIR / ".models"
@@ -522,12 +522,11 @@ def main(argv=None) -> int:
              f"Reference perplexity: {reference_ppl}. Ours: ModelRunner, paged, f16 KV, prefill steps of "
              f"{args.batch}; llama.cpp: llama-perplexity {llama_flags}, its defaults otherwise; {args.threads} "
              f"threads each. Whole run {elapsed:.0f} s (reference forward passes: {reference_s}; 0 when cached).")
-    write_results("kl_divergence", {"params": vars(args), "results": results, "elapsed_s": elapsed}, rows,
-                  out_dir=out, title="KL divergence from the float64 reference", notes=notes)
-    plot(results, out / "kl_divergence.png")
     print(markdown_table(rows))
     print(notes)
-    return 0
+    return write_report("kl_divergence", args, {"results": results, "elapsed_s": elapsed}, rows, out_dir=out,
+                        title="KL divergence from the float64 reference", notes=notes,
+                        plot=lambda path: plot(results, path))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 from bench.common.peers import LLAMA_CPP_BIN, launch_llama_server
-from bench.common.report import RESULTS_DIR, markdown_table, save_figure, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, write_report
 from pyllama_paged.testing.serving import stop_server
 
 CODE = '''import json
@@ -340,12 +340,10 @@ def main(argv=None) -> int:
              f"Loop share: the fraction of an answer's tokens in its periodic tail (the longest suffix repeating "
              f"with a period of at most {MAX_LOOP_PERIOD} tokens at least twice), median and max over the repeats. "
              f"Our answers with and without speculation identical{' (per seed)' if sampled else ''}: {same}.")
-    write_results(name, {"params": vars(args), "runs": runs, "answers_identical": same}, rows,
-                  out_dir=out_dir, title=f"{title}: single-stream decode, {mode}",
-                  notes=notes)
-    plot(out_dir / f"{name}.png", rows, mode)
     print(markdown_table(rows))
-    return 0
+    return write_report(name, args, {"runs": runs, "answers_identical": same}, rows, out_dir=out_dir,
+                        title=f"{title}: single-stream decode, {mode}", notes=notes,
+                        plot=lambda path: plot(path, rows, mode))
 
 
 if __name__ == "__main__":

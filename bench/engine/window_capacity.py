@@ -41,7 +41,7 @@ import numpy as np
 
 from bench.common.conversations import make_conversations
 from bench.common.peers import kv_buffer_mib, launch_llama_server, launch_ours, llama_cpp_tool
-from bench.common.report import RESULTS_DIR, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, save_figure, script_parser, write_report
 from pyllama_paged.testing.serving import stop_server
 
 
@@ -325,12 +325,10 @@ def main(argv=None) -> int:
         notes += (f"One sequence of {long['context']} tokens: llama-server -c {long['context']} -np 1 allocates "
                   f"{long['llama_server_kv_mib']} MiB (global + SWA caches). Ours: pages held after the prefill "
                   "(the figure that stays while it decodes), and the most held during the chunked prefill.\n")
-    write_results("window_capacity", {"params": vars(args), "chat": chat, "longctx": longctx, "long": long}, rows,
-                  out_dir=out_dir,
-                  title="Sliding-window paging: concurrency and long-context KV in fixed memory, "
-                        "ours vs llama-server", notes=notes)
-    plot(out_dir / "window_capacity.png", chat, long)
-    return 0
+    return write_report("window_capacity", args, {"chat": chat, "longctx": longctx, "long": long}, rows,
+                        out_dir=out_dir, notes=notes, plot=lambda path: plot(path, chat, long),
+                        title="Sliding-window paging: concurrency and long-context KV in fixed memory, "
+                              "ours vs llama-server")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ import numpy as np
 
 from bench.common.peers import (add_server_arguments, llama_server_binary, parse_peer, peer_chat_template,
                                 peer_label, start_llama_server, start_ours, stream_chat)
-from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_report
 from pyllama_paged.testing.serving import stop_server
 
 OUT_DIR = RESULTS_DIR / "agent_trace"
@@ -439,13 +439,10 @@ def main(argv=None) -> int:
              "restart over its first turn in the trace, mean over agents (target <= 0.2x with the disk tier); "
              "tokens/s over both lives' makespans, the restart (restart s: stop + start until healthy) "
              "excluded.\n\nEach agent's first-turn TTFT, cold -> after the restart:\n\n" + markdown_table(per_agent))
-    write_results("agent_trace", {"params": vars(args), "system_prompt_tokens": system_tokens,
-                                  "restart_before_turn": restart_at, "kv_bytes": kv_bytes,
-                                  "our_block_size": our_block[0], "runs": runs},
-                  rows, out_dir=out_dir, title="Agent trace with a restart: prefix-cache tiers vs llama-server",
-                  notes=notes)
-    plot(out_dir / "agent_trace.png", runs, restart_at)
-    return 0
+    return write_report("agent_trace", args, {"system_prompt_tokens": system_tokens, "restart_before_turn": restart_at,
+                                              "kv_bytes": kv_bytes, "our_block_size": our_block[0], "runs": runs},
+                        rows, out_dir=out_dir, title="Agent trace with a restart: prefix-cache tiers vs llama-server",
+                        notes=notes, plot=lambda path: plot(path, runs, restart_at))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from pathlib import Path
 
 from bench.common.peers import (DEFAULT_KV_BYTES, add_server_arguments, llama_server_binary, our_bytes_per_token,
                           parse_peer, peer_chat_template, peer_label, start_llama_server, start_ours)
-from bench.common.report import BENCH_DIR, REPO_ROOT, RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import BENCH_DIR, REPO_ROOT, RESULTS_DIR, markdown_table, save_figure, script_parser, write_report
 from pyllama_paged.testing.serving import stop_server
 
 INSTALL_HINT = "python3 -m venv bench/.aiperf-venv && bench/.aiperf-venv/bin/pip install aiperf"
@@ -338,13 +338,10 @@ def main(argv=None) -> int:
              + ("**The sides' input tokens differ (ISL): their chat templates differ.**\n\n" if unequal else "")
              + "Ours / llama-server (tokens/s: higher is better; TTFT and ITL: lower is better):\n\n"
              + (markdown_table(ratios) if ratios else "(one side only)\n"))
-    write_results("aiperf", {"params": vars(args), "aiperf_version": version, "peer_kv_bytes": peer_kv_bytes,
-                             "peer_extra_args": template,
-                             "kv_pool_tokens": kv_tokens, "kv_bytes_per_token": per_token, "ratios": ratios,
-                             "runs": runs}, rows, out_dir=out_dir,
-                  title="AIPerf against our server and llama-server, same model, same KV bytes", notes=notes)
-    plot(out_dir / "aiperf.png", runs)
-    return 0
+    data = {"aiperf_version": version, "peer_kv_bytes": peer_kv_bytes, "peer_extra_args": template,
+            "kv_pool_tokens": kv_tokens, "kv_bytes_per_token": per_token, "ratios": ratios, "runs": runs}
+    return write_report("aiperf", args, data, rows, out_dir=out_dir, notes=notes, plot=lambda path: plot(path, runs),
+                        title="AIPerf against our server and llama-server, same model, same KV bytes")
 
 
 if __name__ == "__main__":

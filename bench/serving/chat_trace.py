@@ -57,7 +57,7 @@ import numpy as np
 
 from bench.common.peers import (DEFAULT_KV_BYTES, add_server_arguments, llama_server_binary, our_bytes_per_token, parse_peer,
                           peer_chat_template, peer_label, start_llama_server, start_ours)
-from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_report
 from pyllama_paged.testing.serving import stop_server
 
 SYSTEM_PROMPTS = [
@@ -260,12 +260,10 @@ def main(argv=None) -> int:
              f"({runs and next(iter(r.get('kv_pool_tokens') for r in runs.values() if 'kv_pool_tokens' in r), None)} "
              f"tokens of pool), context {seq_ctx} per sequence, block {args.block_size}.\n\n"
              "Ours / llama-server:\n\n" + (markdown_table(ratios) if ratios else "(one side only)\n"))
-    write_results("chat_trace", {"params": vars(args), "kv_bytes": kv_bytes, "peer_kv_bytes": peer_kv_bytes,
-                                 "ratios": ratios,
-                                 "runs": runs}, rows, out_dir=out_dir,
-                  title="Chat trace through the HTTP server: ours vs llama-server, same KV bytes", notes=notes)
-    plot(out_dir / "chat_trace.png", runs)
-    return 0
+    return write_report("chat_trace", args, {"kv_bytes": kv_bytes, "peer_kv_bytes": peer_kv_bytes, "ratios": ratios,
+                                             "runs": runs}, rows, out_dir=out_dir, notes=notes,
+                        title="Chat trace through the HTTP server: ours vs llama-server, same KV bytes",
+                        plot=lambda path: plot(path, runs))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common.peers import stream_chat
-from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_report
 from pyllama_paged.server.scale_out.ray_routing import PIN_HEADER
 from pyllama_paged.testing.ray_cluster import RayCluster, start_ray_server, stop_ray_server
 
@@ -227,10 +227,9 @@ def main(argv=None) -> int:
              f"{args.ctx}; prefix routing hashes the first {args.prefix_chars} characters. Hit rate and prefill "
              "from the replicas' engines (GET /ray/replicas), before and after.\n\n"
              "Replicas each app's requests landed on:\n\n" + markdown_table(placement))
-    write_results("scale_out", {"params": vars(args), "runs": runs}, rows, out_dir=out_dir,
-                  title="Scale out on Ray Serve: prefix-affinity vs round-robin routing", notes=notes)
-    plot(out_dir / "scale_out.png", runs)
-    return 0
+    return write_report("scale_out", args, {"runs": runs}, rows, out_dir=out_dir, notes=notes,
+                        title="Scale out on Ray Serve: prefix-affinity vs round-robin routing",
+                        plot=lambda path: plot(path, runs))
 
 
 if __name__ == "__main__":
