@@ -297,9 +297,10 @@ def prediction_for(table: list[dict], gpu_name: str, model: str, workload: str, 
 
 def main(argv=None) -> int:
     """Write bench/results/gpu_predictions.{json,md}."""
+    from bench.common.options import add_options
     from bench.common.report import RESULTS_DIR, script_parser, write_results
     ap = script_parser(__doc__)
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, out=str(RESULTS_DIR))
     args = ap.parse_args(argv)
     rows = [r for d in DEVICES for r in predictions(d)]
     constants = {"BW_EFFICIENCY": BW_EFFICIENCY, "LAUNCH_S": LAUNCH_S, "KERNEL_GAP_S": KERNEL_GAP_S,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, markdown_table, script_parser, write_results
 
 F32, F16 = 4, 2
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     import tempfile
     from pathlib import Path
     ap = script_parser(__doc__)
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, out=str(RESULTS_DIR))
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_model(Path(tmp) / "llama.gguf", "llama", weight_type="q8_0", context_length=2560)

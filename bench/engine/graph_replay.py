@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, markdown_table, script_parser, write_results
 from pyllama_paged.testing.cuda_graph_replay import CudaGraphReplay, read_step_graph, replay_summary
 
@@ -101,16 +102,13 @@ def main(argv=None) -> int:
     from pyllama_paged.engine import Model
     from bench.engine.step_overhead import default_model
     ap = script_parser(__doc__)
-    ap.add_argument("--model", default=None, help="GGUF (default: the tiny-width Llama 3.2 1B file)")
+    add_options(ap, model=None, npp=128, ntg=256, seed=0, out=str(RESULTS_DIR),
+                helps={"model": "GGUF (default: the tiny-width Llama 3.2 1B file)"})
     ap.add_argument("--npl", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--npp", type=int, default=128)
-    ap.add_argument("--ntg", type=int, default=256)
     ap.add_argument("--long-npl", type=int, default=64)
     ap.add_argument("--long-ctx", type=int, default=2048, help="0: no long workload")
     ap.add_argument("--chat-requests", type=int, default=24, help="0: no chat trace")
     ap.add_argument("--chat-gap", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     rows = []
