@@ -262,8 +262,8 @@ def predictions(device: str) -> list[dict]:
         row("single-stream tg t/s", f"tg{SINGLE_TG}", tg["ours"], tg["llama.cpp"])
         pp = SINGLE_PP / prefill_seconds(shape, device, SINGLE_PP)
         row("single-stream pp t/s", f"pp{SINGLE_PP}", pp, pp)
-        for n_parallel, peer in ((8, "np8"), (32, "np32-kvu")):
-            row("chat tokens/s", f"t=0.7, llama-server {peer}",
+        for n_parallel, kvu in ((8, False), (32, True)):   # chat_trace.py's rows: peers.peer_label
+            row("chat tokens/s", f"t=0.7, llama-server -np {n_parallel}" + (" -kvu" if kvu else ""),
                 chat_tps("ours", shape, device, ours_k, REPLAY_SHARE, CHAT_REQUESTS),
                 chat_tps("llama.cpp", shape, device, llama_cpp_kernels(shape, n_parallel), REPLAY_SHARE, n_parallel))
         for npl in BATCHED_NPL:
@@ -289,8 +289,7 @@ def prediction_for(table: list[dict], gpu_name: str, model: str, workload: str, 
     """Our predicted figure for a measured row of device_bench's summary (None: none made)."""
     device = gpu_device(gpu_name)
     for r in table:
-        if (r["device"], r["model"], r["workload"]) == (device, model, workload) and \
-                setting.startswith(r["setting"].split(",")[0]):
+        if (r["device"], r["model"], r["workload"], r["setting"]) == (device, model, workload, setting):
             return r["ours"]
     return None
 

@@ -66,6 +66,10 @@ def test_the_table_covers_every_workload_and_finds_a_measured_row(gpu_model, ben
     steps = {r["setting"]: r["ours / llama.cpp"] for r in rows
              if r["model"] == "llama3.2-3b" and r["workload"].startswith("step")}
     assert steps["npl 1"] < steps["npl 64"]
-    got = gpu_model.prediction_for(rows, "NVIDIA H200", "llama3.2-1b", "chat tokens/s", "t=0.7, np8")
+    # named as the workloads' own tables name them (device_bench.summary_rows)
+    got = gpu_model.prediction_for(rows, "NVIDIA H200", "llama3.2-1b", "chat tokens/s",
+                                   "t=0.7, llama-server -np 32 -kvu")
     assert got == next(r["ours"] for r in rows if r["workload"] == "chat tokens/s" and r["model"] == "llama3.2-1b")
+    assert gpu_model.prediction_for(rows, "NVIDIA H200", "llama3.2-3b", "batched t/s", "npl 16") is not None
+    assert gpu_model.prediction_for(rows, "NVIDIA H200", "llama3.2-3b", "single-stream tg t/s", "tg128") is not None
     assert gpu_model.prediction_for(rows, "NVIDIA A100", "llama3.2-1b", "batched t/s", "npl 1") is None
