@@ -554,7 +554,8 @@ def main(argv=None) -> int:
     if not gpus and not args.functional_check:
         return refuse("no NVIDIA GPU here (nvidia-smi is absent or lists none): the device benchmark needs one. "
                       "--functional-check runs a short check, without timings, on any GPU GGML lists.")
-    run_on_carry(Path(args.carry), "bench.device_bench", sys.argv[1:] if argv is None else list(argv))
+    if not args.functional_check:   # the check runs on the GGML installed here (Vulkan's too)
+        run_on_carry(Path(args.carry), "bench.device_bench", sys.argv[1:] if argv is None else list(argv))
     put_cuda_libraries_on_path()
     if args.functional_check:
         return functional_check(args)
