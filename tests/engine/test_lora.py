@@ -7,7 +7,8 @@ import gguf
 import numpy as np
 import pytest
 
-from pyllama_paged.engine import EngineConfig, Model
+from pyllama_paged.engine import EngineConfig, LLMEngine, LoraRequest, Model, SamplingParams, SchedulerConfig
+from pyllama_paged.errors import RequestError
 from pyllama_paged.engine.worker.lora import LoraAdapter
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.gguf.config import ModelLoadError
@@ -118,3 +119,40 @@ def test_adapters_that_do_not_fit_are_refused(setup, tmp_path):
     seq = runner.add_sequence_uncached(PROMPT, (adapters["all"], 1.0))   # the runner still serves
     assert np.isfinite(runner.prefill(seq)).all()
     runner.free(seq)
+
+
+def test_engine_requests_pick_adapters_by_name(setup):
+    """Requests naming an adapter, another at scale 2, none, and an unknown one through the
+    scheduler: each step's logits row is its own reference's; the unknown name is refused."""
+    runner, adapters, ref = setup
+    engine = LLMEngine(runner, set(), SchedulerConfig(max_num_batched_tokens=64))
+    engine.loras = dict(adapters)   # loaded by the fixture; the engine adds through add_lora otherwise
+    try:
+        with pytest.raises(RequestError, match="no LoRA adapter named 'nope'"):
+            engine.add_request(PROMPT, SamplingParams(max_tokens=3, lora=LoraRequest("nope")))
+        asks = {"all": LoraRequest("all"), "none": None, "some": LoraRequest("some", 2.0)}
+        rows = {name: [] for name in asks}
+        tokens = {name: [] for name in asks}
+
+        def keeper(name):
+            def keep(_history, row):
+                rows[name].append(row.copy())
+                return row
+            return keep
+
+        ids = {engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, lora=lora,
+                                                         logits_processor=keeper(name))).request_id: name
+               for name, lora in asks.items()}
+        with pytest.raises(RequestError, match="in use"):
+            engine.remove_lora("all")
+        while engine.has_work():
+            for out in engine.step():
+                tokens[ids[out.request_id]] += [e.token_id for e in out.events]
+        for name, lora in asks.items():
+            r = ref if lora is None else with_lora(ref, adapters[lora.name].path, lora.scale)
+            assert len(rows[name]) == 3
+            for i, row in enumerate(rows[name]):
+                want = r.forward(PROMPT + tokens[name][:i])[-1]
+                assert relative_error(row, want) < TOLERANCE, (name, i)
+    finally:
+        engine.loras = {}   # the fixture closes them
