@@ -101,6 +101,10 @@ async def check_call(state, call: Call) -> ServedModel:
     require_generative(served)
     if call.refuse_unsupported is not None:
         call.refuse_unsupported(served)
+    try:
+        call.sampling["lora"] = state.registry.lora_for(call.model, served, call.lora)
+    except ValueError as e:
+        raise APIError(400, str(e), "lora") from None
     return served
 
 

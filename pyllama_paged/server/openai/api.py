@@ -77,12 +77,13 @@ async def _merged(gens):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def score(served, ids: list[int], top_n: int, state) -> list:
-    """A prompt's own log-probabilities: a queue place like any request, and a scoring
-    request the engine computes a chunk per step beside everyone's work."""
+async def score(served, ids: list[int], top_n: int, state, lora=None) -> list:
+    """A prompt's own log-probabilities (under the LoRA adapter the request picked): a queue
+    place like any request, and a scoring request the engine computes a chunk per step beside
+    everyone's work."""
     admit(served, state.limits, state.metrics)
     try:
-        return await served.score_prompt(ids, top_n)
+        return await served.score_prompt(ids, top_n, lora)
     except PagedError as e:
         raise APIError(503, f"no room to score the prompt now: {e}", "prompt", "server_busy") from None
     finally:
@@ -169,18 +170,36 @@ def _card(m) -> dict:
     return {"id": m.name, "object": "model", "created": int(m.loaded_at), "owned_by": "pyllama-paged"}
 
 
+def _adapter_card(name: str, served, path: str) -> dict:
+    """A LoRA adapter as vLLM lists one: a model whose parent is the model it adapts."""
+    return {"id": name, "object": "model", "created": int(served.loaded_at), "owned_by": "pyllama-paged",
+            "root": path, "parent": served.name}
+
+
 @router.get("/v1/models")
 async def models(request: Request):
     state = server_state(request)
     stored = await asyncio.to_thread(state.registry.stored_models)
     return {"object": "list", "data": [_card(m) for m in state.registry.models.values()] +
+            [_adapter_card(name, served, path) for name, served, path, _ in state.registry.adapter_list()] +
             [{"id": m.name.lower(), "object": "model", "created": int(m.pulled_at), "owned_by": "pyllama-paged"}
              for m in stored]}
 
 
 @router.get("/v1/models/{model:path}")
 async def model(model: str, request: Request):
-    return _card(await find_model(server_state(request).registry, model))
+    registry = server_state(request).registry
+    for name, served, path, _ in registry.adapter_list():
+        if name == model.lower().removesuffix(":latest"):
+            return _adapter_card(name, served, path)
+    return _card(await find_model(registry, model))
+
+
+@router.get("/lora-adapters")
+async def lora_adapters(request: Request):
+    """llama-server's list of the adapters a request's lora field picks by id."""
+    return [{"id": i, "name": name, "path": path, "scale": scale}
+            for i, (name, _, path, scale) in enumerate(server_state(request).registry.adapter_list())]
 
 
 @router.post("/v1/completions")
@@ -194,7 +213,7 @@ async def completions(body: CompletionRequest, request: Request):
         (p if isinstance(p, str) else tok.decode(p, skip_special=True)) if body.echo else "" for p in call.prompts])
     echo_lps = [None] * len(ids_of)
     if body.echo and body.logprobs is not None:
-        echo_lps = [await score(served, ids, body.logprobs, state) for ids in ids_of]
+        echo_lps = [await score(served, ids, body.logprobs, state, call.sampling.get("lora")) for ids in ids_of]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": served.name}
     if body.max_tokens == 0:
