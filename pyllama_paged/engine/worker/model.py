@@ -6,7 +6,7 @@ import warnings
 
 from ..._native import Closing, check, ffi, lib
 from ...errors import NativeError, PagedError
-from ...gguf.reader import GGUFFile
+from ...gguf.split import open_gguf
 from ...gguf.config import (ARCH_IDS, YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, ModelLoadError,
                             config_from_metadata)
 from .devices import Device, LayerSplit, gpu_device
@@ -49,7 +49,7 @@ class Model(Closing):
         self.n_panel_packed = 0
         self.gguf = None
         self.path = str(model_path) if model_path else default_model_path()
-        self.gguf = GGUFFile(self.path)
+        self.gguf = open_gguf(self.path)   # one file, or every part of a split GGUF
         self.metadata = self.gguf.metadata
         self.config: ModelConfig = config_from_metadata(self.metadata, self._vocab_size(), self.path)
         self._create_native()
