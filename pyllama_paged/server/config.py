@@ -147,6 +147,9 @@ class ServeConfig:
         None, "--lora", "a LoRA adapter GGUF of the first model (llama.cpp's convert_lora_to_gguf.py), served as "
         "the model NAME at SCALE (default 1); repeatable, each adapter listed as a model", type=lora_option,
         action="append", metavar="NAME=FILE[:SCALE]")
+    lora_runtime: bool = flagged(False, "--lora-runtime", "allow POST /v1/load_lora_adapter and "
+                                 "/v1/unload_lora_adapter (vLLM's) to load adapter files of this machine into the "
+                                 "first model and unload them while serving", action="store_true")
     host: str = flagged("127.0.0.1", "--host", "address to listen on (with --ray: Serve's HTTP proxy's)")
     port: int = flagged(11434, "--port", "port to listen on", type=int)
     api_key: str | None = flagged(None, "--api-key", "require this key (or set PYLLAMA_API_KEY)")

@@ -390,6 +390,28 @@ class ModelRegistry:
             named[name] = (first, i, scale)
         return named
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter file into the first model's engine while serving, as the model
+        name; ValueError for a name taken, ModelLoadError for a file that is not its adapter."""
+        name = name.strip().lower().removesuffix(":latest")
+        if not name or name in self.adapters or self.served(name) is not None:
+            raise ValueError(f"'{name}' is already the name of a model or adapter of this server")
+        served = next(iter(self.models.values()))
+        await served.call(lambda llm: llm.add_lora(name, path))
+        served.adapters += ((name, str(path), 1.0),)   # a reload of the engine loads it again
+        self.adapters[name] = (served, len(served.adapters) - 1, 1.0)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload an adapter (KeyError if unknown; RequestError while a request runs it)."""
+        name = name.strip().lower().removesuffix(":latest")
+        if name not in self.adapters:
+            raise KeyError(name)
+        served = self.adapters[name][0]
+        if served.is_loaded:
+            await served.call(lambda llm: llm.remove_lora(name))
+        served.adapters = tuple(a for a in served.adapters if a[0] != name)
+        self.adapters = {a[0]: (served, i, a[2]) for i, a in enumerate(served.adapters)}
+
     def lora_for(self, name: str | None, served: ServedModel, entries) -> LoraRequest | None:
         """The adapter a request runs: llama-server's lora field (entries: (id, scale), at most
         one with a non-zero scale) over the adapter its model name is; ValueError for a bad one."""

@@ -108,3 +108,37 @@ def test_bad_adapters_are_refused_at_start(files, tmp_path):
     import argparse
     with pytest.raises(argparse.ArgumentTypeError, match="NAME=FILE"):
         lora_option("just-a-file.gguf")
+
+
+def test_adapters_load_and_unload_at_run_time(files, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter with --lora-runtime: a loaded
+    adapter is listed and answers by name, a name taken or a file that is no adapter is refused,
+    an unloaded one is gone; without the flag both are refused."""
+    registry = ModelRegistry([files["base"]], ServeConfig.flat(n_ctx=128, n_threads=2, n_batch=64, kv_tokens=1024,
+                                                               lora_runtime=True))
+    running = Running(create_app(registry))
+    oai = openai.OpenAI(base_url=f"{running.url}/v1", api_key="x", max_retries=0)
+    try:
+        url = running.url + "/v1/"
+        r = httpx.post(url + "load_lora_adapter", json={"lora_name": "sql", "lora_path": files["sql"]})
+        assert r.status_code == 200 and "added" in r.text
+        assert "sql" in {m.id for m in oai.models.list().data}
+        got = scored(oai, "sql")
+        assert np.abs(got - reference_logprobs(files, "sql", 1.0)).mean() < 0.05
+        for body, status, words in (({"lora_name": "sql", "lora_path": files["chat"]}, 400, "already"),
+                                    ({"lora_name": "cv", "lora_path": files["base"]}, 400, "not an adapter")):
+            r = httpx.post(url + "load_lora_adapter", json=body)
+            assert r.status_code == status and words in r.text, r.text
+        assert httpx.post(url + "unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
+        assert "sql" not in {m.id for m in oai.models.list().data}
+        assert httpx.post(url + "unload_lora_adapter", json={"lora_name": "sql"}).status_code == 404
+        with pytest.raises(openai.NotFoundError):
+            scored(oai, "sql")
+    finally:
+        running.close()
+        registry.close()
+
+
+def test_run_time_loading_is_off_by_default(server, files):
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": files["sql"]})
+    assert r.status_code == 403 and "--lora-runtime" in r.text

@@ -10,7 +10,8 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict
 
 from ...calls.chat_call import Answer, AnswerPiece
 from ...errors import PagedError
@@ -193,6 +194,48 @@ async def model(model: str, request: Request):
         if name == model.lower().removesuffix(":latest"):
             return _adapter_card(name, served, path)
     return _card(await find_model(registry, model))
+
+
+class LoadLora(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    lora_name: str
+    lora_path: str | None = None
+
+
+def _lora_runtime(request: Request):
+    state = server_state(request)
+    if not state.registry.serving.lora_runtime:
+        raise APIError(403, "loading and unloading LoRA adapters while serving is off; start the server with "
+                       "--lora-runtime", None, code="forbidden")
+    return state
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLora, request: Request):
+    """vLLM's: load an adapter file as a model name (with --lora-runtime)."""
+    state = _lora_runtime(request)
+    if not body.lora_path:
+        raise APIError(400, "lora_path is required", "lora_path")
+    try:
+        await state.registry.load_adapter(body.lora_name, body.lora_path)
+    except PagedError as e:
+        raise APIError(400, str(e), "lora_path") from None
+    except ValueError as e:
+        raise APIError(400, str(e), "lora_name") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: LoadLora, request: Request):
+    """vLLM's: unload an adapter loaded at start or at run time (with --lora-runtime)."""
+    state = _lora_runtime(request)
+    try:
+        await state.registry.unload_adapter(body.lora_name)
+    except KeyError:
+        raise APIError(404, f"no LoRA adapter named '{body.lora_name}' is loaded", "lora_name") from None
+    except PagedError as e:
+        raise APIError(409, str(e), "lora_name") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 @router.get("/lora-adapters")
