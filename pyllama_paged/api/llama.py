@@ -131,8 +131,10 @@ class Llama:
         directory, the Hugging Face cache, an installed model package) or downloaded from the
         Hub (HF_ENDPOINT) and checked against its sha256. progress(status, completed, total)
         sees the download's bytes (default: a bar on stderr, unless verbose=False)."""
-        if additional_files:
-            raise RequestError("additional_files (split GGUFs) are not supported")
+        if additional_files and "-00001-of-" not in (filename or ""):
+            # llama-cpp-python's use of them: a split GGUF's other parts, which come with its first here
+            raise RequestError("additional_files is for the other parts of a split GGUF, fetched with its first "
+                               "part here: give filename='*-00001-of-0000N.gguf'")
         closing = None
         if progress is None and kwargs.get("verbose", True):
             from ..models.progress import TerminalProgress

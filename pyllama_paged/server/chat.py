@@ -42,6 +42,11 @@ class ChatRun:
     harmony: HarmonyTokens | None = None   # the reply is harmony (gpt-oss): read by its channels
 
     @property
+    def model_name(self) -> str:
+        """The model an answer says it came from: the LoRA adapter it ran, else the model."""
+        return answering_model(self.served, self.gen.params.lora)
+
+    @property
     def width(self) -> int:
         """How many samples (or beams) the answer has."""
         params = self.gen.params
@@ -88,6 +93,11 @@ class ChatRun:
         deltas = without_dropped(await self.gen.collect(request, ended_by_calls()), splitter)
         return await off_loop(self.prep, collect_answers, deltas, self.width, self.tool_names, split, self.thinks,
                               self.opens_thinking, self.harmony)
+
+
+def answering_model(served: ServedModel, lora) -> str:
+    """The model name an answer carries: its LoRA adapter's (vLLM's), else the served model's."""
+    return served.name if lora is None else lora.name
 
 
 async def check_call(state, call: Call) -> ServedModel:

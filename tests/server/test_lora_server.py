@@ -94,10 +94,11 @@ def test_chat_with_an_adapter_streams(oai):
     """A chat through the openai client on an adapter: answered, and named as asked."""
     r = oai.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                     temperature=0)
-    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.choices[0].finish_reason in ("length", "stop") and r.model == "sql"
     chunks = list(oai.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=4, stream=True))
-    assert chunks
+    assert chunks and {c.model for c in chunks} == {"chat"}
+    assert oai.completions.create(model="tiny", prompt="hi", max_tokens=2).model == "tiny"
 
 
 def test_bad_adapters_are_refused_at_start(files, tmp_path):

@@ -8,6 +8,7 @@
  * none, share one step. */
 #include "model/lora.h"
 #include "common/pp_internal.h"
+#include "model/tensor_table.h"
 #include "ggml-cpu.h"
 
 #include <math.h>
@@ -78,15 +79,9 @@ static int ends_with(const char *s, const char *suffix) {
 /* Layer and projection of "blk.<il>.<projection>.weight" (the name without
  * its .lora_a/.lora_b), or -1 for any other name. */
 static int parse_target(const pp_model *m, const char *name, size_t len, int *il, int *proj) {
-    if (strncmp(name, "blk.", 4) != 0) return -1;
-    const char *p = name + 4;
-    int64_t layer = 0;
-    if (*p < '0' || *p > '9') return -1;
-    for (; *p >= '0' && *p <= '9'; p++) {
-        layer = layer * 10 + (*p - '0');
-        if (layer >= m->hp.n_layer) return -1;
-    }
-    if (*p++ != '.') return -1;
+    const char *p = NULL;
+    const int32_t layer = pp_tensor_layer(name, m->hp.n_layer, &p);
+    if (layer < 0 || (size_t)(p - name) > len) return -1;
     const size_t rest = len - (size_t)(p - name);
     for (int k = 0; k < PP_N_PROJ; k++)
         if (strlen(PROJ_NAMES[k]) == rest && !strncmp(p, PROJ_NAMES[k], rest)) {

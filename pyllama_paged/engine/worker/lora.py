@@ -10,12 +10,11 @@ import hashlib
 import math
 import numbers
 
-from ..._native import NativeHandle, check, ffi, lib
-from ...errors import NativeError
+from ..._native import NativeHandle, ffi, lib
 from ...gguf.config import ModelLoadError
 from ...gguf.reader import GGUFFile
 from ..kv.prefix_tiers import model_fingerprint
-from .model import Model
+from .model import Model, load_checked
 
 # adapter.alora.invocation_tokens marks an activated LoRA (its tokens switch it on mid-prompt)
 _ALORA_KEY = "adapter.alora.invocation_tokens"
@@ -55,11 +54,7 @@ class LoraAdapter(NativeHandle):
         self._wrap(lib.pp_lora_finalize(self._handle))
 
     def _wrap(self, status: int) -> None:
-        try:
-            check(status, "LoRA adapter")
-        except (NativeError, MemoryError) as e:
-            self.close()
-            raise ModelLoadError(f"{self.path}: {e}") from e
+        load_checked(status, "LoRA adapter", self.path, self.close)
 
     @property
     def native(self):

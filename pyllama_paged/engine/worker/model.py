@@ -28,6 +28,16 @@ PANEL_KERNELS = {lib.PP_PANEL_KERNEL_NONE: "ggml", lib.PP_PANEL_KERNEL_SCALAR: "
                  lib.PP_PANEL_KERNEL_AVX2: "avx2"}
 
 
+def load_checked(status: int, what: str, path: str, close) -> None:
+    """A native status of loading the file at path: a failure calls close() (what was made so far
+    is freed) and is a ModelLoadError naming the file."""
+    try:
+        check(status, what)
+    except (NativeError, MemoryError) as e:  # MemoryError: a native allocation failed
+        close()
+        raise ModelLoadError(f"{path}: {e}") from e
+
+
 def load_model(config) -> "Model":
     """The model an EngineConfig (engine/config.py) names: its file (None: the embedded default
     model), its weights in the layouts and on the GPU layers the config asks for. The one way
@@ -161,11 +171,7 @@ class Model(Closing):
         self.n_panel_packed = int(n[0])
 
     def _wrap(self, status: int, what: str) -> None:
-        try:
-            check(status, what)
-        except (NativeError, MemoryError) as e:  # MemoryError: a native allocation failed
-            self.close()
-            raise ModelLoadError(f"{self.path}: {e}") from e
+        load_checked(status, what, self.path, self.close)
 
     @property
     def native(self):

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ...calls.chat_call import Answer, AnswerPiece
 from ...errors import PagedError
-from ..chat import prepare_prompt, run_chat, start_prompts
+from ..chat import answering_model, prepare_prompt, run_chat, start_prompts
 from ..generation import APIError, admit, off_loop
 from ..lookup import find_model
 from ..state import server_state
@@ -258,7 +258,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.echo and body.logprobs is not None:
         echo_lps = [await score(served, ids, body.logprobs, state, call.sampling.get("lora")) for ids in ids_of]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": served.name}
+            "model": answering_model(served, call.sampling.get("lora"))}
     if body.max_tokens == 0:
         return scored_only(body, head, tok, ids_of, echo_text, echo_lps)
     gens = [run.gen for run in await start_prompts(state, served, call, prepared)]
@@ -306,7 +306,7 @@ async def chat(body: ChatRequest, request: Request):
     state = server_state(request)
     run = await run_chat(state, body.chat_call())
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": run.served.name}
+            "created": int(time.time()), "model": run.model_name}
     tok = run.served.tokenizer
 
     def logprobs_of(events):
