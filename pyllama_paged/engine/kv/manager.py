@@ -98,16 +98,19 @@ class SeqLoras:
         return 0 if lora is None else lora[0].kv_root(lora[1])
 
     def remember(self, created: tuple[int, int], lora) -> tuple[int, int]:
+        """Note a new sequence's adapter; created ((handle, cached)) passes through."""
         if lora is not None:
             self.of[created[0]] = lora
         return created
 
     def copy(self, parent: int, child: int) -> int:
+        """A fork runs its parent's adapter; returns the child's handle."""
         if parent in self.of:
             self.of[child] = self.of[parent]
         return child
 
     def forget(self, handle: int) -> None:
+        """A freed sequence's entry goes."""
         self.of.pop(handle, None)
 
 

@@ -65,6 +65,7 @@ class LoraAdapter(NativeHandle):
 
     @property
     def closed(self) -> bool:
+        """Whether close() has freed the native adapter."""
         return self._handle is None
 
     def kv_root(self, scale: float) -> int:
