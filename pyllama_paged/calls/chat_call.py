@@ -48,6 +48,7 @@ class Call:
     refuse_unsupported: Callable[[Any], None] | None = None      # the API's refusals, given the served model
     n_ctx: int | None = None      # Ollama's num_ctx: prompt and answer within fewer tokens than the model's
     keep_alive: Any = None        # Ollama's keep_alive, as sent
+    lora: list[tuple[int, float]] | None = None   # llama-server's per-request adapters: (id, scale)
 
     def params(self, constraint: Constraint | None) -> SamplingParams:
         """The call's SamplingParams, decoding under constraint; PagedError names a bad field."""

@@ -42,6 +42,11 @@ class ChatRun:
     harmony: HarmonyTokens | None = None   # the reply is harmony (gpt-oss): read by its channels
 
     @property
+    def model_name(self) -> str:
+        """The model an answer says it came from: the LoRA adapter it ran, else the model."""
+        return answering_model(self.served, self.gen.params.lora)
+
+    @property
     def width(self) -> int:
         """How many samples (or beams) the answer has."""
         params = self.gen.params
@@ -90,6 +95,11 @@ class ChatRun:
                               self.opens_thinking, self.harmony)
 
 
+def answering_model(served: ServedModel, lora) -> str:
+    """The model name an answer carries: its LoRA adapter's (vLLM's), else the served model's."""
+    return served.name if lora is None else lora.name
+
+
 async def check_call(state, call: Call) -> ServedModel:
     """The checks before any work: the request's limits, its model (a 404), that the model
     generates text, and the API's refusals of what it cannot honour. An unset max_tokens
@@ -101,6 +111,10 @@ async def check_call(state, call: Call) -> ServedModel:
     require_generative(served)
     if call.refuse_unsupported is not None:
         call.refuse_unsupported(served)
+    try:
+        call.sampling["lora"] = state.registry.lora_for(call.model, served, call.lora)
+    except ValueError as e:
+        raise APIError(400, str(e), "lora") from None
     return served
 
 

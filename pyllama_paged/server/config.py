@@ -5,10 +5,11 @@ flagged field of one of these (flags.py); the CLI builds its parser from them.""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-from ..engine import MAX_THREADS, EngineConfig, PrefixTierConfig, SchedulerConfig
+from ..engine import MAX_THREADS, EngineConfig, PrefixTierConfig, SchedulerConfig, split_scale
 from ..errors import PagedError
 from ..flags import flagged, group, size_bytes, tokens_or_bytes
 from ..models.egress import PULL_ALLOW_HELP
@@ -122,6 +123,16 @@ def served_engine(**settings) -> EngineConfig:
 SERVE_COMMAND_TIERS = PrefixTierConfig(ram_bytes=2048 << 20)
 
 
+def lora_option(text: str) -> tuple[str, str, float]:
+    """--lora's NAME=FILE[:SCALE] as (name, file, scale); ArgumentTypeError says what is wrong."""
+    name, sep, rest = text.partition("=")
+    name = name.strip().lower().removesuffix(":latest")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"'{text}': give NAME=FILE[:SCALE], e.g. sql=adapters/sql.gguf:0.8")
+    path, scale = split_scale(rest)
+    return name, path, scale
+
+
 @dataclass
 class ServeConfig:
     """One server: the files it serves (None: the embedded default model), where it listens,
@@ -132,6 +143,13 @@ class ServeConfig:
     models: list[str] | None = flagged(None, "--model", "GGUF file to serve (repeatable; default: the embedded "
                                        "Gemma 3 270M)", aliases=("-m",), action="append",
                                        metavar="MODEL")
+    loras: list[tuple[str, str, float]] | None = flagged(
+        None, "--lora", "a LoRA adapter GGUF of the first model (llama.cpp's convert_lora_to_gguf.py), served as "
+        "the model NAME at SCALE (default 1); repeatable, each adapter listed as a model", type=lora_option,
+        action="append", metavar="NAME=FILE[:SCALE]")
+    lora_runtime: bool = flagged(False, "--lora-runtime", "allow POST /v1/load_lora_adapter and "
+                                 "/v1/unload_lora_adapter (vLLM's) to load adapter files of this machine into the "
+                                 "first model and unload them while serving", action="store_true")
     host: str = flagged("127.0.0.1", "--host", "address to listen on (with --ray: Serve's HTTP proxy's)")
     port: int = flagged(11434, "--port", "port to listen on", type=int)
     api_key: str | None = flagged(None, "--api-key", "require this key (or set PYLLAMA_API_KEY)")

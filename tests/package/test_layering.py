@@ -19,6 +19,7 @@ LAYERS = [
     ["_native"],   # the binding's facade (_native/__init__.py) re-exports its modules
     ["gguf.config"],
     ["gguf.reader"],
+    ["gguf.split"],   # a split GGUF's parts read as one
     # model downloads: below everything that loads models, and needing none of it
     ["models.refs", "models.download", "models.progress", "models.egress", "models.store_files"],
     ["models.store", "models.hub_guard"],
@@ -73,7 +74,7 @@ LAYERS = [
      "testing.synthetic_blocks", "testing.synthetic_bpe", "testing.synthetic_presets", "testing.vocab_metadata",
      "testing.device_checks", "testing.model_sources", "testing.scripted_gguf",
      "testing.ray_cluster", "testing.engine_runs", "testing.routed_logits", "testing.deltas",
-     "testing.cuda_graph_replay"],
+     "testing.cuda_graph_replay", "testing.reference.tiny_lora", "testing.split_gguf"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer
     # llama-cpp-python's submodule names (llama_cpp.llama_speculative, ...) over ours

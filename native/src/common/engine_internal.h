@@ -181,6 +181,7 @@ typedef struct pp_attention_params {
     int32_t n_head_kv;
     int32_t head_dim;
     atomic_int slices_done;   /* split-K: threads through this step's slices (reset each step) */
+    struct pp_lora_plan *lora;   /* the step's LoRA adapters (model/lora.h), or NULL: none */
 } pp_attention_params;
 
 /* Keys of one softmax slice, at absolute positions: the unit split-K hands to a thread, and

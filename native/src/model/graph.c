@@ -3,6 +3,7 @@
  * caches on the CPU) or GGML's flash attention (attention_graph.c). */
 #include "common/engine_internal.h"
 #include "panels/panels.h"
+#include "model/lora.h"
 #include "ggml-cpu.h"
 
 #include <math.h>
@@ -135,7 +136,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         const pp_layer *L = &m->layers[il];
         pp_attention_params *ap = &layer_params[il];
         pp_panel_gemm_state *gs = gemm_states ? &gemm_states[il * PP_N_PROJ] : NULL;
-#define PROJECT(w, p, x) project(ctx, (w), gs ? &gs[(p)] : NULL, (x), &last)
+#define PROJECT(w, p, x) pp_lora_project(ctx, ap->lora, il, (p), (x), project(ctx, (w), gs ? &gs[(p)] : NULL, (x), &last))
         struct ggml_tensor *cur = norm(ctx, x, L->attn_norm, hp->rms_eps);
 
         struct ggml_tensor *q = PROJECT(L->wq, PP_PROJ_Q, cur);
@@ -194,7 +195,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         } else if (L->ffn_gate_inp) {
             cur = pp_build_moe_ffn(ctx, hp, L, gs, cur);
         } else {
-            if (gs && pp_panel_gated_takes(&gs[PP_PROJ_GATE])) {
+            if (gs && pp_panel_gated_takes(&gs[PP_PROJ_GATE]) && !pp_lora_touches_gated(ap->lora, il)) {
                 cur = pp_panel_gated(ctx, &gs[PP_PROJ_GATE], panel_input(ctx, &gs[PP_PROJ_GATE], cur, &last),
                                      hp->arch == PP_ARCH_GEMMA3);
             } else {

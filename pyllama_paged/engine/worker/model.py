@@ -6,7 +6,7 @@ import warnings
 
 from ..._native import Closing, check, ffi, lib
 from ...errors import NativeError, PagedError
-from ...gguf.reader import GGUFFile
+from ...gguf.split import open_gguf
 from ...gguf.config import (ARCH_IDS, YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, ModelLoadError,
                             config_from_metadata)
 from .devices import Device, LayerSplit, gpu_device
@@ -26,6 +26,16 @@ def default_model_path() -> str:
 PANEL_KERNELS = {lib.PP_PANEL_KERNEL_NONE: "ggml", lib.PP_PANEL_KERNEL_SCALAR: "portable",
                  lib.PP_PANEL_KERNEL_AVXVNNI: "avx-vnni", lib.PP_PANEL_KERNEL_AVX512VNNI: "avx512-vnni",
                  lib.PP_PANEL_KERNEL_AVX2: "avx2"}
+
+
+def load_checked(status: int, what: str, path: str, close) -> None:
+    """A native status of loading the file at path: a failure calls close() (what was made so far
+    is freed) and is a ModelLoadError naming the file."""
+    try:
+        check(status, what)
+    except (NativeError, MemoryError) as e:  # MemoryError: a native allocation failed
+        close()
+        raise ModelLoadError(f"{path}: {e}") from e
 
 
 def load_model(config) -> "Model":
@@ -49,7 +59,7 @@ class Model(Closing):
         self.n_panel_packed = 0
         self.gguf = None
         self.path = str(model_path) if model_path else default_model_path()
-        self.gguf = GGUFFile(self.path)
+        self.gguf = open_gguf(self.path)   # one file, or every part of a split GGUF
         self.metadata = self.gguf.metadata
         self.config: ModelConfig = config_from_metadata(self.metadata, self._vocab_size(), self.path)
         self._create_native()
@@ -161,11 +171,7 @@ class Model(Closing):
         self.n_panel_packed = int(n[0])
 
     def _wrap(self, status: int, what: str) -> None:
-        try:
-            check(status, what)
-        except (NativeError, MemoryError) as e:  # MemoryError: a native allocation failed
-            self.close()
-            raise ModelLoadError(f"{self.path}: {e}") from e
+        load_checked(status, what, self.path, self.close)
 
     @property
     def native(self):
