@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 from ..calls.chat_call import (Answer, AnswerPiece, AnswerSplitter, Call, ChatCall, PreparedChat, PromptCall,
                                collect_answers, prepare_call, prepare_prompts, split_answer, without_dropped)
+from ..calls.sampling_options import BASE_MODEL_MAX_TOKENS
 from ..calls.text_stream import TextDelta
 from ..errors import PagedError
 from ..tools.harmony import HarmonyTokens
@@ -93,11 +94,14 @@ class ChatRun:
 async def check_call(state, call: Call) -> ServedModel:
     """The checks before any work: the request's limits, its model (a 404), that the model
     generates text, and the API's refusals of what it cannot honour. An unset max_tokens
-    gets the call's default (OpenAI completions' 16) within the server's cap, or the cap."""
+    gets the call's default (OpenAI completions' 16) within the server's cap, or the cap; on
+    a model without a chat template (a base model) at most what `run` generates."""
     check_request(state.limits, **call.limit_fields)
-    cap = state.limits.max_tokens
-    call.sampling_defaults["max_tokens"] = min(call.sampling_defaults.get("max_tokens") or cap, cap)
     served = await find_model(state.registry, call.model)
+    cap = state.limits.max_tokens
+    if not served.has_chat_template:
+        cap = min(cap, BASE_MODEL_MAX_TOKENS)
+    call.sampling_defaults["max_tokens"] = min(call.sampling_defaults.get("max_tokens") or cap, cap)
     require_generative(served)
     if call.refuse_unsupported is not None:
         call.refuse_unsupported(served)

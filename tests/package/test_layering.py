@@ -20,7 +20,8 @@ LAYERS = [
     ["gguf.config"],
     ["gguf.reader"],
     # model downloads: below everything that loads models, and needing none of it
-    ["models.refs", "models.download", "models.progress", "models.egress", "models.store_files"],
+    ["models.refs", "models.download", "models.progress", "models.egress", "models.store_files",
+     "models.embedded"],
     ["models.store", "models.hub_guard"],
     ["models.hub", "models.ollama_registry"],
     ["models.pull"],
