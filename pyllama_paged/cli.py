@@ -283,8 +283,11 @@ def serve_config(args):
 
     try:
         config = read_flags(serve_defaults(), args, skip=_SERVE_SKIPS)
-        return dataclasses.replace(config, api_key=config.api_key or os.environ.get("PYLLAMA_API_KEY") or None,
-                                   origins=origin_list(os.environ.get(ORIGINS_ENV)) + config.origins)
+        env_key = os.environ.get("PYLLAMA_API_KEY")
+        config = dataclasses.replace(config, api_key=config.api_key or ([env_key] if env_key else None),
+                                     origins=origin_list(os.environ.get(ORIGINS_ENV)) + config.origins)
+        config.api_keys()   # a key file that cannot be read is said now, not at the first request
+        return config
     except PagedError as e:
         raise SystemExit(str(e)) from None
 

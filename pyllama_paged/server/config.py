@@ -6,6 +6,7 @@ flagged field of one of these (flags.py); the CLI builds its parser from them.""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 
 from ..engine import MAX_THREADS, EngineConfig, PrefixTierConfig, SchedulerConfig
@@ -13,6 +14,7 @@ from ..errors import PagedError
 from ..flags import flagged, group, size_bytes, tokens_or_bytes
 from ..models.egress import PULL_ALLOW_HELP
 from ..tokenizer.render_pool import RenderLimits, render_limits
+from .api_keys import APIKeys
 from .routing.kv_events import KVEventsConfig
 
 
@@ -135,7 +137,17 @@ class ServeConfig:
                                        metavar="MODEL")
     host: str = flagged("127.0.0.1", "--host", "address to listen on (with --ray: Serve's HTTP proxy's)")
     port: int = flagged(11434, "--port", "port to listen on", type=int)
-    api_key: str | None = flagged(None, "--api-key", "require this key (or set PYLLAMA_API_KEY)")
+    # one key (Ray's builder arguments, earlier versions) or several (--api-key is repeatable)
+    api_key: str | list[str] | None = flagged(None, "--api-key", "require a key: this one or another given "
+                                              "(repeatable; or set PYLLAMA_API_KEY)", action="append",
+                                              metavar="KEY")
+    api_key_file: str | None = flagged(None, "--api-key-file", "require a key of this file (one a line, # "
+                                       "comments; read again when it changes: keys added or removed take effect "
+                                       "without a restart)", metavar="FILE")
+    ssl_keyfile: str | None = flagged(None, "--ssl-keyfile", "serve HTTPS: the private key (PEM), with "
+                                      "--ssl-certfile", metavar="FILE")
+    ssl_certfile: str | None = flagged(None, "--ssl-certfile", "serve HTTPS: the certificate chain (PEM), with "
+                                       "--ssl-keyfile", metavar="FILE")
     origins: tuple[str, ...] = flagged((), "--origins", "browser origins allowed besides localhost, 127.0.0.1, "
                                        "app://, file://, tauri:// and browser extensions: comma-separated, * as a "
                                        "wildcard (also PYLLAMA_PAGED_ORIGINS)", type=origin_list,
@@ -172,9 +184,20 @@ class ServeConfig:
             self.engine = dataclasses.replace(self.engine, kv_tokens=tokens, kv_bytes=size)
         if self.max_loaded_models < 1:
             raise PagedError(f"--max-loaded-models must be >= 1, got {self.max_loaded_models}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise PagedError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
+            if path is not None and not os.path.isfile(path):
+                raise PagedError(f"{flag} {path}: no such file")
         if not 1 <= self.engine.n_threads <= MAX_THREADS:
             raise PagedError(f"--threads must be between 1 and {MAX_THREADS} (the native sampler's limit), "
                              f"got {self.engine.n_threads}")
+
+    def api_keys(self) -> APIKeys:
+        """The keys a request must carry one of: --api-key's and the key file's (PagedError when
+        that file cannot be read)."""
+        keys = [self.api_key] if isinstance(self.api_key, str) else self.api_key or []
+        return APIKeys(keys, self.api_key_file)
 
     def engine_for(self, path: str) -> EngineConfig:
         """The engine of the model at path: the engine config with its path, and as many tokens

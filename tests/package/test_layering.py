@@ -45,7 +45,7 @@ LAYERS = [
      "calls.rerank"],
     ["api.llama_chat_format"],
     ["api.llama"],
-    ["server.metrics", "server.dashboard", "server.state", "server.routing.kv_events",
+    ["server.metrics", "server.dashboard", "server.state", "server.routing.kv_events", "server.api_keys",
      "server.routing.router_contract"],
     ["server.config"],
     ["server.registry"],
