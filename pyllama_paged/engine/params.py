@@ -45,6 +45,8 @@ class SamplingParams:
     # f(token ids so far, the row's float32 logits) -> logits, on the engine's thread
     logits_processor: Any = None
     speculative: bool = True    # False: this request never speculates, even when the engine does
+    # a constrain.thinking_budget.ThinkingBudget: a think block's close forced once its tokens are spent
+    thinking_budget: Any = None
 
     def __post_init__(self):
         self.validate()
@@ -80,6 +82,7 @@ class SamplingParams:
             ("beam_width", self.beam_width == 1 or (self.logit_bias is None and self.logits_processor is None),
              "must be 1 with logit_bias or a logits processor"),
             ("speculative", isinstance(self.speculative, bool), "must be true or false"),
+            ("beam_width", self.beam_width == 1 or self.thinking_budget is None, "must be 1 with a thinking budget"),
         ]
         for name, ok, why in checks:
             if not ok:

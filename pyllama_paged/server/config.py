@@ -61,6 +61,10 @@ class Limits:
                                        "memory (address space, MiB) of each chat template renderer process", type=int)
     template_max_bytes: int = flagged(8 << 20, "--template-max-bytes", "bytes of prompt a chat template may render",
                                       type=int)
+    reasoning_budget: int = flagged(-1, "--reasoning-budget", "thinking tokens of a request that sets no budget "
+                                    "of its own, on a model that writes think blocks: past them the block is "
+                                    "closed and the answer follows (-1: no budget; 0: no thinking)", type=int,
+                                    metavar="N")
     template_processes: int = flagged(2, "--template-processes",
                                       "chat template renderer processes (started on demand, kept warm)", type=int)
 

@@ -31,7 +31,7 @@ LAYERS = [
     ["tokenizer.spm"],
     ["tokenizer.bpe", "tokenizer.wordpiece", "tokenizer.special"],
     ["tokenizer.tokenizer", "tokenizer.chat_template"],
-    ["constrain.digits"],
+    ["constrain.digits", "constrain.thinking_budget"],
     ["constrain.vocab"],
     ["constrain.grammar"],
     ["constrain.masks", "constrain.formats"],
