@@ -68,7 +68,7 @@ def test_ollama_unknown_model_is_404_with_the_list(server):
 # ---- the openai client ------------------------------------------------------
 def test_openai_completions_chat_models(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
+    assert [m.id for m in client.models.list().data] == default_model_names()
     c = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="The capital of France is", max_tokens=8,
                                   temperature=0)
     assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 8

@@ -71,6 +71,10 @@ def test_openai_chat_budget_by_either_name_and_the_servers_default(oai):
     assert (thinking, content) == (thought(2), "Hi!")
     with pytest.raises(openai.BadRequestError):
         openai_chat(oai, reasoning_budget_tokens=-2)
+    # a model with a chat template: an unset length is the server's limit (a base model's is run's)
+    rambling = oai.chat.completions.create(model="thinker", messages=HELLO, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert rambling.usage.completion_tokens == 64
 
 
 def test_a_block_the_prompt_opened_counts_from_the_first_token(oai):
