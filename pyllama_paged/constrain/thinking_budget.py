@@ -58,7 +58,7 @@ class BudgetState:
     def accept(self, token: int) -> None:
         """Advance past a drawn token."""
         self.recent.append(token)
-        del self.recent[:-max(len(self.budget.open_ids), len(self.budget.close_ids))]
+        del self.recent[:-max(len(self.budget.open_ids), len(self.budget.close_ids), 1)]
         if self.state == "forcing":
             self.forced_at += 1
             if self.forced_at >= len(self.budget.close_ids):
