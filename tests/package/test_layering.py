@@ -73,7 +73,8 @@ LAYERS = [
      "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf",
      "testing.synthetic_blocks", "testing.synthetic_bpe", "testing.synthetic_presets", "testing.vocab_metadata",
      "testing.device_checks", "testing.model_sources", "testing.scripted_gguf",
-     "testing.ray_cluster", "testing.engine_runs", "testing.routed_logits", "testing.deltas"],
+     "testing.ray_cluster", "testing.engine_runs", "testing.routed_logits", "testing.deltas",
+     "testing.cuda_graph_replay"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer
     # llama-cpp-python's submodule names (llama_cpp.llama_speculative, ...) over ours

@@ -300,6 +300,12 @@ static inline size_t pp_graph_capacity(int n_layer, int max_batch_tokens) {
 void pp_compute_release(ggml_gallocr_t galloc, ggml_backend_t backend, ggml_threadpool_t threadpool,
                         pid_t pool_pid);
 
+/* model/context.c: the graph the context's last step ran (NULL when none is
+ * kept) and its scheduler (NULL for a model on the CPU alone); borrowed, for
+ * introspection only (testing/graph_export.c). */
+struct ggml_cgraph *pp_context_last_graph(const pp_context *c);
+ggml_backend_sched_t pp_context_scheduler(const pp_context *c);
+
 /* model/encoder_graph.c: the bert forward over n_seqs inputs padded to max_len
  * tokens each. Inputs "tokens", "types", "positions" ([n_seqs * max_len]
  * i32) and "kq_mask" ([max_len, max_len, 1, n_seqs] f32); output "hidden"

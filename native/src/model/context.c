@@ -368,14 +368,26 @@ static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_bat
     return PP_OK;
 }
 
-/* The step's shape: what its graph's nodes and their sizes depend on. */
+/* Whether some layer's attention is our CPU operator, the one node whose build reads the
+ * thread count (its tasks and split-K choice). */
+static int graph_reads_threads(const pp_context *c, int gather) {
+    if (!c->cache->paged || gather) return 0;
+    for (int il = 0; il < c->model->hp.n_layer; il++)
+        if (!pp_pool_on_device(c->cache, c->cache->k[il])) return 1;
+    return 0;
+}
+
+/* The step's shape: what its graph's nodes and their sizes depend on. The thread count
+ * only where a node reads it: a device's graph (and the gather path's) is the same at any
+ * count, so a step on another number of threads runs it again (a device keeps replaying). */
 static step_shape shape_of(pp_context *c, const pp_batch *b, int gather, int flash) {
+    const int threads = graph_reads_threads(c, gather);
     step_shape s = {.n_tokens = b->n_tokens, .n_logits = b->n_logits, .n_hidden = b->n_hidden,
-                    .path = gather, .n_threads = c->n_threads, .reusable = c->cache->paged,
+                    .path = gather, .n_threads = threads ? c->n_threads : 0, .reusable = c->cache->paged,
                     .argmax = b->n_logits > 0 && computes_argmax(c)};
     uint64_t h = flash ? pp_flash_plan_shape(&c->plan) : 0;
     /* Our kernel's split-K choice is made per layer when the graph is built. */
-    for (int il = 0; !gather && il < c->model->hp.n_layer; il++)
+    for (int il = 0; threads && il < c->model->hp.n_layer; il++)
         h = (h ^ (uint64_t)pp_paged_attention_splits(&c->layer_params[il], c->n_threads)) * 1099511628211ull;
     s.attention = h;
     return s;
@@ -525,6 +537,10 @@ int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     c->stats.n_steps++;
     return read_outputs(c, b, logits);
 }
+
+struct ggml_cgraph *pp_context_last_graph(const pp_context *c) { return c ? c->graph : NULL; }
+
+ggml_backend_sched_t pp_context_scheduler(const pp_context *c) { return c ? c->sched : NULL; }
 
 int32_t pp_context_step_stats(const pp_context *c, pp_step_stats *out) {
     if (!c || !out) return pp_fail(PP_ERR_INVALID, "pp_context_step_stats: NULL argument");
