@@ -496,12 +496,14 @@ class Llama:
                                model: str | None = None, logits_processor=None, grammar=None,
                                logit_bias: dict | None = None, logprobs: bool | None = None,
                                top_logprobs: int | None = None, *, n: int = 1, ignore_eos: bool = False,
-                               stopping_criteria=None, speculative: bool = True, think: bool | None = None):
+                               stopping_criteria=None, speculative: bool = True, think: bool | None = None,
+                               reasoning_budget: int | None = None):
         """OpenAI-shaped chat completion over the model's chat template (or chat_handler's
         answer when one was given); tool calls come back in message.tool_calls, a thinking
         model's thinking in message.reasoning_content. speculative=False opts this call out
         of the model's speculative decoding; think switches a thinking template's thinking
-        on or off (its enable_thinking; None: the template's default)."""
+        on or off (its enable_thinking; None: the template's default); reasoning_budget:
+        thinking tokens at most before the think block is closed (None or -1: no budget)."""
         if self.chat_handler is not None:
             return self.chat_handler(
                 llama=self, messages=messages, functions=functions, function_call=function_call, tools=tools,
@@ -521,9 +523,10 @@ class Llama:
             speculative=speculative, logprobs=(top_logprobs or 0) if logprobs else None))
         call = ChatCall(messages=messages, tools=tools, tool_choice=tool_choice,
                         structured=lambda tokenizer: from_python(tokenizer, response_format, grammar),
-                        surface=PYTHON, sampling=fields, sampling_defaults={"seed": self._seed}, thinking=think)
+                        surface=PYTHON, sampling=fields, sampling_defaults={"seed": self._seed}, thinking=think,
+                        thinking_budget=reasoning_budget)
         prepared = prepare_call(call, self.chat_template, self._tokenizer)
-        params = call.params(prepared.constraint)
+        params = call.params(prepared.constraint, prepared.thinking_budget)
         criteria = (watch, stopping_criteria) if watch is not None else None
         chunks = chat_chunks(self, prepared.prompt_ids, params, prepared.tool_names, model or self.model_path,
                              criteria, prepared.thinks, prepared.opens_thinking, prepared.harmony)

@@ -62,6 +62,8 @@ class SamplingParams:
     logits_processor: Any = None
     speculative: bool = True    # False: this request never speculates, even when the engine does
     lora: LoraRequest | None = None   # the LoRA adapter it runs (None: the engine's default, if any)
+    # a constrain.thinking_budget.ThinkingBudget: a think block's close forced once its tokens are spent
+    thinking_budget: Any = None
 
     def __post_init__(self):
         self.validate()
@@ -98,6 +100,7 @@ class SamplingParams:
              "must be 1 with logit_bias or a logits processor"),
             ("speculative", isinstance(self.speculative, bool), "must be true or false"),
             ("lora", self.lora is None or isinstance(self.lora, LoraRequest), "must be a LoraRequest or None"),
+            ("beam_width", self.beam_width == 1 or self.thinking_budget is None, "must be 1 with a thinking budget"),
         ]
         for name, ok, why in checks:
             if not ok:

