@@ -581,6 +581,15 @@ typedef struct pp_batch {
      * n_logits x n_vocab floats, and pp_context_step_logits gives NULL.
      * 0 (or where the context computes no ids): the logits as usual. */
     int32_t        argmax_only;
+    /* Rows whose input is a given embedding instead of their token's (an
+     * image's rows, from pp_vision_encode): embd_rows strictly increasing
+     * in [0, n_tokens), embd n_embd_rows * n_embd floats (row-major,
+     * borrowed for the call). Such a row's token id must still be valid (it
+     * is looked up and then replaced) and the model's embedding scale is not
+     * applied to it. n_embd_rows 0 and NULLs: none. */
+    int32_t        n_embd_rows;
+    const int32_t *embd_rows;
+    const float   *embd;
 } pp_batch;
 
 typedef struct pp_context pp_context;

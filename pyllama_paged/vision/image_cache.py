@@ -11,6 +11,9 @@ import numpy as np
 
 from .preprocess import DEFAULT_MAX_PIXELS, image_hash, preprocess
 
+# How an image position's (negative) token id is made: 12 bits of row number, 19 of the hash.
+ROW_BITS, HASH_BITS_PER_ROW = 12, 19
+
 # Bytes of embedding rows kept by default (a Gemma 3 image is 256 x 2560 floats, 2.6 MB).
 DEFAULT_CACHE_BYTES = 256 << 20
 
@@ -26,6 +29,19 @@ class EncodedImage:
     def n_tokens(self) -> int:
         """Embedding rows: the positions the image takes in the prompt."""
         return int(self.embeddings.shape[0])
+
+    def token_ids(self) -> list[int]:
+        """The ids the image's positions hold in a sequence: negative (no vocabulary row), each
+        its row number (12 bits) and 19 bits of the content hash, a different slice of it per
+        row, so the prefix cache's block hashes (and its token comparison) tell two images apart
+        wherever they cover 14 or more rows, and the runner knows these rows take embeddings."""
+        bits = int(self.hash, 16)
+        n_slices = (len(self.hash) * 4) // HASH_BITS_PER_ROW
+        ids = []
+        for row in range(self.n_tokens):
+            piece = (bits >> (HASH_BITS_PER_ROW * (row % n_slices))) & ((1 << HASH_BITS_PER_ROW) - 1)
+            ids.append(-1 - ((piece << ROW_BITS) | (row & ((1 << ROW_BITS) - 1))))
+        return ids
 
 
 class ImageCache:

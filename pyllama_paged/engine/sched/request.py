@@ -73,6 +73,9 @@ class Request:
     # the most tokens a sequence of it holds, prompt included: the prompt plus max_tokens within
     # the engine's context (LLMEngine.add_request resolves it once; a sequence this long ends)
     max_len: int | None = None
+    # images in the prompt: (first position, embedding rows [n, n_embd]) each, in order; their
+    # positions hold the images' negative token ids (LLMEngine.add_request)
+    images: list = field(default_factory=list)
 
     @property
     def is_prefill_only(self) -> bool:
