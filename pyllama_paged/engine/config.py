@@ -31,6 +31,8 @@ class EngineConfig:
     model_path: str | None = flagged(None, "--model", "GGUF file, or the name of a pulled model (default: the "
                                      "embedded Gemma 3 270M, a base model: it continues text, it does not follow "
                                      "instructions)", aliases=("-m",), metavar="MODEL")
+    mmproj: str | None = flagged(None, "--mmproj", "vision projector GGUF (llama.cpp's mmproj file) for the "
+                                 "model: images in prompts", metavar="FILE")
     # <= 0: the model's training context (never more than it)
     n_ctx: int = flagged(4096, "--ctx", "context length in tokens, per sequence", type=int)
     n_batch: int = 512                  # tokens per forward step

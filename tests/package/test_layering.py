@@ -22,6 +22,7 @@ LAYERS = [
     # images for vision models: decoding (Pillow), a projector file's encoder, encoded images by hash
     ["vision.preprocess"],
     ["vision.projector", "vision.image_cache"],
+    ["vision.prompt_images"],
     # model downloads: below everything that loads models, and needing none of it
     ["models.refs", "models.download", "models.progress", "models.egress", "models.store_files"],
     ["models.store", "models.hub_guard"],
