@@ -20,9 +20,7 @@ from ..engine import (EncoderEngine, EngineConfig, EngineLoop, LLMEngine, Model,
 from ..errors import ModelLoadError, ModelsBusyError, PagedError
 from ..models.store import ModelStore, StoredModel
 from ..tokenizer.tokenizer import Tokenizer
-from ..vision.image_cache import ImageEncoder
-from ..vision.projector import Projector
-from ..vision.prompt_images import VisionPrompt
+from ..vision.prompt_images import VisionPrompt, open_vision
 from .config import ServeConfig
 
 DEFAULT_MODEL_NAME = "gemma3:270m"
@@ -74,20 +72,12 @@ class ServedModel:
         self.vision: VisionPrompt | None = None   # the projector's images (--mmproj), kept across unloads
         if self.engine_config().mmproj and not cfg.is_encoder:
             try:
-                self.vision = self._open_vision(self.engine_config().mmproj)
+                self.vision = open_vision(self.engine_config().mmproj, cfg.n_embd, self.tokenizer,
+                                          self.engine_config().n_threads or 1)
             except BaseException:
                 self.close()
                 raise
 
-    def _open_vision(self, path: str) -> VisionPrompt:
-        """The projector file's encoder, fitted to this model (ModelLoadError if it does not fit)."""
-        config = self.engine_config()
-        projector = Projector(path, n_threads=config.n_threads or 1)
-        try:
-            return VisionPrompt.for_model(ImageEncoder(projector), self.config.n_embd, self.tokenizer)
-        except BaseException:
-            projector.close()
-            raise
 
     def _load(self) -> None:
         """Weights, KV pool, runner and engine loop (blocking: seconds)."""
@@ -295,7 +285,7 @@ class ServedModel:
         if self.is_loaded:
             self._unload()
         if self.vision is not None:
-            self.vision.encoder.projector.close()
+            self.vision.close()
         self._figures_thread.shutdown(wait=False)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..errors import ModelLoadError, RequestError
 from .image_cache import EncodedImage, ImageEncoder
+from .projector import Projector
 
 # At most this many images in one request: each costs an encoding and its rows of context.
 MAX_IMAGES_PER_REQUEST = 16
@@ -64,6 +65,10 @@ class VisionPrompt:
         tokenizer.media_marker = (marker, ids[0])
         return cls(encoder, marker, ids[0], ids[1])
 
+    def close(self) -> None:
+        """Free the projector's encoder and unmap its file."""
+        self.encoder.projector.close()
+
     def expand(self, ids: list[int], images: list[bytes]) -> tuple[list[int], list[tuple[int, EncodedImage]]]:
         """ids with each marker token followed by its image's placeholder positions and end
         token, and (first position, encoded image) per image. A chat truncated to fit keeps
@@ -82,3 +87,14 @@ class VisionPrompt:
                 out.extend([0] * image.n_tokens)   # the engine writes the image's own ids here
                 out.append(self.end_id)
         return out, placed
+
+
+def open_vision(path: str, n_embd: int, tokenizer, n_threads: int = 1) -> VisionPrompt:
+    """A projector file's encoder (a cache of its own) fitted to a text model n_embd wide and its
+    tokenizer (VisionPrompt.for_model); ModelLoadError if it cannot be used."""
+    projector = Projector(path, n_threads)
+    try:
+        return VisionPrompt.for_model(ImageEncoder(projector), n_embd, tokenizer)
+    except BaseException:
+        projector.close()
+        raise
