@@ -3,11 +3,13 @@ described to the native encoder (pp_vision_*), images encoded to embedding rows.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
 
 from .._native import NativeHandle, check, ffi, lib
+from .._native.tensors import attach_tensors
 from ..errors import ModelLoadError, NativeError
 from ..gguf.reader import GGUFFile
 
@@ -78,14 +80,7 @@ class Projector(NativeHandle):
         out = ffi.new("pp_vision **")
         self._check(lib.pp_vision_create(hp, n_threads, out), "vision encoder")
         self._handle = out[0]
-        ne = ffi.new("int64_t[4]")
-        used = ffi.new("int32_t *")
-        for t in self.gguf.tensors:
-            for i, dim in enumerate(t.shape):
-                ne[i] = dim
-            data = ffi.from_buffer(self.gguf.tensor_bytes(t))
-            self._check(lib.pp_vision_set_tensor(self._handle, t.name.encode(), t.type, ne, len(t.shape), data,
-                                                 t.n_bytes, used), f"tensor '{t.name}'")
+        attach_tensors(self.gguf, functools.partial(lib.pp_vision_set_tensor, self._handle), self._check)
         self._check(lib.pp_vision_finalize(self._handle), "weights")
         self.n_tokens = int(lib.pp_vision_n_tokens(self._handle))
 

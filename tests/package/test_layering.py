@@ -15,7 +15,7 @@ LAYERS = [
     ["errors", "_version"],
     ["flags"],   # settings that are command-line options: below everything that has some
     ["_native.library"],
-    ["_native.status", "_native.ggml_log", "_native.handle"],
+    ["_native.status", "_native.ggml_log", "_native.handle", "_native.tensors"],
     ["_native"],   # the binding's facade (_native/__init__.py) re-exports its modules
     ["gguf.config"],
     ["gguf.reader"],

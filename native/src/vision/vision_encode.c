@@ -6,7 +6,6 @@
 
 #include <math.h>
 #include <string.h>
-#include <unistd.h>
 
 static struct ggml_tensor *layer_norm(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *w,
                                       struct ggml_tensor *b, float eps) {
@@ -91,27 +90,17 @@ static void upload_patches(float *dst, const float *pixels, int size, int p) {
 int32_t pp_vision_encode(pp_vision *v, const float *pixels, float *out) {
     if (!v || !pixels || !out) return pp_fail(PP_ERR_INVALID, "pp_vision_encode: NULL argument");
     if (!v->finalized) return pp_fail(PP_ERR_INVALID, "the vision encoder is not finalized (missing tensors?)");
-    if (v->threadpool && v->pool_pid != getpid()) {
-        /* after fork(): the parent's workers do not exist here; run without a pool */
-        ggml_backend_t backend = ggml_backend_cpu_init();
-        if (!backend) return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute backend after fork");
-        ggml_backend_free(v->backend);
-        v->backend = backend;
-        v->threadpool = NULL;
-    }
-    struct ggml_init_params params = {.mem_size = v->meta_size, .mem_buffer = v->meta_buf, .no_alloc = true};
-    struct ggml_context *ctx = ggml_init(params);
-    if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the vision graph context");
+    struct ggml_context *ctx = pp_cpu_compute_begin(&v->compute);
+    if (!ctx) return PP_ERR_NO_MEMORY;
     struct ggml_cgraph *gf = pp_build_vision_graph(ctx, v);
-    if (!ggml_gallocr_alloc_graph(v->galloc, gf)) {
-        ggml_free(ctx);
-        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the vision encoder's compute buffer");
+    int32_t st = pp_cpu_compute_alloc(&v->compute, gf, "an image");
+    if (st == PP_OK) {
+        upload_patches(ggml_graph_get_tensor(gf, "patches")->data, pixels, v->hp.image_size, v->hp.patch_size);
+        st = pp_cpu_compute_run(&v->compute, gf, "vision encoder");
     }
-    upload_patches(ggml_graph_get_tensor(gf, "patches")->data, pixels, v->hp.image_size, v->hp.patch_size);
-    enum ggml_status status = ggml_backend_graph_compute(v->backend, gf);
-    if (status != GGML_STATUS_SUCCESS) {
+    if (st != PP_OK) {
         ggml_free(ctx);
-        return pp_fail(PP_ERR_COMPUTE, "vision graph compute failed with GGML status %d", (int)status);
+        return st;
     }
     const struct ggml_tensor *emb = ggml_graph_get_tensor(gf, "embeddings");
     memcpy(out, emb->data, ggml_nbytes(emb));

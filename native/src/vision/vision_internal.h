@@ -6,13 +6,9 @@
 #define PP_VISION_INTERNAL_H
 
 #include "pyllama_paged.h"
+#include "common/cpu_compute.h"
 #include "common/pp_internal.h"
 #include "ggml.h"
-#include "ggml-alloc.h"
-#include "ggml-backend.h"
-#include "ggml-cpu.h"
-
-#include <sys/types.h>
 
 typedef struct pp_vision_layer {
     struct ggml_tensor *ln1_w, *ln1_b, *ln2_w, *ln2_b;
@@ -26,12 +22,7 @@ struct pp_vision {
     struct ggml_tensor  *patch_w, *patch_b, *pos, *post_w, *post_b, *soft_norm_w, *proj_w;
     pp_vision_layer     *layers;
     int                  finalized;
-    ggml_backend_t       backend;
-    ggml_threadpool_t    threadpool;
-    pid_t                pool_pid;    /* a forked child must not join its parent's workers */
-    ggml_gallocr_t       galloc;
-    void                *meta_buf;    /* graph metadata arena, reused each call */
-    size_t               meta_size;
+    pp_cpu_compute       compute;
 };
 
 /* Patches per side of the tower's grid, and image tokens per side after the pool. */

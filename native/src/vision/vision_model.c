@@ -2,11 +2,11 @@
  * tensor name resolved to its slot and shape, the compute context made
  * with it (a CPU backend and thread pool of its own, as an encoder's). */
 #include "vision/vision_internal.h"
+#include "ggml-cpu.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 /* A name, the slot it fills and its GGML shape (ne1 = 0: 1-D; ne3 = 0: at most 2-D). */
 typedef struct vision_slot {
@@ -82,12 +82,9 @@ static int32_t check_hparams(const pp_vision_hparams *hp) {
 
 void pp_vision_destroy(pp_vision *v) {
     if (!v) return;
-    if (v->galloc) ggml_gallocr_free(v->galloc);
-    if (v->backend) ggml_backend_free(v->backend);
-    if (v->threadpool && v->pool_pid == getpid()) ggml_threadpool_free(v->threadpool);
+    pp_cpu_compute_release(&v->compute);
     if (v->weights) ggml_free(v->weights);
     free(v->layers);
-    free(v->meta_buf);
     free(v);
 }
 
@@ -105,21 +102,16 @@ int32_t pp_vision_create(const pp_vision_hparams *hp, int32_t n_threads, pp_visi
     const size_t n_tensors = GLOBAL_SLOTS + (size_t)LAYER_SLOTS * hp->n_layer;
     struct ggml_init_params wp = {.mem_size = ggml_tensor_overhead() * n_tensors, .mem_buffer = NULL, .no_alloc = true};
     v->weights = ggml_init(wp);
-    const size_t n_nodes = pp_vision_graph_nodes(hp->n_layer);
-    v->meta_size = ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false);
-    v->meta_buf = malloc(v->meta_size);
-    v->backend = ggml_backend_cpu_init();
-    v->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
-    struct ggml_threadpool_params tpp = ggml_threadpool_params_default(n_threads);
-    tpp.poll = 0;   /* idle workers sleep: between images the CPU belongs to the decoder */
-    v->threadpool = ggml_threadpool_new(&tpp);
-    v->pool_pid = getpid();
-    if (!v->layers || !v->weights || !v->meta_buf || !v->backend || !v->galloc || !v->threadpool) {
+    if (!v->layers || !v->weights) {
         pp_vision_destroy(v);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the vision encoder");
     }
-    ggml_backend_cpu_set_n_threads(v->backend, n_threads);
-    ggml_backend_cpu_set_threadpool(v->backend, v->threadpool);
+    /* its own pool, sleeping between images: the CPU then belongs to the decoder */
+    st = pp_cpu_compute_init(&v->compute, n_threads, pp_vision_graph_nodes(hp->n_layer));
+    if (st != PP_OK) {
+        pp_vision_destroy(v);
+        return st;
+    }
     *out = v;
     return PP_OK;
 }
