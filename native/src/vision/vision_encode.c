@@ -25,12 +25,12 @@ static struct ggml_tensor *attention(struct ggml_context *ctx, const pp_vision_h
     struct ggml_tensor *k = ggml_reshape_3d(ctx, linear(ctx, L->k_w, L->k_b, x), hd, nh, n);
     struct ggml_tensor *v = ggml_reshape_3d(ctx, linear(ctx, L->v_w, L->v_b, x), hd, nh, n);
     q = ggml_permute(ctx, q, 0, 2, 1, 3);                                /* [hd, n, nh] */
-    k = ggml_cont(ctx, ggml_permute(ctx, k, 0, 2, 1, 3));
-    v = ggml_cont(ctx, ggml_permute(ctx, v, 1, 2, 0, 3));                /* [n, hd, nh] */
-    struct ggml_tensor *kq = ggml_mul_mat(ctx, k, q);                    /* [n_k, n_q, nh] */
-    kq = ggml_soft_max_ext(ctx, kq, NULL, 1.0f / sqrtf((float)hd), 0.0f);
-    struct ggml_tensor *out = ggml_mul_mat(ctx, v, kq);                  /* [hd, n_q, nh] */
-    out = ggml_cont(ctx, ggml_permute(ctx, out, 0, 2, 1, 3));            /* [hd, nh, n_q] */
+    k = ggml_permute(ctx, k, 0, 2, 1, 3);
+    v = ggml_permute(ctx, v, 0, 2, 1, 3);
+    /* GGML's flash attention: a 896-pixel image's 4096 patches never hold their n x n scores
+     * (1 GiB for 16 heads); its result is [hd, nh, n_q] */
+    struct ggml_tensor *out = ggml_flash_attn_ext(ctx, q, k, v, NULL, 1.0f / sqrtf((float)hd), 0.0f, 0.0f);
+    ggml_flash_attn_ext_set_prec(out, GGML_PREC_F32);
     return ggml_reshape_2d(ctx, out, hp->n_embd, n);
 }
 
