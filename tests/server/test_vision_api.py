@@ -130,3 +130,29 @@ def test_a_text_only_model_keeps_its_400(tmp_path):
     finally:
         running.close()
         registry.close()
+
+
+def test_responses_input_image(oai, vision):
+    before = vision.encoder.n_encoded
+    r = oai.responses.create(model="tiny-vision", max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                     {"type": "input_image", "image_url": data_url(png(6))}]}])
+    plain = oai.responses.create(model="tiny-vision", max_output_tokens=4, temperature=0, input="What is this?")
+    assert r.output and r.usage.output_tokens == 4   # max_output_tokens reached: "incomplete"
+    assert r.usage.input_tokens == plain.usage.input_tokens + N_IMAGE_TOKENS + 2
+    assert vision.encoder.n_encoded == before + 1
+
+
+def test_anthropic_image_block(server, vision):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png(7)).decode()}
+    r = client.messages.create(model="tiny-vision", max_tokens=4, messages=[
+        {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": "What?"}]}])
+    plain = client.messages.create(model="tiny-vision", max_tokens=4,
+                                   messages=[{"role": "user", "content": "What?"}])
+    assert r.usage.input_tokens == plain.usage.input_tokens + N_IMAGE_TOKENS + 2
+    with pytest.raises(anthropic.BadRequestError, match="not valid base64"):
+        client.messages.create(model="tiny-vision", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {**source, "data": "***"}}]}])
