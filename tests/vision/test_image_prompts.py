@@ -111,3 +111,26 @@ def test_the_image_hash_is_in_the_block_hash_chain(files, encoder):
                 engine.add_request(list(prompt), SamplingParams(max_tokens=1), images=[(len(prompt) - 3, a)])
         finally:
             engine.close()
+
+
+def test_malformed_embedding_rows_are_refused(files):
+    """The native step checks a batch's embedding rows before computing anything."""
+    from pyllama_paged.errors import NativeError
+
+    with Model(files[0]) as model:
+        runner = ModelRunner(model, EngineConfig(n_ctx=64, n_threads=2, n_batch=64, block_size=16))
+        try:
+            seq = runner.add_sequence(list(range(4, 12)))
+            slots, tables = runner.kv.batch_arrays(seq.handle, 0, 8)
+            arrays = [np.ascontiguousarray(a, dtype=np.int32) for a in
+                      (range(4, 12), range(8), slots, [0] * 8, [7])]
+            tables = np.ascontiguousarray(tables, dtype=np.int32)
+            tables = tables[None] if tables.ndim == 2 else tables
+            rows = np.zeros((2, 256), np.float32)
+            for bad in ([5, 3], [2, 8], [-1, 2]):
+                with pytest.raises(NativeError, match="embedding row"):
+                    runner._decode(*arrays[:4], tables, arrays[4], None,
+                                   embd=(np.array(bad, dtype=np.int32), rows))
+            runner._decode(*arrays[:4], tables, arrays[4], None, embd=(np.array([2, 3], dtype=np.int32), rows))
+        finally:
+            runner.close()
