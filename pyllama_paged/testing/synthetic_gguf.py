@@ -326,13 +326,13 @@ def main(argv=None) -> int:
         p = presets.shrink(p)
     shape = {k: v for k in ("n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_expert", "n_expert_used",
                             "n_ff_exp") if (v := getattr(args, k)) is not None}
+    if args.mmproj and p.arch != "gemma3":
+        ap.error("--mmproj: only gemma3 presets have a projector writer")
     out = Path(args.out or Path("bench") / ".models" / p.file_name)
     info = write(out, p, seed=args.seed, **shape)
     print(f"{info['path']}: {info['preset']}, {info['n_params'] / 1e9:.2f}B parameters, "
           f"{info['bytes'] / 2**20:.0f} MiB")
     if args.mmproj:
-        if p.arch != "gemma3":
-            ap.error("--mmproj: only gemma3 presets have a projector writer")
         sizes = {} if args.small else GEMMA3_SIGLIP
         print(write_tiny_mmproj(args.mmproj, projection_dim=info["n_embd"], seed=args.seed, **sizes))
     return 0
