@@ -655,6 +655,15 @@ typedef struct pp_batch {
     pp_lora *const *loras;
     const int32_t *seq_lora;
     const float   *seq_lora_scale;
+    /* Rows whose input is a given embedding instead of their token's (an
+     * image's rows, from pp_vision_encode): embd_rows strictly increasing
+     * in [0, n_tokens), embd n_embd_rows * n_embd floats (row-major,
+     * borrowed for the call). Such a row's token id must still be valid (it
+     * is looked up and then replaced) and the model's embedding scale is not
+     * applied to it. n_embd_rows 0 and NULLs: none. */
+    int32_t        n_embd_rows;
+    const int32_t *embd_rows;
+    const float   *embd;
 } pp_batch;
 
 typedef struct pp_context pp_context;
@@ -802,6 +811,64 @@ enum pp_pooling {
  * undefined). */
 int32_t pp_encoder_embed(pp_encoder *enc, const int32_t *token_ids, const int32_t *token_types,
                          const int32_t *seq_lens, int32_t n_seqs, int32_t pooling, float *out);
+
+/* ---- vision projectors (mmproj files) --------------------------------------- */
+
+/* Projector types (llama.cpp's clip.projector_type names). */
+enum pp_projector {
+    PP_PROJECTOR_GEMMA3 = 0   /* SigLIP tower; avg-pool scale_factor^2 patches, RMS norm, projection */
+};
+
+/* A vision tower's hyper-parameters, read from the clip.* metadata by the caller. */
+typedef struct pp_vision_hparams {
+    int32_t projector;        /* enum pp_projector */
+    int32_t image_size;       /* the square side images are resized to, in pixels */
+    int32_t patch_size;       /* divides image_size */
+    int32_t n_embd;           /* the tower's width */
+    int32_t n_head;           /* divides n_embd */
+    int32_t n_ff;
+    int32_t n_layer;
+    int32_t scale_factor;     /* gemma3: patches pooled per side into one token; divides the grid side */
+    int32_t projection_dim;   /* the text model's width: each embedding row's length */
+    float   eps;              /* the layer norms' (and the projector's RMS norm's) epsilon */
+} pp_vision_hparams;
+
+typedef struct pp_vision pp_vision;
+
+/* Create a vision encoder for these hyper-parameters with a compute thread
+ * pool of n_threads (1..512, sleeping when idle); weights are attached with
+ * pp_vision_set_tensor. *out owns it; free with pp_vision_destroy.
+ * PP_ERR_INVALID names a bad field; PP_ERR_NO_MEMORY if the backend, pool or
+ * metadata cannot be had (nothing is left allocated). */
+int32_t pp_vision_create(const pp_vision_hparams *hparams, int32_t n_threads, pp_vision **out);
+
+/* Destroy a vision encoder. NULL is accepted. */
+void pp_vision_destroy(pp_vision *vision);
+
+/* Attach one tensor by its GGUF name ("v.patch_embd.weight",
+ * "v.blk.<il>.attn_q.weight", "mm.input_projection.weight", ...), as
+ * pp_model_set_tensor does: data borrowed for the encoder's life, n_bytes
+ * exactly GGML's size of that type and shape, unknown names ignored
+ * (*used = 0), a known name with the wrong shape or type (norms, biases and
+ * the position embedding must be f32; matrices need a CPU product) refused
+ * with a message naming it. Refused after pp_vision_finalize. */
+int32_t pp_vision_set_tensor(pp_vision *vision, const char *name, int32_t type, const int64_t *ne,
+                             int32_t n_dims, const void *data, int64_t n_bytes, int32_t *used);
+
+/* Check every tensor is attached (the error names the first missing one).
+ * Must succeed before pp_vision_encode. */
+int32_t pp_vision_finalize(pp_vision *vision);
+
+/* Embedding rows one image becomes (0 for NULL). A count: cannot fail. */
+int32_t pp_vision_n_tokens(const pp_vision *vision);
+
+/* Encode one image: pixels are 3 planes of image_size x image_size floats
+ * (channel, row, column), already normalised; out receives
+ * pp_vision_n_tokens() * projection_dim floats (row-major), owned by the
+ * caller. One thread at a time. PP_ERR_INVALID for NULLs or an unfinalized
+ * encoder; PP_ERR_NO_MEMORY if the compute buffer cannot be had;
+ * PP_ERR_COMPUTE if GGML failed (out is then undefined). */
+int32_t pp_vision_encode(pp_vision *vision, const float *pixels, float *out);
 
 /* ---- sampling ------------------------------------------------------------ */
 

@@ -32,6 +32,8 @@ class EngineConfig:
                                      "(default: for run the embedded base model gemma3:270m-base, which continues "
                                      "text; for chat the embedded chat model smollm2:135m)", aliases=("-m",),
                                      metavar="MODEL")
+    mmproj: str | None = flagged(None, "--mmproj", "vision projector GGUF (llama.cpp's mmproj file) for the "
+                                 "model: images in prompts", metavar="FILE")
     # <= 0: the model's training context (never more than it)
     n_ctx: int = flagged(4096, "--ctx", "context length in tokens, per sequence", type=int)
     n_batch: int = 512                  # tokens per forward step

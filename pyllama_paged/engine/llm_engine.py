@@ -183,14 +183,17 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | EmbedParams | ScoreParams,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, images=()) -> Request:
         """Queue a request (EmbedParams: an embedding; ScoreParams: the prompt's own
-        log-probabilities); a request that can never fit is returned already finished."""
+        log-probabilities); a request that can never fit is returned already finished.
+        images: (first position, EncodedImage) pairs whose rows replace the prompt's
+        placeholder tokens there (vision/image_cache.py)."""
         params.validate()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise PagedError(f"request id {request_id!r} is already in flight")
         prompt_ids = self._checked_tokens(prompt_ids)
+        placed = self._placed_images(prompt_ids, images)
         embed = params if isinstance(params, EmbedParams) else None
         if embed is not None and embed.token_types is not None:
             raise RequestError("token types are for encoder models (text pairs); a decoder has none")
@@ -199,8 +202,10 @@ class LLMEngine:
         if sampled and params.logit_bias and max(params.logit_bias) >= self.runner.n_vocab:
             raise RequestError(f"logit_bias token id {max(params.logit_bias)} outside the vocabulary "
                                f"of {self.runner.n_vocab}")
+        if placed and not sampled:
+            raise RequestError("images are for generation requests, not embeddings or scoring")
         request = Request(request_id, prompt_ids, params if sampled else SamplingParams(), embed=embed,
-                          score=score, lora=None if embed else self._lora_of(params.lora))
+                          score=score, lora=None if embed else self._lora_of(params.lora), images=placed)
         # max_tokens resolved here, once: the prompt and at most that many tokens (0 or None: to
         # the context), within the context
         request.max_len = min(self.limit, len(prompt_ids) + (request.params.max_tokens or self.limit))
@@ -221,6 +226,23 @@ class LLMEngine:
         if bad.size:
             raise RequestError(f"token id {int(bad[0])} outside the vocabulary of {n_vocab}")
         return ids.tolist()
+
+    def _placed_images(self, prompt_ids: list[int], images) -> list:
+        """Each image's token ids written over its placeholder positions of prompt_ids (in
+        place); its (first position, embedding rows) for the runner. RequestError for images
+        that overlap, leave the prompt or are not as wide as the model's embedding."""
+        placed, end = [], 0
+        for start, image in sorted(images, key=lambda pair: pair[0]):
+            rows = image.embeddings
+            if rows.ndim != 2 or rows.shape[1] != self.runner.model.config.n_embd:
+                raise RequestError(f"image rows are {list(rows.shape)}; the model's embedding is "
+                                   f"{self.runner.model.config.n_embd} wide")
+            if start < end or start + len(rows) > len(prompt_ids):
+                raise RequestError(f"an image at position {start} overlaps another or leaves the prompt")
+            prompt_ids[start:start + len(rows)] = image.token_ids()
+            placed.append((start, rows))
+            end = start + len(rows)
+        return placed
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; False if unknown or finished."""
@@ -297,9 +319,10 @@ class LLMEngine:
             r.score is None and not r.is_beam and all(s.sampler.plain_greedy for s in r.live_seqs)
             for r in step.requests)
         started = time.perf_counter()
+        images = [r.images for r in step.requests] if any(r.images for r in step.requests) else None
         step.logits, step.rows = self.runner.execute(output.items_array(), step.hidden,
                                                      [r.score is not None for r in step.requests], step.drafts,
-                                                     argmax_only)
+                                                     argmax_only, images)
         step.argmax = self.runner.step_argmax() if argmax_only else None
         self.forward_seconds += time.perf_counter() - started
         self.num_computed_tokens += sum(output.num_tokens)

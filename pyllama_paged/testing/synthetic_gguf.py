@@ -41,6 +41,7 @@ from ..gguf.reader import read_metadata
 from . import synthetic_presets as presets
 from .synthetic_blocks import (MXFP4_BYTES, Q4_K_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK_32, QK_K, mxfp4_blocks,
                                q4_k_blocks, q6_k_blocks, q8_0_blocks)
+from .reference.tiny_mmproj import write_tiny_mmproj
 from .synthetic_bpe import build_bpe_vocab
 from .vocab_metadata import add_tokenizer
 
@@ -304,6 +305,10 @@ def write(out: Path, preset: str | presets.Preset = presets.DEFAULT, *, seed: in
             "n_vocab": n_vocab, "n_params": tensors.n_params, "bytes": out.stat().st_size}
 
 
+# Gemma 3 4B-27B's vision tower (SigLIP so400m at 896 pixels, 14-pixel patches, 4 x 4 pooled).
+GEMMA3_SIGLIP = dict(image_size=896, patch_size=14, n_embd=1152, n_head=16, n_ff=4304, n_layer=27, scale_factor=4)
+
+
 def main(argv=None) -> int:
     """Command line: write one preset (optionally shrunk or reshaped) and print its size."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -313,16 +318,23 @@ def main(argv=None) -> int:
     for flag in ("n-embd", "n-layer", "n-head", "n-head-kv", "n-ff", "n-expert", "n-expert-used", "n-ff-exp"):
         ap.add_argument(f"--{flag}", type=int, help="override the preset's value")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mmproj", metavar="FILE", help="also write a random vision projector for the model "
+                    "(gemma3 presets: Gemma 3's SigLIP tower, or with --small a tiny one)")
     args = ap.parse_args(argv)
     p = presets.get(args.preset)
     if args.small:
         p = presets.shrink(p)
     shape = {k: v for k in ("n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_expert", "n_expert_used",
                             "n_ff_exp") if (v := getattr(args, k)) is not None}
+    if args.mmproj and p.arch != "gemma3":
+        ap.error("--mmproj: only gemma3 presets have a projector writer")
     out = Path(args.out or Path("bench") / ".models" / p.file_name)
     info = write(out, p, seed=args.seed, **shape)
     print(f"{info['path']}: {info['preset']}, {info['n_params'] / 1e9:.2f}B parameters, "
           f"{info['bytes'] / 2**20:.0f} MiB")
+    if args.mmproj:
+        sizes = {} if args.small else GEMMA3_SIGLIP
+        print(write_tiny_mmproj(args.mmproj, projection_dim=info["n_embd"], seed=args.seed, **sizes))
     return 0
 
 

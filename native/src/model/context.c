@@ -19,6 +19,7 @@
 /* What a step's graph depends on besides the model: equal shapes, equal graphs. */
 typedef struct step_shape {
     int32_t  n_tokens, n_logits, n_hidden, path, n_threads, argmax;
+    int32_t  n_embd_rows;  /* rows given as embeddings: their inputs are nodes of their own */
     int32_t  reusable;     /* 0: slabs, whose views move with each sequence's length */
     uint64_t attention;    /* the attention nodes' shapes (flash plan, kernel splits) */
     uint64_t lora;         /* the LoRA nodes' (pp_lora_plan_shape; 0: none) */
@@ -323,6 +324,12 @@ int32_t pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_bat
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tokens)
             return pp_fail(PP_ERR_INVALID, "logit row %d outside the batch of %d tokens",
                            b->logit_rows[i], b->n_tokens);
+    if (b->n_embd_rows < 0 || b->n_embd_rows > b->n_tokens || (b->n_embd_rows > 0 && (!b->embd_rows || !b->embd)))
+        return pp_fail(PP_ERR_INVALID, "malformed batch: %d embedding rows without their arrays", b->n_embd_rows);
+    for (int i = 0; i < b->n_embd_rows; i++)
+        if (b->embd_rows[i] < 0 || b->embd_rows[i] >= b->n_tokens || (i > 0 && b->embd_rows[i] <= b->embd_rows[i - 1]))
+            return pp_fail(PP_ERR_INVALID, "embedding row %d: %d is outside the batch of %d tokens or not increasing",
+                           i, b->embd_rows[i], b->n_tokens);
     if (b->n_hidden < 0 || (b->n_hidden > 0 && (!b->hidden_rows || !b->hidden)))
         return pp_fail(PP_ERR_INVALID, "malformed batch: %d hidden rows without their arrays", b->n_hidden);
     for (int i = 0; i < b->n_hidden; i++)
@@ -370,6 +377,14 @@ static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_bat
     if (b->n_hidden > 0) memcpy(out_rows + b->n_logits, b->hidden_rows, sizeof(int32_t) * b->n_hidden);
     if (flash) pp_fill_flash_inputs(gf, b, &c->plan, swa_window, c->cache);
     pp_lora_plan_upload(c->lora_plan);
+    if (b->n_embd_rows > 0) {
+        struct ggml_tensor *embd = ggml_graph_get_tensor(gf, "embd_in"), *at = ggml_graph_get_tensor(gf, "embd_rows");
+        if (!ggml_backend_buffer_is_host(at->buffer))
+            return pp_fail(PP_ERR_COMPUTE, "GGML placed the step's inputs outside host memory");
+        ggml_backend_tensor_set(embd, b->embd, 0, sizeof(float) * (size_t)b->n_embd_rows * c->model->hp.n_embd);
+        int64_t *rows = at->data;
+        for (int i = 0; i < b->n_embd_rows; i++) rows[i] = b->embd_rows[i];
+    }
     return PP_OK;
 }
 
@@ -388,6 +403,7 @@ static int graph_reads_threads(const pp_context *c, int gather) {
 static step_shape shape_of(pp_context *c, const pp_batch *b, int gather, int flash) {
     const int threads = graph_reads_threads(c, gather);
     step_shape s = {.n_tokens = b->n_tokens, .n_logits = b->n_logits, .n_hidden = b->n_hidden,
+                    .n_embd_rows = b->n_embd_rows,
                     .path = gather, .n_threads = threads ? c->n_threads : 0, .reusable = c->cache->paged,
                     .argmax = b->n_logits > 0 && computes_argmax(c)};
     uint64_t h = flash ? pp_flash_plan_shape(&c->plan) : 0;
@@ -401,8 +417,8 @@ static step_shape shape_of(pp_context *c, const pp_batch *b, int gather, int fla
 
 static int same_shape(const step_shape *a, const step_shape *b) {
     return a->reusable && b->reusable && a->n_tokens == b->n_tokens && a->n_logits == b->n_logits &&
-           a->n_hidden == b->n_hidden && a->path == b->path && a->n_threads == b->n_threads && a->argmax == b->argmax &&
-           a->attention == b->attention && a->lora == b->lora;
+           a->n_hidden == b->n_hidden && a->n_embd_rows == b->n_embd_rows && a->path == b->path &&
+           a->n_threads == b->n_threads && a->argmax == b->argmax && a->attention == b->attention && a->lora == b->lora;
 }
 
 static void forget_graph(pp_context *c) {

@@ -131,6 +131,14 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
     struct ggml_tensor *x = head && head->w && !m->output ? pp_panel_embed(ctx, head->w, tokens)
                                                           : ggml_get_rows(ctx, m->tok_embd, tokens);
     if (hp->embd_scale != 1.0f) x = ggml_scale(ctx, x, hp->embd_scale);
+    if (batch->n_embd_rows > 0) {
+        /* given embeddings (an image's rows) overwrite their rows' lookups, unscaled, as llama.cpp
+         * feeds a Gemma 3 image */
+        struct ggml_tensor *embd = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hp->n_embd, batch->n_embd_rows);
+        ggml_set_name(embd, "embd_in");
+        ggml_set_input(embd);
+        x = ggml_set_rows(ctx, x, embd, pp_graph_input(ctx, GGML_TYPE_I64, batch->n_embd_rows, "embd_rows"));
+    }
 
     for (int il = 0; il < hp->n_layer; il++) {
         const pp_layer *L = &m->layers[il];

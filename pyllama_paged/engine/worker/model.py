@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 from ..._native import Closing, check, ffi, lib
+from ..._native.tensors import attach_tensors
 from ...errors import NativeError, PagedError
 from ...gguf.split import open_gguf
 from ...gguf.config import (ARCH_IDS, YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, ModelLoadError,
@@ -109,14 +111,7 @@ class Model(Closing):
         out = ffi.new("pp_model **")
         self._wrap(lib.pp_model_create(hp, out), "model")
         self._native = out[0]
-        ne = ffi.new("int64_t[4]")
-        used = ffi.new("int32_t *")
-        for t in self.gguf.tensors:
-            for i, dim in enumerate(t.shape):
-                ne[i] = dim
-            data = ffi.from_buffer(self.gguf.tensor_bytes(t))
-            self._wrap(lib.pp_model_set_tensor(self._native, t.name.encode(), t.type, ne,
-                                               len(t.shape), data, t.n_bytes, used), f"tensor '{t.name}'")
+        attach_tensors(self.gguf, functools.partial(lib.pp_model_set_tensor, self._native), self._wrap)
         self._wrap(lib.pp_model_finalize(self._native), "weights")
 
     def _offload(self, n_gpu_layers: int, main_gpu: int) -> None:

@@ -205,7 +205,8 @@ class ModelRunner:
     # ---- the step ------------------------------------------------------------
     def execute(self, items: np.ndarray, hidden: Sequence[tuple[int, int] | None] | None = None,
                 all_logits: Sequence[bool] | None = None,
-                drafts: dict[int, list[int]] | None = None, argmax_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                drafts: dict[int, list[int]] | None = None, argmax_only: bool = False,
+                images: Sequence[list] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Run one step over items [(kv handle, first token, count)], whose tokens are placed in
         the KV manager. Touches no sequence state: the caller marks the tokens computed
         (Scheduler.update_from_output, or commit_chunks).
@@ -220,7 +221,9 @@ class ModelRunner:
         drafts[i]: draft tokens that follow item i's last token in this step only (never
         placed in the pool; worker/draft_splice.py), each with a logits row after the
         item's own. argmax_only: the caller reads only each row's argmax (step_argmax()); where
-        the step computed them on a device the logits are then not read back (empty rows)."""
+        the step computed them on a device the logits are then not read back (empty rows).
+        images[i]: item i's images, (first position, embedding rows) each: the item's tokens at
+        those positions take the rows as their input."""
         items = np.ascontiguousarray(items, dtype=np.int32).reshape(-1, 3)
         counts = items[:, 2].tolist()   # in Python: a few items, and numpy's reductions cost more
         total = sum(counts)
@@ -234,13 +237,14 @@ class ModelRunner:
         n_tokens, n_logits = self.kv.build_batch(items, buffers)
         self._loras.fill(self._batch, items[:, 0].tolist(), self.kv.loras.of, self._reserve_loras)
         tok, pos, slots, seqs, tables, rows = buffers.arrays(n_tokens, len(items), n_logits)
+        embd = image_rows(items, images, tok) if images and not drafts else None
         hidden_rows = None
         hidden = hidden if hidden is not None and any(h is not None for h in hidden) else None
         all_logits = all_logits if all_logits is not None and any(all_logits) else None
         if hidden is None and all_logits is None and not drafts:
             # the arrays are the buffers' own, from their start: their pointers are cached
             self._decode(tok, pos, slots, seqs, tables, rows, None, argmax_only=argmax_only,
-                         pointers=buffers.pointers)
+                         pointers=buffers.pointers, embd=embd)
             return self._step_logits(), self._no_hidden
         if hidden is not None or all_logits is not None:
             rows, hidden_rows = _select_rows(items[:, 2].tolist(), rows, hidden, all_logits)
@@ -250,9 +254,10 @@ class ModelRunner:
                 raise PagedError(f"step of {n_tokens + n_drafted} tokens with drafts exceeds n_batch {self.n_batch}")
             tok, pos, slots, seqs, rows, hidden_rows = splice_drafts(
                 tok, pos, slots, seqs, rows, items[:, 2], drafts, self.kv.n_groups, hidden_rows)
+            embd = image_rows(items, images, tok, drafts) if images else None
         hidden_out = np.empty((0 if hidden_rows is None else len(hidden_rows), self.model.config.n_embd),
                               dtype=np.float32)
-        self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out, argmax_only)
+        self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out, argmax_only, embd=embd)
         return self._step_logits(), hidden_out
 
     def step_argmax(self) -> np.ndarray | None:
@@ -271,15 +276,16 @@ class ModelRunner:
             raise PagedError(f"argmax mode '{mode}' unknown: choose one of {', '.join(ARGMAX_MODES)}")
         check(lib.pp_context_set_argmax(self._ctx, ARGMAX_MODES[mode]), "argmax mode")
 
-    def step(self, work: Sequence[tuple[SeqState, int]]) -> np.ndarray:
+    def step(self, work: Sequence[tuple[SeqState, int]], images: Sequence[list] | None = None) -> np.ndarray:
         """Direct use without a scheduler (tests, benchmarks): compute the next n tokens of
-        each (seq, n) and mark them computed; returns execute()'s logits rows."""
+        each (seq, n) and mark them computed; returns execute()'s logits rows. images: as
+        execute's, per item."""
         for seq, n in work:
             if n < 1 or seq.num_computed + n > seq.num_tokens:
                 raise PagedError(f"cannot compute {n} tokens at {seq.num_computed} of a "
                                  f"{seq.num_tokens}-token sequence")
         items = np.array([(seq.handle, seq.num_computed, n) for seq, n in work], dtype=np.int32).reshape(-1, 3)
-        logits, _ = self.execute(items)
+        logits, _ = self.execute(items, images=images)
         buffers = self._buffers
         commit_chunks(self.kv, work, buffers.last_items, buffers.item_pointer(buffers.last_items))
         return logits
@@ -335,10 +341,12 @@ class ModelRunner:
         return view
 
     def _decode(self, tok, pos, slots, seqs, tables, rows, logits: np.ndarray | None, hidden_rows=None,
-                hidden: np.ndarray | None = None, argmax_only: bool = False, pointers: tuple = ()) -> None:
+                hidden: np.ndarray | None = None, argmax_only: bool = False, pointers: tuple = (),
+                embd: tuple | None = None) -> None:
         """The native step over contiguous int32 arrays, logits into a matching float32 buffer
         (None: left in place for _step_logits), and the hidden states of hidden_rows into hidden.
-        pointers: the six arrays' data as cdata when the caller holds them (StepBuffers.pointers)."""
+        pointers: the six arrays' data as cdata when the caller holds them (StepBuffers.pointers).
+        embd: (batch rows, their input embeddings) replacing those rows' token lookups."""
         if self._ctx is None:
             raise PagedError("this model runner is closed")
         self.model.native   # raises if the model was closed under us (its weights are gone)
@@ -356,6 +364,9 @@ class ModelRunner:
         b.hidden_rows = _ptr(hidden_rows) if n_hidden else ffi.NULL
         b.hidden = _ptr(hidden, "float *") if n_hidden else ffi.NULL
         b.argmax_only = int(argmax_only)
+        b.n_embd_rows = 0 if embd is None else len(embd[0])
+        b.embd_rows = _ptr(embd[0]) if embd is not None else ffi.NULL
+        b.embd = _ptr(embd[1], "float *") if embd is not None else ffi.NULL
         policy = self.thread_policy
         if policy is not None:
             threads = policy.threads_for_step(n)
@@ -399,6 +410,26 @@ class ModelRunner:
         if hasattr(self, "_ctx"):   # a constructor that refused its arguments made nothing to free
             self.close()
 
+
+
+def image_rows(items: np.ndarray, images: Sequence[list | None], tok: np.ndarray, drafts=None):
+    """(batch rows, their embedding rows) of the items' image positions, or None: each item's
+    tokens are consecutive batch rows from its first position (then its drafts[i], if any),
+    and where an image covers them the rows take its embeddings. Their token ids (negative)
+    become 0, a row GGML may look up before the embedding replaces it."""
+    at, rows, embd = 0, [], []
+    for i, ((_, first, count), item_images) in enumerate(zip(items.tolist(), images)):
+        for start, emb in item_images or ():
+            lo, hi = max(start, first), min(start + len(emb), first + count)
+            if lo < hi:
+                rows.append(np.arange(at + lo - first, at + hi - first, dtype=np.int32))
+                embd.append(emb[lo - start:hi - start])
+        at += count + (len(drafts.get(i, ())) if drafts else 0)
+    if not rows:
+        return None
+    rows_arr = np.concatenate(rows)
+    tok[rows_arr] = 0
+    return rows_arr, np.ascontiguousarray(np.concatenate(embd), dtype=np.float32)
 
 
 def _select_rows(counts: list[int], rows: np.ndarray, hidden, all_logits) -> tuple[np.ndarray, np.ndarray]:

@@ -573,6 +573,7 @@ class ReferenceModel:
         *,
         past_kv: list[tuple[np.ndarray, np.ndarray]] | None = None,
         return_kv: bool = False,
+        embeds: dict[int, np.ndarray] | None = None,
     ):
         """Logits [n_tokens, n_vocab] (float64) for ``token_ids`` at positions 0..n-1.
 
@@ -583,6 +584,8 @@ class ReferenceModel:
         the new tokens take positions ``n_past..`` and attend to the past keys too
         (the result equals one full forward; used for cheap greedy decoding and as the
         oracle for chunked prefill).  The returned ``kv`` then covers past + new.
+        ``embeds`` maps positions (absolute, n_past..) to input rows [n_embd] that replace those
+        tokens' embeddings, unscaled (an image's rows, as llama.cpp feeds them to Gemma 3).
         """
         ids = np.asarray(list(token_ids), dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0:
@@ -603,6 +606,9 @@ class ReferenceModel:
         self.last_router_margin = np.full(n, np.inf)
         if gemma:
             x = x * math.sqrt(self.n_embd)  # Gemma's embedding normalizer
+        for p_abs, row in (embeds or {}).items():
+            if n_past <= p_abs < n_past + n:
+                x[p_abs - n_past] = np.asarray(row, dtype=np.float64)
         kv_out = []
         for il, info in enumerate(self.layers):
             p = f"blk.{il}."
