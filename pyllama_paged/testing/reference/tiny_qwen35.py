@@ -70,7 +70,7 @@ def write_tiny_qwen35(
 
     ``weight_type`` is every matrix's type (a tiny_gguf type, with llama-quantize's fallbacks
     for odd rows unless ``strict``); ``type_overrides`` maps fnmatch patterns of tensor names
-    to types. ``nextn_layers`` appends that many multi-token-prediction blocks (counted in
+    to types (the F32 tensors' too, for malformed files). ``nextn_layers`` appends that many multi-token-prediction blocks (counted in
     ``block_count``, never run). ``tensor_hook(name, data)`` returns what to write instead of
     a tensor's drawn float32 data (same shape); ``extra_metadata`` adds or replaces keys
     (``None`` values drop a key) after the writer's own, for malformed-file tests."""
@@ -147,7 +147,13 @@ def write_tiny_qwen35(
         w.add_tensor(tname, arr, raw_dtype=qt)
 
     def f32(tname: str, values: np.ndarray) -> None:
-        w.add_tensor(tname, hooked(tname, np.asarray(values, dtype=np.float32)))
+        data = hooked(tname, np.asarray(values, dtype=np.float32))
+        forced = [t for pattern, t in (type_overrides or {}).items() if fnmatch.fnmatchcase(tname, pattern)]
+        if forced:   # a malformed file's: what llama.cpp keeps f32 in another type
+            arr, qt = quantize_tensor(data, forced[-1])
+            w.add_tensor(tname, arr, raw_dtype=qt)
+        else:
+            w.add_tensor(tname, data)
 
     def norm(tname: str, n: int) -> None:
         f32(tname, 1.0 + 0.1 * rng.standard_normal(n))
