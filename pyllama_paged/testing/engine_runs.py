@@ -55,10 +55,11 @@ def chunked_logits(runner, prompt, chunks=(23, 1, 16)):
     import numpy as np
 
     seq = runner.add_sequence(prompt)
+    state = [runner.state_slot(seq)] if runner.hybrid else None   # a hybrid's recurrent state slot
     rows, done = [], 0
     for n in list(chunks) + [1] * (len(prompt) - sum(chunks)):
         slots, tables = runner.kv.batch_arrays(seq.handle, done, n)
         rows.append(runner.forward(prompt[done:done + n], list(range(done, done + n)), slots, [0] * n, tables,
-                                   list(range(n))))
+                                   list(range(n)), state_slots=state))
         done += n
     return np.concatenate(rows)

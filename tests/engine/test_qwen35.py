@@ -1,0 +1,258 @@
+"""Qwen3.5/3.6 hybrids (GGUF qwen35, qwen35moe) on the native engine against the float64
+reference (pyllama_paged/testing/reference/hybrid_model.py): one sequence in prefill chunks
+and decode steps, paged (our attention kernel, or pages gathered for GGML's flash attention)
+and slabs, f16 and q8_0 KV; eight sequences of different lengths in one batch, prefill chunks
+and decodes mixed, each against its own reference; forks copying the recurrent state; the
+state slots' bookkeeping and the batch checks.
+
+Tolerances, relative to the logits' spread. With f16 weights our float panels multiply
+unrounded activations, so the engine is the reference's model to within f16 KV rounding:
+measured 1.4e-4 (f16 KV) and 1.1e-3 (q8_0 KV). With Q8_0 weights the activations are rounded
+to Q8_0 as GGML (and llama.cpp) rounds them, and a hybrid magnifies that rounding: a Gated
+DeltaNet head's output is RMS-normed, so where its delta-rule output is a small sum of
+terms that cancel (a random model's q and k are nearly orthogonal: the first token's output
+is sign(k . q) times v), a rounding-sized change of q or k turns it around. Measured on the
+tiny model: 2.2% of the spread on average, 6.7% at most (dense archs: 0.8% and 1.6%), the
+same with panels or GGML's products; those runs are held to QUANTIZED."""
+
+import numpy as np
+import pytest
+
+from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine.worker.model_runner import ModelRunner
+from pyllama_paged.errors import NativeError, OutOfBlocksError, PagedError
+from pyllama_paged.testing.engine_runs import chunked_logits
+from pyllama_paged.testing.reference.numpy_model import ReferenceModel
+from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
+
+ARCHS = ["qwen35"]
+EXACT = {"f16": 1e-3, "q8_0": 5e-3}   # f16 weights, by KV type
+QUANTIZED = 0.12                      # Q8_0 weights (see the module docstring)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen35")
+    return {(arch, wt): write_tiny_qwen35(root / f"{arch}-{wt}.gguf", arch, weight_type=wt)
+            for arch in ARCHS for wt in ("f16", "q8_0")}
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return [int(x) for x in np.random.default_rng(1).integers(4, 500, size=40)]
+
+
+@pytest.fixture(scope="module")
+def references(files):
+    return {key: ReferenceModel.from_gguf(path) for key, path in files.items()}
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / (want.max() - want.min()))
+
+
+def runner_for(path, **kw) -> tuple[Model, ModelRunner]:
+    model = Model(path, pack_panels=kw.pop("pack_panels", True))
+    args = dict(paged=True, n_ctx=64, n_threads=2, n_batch=64, block_size=16)
+    args.update(kw)
+    return model, ModelRunner(model, **args)
+
+
+def engine_logits(path, prompt, chunks=(23, 1, 16), **kw) -> np.ndarray:
+    model, runner = runner_for(path, **kw)
+    try:
+        return chunked_logits(runner, prompt, chunks)
+    finally:
+        runner.close()
+        model.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kv_cache_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("paged,attention", [(True, "kernel"), (True, "gather"), (False, "kernel")])
+def test_logits_match_reference(files, references, prompt, arch, kv_cache_type, paged, attention):
+    """Prefill chunks of 23, 1 and 16 tokens, then single-token steps (the decode graph run
+    again each step, the states carried in the pool): every position's logits."""
+    want = references[arch, "f16"].forward(prompt)
+    got = engine_logits(files[arch, "f16"], prompt, paged=paged, kv_cache_type=kv_cache_type, attention=attention)
+    assert got.shape == want.shape
+    assert relative_error(got, want) < EXACT[kv_cache_type]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("chunks", [(1,) * 40, (40,), (7, 7, 7, 7, 7, 5), (2, 31)])
+def test_chunking_does_not_change_logits(files, references, prompt, arch, chunks):
+    want = references[arch, "f16"].forward(prompt)
+    assert relative_error(engine_logits(files[arch, "f16"], prompt, chunks), want) < EXACT["f16"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_weights_round_as_ggml_does(files, references, prompt, arch):
+    """Q8_0 projections through our panels and through GGML's products: the same rounding of
+    the activations, so the same logits; both within QUANTIZED of the reference."""
+    want = references[arch, "q8_0"].forward(prompt)
+    packed = engine_logits(files[arch, "q8_0"], prompt)
+    plain = engine_logits(files[arch, "q8_0"], prompt, pack_panels=False)
+    assert relative_error(packed, plain) < 1e-2
+    for got in (packed, plain):
+        assert relative_error(got, want) < QUANTIZED
+        assert (np.abs(got - want).max(-1) / (want.max() - want.min())).mean() < QUANTIZED / 3
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+
+
+def _schedule(rng, lengths, first):
+    """Per step, each unfinished sequence's next count: its first chunk `first[i]`, then a mix
+    of single tokens (decodes) and chunks."""
+    done = [0] * len(lengths)
+    steps = []
+    while any(d < n for d, n in zip(done, lengths)):
+        step = []
+        for i, n in enumerate(lengths):
+            if done[i] < n:
+                count = first[i] if done[i] == 0 else int(rng.choice([1, 1, 1, 2, 3, 5, 8]))
+                count = min(count, n - done[i])
+                step.append((i, count))
+                done[i] += count
+        rng.shuffle(step)
+        steps.append(step)
+    return steps
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("paged", [True, False])
+def test_eight_sequences_in_one_batch_each_match_their_reference(files, references, arch, paged):
+    """Eight sequences of 9 to 40 tokens step together: each step holds every unfinished one,
+    some with a prefill chunk and some with one token, in a shuffled order (runs of one length
+    share a delta-rule call, so the order changes the calls); each logits row is its sequence's
+    reference row at that position."""
+    rng = np.random.default_rng(2)
+    lengths = [9, 14, 17, 22, 27, 31, 36, 40]
+    seqs_tokens = [[int(t) for t in rng.integers(4, 500, n)] for n in lengths]
+    ref = references[arch, "f16"]
+    wants = [ref.forward(tokens) for tokens in seqs_tokens]
+    model, runner = runner_for(files[arch, "f16"], paged=paged, n_seq_max=8, n_batch=128)
+    try:
+        first = [5, 1, 9, 3, 13, 2, 7, 16]
+        steps = _schedule(rng, lengths, first)
+        placed = [0] * 8
+        seqs = [None] * 8
+        for step in steps:
+            work = []
+            for i, count in step:
+                new = seqs_tokens[i][placed[i]:placed[i] + count]
+                if seqs[i] is None:
+                    seqs[i] = runner.add_sequence_cached(seqs_tokens[i][:count] if paged else seqs_tokens[i])
+                    if paged:
+                        runner.append_tokens(seqs[i], new)
+                else:
+                    if paged:
+                        runner.append_tokens(seqs[i], new)
+                placed[i] += count
+                work.append((seqs[i], count))
+            rows = runner.step(work) if paged else _slab_step(runner, work, seqs_tokens, seqs, placed, step)
+            for (i, _), row in zip(step, rows):
+                err = np.abs(row - wants[i][placed[i] - 1]).max() / (wants[i].max() - wants[i].min())
+                assert err < EXACT["f16"], (i, placed[i], err)
+        assert len(steps) > 3 and any(len({c for _, c in s}) > 2 for s in steps)
+    finally:
+        runner.close()
+        model.close()
+
+
+def _slab_step(runner, work, seqs_tokens, seqs, placed, step):
+    """A slab runner holds every token from the start: a step computes the chunks and takes
+    the logits row at each chunk's end."""
+    items = np.array([(seq.handle, seq.num_computed, n) for seq, n in work], dtype=np.int32)
+    counts = items[:, 2]
+    ends = np.cumsum(counts) - 1
+    all_rows = runner.execute(items, all_logits=[True] * len(work))[0]
+    for seq, n in work:
+        seq.num_computed += n
+    return [all_rows[e] for e in ends]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_fork_continues_from_a_copy_of_the_state(files, references, prompt, arch):
+    ref = references[arch, "f16"]
+    model, runner = runner_for(files[arch, "f16"], n_seq_max=2)
+    try:
+        parent = runner.add_sequence(prompt[:20])
+        runner.prefill(parent)
+        child = runner.fork(parent)
+        assert runner.state_slot(child) != runner.state_slot(parent)
+        runner.append_tokens(parent, [7, 8])
+        runner.append_tokens(child, [9])
+        rows = runner.step([(parent, 2), (child, 1)])
+        want_parent = ref.forward(prompt[:20] + [7, 8])[-1]
+        want_child = ref.forward(prompt[:20] + [9])[-1]
+        spread = want_parent.max() - want_parent.min()
+        assert np.abs(rows[0] - want_parent).max() / spread < EXACT["f16"]
+        assert np.abs(rows[1] - want_child).max() / spread < EXACT["f16"]
+    finally:
+        runner.close()
+        model.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_state_slots_are_held_per_sequence_and_run_out_cleanly(files, arch):
+    model, runner = runner_for(files[arch, "f16"], state_slots=2)
+    try:
+        used = runner.kv.pool.stats().num_used
+        a, b = runner.add_sequence([1, 2, 3]), runner.add_sequence([4, 5])
+        assert runner.state_pool.num_free == 0
+        with_two = runner.kv.pool.stats().num_used
+        with pytest.raises(OutOfBlocksError, match="state slots are taken"):
+            runner.add_sequence([6, 7, 8])
+        assert runner.kv.pool.stats().num_used == with_two   # the refused sequence's blocks went back
+        runner.free(a)
+        assert runner.state_pool.num_free == 1
+        c = runner.add_sequence([6, 7, 8])
+        runner.free(b)
+        runner.free(c)
+        assert runner.state_pool.num_free == 2 and runner.kv.pool.stats().num_used == used
+    finally:
+        runner.close()
+        model.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bad_state_slots_are_refused_before_anything_runs(files, prompt, arch):
+    model, runner = runner_for(files[arch, "f16"], n_seq_max=3)
+    try:
+        a, b = runner.add_sequence(prompt[:8]), runner.add_sequence(prompt[8:16])
+        slots_a, tables_a = runner.kv.batch_arrays(a.handle, 0, 8)
+        args = (prompt[:8], list(range(8)), slots_a, [0] * 8, tables_a, [7])
+        with pytest.raises(PagedError, match="needs each sequence's state slot"):
+            runner.forward(*args)
+        with pytest.raises(NativeError, match="state slot 2 is not a taken slot"):
+            runner.forward(*args, state_slots=[2])
+        with pytest.raises(NativeError, match="state slot 9 is not a taken slot"):
+            runner.forward(*args, state_slots=[9])
+        # two sequences on one slot
+        slots_b, tables_b = runner.kv.batch_arrays(b.handle, 0, 8)
+        tables = np.concatenate([tables_a, tables_b], axis=1)
+        with pytest.raises(NativeError, match="another sequence's too"):
+            runner.forward(prompt[:16], list(range(8)) * 2, np.concatenate([slots_a, slots_b]), [0] * 8 + [1] * 8,
+                           tables, [7, 15], state_slots=[runner.state_slot(a)] * 2)
+        # nothing ran: the first real step still gives the reference's answer
+        row = runner.forward(*args, state_slots=[runner.state_slot(a)])
+        assert np.isfinite(row).all()
+    finally:
+        runner.close()
+        model.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_decode_step_reuses_its_graph(files, prompt, arch):
+    model, runner = runner_for(files[arch, "f16"], n_seq_max=2)
+    try:
+        seqs = [runner.add_sequence(prompt[:10]), runner.add_sequence(prompt[10:25])]
+        runner.step([(seqs[0], 10), (seqs[1], 15)])
+        for t in range(4):
+            for s in seqs:
+                runner.append_tokens(s, [5 + t])
+            runner.step([(s, 1) for s in seqs])
+        assert runner.step_stats()["reused"]
+    finally:
+        runner.close()
+        model.close()
