@@ -256,3 +256,36 @@ def test_a_decode_step_reuses_its_graph(files, prompt, arch):
     finally:
         runner.close()
         model.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_pool_holds_the_references_states(files, references, prompt, arch):
+    """After a prefill in two chunks, the sequence's slot holds each linear layer's last
+    d_conv - 1 convolution inputs and its delta-rule state as the reference has them, in the
+    layout pyllama_paged.h documents (a row of d_conv - 1 per channel; a row of S per value
+    dimension)."""
+    from pyllama_paged.testing.reference.delta_net import state_to_ggml
+
+    ref = references[arch, "f16"]
+    _, state = ref.forward(prompt[:21], return_kv=True)
+    model, runner = runner_for(files[arch, "f16"])
+    try:
+        seq = runner.add_sequence(prompt[:21])
+        runner.step([(seq, 13)])
+        runner.step([(seq, 8)])
+        raw = runner.state_pool.read(runner.state_slot(seq)).view(np.float32)
+        at = 0
+        for il, recurrent in enumerate(ref.hybrid.recurrent):
+            if not recurrent:
+                continue
+            conv, delta = state.layers[il]
+            got_conv = raw[at:at + conv.size].reshape(conv.shape[1], conv.shape[0])
+            at += conv.size
+            got_delta = raw[at:at + delta.size]
+            at += delta.size
+            np.testing.assert_allclose(got_conv, conv.T, atol=2e-3 * np.abs(conv).max())
+            np.testing.assert_allclose(got_delta, state_to_ggml(delta), atol=2e-3 * np.abs(delta).max())
+        assert at == raw.size
+    finally:
+        runner.close()
+        model.close()
