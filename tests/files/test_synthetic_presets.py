@@ -92,8 +92,6 @@ def test_the_engine_tokenizes_a_chat_and_generates(small):
     from pyllama_paged import Llama
 
     preset, info = small
-    if preset.hybrid:
-        pytest.skip("the engine does not load Gated DeltaNet hybrids yet")
     llm = Llama(model_path=info["path"], paged=True, n_ctx=256, n_threads=2, verbose=False)
     markup, bos = MARKUP[preset.tokenizer]
 
