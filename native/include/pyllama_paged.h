@@ -634,12 +634,16 @@ int32_t pp_context_set_threads(pp_context *ctx, int32_t n_threads);
  * batch->hidden the hidden rows asked for (see pp_batch). logits may be NULL:
  * the rows are then read in place with pp_context_step_logits (no copy).
  * PP_ERR_INVALID (nothing computed, cache untouched) for a malformed batch:
- * out-of-range ids, slots, positions or sequence indices.
+ * out-of-range ids, slots, positions or sequence indices; for a hybrid model
+ * also no state pool, or state_slots missing, not taken or repeated; or its
+ * runs changing length more than 128 times (order the sequences by length).
  * PP_ERR_NO_MEMORY (nothing computed) if the step's buffers cannot be had.
  * PP_ERR_COMPUTE if the computation started and failed or was aborted
  * (pp_context_abort): logits are undefined, and so are the KV rows of the
- * batch's slots, which the caller must treat as not computed. Blocks outside
- * the slot mapping (a shared prefix, cached blocks) are never written.
+ * batch's slots, which the caller must treat as not computed, and a hybrid's
+ * state slots of the batch's sequences (recompute them from their first
+ * token). Blocks outside the slot mapping (a shared prefix, cached blocks)
+ * and state slots of sequences outside the batch are never written.
  * The step allocates no memory of its own beyond what GGML's graph allocator
  * reserved: the attention kernel's tiles are made with the context. */
 int32_t pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
+
 import numpy as np
 
 from .pooling.embedding import EmbedParams
@@ -20,6 +22,7 @@ from ..errors import PagedError, RequestError
 from .worker.sampler import Sampler, SamplingParams
 from .scoring import ScoreParams
 from .kv.moves import KVMover
+from .kv.state_pool import split_budget, state_bytes_per_sequence
 from .kv.prefix_tiers import PrefixTierConfig, PrefixTiers, kv_identity, model_fingerprint
 from .postprocess import ExecutedStep, Postprocessor
 from .sched.scheduler import Scheduler, SchedulerConfig
@@ -28,6 +31,28 @@ from .spec.verify import Speculator
 from .spec.draft_model import drafter_for
 from .sched.request import Request, RequestStatus, Sequence
 from ..tokenizer.tokenizer import Tokenizer
+
+
+def _tiers_on(config: EngineConfig) -> bool:
+    """Whether config asks for prefix tiers below the pool."""
+    return config.prefix_tiers is not None and config.prefix_tiers.enabled and config.paged
+
+
+def _kv_sizes(config: EngineConfig, model: Model, n_ctx: int, budget: int) -> dict:
+    """The runner's KV sizes for a budget in bytes: pages (or, paged=False, whole n_ctx slabs)
+    and, for a hybrid, state slots out of the same budget (a budget derived from n_seq_max
+    grows by their states, so those sequences keep their KV)."""
+    dense = dense_kv_bytes_per_token(model.config, config.kv_cache_type)
+    state_bytes = state_bytes_per_sequence(model.native)
+    slots = None
+    if state_bytes:
+        if not config.kv_budget_given:
+            budget += config.n_seq_max * state_bytes
+        slots, budget = split_budget(budget, state_bytes, config.n_seq_max, config.scheduler.max_num_seqs)
+    if config.paged:
+        return dict(num_blocks=config.num_blocks, kv_bytes=budget, state_slots=slots)
+    n_slabs = max(1, budget // (n_ctx * dense))   # the baseline: the same bytes as whole n_ctx slabs
+    return dict(n_seq_max=n_slabs, state_slots=None if slots is None else min(slots, n_slabs))
 
 
 class LLMEngine:
@@ -64,11 +89,7 @@ class LLMEngine:
             budget = config.kv_budget_bytes(n_ctx, dense_kv_bytes_per_token(model.config, config.kv_cache_type))
             if model.device is not None and not config.kv_budget_given:
                 budget = device_kv_budget(model, budget)
-            if config.paged:
-                sizes = dict(num_blocks=config.num_blocks, kv_bytes=budget)
-            else:   # the baseline: the same bytes as whole n_ctx slabs
-                dense_slab = n_ctx * dense_kv_bytes_per_token(model.config, config.kv_cache_type)
-                sizes = dict(n_seq_max=max(1, budget // dense_slab))
+            sizes = _kv_sizes(config, model, n_ctx, budget)
             runner = ModelRunner(model, paged=config.paged, n_ctx=n_ctx, n_threads=config.n_threads,
                                  n_batch=config.n_batch, block_size=config.block_size,
                                  kv_cache_type=config.kv_cache_type, free_window_blocks=config.free_window_blocks,
@@ -81,6 +102,13 @@ class LLMEngine:
             raise
         engine = cls(runner, eot_ids, config.scheduler)
         engine._owned_model = model if owned else None
+        if runner.hybrid and (config.speculative is not None or _tiers_on(config)):
+            # a rejected draft would leave the recurrent state past it (no rollback yet), and a
+            # prefix restored from a tier would come without the state at its end
+            warnings.warn(f"{model.path}: speculative decoding and prefix tiers are off for a hybrid model "
+                          "(Gated DeltaNet layers: their recurrent state has no rollback or checkpoints yet)",
+                          UserWarning, stacklevel=2)
+            return engine
         if config.speculative is not None:
             try:   # a draft model (method draft_model) loads here, checked against the target
                 engine.speculator = Speculator(config.speculative, drafter_for(
@@ -90,7 +118,7 @@ class LLMEngine:
             except BaseException:
                 engine.close()
                 raise
-        if config.prefix_tiers is not None and config.prefix_tiers.enabled and config.paged:
+        if _tiers_on(config):
             engine.use_prefix_tiers(config.prefix_tiers)
         return engine
 
@@ -307,6 +335,10 @@ class LLMEngine:
             s.update(self.tiers.stats(), prefix_tier_hits=self.scheduler.tier_hit_tokens)
         s.update(kv_pool_bytes=self.runner.kv_pool_bytes,
                  kv_bytes_per_token_dense=self.runner.kv_bytes_per_token)
+        if self.runner.hybrid:   # the recurrent state slots, out of the same budget
+            states = self.runner.state_pool
+            s.update(state_slots_total=states.num_slots, state_slots_used=states.num_slots - states.num_free,
+                     state_bytes_per_seq=states.bytes_per_slot, state_pool_bytes=states.pool_bytes)
         if kv.paged:
             ps = kv.pool.stats()
             s.update(block_size=kv.block_size, blocks_total=ps.num_blocks, blocks_free=ps.num_free,

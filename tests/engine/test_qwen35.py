@@ -297,3 +297,11 @@ def test_the_pool_holds_the_references_states(files, references, prompt, arch):
     finally:
         runner.close()
         model.close()
+
+
+def test_layer_kinds_from_the_recurrent_layers_array(tmp_path, prompt):
+    """attention.recurrent_layers instead of the interval, a linear layer last (its outputs
+    trimmed to the logit rows after its states are written): the reference's logits."""
+    path = write_tiny_qwen35(tmp_path / "kinds.gguf", weight_type="f16", recurrent_layers=[True, False, True, True])
+    want = ReferenceModel.from_gguf(path).forward(prompt)
+    assert relative_error(engine_logits(path, prompt), want) < EXACT["f16"]

@@ -16,6 +16,24 @@ def state_bytes_per_sequence(model_native) -> int:
     return int(lib.pp_model_state_bytes(model_native))
 
 
+# At most this share of a KV budget goes to state slots beyond the n_seq_max sequences it was
+# sized for: the rest stays pages (a long context needs them as much as a new sequence a slot).
+STATE_SHARE = 0.25
+
+
+def split_budget(budget: int, state_bytes: int, n_seq_max: int, max_num_seqs: int) -> tuple[int, int]:
+    """A hybrid's KV budget in bytes cut into (state slots, bytes left for KV pages): a slot for
+    each of the n_seq_max sequences it was sized for, more up to STATE_SHARE of the budget, never
+    more than max_num_seqs (the scheduler's limit of sequences running at once)."""
+    extra = int(budget * STATE_SHARE) // state_bytes
+    slots = max(1, min(max_num_seqs, max(n_seq_max, extra)))
+    left = budget - slots * state_bytes
+    if left <= 0:
+        raise PagedError(f"a KV budget of {budget} bytes holds no KV pages beside {slots} recurrent state "
+                         f"slot(s) of {state_bytes} bytes: give the engine a larger budget")
+    return slots, left
+
+
 class StatePool:
     """num_slots state slots for the native model model_native (which must outlive the pool)."""
 

@@ -1,0 +1,209 @@
+"""Qwen3.5/3.6 hybrids in the engine: each running sequence holds a recurrent state slot
+beside its KV pages (engine/kv/state_pool.py's HybridKV). Concurrent sequences each answer as
+the float64 reference does, n>1 samples fork the state with the pages, preemption (swap asked
+or not) recomputes, an abort or a finish gives the slot back, a full state pool queues
+requests and a request wider than the pool is refused; no prefix-cache hit is ever taken,
+speculative decoding and prefix tiers are off with a warning, and the KV budget in bytes pays
+for the slots."""
+
+import numpy as np
+import pytest
+
+from pyllama_paged.engine.config import EngineConfig
+from pyllama_paged.engine.llm_engine import LLMEngine
+from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+from pyllama_paged.engine.spec.draft import SpeculativeConfig
+from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine.worker.model_runner import ModelRunner
+from pyllama_paged.engine.worker.sampler import SamplingParams
+from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
+                                              assert_preempted_answers_agree, reference_next_logits,
+                                              run_to_completion)
+from pyllama_paged.testing.reference.numpy_model import ReferenceModel
+from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
+
+PROMPTS = [[int(x) for x in np.random.default_rng(30 + i).integers(4, 480, size=n)]
+           for i, n in enumerate([5, 9, 17, 24, 33, 41, 48, 60])]
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module", params=["qwen35", "qwen35moe"])
+def tiny(request, tmp_path_factory):
+    path = write_tiny_qwen35(tmp_path_factory.mktemp("hybrid") / f"{request.param}.gguf", request.param,
+                             weight_type="f16")
+    model = Model(path)
+    ref = ReferenceModel.from_gguf(path)
+    eot = {ref.eos_id}
+    yield model, ref, eot
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def answers(tiny):
+    _, ref, _ = tiny
+    return [ref.generate_greedy(p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def make_engine(model, eot, num_blocks=200, mode="recompute", budget=64, state_slots=16, max_num_seqs=64):
+    runner = ModelRunner(model, n_ctx=128, n_threads=2, n_batch=budget, block_size=16, num_blocks=num_blocks,
+                         state_slots=state_slots)
+    return LLMEngine(runner, eot, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode,
+                                                  max_num_seqs=max_num_seqs))
+
+
+def assert_all_free(llm):
+    assert llm.stats()["state_slots_used"] == 0 and llm.stats()["blocks_used"] == 0
+
+
+def test_eight_sequences_at_once_each_answer_as_alone_and_as_the_reference(tiny, answers):
+    model, ref, eot = tiny
+    llm = make_engine(model, eot)
+    try:
+        got, _ = run_to_completion(llm, PROMPTS, GREEDY)
+        assert llm.stats()["steps"] < sum(len(a) for a in answers)   # they ran together
+        logits_of = reference_next_logits(ref)
+        for prompt, want, answer in zip(PROMPTS, answers, got):
+            assert_greedy_agree(prompt, want, answer[0], logits_of, eot)
+        assert_all_free(llm)
+        for prompt, together in zip(PROMPTS[:3], got[:3]):   # and each alone, on the same engine
+            (alone,), _ = run_to_completion(llm, [prompt], GREEDY)
+            assert_greedy_agree(prompt, alone[0], together[0], logits_of, eot)
+    finally:
+        llm.runner.close()
+
+
+def test_parallel_samples_fork_the_state(tiny):
+    """n=3 greedy samples fork the prompt's sequence after its prefill: pages shared, the
+    recurrent state copied; each continues as the reference does."""
+    model, ref, eot = tiny
+    llm = make_engine(model, eot)
+    try:
+        assert_forked_samples_agree(llm, PROMPTS[4], ref, eot)
+        assert_all_free(llm)
+    finally:
+        llm.runner.close()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_recomputes_and_keeps_the_reference_answers(tiny, answers, mode):
+    """A pool of 12 pages for prompts of 237 tokens: requests are preempted; a hybrid's are
+    recomputed from their first token (a fresh, zeroed slot) even where swap is asked."""
+    model, ref, eot = tiny
+    llm = make_engine(model, eot, num_blocks=12, mode=mode)
+    try:
+        assert_preempted_answers_agree(llm, PROMPTS, GREEDY, ref, answers, eot)
+        assert llm.scheduler.num_swaps == 0
+        assert_all_free(llm)
+    finally:
+        llm.runner.close()
+
+
+def test_an_abort_gives_the_slot_back(tiny):
+    model, _, eot = tiny
+    llm = make_engine(model, eot)
+    try:
+        req = llm.add_request(PROMPTS[7], SamplingParams(max_tokens=50, temperature=0))
+        other = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=50, temperature=0))
+        for _ in range(3):
+            llm.step()
+        assert llm.stats()["state_slots_used"] == 2
+        assert llm.abort(req.request_id)
+        assert llm.stats()["state_slots_used"] == 1
+        assert llm.abort(other.request_id)
+        assert_all_free(llm)
+    finally:
+        llm.runner.close()
+
+
+def test_a_full_state_pool_queues_requests(tiny, answers):
+    """Two state slots under a limit of eight sequences: at most two run at once, the rest wait
+    for a slot, and every answer is still the reference's."""
+    model, ref, eot = tiny
+    llm = make_engine(model, eot, state_slots=2, max_num_seqs=8)
+    try:
+        requests = [llm.add_request(p, GREEDY) for p in PROMPTS[:5]]
+        outputs = {r.request_id: [] for r in requests}
+        waited = False
+        while llm.has_work():
+            for out in llm.step():
+                outputs[out.request_id] += [ev.token_id for ev in out.events]
+            stats = llm.stats()
+            assert stats["state_slots_used"] <= 2 and stats["running_seqs"] <= 2
+            waited |= stats["waiting_requests"] > 0
+        assert waited and all(r.error is None for r in requests)
+        for prompt, want, r in zip(PROMPTS, answers, requests):
+            assert_greedy_agree(prompt, want, outputs[r.request_id], reference_next_logits(ref), eot)
+        assert_all_free(llm)
+    finally:
+        llm.runner.close()
+
+
+def test_a_request_wider_than_the_state_pool_is_refused(tiny):
+    model, _, eot = tiny
+    llm = make_engine(model, eot, state_slots=2, max_num_seqs=8)
+    try:
+        wide = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.8, n=3))
+        beams = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=4, beam_width=2))   # forks before pruning: 3
+        fine = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0, n=2))
+        while llm.has_work():
+            llm.step()
+        for r in (wide, beams):
+            assert r.error is not None and "recurrent state slots" in r.error
+        assert fine.error is None and len(fine.seqs) == 2
+        assert_all_free(llm)
+    finally:
+        llm.runner.close()
+
+
+def test_beam_search_runs_within_its_slots(tiny):
+    model, _, eot = tiny
+    llm = make_engine(model, eot, state_slots=3, max_num_seqs=8)
+    try:
+        r = llm.add_request(PROMPTS[2], SamplingParams(max_tokens=5, beam_width=2))
+        while llm.has_work():
+            llm.step()
+            assert llm.stats()["state_slots_used"] <= 3
+        assert r.error is None
+        assert_all_free(llm)
+    finally:
+        llm.runner.close()
+
+
+def test_a_repeated_prompt_takes_no_prefix_cache_hit(tiny, answers):
+    """The pages of a finished request stay cached, but a hybrid's next request with the same
+    prompt recomputes it (the state at the cached prefix is gone) and answers the same."""
+    model, ref, eot = tiny
+    llm = make_engine(model, eot)
+    try:
+        for _ in range(2):
+            (got,), _ = run_to_completion(llm, [PROMPTS[6]], GREEDY)
+            assert_greedy_agree(PROMPTS[6], answers[6], got[0], reference_next_logits(ref), eot)
+        assert llm.stats()["prefix_cache_hits"] == 0 and llm.scheduler.prefix_queried_tokens > 0
+    finally:
+        llm.runner.close()
+
+
+def test_the_kv_budget_pays_for_the_state_slots_and_speculation_is_off(tiny):
+    model, _, eot = tiny
+    state = model_state_bytes(model)
+    budget = 64 * state
+    config = EngineConfig(model_path=model.path, n_ctx=128, n_threads=2, kv_bytes=budget, n_seq_max=2,
+                          speculative=SpeculativeConfig(), scheduler=SchedulerConfig(max_num_seqs=8))
+    with pytest.warns(UserWarning, match="speculative decoding and prefix tiers are off for a hybrid"):
+        llm = LLMEngine.from_config(config, model=model, eot_ids=eot)
+    try:
+        stats = llm.stats()
+        assert llm.speculator is None
+        # a quarter of the budget buys slots (at most max_num_seqs), the rest pages
+        assert stats["state_slots_total"] == 8 and stats["state_bytes_per_seq"] == state
+        assert stats["state_pool_bytes"] + stats["kv_pool_bytes"] <= budget
+        assert stats["kv_pool_bytes"] > budget - stats["state_pool_bytes"] - llm.runner.block_bytes
+        (got,), _ = run_to_completion(llm, [PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0))
+        assert len(got[0]) >= 1
+    finally:
+        llm.close()
+
+
+def model_state_bytes(model) -> int:
+    from pyllama_paged.engine.kv.state_pool import state_bytes_per_sequence
+    return state_bytes_per_sequence(model.native)
