@@ -38,6 +38,17 @@ def _tiers_on(config: EngineConfig) -> bool:
     return config.prefix_tiers is not None and config.prefix_tiers.enabled and config.paged
 
 
+def _off_for_hybrids(config: EngineConfig) -> str:
+    """What config asks for that a hybrid runs without ("" for nothing): a rejected draft would
+    stay in the recurrent state, a prefix from a tier would come without the state at its end,
+    and swap's host copies hold pages, not states."""
+    off = [what for what, asked in (("speculative decoding is off", config.speculative is not None),
+                                     ("prefix tiers are off", _tiers_on(config)),
+                                     ("preemption recomputes instead of swapping",
+                                      config.scheduler.preemption_mode == "swap")) if asked]
+    return ", ".join(off)
+
+
 def _kv_sizes(config: EngineConfig, model: Model, n_ctx: int, budget: int) -> dict:
     """The runner's KV sizes for a budget in bytes: pages (or, paged=False, whole n_ctx slabs)
     and, for a hybrid, state slots out of the same budget (a budget derived from n_seq_max
@@ -102,12 +113,11 @@ class LLMEngine:
             raise
         engine = cls(runner, eot_ids, config.scheduler)
         engine._owned_model = model if owned else None
-        if runner.hybrid and (config.speculative is not None or _tiers_on(config)):
-            # a rejected draft would leave the recurrent state past it (no rollback yet), and a
-            # prefix restored from a tier would come without the state at its end
-            warnings.warn(f"{model.path}: speculative decoding and prefix tiers are off for a hybrid model "
-                          "(Gated DeltaNet layers: their recurrent state has no rollback or checkpoints yet)",
-                          UserWarning, stacklevel=2)
+        if runner.hybrid:
+            off = _off_for_hybrids(config)
+            if off:
+                warnings.warn(f"{model.path}: {off} for a hybrid model (Gated DeltaNet layers: their recurrent "
+                              "state has no rollback, checkpoints or host copy yet)", UserWarning, stacklevel=2)
             return engine
         if config.speculative is not None:
             try:   # a draft model (method draft_model) loads here, checked against the target

@@ -188,8 +188,10 @@ def test_the_kv_budget_pays_for_the_state_slots_and_speculation_is_off(tiny):
     state = model_state_bytes(model)
     budget = 64 * state
     config = EngineConfig(model_path=model.path, n_ctx=128, n_threads=2, kv_bytes=budget, n_seq_max=2,
-                          speculative=SpeculativeConfig(), scheduler=SchedulerConfig(max_num_seqs=8))
-    with pytest.warns(UserWarning, match="speculative decoding and prefix tiers are off for a hybrid"):
+                          speculative=SpeculativeConfig(),
+                          scheduler=SchedulerConfig(max_num_seqs=8, preemption_mode="swap"))
+    with pytest.warns(UserWarning, match="speculative decoding is off, preemption recomputes instead of swapping "
+                                         "for a hybrid model"):
         llm = LLMEngine.from_config(config, model=model, eot_ids=eot)
     try:
         stats = llm.stats()
