@@ -17,6 +17,8 @@ same with panels or GGML's products; those runs are held to QUANTIZED. qwen35moe
 experts go through GGML's mul_mat_id, which rounds the activations to f16, so its f16-weight
 runs are as close as qwen35's only where panels take the rest (measured 2.5e-4).""" 
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
@@ -55,20 +57,22 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / (want.max() - want.min()))
 
 
-def runner_for(path, **kw) -> tuple[Model, ModelRunner]:
+@contextmanager
+def runner_for(path, **kw):
+    """A ModelRunner (paged, 64 tokens of context unless kw says otherwise) on its own load of
+    the file at path, both closed after the block."""
     model = Model(path, pack_panels=kw.pop("pack_panels", True))
-    args = dict(paged=True, n_ctx=64, n_threads=2, n_batch=64, block_size=16)
-    args.update(kw)
-    return model, ModelRunner(model, **args)
-
-
-def engine_logits(path, prompt, chunks=(23, 1, 16), **kw) -> np.ndarray:
-    model, runner = runner_for(path, **kw)
+    runner = ModelRunner(model, **{**dict(paged=True, n_ctx=64, n_threads=2, n_batch=64, block_size=16), **kw})
     try:
-        return chunked_logits(runner, prompt, chunks)
+        yield runner
     finally:
         runner.close()
         model.close()
+
+
+def engine_logits(path, prompt, chunks=(23, 1, 16), **kw) -> np.ndarray:
+    with runner_for(path, **kw) as runner:
+        return chunked_logits(runner, prompt, chunks)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -138,8 +142,7 @@ def test_eight_sequences_in_one_batch_each_match_their_reference(files, referenc
     seqs_tokens = [[int(t) for t in rng.integers(4, 500, n)] for n in lengths]
     ref = references[arch, "f16"]
     wants = [ref.forward(tokens) for tokens in seqs_tokens]
-    model, runner = runner_for(files[arch, "f16"], paged=paged, n_seq_max=8, n_batch=128)
-    try:
+    with runner_for(files[arch, "f16"], paged=paged, n_seq_max=8, n_batch=128) as runner:
         first = [5, 1, 9, 3, 13, 2, 7, 16]
         steps = _schedule(rng, lengths, first)
         placed = [0] * 8
@@ -162,9 +165,6 @@ def test_eight_sequences_in_one_batch_each_match_their_reference(files, referenc
                 err = np.abs(row - wants[i][placed[i] - 1]).max() / (wants[i].max() - wants[i].min())
                 assert err < EXACT["f16"], (i, placed[i], err)
         assert len(steps) > 3 and any(len({c for _, c in s}) > 2 for s in steps)
-    finally:
-        runner.close()
-        model.close()
 
 
 def _slab_step(runner, work, seqs_tokens, seqs, placed, step):
@@ -182,8 +182,7 @@ def _slab_step(runner, work, seqs_tokens, seqs, placed, step):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_fork_continues_from_a_copy_of_the_state(files, references, prompt, arch):
     ref = references[arch, "f16"]
-    model, runner = runner_for(files[arch, "f16"], n_seq_max=2)
-    try:
+    with runner_for(files[arch, "f16"], n_seq_max=2) as runner:
         parent = runner.add_sequence(prompt[:20])
         runner.prefill(parent)
         child = runner.fork(parent)
@@ -196,15 +195,11 @@ def test_a_fork_continues_from_a_copy_of_the_state(files, references, prompt, ar
         spread = want_parent.max() - want_parent.min()
         assert np.abs(rows[0] - want_parent).max() / spread < EXACT["f16"]
         assert np.abs(rows[1] - want_child).max() / spread < EXACT["f16"]
-    finally:
-        runner.close()
-        model.close()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_state_slots_are_held_per_sequence_and_run_out_cleanly(files, arch):
-    model, runner = runner_for(files[arch, "f16"], state_slots=2)
-    try:
+    with runner_for(files[arch, "f16"], state_slots=2) as runner:
         used = runner.kv.pool.stats().num_used
         a, b = runner.add_sequence([1, 2, 3]), runner.add_sequence([4, 5])
         assert runner.state_pool.num_free == 0
@@ -218,15 +213,11 @@ def test_state_slots_are_held_per_sequence_and_run_out_cleanly(files, arch):
         runner.free(b)
         runner.free(c)
         assert runner.state_pool.num_free == 2 and runner.kv.pool.stats().num_used == used
-    finally:
-        runner.close()
-        model.close()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bad_state_slots_are_refused_before_anything_runs(files, prompt, arch):
-    model, runner = runner_for(files[arch, "f16"], n_seq_max=3)
-    try:
+    with runner_for(files[arch, "f16"], n_seq_max=3) as runner:
         a, b = runner.add_sequence(prompt[:8]), runner.add_sequence(prompt[8:16])
         slots_a, tables_a = runner.kv.batch_arrays(a.handle, 0, 8)
         args = (prompt[:8], list(range(8)), slots_a, [0] * 8, tables_a, [7])
@@ -245,15 +236,11 @@ def test_bad_state_slots_are_refused_before_anything_runs(files, prompt, arch):
         # nothing ran: the first real step still gives the reference's answer
         row = runner.forward(*args, state_slots=[runner.state_slot(a)])
         assert np.isfinite(row).all()
-    finally:
-        runner.close()
-        model.close()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_decode_step_reuses_its_graph(files, prompt, arch):
-    model, runner = runner_for(files[arch, "f16"], n_seq_max=2)
-    try:
+    with runner_for(files[arch, "f16"], n_seq_max=2) as runner:
         seqs = [runner.add_sequence(prompt[:10]), runner.add_sequence(prompt[10:25])]
         runner.step([(seqs[0], 10), (seqs[1], 15)])
         for t in range(4):
@@ -261,9 +248,6 @@ def test_a_decode_step_reuses_its_graph(files, prompt, arch):
                 runner.append_tokens(s, [5 + t])
             runner.step([(s, 1) for s in seqs])
         assert runner.step_stats()["reused"]
-    finally:
-        runner.close()
-        model.close()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -276,8 +260,7 @@ def test_the_pool_holds_the_references_states(files, references, prompt, arch):
 
     ref = references[arch, "f16"]
     _, state = ref.forward(prompt[:21], return_kv=True)
-    model, runner = runner_for(files[arch, "f16"])
-    try:
+    with runner_for(files[arch, "f16"]) as runner:
         seq = runner.add_sequence(prompt[:21])
         runner.step([(seq, 13)])
         runner.step([(seq, 8)])
@@ -294,9 +277,6 @@ def test_the_pool_holds_the_references_states(files, references, prompt, arch):
             np.testing.assert_allclose(got_conv, conv.T, atol=2e-3 * np.abs(conv).max())
             np.testing.assert_allclose(got_delta, state_to_ggml(delta), atol=2e-3 * np.abs(delta).max())
         assert at == raw.size
-    finally:
-        runner.close()
-        model.close()
 
 
 def test_layer_kinds_from_the_recurrent_layers_array(tmp_path, prompt):

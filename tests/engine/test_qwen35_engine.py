@@ -6,6 +6,8 @@ requests and a request wider than the pool is refused; no prefix-cache hit is ev
 speculative decoding and prefix tiers are off with a warning, and the KV budget in bytes pays
 for the slots."""
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
@@ -44,11 +46,16 @@ def answers(tiny):
     return [ref.generate_greedy(p, GREEDY.max_tokens) for p in PROMPTS]
 
 
-def make_engine(model, eot, num_blocks=200, mode="recompute", budget=64, state_slots=16, max_num_seqs=64):
+@contextmanager
+def engine(model, eot, num_blocks=200, mode="recompute", budget=64, state_slots=16, max_num_seqs=64):
+    """An engine over its own runner of model, closed after the block."""
     runner = ModelRunner(model, n_ctx=128, n_threads=2, n_batch=budget, block_size=16, num_blocks=num_blocks,
                          state_slots=state_slots)
-    return LLMEngine(runner, eot, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode,
-                                                  max_num_seqs=max_num_seqs))
+    try:
+        yield LLMEngine(runner, eot, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode,
+                                                     max_num_seqs=max_num_seqs))
+    finally:
+        runner.close()
 
 
 def assert_all_free(llm):
@@ -57,8 +64,7 @@ def assert_all_free(llm):
 
 def test_eight_sequences_at_once_each_answer_as_alone_and_as_the_reference(tiny, answers):
     model, ref, eot = tiny
-    llm = make_engine(model, eot)
-    try:
+    with engine(model, eot) as llm:
         got, _ = run_to_completion(llm, PROMPTS, GREEDY)
         assert llm.stats()["steps"] < sum(len(a) for a in answers)   # they ran together
         logits_of = reference_next_logits(ref)
@@ -68,20 +74,15 @@ def test_eight_sequences_at_once_each_answer_as_alone_and_as_the_reference(tiny,
         for prompt, together in zip(PROMPTS[:3], got[:3]):   # and each alone, on the same engine
             (alone,), _ = run_to_completion(llm, [prompt], GREEDY)
             assert_greedy_agree(prompt, alone[0], together[0], logits_of, eot)
-    finally:
-        llm.runner.close()
 
 
 def test_parallel_samples_fork_the_state(tiny):
     """n=3 greedy samples fork the prompt's sequence after its prefill: pages shared, the
     recurrent state copied; each continues as the reference does."""
     model, ref, eot = tiny
-    llm = make_engine(model, eot)
-    try:
+    with engine(model, eot) as llm:
         assert_forked_samples_agree(llm, PROMPTS[4], ref, eot)
         assert_all_free(llm)
-    finally:
-        llm.runner.close()
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -89,19 +90,15 @@ def test_preemption_recomputes_and_keeps_the_reference_answers(tiny, answers, mo
     """A pool of 12 pages for prompts of 237 tokens: requests are preempted; a hybrid's are
     recomputed from their first token (a fresh, zeroed slot) even where swap is asked."""
     model, ref, eot = tiny
-    llm = make_engine(model, eot, num_blocks=12, mode=mode)
-    try:
+    with engine(model, eot, num_blocks=12, mode=mode) as llm:
         assert_preempted_answers_agree(llm, PROMPTS, GREEDY, ref, answers, eot)
         assert llm.scheduler.num_swaps == 0
         assert_all_free(llm)
-    finally:
-        llm.runner.close()
 
 
 def test_an_abort_gives_the_slot_back(tiny):
     model, _, eot = tiny
-    llm = make_engine(model, eot)
-    try:
+    with engine(model, eot) as llm:
         req = llm.add_request(PROMPTS[7], SamplingParams(max_tokens=50, temperature=0))
         other = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=50, temperature=0))
         for _ in range(3):
@@ -111,16 +108,13 @@ def test_an_abort_gives_the_slot_back(tiny):
         assert llm.stats()["state_slots_used"] == 1
         assert llm.abort(other.request_id)
         assert_all_free(llm)
-    finally:
-        llm.runner.close()
 
 
 def test_a_full_state_pool_queues_requests(tiny, answers):
     """Two state slots under a limit of eight sequences: at most two run at once, the rest wait
     for a slot, and every answer is still the reference's."""
     model, ref, eot = tiny
-    llm = make_engine(model, eot, state_slots=2, max_num_seqs=8)
-    try:
+    with engine(model, eot, state_slots=2, max_num_seqs=8) as llm:
         requests = [llm.add_request(p, GREEDY) for p in PROMPTS[:5]]
         outputs = {r.request_id: [] for r in requests}
         waited = False
@@ -134,14 +128,11 @@ def test_a_full_state_pool_queues_requests(tiny, answers):
         for prompt, want, r in zip(PROMPTS, answers, requests):
             assert_greedy_agree(prompt, want, outputs[r.request_id], reference_next_logits(ref), eot)
         assert_all_free(llm)
-    finally:
-        llm.runner.close()
 
 
 def test_a_request_wider_than_the_state_pool_is_refused(tiny):
     model, _, eot = tiny
-    llm = make_engine(model, eot, state_slots=2, max_num_seqs=8)
-    try:
+    with engine(model, eot, state_slots=2, max_num_seqs=8) as llm:
         wide = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.8, n=3))
         beams = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=4, beam_width=2))   # forks before pruning: 3
         fine = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0, n=2))
@@ -151,36 +142,28 @@ def test_a_request_wider_than_the_state_pool_is_refused(tiny):
             assert r.error is not None and "recurrent state slots" in r.error
         assert fine.error is None and len(fine.seqs) == 2
         assert_all_free(llm)
-    finally:
-        llm.runner.close()
 
 
 def test_beam_search_runs_within_its_slots(tiny):
     model, _, eot = tiny
-    llm = make_engine(model, eot, state_slots=3, max_num_seqs=8)
-    try:
+    with engine(model, eot, state_slots=3, max_num_seqs=8) as llm:
         r = llm.add_request(PROMPTS[2], SamplingParams(max_tokens=5, beam_width=2))
         while llm.has_work():
             llm.step()
             assert llm.stats()["state_slots_used"] <= 3
         assert r.error is None
         assert_all_free(llm)
-    finally:
-        llm.runner.close()
 
 
 def test_a_repeated_prompt_takes_no_prefix_cache_hit(tiny, answers):
     """The pages of a finished request stay cached, but a hybrid's next request with the same
     prompt recomputes it (the state at the cached prefix is gone) and answers the same."""
     model, ref, eot = tiny
-    llm = make_engine(model, eot)
-    try:
+    with engine(model, eot) as llm:
         for _ in range(2):
             (got,), _ = run_to_completion(llm, [PROMPTS[6]], GREEDY)
             assert_greedy_agree(PROMPTS[6], answers[6], got[0], reference_next_logits(ref), eot)
         assert llm.stats()["prefix_cache_hits"] == 0 and llm.scheduler.prefix_queried_tokens > 0
-    finally:
-        llm.runner.close()
 
 
 def test_the_kv_budget_pays_for_the_state_slots_and_speculation_is_off(tiny):

@@ -4,6 +4,7 @@ read and written in the documented layout; every misuse a clear error that chang
 and pp_model_create's checks of a hybrid's hyper-parameters."""
 
 import re
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from pyllama_paged._native import ffi, lib
 from pyllama_paged.engine.kv.state_pool import StatePool, state_bytes_per_sequence
 from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.errors import NativeError, OutOfBlocksError, PagedError
 from pyllama_paged.testing.reference.hybrid_model import hybrid_state_bytes
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
@@ -30,17 +32,13 @@ def test_a_slot_holds_every_linear_layers_states(hybrid):
     model, ref = hybrid
     # three linear layers of a 3 x 512 convolution state and a 4 x 64 x 64 delta-rule state, in f32
     assert state_bytes_per_sequence(model.native) == hybrid_state_bytes(ref.hybrid) == 4 * 3 * (3 * 512 + 4 * 64 * 64)
-    pool = StatePool(model.native, 3)
-    try:
+    with closing(StatePool(model.native, 3)) as pool:
         assert pool.bytes_per_slot == hybrid_state_bytes(ref.hybrid) and pool.pool_bytes == 3 * pool.bytes_per_slot
-    finally:
-        pool.close()
 
 
 def test_slots_are_taken_lowest_first_zeroed_and_run_out_cleanly(hybrid):
     model, _ = hybrid
-    pool = StatePool(model.native, 3)
-    try:
+    with closing(StatePool(model.native, 3)) as pool:
         assert [pool.alloc() for _ in range(3)] == [0, 1, 2] and pool.num_free == 0
         with pytest.raises(OutOfBlocksError, match="all 3 state slots are taken"):
             pool.alloc()
@@ -51,14 +49,11 @@ def test_slots_are_taken_lowest_first_zeroed_and_run_out_cleanly(hybrid):
         pool.free(1)
         assert pool.num_free == 1
         assert pool.alloc() == 1 and not pool.read(1).any()   # a slot comes back zeroed
-    finally:
-        pool.close()
 
 
 def test_copy_and_zero(hybrid):
     model, _ = hybrid
-    pool = StatePool(model.native, 4)
-    try:
+    with closing(StatePool(model.native, 4)) as pool:
         a, b, c = pool.alloc(), pool.alloc(), pool.alloc()
         state = np.random.default_rng(1).integers(0, 256, pool.bytes_per_slot, dtype=np.uint8)
         pool.write(a, state)
@@ -66,14 +61,11 @@ def test_copy_and_zero(hybrid):
         assert np.array_equal(pool.read(c), state) and not pool.read(b).any()
         pool.zero(a)
         assert not pool.read(a).any() and np.array_equal(pool.read(c), state)
-    finally:
-        pool.close()
 
 
 def test_misuse_is_refused_and_changes_nothing(hybrid):
     model, _ = hybrid
-    pool = StatePool(model.native, 2)
-    try:
+    with closing(StatePool(model.native, 2)) as pool:
         a = pool.alloc()
         state = np.arange(pool.bytes_per_slot, dtype=np.uint64).astype(np.uint8)
         pool.write(a, state)
@@ -92,8 +84,6 @@ def test_misuse_is_refused_and_changes_nothing(hybrid):
         pool.free(a)
         with pytest.raises(NativeError, match="not taken"):
             pool.free(a)
-    finally:
-        pool.close()
 
 
 def test_pools_only_for_hybrids_and_only_their_own_context(hybrid, tmp_path):
@@ -109,18 +99,13 @@ def test_pools_only_for_hybrids_and_only_their_own_context(hybrid, tmp_path):
         with pytest.raises(NativeError, match="slots outside"):
             StatePool(model.native, n)
     other = Model(write_tiny_qwen35(tmp_path / "other.gguf"), pack_panels=False)
-    pool = StatePool(other.native, 1)
     try:
-        from pyllama_paged.engine.worker.model_runner import ModelRunner
-        runner = ModelRunner(model, n_ctx=32, n_threads=1, n_batch=8, block_size=16)
-        try:
+        with closing(StatePool(other.native, 1)) as pool, \
+                closing(ModelRunner(model, n_ctx=32, n_threads=1, n_batch=8, block_size=16)) as runner:
             assert lib.pp_context_set_state_pool(runner._ctx, pool.native) == lib.PP_ERR_INVALID
             assert "another model" in ffi.string(lib.pp_last_error()).decode()
-        finally:
-            runner.close()
     finally:
-        pool.close()
-        other.close()
+        other.close()   # after the pool that borrowed it
 
 
 def _hparams(**changes):

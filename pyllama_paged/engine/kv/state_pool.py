@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..._native import check, ffi, lib
+from ..._native.handle import NativeHandle
 from ...errors import PagedError
 
 
@@ -34,28 +35,29 @@ def split_budget(budget: int, state_bytes: int, n_seq_max: int, max_num_seqs: in
     return slots, left
 
 
-class StatePool:
+class StatePool(NativeHandle):
     """num_slots state slots for the native model model_native (which must outlive the pool)."""
 
+    _destroy = staticmethod(lib.pp_state_pool_destroy)
+
     def __init__(self, model_native, num_slots: int):
-        self._pool = None
         out = ffi.new("pp_state_pool **")
         check(lib.pp_state_pool_create(model_native, num_slots, out), "state pool")
-        self._pool = out[0]
+        self._handle = out[0]
         self.num_slots = num_slots
-        self.bytes_per_slot = int(lib.pp_state_pool_bytes_per_slot(self._pool))
+        self.bytes_per_slot = int(lib.pp_state_pool_bytes_per_slot(self._handle))
         self._slot = ffi.new("int32_t *")
 
     @property
     def native(self):
         """The pp_state_pool handle (valid until close)."""
-        if self._pool is None:
+        if self._handle is None:
             raise PagedError("the state pool is closed")
-        return self._pool
+        return self._handle
 
     @property
     def num_free(self) -> int:
-        return int(lib.pp_state_pool_num_free(self._pool)) if self._pool is not None else 0
+        return int(lib.pp_state_pool_num_free(self._handle)) if self._handle is not None else 0
 
     @property
     def pool_bytes(self) -> int:
@@ -90,15 +92,6 @@ class StatePool:
         if data.size != self.bytes_per_slot:
             raise PagedError(f"a state slot holds {self.bytes_per_slot} bytes, not {data.size}")
         check(lib.pp_state_pool_write(self.native, slot, ffi.from_buffer(data)), "write state slot")
-
-    def close(self) -> None:
-        """Free the pool (contexts using it must be gone or given another)."""
-        if self._pool is not None:
-            lib.pp_state_pool_destroy(self._pool)
-            self._pool = None
-
-    def __del__(self):
-        self.close()
 
 
 class HybridKV:

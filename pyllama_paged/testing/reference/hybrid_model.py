@@ -35,13 +35,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from . import delta_net as dn
-from .numpy_model import (HYBRID_ARCHS, LayerInfo, ReferenceModel, attention, load_tensor, read_gguf, rms_norm,
-                          routed_experts, router_margin, silu)
+from .numpy_model import (HYBRID_ARCHS, LayerInfo, ReferenceModel, arch_fields, attention, load_tensor, read_gguf,
+                          rms_norm, routed_experts, router_margin, silu)
 
 
 @dataclass(frozen=True)
@@ -105,15 +105,7 @@ class HybridReferenceModel(ReferenceModel):
         arch = meta["general.architecture"]
         if arch not in HYBRID_ARCHS:
             raise ValueError(f"{arch!r} is not a hybrid architecture ({', '.join(HYBRID_ARCHS)})")
-
-        def hp(key: str, default: Any = KeyError) -> Any:
-            full = f"{arch}.{key}"
-            if full in meta:
-                return meta[full]
-            if default is KeyError:
-                raise KeyError(f"GGUF is missing {full}")
-            return default
-
+        hp = arch_fields(meta, arch)
         tensors = {info.name: load_tensor(mm, info) for info in infos}
         del mm
         n_layer = int(hp("block_count")) - int(hp("nextn_predict_layers", 0))

@@ -214,6 +214,24 @@ def quantize_tensor(data: np.ndarray, wtype: str) -> tuple[np.ndarray, QT]:
     return gguf.quants.quantize(data, qt), qt
 
 
+def hook_tensor(tensor_hook, tname: str, data: np.ndarray) -> np.ndarray:
+    """data as tensor_hook(tname, data) makes it (None: unchanged), which may not change its shape."""
+    if tensor_hook is None:
+        return data
+    out = np.asarray(tensor_hook(tname, data), dtype=np.float32)
+    if out.shape != data.shape:
+        raise ValueError(f"tensor_hook changed {tname}'s shape from {data.shape} to {out.shape}")
+    return out
+
+
+def override_type(tname: str, wtype: str, overrides: Mapping[str, str] | None) -> str:
+    """wtype, or the type of the last fnmatch pattern in overrides that tname matches."""
+    for pattern, t in (overrides or {}).items():
+        if fnmatch.fnmatchcase(tname, pattern):
+            wtype = t
+    return wtype
+
+
 def _block_size(wtype: str) -> int:
     return gguf.GGML_QUANT_SIZES[WEIGHT_TYPES[wtype]][0]
 
@@ -408,13 +426,8 @@ def write_tiny_model(
     overrides = dict(type_overrides or {})
 
     def pick_type(tname: str, row_len: int) -> str:
-        wt = weight_type
-        if tname == "token_embd.weight" and embd_type is not None:
-            wt = embd_type
-        for pat, t in overrides.items():
-            if fnmatch.fnmatchcase(tname, pat):
-                wt = t
-        return resolve_type(wt, row_len, strict)
+        wt = embd_type if tname == "token_embd.weight" and embd_type is not None else weight_type
+        return resolve_type(override_type(tname, wt, overrides), row_len, strict)
 
     w = gguf.GGUFWriter(os.fspath(path), arch)
     w.add_type("model")
@@ -453,12 +466,7 @@ def write_tiny_model(
     w.add_file_type(int(_FILE_TYPES[weight_type.lower()]))
 
     def hooked(tname: str, data: np.ndarray) -> np.ndarray:
-        if tensor_hook is None:
-            return data
-        out = np.asarray(tensor_hook(tname, data), dtype=np.float32)
-        if out.shape != data.shape:
-            raise ValueError(f"tensor_hook changed {tname}'s shape from {data.shape} to {out.shape}")
-        return out
+        return hook_tensor(tensor_hook, tname, data)
 
     def add_weight(tname: str, n_out: int, n_in: int, std: float, n_mat: int | None = None,
                    wtype: str | None = None) -> None:

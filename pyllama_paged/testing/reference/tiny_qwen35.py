@@ -20,14 +20,12 @@ from __future__ import annotations
 import os
 from typing import Callable, Mapping, Sequence
 
-import fnmatch
-
 import gguf
 import numpy as np
 
 from ..synthetic_bpe import build_bpe_vocab
 from ..vocab_metadata import add_tokenizer
-from .tiny_gguf import quantize_tensor, resolve_type
+from .tiny_gguf import hook_tensor, override_type, quantize_tensor, resolve_type
 
 ARCHS = ("qwen35", "qwen35moe")
 ROPE_FREQ_BASE = 10_000_000.0   # Qwen3.5/3.6's
@@ -126,34 +124,20 @@ def write_tiny_qwen35(
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     def hooked(tname: str, data: np.ndarray) -> np.ndarray:
-        if tensor_hook is None:
-            return data
-        out = np.asarray(tensor_hook(tname, data), dtype=np.float32)
-        if out.shape != data.shape:
-            raise ValueError(f"tensor_hook changed {tname}'s shape from {data.shape} to {out.shape}")
-        return out
-
-    def pick_type(tname: str, row_len: int) -> str:
-        wt = weight_type
-        for pattern, t in (type_overrides or {}).items():
-            if fnmatch.fnmatchcase(tname, pattern):
-                wt = t
-        return resolve_type(wt, row_len, strict)
+        return hook_tensor(tensor_hook, tname, data)
 
     def matrix(tname: str, shape: tuple[int, ...], std: float) -> None:
         # numpy shape (..., n_out, n_in) == GGML ne [n_in, n_out, ...]
         data = hooked(tname, rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
-        arr, qt = quantize_tensor(data, pick_type(tname, shape[-1]))
+        wtype = resolve_type(override_type(tname, weight_type, type_overrides), shape[-1], strict)
+        arr, qt = quantize_tensor(data, wtype)
         w.add_tensor(tname, arr, raw_dtype=qt)
 
     def f32(tname: str, values: np.ndarray) -> None:
         data = hooked(tname, np.asarray(values, dtype=np.float32))
-        forced = [t for pattern, t in (type_overrides or {}).items() if fnmatch.fnmatchcase(tname, pattern)]
-        if forced:   # a malformed file's: what llama.cpp keeps f32 in another type
-            arr, qt = quantize_tensor(data, forced[-1])
-            w.add_tensor(tname, arr, raw_dtype=qt)
-        else:
-            w.add_tensor(tname, data)
+        forced = override_type(tname, "f32", type_overrides)   # a malformed file's: not f32
+        arr, qt = quantize_tensor(data, forced) if forced != "f32" else (data, None)
+        w.add_tensor(tname, arr, raw_dtype=qt)
 
     def norm(tname: str, n: int) -> None:
         f32(tname, 1.0 + 0.1 * rng.standard_normal(n))
