@@ -55,7 +55,7 @@ def chunked_logits(runner, prompt, chunks=(23, 1, 16)):
     import numpy as np
 
     seq = runner.add_sequence(prompt)
-    state = [runner.state_slot(seq)] if runner.hybrid else None   # a hybrid's recurrent state slot
+    state = runner.state_slots_of(seq)   # a hybrid's recurrent state slot
     rows, done = [], 0
     for n in list(chunks) + [1] * (len(prompt) - sum(chunks)):
         slots, tables = runner.kv.batch_arrays(seq.handle, done, n)

@@ -22,6 +22,7 @@ from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert
                                               assert_preempted_answers_agree, reference_next_logits,
                                               run_to_completion)
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
+from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
 
 PROMPTS = [[int(x) for x in np.random.default_rng(30 + i).integers(4, 480, size=n)]
@@ -192,3 +193,30 @@ def test_the_kv_budget_pays_for_the_state_slots_and_speculation_is_off(tiny):
 def model_state_bytes(model) -> int:
     from pyllama_paged.engine.kv.state_pool import state_bytes_per_sequence
     return state_bytes_per_sequence(model.native)
+
+
+def test_prompt_logprobs_of_a_hybrid_are_the_references(tiny):
+    """The direct scoring oracle (a fresh sequence, every position's logits) through the state slot."""
+    from pyllama_paged.engine.prompt_logprobs import prompt_logprobs
+
+    model, ref, eot = tiny
+    with engine(model, eot) as llm:
+        got = prompt_logprobs(llm.runner, PROMPTS[5])
+        logits = ref.forward(PROMPTS[5])
+        want = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        lps = np.array([lp for lp, _ in got[1:]])
+        expected = np.array([want[i, t] for i, t in enumerate(PROMPTS[5][1:])])
+        assert np.abs(lps - expected).max() < 2e-2
+        assert_all_free(llm)
+
+
+def test_a_hybrid_draft_model_is_refused(tiny, tmp_path):
+    from pyllama_paged.errors import PagedError
+
+    model, _, eot = tiny
+    config = EngineConfig(model_path=model.path, n_ctx=128, n_threads=2,
+                          speculative=SpeculativeConfig(method="draft_model", draft_model=model.path))
+    with pytest.raises(PagedError, match="is a hybrid"):
+        LLMEngine.from_config(config, model=Model(write_tiny_model(tmp_path / "llama.gguf", "llama", n_layer=1,
+                                                                   n_vocab=model.config.n_vocab)), eot_ids=eot)

@@ -206,6 +206,10 @@ class ModelRunner:
         """seq's state slot (hybrids)."""
         return self.kv.state_slot(seq.handle)
 
+    def state_slots_of(self, seq: SeqState) -> list[int] | None:
+        """forward()'s state_slots for a step of seq alone: [its slot] (hybrids), else None."""
+        return [self.kv.state_slot(seq.handle)] if self.hybrid else None
+
     def append_tokens(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         """Reserve KV room for new tokens (copy-on-write done here)."""
         self.copy_blocks(place_tokens(self.kv, seq, token_ids))
