@@ -220,3 +220,38 @@ def test_a_hybrid_draft_model_is_refused(tiny, tmp_path):
     with pytest.raises(PagedError, match="is a hybrid"):
         LLMEngine.from_config(config, model=Model(write_tiny_model(tmp_path / "llama.gguf", "llama", n_layer=1,
                                                                    n_vocab=model.config.n_vocab)), eot_ids=eot)
+
+
+def test_llama_api_and_http_server_answer_as_the_reference(tiny):
+    """Llama.generate gives the reference's greedy continuation; the same text comes back from
+    Llama.create_completion, /v1/completions (the real openai client) and /api/generate of a
+    real server."""
+    import itertools
+
+    import httpx
+    import openai
+
+    from pyllama_paged.api.llama import Llama
+    from pyllama_paged.testing.serving import model_server
+
+    model, ref, eot = tiny
+    prompt = "The capital of France is"
+    llm = Llama(model_path=model.path, n_ctx=128, n_threads=2, verbose=False)
+    try:
+        ids = llm.tokenize(prompt)
+        got = list(itertools.islice(llm.generate(ids, temp=0), 8))
+        assert_greedy_agree(ids, ref.generate_greedy(ids, 8), got, reference_next_logits(ref), eot)
+        answer = list(itertools.takewhile(lambda t: t not in eot, got))
+        text = llm.create_completion(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
+        assert text == llm.detokenize(answer, prev_tokens=ids).decode("utf-8", "replace")
+    finally:
+        llm.close()
+    with model_server([model.path], n_ctx=128, n_threads=2, n_batch=64) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        name = client.models.list().data[0].id
+        r = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
+        assert r.choices[0].text == text
+        body = httpx.post(f"{server.url}/api/generate", timeout=60, json={
+            "model": name, "prompt": prompt, "raw": True, "stream": False,
+            "options": {"temperature": 0, "num_predict": 8}}).json()
+        assert body["response"] == text
