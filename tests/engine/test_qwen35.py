@@ -26,7 +26,7 @@ from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.errors import NativeError, OutOfBlocksError, PagedError
 from pyllama_paged.testing.engine_runs import chunked_logits
-from pyllama_paged.testing.reference.numpy_model import ReferenceModel
+from pyllama_paged.testing.reference.hybrid_model import HybridReferenceModel
 from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
 
 ARCHS = ["qwen35", "qwen35moe"]
@@ -50,7 +50,7 @@ def prompt():
 
 @pytest.fixture(scope="module")
 def references(files):
-    return {key: ReferenceModel.from_gguf(path) for key, path in files.items()}
+    return {key: HybridReferenceModel.from_gguf(path) for key, path in files.items()}
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -283,5 +283,5 @@ def test_layer_kinds_from_the_recurrent_layers_array(tmp_path, prompt):
     """attention.recurrent_layers instead of the interval, a linear layer last (its outputs
     trimmed to the logit rows after its states are written): the reference's logits."""
     path = write_tiny_qwen35(tmp_path / "kinds.gguf", weight_type="f16", recurrent_layers=[True, False, True, True])
-    want = ReferenceModel.from_gguf(path).forward(prompt)
+    want = HybridReferenceModel.from_gguf(path).forward(prompt)
     assert relative_error(engine_logits(path, prompt), want) < EXACT["f16"]

@@ -21,7 +21,7 @@ from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
                                               assert_preempted_answers_agree, reference_next_logits,
                                               run_to_completion)
-from pyllama_paged.testing.reference.numpy_model import ReferenceModel
+from pyllama_paged.testing.reference.hybrid_model import HybridReferenceModel
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
 
@@ -35,7 +35,7 @@ def tiny(request, tmp_path_factory):
     path = write_tiny_qwen35(tmp_path_factory.mktemp("hybrid") / f"{request.param}.gguf", request.param,
                              weight_type="f16")
     model = Model(path)
-    ref = ReferenceModel.from_gguf(path)
+    ref = HybridReferenceModel.from_gguf(path)
     eot = {ref.eos_id}
     yield model, ref, eot
     model.close()

@@ -14,8 +14,7 @@ from pyllama_paged.engine.kv.state_pool import StatePool, state_bytes_per_sequen
 from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.errors import NativeError, OutOfBlocksError, PagedError
-from pyllama_paged.testing.reference.hybrid_model import hybrid_state_bytes
-from pyllama_paged.testing.reference.numpy_model import ReferenceModel
+from pyllama_paged.testing.reference.hybrid_model import HybridReferenceModel, hybrid_state_bytes
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
 
@@ -24,7 +23,7 @@ from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
 def hybrid(tmp_path_factory):
     path = write_tiny_qwen35(tmp_path_factory.mktemp("state") / "qwen35.gguf", recurrent_layers=[True, False, True, True])
     model = Model(path, pack_panels=False, repack_weights=False)
-    yield model, ReferenceModel.from_gguf(path)
+    yield model, HybridReferenceModel.from_gguf(path)
     model.close()
 
 

@@ -121,7 +121,7 @@ def tiny(tmp_path_factory):
 def test_gated_attention_layer_against_a_loop(tiny):
     """The full-attention layer (last of the default four) on its own: per head, the query half
     and gate half of attn_q, per-head norms, IMRoPE, a causal softmax, times sigmoid(gate)."""
-    ref = ReferenceModel.from_gguf(tiny["qwen35"])
+    ref = HybridReferenceModel.from_gguf(tiny["qwen35"])
     il = ref.hybrid.recurrent.index(False)
     p, t, hd, n = f"blk.{il}.", ref.tensors, ref.head_dim, 9
     h = np.random.default_rng(9).standard_normal((n, ref.n_embd))
@@ -147,7 +147,7 @@ def test_gated_attention_layer_against_a_loop(tiny):
 
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
 def test_decode_from_carried_state_equals_one_prefill(tiny, arch):
-    ref = ReferenceModel.from_gguf(tiny[arch])
+    ref = HybridReferenceModel.from_gguf(tiny[arch])
     assert isinstance(ref, HybridReferenceModel)
     ids = [int(i) for i in np.random.default_rng(10).integers(0, ref.n_vocab, 30)]
     whole = ref.forward(ids)
@@ -161,8 +161,13 @@ def test_decode_from_carried_state_equals_one_prefill(tiny, arch):
     assert whole.max() - whole.min() > 5 and len(set(whole.argmax(-1))) > 5
 
 
+def test_the_dense_reference_points_a_hybrid_to_its_own(tiny):
+    with pytest.raises(ValueError, match="load it with hybrid_model.HybridReferenceModel.from_gguf"):
+        ReferenceModel.from_gguf(tiny["qwen35"])
+
+
 def test_forward_does_not_change_the_state_it_continues(tiny):
-    ref = ReferenceModel.from_gguf(tiny["qwen35"])
+    ref = HybridReferenceModel.from_gguf(tiny["qwen35"])
     _, state = ref.forward([5, 6, 7], return_kv=True)
     snapshot = state.copy()
     a = ref.forward([8, 9], past_kv=state)
@@ -196,17 +201,17 @@ def test_tiny_writer_lays_out_the_real_files_tensors(tmp_path, arch):
         assert ne["blk.0.ffn_gate_inp_shexp.weight"] == [n_embd, 1]
         assert types["blk.0.ffn_gate_inp_shexp.weight"] == types["blk.0.ffn_gate_inp.weight"] == QT.F32
         assert ne["blk.0.ffn_down_shexp.weight"] == [256, n_embd]
-    a = ReferenceModel.from_gguf(path)
+    a = HybridReferenceModel.from_gguf(path)
     assert a.n_layer == 4 and a.hybrid.recurrent == (True, True, True, False)
     # the MTP block's tensors change nothing: the trunk's logits are those of a file without it
-    b = ReferenceModel.from_gguf(write_tiny_qwen35(tmp_path / "plain.gguf", arch, weight_type="q4_k"))
+    b = HybridReferenceModel.from_gguf(write_tiny_qwen35(tmp_path / "plain.gguf", arch, weight_type="q4_k"))
     ids = [1, 50, 99, 7]
     np.testing.assert_array_equal(a.forward(ids), b.forward(ids))
 
 
 def test_recurrent_layers_array_sets_the_layer_kinds(tmp_path):
     path = write_tiny_qwen35(tmp_path / "kinds.gguf", recurrent_layers=[True, False, True, True])
-    ref = ReferenceModel.from_gguf(path)
+    ref = HybridReferenceModel.from_gguf(path)
     assert ref.hybrid.recurrent == (True, False, True, True)
     assert "blk.1.attn_q.weight" in ref.tensors and "blk.3.attn_qkv.weight" in ref.tensors
     shape = ref.hybrid

@@ -32,7 +32,7 @@ LAYERS = [
     ["constrain.masks", "constrain.formats"],
     ["engine.pooling.embedding"],
     ["engine.kv.block_pool", "engine.kv.events", "engine.kv.block_store", "engine.worker.cgroup_cpu",
-     "engine.worker.thread_policy"],
+     "engine.worker.thread_policy", "engine.kv.state_pool"],
     ["engine.worker.step_batch", "engine.kv.groups", "engine.spec.draft", "engine.spec.batch", "engine.kv.prefix_tiers",
      "engine.spec.length"],
     ["engine.kv.manager"],
@@ -79,6 +79,7 @@ LAYERS = [
     ["server.scale_out.ray_app"],
     # what tests and benchmarks share (oracles, harnesses, a server runner): above all it checks
     ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.tiny_gpt_oss",
+     "testing.reference.delta_net", "testing.reference.hybrid_model", "testing.reference.tiny_qwen35",
      "testing.reference.sampling_reference",
      "testing.reference.bert_reference", "testing.reference.tiny_bert", "testing.reference.tiny_reranker",
      "testing.agreement", "testing.attention_harness", "testing.cuda_harness", "testing.serving", "testing.loop_control",

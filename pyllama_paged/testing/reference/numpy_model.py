@@ -2,7 +2,7 @@
 
 ``ReferenceModel.from_gguf(path)`` loads a GGUF of arch ``gemma3``, ``llama``,
 ``qwen2``, ``qwen3``, ``qwen3moe`` or ``gpt-oss`` (the real default Gemma 3 270M file included;
-``qwen35`` and ``qwen35moe`` go to ``hybrid_model.HybridReferenceModel``), dequantizing
+``qwen35`` and ``qwen35moe`` load with ``hybrid_model.HybridReferenceModel``), dequantizing
 every tensor to float32 with ``gguf.quants.dequantize``; ``forward(token_ids)`` runs
 the whole sequence from position 0 with full causal attention (no KV cache, no
 batching) in float64 and returns logits ``[n_tokens, n_vocab]`` (float64).
@@ -78,7 +78,7 @@ import numpy as np
 import gguf
 
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
-# Qwen3.5/3.6's Gated DeltaNet hybrids: ``from_gguf`` hands them to hybrid_model.HybridReferenceModel
+# Qwen3.5/3.6's Gated DeltaNet hybrids: a model of their own (hybrid_model.HybridReferenceModel)
 HYBRID_ARCHS = ("qwen35", "qwen35moe")
 
 # llama.cpp's rope type per architecture.
@@ -443,9 +443,9 @@ class ReferenceModel:
     def from_gguf(cls, path: str | os.PathLike) -> "ReferenceModel":
         meta, infos, mm = read_gguf(path)
         arch = meta["general.architecture"]
-        if arch in HYBRID_ARCHS:   # Gated DeltaNet hybrids: a model of their own (hybrid_model.py)
-            from .hybrid_model import HybridReferenceModel
-            return HybridReferenceModel.from_gguf(path)
+        if arch in HYBRID_ARCHS:
+            raise ValueError(f"{arch!r} is a Gated DeltaNet hybrid: load it with "
+                             "hybrid_model.HybridReferenceModel.from_gguf")
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {arch!r}")
         hp = arch_fields(meta, arch)
