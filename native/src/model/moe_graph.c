@@ -19,7 +19,7 @@ struct ggml_tensor *pp_build_moe_ffn(struct ggml_context *ctx, const pp_model_hp
     const int64_t n_embd = cur->ne[0], n_tokens = cur->ne[1];
     const int64_t n_expert = hp->n_expert, n_used = hp->n_expert_used;
 
-    struct ggml_tensor *probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, L->ffn_gate_inp, cur));   /* [n_expert, n_tokens] */
+    struct ggml_tensor *probs = ggml_soft_max(ctx, pp_matmul(ctx, L->ffn_gate_inp, cur));   /* [n_expert, n_tokens] */
     /* I32 [n_used, n_tokens], each token's experts by falling probability */
     struct ggml_tensor *selected = ggml_argsort_top_k(ctx, probs, (int)n_used);
     struct ggml_tensor *weights = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens), selected);
@@ -64,7 +64,7 @@ struct ggml_tensor *pp_build_gpt_oss_moe_ffn(struct ggml_context *ctx, const pp_
     const int64_t n_embd = cur->ne[0], n_tokens = cur->ne[1];
     const int64_t n_expert = hp->n_expert, n_used = hp->n_expert_used;
 
-    struct ggml_tensor *logits = ggml_add(ctx, ggml_mul_mat(ctx, L->ffn_gate_inp, cur), L->ffn_gate_inp_b);
+    struct ggml_tensor *logits = ggml_add(ctx, pp_matmul(ctx, L->ffn_gate_inp, cur), L->ffn_gate_inp_b);
     struct ggml_tensor *selected = ggml_argsort_top_k(ctx, logits, (int)n_used);   /* I32 [n_used, n_tokens] */
     struct ggml_tensor *weights = ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, n_expert, n_tokens), selected);
     weights = ggml_soft_max(ctx, ggml_reshape_2d(ctx, weights, n_used, n_tokens));
@@ -101,6 +101,6 @@ struct ggml_tensor *pp_build_shared_expert(struct ggml_context *ctx, const pp_la
     struct ggml_tensor *y = pp_graph_swiglu_ffn(ctx, PP_ARCH_QWEN35MOE, L->ffn_gate_shexp, L->ffn_up_shexp,
                                                 L->ffn_down_shexp,
                                                 gemm_states ? &gemm_states[PP_PROJ_SHEXP_GATE] : NULL, cur, last);
-    struct ggml_tensor *gate = ggml_sigmoid(ctx, ggml_mul_mat(ctx, L->ffn_gate_inp_shexp, cur));   /* [1, n_tokens] */
+    struct ggml_tensor *gate = ggml_sigmoid(ctx, pp_matmul(ctx, L->ffn_gate_inp_shexp, cur));   /* [1, n_tokens] */
     return ggml_mul(ctx, y, gate);
 }
