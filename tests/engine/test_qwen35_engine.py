@@ -255,3 +255,41 @@ def test_llama_api_and_http_server_answer_as_the_reference(tiny):
             "model": name, "prompt": prompt, "raw": True, "stream": False,
             "options": {"temperature": 0, "num_predict": 8}}).json()
         assert body["response"] == text
+
+
+@pytest.mark.parametrize("weight_type", ["q8_0", "f16"])
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_alone_and_together_are_the_same_bits(tmp_path, arch, weight_type):
+    """docs/batch-invariance.md for hybrids: every request alone (one thread, one chunk), then
+    all together (two threads, small chunks, a pool that preempts, decodes of many sequences in
+    one delta-rule call): the same tokens and log-probability bits. A sequence's convolution and
+    delta rule see only its own tokens and state, whatever shares the step."""
+    from pyllama_paged.testing.invariance import compare, random_workload, run_alone, run_workload
+
+    def params(i):   # answers long enough that decodes outgrow the small pool's pages
+        if i % 2 == 0:
+            return SamplingParams(max_tokens=24, temperature=0, logprobs=1, ignore_eos=True)
+        return SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1000 + i, logprobs=1, ignore_eos=True)
+
+    def factory(threads, budget, blocks):
+        def make():
+            runner = ModelRunner(model, n_ctx=256, n_threads=threads, n_batch=budget, block_size=16,
+                                 num_blocks=blocks, state_slots=24)
+            return LLMEngine(runner, {0}, SchedulerConfig(max_num_batched_tokens=budget))
+        return make
+
+    model = Model(write_tiny_qwen35(tmp_path / f"{arch}.gguf", arch, weight_type=weight_type))
+    try:
+        workload = random_workload(16, (4, 480), params, seed=1)
+        alone = run_alone(factory(1, 512, 400), workload)
+        engine = factory(2, 37, 12)()
+        try:
+            got = run_workload(engine, workload)
+            preemptions = engine.stats()["preemptions"]
+        finally:
+            engine.close()
+        result = compare(alone, got)
+        assert result.bit_identical == result.n, str(result)
+        assert preemptions > 0   # the small pool did preempt
+    finally:
+        model.close()
