@@ -19,7 +19,9 @@ def state_bytes_per_sequence(model_native) -> int:
 
 # At most this share of a KV budget goes to state slots beyond the n_seq_max sequences it was
 # sized for: the rest stays pages (a long context needs them as much as a new sequence a slot).
-STATE_SHARE = 0.25
+# Half: a hybrid's state is large against its KV (Qwen3.6-35B-A3B's 63 MiB is about 3,200 tokens
+# of its KV), so a server's default 32k-token budget buys 5 slots and 16k tokens of pages.
+STATE_SHARE = 0.5
 
 
 def split_budget(budget: int, state_bytes: int, n_seq_max: int, max_num_seqs: int) -> tuple[int, int]:
