@@ -503,7 +503,8 @@ def cmd_info(args) -> int:
         from .engine.kv.state_pool import state_bytes_per_sequence
         n_linear = sum(cfg.layer_recurrent)
         print(f"recurrent state per sequence: {state_bytes_per_sequence(model.native)} bytes (f32, its "
-              f"{n_linear} Gated DeltaNet layers; KV only in the {cfg.n_attention_layers} full-attention layers)")
+              f"{n_linear} Gated DeltaNet layers; KV only in the {cfg.n_attention_layers} full-attention layers), "
+              "the same per prefix-cache checkpoint")
     from ._native import ffi, lib
     build = ffi.string(lib.pp_ggml_build_info()).decode()
     print(f"GGML: {build}")

@@ -45,6 +45,9 @@ class EngineConfig:
     kv_bytes: int | None = None
     kv_tokens: int | None = None
     n_seq_max: int = 1
+    # a hybrid model's (Qwen3.5/3.6) state slots kept for prefix-cache checkpoints beside those of
+    # its running sequences, out of the KV budget (0: its prefix cache is never hit)
+    state_checkpoints: int = 2
     free_window_blocks: bool = True     # sliding-window layers give pages back (per-layer-group paging)
     attention: str = "kernel"           # "kernel": our CPU operator; "gather": GGML ops alone
     repack_weights: bool = True
@@ -63,6 +66,8 @@ class EngineConfig:
         for name in ("n_batch", "n_threads", "n_seq_max", "block_size"):
             if getattr(self, name) < 1:
                 raise PagedError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.state_checkpoints < 0:
+            raise PagedError(f"EngineConfig.state_checkpoints must be >= 0, got {self.state_checkpoints}")
         for name in ("num_blocks", "kv_bytes", "kv_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:

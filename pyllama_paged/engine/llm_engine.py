@@ -51,17 +51,21 @@ def _off_for_hybrids(config: EngineConfig) -> str:
 
 def _kv_sizes(config: EngineConfig, model: Model, n_ctx: int, budget: int) -> dict:
     """The runner's KV sizes for a budget in bytes: pages (or, paged=False, whole n_ctx slabs)
-    and, for a hybrid, state slots out of the same budget (a budget derived from n_seq_max
-    grows by their states, so those sequences keep their KV)."""
+    and, for a hybrid, state slots (its running sequences' and its prefix-cache checkpoints')
+    out of the same budget (a budget derived from n_seq_max grows by those slots' states, so
+    those sequences keep their KV)."""
     dense = dense_kv_bytes_per_token(model.config, config.kv_cache_type)
     state_bytes = state_bytes_per_sequence(model.native)
     slots = None
+    checkpoints = config.state_checkpoints if config.paged else 0
     if state_bytes:
         if not config.kv_budget_given:
-            budget += config.n_seq_max * state_bytes
-        slots, budget = split_budget(budget, state_bytes, config.n_seq_max, config.scheduler.max_num_seqs)
+            budget += (config.n_seq_max + checkpoints) * state_bytes
+        slots, checkpoints, budget = split_budget(budget, state_bytes, config.n_seq_max,
+                                                  config.scheduler.max_num_seqs, checkpoints)
     if config.paged:
-        return dict(num_blocks=config.num_blocks, kv_bytes=budget, state_slots=slots)
+        return dict(num_blocks=config.num_blocks, kv_bytes=budget, state_slots=slots,
+                    state_checkpoints=checkpoints if state_bytes else 0)
     n_slabs = max(1, budget // (n_ctx * dense))   # the baseline: the same bytes as whole n_ctx slabs
     return dict(n_seq_max=n_slabs, state_slots=None if slots is None else min(slots, n_slabs))
 
@@ -117,7 +121,7 @@ class LLMEngine:
             off = _off_for_hybrids(config)
             if off:
                 warnings.warn(f"{model.path}: {off} for a hybrid model (Gated DeltaNet layers: their recurrent "
-                              "state has no rollback, checkpoints or host copy yet)", UserWarning, stacklevel=2)
+                              "state has no rollback or host copy yet)", UserWarning, stacklevel=2)
             return engine
         if config.speculative is not None:
             try:   # a draft model (method draft_model) loads here, checked against the target
@@ -346,9 +350,13 @@ class LLMEngine:
         s.update(kv_pool_bytes=self.runner.kv_pool_bytes,
                  kv_bytes_per_token_dense=self.runner.kv_bytes_per_token)
         if self.runner.hybrid:   # the recurrent state slots, out of the same budget
-            states = self.runner.state_pool
-            s.update(state_slots_total=states.num_slots, state_slots_used=states.num_slots - states.num_free,
-                     state_bytes_per_seq=states.bytes_per_slot, state_pool_bytes=states.pool_bytes)
+            hkv, states = self.runner.kv, self.runner.state_pool
+            s.update(state_slots_total=states.num_slots, state_slots_running=hkv.running_slots,
+                     state_slots_used=states.num_slots - states.num_free - hkv.num_checkpoints,
+                     state_bytes_per_seq=states.bytes_per_slot, state_pool_bytes=states.pool_bytes,
+                     state_checkpoints=hkv.num_checkpoints, state_checkpoint_saves=hkv.checkpoint_saves,
+                     state_checkpoint_hits=hkv.checkpoint_hits,
+                     state_checkpoint_hit_tokens=hkv.checkpoint_hit_tokens)
         if kv.paged:
             ps = kv.pool.stats()
             s.update(block_size=kv.block_size, blocks_total=ps.num_blocks, blocks_free=ps.num_free,

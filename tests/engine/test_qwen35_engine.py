@@ -2,8 +2,8 @@
 beside its KV pages (engine/kv/state_pool.py's HybridKV). Concurrent sequences each answer as
 the float64 reference does, n>1 samples fork the state with the pages, preemption (swap asked
 or not) recomputes, an abort or a finish gives the slot back, a full state pool queues
-requests and a request wider than the pool is refused; no prefix-cache hit is ever taken,
-speculative decoding and prefix tiers are off with a warning, and the KV budget in bytes pays
+requests and a request wider than the pool is refused; without checkpoint slots no
+prefix-cache hit is taken (test_state_checkpoints.py has them), speculative decoding and prefix tiers are off with a warning, and the KV budget in bytes pays
 for the slots."""
 
 from contextlib import contextmanager
@@ -156,9 +156,10 @@ def test_beam_search_runs_within_its_slots(tiny):
         assert_all_free(llm)
 
 
-def test_a_repeated_prompt_takes_no_prefix_cache_hit(tiny, answers):
-    """The pages of a finished request stay cached, but a hybrid's next request with the same
-    prompt recomputes it (the state at the cached prefix is gone) and answers the same."""
+def test_a_repeated_prompt_takes_no_prefix_cache_hit_without_checkpoints(tiny, answers):
+    """The pages of a finished request stay cached, but with no checkpoint slots a hybrid's
+    next request with the same prompt recomputes it (the state at the cached prefix is gone)
+    and answers the same."""
     model, ref, eot = tiny
     with engine(model, eot) as llm:
         for _ in range(2):
@@ -180,8 +181,9 @@ def test_the_kv_budget_pays_for_the_state_slots_and_speculation_is_off(tiny):
     try:
         stats = llm.stats()
         assert llm.speculator is None
-        # half of the budget may buy slots (at most max_num_seqs), the rest pages
-        assert stats["state_slots_total"] == 8 and stats["state_bytes_per_seq"] == state
+        # half of the budget may buy slots (at most max_num_seqs, and 2 for checkpoints), the rest pages
+        assert (stats["state_slots_total"], stats["state_slots_running"]) == (10, 8)
+        assert llm.scheduler.max_num_seqs == 8 and stats["state_bytes_per_seq"] == state
         assert stats["state_pool_bytes"] + stats["kv_pool_bytes"] <= budget
         assert stats["kv_pool_bytes"] > budget - stats["state_pool_bytes"] - llm.runner.block_bytes
         (got,), _ = run_to_completion(llm, [PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0))

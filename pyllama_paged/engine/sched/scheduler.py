@@ -110,7 +110,10 @@ class Scheduler:
         if not (budget is None or budget == "auto" or (isinstance(budget, (int, float)) and budget > 0)):
             raise ValueError(f"itl_budget must be a number of seconds > 0, 'auto' or None, got {budget!r}")
         # a hybrid's sequences each hold a recurrent state slot (kv.states): no more run at once
-        self.state_slots = kv.states.num_slots if hasattr(kv, "states") else None
+        # than it keeps for sequences (the others hold prefix-cache checkpoints)
+        self.state_slots = getattr(kv, "running_slots", None)
+        # a hybrid's prefill chunks stop where a state checkpoint is worth saving
+        self._aligned_chunk = kv.aligned_chunk if getattr(kv, "checkpoints_on", False) else None
         self.step_cost = StepCostModel()
         self._last_shape = (0, 0)   # (decode tokens, prefill tokens) of the step last scheduled
         # prefill tokens the step last scheduled could still have taken (its token budget and,
@@ -236,6 +239,8 @@ class Scheduler:
         (halved until their pages fit, keeping the reserve while others run); 0 if none fit."""
         kv = self.kv
         n = min(len(seq.token_ids) - seq.kv.num_computed, budget)
+        if self._aligned_chunk is not None:
+            n = self._aligned_chunk(seq.kv.num_computed, n, len(seq.token_ids), seq.kv.handle)
         reserve = self.reserve_blocks if len(self.running) > 1 else 0
         while n > 0:
             place = seq.kv.num_computed + n - seq.kv.num_tokens

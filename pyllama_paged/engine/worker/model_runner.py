@@ -51,7 +51,8 @@ class ModelRunner:
     def __init__(self, model: Model, *, paged: bool = True, n_ctx: int = 4096, n_seq_max: int = 1,
                  n_threads: int = 2, n_batch: int = 512, block_size: int = 32,
                  kv_cache_type: str = "f16", num_blocks: int | None = None, kv_bytes: int | None = None,
-                 free_window_blocks: bool = True, attention: str = "kernel", state_slots: int | None = None):
+                 free_window_blocks: bool = True, attention: str = "kernel", state_slots: int | None = None,
+                 state_checkpoints: int = 0):
         if n_ctx < 1 or n_batch < 1 or n_seq_max < 1:
             raise PagedError("n_ctx, n_batch and n_seq_max must be >= 1")
         if paged and not 1 <= block_size <= 1024:
@@ -87,8 +88,11 @@ class ModelRunner:
         else:
             self.kv = SlabKV(n_seq_max, n_ctx)
         if cfg.is_hybrid:
-            # one slot per sequence that may run at once (state_slots: the caller's budget of them)
-            self.kv = HybridKV(self.kv, StatePool(model.native, state_slots or n_seq_max))
+            # one slot per sequence that may run at once (state_slots: the caller's budget of them),
+            # and state_checkpoints more for prefix-cache checkpoints (pages only)
+            checkpoints = state_checkpoints if paged else 0
+            self.kv = HybridKV(self.kv, StatePool(model.native, (state_slots or n_seq_max) + checkpoints),
+                               checkpoints)
         out = ffi.new("pp_kv_cache **")
         layer_group = ffi.new("int32_t[]", list(self.kv_groups.layer_group))
         check(lib.pp_kv_cache_create_grouped(model.native, KV_TYPES[kv_cache_type], self.kv.num_blocks,
@@ -184,7 +188,7 @@ class ModelRunner:
 
     def add_sequence(self, token_ids: Sequence[int]) -> SeqState:
         """Place a new sequence's tokens in the KV cache (prefix-cache hits are kept; a hybrid
-        takes none: its recurrent state at a cached prefix is not kept)."""
+        takes none here: add_sequence_cached finds its state checkpoints)."""
         if len(token_ids) > self.n_ctx:
             raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
         handle, cached = self.kv.create(token_ids)
