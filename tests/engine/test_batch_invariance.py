@@ -9,13 +9,9 @@ are mixed; the comparison is bitwise (pyllama_paged/testing/invariance.py)."""
 
 import pytest
 
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.spec.draft import SpeculativeConfig
-from pyllama_paged.engine.spec.verify import Speculator
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig, SpeculativeConfig
+from pyllama_paged.engine.spec_decode.verify import Speculator
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.testing.invariance import compare, random_workload, run_alone, run_workload
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.reference.tiny_gpt_oss import write_tiny_gpt_oss
@@ -51,10 +47,11 @@ def mixed_params(i: int, max_tokens: int = 10) -> SamplingParams:
 
 def engine_factory(model, *, threads=1, budget=512, blocks=400, mode="recompute", n_ctx=256, speculative=None):
     def make():
-        runner = ModelRunner(model, n_ctx=n_ctx, n_threads=threads, n_batch=budget, block_size=16, num_blocks=blocks)
+        runner = ModelRunner(model, EngineConfig(n_ctx=n_ctx, n_threads=threads, n_batch=budget, block_size=16,
+                                                 num_blocks=blocks))
         engine = LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
         if speculative is not None:
-            engine.speculator = Speculator(speculative)
+            engine.use_speculator(Speculator(speculative))
         return engine
     return make
 

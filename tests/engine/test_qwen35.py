@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
+from pyllama_paged.engine import EngineConfig
 from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.errors import NativeError, OutOfBlocksError, PagedError
@@ -62,7 +63,8 @@ def runner_for(path, **kw):
     """A ModelRunner (paged, 64 tokens of context unless kw says otherwise) on its own load of
     the file at path, both closed after the block."""
     model = Model(path, pack_panels=kw.pop("pack_panels", True))
-    runner = ModelRunner(model, **{**dict(paged=True, n_ctx=64, n_threads=2, n_batch=64, block_size=16), **kw})
+    runner = ModelRunner(model, EngineConfig(**{**dict(paged=True, n_ctx=64, n_threads=2, n_batch=64, block_size=16,
+                                                       state_checkpoints=0), **kw}))
     try:
         yield runner
     finally:

@@ -11,13 +11,8 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from pyllama_paged.engine.config import EngineConfig
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.spec.draft import SpeculativeConfig
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig, SpeculativeConfig
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
                                               assert_preempted_answers_agree, reference_next_logits,
                                               run_to_completion)
@@ -50,8 +45,8 @@ def answers(tiny):
 @contextmanager
 def engine(model, eot, num_blocks=200, mode="recompute", budget=64, state_slots=16, max_num_seqs=64):
     """An engine over its own runner of model, closed after the block."""
-    runner = ModelRunner(model, n_ctx=128, n_threads=2, n_batch=budget, block_size=16, num_blocks=num_blocks,
-                         state_slots=state_slots)
+    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=budget, block_size=16,
+                                             num_blocks=num_blocks, state_slots=state_slots, state_checkpoints=0))
     try:
         yield LLMEngine(runner, eot, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode,
                                                      max_num_seqs=max_num_seqs))
@@ -275,8 +270,8 @@ def test_alone_and_together_are_the_same_bits(tmp_path, arch, weight_type):
 
     def factory(threads, budget, blocks):
         def make():
-            runner = ModelRunner(model, n_ctx=256, n_threads=threads, n_batch=budget, block_size=16,
-                                 num_blocks=blocks, state_slots=24)
+            runner = ModelRunner(model, EngineConfig(n_ctx=256, n_threads=threads, n_batch=budget, block_size=16,
+                                                     num_blocks=blocks, state_slots=24, state_checkpoints=0))
             return LLMEngine(runner, {0}, SchedulerConfig(max_num_batched_tokens=budget))
         return make
 

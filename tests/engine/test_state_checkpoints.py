@@ -10,13 +10,9 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from pyllama_paged.engine.config import EngineConfig
+from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.kv.state_pool import split_budget
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.errors import PagedError
 from pyllama_paged.testing.agreement import (assert_greedy_agree, assert_preempted_answers_agree,
                                               reference_next_logits)
@@ -40,8 +36,8 @@ def tiny(request, tmp_path_factory):
 
 @contextmanager
 def runner_for(model, state_slots=1, state_checkpoints=1, num_blocks=64):
-    runner = ModelRunner(model, n_ctx=128, n_threads=2, n_batch=64, block_size=BS, num_blocks=num_blocks,
-                         state_slots=state_slots, state_checkpoints=state_checkpoints)
+    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=64, block_size=BS, num_blocks=num_blocks,
+                                             state_slots=state_slots, state_checkpoints=state_checkpoints))
     try:
         yield runner
     finally:
@@ -188,7 +184,7 @@ def test_slabs_and_zero_checkpoint_slots_take_no_hit(tiny):
         a, _ = computed(runner, PROMPTS[0], [32, 40])
         runner.free(a)
         assert runner.add_sequence_cached(PROMPTS[0]).num_computed == 0
-    runner = ModelRunner(model, paged=False, n_ctx=128, n_threads=2, state_slots=2, state_checkpoints=2)
+    runner = ModelRunner(model, EngineConfig(paged=False, n_ctx=128, n_threads=2, state_slots=2, state_checkpoints=2))
     try:
         assert not runner.kv.checkpoints_on and runner.kv.states.num_slots == 2
     finally:
@@ -228,8 +224,9 @@ def test_the_budget_pays_for_the_checkpoints():
 
 @contextmanager
 def engine(model, eot, state_checkpoints=2, state_slots=4, num_blocks=200, budget=64, mode="recompute"):
-    runner = ModelRunner(model, n_ctx=128, n_threads=2, n_batch=budget, block_size=BS, num_blocks=num_blocks,
-                         state_slots=state_slots, state_checkpoints=state_checkpoints)
+    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=budget, block_size=BS,
+                                             num_blocks=num_blocks, state_slots=state_slots,
+                                             state_checkpoints=state_checkpoints))
     try:
         yield LLMEngine(runner, eot, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
     finally:

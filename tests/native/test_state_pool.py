@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pyllama_paged._native import ffi, lib
+from pyllama_paged.engine import EngineConfig
 from pyllama_paged.engine.kv.state_pool import StatePool, state_bytes_per_sequence
 from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
@@ -100,7 +101,7 @@ def test_pools_only_for_hybrids_and_only_their_own_context(hybrid, tmp_path):
     other = Model(write_tiny_qwen35(tmp_path / "other.gguf"), pack_panels=False)
     try:
         with closing(StatePool(other.native, 1)) as pool, \
-                closing(ModelRunner(model, n_ctx=32, n_threads=1, n_batch=8, block_size=16)) as runner:
+                closing(ModelRunner(model, EngineConfig(n_ctx=32, n_threads=1, n_batch=8, block_size=16))) as runner:
             assert lib.pp_context_set_state_pool(runner._ctx, pool.native) == lib.PP_ERR_INVALID
             assert "another model" in ffi.string(lib.pp_last_error()).decode()
     finally:

@@ -43,6 +43,24 @@ def split_budget(budget: int, state_bytes: int, n_seq_max: int, max_num_seqs: in
     return total - checkpoints, checkpoints, left
 
 
+def hybrid_slots(config, state_bytes: int, budget: int, slab_bytes: int) -> tuple[int, int, int]:
+    """A hybrid's (running state slots, checkpoint slots, KV bytes left) for an EngineConfig
+    and its KV budget in bytes: config.state_slots if given (the budget then all KV), else
+    split_budget's, a budget derived from n_seq_max grown by those slots' states so those
+    sequences keep their KV; paged=False (no prefix cache, so no checkpoints) gives no more
+    slots than the slabs of slab_bytes the rest buys."""
+    checkpoints = config.state_checkpoints if config.paged else 0
+    if config.state_slots is not None:
+        return config.state_slots, checkpoints, budget
+    if not config.kv_budget_given:
+        budget += (config.n_seq_max + checkpoints) * state_bytes
+    running, checkpoints, budget = split_budget(budget, state_bytes, config.n_seq_max,
+                                                config.scheduler.max_num_seqs, checkpoints)
+    if not config.paged:
+        running = min(running, max(1, budget // slab_bytes))
+    return running, checkpoints, budget
+
+
 class StatePool(NativeHandle):
     """num_slots state slots for the native model model_native (which must outlive the pool)."""
 
