@@ -16,7 +16,6 @@ from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
                                               assert_preempted_answers_agree, reference_next_logits,
                                               run_to_completion)
-from pyllama_paged.testing.reference.hybrid_model import HybridReferenceModel
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
 
@@ -25,20 +24,9 @@ PROMPTS = [[int(x) for x in np.random.default_rng(30 + i).integers(4, 480, size=
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
-@pytest.fixture(scope="module", params=["qwen35", "qwen35moe"])
-def tiny(request, tmp_path_factory):
-    path = write_tiny_qwen35(tmp_path_factory.mktemp("hybrid") / f"{request.param}.gguf", request.param,
-                             weight_type="f16")
-    model = Model(path)
-    ref = HybridReferenceModel.from_gguf(path)
-    eot = {ref.eos_id}
-    yield model, ref, eot
-    model.close()
-
-
 @pytest.fixture(scope="module")
-def answers(tiny):
-    _, ref, _ = tiny
+def answers(tiny_hybrid):
+    _, ref, _ = tiny_hybrid
     return [ref.generate_greedy(p, GREEDY.max_tokens) for p in PROMPTS]
 
 
@@ -58,8 +46,8 @@ def assert_all_free(llm):
     assert llm.stats()["state_slots_used"] == 0 and llm.stats()["blocks_used"] == 0
 
 
-def test_eight_sequences_at_once_each_answer_as_alone_and_as_the_reference(tiny, answers):
-    model, ref, eot = tiny
+def test_eight_sequences_at_once_each_answer_as_alone_and_as_the_reference(tiny_hybrid, answers):
+    model, ref, eot = tiny_hybrid
     with engine(model, eot) as llm:
         got, _ = run_to_completion(llm, PROMPTS, GREEDY)
         assert llm.stats()["steps"] < sum(len(a) for a in answers)   # they ran together
@@ -72,28 +60,28 @@ def test_eight_sequences_at_once_each_answer_as_alone_and_as_the_reference(tiny,
             assert_greedy_agree(prompt, alone[0], together[0], logits_of, eot)
 
 
-def test_parallel_samples_fork_the_state(tiny):
+def test_parallel_samples_fork_the_state(tiny_hybrid):
     """n=3 greedy samples fork the prompt's sequence after its prefill: pages shared, the
     recurrent state copied; each continues as the reference does."""
-    model, ref, eot = tiny
+    model, ref, eot = tiny_hybrid
     with engine(model, eot) as llm:
         assert_forked_samples_agree(llm, PROMPTS[4], ref, eot)
         assert_all_free(llm)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_recomputes_and_keeps_the_reference_answers(tiny, answers, mode):
+def test_preemption_recomputes_and_keeps_the_reference_answers(tiny_hybrid, answers, mode):
     """A pool of 12 pages for prompts of 237 tokens: requests are preempted; a hybrid's are
     recomputed from their first token (a fresh, zeroed slot) even where swap is asked."""
-    model, ref, eot = tiny
+    model, ref, eot = tiny_hybrid
     with engine(model, eot, num_blocks=12, mode=mode) as llm:
         assert_preempted_answers_agree(llm, PROMPTS, GREEDY, ref, answers, eot)
         assert llm.scheduler.num_swaps == 0
         assert_all_free(llm)
 
 
-def test_an_abort_gives_the_slot_back(tiny):
-    model, _, eot = tiny
+def test_an_abort_gives_the_slot_back(tiny_hybrid):
+    model, _, eot = tiny_hybrid
     with engine(model, eot) as llm:
         req = llm.add_request(PROMPTS[7], SamplingParams(max_tokens=50, temperature=0))
         other = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=50, temperature=0))
@@ -106,10 +94,10 @@ def test_an_abort_gives_the_slot_back(tiny):
         assert_all_free(llm)
 
 
-def test_a_full_state_pool_queues_requests(tiny, answers):
+def test_a_full_state_pool_queues_requests(tiny_hybrid, answers):
     """Two state slots under a limit of eight sequences: at most two run at once, the rest wait
     for a slot, and every answer is still the reference's."""
-    model, ref, eot = tiny
+    model, ref, eot = tiny_hybrid
     with engine(model, eot, state_slots=2, max_num_seqs=8) as llm:
         requests = [llm.add_request(p, GREEDY) for p in PROMPTS[:5]]
         outputs = {r.request_id: [] for r in requests}
@@ -126,8 +114,8 @@ def test_a_full_state_pool_queues_requests(tiny, answers):
         assert_all_free(llm)
 
 
-def test_a_request_wider_than_the_state_pool_is_refused(tiny):
-    model, _, eot = tiny
+def test_a_request_wider_than_the_state_pool_is_refused(tiny_hybrid):
+    model, _, eot = tiny_hybrid
     with engine(model, eot, state_slots=2, max_num_seqs=8) as llm:
         wide = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.8, n=3))
         beams = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=4, beam_width=2))   # forks before pruning: 3
@@ -140,8 +128,8 @@ def test_a_request_wider_than_the_state_pool_is_refused(tiny):
         assert_all_free(llm)
 
 
-def test_beam_search_runs_within_its_slots(tiny):
-    model, _, eot = tiny
+def test_beam_search_runs_within_its_slots(tiny_hybrid):
+    model, _, eot = tiny_hybrid
     with engine(model, eot, state_slots=3, max_num_seqs=8) as llm:
         r = llm.add_request(PROMPTS[2], SamplingParams(max_tokens=5, beam_width=2))
         while llm.has_work():
@@ -151,11 +139,11 @@ def test_beam_search_runs_within_its_slots(tiny):
         assert_all_free(llm)
 
 
-def test_a_repeated_prompt_takes_no_prefix_cache_hit_without_checkpoints(tiny, answers):
+def test_a_repeated_prompt_takes_no_prefix_cache_hit_without_checkpoints(tiny_hybrid, answers):
     """The pages of a finished request stay cached, but with no checkpoint slots a hybrid's
     next request with the same prompt recomputes it (the state at the cached prefix is gone)
     and answers the same."""
-    model, ref, eot = tiny
+    model, ref, eot = tiny_hybrid
     with engine(model, eot) as llm:
         for _ in range(2):
             (got,), _ = run_to_completion(llm, [PROMPTS[6]], GREEDY)
@@ -163,8 +151,8 @@ def test_a_repeated_prompt_takes_no_prefix_cache_hit_without_checkpoints(tiny, a
         assert llm.stats()["prefix_cache_hits"] == 0 and llm.scheduler.prefix_queried_tokens > 0
 
 
-def test_the_kv_budget_pays_for_the_state_slots_and_speculation_is_off(tiny):
-    model, _, eot = tiny
+def test_the_kv_budget_pays_for_the_state_slots_and_speculation_is_off(tiny_hybrid):
+    model, _, eot = tiny_hybrid
     state = model_state_bytes(model)
     budget = 64 * state
     config = EngineConfig(model_path=model.path, n_ctx=128, n_threads=2, kv_bytes=budget, n_seq_max=2,
@@ -192,11 +180,11 @@ def model_state_bytes(model) -> int:
     return state_bytes_per_sequence(model.native)
 
 
-def test_prompt_logprobs_of_a_hybrid_are_the_references(tiny):
+def test_prompt_logprobs_of_a_hybrid_are_the_references(tiny_hybrid):
     """The direct scoring oracle (a fresh sequence, every position's logits) through the state slot."""
     from pyllama_paged.engine.prompt_logprobs import prompt_logprobs
 
-    model, ref, eot = tiny
+    model, ref, eot = tiny_hybrid
     with engine(model, eot) as llm:
         got = prompt_logprobs(llm.runner, PROMPTS[5])
         logits = ref.forward(PROMPTS[5])
@@ -208,10 +196,10 @@ def test_prompt_logprobs_of_a_hybrid_are_the_references(tiny):
         assert_all_free(llm)
 
 
-def test_a_hybrid_draft_model_is_refused(tiny, tmp_path):
+def test_a_hybrid_draft_model_is_refused(tiny_hybrid, tmp_path):
     from pyllama_paged.errors import PagedError
 
-    model, _, eot = tiny
+    model, _, eot = tiny_hybrid
     config = EngineConfig(model_path=model.path, n_ctx=128, n_threads=2,
                           speculative=SpeculativeConfig(method="draft_model", draft_model=model.path))
     with pytest.raises(PagedError, match="is a hybrid"):
@@ -219,7 +207,7 @@ def test_a_hybrid_draft_model_is_refused(tiny, tmp_path):
                                                                    n_vocab=model.config.n_vocab)), eot_ids=eot)
 
 
-def test_llama_api_and_http_server_answer_as_the_reference(tiny):
+def test_llama_api_and_http_server_answer_as_the_reference(tiny_hybrid):
     """Llama.generate gives the reference's greedy continuation; the same text comes back from
     Llama.create_completion, /v1/completions (the real openai client) and /api/generate of a
     real server."""
@@ -231,7 +219,7 @@ def test_llama_api_and_http_server_answer_as_the_reference(tiny):
     from pyllama_paged.api.llama import Llama
     from pyllama_paged.testing.serving import model_server
 
-    model, ref, eot = tiny
+    model, ref, eot = tiny_hybrid
     prompt = "The capital of France is"
     llm = Llama(model_path=model.path, n_ctx=128, n_threads=2, verbose=False)
     try:

@@ -10,28 +10,16 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
+from pyllama_paged.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.kv.state_pool import split_budget
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.errors import PagedError
 from pyllama_paged.testing.agreement import (assert_greedy_agree, assert_preempted_answers_agree,
                                               reference_next_logits)
-from pyllama_paged.testing.reference.hybrid_model import HybridReferenceModel
-from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
 
 BS = 16
 PROMPTS = [[int(x) for x in np.random.default_rng(70 + i).integers(4, 480, size=n)]
            for i, n in enumerate([40, 48, 33, 57, 21, 64, 45, 30])]
-
-
-@pytest.fixture(scope="module", params=["qwen35", "qwen35moe"])
-def tiny(request, tmp_path_factory):
-    path = write_tiny_qwen35(tmp_path_factory.mktemp("ckpt") / f"{request.param}.gguf", request.param,
-                             weight_type="f16")
-    model = Model(path)
-    ref = HybridReferenceModel.from_gguf(path)
-    yield model, ref, {ref.eos_id}
-    model.close()
 
 
 @contextmanager
@@ -63,8 +51,8 @@ def computed(runner, prompt, chunks):
 
 # ---- the runner: save, restore, give way --------------------------------------------------
 
-def test_a_restored_state_continues_as_the_computed_one(tiny):
-    model, ref, _ = tiny
+def test_a_restored_state_continues_as_the_computed_one(tiny_hybrid):
+    model, ref, _ = tiny_hybrid
     prompt = PROMPTS[0]
     with runner_for(model) as runner:
         kv = runner.kv
@@ -84,10 +72,10 @@ def test_a_restored_state_continues_as_the_computed_one(tiny):
         runner.free(c)
 
 
-def test_the_last_free_slot_takes_the_checkpoint_over(tiny):
+def test_the_last_free_slot_takes_the_checkpoint_over(tiny_hybrid):
     """One running slot and one for checkpoints, both taken (one by another sequence, one by
     the checkpoint): the new sequence takes the checkpoint's slot as its own state."""
-    model, _, _ = tiny
+    model, _, _ = tiny_hybrid
     prompt = PROMPTS[0]
     with runner_for(model) as runner:
         kv = runner.kv
@@ -102,8 +90,8 @@ def test_the_last_free_slot_takes_the_checkpoint_over(tiny):
         assert kv.states.num_free == kv.states.num_slots
 
 
-def test_a_sequence_takes_a_checkpoints_slot_when_none_is_free(tiny):
-    model, _, _ = tiny
+def test_a_sequence_takes_a_checkpoints_slot_when_none_is_free(tiny_hybrid):
+    model, _, _ = tiny_hybrid
     with runner_for(model) as runner:
         kv = runner.kv
         a, _ = computed(runner, PROMPTS[0], [32, 40])
@@ -116,11 +104,11 @@ def test_a_sequence_takes_a_checkpoints_slot_when_none_is_free(tiny):
             runner.free(s)
 
 
-def test_a_sequence_keeps_its_prompts_checkpoint_and_its_latest(tiny):
+def test_a_sequence_keeps_its_prompts_checkpoint_and_its_latest(tiny_hybrid):
     """Chunks ending at blocks 1 and 2, the prompt's last full block 2 (as the scheduler
     asks, aligned_chunk): that checkpoint stays; the decodes' at blocks 3 and 4 replace block
     1's and each other, so two slots hold what a finished request leaves."""
-    model, _, _ = tiny
+    model, _, _ = tiny_hybrid
     prompt = PROMPTS[5]   # 64 tokens
     with runner_for(model, state_checkpoints=2) as runner:
         kv = runner.kv
@@ -150,10 +138,10 @@ def test_a_sequence_keeps_its_prompts_checkpoint_and_its_latest(tiny):
         assert kv.checkpoint_saves == saves + 3 and kv.num_checkpoints == 1
 
 
-def test_a_hash_collision_never_restores_another_prefix(tiny):
+def test_a_hash_collision_never_restores_another_prefix(tiny_hybrid):
     """Block hashes cut to 1 bit: every block's key collides, the tokens kept with each
     checkpoint tell them apart."""
-    model, ref, _ = tiny
+    model, ref, _ = tiny_hybrid
     with runner_for(model) as runner:
         kv = runner.kv
         kv.pool.weaken_hash(1)
@@ -166,8 +154,8 @@ def test_a_hash_collision_never_restores_another_prefix(tiny):
         runner.free(b)
 
 
-def test_reset_prefix_cache_drops_every_checkpoint(tiny):
-    model, _, _ = tiny
+def test_reset_prefix_cache_drops_every_checkpoint(tiny_hybrid):
+    model, _, _ = tiny_hybrid
     with runner_for(model) as runner:
         a, _ = computed(runner, PROMPTS[0], [32, 40])
         runner.free(a)
@@ -177,8 +165,8 @@ def test_reset_prefix_cache_drops_every_checkpoint(tiny):
         assert b.num_computed == 40 and runner.kv.checkpoint_hits == 0
 
 
-def test_slabs_and_zero_checkpoint_slots_take_no_hit(tiny):
-    model, _, _ = tiny
+def test_slabs_and_zero_checkpoint_slots_take_no_hit(tiny_hybrid):
+    model, _, _ = tiny_hybrid
     with runner_for(model, state_checkpoints=0) as runner:
         assert not runner.kv.checkpoints_on and runner.kv.states.num_slots == 1
         a, _ = computed(runner, PROMPTS[0], [32, 40])
@@ -246,10 +234,10 @@ def generate(llm, prompt, max_tokens=12):
     return ids, logprobs
 
 
-def test_a_repeated_prompt_hits_its_prefill_checkpoint(tiny):
+def test_a_repeated_prompt_hits_its_prefill_checkpoint(tiny_hybrid):
     """The prefill of 48 tokens stops at 32 (the last block a later prompt can hit), which
     the second request restores: the same tokens and log-probability bits as without."""
-    model, ref, eot = tiny
+    model, ref, eot = tiny_hybrid
     prompt = PROMPTS[1]
     with engine(model, eot, state_checkpoints=0) as llm:
         want = generate(llm, prompt)
@@ -264,10 +252,10 @@ def test_a_repeated_prompt_hits_its_prefill_checkpoint(tiny):
     assert_greedy_agree(prompt, ref.generate_greedy(prompt, 12), want[0], reference_next_logits(ref), eot)
 
 
-def test_a_second_turn_resumes_at_the_first_answers_last_block(tiny):
+def test_a_second_turn_resumes_at_the_first_answers_last_block(tiny_hybrid):
     """Turn 1 (33 prompt tokens, 20 answered) leaves a decode checkpoint at 48; turn 2 (turn 1
     and its answer and 3 more tokens) resumes there."""
-    model, ref, eot = tiny
+    model, ref, eot = tiny_hybrid
     prompt = PROMPTS[2]
     with engine(model, eot) as llm:
         answer, _ = generate(llm, prompt, max_tokens=20)
@@ -279,10 +267,10 @@ def test_a_second_turn_resumes_at_the_first_answers_last_block(tiny):
     assert_greedy_agree(turn2, ref.generate_greedy(turn2, 12), got[0], reference_next_logits(ref), eot)
 
 
-def test_sequences_at_once_with_checkpoints_answer_as_the_reference(tiny):
+def test_sequences_at_once_with_checkpoints_answer_as_the_reference(tiny_hybrid):
     """Eight requests, four running slots and two checkpoint slots, every prompt twice:
     checkpoints come and go between sequences, every answer is the reference's."""
-    model, ref, eot = tiny
+    model, ref, eot = tiny_hybrid
     params = SamplingParams(max_tokens=8, temperature=0)
     prompts = PROMPTS[:4] * 2
     with engine(model, eot) as llm:
@@ -299,10 +287,10 @@ def test_sequences_at_once_with_checkpoints_answer_as_the_reference(tiny):
         assert_greedy_agree(p, ref.generate_greedy(p, 8), outs[r.request_id], logits_of, eot)
 
 
-def test_preempted_requests_resume_from_their_checkpoints(tiny):
+def test_preempted_requests_resume_from_their_checkpoints(tiny_hybrid):
     """Six prompts of two blocks, eight pages: decodes growing into a third block preempt
     requests, which recompute from the checkpoint their decode left at 32 tokens."""
-    model, ref, eot = tiny
+    model, ref, eot = tiny_hybrid
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[int(x) for x in np.random.default_rng(90 + i).integers(4, 480, size=n)]
                for i, n in enumerate([30, 29, 31, 28, 26, 30])]
@@ -313,8 +301,8 @@ def test_preempted_requests_resume_from_their_checkpoints(tiny):
         assert stats["state_slots_used"] == 0 and stats["state_checkpoint_hits"] > 0
 
 
-def test_from_config_keeps_two_checkpoint_slots(tiny):
-    model, _, eot = tiny
+def test_from_config_keeps_two_checkpoint_slots(tiny_hybrid):
+    model, _, eot = tiny_hybrid
     config = EngineConfig(model_path=model.path, n_ctx=128, n_threads=2, block_size=BS)
     llm = LLMEngine.from_config(config, model=model, eot_ids=eot)
     try:
