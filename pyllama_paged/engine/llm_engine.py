@@ -39,11 +39,9 @@ def _tiers_on(config: EngineConfig) -> bool:
 
 
 def _off_for_hybrids(config: EngineConfig) -> str:
-    """What config asks for that a hybrid runs without ("" for nothing): a rejected draft would
-    stay in the recurrent state, a prefix from a tier would come without the state at its end,
-    and swap's host copies hold pages, not states."""
-    off = [what for what, asked in (("speculative decoding is off", config.speculative is not None),
-                                     ("prefix tiers are off", _tiers_on(config)),
+    """What config asks for that a hybrid runs without ("" for nothing): a prefix from a tier
+    would come without the state at its end, and swap's host copies hold pages, not states."""
+    off = [what for what, asked in (("prefix tiers are off", _tiers_on(config)),
                                      ("preemption recomputes instead of swapping",
                                       config.scheduler.preemption_mode == "swap")) if asked]
     return ", ".join(off)
@@ -100,17 +98,15 @@ class LLMEngine:
             raise
         engine = cls(runner, eot_ids, config.scheduler)
         engine._owned_model = model if owned else None
-        if runner.hybrid:
-            off = _off_for_hybrids(config)
-            if off:
-                warnings.warn(f"{model.path}: {off} for a hybrid model (Gated DeltaNet layers: their recurrent "
-                              "state has no rollback or host copy yet)", UserWarning, stacklevel=2)
-            return engine
+        off = _off_for_hybrids(config) if runner.hybrid else ""
+        if off:
+            warnings.warn(f"{model.path}: {off} for a hybrid model (Gated DeltaNet layers: their recurrent "
+                          "state is neither in the tiers' blocks nor in swap's host copies)", UserWarning, stacklevel=2)
         try:   # a draft model (method draft_model) loads here, checked against the target
             if config.speculative is not None:
                 engine.use_speculator(Speculator(config.speculative,
                                                  drafter_for(config.speculative, model, runner, config)))
-            if _tiers_on(config):
+            if _tiers_on(config) and not runner.hybrid:
                 engine.use_prefix_tiers(config.prefix_tiers)
         except BaseException:
             engine.close()

@@ -3,8 +3,8 @@ beside its KV pages (engine/kv/state_pool.py's HybridKV). Concurrent sequences e
 the float64 reference does, n>1 samples fork the state with the pages, preemption (swap asked
 or not) recomputes, an abort or a finish gives the slot back, a full state pool queues
 requests and a request wider than the pool is refused; without checkpoint slots no
-prefix-cache hit is taken (test_state_checkpoints.py has them), speculative decoding and prefix tiers are off with a warning, and the KV budget in bytes pays
-for the slots."""
+prefix-cache hit is taken (test_state_checkpoints.py has them), prefix tiers and swap are off
+with a warning, and the KV budget in bytes pays for the slots."""
 
 from contextlib import contextmanager
 
@@ -151,19 +151,18 @@ def test_a_repeated_prompt_takes_no_prefix_cache_hit_without_checkpoints(tiny_hy
         assert llm.stats()["prefix_cache_hits"] == 0 and llm.scheduler.prefix_queried_tokens > 0
 
 
-def test_the_kv_budget_pays_for_the_state_slots_and_speculation_is_off(tiny_hybrid):
+def test_the_kv_budget_pays_for_the_state_slots(tiny_hybrid):
     model, _, eot = tiny_hybrid
     state = model_state_bytes(model)
     budget = 64 * state
     config = EngineConfig(model_path=model.path, n_ctx=128, n_threads=2, kv_bytes=budget, n_seq_max=2,
                           speculative=SpeculativeConfig(),
                           scheduler=SchedulerConfig(max_num_seqs=8, preemption_mode="swap"))
-    with pytest.warns(UserWarning, match="speculative decoding is off, preemption recomputes instead of swapping "
-                                         "for a hybrid model"):
+    with pytest.warns(UserWarning, match="preemption recomputes instead of swapping for a hybrid model"):
         llm = LLMEngine.from_config(config, model=model, eot_ids=eot)
     try:
         stats = llm.stats()
-        assert llm.speculator is None
+        assert llm.speculator is not None   # test_qwen35_speculative.py: its rollback
         # half of the budget may buy slots (at most max_num_seqs, and 2 for checkpoints), the rest pages
         assert (stats["state_slots_total"], stats["state_slots_running"]) == (10, 8)
         assert llm.scheduler.max_num_seqs == 8 and stats["state_bytes_per_seq"] == state

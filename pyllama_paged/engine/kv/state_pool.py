@@ -163,6 +163,8 @@ class HybridKV:
         # (handle, at its prompt's last full block) -> the key of the checkpoint it saved last so
         self._saved: dict[tuple[int, bool], int] = {}
         self._prompt_blocks: dict[int, int] = {}   # handle -> its prompt's full blocks a hit may reach
+        # handle -> its state before a speculative step's draft: a slot, or a host copy
+        self._held: dict[int, int | np.ndarray] = {}
         self.checkpoint_saves = 0         # checkpoints written
         self.checkpoint_hits = 0          # sequences that started from one
         self.checkpoint_hit_tokens = 0    # the tokens those did not compute
@@ -255,6 +257,7 @@ class HybridKV:
         return child
 
     def free(self, handle: int) -> None:
+        self.release_state(handle)
         self.kv.free(handle)
         self.states.free(self._slot.pop(handle))
         self._saved.pop((handle, False), None)
@@ -270,6 +273,35 @@ class HybridKV:
             return np.fromiter((self._slot[h] for h in np.asarray(handles).tolist()), np.int32, len(handles))
         except KeyError as e:
             raise PagedError(f"sequence {e.args[0]} holds no state slot") from None
+
+    # ---- speculative decoding: the state before a draft ----------------------------
+    def hold_state(self, handle: int) -> None:
+        """Keep handle's state as it is now, for roll_back_state after a step that may run
+        rejected draft tokens through it: in a free slot (a device copy), else on the host
+        (no checkpoint is given up for it)."""
+        self.release_state(handle)
+        slot = self._slot[handle]
+        if self.states.num_free > 0:
+            held = self.states.alloc()
+            self.states.copy(slot, held)
+            self._held[handle] = held
+        else:
+            self._held[handle] = self.states.read(slot)
+
+    def roll_back_state(self, handle: int) -> None:
+        """handle's state back to the one hold_state kept (which is then released)."""
+        held = self._held.pop(handle)
+        if isinstance(held, np.ndarray):
+            self.states.write(self._slot[handle], held)
+        else:
+            self.states.copy(held, self._slot[handle])
+            self.states.free(held)
+
+    def release_state(self, handle: int) -> None:
+        """Forget the state hold_state kept for handle, if any."""
+        held = self._held.pop(handle, None)
+        if held is not None and not isinstance(held, np.ndarray):
+            self.states.free(held)
 
     # ---- checkpoints -----------------------------------------------------------
     def aligned_chunk(self, num_computed: int, n: int, num_tokens: int, handle: int | None = None) -> int:
@@ -362,5 +394,6 @@ class HybridKV:
     def close(self) -> None:
         """The block pool and the state pool (the compute context that used them is gone)."""
         self._ckpt.clear()
+        self._held.clear()
         self.kv.close()
         self.states.close()
