@@ -18,6 +18,9 @@ from pyllama_paged.testing.agreement import (assert_greedy_agree, assert_preempt
                                               reference_next_logits)
 
 BS = 16
+# the checkpoints' bookkeeping does not depend on the layers: the MoE variant runs the tests
+# that compare logits and answers (a restored state, sequences at once, a repeated prompt)
+DENSE_ONLY = pytest.mark.parametrize("tiny_hybrid", ["qwen35"], indirect=True)
 PROMPTS = [[int(x) for x in np.random.default_rng(70 + i).integers(4, 480, size=n)]
            for i, n in enumerate([40, 48, 33, 57, 21, 64, 45, 30])]
 
@@ -72,6 +75,7 @@ def test_a_restored_state_continues_as_the_computed_one(tiny_hybrid):
         runner.free(c)
 
 
+@DENSE_ONLY
 def test_the_last_free_slot_takes_the_checkpoint_over(tiny_hybrid):
     """One running slot and one for checkpoints, both taken (one by another sequence, one by
     the checkpoint): the new sequence takes the checkpoint's slot as its own state."""
@@ -90,6 +94,7 @@ def test_the_last_free_slot_takes_the_checkpoint_over(tiny_hybrid):
         assert kv.states.num_free == kv.states.num_slots
 
 
+@DENSE_ONLY
 def test_a_sequence_takes_a_checkpoints_slot_when_none_is_free(tiny_hybrid):
     model, _, _ = tiny_hybrid
     with runner_for(model) as runner:
@@ -104,6 +109,7 @@ def test_a_sequence_takes_a_checkpoints_slot_when_none_is_free(tiny_hybrid):
             runner.free(s)
 
 
+@DENSE_ONLY
 def test_a_sequence_keeps_its_prompts_checkpoint_and_its_latest(tiny_hybrid):
     """Chunks ending at blocks 1 and 2, the prompt's last full block 2 (as the scheduler
     asks, aligned_chunk): that checkpoint stays; the decodes' at blocks 3 and 4 replace block
@@ -138,6 +144,7 @@ def test_a_sequence_keeps_its_prompts_checkpoint_and_its_latest(tiny_hybrid):
         assert kv.checkpoint_saves == saves + 3 and kv.num_checkpoints == 1
 
 
+@DENSE_ONLY
 def test_a_hash_collision_never_restores_another_prefix(tiny_hybrid):
     """Block hashes cut to 1 bit: every block's key collides, the tokens kept with each
     checkpoint tell them apart."""
@@ -154,6 +161,7 @@ def test_a_hash_collision_never_restores_another_prefix(tiny_hybrid):
         runner.free(b)
 
 
+@DENSE_ONLY
 def test_reset_prefix_cache_drops_every_checkpoint(tiny_hybrid):
     model, _, _ = tiny_hybrid
     with runner_for(model) as runner:
@@ -165,6 +173,7 @@ def test_reset_prefix_cache_drops_every_checkpoint(tiny_hybrid):
         assert b.num_computed == 40 and runner.kv.checkpoint_hits == 0
 
 
+@DENSE_ONLY
 def test_slabs_and_zero_checkpoint_slots_take_no_hit(tiny_hybrid):
     model, _, _ = tiny_hybrid
     with runner_for(model, state_checkpoints=0) as runner:
@@ -252,6 +261,7 @@ def test_a_repeated_prompt_hits_its_prefill_checkpoint(tiny_hybrid):
     assert_greedy_agree(prompt, ref.generate_greedy(prompt, 12), want[0], reference_next_logits(ref), eot)
 
 
+@DENSE_ONLY
 def test_a_second_turn_resumes_at_the_first_answers_last_block(tiny_hybrid):
     """Turn 1 (33 prompt tokens, 20 answered) leaves a decode checkpoint at 48; turn 2 (turn 1
     and its answer and 3 more tokens) resumes there."""
@@ -287,6 +297,7 @@ def test_sequences_at_once_with_checkpoints_answer_as_the_reference(tiny_hybrid)
         assert_greedy_agree(p, ref.generate_greedy(p, 8), outs[r.request_id], logits_of, eot)
 
 
+@DENSE_ONLY
 def test_preempted_requests_resume_from_their_checkpoints(tiny_hybrid):
     """Six prompts of two blocks, eight pages: decodes growing into a third block preempt
     requests, which recompute from the checkpoint their decode left at 32 tokens."""
@@ -301,6 +312,7 @@ def test_preempted_requests_resume_from_their_checkpoints(tiny_hybrid):
         assert stats["state_slots_used"] == 0 and stats["state_checkpoint_hits"] > 0
 
 
+@DENSE_ONLY
 def test_from_config_keeps_two_checkpoint_slots(tiny_hybrid):
     model, _, eot = tiny_hybrid
     config = EngineConfig(model_path=model.path, n_ctx=128, n_threads=2, block_size=BS)
