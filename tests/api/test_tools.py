@@ -208,6 +208,7 @@ def test_templates_without_tools_get_them_described(llm):
 
 
 @pytest.mark.parametrize("family,answer", [
+    ("qwen_xml", "<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>"),
     ("hermes", '<tool_call>\n{"name":"get_time","arguments":{"zone":"CET"}}\n</tool_call>'),
     ("llama3", '{"name":"get_time","parameters":{"zone":"CET"}}'),
     ("mistral", '[{"name":"get_time","arguments":{"zone":"CET"}}]'),
@@ -238,6 +239,7 @@ COUNT = {"type": "function", "function": {
 
 
 @pytest.mark.parametrize("family,prefix", [
+    ("qwen_xml", "<tool_call>\n<function=count>\n<parameter=n>\n"),
     ("hermes", '<tool_call>\n{"name":"count","arguments":{"n":'),
     ("llama3", '{"name":"count","parameters":{"n":1,"x":0.'),
     ("mistral", '[{"name":"count","arguments":{"n":'),

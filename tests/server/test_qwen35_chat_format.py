@@ -13,7 +13,7 @@ from pyllama_paged.server.generation import Limits
 from pyllama_paged.testing.scripted_gguf import QWEN35_TEMPLATE, scripted_tokenizer, write_scripted_model
 from pyllama_paged.testing.serving import model_server, wait_pool_empty
 from pyllama_paged.tokenizer.chat_template import ChatTemplate
-from pyllama_paged.tools.prompt import render_chat
+from pyllama_paged.tools.prompt import render_chat, tool_family
 
 THINKING = "The user wants the weather in Paris."
 XML_CALL = "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n"
@@ -74,6 +74,8 @@ def test_the_template_renders_an_earlier_call_as_xml():
     history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "get_weather", "arguments": ARGS}}]},
         {"role": "tool", "content": "Sunny"}]
-    prompt = str(render_chat(template, scripted_tokenizer(THINK_THEN_CALL, QWEN35_TEMPLATE), history, [WEATHER_TOOL]))
+    tokenizer = scripted_tokenizer(THINK_THEN_CALL, QWEN35_TEMPLATE)
+    assert tool_family(template, tokenizer) == "qwen_xml"   # a forced call is held to the XML
+    prompt = str(render_chat(template, tokenizer, history, [WEATHER_TOOL]))
     assert "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n" in prompt
     assert "<tool_response>\nSunny\n</tool_response>" in prompt and prompt.endswith("<|im_start|>assistant\n<think>\n")
