@@ -205,6 +205,9 @@ def test_aligned_chunks():
     assert kv.aligned_chunk(0, 33, 33) == 32
     with pytest.raises(PagedError, match="no state slot"):
         HybridKV(Pages(), States(), checkpoint_slots=3)
+    every = HybridKV(Pages(), States(), checkpoint_slots=1, checkpoint_every=2)   # and every 32 tokens
+    assert [every.aligned_chunk(c, 100 - c, 100) for c in (0, 32, 64, 96)] == [32, 32, 32, 4]
+    assert every.aligned_chunk(0, 20, 100) == 16
 
 
 def test_the_budget_pays_for_the_checkpoints():
@@ -310,6 +313,35 @@ def test_preempted_requests_resume_from_their_checkpoints(tiny_hybrid):
         assert_preempted_answers_agree(llm, prompts, params, ref, answers, eot)
         stats = llm.stats()
         assert stats["state_slots_used"] == 0 and stats["state_checkpoint_hits"] > 0
+
+
+@contextmanager
+def engine_every(model, eot, every):
+    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=64, block_size=BS, num_blocks=64,
+                                             state_slots=1, state_checkpoints=3, state_checkpoint_every=every))
+    try:
+        yield LLMEngine(runner, eot, SchedulerConfig(max_num_batched_tokens=64))
+    finally:
+        runner.close()
+
+
+@DENSE_ONLY
+def test_a_shared_system_prompt_hits_a_checkpoint_kept_every_n_blocks(tiny_hybrid):
+    """Two prompts sharing their first 40 tokens: with a checkpoint kept every 2 blocks of a
+    prefill the second restores the first's at 32 tokens; without, the first leaves only its
+    prompt's last block (48) and its answer's, which the second does not share."""
+    model, ref, eot = tiny_hybrid
+    first = PROMPTS[3]                       # 57 tokens
+    second = first[:40] + PROMPTS[4][:15]    # the same 40, then its own
+    for every, hit in ((2, 32), (0, 0)):
+        with engine_every(model, eot, every) as llm:
+            generate(llm, first, max_tokens=4)
+            got = generate(llm, second, max_tokens=8)
+            assert llm.scheduler.prefix_hit_tokens == hit
+            assert llm.stats()["state_checkpoint_hit_tokens"] == hit
+        assert_greedy_agree(second, ref.generate_greedy(second, 8), got[0], reference_next_logits(ref), eot)
+    with pytest.raises(PagedError, match="state_checkpoint_every must be >= 0"):
+        EngineConfig(state_checkpoint_every=-1)
 
 
 @DENSE_ONLY

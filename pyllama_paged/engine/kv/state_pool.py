@@ -148,7 +148,7 @@ class HybridKV:
     a sequence needs a slot. No KV events are reported: a router cannot see which prefixes
     have a checkpoint."""
 
-    def __init__(self, kv, states: StatePool, checkpoint_slots: int = 0):
+    def __init__(self, kv, states: StatePool, checkpoint_slots: int = 0, checkpoint_every: int = 0):
         if not 0 <= checkpoint_slots < states.num_slots:
             raise PagedError(f"{checkpoint_slots} checkpoint slots leave no state slot of {states.num_slots} "
                              "for a running sequence")
@@ -158,6 +158,9 @@ class HybridKV:
         # sequences that may hold a slot at once (the scheduler's limit): the rest are for checkpoints
         self.running_slots = states.num_slots - checkpoint_slots
         self.checkpoints_on = kv.paged and checkpoint_slots > 0
+        # a prefill also stops every this many blocks of its prompt, and keeps the checkpoint
+        # there (a long shared system prompt; 0: only the sequence's latest other one is kept)
+        self.checkpoint_every = checkpoint_every
         self._slot: dict[int, int] = {}   # handle -> state slot
         self._ckpt: OrderedDict[int, _Checkpoint] = OrderedDict()   # block hash -> checkpoint, LRU first
         # (handle, at its prompt's last full block) -> the key of the checkpoint it saved last so
@@ -319,6 +322,9 @@ class HybridKV:
             self._prompt_blocks[handle] = last // bs
         end = num_computed + n
         aligned = end // bs * bs if end < num_tokens else last
+        every = self.checkpoint_every * bs
+        if every and num_computed // every < last // every:   # a multiple of `every` before the last
+            aligned = min(aligned, (num_computed // every + 1) * every)
         return aligned - num_computed if aligned > num_computed else n
 
     def commit_batch(self, items: np.ndarray, item_pointer=None) -> None:
@@ -342,6 +348,9 @@ class HybridKV:
             return
         key = info.hash
         kind = (handle, self._prompt_blocks.get(handle) == blocks)
+        if self.checkpoint_every and blocks % self.checkpoint_every == 0 and \
+                blocks < self._prompt_blocks.get(handle, 0):
+            kind = None   # kept: replaced by none of the sequence's later ones
         old_key = self._saved.get(kind)
         old = self._ckpt.get(old_key) if old_key is not None else None
         if key in self._ckpt:   # the same prefix saved already (its state is the same)
@@ -357,7 +366,8 @@ class HybridKV:
         self.states.copy(self._slot[handle], slot)
         tokens = self.kv.pool.tokens(handle)[:blocks * self.kv.block_size].astype(np.int32, copy=True)
         self._ckpt[key] = _Checkpoint(slot, tokens)
-        self._saved[kind] = key
+        if kind is not None:
+            self._saved[kind] = key
         self.checkpoint_saves += 1
 
     def _spare_slot(self) -> int | None:

@@ -94,7 +94,8 @@ class ModelRunner:
         else:
             self.kv = SlabKV(max(1, budget // (n_ctx * dense_token_bytes)), n_ctx)
         if cfg.is_hybrid:   # a slot per sequence that may run at once, and the checkpoints'
-            self.kv = HybridKV(self.kv, StatePool(model.native, running + checkpoints), checkpoints)
+            self.kv = HybridKV(self.kv, StatePool(model.native, running + checkpoints), checkpoints,
+                               config.state_checkpoint_every)
         out = ffi.new("pp_kv_cache **")
         layer_group = ffi.new("int32_t[]", list(self.kv_groups.layer_group))
         check(lib.pp_kv_cache_create_grouped(model.native, KV_TYPES[kv_cache_type], self.kv.num_blocks,
