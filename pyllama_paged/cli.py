@@ -380,6 +380,12 @@ def cmd_info(args) -> int:
                      f"{full * per_group} (the {full * groups.layers_per_group} full-attention layers; "
                      f"the {groups.window_groups * groups.layers_per_group} sliding-window layers stop growing)")
         print(line)
+    if cfg.is_hybrid:
+        from .engine import state_bytes_per_sequence
+        n_linear = sum(cfg.layer_recurrent)
+        print(f"recurrent state per sequence: {state_bytes_per_sequence(model.native)} bytes (f32, its "
+              f"{n_linear} Gated DeltaNet layers; KV only in the {cfg.n_attention_layers} full-attention layers), "
+              "the same per prefix-cache checkpoint")
     from ._native import ffi, lib
     build = ffi.string(lib.pp_ggml_build_info()).decode()
     print(f"GGML: {build}")

@@ -336,10 +336,17 @@ enum pp_arch {
                              with bias, GELU, bidirectional attention; no KV cache */
     PP_ARCH_QWEN3MOE = 5, /* qwen3's attention; routed experts (softmax, top n_expert_used,
                              renormalised) instead of the dense FFN */
-    PP_ARCH_GPT_OSS  = 6  /* gpt-oss: q/k/v/o biases, a sink logit per head, sliding-window
+    PP_ARCH_GPT_OSS  = 6, /* gpt-oss: q/k/v/o biases, a sink logit per head, sliding-window
                              layers (layer_window), YaRN rope; routed experts with biases (top
                              n_expert_used router logits + bias, softmaxed among themselves)
                              and a clamped SwiGLU; post_attention_norm is the FFN's norm */
+    PP_ARCH_QWEN35   = 7, /* Qwen3.5/3.6 hybrid: Gated DeltaNet layers (layer_recurrent; their
+                             state lives in a pp_state_pool) and full-attention layers with a
+                             sigmoid output gate (attn_q holds query and gate per head), q/k
+                             norms and IMRoPE (rope_sections); post_attention_norm is the FFN's
+                             norm; a dense SwiGLU FFN */
+    PP_ARCH_QWEN35MOE = 8 /* qwen35's layers with qwen3moe's routed experts plus a shared expert
+                             (n_ff_shexp) scaled by sigmoid(ffn_gate_inp_shexp . x) */
 };
 
 /* Hyper-parameters, read from the GGUF metadata by the caller. */
@@ -378,6 +385,16 @@ typedef struct pp_model_hparams {
     float   yarn_beta_slow;      /* llama.cpp); both > 0, fast > slow, when ext_factor != 0 */
     int32_t n_ctx_orig_yarn;     /* the context YaRN stretches (rope.scaling.original_context_length);
                                     0 = n_ctx_train */
+    /* Gated DeltaNet hybrids (PP_ARCH_QWEN35, PP_ARCH_QWEN35MOE; 0 and NULL for the others).
+     * rope_type is then 40 (GGML_ROPE_TYPE_IMROPE). */
+    const int32_t *layer_recurrent; /* n_layer entries: 1 = a Gated DeltaNet layer, 0 = full attention;
+                                       copied at pp_model_create; at least one of each */
+    int32_t ssm_d_conv;          /* the short convolution's kernel, 2..64 (ssm.conv_kernel) */
+    int32_t ssm_d_state;         /* each linear head's key and value size S (ssm.state_size) */
+    int32_t ssm_n_group;         /* query/key heads H_k of a linear layer (ssm.group_count) */
+    int32_t ssm_dt_rank;         /* value heads H_v (ssm.time_step_rank), a multiple of H_k */
+    int32_t rope_sections[4];    /* IMRoPE's sections of rotary pairs (rope.dimension_sections) */
+    int32_t n_ff_shexp;          /* the shared expert's width (PP_ARCH_QWEN35MOE) */
 } pp_model_hparams;
 
 typedef struct pp_model pp_model;
@@ -462,7 +479,8 @@ int32_t pp_device_get(int32_t index, pp_device_info *out);
  * A head larger than the device takes in one tensor (ask
  * pp_model_layer_device) stays on the CPU. n_layers = 0 and
  * offload_output = 0 do nothing and succeed.
- * PP_ERR_INVALID: an unknown device, the CPU device, an encoder-only model,
+ * PP_ERR_INVALID: an unknown device, the CPU device, an encoder-only model, a hybrid
+ * (Gated DeltaNet layers: their state pool is in host memory),
  * a second call, a call after packing/repacking, or a layer weight the
  * device cannot hold in one tensor. PP_ERR_NO_MEMORY: the
  * device cannot hold the weights (the message gives the size); the model is
@@ -565,7 +583,8 @@ typedef struct pp_kv_cache pp_kv_cache;
 /* K and V pools of num_blocks * block_size token rows, of kv_type (a
  * ggml_type: F16, Q8_0 or Q4_0), for the block pool of the same shape
  * (pp_pool_create_grouped). Layer il belongs to group layer_group[il]
- * (n_layer entries, copied; all 0 for an ungrouped pool, n_groups 1), every
+ * (n_layer entries, copied; all 0 for an ungrouped pool, n_groups 1; a hybrid's
+ * recurrent layers keep no K/V, and their entries are ignored), every
  * group has the same number of layers L, and the cache holds L K and L V
  * tensors of num_blocks * block_size rows: the i-th layer of every group
  * shares the i-th tensor, each physical block holding the group it was taken
@@ -585,12 +604,12 @@ int32_t pp_kv_cache_create_grouped(const pp_model *model, int32_t kv_type, int32
 
 void pp_kv_cache_destroy(pp_kv_cache *cache);
 
-/* Bytes of K plus V one token occupies across all layers (without freeing).
+/* Bytes of K plus V one token occupies across all attention layers (without freeing).
  * A size, not a status: 0 for a NULL cache. */
 int64_t pp_kv_cache_bytes_per_token(const pp_kv_cache *cache);
 
 /* Bytes of K plus V one slot of a block holds: one token of one group
- * (all layers for an ungrouped cache). A block is block_size slots. A size,
+ * (all attention layers for an ungrouped cache). A block is block_size slots. A size,
  * not a status: 0 for a NULL cache. */
 int64_t pp_kv_cache_bytes_per_slot(const pp_kv_cache *cache);
 
@@ -664,6 +683,12 @@ typedef struct pp_batch {
     int32_t        n_embd_rows;
     const int32_t *embd_rows;
     const float   *embd;
+    /* Hybrid models: state_slots[s] is the slot of sequence row s in the context's state pool
+     * (pp_context_set_state_pool), n_seqs distinct slots, each taken. The step reads each
+     * sequence's recurrent state there and writes the state after its last token back in
+     * the same computation; a sequence whose first token is at position 0 must come with a
+     * zeroed slot (pp_state_pool_alloc, pp_state_pool_zero). NULL for other models. */
+    const int32_t *state_slots;
 } pp_batch;
 
 typedef struct pp_context pp_context;
@@ -692,12 +717,16 @@ int32_t pp_context_set_threads(pp_context *ctx, int32_t n_threads);
  * batch->hidden the hidden rows asked for (see pp_batch). logits may be NULL:
  * the rows are then read in place with pp_context_step_logits (no copy).
  * PP_ERR_INVALID (nothing computed, cache untouched) for a malformed batch:
- * out-of-range ids, slots, positions or sequence indices.
+ * out-of-range ids, slots, positions or sequence indices; for a hybrid model
+ * also no state pool, or state_slots missing, not taken or repeated; or its
+ * runs changing length more than 128 times (order the sequences by length).
  * PP_ERR_NO_MEMORY (nothing computed) if the step's buffers cannot be had.
  * PP_ERR_COMPUTE if the computation started and failed or was aborted
  * (pp_context_abort): logits are undefined, and so are the KV rows of the
- * batch's slots, which the caller must treat as not computed. Blocks outside
- * the slot mapping (a shared prefix, cached blocks) are never written.
+ * batch's slots, which the caller must treat as not computed, and a hybrid's
+ * state slots of the batch's sequences (recompute them from their first
+ * token). Blocks outside the slot mapping (a shared prefix, cached blocks)
+ * and state slots of sequences outside the batch are never written.
  * The step allocates no memory of its own beyond what GGML's graph allocator
  * reserved: the attention kernel's tiles are made with the context. */
 int32_t pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);
@@ -775,6 +804,63 @@ int32_t pp_context_abort(pp_context *ctx);
  * count, PP_ERR_NO_MEMORY if the room cannot be had (the context keeps
  * what it had and stays usable). */
 int32_t pp_context_reserve_loras(pp_context *ctx, int32_t max_loras);
+/* ---- recurrent state pool (hybrid models) -------------------------------- */
+
+/* A Gated DeltaNet layer keeps a fixed-size state per sequence instead of KV rows: the last
+ * ssm_d_conv - 1 inputs of its convolution and a delta-rule matrix per value head. A state
+ * pool holds num_slots such states, one slot per running sequence, all of the model's linear
+ * layers in f32: it lives beside the block pool and is budgeted with it (bytes_per_slot). A
+ * slot's bytes, as pp_state_pool_read gives them: for each linear layer in order, its
+ * convolution state [(d_conv - 1) x channels] (the inputs oldest first, a row of d_conv - 1
+ * per channel; channels are q, k then v, as attn_qkv's rows), then its delta-rule state
+ * [S x S x H_v] (per value head, a row of S per value dimension, the key index fastest). */
+typedef struct pp_state_pool pp_state_pool;
+
+/* Bytes of one sequence's recurrent state under model (0 for a model without recurrent
+ * layers or NULL). A size, not a status. */
+int64_t pp_model_state_bytes(const pp_model *model);
+
+/* A pool of num_slots zeroed, free state slots for a hybrid model (borrowed; it must
+ * outlive the pool), in host memory. PP_ERR_INVALID for a model without recurrent layers
+ * or num_slots outside 1..1048576, PP_ERR_NO_MEMORY if the bytes cannot be had. */
+int32_t pp_state_pool_create(const pp_model *model, int32_t num_slots, pp_state_pool **out);
+
+/* Destroy a pool. NULL is accepted. Contexts using it must be destroyed (or given another
+ * pool) first. */
+void pp_state_pool_destroy(pp_state_pool *pool);
+
+/* Take a free slot (the lowest id), zeroed: the state of a sequence with no token yet, into
+ * *slot. PP_ERR_OUT_OF_BLOCKS when every slot is taken (nothing changes): free a slot, or
+ * queue the sequence. */
+int32_t pp_state_pool_alloc(pp_state_pool *pool, int32_t *slot);
+
+/* Give a taken slot back. PP_ERR_INVALID for a slot out of range or not taken. */
+int32_t pp_state_pool_free(pp_state_pool *pool, int32_t slot);
+
+/* Copy taken slot src's state over taken slot dst (a fork: the child continues where the
+ * parent is). PP_ERR_INVALID for a slot out of range or not taken, or src == dst. */
+int32_t pp_state_pool_copy(pp_state_pool *pool, int32_t src, int32_t dst);
+
+/* Zero a taken slot: its sequence starts again from its first token (recompute after
+ * preemption). PP_ERR_INVALID for a slot out of range or not taken. */
+int32_t pp_state_pool_zero(pp_state_pool *pool, int32_t slot);
+
+/* Copy a taken slot's state out to host memory dst (pp_state_pool_bytes_per_slot bytes, the
+ * layout above; the caller's), or in from src: swap and tests. PP_ERR_INVALID for a slot out
+ * of range or not taken, or a NULL buffer. */
+int32_t pp_state_pool_read(const pp_state_pool *pool, int32_t slot, void *dst);
+int32_t pp_state_pool_write(pp_state_pool *pool, int32_t slot, const void *src);
+
+/* Sizes and counts, not statuses: 0 for a NULL pool. */
+int64_t pp_state_pool_bytes_per_slot(const pp_state_pool *pool);
+int32_t pp_state_pool_num_slots(const pp_state_pool *pool);
+int32_t pp_state_pool_num_free(const pp_state_pool *pool);
+
+/* Give a context the state pool its steps read and write (borrowed: it must outlive the
+ * context or be replaced first); a hybrid model's context decodes nothing without one.
+ * PP_ERR_INVALID for a pool made for another model, or a pool for a model without
+ * recurrent layers. */
+int32_t pp_context_set_state_pool(pp_context *ctx, pp_state_pool *pool);
 
 /* ---- encoder (embedding models) ----------------------------------------- */
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import warnings
+
 import numpy as np
 
 from .config import EngineConfig
@@ -17,7 +19,7 @@ from .worker.devices import device_kv_budget
 from .worker.model import Model, load_model
 from .worker.model_runner import ModelRunner, dense_kv_bytes_per_token
 from .outputs import RequestOutput
-from ..errors import PagedError, RequestError
+from ..errors import ModelLoadError, PagedError, RequestError
 from .worker.sampler import BatchSampler, Sampler
 from .params import EmbedParams, LoraRequest, SamplingParams, ScoreParams
 from .worker.lora import LoraAdapter
@@ -30,6 +32,20 @@ from .spec_decode.verify import Speculator
 from .spec_decode.draft_model import drafter_for
 from .sched.request import Request, RequestStatus, Sequence
 from ..tokenizer.tokenizer import Tokenizer
+
+
+def _tiers_on(config: EngineConfig) -> bool:
+    """Whether config asks for prefix tiers below the pool."""
+    return config.prefix_tiers is not None and config.prefix_tiers.enabled and config.paged
+
+
+def _off_for_hybrids(config: EngineConfig) -> str:
+    """What config asks for that a hybrid runs without ("" for nothing): a prefix from a tier
+    would come without the state at its end, and swap's host copies hold pages, not states."""
+    off = [what for what, asked in (("prefix tiers are off", _tiers_on(config)),
+                                     ("preemption recomputes instead of swapping",
+                                      config.scheduler.preemption_mode == "swap")) if asked]
+    return ", ".join(off)
 
 
 def runner_config(config: EngineConfig, model: Model) -> EngineConfig:
@@ -85,11 +101,15 @@ class LLMEngine:
             raise
         engine = cls(runner, eot_ids, config.scheduler)
         engine._owned_model = model if owned else None
+        off = _off_for_hybrids(config) if runner.hybrid else ""
+        if off:
+            warnings.warn(f"{model.path}: {off} for a hybrid model (Gated DeltaNet layers: their recurrent "
+                          "state is neither in the tiers' blocks nor in swap's host copies)", UserWarning, stacklevel=2)
         try:   # a draft model (method draft_model) loads here, checked against the target
             if config.speculative is not None:
                 engine.use_speculator(Speculator(config.speculative,
                                                  drafter_for(config.speculative, model, runner, config)))
-            if config.prefix_tiers is not None and config.prefix_tiers.enabled and config.paged:
+            if _tiers_on(config) and not runner.hybrid:
                 engine.use_prefix_tiers(config.prefix_tiers)
         except BaseException:
             engine.close()
@@ -154,6 +174,9 @@ class LLMEngine:
             raise RequestError("a LoRA adapter needs a non-empty name")
         if name in self.loras:
             raise RequestError(f"a LoRA adapter named {name!r} is already loaded")
+        if self.runner.hybrid:   # the state checkpoints and the delta-rule layers know no adapters yet
+            raise ModelLoadError(f"{path}: LoRA adapters are not supported on hybrid models "
+                                 f"({self.runner.model.config.arch}) yet")
         adapter = LoraAdapter(self.runner.model, path)
         self.loras[name] = adapter
         return adapter
@@ -383,6 +406,14 @@ class LLMEngine:
             s.update(self.tiers.stats(), prefix_tier_hits=self.scheduler.tier_hit_tokens)
         s.update(kv_pool_bytes=self.runner.kv_pool_bytes,
                  kv_bytes_per_token_dense=self.runner.kv_bytes_per_token)
+        if self.runner.hybrid:   # the recurrent state slots, out of the same budget
+            hkv, states = self.runner.kv, self.runner.state_pool
+            s.update(state_slots_total=states.num_slots, state_slots_running=hkv.running_slots,
+                     state_slots_used=states.num_slots - states.num_free - hkv.num_checkpoints,
+                     state_bytes_per_seq=states.bytes_per_slot, state_pool_bytes=states.pool_bytes,
+                     state_checkpoints=hkv.num_checkpoints, state_checkpoint_saves=hkv.checkpoint_saves,
+                     state_checkpoint_hits=hkv.checkpoint_hits,
+                     state_checkpoint_hit_tokens=hkv.checkpoint_hit_tokens)
         if kv.paged:
             ps = kv.pool.stats()
             s.update(block_size=kv.block_size, blocks_total=ps.num_blocks, blocks_free=ps.num_free,

@@ -1,5 +1,6 @@
 """A random-weight GGUF the size of a model people run (Llama 3.2 1B/3B, Qwen 2.5 1.5B,
-Gemma 3 4B, Qwen3-30B-A3B, gpt-oss-20b, or the 1.6B Gemma 3 the benchmarks have long used),
+Gemma 3 4B, Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-9B, Qwen3.6-35B-A3B, or the 1.6B Gemma 3 the
+benchmarks have long used),
 quantized like Q4_K_M (gpt-oss: like its release, MXFP4 experts and Q8_0 elsewhere), for
 benchmarks where weight and KV bytes and prompt lengths must be realistic.
 
@@ -59,7 +60,9 @@ def q4_k_m_type(name: str, n_layer: int, tied: bool) -> str:
     """The type llama.cpp's Q4_K_M gives weight matrix `name`: "Q6_K" or "Q4_K"."""
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         return "Q6_K"
-    more = (".attn_v.weight", ".ffn_down.weight", ".ffn_down_exps.weight")
+    # a hybrid's attn_qkv (the linear layers' q/k/v) is counted with attn_v, as llama-quantize does
+    more = (".attn_v.weight", ".attn_qkv.weight", ".ffn_down.weight", ".ffn_down_exps.weight",
+            ".ffn_down_shexp.weight")
     if name.endswith(more) and more_bits(int(name.split(".")[1]), n_layer):
         return "Q6_K"
     return "Q4_K"
@@ -131,10 +134,11 @@ def _add_hparams(w, p: presets.Preset, meta: dict | None, n_vocab: int) -> None:
     w.add_context_length(pick(p.context_length, "context_length", int))
     w.add_embedding_length(p.n_embd)
     w.add_block_count(p.n_layer)
-    w.add_feed_forward_length(p.n_ff)
+    if p.arch != "qwen35moe":   # Qwen3.6-35B-A3B's config has no dense width, so its file no key
+        w.add_feed_forward_length(p.n_ff)
     w.add_head_count(p.n_head)
     w.add_head_count_kv(p.n_head_kv)
-    if p.arch in ("gemma3", "qwen3moe", "gpt-oss") or p.q_dim != p.n_embd:
+    if p.arch in ("gemma3", "qwen3moe", "gpt-oss") or p.hybrid or p.q_dim != p.n_embd:
         w.add_key_length(p.head_dim)
         w.add_value_length(p.head_dim)
     w.add_layer_norm_rms_eps(pick(p.rms_eps, "attention.layer_norm_rms_epsilon", float))
@@ -155,6 +159,22 @@ def _add_hparams(w, p: presets.Preset, meta: dict | None, n_vocab: int) -> None:
         w.add_expert_count(p.n_expert)
         w.add_expert_used_count(p.n_expert_used)
         w.add_expert_feed_forward_length(p.n_ff_exp)
+    if p.hybrid:
+        _add_hybrid_hparams(w, p)
+
+
+def _add_hybrid_hparams(w, p: presets.Preset) -> None:
+    """A Gated DeltaNet hybrid's keys, as llama.cpp's converter writes Qwen3.5's."""
+    if p.n_ff_shexp:
+        w.add_expert_shared_feed_forward_length(p.n_ff_shexp)
+    w.add_rope_dimension_sections(list(p.rope_sections))
+    w.add_ssm_conv_kernel(p.ssm_d_conv)
+    w.add_ssm_state_size(p.ssm_d_state)
+    w.add_ssm_group_count(p.ssm_n_group)
+    w.add_ssm_time_step_rank(p.ssm_dt_rank)
+    w.add_ssm_inner_size(p.ssm_dt_rank * p.ssm_d_state)
+    w.add_full_attention_interval(p.full_attention_interval)
+    w.add_rope_dimension_count(p.n_rot)
 
 
 class _Tensors:
@@ -224,6 +244,10 @@ def _add_tensors(t: _Tensors, n_vocab: int) -> None:
         for il in range(p.n_layer):
             _add_gpt_oss_layer(t, f"blk.{il}.", kv_dim, in_std)
         return
+    if p.hybrid:
+        for il in range(p.n_layer):
+            _add_hybrid_layer(t, il, kv_dim, in_std)
+        return
     for il in range(p.n_layer):
         b = f"blk.{il}."
         t.vector(b + "attn_norm.weight", p.n_embd, 1.0, 0.1)
@@ -272,6 +296,46 @@ def _add_gpt_oss_layer(t: _Tensors, b: str, kv_dim: int, in_std: float) -> None:
                               ("ffn_down_exps", p.n_embd, p.n_ff_exp)):
         t.matrix(b + name + ".weight", n_out, n_in, 1.0 / np.sqrt(n_in), p.n_expert)
         t.float_matrix(b + name + ".bias", p.n_expert, n_out, 0.1)
+
+
+def _add_hybrid_layer(t: _Tensors, il: int, kv_dim: int, in_std: float) -> None:
+    """A Qwen3.5 layer as llama.cpp's converter writes it: a Gated DeltaNet mixer (F32 kernel,
+    decay and bias) or a full-attention one whose query is twice as wide (query and output gate),
+    post_attention_norm as the FFN's norm, a dense FFN or experts with a gated shared expert."""
+    p, b = t.p, f"blk.{il}."
+    t.vector(b + "attn_norm.weight", p.n_embd, 1.0, 0.1)
+    if (il + 1) % p.full_attention_interval:
+        key_dim, value_dim = p.ssm_n_group * p.ssm_d_state, p.ssm_dt_rank * p.ssm_d_state
+        t.matrix(b + "attn_qkv.weight", 2 * key_dim + value_dim, p.n_embd, in_std)
+        t.matrix(b + "attn_gate.weight", value_dim, p.n_embd, in_std)
+        t.float_matrix(b + "ssm_conv1d.weight", 2 * key_dim + value_dim, p.ssm_d_conv, 0.5)
+        t.vector(b + "ssm_dt.bias", p.ssm_dt_rank, -3.0, 0.5)   # softplus(-3) = 0.05
+        t.vector(b + "ssm_a", p.ssm_dt_rank, -2.0, 0.5)         # -exp(A_log)
+        t.matrix(b + "ssm_beta.weight", p.ssm_dt_rank, p.n_embd, in_std)
+        t.matrix(b + "ssm_alpha.weight", p.ssm_dt_rank, p.n_embd, in_std)
+        t.vector(b + "ssm_norm.weight", p.ssm_d_state, 1.0, 0.1)
+        t.matrix(b + "ssm_out.weight", p.n_embd, value_dim, 1.0 / np.sqrt(value_dim))
+    else:
+        t.matrix(b + "attn_q.weight", 2 * p.q_dim, p.n_embd, in_std)
+        t.matrix(b + "attn_k.weight", kv_dim, p.n_embd, in_std)
+        t.matrix(b + "attn_v.weight", kv_dim, p.n_embd, in_std)
+        t.vector(b + "attn_q_norm.weight", p.head_dim, 1.0, 0.1)
+        t.vector(b + "attn_k_norm.weight", p.head_dim, 1.0, 0.1)
+        t.matrix(b + "attn_output.weight", p.n_embd, p.q_dim, 1.0 / np.sqrt(p.q_dim))
+    t.vector(b + "post_attention_norm.weight", p.n_embd, 1.0, 0.1)
+    if not p.n_expert:
+        t.matrix(b + "ffn_gate.weight", p.n_ff, p.n_embd, in_std)
+        t.matrix(b + "ffn_up.weight", p.n_ff, p.n_embd, in_std)
+        t.matrix(b + "ffn_down.weight", p.n_embd, p.n_ff, 1.0 / np.sqrt(p.n_ff))
+        return
+    t.float_matrix(b + "ffn_gate_inp.weight", p.n_expert, p.n_embd, in_std)
+    t.matrix(b + "ffn_gate_exps.weight", p.n_ff_exp, p.n_embd, in_std, p.n_expert)
+    t.matrix(b + "ffn_up_exps.weight", p.n_ff_exp, p.n_embd, in_std, p.n_expert)
+    t.matrix(b + "ffn_down_exps.weight", p.n_embd, p.n_ff_exp, 1.0 / np.sqrt(p.n_ff_exp), p.n_expert)
+    t.float_matrix(b + "ffn_gate_inp_shexp.weight", 1, p.n_embd, in_std)
+    t.matrix(b + "ffn_gate_shexp.weight", p.n_ff_shexp, p.n_embd, in_std)
+    t.matrix(b + "ffn_up_shexp.weight", p.n_ff_shexp, p.n_embd, in_std)
+    t.matrix(b + "ffn_down_shexp.weight", p.n_embd, p.n_ff_shexp, 1.0 / np.sqrt(p.n_ff_shexp))
 
 
 def write(out: Path, preset: str | presets.Preset = presets.DEFAULT, *, seed: int = 0,

@@ -17,6 +17,7 @@ MARKUP = {
     "qwen2": (["<|im_start|>", "<|im_end|>"], None),
     "source": (["<start_of_turn>", "<end_of_turn>"], "<bos>"),
     "gpt-oss": (["<|start|>", "<|message|>", "<|end|>"], None),
+    "qwen35": (["<|im_start|>", "<|im_end|>"], None),
 }
 GGML_Q4_K, GGML_Q6_K, GGML_F32, GGML_Q8_0, GGML_MXFP4 = 12, 14, 0, 8, 39
 # how long each family's chat prompt for MESSAGES may be (harmony's template says more)
@@ -39,6 +40,9 @@ def test_shrinking_keeps_what_tests_can_check(small):
            (full.arch, full.tokenizer, full.n_vocab, full.head_dim, full.tied)
     assert preset.n_head // preset.n_head_kv == full.n_head // full.n_head_kv
     assert info["n_layer"] == 2 and info["n_embd"] % 256 == 0 and info["n_ff"] == 512
+    if full.hybrid:   # a linear layer, then a full-attention one
+        assert preset.full_attention_interval == 2 and preset.ssm_d_state == full.ssm_d_state
+        assert preset.ssm_dt_rank // preset.ssm_n_group == full.ssm_dt_rank // full.ssm_n_group
     assert info["n_vocab"] == (full.n_vocab or 262144)
 
 
@@ -50,12 +54,16 @@ def test_the_type_mix_is_q4_k_m(small):
     # the head in Q6_K: the embedding when tied, else output.weight (the embedding then in Q4_K)
     head = "token_embd.weight" if preset.tied else "output.weight"
     assert ("output.weight" in types) == (not preset.tied) and types[head] == GGML_Q6_K
-    # two layers: only layer 1 (the last eighth) keeps attn_v and ffn_down(_exps) in Q6_K; an
-    # expert router is never quantized
+    # two layers: only layer 1 (the last eighth) keeps attn_v and ffn_down(_exps, _shexp) in
+    # Q6_K; an expert router, the shared expert's gate row and the linear layers' kernel, decay
+    # and bias are never quantized
+    more_bits = ("blk.1.",)
     for name, ttype in types.items():
-        if name.endswith(("norm.weight", ".bias", "rope_freqs.weight", "ffn_gate_inp.weight")):
+        if name.endswith(("norm.weight", ".bias", "rope_freqs.weight", "ffn_gate_inp.weight",
+                          "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight", ".ssm_a")):
             assert ttype == GGML_F32, name
-        elif name.startswith("blk.1.") and name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
+        elif name.startswith(more_bits) and name.endswith(("attn_v.weight", "attn_qkv.weight", "ffn_down.weight",
+                                                           "ffn_down_exps.weight", "ffn_down_shexp.weight")):
             assert ttype == GGML_Q6_K, name
         elif name != head:
             assert ttype == GGML_Q4_K, name

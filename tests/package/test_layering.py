@@ -72,6 +72,7 @@ LAYERS = [
     ["server.scale_out.ray_app"],
     # what tests and benchmarks share (oracles, harnesses, a server runner): above all it checks
     ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.tiny_gpt_oss",
+     "testing.reference.delta_net", "testing.reference.hybrid_model", "testing.reference.tiny_qwen35",
      "testing.reference.sampling_reference",
      "testing.reference.bert_reference", "testing.reference.tiny_bert", "testing.reference.tiny_reranker",
      "testing.reference.tiny_mmproj", "testing.reference.vision_reference",

@@ -62,17 +62,10 @@ struct ggml_tensor *pp_matmul(struct ggml_context *ctx, struct ggml_tensor *w, s
     return matmul(ctx, w, x);
 }
 
-/* The quantized columns of the last input a panel GEMM read: q, k and v
- * (gate and up) share one quantize op. */
-typedef struct panel_columns {
-    const struct ggml_tensor *x;
-    struct ggml_tensor *cols;
-} panel_columns;
-
 /* x as a panel product reads it: float panels the f32 columns themselves,
  * quantized ones its quantized columns (one op per x). */
 static struct ggml_tensor *panel_input(struct ggml_context *ctx, const pp_panel_gemm_state *state,
-                                       struct ggml_tensor *x, panel_columns *last) {
+                                       struct ggml_tensor *x, pp_panel_columns *last) {
     if (pp_panel_type_is_float(state->w->type)) return x->nb[0] == sizeof(float) ? x : ggml_cont(ctx, x);
     if (last->x != x) {
         last->cols = pp_panel_quantize(ctx, x, state->kernel);
@@ -81,9 +74,8 @@ static struct ggml_tensor *panel_input(struct ggml_context *ctx, const pp_panel_
     return last->cols;
 }
 
-/* w x through the weight's panels when it has them (state non-NULL), else GGML's product. */
-static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor *w, pp_panel_gemm_state *state,
-                                   struct ggml_tensor *x, panel_columns *last) {
+struct ggml_tensor *pp_graph_project(struct ggml_context *ctx, struct ggml_tensor *w, pp_panel_gemm_state *state,
+                                     struct ggml_tensor *x, pp_panel_columns *last) {
     if (!state || !state->w) return matmul(ctx, w, x);
     return pp_panel_gemm(ctx, state, panel_input(ctx, state, x, last));
 }
@@ -94,8 +86,10 @@ static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor 
  * product is elementwise over contiguous gate and up, so it runs on rows of
  * PP_GLU_ROW values instead and is viewed back. */
 #define PP_GLU_ROW 128
-/* pp_panel_gated takes gate's and up's states as a pair */
-_Static_assert(PP_PROJ_UP == PP_PROJ_GATE + 1, "gate and up states adjacent");
+/* pp_panel_gated takes gate's and up's states as a pair, and pp_graph_swiglu_ffn the down's after them */
+_Static_assert(PP_PROJ_UP == PP_PROJ_GATE + 1 && PP_PROJ_DOWN == PP_PROJ_UP + 1, "gate, up, down states adjacent");
+_Static_assert(PP_PROJ_SHEXP_UP == PP_PROJ_SHEXP_GATE + 1 && PP_PROJ_SHEXP_DOWN == PP_PROJ_SHEXP_UP + 1,
+               "the shared expert's gate, up, down states adjacent");
 
 static struct ggml_tensor *gated_activation(struct ggml_context *ctx, enum pp_arch arch, struct ggml_tensor *gate,
                                             struct ggml_tensor *up) {
@@ -109,24 +103,145 @@ static struct ggml_tensor *gated_activation(struct ggml_context *ctx, enum pp_ar
     return split ? ggml_reshape_2d(ctx, y, n_ff, n_tokens) : y;
 }
 
+/* A SwiGLU FFN with the step's LoRA adapters of layer il added to its products (lora NULL:
+ * none); a fused panel product cannot take an adapter's addition, so an adapted gate or up
+ * runs apart. */
+static struct ggml_tensor *adapted_swiglu_ffn(struct ggml_context *ctx, enum pp_arch arch, struct ggml_tensor *gate,
+                                              struct ggml_tensor *up, struct ggml_tensor *down,
+                                              pp_panel_gemm_state *gs, struct ggml_tensor *cur,
+                                              pp_panel_columns *last, struct pp_lora_plan *lora, int il) {
+#define PROJECT(w, i, p, x) pp_lora_project(ctx, lora, il, (p), (x), pp_graph_project(ctx, (w), gs ? gs + (i) : NULL, (x), last))
+    if (gs && pp_panel_gated_takes(gs) && !pp_lora_touches_gated(lora, il)) {
+        cur = pp_panel_gated(ctx, gs, panel_input(ctx, gs, cur, last), arch == PP_ARCH_GEMMA3);
+    } else {
+        struct ggml_tensor *g = PROJECT(gate, 0, PP_PROJ_GATE, cur);
+        struct ggml_tensor *u = PROJECT(up, 1, PP_PROJ_UP, cur);
+        cur = gated_activation(ctx, arch, g, u);
+    }
+    return PROJECT(down, 2, PP_PROJ_DOWN, cur);
+#undef PROJECT
+}
+
+struct ggml_tensor *pp_graph_swiglu_ffn(struct ggml_context *ctx, enum pp_arch arch, struct ggml_tensor *gate,
+                                        struct ggml_tensor *up, struct ggml_tensor *down, pp_panel_gemm_state *gs,
+                                        struct ggml_tensor *cur, pp_panel_columns *last) {
+    return adapted_swiglu_ffn(ctx, arch, gate, up, down, gs, cur, last, NULL, 0);
+}
+
+/* The step's inputs every layer reads. */
+typedef struct step_inputs {
+    struct ggml_tensor *positions;
+    struct ggml_tensor *mrope_positions;   /* hybrids: IMRoPE's four components per token */
+    struct ggml_tensor *slots;
+    struct ggml_tensor *state_slots;       /* hybrids: one state slot per run */
+    struct ggml_tensor *rows;              /* logit rows, then hidden rows */
+} step_inputs;
+
+/* Layer il's attention of cur [n_embd, n_tokens] (after attn_norm), K/V written to its pools:
+ * [head_dim n_head, n_tokens] f32, before the output projection. A hybrid's query projection
+ * holds each head's query then its output gate: the attention is scaled by sigmoid(gate). */
+static struct ggml_tensor *attention(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_model *m,
+                                     const pp_kv_cache *cache, const pp_batch *batch, pp_attention_params *ap,
+                                     pp_panel_gemm_state *gs, const step_inputs *in, int il, struct ggml_tensor *cur,
+                                     int n_threads, int gather, pp_panel_columns *last) {
+    const pp_model_hparams *hp = &m->hp;
+    const pp_layer *L = &m->layers[il];
+    const int n_tokens = batch->n_tokens, head_dim = hp->head_dim, gated = m->n_recurrent > 0;
+#define PROJECT(w, p, x) pp_lora_project(ctx, ap->lora, il, (p), (x), pp_graph_project(ctx, (w), gs ? &gs[(p)] : NULL, (x), last))
+    struct ggml_tensor *q = PROJECT(L->wq, PP_PROJ_Q, cur);
+    struct ggml_tensor *k = PROJECT(L->wk, PP_PROJ_K, cur);
+    struct ggml_tensor *v = PROJECT(L->wv, PP_PROJ_V, cur);
+#undef PROJECT
+    if (L->bq) q = ggml_add(ctx, q, L->bq);
+    if (L->bk) k = ggml_add(ctx, k, L->bk);
+    if (L->bv) v = ggml_add(ctx, v, L->bv);
+    struct ggml_tensor *gate = NULL;
+    if (gated) {
+        const size_t f = ggml_element_size(q);
+        gate = ggml_cont_2d(ctx, ggml_view_3d(ctx, q, head_dim, hp->n_head, n_tokens, 2 * head_dim * f, q->nb[1],
+                                              head_dim * f), head_dim * hp->n_head, n_tokens);
+        q = ggml_view_3d(ctx, q, head_dim, hp->n_head, n_tokens, 2 * head_dim * f, q->nb[1], 0);
+    } else {
+        q = ggml_reshape_3d(ctx, q, head_dim, hp->n_head, n_tokens);
+    }
+    k = ggml_reshape_3d(ctx, k, head_dim, hp->n_head_kv, n_tokens);
+    if (L->q_norm) q = norm(ctx, q, L->q_norm, hp->rms_eps);
+    if (L->k_norm) k = norm(ctx, k, L->k_norm, hp->rms_eps);
+    const float base = m->layer_window[il] > 0 ? hp->rope_freq_base_swa : hp->rope_freq_base;
+    const float freq_scale = m->layer_window[il] > 0 ? hp->rope_freq_scale_swa : hp->rope_freq_scale;
+    /* YaRN on an unscaled layer would be a no-op in GGML anyway */
+    const float ext_factor = freq_scale != 1.0f ? hp->yarn_ext_factor : 0.0f;
+    if (in->mrope_positions) {
+        int sections[GGML_MROPE_SECTIONS];
+        for (int i = 0; i < GGML_MROPE_SECTIONS; i++) sections[i] = hp->rope_sections[i];
+        q = ggml_rope_multi(ctx, q, in->mrope_positions, NULL, hp->n_rot, sections, hp->rope_type, hp->n_ctx_orig_yarn,
+                            base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
+        k = ggml_rope_multi(ctx, k, in->mrope_positions, NULL, hp->n_rot, sections, hp->rope_type, hp->n_ctx_orig_yarn,
+                            base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
+    } else {
+        q = ggml_rope_ext(ctx, q, in->positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_orig_yarn,
+                          base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
+        k = ggml_rope_ext(ctx, k, in->positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_orig_yarn,
+                          base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
+    }
+
+    /* Write this step's K/V rows to their slots before attention reads them. */
+    struct ggml_tensor *k_rows = ggml_reshape_2d(ctx, k, head_dim * hp->n_head_kv, n_tokens);
+    struct ggml_tensor *v_rows = ggml_reshape_2d(ctx, ggml_is_contiguous(v) ? v : ggml_cont(ctx, v),
+                                                 head_dim * hp->n_head_kv, n_tokens);
+    struct ggml_tensor *layer_slots = ggml_view_1d(ctx, in->slots, n_tokens,
+                                                   (size_t)ap->group * n_tokens * in->slots->nb[0]);
+    struct ggml_tensor *k_pool = ggml_set_rows(ctx, cache->k[il], k_rows, layer_slots);
+    struct ggml_tensor *v_pool = ggml_set_rows(ctx, cache->v[il], v_rows, layer_slots);
+    ggml_build_forward_expand(gf, k_pool);
+    ggml_build_forward_expand(gf, v_pool);
+
+    struct ggml_tensor *attn;
+    /* Our operator reads host pools; a pool on a device takes the gather path there. */
+    if (cache->paged && !gather && !pp_pool_on_device(cache, cache->k[il])) {
+        attn = pp_paged_attention(ctx, q, k_pool, v_pool, ap, n_threads);
+    } else {
+        attn = pp_flash_attention(ctx, cache, batch, q, k_pool, v_pool, ap);
+    }
+    attn = ggml_reshape_2d(ctx, attn, head_dim * hp->n_head, n_tokens);
+    return gate ? ggml_mul(ctx, attn, ggml_sigmoid(ctx, gate)) : attn;
+}
+
+/* Layer il's feed-forward block on cur (after its FFN norm). */
+static struct ggml_tensor *feed_forward(struct ggml_context *ctx, const pp_model *m, int il, pp_panel_gemm_state *gs,
+                                        struct pp_lora_plan *lora, struct ggml_tensor *cur, pp_panel_columns *last) {
+    const pp_model_hparams *hp = &m->hp;
+    const pp_layer *L = &m->layers[il];
+    if (hp->arch == PP_ARCH_GPT_OSS) return pp_build_gpt_oss_moe_ffn(ctx, hp, L, gs, cur);
+    if (!L->ffn_gate_inp)
+        return adapted_swiglu_ffn(ctx, hp->arch, L->ffn_gate, L->ffn_up, L->ffn_down, gs ? &gs[PP_PROJ_GATE] : NULL,
+                                  cur, last, lora, il);
+    struct ggml_tensor *routed = pp_build_moe_ffn(ctx, hp, L, gs, cur);
+    return L->ffn_gate_inp_shexp ? ggml_add(ctx, routed, pp_build_shared_expert(ctx, L, gs, cur, last)) : routed;
+}
+
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
                                    const pp_kv_cache *cache, const pp_batch *batch,
                                    pp_attention_params *layer_params, pp_panel_gemm_state *gemm_states,
-                                   int n_threads, int gather, size_t max_nodes) {
+                                   int n_threads, int gather, size_t max_nodes, const pp_recurrent_step *rs) {
     const pp_model_hparams *hp = &m->hp;
     const int n_tokens = batch->n_tokens;
-    const int head_dim = hp->head_dim;
     struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, max_nodes, false);
 
     struct ggml_tensor *tokens = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "tokens");
-    struct ggml_tensor *positions = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "positions");
+    step_inputs in = {0};
+    in.positions = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "positions");
     /* One run of slots per layer group (see pp_batch). */
-    struct ggml_tensor *slots = pp_graph_input(ctx, GGML_TYPE_I64, (int64_t)n_tokens * cache->n_groups, "slots");
+    in.slots = pp_graph_input(ctx, GGML_TYPE_I64, (int64_t)n_tokens * cache->n_groups, "slots");
     /* logit rows, then hidden rows (embeddings): the rows the last layer computes */
-    struct ggml_tensor *logit_rows = pp_graph_input(ctx, GGML_TYPE_I32, batch->n_logits + batch->n_hidden, "logit_rows");
+    in.rows = pp_graph_input(ctx, GGML_TYPE_I32, batch->n_logits + batch->n_hidden, "logit_rows");
+    if (rs) {
+        in.mrope_positions = pp_graph_input(ctx, GGML_TYPE_I32, 4 * (int64_t)n_tokens, "mrope_positions");
+        in.state_slots = pp_graph_input(ctx, GGML_TYPE_I32, rs->plan->n_runs, "state_slots");
+    }
 
     pp_panel_gemm_state *head = gemm_states ? &gemm_states[hp->n_layer * PP_N_PROJ] : NULL;
-    panel_columns last = {0};
+    pp_panel_columns last = {0};
     /* A tied head packed into panels is the embedding too: its rows are read from there. */
     struct ggml_tensor *x = head && head->w && !m->output ? pp_panel_embed(ctx, head->w, tokens)
                                                           : ggml_get_rows(ctx, m->tok_embd, tokens);
@@ -142,80 +257,28 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
 
     for (int il = 0; il < hp->n_layer; il++) {
         const pp_layer *L = &m->layers[il];
-        pp_attention_params *ap = &layer_params[il];
         pp_panel_gemm_state *gs = gemm_states ? &gemm_states[il * PP_N_PROJ] : NULL;
-#define PROJECT(w, p, x) pp_lora_project(ctx, ap->lora, il, (p), (x), project(ctx, (w), gs ? &gs[(p)] : NULL, (x), &last))
+        /* After the last layer's mixer only the rows whose logits were asked for matter: the
+         * rest of the layer and the output head run on those alone. */
+        const int last_layer = il == hp->n_layer - 1;
         struct ggml_tensor *cur = norm(ctx, x, L->attn_norm, hp->rms_eps);
-
-        struct ggml_tensor *q = PROJECT(L->wq, PP_PROJ_Q, cur);
-        struct ggml_tensor *k = PROJECT(L->wk, PP_PROJ_K, cur);
-        struct ggml_tensor *v = PROJECT(L->wv, PP_PROJ_V, cur);
-        if (L->bq) q = ggml_add(ctx, q, L->bq);
-        if (L->bk) k = ggml_add(ctx, k, L->bk);
-        if (L->bv) v = ggml_add(ctx, v, L->bv);
-        q = ggml_reshape_3d(ctx, q, head_dim, hp->n_head, n_tokens);
-        k = ggml_reshape_3d(ctx, k, head_dim, hp->n_head_kv, n_tokens);
-        if (L->q_norm) q = norm(ctx, q, L->q_norm, hp->rms_eps);
-        if (L->k_norm) k = norm(ctx, k, L->k_norm, hp->rms_eps);
-        const float base = m->layer_window[il] > 0 ? hp->rope_freq_base_swa : hp->rope_freq_base;
-        const float freq_scale = m->layer_window[il] > 0 ? hp->rope_freq_scale_swa : hp->rope_freq_scale;
-        /* YaRN on an unscaled layer would be a no-op in GGML anyway */
-        const float ext_factor = freq_scale != 1.0f ? hp->yarn_ext_factor : 0.0f;
-        q = ggml_rope_ext(ctx, q, positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_orig_yarn,
-                          base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
-        k = ggml_rope_ext(ctx, k, positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_orig_yarn,
-                          base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
-
-        /* Write this step's K/V rows to their slots before attention reads them. */
-        struct ggml_tensor *k_rows = ggml_reshape_2d(ctx, k, head_dim * hp->n_head_kv, n_tokens);
-        struct ggml_tensor *v_rows = ggml_reshape_2d(ctx, ggml_is_contiguous(v) ? v : ggml_cont(ctx, v),
-                                                     head_dim * hp->n_head_kv, n_tokens);
-        struct ggml_tensor *layer_slots = ggml_view_1d(ctx, slots, n_tokens,
-                                                       (size_t)ap->group * n_tokens * slots->nb[0]);
-        struct ggml_tensor *k_pool = ggml_set_rows(ctx, cache->k[il], k_rows, layer_slots);
-        struct ggml_tensor *v_pool = ggml_set_rows(ctx, cache->v[il], v_rows, layer_slots);
-        ggml_build_forward_expand(gf, k_pool);
-        ggml_build_forward_expand(gf, v_pool);
-
-        struct ggml_tensor *attn;
-        /* Our operator reads host pools; a pool on a device takes the gather path there. */
-        if (cache->paged && !gather && !pp_pool_on_device(cache, cache->k[il])) {
-            attn = pp_paged_attention(ctx, q, k_pool, v_pool, ap, n_threads);
+        if (m->layer_recurrent && m->layer_recurrent[il]) {
+            cur = pp_build_delta_net(ctx, gf, m, il, rs, in.state_slots, gs, cur, last_layer ? in.rows : NULL, &last);
         } else {
-            attn = pp_flash_attention(ctx, cache, batch, q, k_pool, v_pool, ap);
+            struct ggml_tensor *attn = attention(ctx, gf, m, cache, batch, &layer_params[il], gs, &in, il, cur,
+                                                 n_threads, gather, &last);
+            if (last_layer) attn = ggml_get_rows(ctx, attn, in.rows);
+            cur = pp_lora_project(ctx, layer_params[il].lora, il, PP_PROJ_O, attn,
+                                  pp_graph_project(ctx, L->wo, gs ? &gs[PP_PROJ_O] : NULL, attn, &last));
+            if (L->bo) cur = ggml_add(ctx, cur, L->bo);
+            if (L->post_attn_norm) cur = norm(ctx, cur, L->post_attn_norm, hp->rms_eps);
         }
-        attn = ggml_reshape_2d(ctx, attn, head_dim * hp->n_head, n_tokens);
-        if (il == hp->n_layer - 1) {
-            /* After the last attention only the rows whose logits were asked
-             * for matter: the rest of the layer and the output head run on
-             * those alone. */
-            attn = ggml_get_rows(ctx, attn, logit_rows);
-            x = ggml_get_rows(ctx, x, logit_rows);
-        }
-        cur = PROJECT(L->wo, PP_PROJ_O, attn);
-        if (L->bo) cur = ggml_add(ctx, cur, L->bo);
-        if (L->post_attn_norm) cur = norm(ctx, cur, L->post_attn_norm, hp->rms_eps);
+        if (last_layer) x = ggml_get_rows(ctx, x, in.rows);
         x = ggml_add(ctx, cur, x);
 
-        cur = norm(ctx, x, L->ffn_norm, hp->rms_eps);
-        if (hp->arch == PP_ARCH_GPT_OSS) {
-            cur = pp_build_gpt_oss_moe_ffn(ctx, hp, L, gs, cur);
-        } else if (L->ffn_gate_inp) {
-            cur = pp_build_moe_ffn(ctx, hp, L, gs, cur);
-        } else {
-            if (gs && pp_panel_gated_takes(&gs[PP_PROJ_GATE]) && !pp_lora_touches_gated(ap->lora, il)) {
-                cur = pp_panel_gated(ctx, &gs[PP_PROJ_GATE], panel_input(ctx, &gs[PP_PROJ_GATE], cur, &last),
-                                     hp->arch == PP_ARCH_GEMMA3);
-            } else {
-                struct ggml_tensor *gate = PROJECT(L->ffn_gate, PP_PROJ_GATE, cur);
-                struct ggml_tensor *up = PROJECT(L->ffn_up, PP_PROJ_UP, cur);
-                cur = gated_activation(ctx, hp->arch, gate, up);
-            }
-            cur = PROJECT(L->ffn_down, PP_PROJ_DOWN, cur);
-        }
+        cur = feed_forward(ctx, m, il, gs, layer_params[il].lora, norm(ctx, x, L->ffn_norm, hp->rms_eps), &last);
         if (L->post_ffw_norm) cur = norm(ctx, cur, L->post_ffw_norm, hp->rms_eps);
         x = ggml_add(ctx, cur, x);
-#undef PROJECT
     }
 
     x = norm(ctx, x, m->output_norm, hp->rms_eps);
@@ -229,7 +292,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         if (batch->n_logits == 0) return gf;
         x = ggml_view_2d(ctx, x, hp->n_embd, batch->n_logits, x->nb[1], 0);
     }
-    struct ggml_tensor *logits = project(ctx, m->output ? m->output : m->tok_embd, head, x, &last);
+    struct ggml_tensor *logits = pp_graph_project(ctx, m->output ? m->output : m->tok_embd, head, x, &last);
     if (hp->final_logit_softcap > 0.0f) {
         logits = ggml_scale(ctx, logits, 1.0f / hp->final_logit_softcap);
         logits = ggml_tanh(ctx, logits);

@@ -11,15 +11,22 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Check the grouping and give each layer its index inside its group. */
+/* Whether layer il keeps K/V (a hybrid's recurrent layers keep a state slot instead). */
+static int attends(const pp_model *m, int il) { return !m->layer_recurrent || !m->layer_recurrent[il]; }
+
+/* Check the grouping and give each attention layer its index inside its group (-1: a
+ * recurrent layer, which owns no pool). */
 static int group_layers(const pp_model *m, int32_t n_groups, const int32_t *layer_group, int32_t *index,
                         int32_t *per_group) {
     const int n_layer = m->hp.n_layer;
-    if (n_groups < 1 || n_groups > n_layer || !layer_group)
-        return pp_fail(PP_ERR_INVALID, "KV cache: %d layer groups for %d layers", n_groups, n_layer);
+    if (n_groups < 1 || n_groups > n_layer - m->n_recurrent || !layer_group)
+        return pp_fail(PP_ERR_INVALID, "KV cache: %d layer groups for %d attention layers", n_groups,
+                       n_layer - m->n_recurrent);
     int32_t count[256] = {0};
     if (n_groups > 256) return pp_fail(PP_ERR_INVALID, "KV cache: at most 256 layer groups, got %d", n_groups);
     for (int il = 0; il < n_layer; il++) {
+        index[il] = -1;
+        if (!attends(m, il)) continue;
         const int32_t g = layer_group[il];
         if (g < 0 || g >= n_groups)
             return pp_fail(PP_ERR_INVALID, "KV cache: layer %d in group %d, outside [0, %d)", il, g, n_groups);
@@ -84,7 +91,7 @@ int32_t pp_kv_cache_create_grouped(const pp_model *m, int32_t kv_type, int32_t n
         pp_kv_cache_destroy(c);
         return st;
     }
-    memcpy(c->layer_group, layer_group, (size_t)n_layer * sizeof(int32_t));
+    for (int il = 0; il < n_layer; il++) c->layer_group[il] = attends(m, il) ? layer_group[il] : 0;
     const int64_t n_embd_kv = head_dim * m->hp.n_head_kv;
     int n_device_pools = 0;
     for (int j = 0; j < c->layers_per_group; j++) {
@@ -96,13 +103,14 @@ int32_t pp_kv_cache_create_grouped(const pp_model *m, int32_t kv_type, int32_t n
         struct ggml_context *where = on_device ? c->device_meta : c->meta;
         n_device_pools += on_device;
         c->kt[j] = ggml_new_tensor_2d(where, type, n_embd_kv, c->num_slots);
+        c->row_bytes = c->kt[j]->nb[1];
         c->vt[j] = ggml_new_tensor_2d(where, type, n_embd_kv, c->num_slots);
         ggml_format_name(c->kt[j], "cache_k_%d", j);
         ggml_format_name(c->vt[j], "cache_v_%d", j);
     }
     for (int il = 0; il < n_layer; il++) {
-        c->k[il] = c->kt[index[il]];
-        c->v[il] = c->vt[index[il]];
+        c->k[il] = index[il] >= 0 ? c->kt[index[il]] : NULL;
+        c->v[il] = index[il] >= 0 ? c->vt[index[il]] : NULL;
     }
     free(index);
     const size_t pool_bytes = 2 * ggml_row_size(type, n_embd_kv) * (size_t)c->num_slots;
@@ -156,15 +164,15 @@ void pp_kv_cache_destroy(pp_kv_cache *c) {
 
 int64_t pp_kv_cache_bytes_per_token(const pp_kv_cache *c) {
     if (!c) return 0;
-    return 2 * (int64_t)c->model->hp.n_layer * (int64_t)c->k[0]->nb[1];
+    return 2 * (int64_t)c->layers_per_group * c->n_groups * (int64_t)c->row_bytes;
 }
 
 int64_t pp_kv_cache_bytes_per_slot(const pp_kv_cache *c) {
     if (!c) return 0;
-    return 2 * (int64_t)c->layers_per_group * (int64_t)c->k[0]->nb[1];
+    return 2 * (int64_t)c->layers_per_group * (int64_t)c->row_bytes;
 }
 
-static size_t block_bytes(const pp_kv_cache *c) { return c->k[0]->nb[1] * (size_t)c->block_size; }
+static size_t block_bytes(const pp_kv_cache *c) { return c->row_bytes * (size_t)c->block_size; }
 
 /* One block of a pool to another block of it: a memcpy in host memory, a
  * read and a write through GGML's backend API on a device. */
@@ -229,6 +237,6 @@ int32_t pp_kv_cache_device_layers(const pp_kv_cache *c) {
     if (!c) return 0;
     int32_t n = 0;
     for (int il = 0; il < c->model->hp.n_layer; il++)
-        n += pp_pool_on_device(c, c->k[il]);
+        n += c->k[il] && pp_pool_on_device(c, c->k[il]);
     return n;
 }

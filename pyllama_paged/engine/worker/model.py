@@ -94,6 +94,8 @@ class Model(Closing):
     def _create_native(self) -> None:
         cfg = self.config
         windows = ffi.new("int32_t[]", cfg.layer_window)
+        # kept alive with hp until pp_model_create has copied it
+        recurrent = ffi.new("int32_t[]", [int(r) for r in cfg.layer_recurrent]) if cfg.is_hybrid else ffi.NULL
         hp = ffi.new("pp_model_hparams *", {
             "arch": ARCH_IDS[cfg.arch], "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
             "n_head": cfg.n_head, "n_head_kv": cfg.n_head_kv, "head_dim": cfg.head_dim,
@@ -107,6 +109,9 @@ class Model(Closing):
             "rope_freq_scale_swa": cfg.rope_freq_scale_swa, "yarn_ext_factor": cfg.yarn_ext_factor,
             "yarn_attn_factor": cfg.yarn_attn_factor, "yarn_beta_fast": YARN_BETA_FAST,
             "yarn_beta_slow": YARN_BETA_SLOW, "n_ctx_orig_yarn": cfg.n_ctx_orig_yarn,
+            "layer_recurrent": recurrent, "ssm_d_conv": cfg.ssm_d_conv, "ssm_d_state": cfg.ssm_d_state,
+            "ssm_n_group": cfg.ssm_n_group, "ssm_dt_rank": cfg.ssm_dt_rank,
+            "rope_sections": list(cfg.rope_sections), "n_ff_shexp": cfg.n_ff_shexp,
         })
         out = ffi.new("pp_model **")
         self._wrap(lib.pp_model_create(hp, out), "model")

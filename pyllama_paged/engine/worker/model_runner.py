@@ -15,6 +15,7 @@ from ..._native import check, ffi, lib
 from ...errors import PagedError
 from ..kv.groups import KVGroups
 from ..kv.manager import PagedKV, SeqState, SlabKV, commit_chunks, fork_state, new_cached_sequence, place_tokens
+from ..kv.state_pool import HybridKV, StatePool, hybrid_slots, state_bytes_per_sequence
 from .model import Model
 from .draft_splice import splice_drafts
 from .lora import StepLoras
@@ -37,8 +38,8 @@ def kv_row_bytes(kv_cache_type: str, n_values: int) -> int:
 
 
 def dense_kv_bytes_per_token(config, kv_cache_type: str) -> int:
-    """K+V bytes of one token over every layer: what a cache that frees nothing holds."""
-    return 2 * config.n_layer * kv_row_bytes(kv_cache_type, config.head_dim * config.n_head_kv)
+    """K+V bytes of one token over every attention layer: what a cache that frees nothing holds."""
+    return 2 * config.n_attention_layers * kv_row_bytes(kv_cache_type, config.head_dim * config.n_head_kv)
 
 
 def _ptr(arr: np.ndarray, ctype: str = "int32_t *"):
@@ -52,8 +53,9 @@ class ModelRunner:
         """config: an EngineConfig (engine/config.py) whose n_ctx is the exact context per
         sequence; the pool holds num_blocks pages if given, else its KV budget
         (EngineConfig.kv_budget_bytes): pages of block_size tokens, or (paged=False) as many
-        whole n_ctx slabs. n_threads, n_batch, kv_cache_type, free_window_blocks and attention
-        shape the rest."""
+        whole n_ctx slabs; a hybrid's recurrent state slots (state_slots, or out of that budget)
+        and its prefix-cache checkpoints' (state_checkpoints) beside them. n_threads, n_batch,
+        kv_cache_type, free_window_blocks and attention shape the rest."""
         paged, n_ctx, n_batch, block_size = config.paged, config.n_ctx, config.n_batch, config.block_size
         n_threads, kv_cache_type, attention = config.n_threads, config.kv_cache_type, config.attention
         if n_ctx < 1 or n_batch < 1 or config.n_seq_max < 1:
@@ -83,12 +85,18 @@ class ModelRunner:
         dense_token_bytes = dense_kv_bytes_per_token(cfg, kv_cache_type)
         # the same KV bytes for pages and for the slab baseline, unless the pages are counted
         budget = config.kv_budget_bytes(n_ctx, dense_token_bytes)
+        if cfg.is_hybrid:   # a hybrid's recurrent state slots come out of the same budget first
+            running, checkpoints, budget = hybrid_slots(config, state_bytes_per_sequence(model.native), budget,
+                                                        n_ctx * dense_token_bytes)
         if paged:
             slot_bytes = dense_token_bytes // self.kv_groups.n_groups
             num_blocks = config.num_blocks or max(1, budget // (slot_bytes * block_size))
             self.kv = PagedKV(num_blocks, block_size, n_ctx, self.kv_groups)
         else:
             self.kv = SlabKV(max(1, budget // (n_ctx * dense_token_bytes)), n_ctx)
+        if cfg.is_hybrid:   # a slot per sequence that may run at once, and the checkpoints'
+            self.kv = HybridKV(self.kv, StatePool(model.native, running + checkpoints), checkpoints,
+                               config.state_checkpoint_every)
         out = ffi.new("pp_kv_cache **")
         layer_group = ffi.new("int32_t[]", list(self.kv_groups.layer_group))
         check(lib.pp_kv_cache_create_grouped(model.native, KV_TYPES[kv_cache_type], self.kv.num_blocks,
@@ -99,6 +107,8 @@ class ModelRunner:
         check(lib.pp_context_create(model.native, self._cache, n_threads, n_batch, ctx), "context")
         self._ctx = ctx[0]
         check(lib.pp_context_set_attention_path(self._ctx, ATTENTION_PATHS[attention]), "attention path")
+        if self.hybrid:
+            check(lib.pp_context_set_state_pool(self._ctx, self.kv.states.native), "state pool")
         self.attention = attention
         self._batch = ffi.new("pp_batch *")
         self._loras = StepLoras()
@@ -136,13 +146,14 @@ class ModelRunner:
     def kv_device_bytes(self) -> int:
         """Bytes of the KV pools on the model's GPU (0: all in host memory)."""
         on_device = lib.pp_kv_cache_device_layers(self._cache)
-        return self.kv_pool_bytes * on_device // self.model.config.n_layer
+        return self.kv_pool_bytes * on_device // self.model.config.n_attention_layers
 
     def kv_bytes_by_group(self) -> list[dict]:
         """Per layer group: its window and the KV bytes per token it costs in steady state
         (a window group's cost stops growing past its window)."""
         per_token = self.kv_slot_bytes
-        return [{"group": g, "window": w, "layers": self.kv_groups.layers_per_group,
+        layers = self.model.config.n_attention_layers // self.kv_groups.n_groups
+        return [{"group": g, "window": w, "layers": layers,
                  "bytes_per_token": per_token,
                  "max_tokens": (-(-(w - 1) // self.kv.block_size) + 1) * self.kv.block_size if w > 0 else None}
                 for g, w in enumerate(self.kv_groups.group_window)]
@@ -170,8 +181,19 @@ class ModelRunner:
         check(lib.pp_context_abort(self._ctx), "abort")
 
     # ---- sequences' KV -------------------------------------------------------
+    @property
+    def hybrid(self) -> bool:
+        """Whether the model keeps a recurrent state per sequence (a state slot beside its KV)."""
+        return isinstance(self.kv, HybridKV)
+
+    @property
+    def state_pool(self) -> StatePool | None:
+        """A hybrid's recurrent states, a slot per sequence (None for other models)."""
+        return self.kv.states if self.hybrid else None
+
     def add_sequence(self, token_ids: Sequence[int], lora=None) -> SeqState:
-        """Place a new sequence's tokens in the KV cache (prefix-cache hits are kept). lora:
+        """Place a new sequence's tokens in the KV cache (prefix-cache hits are kept; a hybrid
+        takes none here: add_sequence_cached finds its state checkpoints). lora:
         (LoraAdapter, scale) the sequence runs, or None; forks inherit it."""
         if len(token_ids) > self.n_ctx:
             raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
@@ -190,16 +212,24 @@ class ModelRunner:
             raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
         return SeqState(self.kv.create_uncached(token_ids, lora), 0, len(token_ids))
 
+    def state_slot(self, seq: SeqState) -> int:
+        """seq's state slot (hybrids)."""
+        return self.kv.state_slot(seq.handle)
+
+    def state_slots_of(self, seq: SeqState) -> list[int] | None:
+        """forward()'s state_slots for a step of seq alone: [its slot] (hybrids), else None."""
+        return [self.kv.state_slot(seq.handle)] if self.hybrid else None
+
     def append_tokens(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         """Reserve KV room for new tokens (copy-on-write done here)."""
         self.copy_blocks(place_tokens(self.kv, seq, token_ids))
 
     def fork(self, seq: SeqState) -> SeqState:
-        """A sequence sharing all of seq's KV pages."""
+        """A sequence sharing all of seq's KV pages (and a copy of its recurrent state)."""
         return fork_state(self.kv, seq)
 
     def free(self, seq: SeqState) -> None:
-        """Release a sequence's KV (computed full pages stay in the prefix cache)."""
+        """Release a sequence's KV (computed full pages stay in the prefix cache) and its state slot."""
         self.kv.free(seq.handle)
 
     # ---- the step ------------------------------------------------------------
@@ -238,6 +268,8 @@ class ModelRunner:
         self._loras.fill(self._batch, items[:, 0].tolist(), self.kv.loras.of, self._reserve_loras)
         tok, pos, slots, seqs, tables, rows = buffers.arrays(n_tokens, len(items), n_logits)
         embd = image_rows(items, images, tok) if images and not drafts else None
+        if self.hybrid:
+            self._set_state_slots(self.kv.state_slots(items[:, 0]))
         hidden_rows = None
         hidden = hidden if hidden is not None and any(h is not None for h in hidden) else None
         all_logits = all_logits if all_logits is not None and any(all_logits) else None
@@ -259,6 +291,11 @@ class ModelRunner:
                               dtype=np.float32)
         self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out, argmax_only, embd=embd)
         return self._step_logits(), hidden_out
+
+    def _set_state_slots(self, state_slots: np.ndarray | None) -> None:
+        """The next step's state slots, one per sequence row (kept alive until the next)."""
+        self._state_slots = state_slots
+        self._batch.state_slots = ffi.NULL if state_slots is None else _ptr(state_slots)
 
     def step_argmax(self) -> np.ndarray | None:
         """The last step's argmax id per logits row when the step computed them (a head on a
@@ -300,10 +337,15 @@ class ModelRunner:
         return logits[0].copy()
 
     def forward(self, token_ids, positions, slot_mapping, seq_index, block_tables,
-                logit_rows, out: np.ndarray | None = None) -> np.ndarray:
+                logit_rows, out: np.ndarray | None = None, state_slots=None) -> np.ndarray:
         """One native step over flat arrays; returns logits [len(logit_rows), n_vocab] as float32
         (into out when given). With layer groups, slot_mapping holds n_groups runs of the
-        tokens' slots and block_tables is [n_groups, n_seqs, max_blocks] (kv.batch_arrays)."""
+        tokens' slots and block_tables is [n_groups, n_seqs, max_blocks] (kv.batch_arrays).
+        A hybrid's step also needs each sequence row's state slot (state_slot(seq))."""
+        if self.hybrid:
+            if state_slots is None:
+                raise PagedError("a hybrid model's step needs each sequence's state slot (state_slots)")
+            self._set_state_slots(np.ascontiguousarray(state_slots, dtype=np.int32))
         arrays = [np.ascontiguousarray(a, dtype=np.int32) for a in
                   (token_ids, positions, slot_mapping, seq_index, logit_rows)]
         tables = np.ascontiguousarray(block_tables, dtype=np.int32)
@@ -397,7 +439,7 @@ class ModelRunner:
         check(lib.pp_kv_cache_write_block(self._cache, block_id, ffi.from_buffer(data)), "write_block")
 
     def close(self) -> None:
-        """Free the compute context, the KV pools and the block pool."""
+        """Free the compute context, the KV pools and the block pool (a hybrid's state pool with it)."""
         if self._ctx is not None:
             lib.pp_context_destroy(self._ctx)
             self._ctx = None

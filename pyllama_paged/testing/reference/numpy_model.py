@@ -1,7 +1,8 @@
 """NumPy reference forward pass: the logits oracle for the engine (DESIGN.md §4).
 
 ``ReferenceModel.from_gguf(path)`` loads a GGUF of arch ``gemma3``, ``llama``,
-``qwen2``, ``qwen3``, ``qwen3moe`` or ``gpt-oss`` (the real default Gemma 3 270M file included), dequantizing
+``qwen2``, ``qwen3``, ``qwen3moe`` or ``gpt-oss`` (the real default Gemma 3 270M file included;
+``qwen35`` and ``qwen35moe`` load with ``hybrid_model.HybridReferenceModel``), dequantizing
 every tensor to float32 with ``gguf.quants.dequantize``; ``forward(token_ids)`` runs
 the whole sequence from position 0 with full causal attention (no KV cache, no
 batching) in float64 and returns logits ``[n_tokens, n_vocab]`` (float64).
@@ -77,6 +78,8 @@ import numpy as np
 import gguf
 
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
+# Qwen3.5/3.6's Gated DeltaNet hybrids: a model of their own (hybrid_model.HybridReferenceModel)
+HYBRID_ARCHS = ("qwen35", "qwen35moe")
 
 # llama.cpp's rope type per architecture.
 ROPE_NEOX = {"gemma3": True, "qwen2": True, "qwen3": True, "qwen3moe": True, "gpt-oss": True, "llama": False}
@@ -371,6 +374,18 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], list[GGUFTensorI
     return meta, infos, mm
 
 
+def arch_fields(meta: dict[str, Any], arch: str):
+    """hp(key, default): the value of "<arch>.<key>" in meta, else default (KeyError when none is given)."""
+    def hp(key: str, default: Any = KeyError) -> Any:
+        full = f"{arch}.{key}"
+        if full in meta:
+            return meta[full]
+        if default is KeyError:
+            raise KeyError(f"GGUF is missing {full}")
+        return default
+    return hp
+
+
 def load_tensor(mm: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
     """Dequantize one tensor to float32 with gguf.quants.dequantize (numpy shape)."""
     block, type_size = gguf.GGML_QUANT_SIZES[info.qtype]
@@ -437,17 +452,12 @@ class ReferenceModel:
     def from_gguf(cls, path: str | os.PathLike) -> "ReferenceModel":
         meta, infos, mm = read_gguf(path)
         arch = meta["general.architecture"]
+        if arch in HYBRID_ARCHS:
+            raise ValueError(f"{arch!r} is a Gated DeltaNet hybrid: load it with "
+                             "hybrid_model.HybridReferenceModel.from_gguf")
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {arch!r}")
-
-        def hp(key: str, default: Any = KeyError) -> Any:
-            full = f"{arch}.{key}"
-            if full in meta:
-                return meta[full]
-            if default is KeyError:
-                raise KeyError(f"GGUF is missing {full}")
-            return default
-
+        hp = arch_fields(meta, arch)
         tensors = {info.name: load_tensor(mm, info) for info in infos}
         del mm
 
