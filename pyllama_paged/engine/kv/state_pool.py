@@ -131,6 +131,12 @@ class _Checkpoint:
         self.restored = 0             # sequences that started from it
 
 
+def _no_lora(lora) -> None:
+    """A hybrid's sequences run no LoRA adapter (their states and checkpoints know none)."""
+    if lora is not None:
+        raise PagedError("LoRA adapters are not supported on hybrid models yet")
+
+
 class HybridKV:
     """A KV manager (PagedKV or SlabKV) whose every sequence also holds a slot of a StatePool:
     taken when the sequence is made, copied when it is forked, given back when it is freed.
@@ -198,14 +204,17 @@ class HybridKV:
         return handle
 
     # ---- sequences -----------------------------------------------------------
-    def create(self, token_ids) -> tuple[int, int]:
-        """A sequence holding token_ids in new blocks: (handle, 0 tokens cached)."""
+    def create(self, token_ids, lora=None) -> tuple[int, int]:
+        """A sequence holding token_ids in new blocks: (handle, 0 tokens cached). lora must be
+        None (LLMEngine.add_lora refuses adapters for hybrids)."""
+        _no_lora(lora)
         return self._with_slot(self.kv.create_uncached(token_ids)), 0
 
-    def create_cached(self, token_ids) -> tuple[int, int]:
+    def create_cached(self, token_ids, lora=None) -> tuple[int, int]:
         """A sequence holding the longest cached prefix of token_ids that ends at a state
         checkpoint, its state restored from it (pages: the rest is placed chunk by chunk; a
         slab holds every token, none computed): (handle, tokens it holds)."""
+        _no_lora(lora)
         if not self.kv.paged:
             handle, held = self.kv.create_cached(token_ids)
             return self._with_slot(handle), held
@@ -250,7 +259,8 @@ class HybridKV:
                 found.append((k, key, ckpt))
         return found[::-1]
 
-    def create_uncached(self, token_ids) -> int:
+    def create_uncached(self, token_ids, lora=None) -> int:
+        _no_lora(lora)
         return self._with_slot(self.kv.create_uncached(token_ids))
 
     def fork(self, handle: int) -> int:
