@@ -44,6 +44,24 @@ def test_the_readmes_python_snippet_runs_from_the_clones_root():
     assert p.stdout.strip().endswith("outs 2") and len(p.stdout.strip()) > len("outs 2")
 
 
+def test_the_source_tree_without_an_installed_build_says_why_and_what_to_do(tmp_path):
+    # the clone's root with every dependency installed but not pyllama-paged itself (as when
+    # `pip install .` ran in another environment): the ImportError names the cause and the command
+    site = Path(next(p for p in sys.path if p.endswith("site-packages") and Path(p, "cffi").is_dir()))
+    deps = tmp_path / "site"
+    deps.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.lower().startswith(("pyllama_paged", "pyllama-paged", "__editable__")):
+            (deps / entry.name).symlink_to(entry)
+    p = subprocess.run([sys.executable, "-S", "-c", "from pyllama_paged import Llama"], cwd=ROOT,
+                       env={"PYTHONPATH": str(deps), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode != 0 and "ImportError" in p.stderr, p.stderr
+    message = p.stderr.strip().splitlines()[-1]
+    assert f"source tree {ROOT / 'pyllama_paged'}" in message and "no native build of its own" in message
+    assert "no pyllama-paged is installed" in message and f"{sys.executable} -m pip install {ROOT}" in message
+
+
 # a route that generates, and the field that bounds its answer
 ROUTE_LIMITS = {"/api/generate": "num_predict", "/api/chat": "num_predict", "/v1/chat/completions": "max_tokens",
                 "/v1/completions": "max_tokens", "/v1/messages": "max_tokens", "/v1/responses": "max_output_tokens"}
