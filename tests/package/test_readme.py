@@ -35,6 +35,14 @@ def test_ci_runs_the_readmes_commands_verbatim():
         assert CHAT_MODEL_INSTALL in command
 
 
+def test_native_builds_show_their_progress():
+    # pip hides a build backend's output unless -v: GGML's build looked hung for minutes (issue 54)
+    builds = [command for path in DOCS for lang, body in code_blocks(path, ("bash",))
+              for command in re.split(r"&&|\n", body) if re.search(r"pip install .*(--no-binary libggml-python|\s\.$)",
+                                                                     command.strip())]
+    assert builds and all(re.search(r"pip install -v\b", command) for command in builds), builds
+
+
 def test_the_readmes_python_snippet_runs_from_the_clones_root():
     # the source tree is first on sys.path there: it loads the installed package's library
     snippet = next(body for lang, body in code_blocks(README, ("python",)) if "Llama(" in body)
