@@ -43,6 +43,15 @@ def test_native_builds_show_their_progress():
     assert builds and all(re.search(r"pip install -v\b", command) for command in builds), builds
 
 
+def test_documented_pytest_commands_print_their_count():
+    # addopts has -q already; a second one (-qq) drops the "N passed" line (issue 54)
+    addopts = re.search(r"^addopts = (.*)$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert re.search(r"(^|\s)-q\b", addopts.strip("\"'"))
+    commands = [c for path in DOCS for c in re.findall(r"`(pytest[^`]*)`", path.read_text())]
+    commands += [c for path in DOCS for lang, body in code_blocks(path, ("bash",)) for c in re.findall(r"pytest[^&\n]*", body)]
+    assert commands and not [c for c in commands if re.search(r"\s-(q|qq|x?q)\b", c)]
+
+
 def test_the_readmes_python_snippet_runs_from_the_clones_root():
     # the source tree is first on sys.path there: it loads the installed package's library
     snippet = next(body for lang, body in code_blocks(README, ("python",)) if "Llama(" in body)
