@@ -79,6 +79,15 @@ def test_the_source_tree_without_an_installed_build_says_why_and_what_to_do(tmp_
     assert "no pyllama-paged is installed" in message and f"{sys.executable} -m pip install {ROOT}" in message
 
 
+def test_the_docs_name_every_test_folder():
+    # docs/testing.md and ARCHITECTURE.md had lost folders added later (issue 54)
+    folders = sorted(p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py")))
+    testing = (ROOT / "docs" / "testing.md").read_text()
+    tree = next(line for line in (ROOT / "ARCHITECTURE.md").read_text().splitlines() if line.startswith("tests/"))
+    assert folders and not [f for f in folders if f"`tests/{f}/`" not in testing]
+    assert not [f for f in folders if f" {f}/" not in tree], tree
+
+
 # a route that generates, and the field that bounds its answer
 ROUTE_LIMITS = {"/api/generate": "num_predict", "/api/chat": "num_predict", "/v1/chat/completions": "max_tokens",
                 "/v1/completions": "max_tokens", "/v1/messages": "max_tokens", "/v1/responses": "max_output_tokens"}
