@@ -88,6 +88,12 @@ def test_the_docs_name_every_test_folder():
     assert not [f for f in folders if f" {f}/" not in tree], tree
 
 
+def test_the_manuals_index_lists_every_page():
+    index = (ROOT / "docs" / "README.md").read_text()
+    pages = [p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md"]
+    assert pages and not [p for p in pages if f"]({p})" not in index]
+
+
 # a route that generates, and the field that bounds its answer
 ROUTE_LIMITS = {"/api/generate": "num_predict", "/api/chat": "num_predict", "/v1/chat/completions": "max_tokens",
                 "/v1/completions": "max_tokens", "/v1/messages": "max_tokens", "/v1/responses": "max_output_tokens"}
