@@ -40,10 +40,13 @@ class ComputeError(NativeError):
     slots are undefined, so its sequences must recompute them (or be failed)."""
 
 
-class DownloadError(PagedError):
+class DownloadError(PagedError, OSError):
     """A model could not be fetched: the source could not be reached, answered with an
     error, or sent something that is not what it promised. The message names the
-    reference and the URL or file."""
+    reference and the URL or file.
+
+    Also an OSError, as huggingface_hub's own errors are (no connection, a file not in the
+    offline cache): code written for llama-cpp-python's from_pretrained catches that."""
 
 
 class ModelNotFoundError(DownloadError, ValueError):

@@ -8,29 +8,56 @@ PYLLAMA_PAGED_LIBRARY, when set, names the shared library to load instead of the
 package installs (beside the package's modules). A source tree imported in place (a checkout's
 root first on sys.path, as `python -m bench.engine.batched` puts it) has no build of its own:
 it loads the installed package's, which the version check below holds to the same version.
+When there is none in this Python, the ImportError says so and gives the install command.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import cffi
 
-def _native_dir() -> Path:
-    """Where the library and its headers are: beside this package's modules, or for a source
-    tree without them, beside the installed package's (the same path when none is installed)."""
-    here = Path(__file__).resolve().parent.parent
-    if (here / "libpyllama_paged.so").exists():
-        return here
+_HERE = Path(__file__).resolve().parent.parent
+
+
+def _installed_dir() -> Path | None:
+    """The installed pyllama-paged's package folder in this Python's environment (None: none)."""
     try:
         from importlib import metadata
 
-        installed = Path(metadata.distribution("pyllama-paged").locate_file("pyllama_paged"))
+        return Path(metadata.distribution("pyllama-paged").locate_file("pyllama_paged")).resolve()
     except (ImportError, OSError, ValueError):   # PackageNotFoundError is an ImportError
-        return here
-    return installed if (installed / "libpyllama_paged.so").exists() else here
+        return None
+
+
+def _native_dir() -> Path:
+    """Where the library and its headers are: beside this package's modules, or for a source
+    tree without them, beside the installed package's (the same path when none is installed)."""
+    if (_HERE / "libpyllama_paged.so").exists():
+        return _HERE
+    installed = _installed_dir()
+    return installed if installed is not None and (installed / "libpyllama_paged.so").exists() else _HERE
+
+
+def _missing_library_message() -> str:
+    """Why no library was found, and what to do: the first import from a fresh clone lands here."""
+    installed = _installed_dir()
+    if (_HERE.parent / "pyproject.toml").exists() and installed != _HERE:
+        # a checkout's pyllama_paged shadows any installed one (the current directory is first on
+        # sys.path); it borrows the installed package's build, and this Python has none
+        where = (f"the pyllama-paged installed at {installed} has no native library either" if installed
+                 else "no pyllama-paged is installed")
+        return (f"pyllama_paged was imported from the source tree {_HERE} (the current directory or PYTHONPATH "
+                f"puts it before any installed one), which has no native build of its own; it uses the installed package's, but "
+                f"{where} in this Python ({sys.executable}). Install it with this Python: "
+                f"`{sys.executable} -m pip install {_HERE.parent}` (the README's `pip install .` inside the "
+                "activated virtual environment), then run from here or from any other directory")
+    return (f"pyllama-paged's native library is missing at {LIBRARY_PATH}: the installed package is incomplete; "
+            f"reinstall it with this Python (`{sys.executable} -m pip install --force-reinstall pyllama-paged` "
+            "or `pip install .` from the checkout)")
 
 
 # CMakeLists.txt installs the library and the headers at the package's top, not in this folder.
@@ -59,10 +86,7 @@ def _load():
     if not LIBRARY_PATH.exists():
         if os.environ.get("PYLLAMA_PAGED_LIBRARY"):
             raise ImportError(f"PYLLAMA_PAGED_LIBRARY names {LIBRARY_PATH}, which does not exist")
-        raise ImportError(
-            f"pyllama-paged's native library is missing at {LIBRARY_PATH}: "
-            "install the package with `pip install .` rather than importing the source tree"
-        )
+        raise ImportError(_missing_library_message())
     ffi = cffi.FFI()
     ffi.cdef(_cdef_source(HEADER_PATH.read_text()))
     ffi.cdef(_cdef_source(TESTING_HEADER_PATH.read_text()))

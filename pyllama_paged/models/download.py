@@ -144,7 +144,11 @@ def get_json(url: str, what: str, headers: dict[str, str] | None = None, timeout
                     raise DownloadCancelled(f"{what}: the pull was stopped")
     except TimeoutError:
         raise DownloadError(f"{what}: {host} did not answer within {plan_deadline():.0f} s") from None
-    except (OSError, http.client.HTTPException, Unreachable):
+    except Unreachable:
+        raise Unreachable(f"{what}: cannot reach {host}") from None
+    except DownloadError:   # an answer we refuse (also an OSError): not a connection failure
+        raise
+    except (OSError, http.client.HTTPException):
         raise Unreachable(f"{what}: cannot reach {host}") from None
     if len(raw) > MAX_DOCUMENT_BYTES:
         raise DownloadError(f"{what}: {url} sent more than {MAX_DOCUMENT_BYTES} bytes; not a manifest")
@@ -264,6 +268,8 @@ def _transfer(url: str, partial: _Partial, size: int | None, report: Reporter, t
                 raise DownloadError(f"the download from {host} took longer than its deadline (stopped at byte "
                                     f"{partial.done}; pull again to resume)") from None
             raise _Transient(f"{host} stopped sending at byte {partial.done}") from None
+        except DownloadError:   # too many bytes, a full disk, a stop (also OSErrors): no retry helps
+            raise
         except (OSError, http.client.HTTPException):
             raise _Transient(f"the connection to {host} failed at byte {partial.done}") from None
         if expected is not None and partial.done < expected:

@@ -10,7 +10,7 @@ import pytest
 
 from pyllama_paged.api.llama import Llama
 from pyllama_paged.api.llama_pretrained import find_pretrained
-from pyllama_paged.errors import IntegrityError, ModelNotFoundError
+from pyllama_paged.errors import IntegrityError, ModelNotFoundError, PagedError
 from pyllama_paged.testing.model_sources import COMMIT
 
 REPO = "someone/tiny-GGUF"
@@ -82,3 +82,19 @@ def test_from_pretrained_fetches_every_part_of_a_split(model_sources, tmp_path):
     assert all(Path(llm.model_path).with_name(Path(p).name).exists() for p in parts)
     with pytest.raises(ValueError, match="additional_files is for the other parts of a split GGUF"):
         Llama.from_pretrained(REPO, "*Q4_K_M.gguf", additional_files=["x.gguf"], verbose=False)
+
+
+def test_offline_from_pretrained_raises_an_oserror(tmp_path, monkeypatch):
+    # no Hub to reach (a port nothing listens on) and nothing cached: what huggingface_hub's
+    # users catch, OSError, catches ours too (issue 54)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(OSError, match="cannot reach") as caught:
+        Llama.from_pretrained("someone/elsewhere-GGUF", "*.gguf", cache_dir=tmp_path / "hub", verbose=False)
+    assert isinstance(caught.value, PagedError)
+    # a file the Hub does not have stays a ValueError too, as llama-cpp-python's is
+    assert issubclass(ModelNotFoundError, OSError) and issubclass(ModelNotFoundError, ValueError)

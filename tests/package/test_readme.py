@@ -35,6 +35,23 @@ def test_ci_runs_the_readmes_commands_verbatim():
         assert CHAT_MODEL_INSTALL in command
 
 
+def test_native_builds_show_their_progress():
+    # pip hides a build backend's output unless -v: GGML's build looked hung for minutes (issue 54)
+    builds = [command for path in DOCS for lang, body in code_blocks(path, ("bash",))
+              for command in re.split(r"&&|\n", body) if re.search(r"pip install .*(--no-binary libggml-python|\s\.$)",
+                                                                     command.strip())]
+    assert builds and all(re.search(r"pip install -v\b", command) for command in builds), builds
+
+
+def test_documented_pytest_commands_print_their_count():
+    # addopts has -q already; a second one (-qq) drops the "N passed" line (issue 54)
+    addopts = re.search(r"^addopts = (.*)$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert re.search(r"(^|\s)-q\b", addopts.strip("\"'"))
+    commands = [c for path in DOCS for c in re.findall(r"`(pytest[^`]*)`", path.read_text())]
+    commands += [c for path in DOCS for lang, body in code_blocks(path, ("bash",)) for c in re.findall(r"pytest[^&\n]*", body)]
+    assert commands and not [c for c in commands if re.search(r"\s-(q|qq|x?q)\b", c)]
+
+
 def test_the_readmes_python_snippet_runs_from_the_clones_root():
     # the source tree is first on sys.path there: it loads the installed package's library
     snippet = next(body for lang, body in code_blocks(README, ("python",)) if "Llama(" in body)
@@ -42,6 +59,39 @@ def test_the_readmes_python_snippet_runs_from_the_clones_root():
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().endswith("outs 2") and len(p.stdout.strip()) > len("outs 2")
+
+
+def test_the_source_tree_without_an_installed_build_says_why_and_what_to_do(tmp_path):
+    # the clone's root with every dependency installed but not pyllama-paged itself (as when
+    # `pip install .` ran in another environment): the ImportError names the cause and the command
+    site = Path(next(p for p in sys.path if p.endswith("site-packages") and Path(p, "cffi").is_dir()))
+    deps = tmp_path / "site"
+    deps.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.lower().startswith(("pyllama_paged", "pyllama-paged", "__editable__")):
+            (deps / entry.name).symlink_to(entry)
+    p = subprocess.run([sys.executable, "-S", "-c", "from pyllama_paged import Llama"], cwd=ROOT,
+                       env={"PYTHONPATH": str(deps), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode != 0 and "ImportError" in p.stderr, p.stderr
+    message = p.stderr.strip().splitlines()[-1]
+    assert f"source tree {ROOT / 'pyllama_paged'}" in message and "no native build of its own" in message
+    assert "no pyllama-paged is installed" in message and f"{sys.executable} -m pip install {ROOT}" in message
+
+
+def test_the_docs_name_every_test_folder():
+    # docs/testing.md and ARCHITECTURE.md had lost folders added later (issue 54)
+    folders = sorted(p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py")))
+    testing = (ROOT / "docs" / "testing.md").read_text()
+    tree = next(line for line in (ROOT / "ARCHITECTURE.md").read_text().splitlines() if line.startswith("tests/"))
+    assert folders and not [f for f in folders if f"`tests/{f}/`" not in testing]
+    assert not [f for f in folders if f" {f}/" not in tree], tree
+
+
+def test_the_manuals_index_lists_every_page():
+    index = (ROOT / "docs" / "README.md").read_text()
+    pages = [p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md"]
+    assert pages and not [p for p in pages if f"]({p})" not in index]
 
 
 # a route that generates, and the field that bounds its answer

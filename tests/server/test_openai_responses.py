@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 
+from pyllama_paged.calls.sampling_options import BASE_MODEL_MAX_TOKENS
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.openai.responses_store import ResponseStore, StoredResponse
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME
@@ -71,6 +72,22 @@ def test_streamed_events_build_the_same_answer(oai):
             "type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}, **GREEDY) as stream:
         done = stream.get_final_response()
     jsonschema.validate(json.loads(done.output_text), PERSON)
+
+
+def test_an_unset_limit_cut_by_the_servers_cap_ends_completed(oai):
+    # a base model with max_output_tokens unset runs to the cap a base model gets (issue 54):
+    # a limit the client never set is not "incomplete", so the SDK's stream helper, which raises
+    # without response.completed, returns the answer (llama-server reports "completed" too)
+    with oai.responses.stream(input="Write a long story about the sea.", **GREEDY) as stream:
+        done = stream.get_final_response()
+    assert done.usage.output_tokens == BASE_MODEL_MAX_TOKENS   # cut by the cap, not by the model
+    assert done.status == "completed" and done.incomplete_details is None and done.output_text
+    whole = oai.responses.create(input="Write a long story about the sea.", **GREEDY)
+    assert whole.status == "completed" and whole.output_text == done.output_text
+    # a limit the client set and the answer reached stays incomplete (test_plain_and_with_instructions)
+    cut = oai.responses.create(input="Write a long story about the sea.", max_output_tokens=BASE_MODEL_MAX_TOKENS,
+                               **GREEDY)
+    assert cut.status == "incomplete" and cut.output_text == done.output_text
 
 
 def test_function_tool_round_trip(oai):

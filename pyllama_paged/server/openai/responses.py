@@ -52,16 +52,20 @@ async def create(body: ResponsesRequest, request: Request):
 
     if not body.stream:
         answer = (await run.answers(request))[0]
-        status = _status(run)
+        status = _status(run, body.max_output_tokens is not None)
         result = response.body(status, output_items(answer.content, answer.calls, status, answer.thinking),
                                await _spent(state, run, answer.thinking))
         keep(result, answer.content, answer.calls)
         return JSONResponse(result)
-    return event_stream(_events(state, run, response, keep))
+    return event_stream(_events(state, run, response, keep, body.max_output_tokens is not None))
 
 
-def _status(run) -> str:
-    return "incomplete" if run.gen.finish_reasons.get(0, "length") == "length" else "completed"
+def _status(run, limited: bool) -> str:
+    """OpenAI's status: "incomplete" (reason max_output_tokens) only when the limit the client set
+    cut the answer; one the client left unset (the server's cap, a base model's, the context's end)
+    ends "completed", as llama-server's does, so the SDK's stream helpers do not raise for it."""
+    cut = run.gen.finish_reasons.get(0, "length") == "length"
+    return "incomplete" if cut and limited else "completed"
 
 
 async def _spent(state, run, thinking: str) -> dict:
@@ -70,8 +74,9 @@ async def _spent(state, run, thinking: str) -> dict:
     return usage(len(run.gen.prompt_ids), run.gen.num_generated, len(ids) + 2 if ids else 0)
 
 
-async def _events(state, run, response: ResponseObject, keep):
-    """The streamed response's events; keep(result, content, calls) stores it before the last one."""
+async def _events(state, run, response: ResponseObject, keep, limited: bool):
+    """The streamed response's events; keep(result, content, calls) stores it before the last one
+    (limited: the client set max_output_tokens)."""
     writer, content, calls, thinking = ResponseEvents(response), [], [], []
     for event in writer.start():
         yield event
@@ -89,7 +94,7 @@ async def _events(state, run, response: ResponseObject, keep):
     except APIError as e:   # after the 200 header: the response fails, as OpenAI's would
         yield writer.fail(e.code or e.type, e.message)
         return
-    finished, result = writer.finish(calls, _status(run), await _spent(state, run, "".join(thinking)))
+    finished, result = writer.finish(calls, _status(run, limited), await _spent(state, run, "".join(thinking)))
     keep(result, "".join(content), calls)   # before the last event: a client may retrieve at once
     for event in finished:
         yield event
