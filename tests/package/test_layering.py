@@ -4,6 +4,7 @@ engine is one layer from outside (its front door, engine/__init__.py) and a
 one-way graph of districts inside."""
 
 import ast
+import functools
 from pathlib import Path
 
 import pyllama_paged
@@ -152,7 +153,9 @@ def imports_of(path: Path) -> set[str]:
 MODULES = {module_name(path) for path in PACKAGE.rglob("*.py")}
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
+    """Each module's imports of the package's modules (the files are read once per run)."""
     modules = {}
     for path in PACKAGE.rglob("*.py"):
         name = module_name(path)
