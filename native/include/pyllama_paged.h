@@ -317,10 +317,16 @@ enum pp_arch {
                              with bias, GELU, bidirectional attention; no KV cache */
     PP_ARCH_QWEN3MOE = 5, /* qwen3's attention; routed experts (softmax, top n_expert_used,
                              renormalised) instead of the dense FFN */
-    PP_ARCH_GPT_OSS  = 6  /* gpt-oss: q/k/v/o biases, a sink logit per head, sliding-window
+    PP_ARCH_GPT_OSS  = 6, /* gpt-oss: q/k/v/o biases, a sink logit per head, sliding-window
                              layers (layer_window), YaRN rope; routed experts with biases (top
                              n_expert_used router logits + bias, softmaxed among themselves)
                              and a clamped SwiGLU; post_attention_norm is the FFN's norm */
+    PP_ARCH_GEMMA4   = 7  /* Gemma 4: gemma3's layer with per-layer head sizes, KV heads and
+                             rope (layer_* below; rope_freqs on full layers only), an unweighted
+                             v norm (k standing in for a missing v), attention scale 1,
+                             shared-KV layers, per-layer embeddings (n_embd_per_layer), a
+                             per-layer output scale; with experts (n_expert > 0) a router with
+                             its scale and GELU experts beside the dense FFN */
 };
 
 /* Hyper-parameters, read from the GGUF metadata by the caller. */
@@ -359,6 +365,16 @@ typedef struct pp_model_hparams {
     float   yarn_beta_slow;      /* llama.cpp); both > 0, fast > slow, when ext_factor != 0 */
     int32_t n_ctx_orig_yarn;     /* the context YaRN stretches (rope.scaling.original_context_length);
                                     0 = n_ctx_train */
+    /* Per-layer shapes (gemma4), n_layer entries each, copied at pp_model_create; NULL: the
+     * scalar above for every layer. head_dim then gives the output of rope_freqs (n_rot / 2
+     * pairs) and must be the largest layer_head_dim. */
+    const int32_t *layer_head_dim;   /* key (and value) head size, even, <= 512 */
+    const int32_t *layer_n_head_kv;  /* divides n_head */
+    const int32_t *layer_n_rot;      /* even, <= the layer's head size */
+    const int32_t *layer_n_ff;       /* the dense FFN's width */
+    const int32_t *layer_kv_source;  /* -1: the layer computes its own K/V; else an earlier layer
+                                        that does, of the same window and shapes, whose K/V it reads */
+    int32_t n_embd_per_layer;        /* gemma4's per-layer embedding width (E2B/E4B); 0 = none */
 } pp_model_hparams;
 
 typedef struct pp_model pp_model;

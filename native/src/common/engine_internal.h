@@ -40,6 +40,15 @@ typedef struct pp_layer {
     struct ggml_tensor *attn_out_norm, *attn_out_norm_b;
     struct ggml_tensor *ffn_up_b, *ffn_down_b;
     struct ggml_tensor *layer_out_norm, *layer_out_norm_b;
+    /* gemma4 (model/gemma4_model.c): the layer's output scale [1]; its per-layer embedding's
+     * gate [n_embd, n_embd_per_layer], projection [n_embd_per_layer, n_embd] and norm; beside
+     * the experts, the router's input scale [n_embd], the experts' input norm and the norms of
+     * the dense and expert outputs; the experts' gate and up as one [n_embd, 2 n_ff_exp,
+     * n_expert] (or NULL: ffn_gate_exps and ffn_up_exps) and their output scales [n_expert] */
+    struct ggml_tensor *out_scale;
+    struct ggml_tensor *per_layer_inp_gate, *per_layer_proj, *per_layer_post_norm;
+    struct ggml_tensor *ffn_gate_inp_s, *ffn_pre_norm_2, *ffn_post_norm_1, *ffn_post_norm_2;
+    struct ggml_tensor *ffn_gate_up_exps, *ffn_down_exps_s;
 } pp_layer;
 
 /* A decoder layer's matrix products, in the order of the model's panel slots. */
@@ -87,7 +96,34 @@ struct pp_model {
     /* With a device: a CPU buffer over the mapping, the home of the weights
      * left there (it owns nothing). */
     ggml_backend_buffer_t mapped_buffer;
+    /* gemma4: the per-layer shapes (hp's layer_* arrays, owned copies; NULL: uniform) and the
+     * per-layer embeddings' token table [n_embd_per_layer * n_layer, n_vocab], projection
+     * [n_embd, n_embd_per_layer * n_layer] and norm [n_embd_per_layer] */
+    int32_t            *layer_shapes;   /* one allocation: head_dim, n_head_kv, n_rot, n_ff, kv_source */
+    struct ggml_tensor *per_layer_tok_embd, *per_layer_model_proj, *per_layer_proj_norm;
 };
+
+/* Layer il's shapes: the per-layer arrays where the model has them, else the hyper-parameters'. */
+static inline int32_t pp_layer_head_dim(const pp_model *m, int il) {
+    return m->hp.layer_head_dim ? m->hp.layer_head_dim[il] : m->hp.head_dim;
+}
+static inline int32_t pp_layer_n_head_kv(const pp_model *m, int il) {
+    return m->hp.layer_n_head_kv ? m->hp.layer_n_head_kv[il] : m->hp.n_head_kv;
+}
+static inline int32_t pp_layer_n_rot(const pp_model *m, int il) {
+    return m->hp.layer_n_rot ? m->hp.layer_n_rot[il] : m->hp.n_rot;
+}
+static inline int32_t pp_layer_n_ff(const pp_model *m, int il) {
+    return m->hp.layer_n_ff ? m->hp.layer_n_ff[il] : m->hp.n_ff;
+}
+/* The layer whose K/V pools layer il reads (il itself unless it shares an earlier layer's). */
+static inline int32_t pp_layer_kv_source(const pp_model *m, int il) {
+    return m->hp.layer_kv_source && m->hp.layer_kv_source[il] >= 0 ? m->hp.layer_kv_source[il] : il;
+}
+/* Values of one token's K (or V) row in layer il's pool. */
+static inline int64_t pp_layer_n_embd_kv(const pp_model *m, int il) {
+    return (int64_t)pp_layer_head_dim(m, il) * pp_layer_n_head_kv(m, il);
+}
 
 /* model/device.c: the model's device (NULL: none). */
 ggml_backend_dev_t pp_model_device(const pp_model *m);
