@@ -516,18 +516,24 @@ typedef struct pp_kv_cache pp_kv_cache;
 /* K and V pools of num_blocks * block_size token rows, of kv_type (a
  * ggml_type: F16, Q8_0 or Q4_0), for the block pool of the same shape
  * (pp_pool_create_grouped). Layer il belongs to group layer_group[il]
- * (n_layer entries, copied; all 0 for an ungrouped pool, n_groups 1), every
- * group has the same number of layers L, and the cache holds L K and L V
- * tensors of num_blocks * block_size rows: the i-th layer of every group
- * shares the i-th tensor, each physical block holding the group it was taken
- * for. So one block costs L layers' rows, whatever its group. For paged=0
+ * (n_layer entries, copied; all 0 for an ungrouped pool, n_groups 1). Where
+ * every group has the same number of layers L and every layer the same row
+ * width, the cache holds L K and L V tensors of num_blocks * block_size rows:
+ * the i-th layer of every group shares the i-th tensor, each physical block
+ * holding the group it was taken for, so one block costs L layers' rows,
+ * whatever its group. Otherwise (layers of different head sizes or KV heads,
+ * gemma4) one K and one V tensor hold in each slot the rows of the layers of
+ * the group that took the block, side by side: a block costs the widest
+ * group's rows. A layer that reads an earlier layer's KV (layer_kv_source)
+ * has no rows of its own; it must be in its source's group. For paged=0
  * each block is one sequence's contiguous slab (block_size = n_ctx, one
  * group) and attention uses GGML's own flash-attention op instead of the
  * paged kernel. The pools of layers offloaded to a device
  * (pp_model_offload) are allocated there. On success *out owns the cache; free it with
  * pp_kv_cache_destroy, before the model. Fails with PP_ERR_INVALID naming
- * the problem (a head size that is not whole quantization groups, groups of
- * different sizes, a group id outside [0, n_groups), a pool larger than the
+ * the problem (a head size that is not whole quantization groups, a group
+ * with no layer of KV of its own, a shared-KV layer outside its source's
+ * group, a group id outside [0, n_groups), a pool larger than the
  * model's device binds in one tensor), PP_ERR_NO_MEMORY if the pools cannot
  * be allocated (on a device: the message names it and the size). */
 int32_t pp_kv_cache_create_grouped(const pp_model *model, int32_t kv_type, int32_t num_blocks,
@@ -536,8 +542,9 @@ int32_t pp_kv_cache_create_grouped(const pp_model *model, int32_t kv_type, int32
 
 void pp_kv_cache_destroy(pp_kv_cache *cache);
 
-/* Bytes of K plus V one token occupies across all layers (without freeing).
- * A size, not a status: 0 for a NULL cache. */
+/* Bytes of K plus V one token occupies across all layers (without freeing;
+ * a layer that reads another's KV adds none). A size, not a status: 0 for a
+ * NULL cache. */
 int64_t pp_kv_cache_bytes_per_token(const pp_kv_cache *cache);
 
 /* Bytes of K plus V one slot of a block holds: one token of one group

@@ -48,14 +48,14 @@ def test_the_moe_file_has_per_layer_kv_heads_and_experts(tiny):
     model = Model(tiny["moe"])
     try:
         c = model.config
-        assert c.layer_n_head_kv == [4, 4, 4, 1] and c.n_head_kv == 4 and c.layer_kv_source == [-1] * 4
+        assert c.layer_n_head_kv == [4, 1] and c.n_head_kv == 4 and c.layer_kv_source == [-1] * 2
         assert (c.n_expert, c.n_expert_used, c.n_ff_exp, c.n_ff, c.n_embd_per_layer) == (8, 2, 256, 256, 0)
-        assert [c.kv_values(il) for il in range(4)] == [256, 256, 256, 128]
+        assert [c.kv_values(il) for il in range(2)] == [256, 128]
     finally:
         model.close()
 
 
-@pytest.mark.parametrize("shape,drop", [("dense", "blk.3.attn_v.weight"), ("moe", "blk.3.layer_output_scale.weight"),
+@pytest.mark.parametrize("shape,drop", [("dense", "blk.3.attn_v.weight"), ("moe", "blk.1.layer_output_scale.weight"),
                                         ("moe", "blk.0.ffn_down_exps.scale")])
 def test_what_a_file_may_leave_out(tmp_path, shape, drop):
     """A V projection (K stands in), the output scale and the experts' output scales are optional."""
@@ -110,17 +110,17 @@ MOE_CASES = [
      r"layer 0: the experts' gate and up must be either 'blk\.0\.ffn_gate_up_exps\.weight' or both "
      r"'blk\.0\.ffn_gate_exps\.weight' and 'blk\.0\.ffn_up_exps\.weight'"),
     ([["tensor_drop", "blk.1.ffn_gate_inp.scale"]], r"missing tensor 'blk\.1\.ffn_gate_inp\.scale'"),
-    ([["tensor_drop", "blk.2.post_ffw_norm_2.weight"]], r"missing tensor 'blk\.2\.post_ffw_norm_2\.weight'"),
-    ([["tensor_drop", "blk.3.pre_ffw_norm_2.weight"]], r"missing tensor 'blk\.3\.pre_ffw_norm_2\.weight'"),
+    ([["tensor_drop", "blk.0.post_ffw_norm_2.weight"]], r"missing tensor 'blk\.0\.post_ffw_norm_2\.weight'"),
+    ([["tensor_drop", "blk.1.pre_ffw_norm_2.weight"]], r"missing tensor 'blk\.1\.pre_ffw_norm_2\.weight'"),
     ([["tensor_drop", "blk.0.ffn_up.weight"]], r"missing tensor 'blk\.0\.ffn_up\.weight'"),
     ([["kv", "gemma4.expert_count", gguf_mutate.U32, 4]],
      r"tensor 'blk\.0\.ffn_gate_inp\.weight': shape \[256, 8\] but the hyper-parameters need \[256, 4\]"),
-    ([["kv", "gemma4.attention.head_count_kv", gguf_mutate.ARRAY, {"etype": gguf_mutate.I32, "items": [4, 4]}]],
-     r"'gemma4\.attention\.head_count_kv' must be an integer or 4 integers >= 1, got an array of 2"),
-    ([["kv", "gemma4.attention.head_count_kv", gguf_mutate.ARRAY, {"etype": gguf_mutate.I32, "items": [4, 4, 4, 3]}]],
-     r"layer 3: head_count 8 is not a multiple of its head_count_kv 3"),
-    ([["kv", "gemma4.attention.head_count_kv", gguf_mutate.ARRAY, {"etype": gguf_mutate.I32, "items": [4, 4, 4, 2]}]],
-     r"tensor 'blk\.3\.attn_k\.weight': shape \[256, 128\] but the hyper-parameters need \[256, 256\]"),
+    ([["kv", "gemma4.attention.head_count_kv", gguf_mutate.ARRAY, {"etype": gguf_mutate.I32, "items": [4, 1, 1]}]],
+     r"'gemma4\.attention\.head_count_kv' must be an integer or 2 integers >= 1, got an array of 3"),
+    ([["kv", "gemma4.attention.head_count_kv", gguf_mutate.ARRAY, {"etype": gguf_mutate.I32, "items": [4, 3]}]],
+     r"layer 1: head_count 8 is not a multiple of its head_count_kv 3"),
+    ([["kv", "gemma4.attention.head_count_kv", gguf_mutate.ARRAY, {"etype": gguf_mutate.I32, "items": [4, 2]}]],
+     r"tensor 'blk\.1\.attn_k\.weight': shape \[256, 128\] but the hyper-parameters need \[256, 256\]"),
 ]
 
 

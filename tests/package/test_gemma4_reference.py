@@ -46,7 +46,7 @@ def test_layer_kinds_shapes_and_kv_sources(refs):
         (True, 64, 64, 1, 512, 0), (True, 64, 64, 1, 512, 1), (False, 128, 128, 1, 512, 2),
         (True, 64, 64, 1, 512, 3), (True, 64, 64, 1, 512, 4), (False, 128, 128, 1, 512, 5),
         (True, 64, 64, 1, 1024, 4), (False, 128, 128, 1, 1024, 5)]
-    assert [(l.n_head_kv, l.rope_base) for l in moe] == [(4, 1e4), (4, 1e4), (4, 1e4), (1, 1e6)]
+    assert [(l.n_head_kv, l.head_dim, l.rope_base) for l in moe] == [(4, 64, 1e4), (1, 128, 1e6)]
 
 
 def test_shared_layers_read_what_llama_cpp_reuses():
@@ -91,14 +91,14 @@ def test_proportional_rope_turns_only_the_rotated_quarter():
 
 def test_k_stands_in_for_a_missing_v_and_v_is_normed_without_weight(refs):
     r = refs["moe"]
-    il = 3   # the full layer, which has no attn_v
-    assert "blk.3.attn_v.weight" not in r.tensors and "blk.0.attn_v.weight" in r.tensors
+    il = 1   # the full layer, which has no attn_v
+    assert "blk.1.attn_v.weight" not in r.tensors and "blk.0.attn_v.weight" in r.tensors
     h = np.random.default_rng(3).standard_normal((5, r.n_embd))
     q, k, v = r._qkv(il, h, np.arange(5))
-    raw = (h @ r.tensors["blk.3.attn_k.weight"].T.astype(np.float64)).reshape(5, 1, 128)
+    raw = (h @ r.tensors["blk.1.attn_k.weight"].T.astype(np.float64)).reshape(5, 1, 128)
     np.testing.assert_allclose(v, raw / np.sqrt(np.mean(raw ** 2, axis=-1, keepdims=True) + r.rms_eps), rtol=1e-12)
     # k is the same projection, normed with its weight and turned: its norm per head is the normed one's
-    kn = ref.rms_norm(raw, r.tensors["blk.3.attn_k_norm.weight"], r.rms_eps)
+    kn = ref.rms_norm(raw, r.tensors["blk.1.attn_k_norm.weight"], r.rms_eps)
     assert not np.allclose(k, kn) and np.allclose(np.linalg.norm(k[:, :, :], axis=-1), np.linalg.norm(kn, axis=-1))
 
 

@@ -152,10 +152,11 @@ struct pp_kv_cache {
     struct ggml_context *device_meta;       /* the pools on the model's device (NULL: none) */
     ggml_backend_buffer_t device_buffer;
     int32_t              n_groups;          /* layer groups (1: ungrouped) */
-    int32_t              layers_per_group;  /* L: every group has as many layers */
+    int32_t              n_pools;           /* distinct K (and V) tensors, see pp_kv_cache_create_grouped */
     int32_t             *layer_group;       /* per layer: its group */
-    struct ggml_tensor **kt, **vt;          /* the L distinct pools: [n_embd_kv, num_slots] each */
-    struct ggml_tensor **k;                 /* per layer: the pool it shares (kt[index in its group]) */
+    struct ggml_tensor **kt, **vt;          /* the n_pools distinct pools: [values per slot, num_slots] each */
+    struct ggml_tensor **k;                 /* per layer: its rows, [n_embd_kv of the layer, num_slots]: a
+                                               pool, a view of a pool's lane, or its KV source's */
     struct ggml_tensor **v;
 };
 

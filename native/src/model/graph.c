@@ -2,6 +2,7 @@
  * GGML ops for everything but attention, which is our paged operator (paged
  * caches on the CPU) or GGML's flash attention (attention_graph.c). */
 #include "common/engine_internal.h"
+#include "model/graph_ops.h"
 #include "panels/panels.h"
 
 #include <math.h>
@@ -38,12 +39,7 @@ static struct ggml_tensor *matmul(struct ggml_context *ctx, struct ggml_tensor *
     return ggml_view_2d(ctx, y, y->ne[0], n, y->nb[1], 0);
 }
 
-/* The quantized columns of the last input a panel GEMM read: q, k and v
- * (gate and up) share one quantize op. */
-typedef struct panel_columns {
-    const struct ggml_tensor *x;
-    struct ggml_tensor *cols;
-} panel_columns;
+typedef pp_panel_columns panel_columns;
 
 /* x as a panel product reads it: float panels the f32 columns themselves,
  * quantized ones its quantized columns (one op per x). */
@@ -73,6 +69,9 @@ static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor 
 /* pp_panel_gated takes gate's and up's states as a pair */
 _Static_assert(PP_PROJ_UP == PP_PROJ_GATE + 1, "gate and up states adjacent");
 
+/* Whether an architecture's dense FFN is GELU-gated (else SiLU-gated). */
+static int gelu_gated(enum pp_arch arch) { return arch == PP_ARCH_GEMMA3 || arch == PP_ARCH_GEMMA4; }
+
 static struct ggml_tensor *gated_activation(struct ggml_context *ctx, enum pp_arch arch, struct ggml_tensor *gate,
                                             struct ggml_tensor *up) {
     const int64_t n_ff = gate->ne[0], n_tokens = gate->ne[1];
@@ -81,7 +80,7 @@ static struct ggml_tensor *gated_activation(struct ggml_context *ctx, enum pp_ar
         gate = ggml_reshape_2d(ctx, gate, PP_GLU_ROW, n_ff / PP_GLU_ROW * n_tokens);
         up = ggml_reshape_2d(ctx, up, PP_GLU_ROW, n_ff / PP_GLU_ROW * n_tokens);
     }
-    struct ggml_tensor *y = arch == PP_ARCH_GEMMA3 ? ggml_geglu_split(ctx, gate, up) : ggml_swiglu_split(ctx, gate, up);
+    struct ggml_tensor *y = gelu_gated(arch) ? ggml_geglu_split(ctx, gate, up) : ggml_swiglu_split(ctx, gate, up);
     return split ? ggml_reshape_2d(ctx, y, n_ff, n_tokens) : y;
 }
 
@@ -89,24 +88,17 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
                                    const pp_kv_cache *cache, const pp_batch *batch,
                                    pp_attention_params *layer_params, pp_panel_gemm_state *gemm_states,
                                    int n_threads, int gather, size_t max_nodes) {
+    if (m->hp.arch == PP_ARCH_GEMMA4)
+        return pp_build_gemma4_graph(ctx, m, cache, batch, layer_params, gemm_states, n_threads, gather, max_nodes);
     const pp_model_hparams *hp = &m->hp;
     const int n_tokens = batch->n_tokens;
     const int head_dim = hp->head_dim;
     struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, max_nodes, false);
-
-    struct ggml_tensor *tokens = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "tokens");
-    struct ggml_tensor *positions = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "positions");
-    /* One run of slots per layer group (see pp_batch). */
-    struct ggml_tensor *slots = pp_graph_input(ctx, GGML_TYPE_I64, (int64_t)n_tokens * cache->n_groups, "slots");
-    /* logit rows, then hidden rows (embeddings): the rows the last layer computes */
-    struct ggml_tensor *logit_rows = pp_graph_input(ctx, GGML_TYPE_I32, batch->n_logits + batch->n_hidden, "logit_rows");
-
+    pp_graph_inputs in;
+    struct ggml_tensor *x = pp_graph_embed(ctx, m, cache, batch, gemm_states, &in);
+    struct ggml_tensor *positions = in.positions, *logit_rows = in.rows;
     pp_panel_gemm_state *head = gemm_states ? &gemm_states[hp->n_layer * PP_N_PROJ] : NULL;
     panel_columns last = {0};
-    /* A tied head packed into panels is the embedding too: its rows are read from there. */
-    struct ggml_tensor *x = head && head->w && !m->output ? pp_panel_embed(ctx, head->w, tokens)
-                                                          : ggml_get_rows(ctx, m->tok_embd, tokens);
-    if (hp->embd_scale != 1.0f) x = ggml_scale(ctx, x, hp->embd_scale);
 
     for (int il = 0; il < hp->n_layer; il++) {
         const pp_layer *L = &m->layers[il];
@@ -135,23 +127,9 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
                           base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
 
         /* Write this step's K/V rows to their slots before attention reads them. */
-        struct ggml_tensor *k_rows = ggml_reshape_2d(ctx, k, head_dim * hp->n_head_kv, n_tokens);
-        struct ggml_tensor *v_rows = ggml_reshape_2d(ctx, ggml_is_contiguous(v) ? v : ggml_cont(ctx, v),
-                                                     head_dim * hp->n_head_kv, n_tokens);
-        struct ggml_tensor *layer_slots = ggml_view_1d(ctx, slots, n_tokens,
-                                                       (size_t)ap->group * n_tokens * slots->nb[0]);
-        struct ggml_tensor *k_pool = ggml_set_rows(ctx, cache->k[il], k_rows, layer_slots);
-        struct ggml_tensor *v_pool = ggml_set_rows(ctx, cache->v[il], v_rows, layer_slots);
-        ggml_build_forward_expand(gf, k_pool);
-        ggml_build_forward_expand(gf, v_pool);
-
-        struct ggml_tensor *attn;
-        /* Our operator reads host pools; a pool on a device takes the gather path there. */
-        if (cache->paged && !gather && !pp_pool_on_device(cache, cache->k[il])) {
-            attn = pp_paged_attention(ctx, q, k_pool, v_pool, ap, n_threads);
-        } else {
-            attn = pp_flash_attention(ctx, cache, batch, q, k_pool, v_pool, ap);
-        }
+        struct ggml_tensor *pools[2];
+        pp_graph_write_kv(ctx, gf, cache, il, ap, in.slots, k, v, pools);
+        struct ggml_tensor *attn = pp_graph_attention(ctx, cache, batch, il, q, pools, ap, n_threads, gather);
         attn = ggml_reshape_2d(ctx, attn, head_dim * hp->n_head, n_tokens);
         if (il == hp->n_layer - 1) {
             /* After the last attention only the rows whose logits were asked
@@ -171,21 +149,83 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         } else if (L->ffn_gate_inp) {
             cur = pp_build_moe_ffn(ctx, hp, L, gs, cur);
         } else {
-            if (gs && pp_panel_gated_takes(&gs[PP_PROJ_GATE])) {
-                cur = pp_panel_gated(ctx, &gs[PP_PROJ_GATE], panel_input(ctx, &gs[PP_PROJ_GATE], cur, &last),
-                                     hp->arch == PP_ARCH_GEMMA3);
-            } else {
-                struct ggml_tensor *gate = PROJECT(L->ffn_gate, PP_PROJ_GATE, cur);
-                struct ggml_tensor *up = PROJECT(L->ffn_up, PP_PROJ_UP, cur);
-                cur = gated_activation(ctx, hp->arch, gate, up);
-            }
-            cur = PROJECT(L->ffn_down, PP_PROJ_DOWN, cur);
+            cur = pp_graph_dense_ffn(ctx, hp->arch, L, gs, cur, &last);
         }
         if (L->post_ffw_norm) cur = norm(ctx, cur, L->post_ffw_norm, hp->rms_eps);
         x = ggml_add(ctx, cur, x);
 #undef PROJECT
     }
 
+    return pp_graph_output(ctx, gf, m, batch, x, head, &last);
+}
+
+/* ---- the building blocks other architectures' graphs share (graph_ops.h) ---- */
+
+struct ggml_tensor *pp_graph_norm(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *weight,
+                                  float eps) {
+    return norm(ctx, x, weight, eps);
+}
+
+struct ggml_tensor *pp_graph_project(struct ggml_context *ctx, struct ggml_tensor *w, pp_panel_gemm_state *state,
+                                     struct ggml_tensor *x, pp_panel_columns *last) {
+    return project(ctx, w, state, x, last);
+}
+
+struct ggml_tensor *pp_graph_embed(struct ggml_context *ctx, const pp_model *m, const pp_kv_cache *cache,
+                                   const pp_batch *batch, pp_panel_gemm_state *gemm_states, pp_graph_inputs *in) {
+    const int n_tokens = batch->n_tokens;
+    in->tokens = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "tokens");
+    in->positions = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "positions");
+    /* One run of slots per layer group (see pp_batch). */
+    in->slots = pp_graph_input(ctx, GGML_TYPE_I64, (int64_t)n_tokens * cache->n_groups, "slots");
+    /* logit rows, then hidden rows (embeddings): the rows the last layer computes */
+    in->rows = pp_graph_input(ctx, GGML_TYPE_I32, batch->n_logits + batch->n_hidden, "logit_rows");
+    const pp_panel_gemm_state *head = gemm_states ? &gemm_states[m->hp.n_layer * PP_N_PROJ] : NULL;
+    /* A tied head packed into panels is the embedding too: its rows are read from there. */
+    struct ggml_tensor *x = head && head->w && !m->output ? pp_panel_embed(ctx, head->w, in->tokens)
+                                                          : ggml_get_rows(ctx, m->tok_embd, in->tokens);
+    return m->hp.embd_scale != 1.0f ? ggml_scale(ctx, x, m->hp.embd_scale) : x;
+}
+
+void pp_graph_write_kv(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_kv_cache *cache, int il,
+                       const pp_attention_params *ap, struct ggml_tensor *slots, struct ggml_tensor *k,
+                       struct ggml_tensor *v, struct ggml_tensor *pools[2]) {
+    const int64_t n_tokens = k->ne[2], n_embd_kv = k->ne[0] * k->ne[1];
+    struct ggml_tensor *layer_slots = ggml_view_1d(ctx, slots, n_tokens, (size_t)ap->group * n_tokens * slots->nb[0]);
+    struct ggml_tensor *rows[2] = {ggml_reshape_2d(ctx, ggml_is_contiguous(k) ? k : ggml_cont(ctx, k), n_embd_kv, n_tokens),
+                                   ggml_reshape_2d(ctx, ggml_is_contiguous(v) ? v : ggml_cont(ctx, v), n_embd_kv, n_tokens)};
+    struct ggml_tensor *dst[2] = {cache->k[il], cache->v[il]};
+    for (int i = 0; i < 2; i++) {
+        pools[i] = ggml_set_rows(ctx, dst[i], rows[i], layer_slots);
+        ggml_build_forward_expand(gf, pools[i]);
+    }
+}
+
+struct ggml_tensor *pp_graph_attention(struct ggml_context *ctx, const pp_kv_cache *cache, const pp_batch *batch,
+                                       int il, struct ggml_tensor *q, struct ggml_tensor *pools[2],
+                                       pp_attention_params *ap, int n_threads, int gather) {
+    /* Our operator reads host pools; a pool on a device takes the gather path there. */
+    if (cache->paged && !gather && !pp_pool_on_device(cache, cache->k[il]))
+        return pp_paged_attention(ctx, q, pools[0], pools[1], ap, n_threads);
+    return pp_flash_attention(ctx, cache, batch, q, pools[0], pools[1], ap);
+}
+
+struct ggml_tensor *pp_graph_dense_ffn(struct ggml_context *ctx, enum pp_arch arch, const pp_layer *L,
+                                       pp_panel_gemm_state *gs, struct ggml_tensor *cur, pp_panel_columns *last) {
+    if (gs && pp_panel_gated_takes(&gs[PP_PROJ_GATE])) {
+        cur = pp_panel_gated(ctx, &gs[PP_PROJ_GATE], panel_input(ctx, &gs[PP_PROJ_GATE], cur, last), gelu_gated(arch));
+    } else {
+        struct ggml_tensor *gate = project(ctx, L->ffn_gate, gs ? &gs[PP_PROJ_GATE] : NULL, cur, last);
+        struct ggml_tensor *up = project(ctx, L->ffn_up, gs ? &gs[PP_PROJ_UP] : NULL, cur, last);
+        cur = gated_activation(ctx, arch, gate, up);
+    }
+    return project(ctx, L->ffn_down, gs ? &gs[PP_PROJ_DOWN] : NULL, cur, last);
+}
+
+struct ggml_cgraph *pp_graph_output(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_model *m,
+                                    const pp_batch *batch, struct ggml_tensor *x, pp_panel_gemm_state *head,
+                                    pp_panel_columns *last) {
+    const pp_model_hparams *hp = &m->hp;
     x = norm(ctx, x, m->output_norm, hp->rms_eps);
     if (batch->n_hidden > 0) {
         ggml_set_output(x);   /* the allocator keeps the rows the hidden view reads */
@@ -197,7 +237,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         if (batch->n_logits == 0) return gf;
         x = ggml_view_2d(ctx, x, hp->n_embd, batch->n_logits, x->nb[1], 0);
     }
-    struct ggml_tensor *logits = project(ctx, m->output ? m->output : m->tok_embd, head, x, &last);
+    struct ggml_tensor *logits = project(ctx, m->output ? m->output : m->tok_embd, head, x, last);
     if (hp->final_logit_softcap > 0.0f) {
         logits = ggml_scale(ctx, logits, 1.0f / hp->final_logit_softcap);
         logits = ggml_tanh(ctx, logits);

@@ -36,8 +36,19 @@ def kv_row_bytes(kv_cache_type: str, n_values: int) -> int:
 
 
 def dense_kv_bytes_per_token(config, kv_cache_type: str) -> int:
-    """K+V bytes of one token over every layer: what a cache that frees nothing holds."""
-    return 2 * config.n_layer * kv_row_bytes(kv_cache_type, config.head_dim * config.n_head_kv)
+    """K+V bytes of one token over every layer that keeps its own KV: what a cache that frees
+    nothing holds."""
+    return sum(2 * kv_row_bytes(kv_cache_type, config.kv_values(il)) for il in range(config.n_layer)
+               if config.owns_kv(il))
+
+
+def kv_groups_for(config, paged: bool, free_window_blocks: bool) -> KVGroups:
+    """The model's layer groups: sliding-window layers apart (their blocks given back) when
+    paged and freeing, else one group; layers reading another's KV in their source's."""
+    if not (paged and free_window_blocks):
+        return KVGroups.single(config.n_layer)
+    return KVGroups.for_layers(config.layer_window, [config.kv_values(il) for il in range(config.n_layer)],
+                               config.layer_kv_source)
 
 
 def _ptr(arr: np.ndarray, ctype: str = "int32_t *"):
@@ -73,11 +84,11 @@ class ModelRunner:
         cfg = model.config
         # Sliding-window layers get their own block tables and give pages back
         # (kv_groups.py); free_window_blocks=False keeps every layer's KV.
-        self.kv_groups = KVGroups.for_windows(cfg.layer_window) if paged and free_window_blocks \
-            else KVGroups.single(cfg.n_layer)
+        self.kv_groups = kv_groups_for(cfg, paged, free_window_blocks)
         dense_token_bytes = dense_kv_bytes_per_token(cfg, kv_cache_type)
         if paged:
-            slot_bytes = dense_token_bytes // self.kv_groups.n_groups
+            kv_values = [cfg.kv_values(il) for il in range(cfg.n_layer)]
+            slot_bytes = 2 * kv_row_bytes(kv_cache_type, self.kv_groups.slot_values(kv_values, cfg.layer_kv_source))
             if num_blocks is None:
                 # Same KV bytes as the slab baseline unless told otherwise.
                 budget = kv_bytes if kv_bytes is not None else n_ctx * n_seq_max * dense_token_bytes

@@ -11,15 +11,17 @@ Two shapes, each a Gemma 4 in miniature:
   last earlier layer of their kind (``shared_kv_layers``), their FFN twice as wide
   (``use_double_wide_mlp``, a per-layer ``feed_forward_length``), a ``layer_output_scale`` per
   layer and the final logit soft-cap.
-* ``moe`` (26B-A4B): the sliding layers with four KV heads and a V projection, the full ones
+* ``moe`` (26B-A4B): a sliding layer with four KV heads and a V projection, then a full one
   with one KV head and none (``attention_k_eq_v``: K stands in for V), a per-layer
   ``head_count_kv``, a dense FFN beside routed experts (router with its scale, the experts'
   gate and up fused in ``ffn_gate_up_exps`` as the converter writes them, or apart, and a
   per-expert output scale ``ffn_down_exps.scale``).
 
 The window is short (8) so that tests with a few dozen tokens cross it. Weight scales keep
-activations O(1): q and k norms near 0.5 keep the unscaled attention scores a few units wide,
-and router logits are spread so that top-k choices are rarely near ties.
+activations O(1): q and k norms near 0.3 keep the unscaled attention scores about a unit wide
+(QK_NORM), output scales near 1 (0.8 to 1), and router logits are spread so that top-k choices
+are rarely near ties. The MoE shape has two layers: each one more adds its rounding to the
+router's input, and the tokens routed at a near-tie (testing/routed_logits.py) with it.
 """
 
 from __future__ import annotations
@@ -43,14 +45,72 @@ END_OF_TURN = "<turn|>"
 # full layers rotate a quarter of their pairs (the converter's partial_rotary_factor)
 PARTIAL_ROTARY_FULL = 0.25
 UNROTATED_DIVISOR = 1e30
+# q and k norms: unscaled scores of std ~0.7-1 (head sizes 64 and 128). Sharper softmaxes
+# magnify what GGML's Q8_0 activations round (seen: 17% of the spread at norms of 0.5, with
+# output scales down to 0.5), beyond any tolerance a Q8_0 file could be held to.
+QK_NORM = 0.3
+
+# Gemma 4's chat format, written here after its published description (the turns, the thinking
+# switch <|think|> at the head of the system turn, tools declared there, a call and its result
+# inside the model's turn, values in Gemma 4's notation) and what llama.cpp's parser reads:
+#   <|turn>system\n<|think|>...<|tool>declaration:NAME{description:...,parameters:{...}}<tool|><turn|>
+#   <|turn>user\n...<turn|>
+#   <|turn>model\n<|tool_call>call:NAME{...}<tool_call|><|tool_response>response:NAME{...}<tool_response|>...<turn|>
+# An answer's thinking (before <channel|>) is not rendered back. After a tool's result the model
+# goes on in the same turn, so the generation prompt then opens no new one.
+GEMMA4_TEMPLATE = (
+    "{%- macro value(v) -%}"
+    "{%- if v is mapping -%}{{- '{' -}}{%- for k in v -%}{{- k + ':' -}}{{- value(v[k]) -}}"
+    "{%- if not loop.last -%}{{- ',' -}}{%- endif -%}{%- endfor -%}{{- '}' -}}"
+    "{%- elif v is string -%}{{- '<|\"|>' + v + '<|\"|>' -}}"
+    "{%- elif v is sameas true -%}{{- 'true' -}}{%- elif v is sameas false -%}{{- 'false' -}}"
+    "{%- elif v is none -%}{{- 'null' -}}"
+    "{%- elif v is iterable -%}{{- '[' -}}{%- for x in v -%}{{- value(x) -}}"
+    "{%- if not loop.last -%}{{- ',' -}}{%- endif -%}{%- endfor -%}{{- ']' -}}"
+    "{%- else -%}{{- v -}}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{{- bos_token -}}"
+    "{%- set ns = namespace(first=0, open=false, calls=[], answered=0) -%}"
+    "{%- set thinking = enable_thinking is defined and enable_thinking -%}"
+    "{%- if thinking or tools or (messages and messages[0]['role'] == 'system') -%}"
+    "{{- '<|turn>system\n' -}}{%- if thinking -%}{{- '<|think|>' -}}{%- endif -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{- messages[0]['content'] | trim -}}{%- set ns.first = 1 -%}{%- endif -%}"
+    "{%- for tool in tools or [] -%}{%- set f = tool['function'] -%}"
+    "{{- '<|tool>declaration:' + f['name'] -}}"
+    "{{- value({'description': f['description'] or '', 'parameters': f['parameters'] or {}}) -}}{{- '<tool|>' -}}"
+    "{%- endfor -%}"
+    "{{- '<turn|>\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages[ns.first:] -%}"
+    "{%- if m['role'] == 'tool' -%}"
+    "{%- set name = m.get('name') or (ns.calls[ns.answered] if ns.answered < ns.calls | length else 'tool') -%}"
+    "{%- set ns.answered = ns.answered + 1 -%}"
+    "{{- '<|tool_response>response:' + name -}}{{- value({'value': m['content']}) -}}{{- '<tool_response|>' -}}"
+    "{%- elif m['role'] == 'assistant' -%}"
+    "{%- if not ns.open -%}{{- '<|turn>model\n' -}}{%- endif -%}"
+    "{{- (m['content'] or '').split('<channel|>')[-1] | trim -}}"
+    "{%- set ns.calls = [] -%}{%- set ns.answered = 0 -%}"
+    "{%- for call in m.get('tool_calls') or [] -%}{%- set f = call['function'] -%}"
+    "{{- '<|tool_call>call:' + f['name'] -}}{{- value(f['arguments']) -}}{{- '<tool_call|>' -}}"
+    "{%- set ns.calls = ns.calls + [f['name']] -%}"
+    "{%- endfor -%}"
+    "{%- if ns.calls -%}{%- set ns.open = true -%}{%- else -%}{{- '<turn|>\n' -}}{%- set ns.open = false -%}{%- endif -%}"
+    "{%- else -%}"
+    "{%- if ns.open -%}{{- '<turn|>\n' -}}{%- set ns.open = false -%}{%- endif -%}"
+    "{{- '<|turn>' + m['role'] + '\n' + (m['content'] | trim) + '<turn|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt and not ns.open -%}{{- '<|turn>model\n' -}}{%- endif -%}"
+)
 
 SHAPES = {
     "dense": dict(n_layer=8, sliding=(True, True, False, True, True, False, True, False), n_kv_shared=2,
                   n_embd=256, n_head=4, n_head_kv=(1,), head_dim=128, head_dim_swa=64, n_ff=512,
                   double_wide=True, n_embd_per_layer=32, n_expert=0, n_expert_used=0, n_ff_exp=0,
                   v_on_full=True),
-    "moe": dict(n_layer=4, sliding=(True, True, True, False), n_kv_shared=0, n_embd=256, n_head=8,
-                n_head_kv=(4, 4, 4, 1), head_dim=128, head_dim_swa=64, n_ff=256, double_wide=False,
+    "moe": dict(n_layer=2, sliding=(True, False), n_kv_shared=0, n_embd=256, n_head=8,
+                n_head_kv=(4, 1), head_dim=128, head_dim_swa=64, n_ff=256, double_wide=False,
                 n_embd_per_layer=0, n_expert=8, n_expert_used=2, n_ff_exp=256, v_on_full=False),
 }
 
@@ -86,7 +146,8 @@ def write_tiny_gemma4(
     fused_experts: bool = True,
     sliding_window: int = 8,
     final_logit_softcapping: float | None = 30.0,
-    chat_template: str | None = None,
+    v_on_full: bool | None = None,
+    chat_template: str | None = GEMMA4_TEMPLATE,
     n_vocab: int | None = None,
     seed: int = 0,
     name: str | None = None,
@@ -97,7 +158,8 @@ def write_tiny_gemma4(
 
     ``weight_type``: every matrix's type (tiny_gguf's, with its fallbacks for short rows);
     norms, scales, the router and rope_freqs stay f32. ``fused_experts``: the experts' gate and
-    up as one ``ffn_gate_up_exps`` (else ``ffn_gate_exps`` and ``ffn_up_exps``).
+    up as one ``ffn_gate_up_exps`` (else ``ffn_gate_exps`` and ``ffn_up_exps``). ``v_on_full``:
+    whether full layers have a V projection (default: the shape's; sliding ones always do).
     ``tensor_hook(name, data)`` returns what to write instead of a tensor's drawn data (same
     shape, before quantization); tensors named in ``drop`` are not written."""
     s = SHAPES[shape]
@@ -150,7 +212,8 @@ def write_tiny_gemma4(
     for il in range(n_layer):
         head_dim = s["head_dim_swa"] if sliding[il] else s["head_dim"]
         _add_layer(matrix, vector, s, f"blk.{il}.", head_dim, n_head_kv[il], n_ff[il],
-                   owns_kv=il < n_own, has_v=sliding[il] or s["v_on_full"], fused=fused_experts, rng=rng, add=add)
+                   owns_kv=il < n_own, has_v=sliding[il] or (s["v_on_full"] if v_on_full is None else v_on_full),
+                   fused=fused_experts, rng=rng, add=add)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -201,9 +264,9 @@ def _add_layer(matrix, vector, s: dict, p: str, head_dim: int, n_head_kv: int, n
         if has_v:
             matrix(p + "attn_v.weight", (kv_dim, n_embd), std)
     matrix(p + "attn_output.weight", (n_embd, q_dim), 1.0 / np.sqrt(q_dim))
-    vector(p + "attn_q_norm.weight", head_dim, 0.5, 0.05)
+    vector(p + "attn_q_norm.weight", head_dim, QK_NORM, 0.1 * QK_NORM)
     if owns_kv:
-        vector(p + "attn_k_norm.weight", head_dim, 0.5, 0.05)
+        vector(p + "attn_k_norm.weight", head_dim, QK_NORM, 0.1 * QK_NORM)
     vector(p + "post_attention_norm.weight", n_embd, 2.0)
     vector(p + "ffn_norm.weight", n_embd, 1.0)
     matrix(p + "ffn_gate.weight", (n_ff, n_embd), std)
@@ -231,4 +294,4 @@ def _add_layer(matrix, vector, s: dict, p: str, head_dim: int, n_head_kv: int, n
         matrix(p + "inp_gate.weight", (n_pl, n_embd), std)
         matrix(p + "proj.weight", (n_embd, n_pl), 1.0 / np.sqrt(n_pl))
         vector(p + "post_norm.weight", n_embd, 1.0)
-    add(p + "layer_output_scale.weight", rng.uniform(0.5, 1.0, 1).astype(np.float32))
+    add(p + "layer_output_scale.weight", rng.uniform(0.8, 1.0, 1).astype(np.float32))
