@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from .._version import __version__
 from ..errors import DownloadError, IntegrityError, ModelNotFoundError
+from ..gguf.reader import GGUF_MAGIC
 from .egress import Unreachable, open_url
 from .store_files import create_new, exclusive, open_own, private_folder, remove_entry, store_bytes, sweep_stale
 
@@ -302,11 +303,25 @@ def _present(dest: Path) -> bool:
     return False
 
 
+def not_gguf(path: str | os.PathLike, what: str) -> DownloadError | None:
+    """The error for a downloaded file that does not start as a GGUF does (None: it does)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError as e:
+        return DownloadError(f"{what}: cannot read the downloaded file: {e.strerror}")
+    if head == GGUF_MAGIC:
+        return None
+    return DownloadError(f"{what}: the downloaded file is not a GGUF model (it starts with {head!r}, not "
+                         f"{GGUF_MAGIC!r}); it was deleted and nothing was stored")
+
+
 def fetch_blob(url: str, dest: Path, digest: str, size: int | None = None, *, status: str = "",
                progress: Progress | None = None, retries: int = 3, timeout: float = 60.0,
-               should_stop: Callable[[], bool] | None = None, source: str = "") -> Path:
+               should_stop: Callable[[], bool] | None = None, source: str = "", gguf: bool = False) -> Path:
     """Download url to dest, resuming its partial file from the same source, and verify its
-    sha256 against digest ("sha256:<hex>"). dest exists only complete and verified, so an
+    sha256 against digest ("sha256:<hex>"); gguf: the blob must also start with GGUF's magic
+    (else the download is deleted). dest exists only complete and verified, so an
     existing one is kept. A connection that fails is retried (from where it stopped) up to
     retries times in a row without progress; the partial is kept for the next call when they
     run out. A resumed partial that does not hash right is dropped and fetched again once."""
@@ -339,6 +354,10 @@ def fetch_blob(url: str, dest: Path, digest: str, size: int | None = None, *, st
                 remove_entry(partial.path)
                 raise IntegrityError(f"{url}: the {partial.done} bytes received have sha256 "
                                      f"{partial.hasher.hexdigest()}, not {expected_hex}; the download was deleted")
+            refused = not_gguf(partial.path, f"layer {digest}") if gguf else None
+            if refused is not None:
+                remove_entry(partial.path)
+                raise refused
             os.replace(partial.path, dest)
         finally:
             partial.close()

@@ -126,12 +126,33 @@ def redirect_allowed(start: str, target: str) -> bool:
     return any(_matches(host, port, entry) for entry in blob_hosts() + operator_hosts())
 
 
+# IPv6 forms that carry an IPv4 address in their last 32 bits: NAT64's well-known prefix
+# (RFC 6052), IPv4-translated (RFC 2765) and IPv4-compatible (deprecated, RFC 4291) addresses
+_IPV4_IN_LAST_32 = tuple(ipaddress.ip_network(n) for n in ("64:ff9b::/96", "::ffff:0:0:0/96", "::/96"))
+# NAT64's local-use prefix (RFC 8215): its IPv4 part sits where the operator chose, and it
+# reaches whatever the operator's translator reaches: never public
+_LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")
+_GLOBAL_UNICAST = ipaddress.ip_network("2000::/3")
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 form wraps (mapped, 6to4, Teredo, NAT64, translated or compatible)."""
+    inner = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+    if inner is None and int(ip) > 1 and any(ip in net for net in _IPV4_IN_LAST_32):   # :: and ::1 are not
+        inner = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return inner
+
+
 def _public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """A global unicast address (what an IPv6 form wraps is judged as IPv4)."""
+    """A global unicast address; what an IPv6 form wraps is judged as the IPv4 address it is."""
     if ip.version == 6:
-        inner = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        if ip in _LOCAL_NAT64:
+            return False
+        inner = _embedded_ipv4(ip)
         if inner is not None:
             return _public(inner)
+        if ip not in _GLOBAL_UNICAST:
+            return False
     return ip.is_global and not ip.is_multicast
 
 

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from .._version import __version__
 from ..errors import DownloadError, IntegrityError, ModelNotFoundError, PagedError, RequestError
 from .download import (DownloadCancelled, Progress, Reporter, StorageError, check_declared_size, file_sha256,
-                       plan_deadline, blob_deadline)
+                       not_gguf, plan_deadline, blob_deadline)
 from .egress import Unreachable
 from .hub_guard import check_now, guarded
 from .refs import ModelRef
@@ -272,6 +272,11 @@ class HubPull:
         if cached is None:
             _check_space(self.file)
         path = download_file(self.ref.repo_id, self.file, progress=progress, should_stop=should_stop)
+        refused = not_gguf(path, f"{self.ref.repo_id}/{self.file.name}")
+        if refused is not None:
+            if cached is None:   # ours to remove; a file that was in the cache before is someone else's
+                remove_hub_file(Path(path))
+            raise refused
         if progress:
             progress("writing manifest", 0, 0)
         previous = store.find(self.ref)

@@ -69,7 +69,8 @@ class RegistryPull:
         for role, digest, size in self.roles:
             status = f"pulling {sha256_hex(digest)[:12]}"
             paths[role] = fetch_blob(self.blob_url(digest), store.blob_path(digest), digest, size, status=status,
-                                     progress=progress, should_stop=should_stop, source=self.base)
+                                     progress=progress, should_stop=should_stop, source=self.base,
+                                     gguf=role == "model")
         if progress:
             # each blob's digest was checked as it was renamed into place
             progress("verifying sha256 digest", 0, 0)

@@ -224,10 +224,21 @@ class ModelStore:
         except ValueError:
             return None
 
-    def list(self) -> list[StoredModel]:
-        """Every stored model whose manifest reads (and whose GGUF is still there)."""
-        found = [self._read(m) for m in self._manifests()]
-        return [m for m in found if m is not None and os.path.exists(m.path)]
+    def list(self, limit: int | None = None) -> list[StoredModel]:
+        """Every stored model whose manifest reads (and whose GGUF is still there), in name
+        order; the first limit of them only when limit is given (the rest are not read)."""
+        out = []
+        for manifest in self._manifests():
+            if limit is not None and len(out) >= limit:
+                break
+            model = self._read(manifest)
+            if model is not None and os.path.exists(model.path):
+                out.append(model)
+        return out
+
+    def count(self) -> int:
+        """How many manifests the store holds (none is read)."""
+        return len(self._manifests())
 
     def removable(self, model: StoredModel, path: str, protected: set[str]) -> bool:
         """Whether a delete of model may unlink path: a file under the store's root (or, for

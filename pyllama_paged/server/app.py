@@ -22,6 +22,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from .._version import __version__
 from ..errors import ModelLoadError, ModelsBusyError
+from ..tokenizer import render_pool
 from .dashboard import DASHBOARD_HTML
 from .generation import APIError, Limits, limit_flag
 from .scale_out.kv_events import KVEventPublisher, KVEventsConfig
@@ -128,6 +129,7 @@ class ServerState:
     def __post_init__(self):
         if self.prep is None:
             self.prep = ThreadPoolExecutor(max(1, self.limits.prep_threads), thread_name_prefix="pyllama-prep")
+        render_pool.configure(self.limits.render_limits(), warm=True)   # chat templates: out of process
 
 
 def _is_openai(path: str) -> bool:

@@ -15,6 +15,7 @@ from ..engine.worker.sampler import SamplingParams
 from ..errors import PagedError
 from ..api.sampling_options import Surface, sampling_params
 from ..api.text_stream import TextAssembler, TextDelta
+from ..tokenizer.render_pool import RenderLimits, render_limits
 from .metrics import Metrics
 from .registry import ServedModel
 
@@ -69,6 +70,19 @@ class Limits:
     stats_timeout: float = _option(2.0, "--stats-timeout",
                                    "seconds /metrics, /api/ps and /api/pool wait for a busy engine before "
                                    "answering with its last known figures", float)
+    template_seconds: float = _option(5.0, "--template-seconds",
+                                      "seconds a chat template may take to render; past them its renderer process "
+                                      "is killed and replaced", float)
+    template_memory_mib: int = _option(512, "--template-memory-mib",
+                                       "memory (address space, MiB) of each chat template renderer process")
+    template_max_bytes: int = _option(8 << 20, "--template-max-bytes", "bytes of prompt a chat template may render")
+    template_processes: int = _option(2, "--template-processes",
+                                      "chat template renderer processes (started on demand, kept warm)")
+
+    def render_limits(self) -> RenderLimits:
+        """The chat template renderers' limits these Limits set."""
+        return render_limits(seconds=self.template_seconds, memory_mib=self.template_memory_mib,
+                             output_bytes=self.template_max_bytes, processes=self.template_processes)
 
 
 def limit_flag(name: str) -> str:

@@ -7,10 +7,20 @@ from .generation import APIError
 from .registry import ModelRegistry, ServedModel
 
 
+# names a 404 lists (a store of thousands would make every typo an answer of tens of KiB)
+LISTED_NAMES = 10
+
+
 def model_not_found(registry: ModelRegistry, name: str | None, param: str = "model") -> APIError:
-    """The 404 for a model name nothing here answers to, listing the names that do."""
-    return APIError(404, f"model '{name}' not found (it does not exist on this server); available: "
-                    f"{', '.join(registry.names())}", param, code="model_not_found")
+    """The 404 for a model name nothing here answers to, listing the first LISTED_NAMES names
+    that do (the served ones first) and how many more there are (GET /api/tags lists all)."""
+    names = registry.names(LISTED_NAMES)
+    listed = ", ".join(names)
+    more = registry.name_count() - len(names)
+    if len(names) == LISTED_NAMES and more > 0:
+        listed += f" and {more} more (GET /api/tags or /v1/models lists them)"
+    return APIError(404, f"model '{name}' not found (it does not exist on this server); available: {listed}",
+                    param, code="model_not_found")
 
 
 async def find_model(registry: ModelRegistry, name: str | None, param: str = "model") -> ServedModel:

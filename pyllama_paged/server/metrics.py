@@ -50,6 +50,8 @@ GAUGES = {
     "prefix_tier_ram_bytes": ("tier_ram_bytes", "Bytes held by the RAM tier."),
     "prefix_tier_disk_bytes": ("tier_disk_bytes", "Bytes of block files in the disk tier's directory."),
     "prefix_tier_disk_corrupt_files_total": ("tier_disk_corrupt_files", "Damaged block files found (misses)."),
+    "prefix_tier_disk_skipped_writes_total": ("tier_disk_skipped_writes",
+                                              "Blocks not written: the disk had less than its reserve free."),
 }
 
 # vLLM's series read from each engine's stats: (name, type, help, value of the stats).

@@ -57,12 +57,14 @@ class ServedEngineConfig(EngineConfig):
     # where each generative engine tells of its prefix cache's changes (a KVEventListener, e.g.
     # the server's ZMQ publisher; None: nowhere); attached again at every load
     kv_events: object | None = field(default=None, compare=False, repr=False)
-    # engines loaded at once (Ollama's OLLAMA_MAX_LOADED_MODELS): loading one more first drops
-    # the least recently used idle one; the files the server starts with are never fewer
+    # engines loaded at once (Ollama's OLLAMA_MAX_LOADED_MODELS): the files the server starts
+    # with are never unloaded to make room; pulled models share the slots left (at least one),
+    # and loading one more first drops the pulled model idle longest
     max_loaded_models: int = cli_option(
-        3, "--max-loaded-models", "engines loaded at once (never fewer than the --model files): loading another "
-        "model first unloads the one idle longest; pulled models stay loaded 5 minutes after their last request "
-        "unless a request's keep_alive says otherwise", type=int, metavar="N")
+        3, "--max-loaded-models", "engines loaded at once: the --model files always stay loaded, and pulled models "
+        "share the slots left (at least one); loading another pulled model first unloads the pulled model idle "
+        "longest; pulled models stay loaded 5 minutes after their last request unless a request's keep_alive "
+        "says otherwise", type=int, metavar="N")
     stored_keep_alive: float | None = 300.0   # seconds a pulled model stays loaded idle (Ollama's 5m)
 
 
@@ -110,6 +112,7 @@ class ServedModel:
         # one thread of its own for figures calls, so a stuck engine holds no shared thread
         self._figures_thread = ThreadPoolExecutor(1, thread_name_prefix="pyllama-figures")
         self.tokenizer: Tokenizer | None = None
+        self.retired = False   # its name now means another file: it finishes its requests, then goes
         self._load()
         # what describes the model without its engine
         cfg = self.model.config
@@ -122,7 +125,10 @@ class ServedModel:
 
     def _load(self) -> None:
         """Weights, KV pool, runner and engine loop (blocking: seconds)."""
+        if self.retired:
+            raise ModelLoadError(f"model {self.name} was replaced by another file; ask for it again")
         self.loads += 1
+        self.identity = file_identity(self.path)   # the file these weights came from
         model = Model(self.path, n_gpu_layers=self.options.n_gpu_layers, main_gpu=self.options.main_gpu)
         try:
             if self.tokenizer is None:   # kept across unloads, like the metadata
@@ -333,6 +339,13 @@ def _close(parts: tuple) -> None:
     model.close()
 
 
+async def _retire(served: ServedModel) -> None:
+    """Close an engine whose name moved to another file, once no request holds it."""
+    while not await served.unload_if_idle() and served.is_loaded:
+        await asyncio.sleep(0.1)
+    served.close()
+
+
 def _retrieve(task: asyncio.Task) -> None:
     # a load whose every waiter went away still ends: its failure is not "never retrieved"
     if not task.cancelled():
@@ -348,6 +361,16 @@ def quantization_level(file_type) -> str:
     return _FILE_TYPES.get(file_type, str(file_type))
 
 
+def file_identity(path: str) -> tuple | None:
+    """What tells one file from another at path (links followed): device, inode, size and
+    modification time; None when there is no file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def model_name_for(path: str) -> str:
     """The name a user types for a file: its stem, lower-cased."""
     return Path(path).stem.lower()
@@ -359,11 +382,14 @@ class ModelRegistry:
     then, and served under its store name from then on; a stored name whose GGUF is a file
     already served (another tag of the same blob, or a --model file) shares that engine.
 
-    At most options.max_loaded_models engines are loaded (never fewer than the files the
-    server starts with): a load beyond it first drops the least recently used idle engine,
-    and waits (up to LOAD_WAIT_S) while every loaded one is busy. A pulled model stays
-    loaded options.stored_keep_alive seconds after its last request unless a request says
-    otherwise. That first load runs on a worker thread (resolve)."""
+    The files the server starts with (the operator's) are pinned: never unloaded to make
+    room, and their loads never wait for room. Pulled models share the slots
+    options.max_loaded_models leaves beside them (at least one): a load beyond those first
+    drops the least recently used idle pulled engine, and waits (up to LOAD_WAIT_S) while
+    every loaded pulled one is busy. A pulled model stays loaded options.stored_keep_alive
+    seconds after its last request unless a request says otherwise. That first load runs on
+    a worker thread (resolve). A stored name pulled again (or re-pointed) at another file is
+    served from the new file: the old engine finishes its requests and goes."""
 
     LOAD_WAIT_S = 120.0
     ROOM_POLL_S = 0.05
@@ -381,6 +407,8 @@ class ModelRegistry:
         for path in paths or []:
             self._load(model_name_for(path), path)
         self.max_loaded = max(options.max_loaded_models, len(self.models))
+        self.stored_slots = max(1, options.max_loaded_models - len(self.models))
+        self._retiring: dict[asyncio.Task, ServedModel] = {}   # engines of re-pointed names, until idle
         self._sweep_store()
 
     def _sweep_store(self) -> None:
@@ -448,6 +476,9 @@ class ModelRegistry:
         model the first time it is asked for: off the event loop, so every other user keeps
         being served meanwhile, and once however many requests ask at the same time."""
         served = self.served(name)
+        if served is not None and name and self._repointed(name, served):
+            self._forget(name, served)
+            served = None
         if served is not None or not name:
             return served
         stored = self.store.find_name(name)
@@ -476,6 +507,38 @@ class ModelRegistry:
                 self.stored.add(key)
         return self.models[key]
 
+    def _store_key(self, name: str, served: ServedModel) -> str | None:
+        """The store name (lower case) by which name reached served, if it is one."""
+        lowered = name.lower()
+        for key in (lowered, lowered + ":latest", lowered.removesuffix(":latest")):
+            if key in self.shared or (key in self.stored and self.models.get(key) is served):
+                return key
+        return None
+
+    def _repointed(self, name: str, served: ServedModel) -> bool:
+        """Whether name is a stored name whose manifest now names another file than served's."""
+        key = self._store_key(name, served)
+        if key is None:
+            return False
+        stored = self.store.find_name(name)
+        return stored is not None and file_identity(stored.path) != served.identity
+
+    def _forget(self, name: str, served: ServedModel) -> None:
+        """Unbind a re-pointed stored name; its own engine leaves once its requests are done."""
+        key = self._store_key(name, served)
+        if key in self.shared:
+            del self.shared[key]   # the engine it shared is another name's: it stays
+            return
+        log.info("the stored model %s now names another file: loading it, retiring the old engine", key)
+        del self.models[key]
+        self.stored.discard(key)
+        self.aliases = {a: t for a, t in self.aliases.items() if t != key}
+        self.shared = {a: t for a, t in self.shared.items() if t != key}
+        served.retired = True
+        task = asyncio.get_running_loop().create_task(_retire(served))
+        self._retiring[task] = served
+        task.add_done_callback(lambda done: self._retiring.pop(done, None))
+
     async def _load_stored(self, key: str, path: str) -> ServedModel:
         """A stored model's first engine, after making room for it."""
         await self.make_room(None)
@@ -486,32 +549,46 @@ class ModelRegistry:
         return served
 
     async def make_room(self, loading: ServedModel | None) -> None:
-        """Before an engine loads: drop least recently used idle engines until one more fits
-        under max_loaded; wait while every loaded one is busy (ModelLoadError after LOAD_WAIT_S)."""
+        """Before an engine loads: an operator's model (a --model file) loads at once; a pulled
+        one first drops least recently used idle pulled engines until it fits in stored_slots,
+        and waits while every loaded pulled one is busy (ModelsBusyError after LOAD_WAIT_S)."""
+        if loading is not None and loading.name not in self.stored:
+            return   # pinned: it never waits for the room pulled models hold
         waited_until = time.monotonic() + self.LOAD_WAIT_S
         while True:
-            loaded = [m for m in self.models.values() if m.is_loaded and m is not loading]
-            if len(loaded) < self.max_loaded:
+            loaded = [m for m in self.models.values() if m.is_loaded and m is not loading and m.name in self.stored]
+            if len(loaded) < self.stored_slots:
                 return
             idle = sorted((m for m in loaded if m.active == 0), key=lambda m: m.last_used)
             for victim in idle:
                 if await victim.unload_if_idle():
-                    log.info("unloaded %s (idle longest) to load another model (--max-loaded-models %d)",
+                    log.info("unloaded %s (idle longest) to load another pulled model (--max-loaded-models %d)",
                              victim.name, self.max_loaded)
                     break
             else:
                 if time.monotonic() > waited_until:
-                    raise ModelsBusyError(f"{len(loaded)} models are loaded, the most this server keeps "
-                                         f"(--max-loaded-models {self.max_loaded}), and every one is in use; "
-                                         "try again when a request has finished")
+                    raise ModelsBusyError(f"{len(loaded)} pulled models are loaded, the most this server keeps beside "
+                                         f"its --model files (--max-loaded-models {self.max_loaded}), and every one "
+                                         "is in use; try again when a request has finished")
                 await asyncio.sleep(self.ROOM_POLL_S)
 
     def stored_models(self) -> list[StoredModel]:
         """The store's models that are not loaded (a loaded one is among models)."""
         return [m for m in self.store.list() if m.name.lower() not in self.models]
 
-    def names(self) -> list[str]:
-        return list(self.models) + list(self.aliases) + [m.name for m in self.stored_models()]
+    def names(self, limit: int | None = None) -> list[str]:
+        """The names a request may use: served, aliases, then the store's (only as many
+        manifests are read as limit needs)."""
+        names = list(self.models) + list(self.aliases)
+        if limit is not None and len(names) >= limit:
+            return names[:limit]
+        wanted = None if limit is None else limit - len(names) + len(self.stored)
+        stored = [m.name for m in self.store.list(wanted) if m.name.lower() not in self.models]
+        return (names + stored)[:limit]
+
+    def name_count(self) -> int:
+        """How many names names() would give without a limit (stored ones by their manifests)."""
+        return len(self.models) + len(self.aliases) + max(0, self.store.count() - len(self.stored))
 
     def add_alias(self, name: str, target: str) -> None:
         """Another name for a served model (Ollama's copy and create); ValueError if taken."""
@@ -552,5 +629,5 @@ class ModelRegistry:
         return await asyncio.get_running_loop().run_in_executor(None, self.store.delete, stored, protected)
 
     def close(self) -> None:
-        for m in self.models.values():
+        for m in [*self.models.values(), *self._retiring.values()]:
             m.close()

@@ -14,7 +14,6 @@ the template sees the very same values and the tokens are the ones it always gav
 
 from __future__ import annotations
 
-import datetime
 import json
 import re
 import secrets
@@ -22,10 +21,10 @@ import string
 from typing import Any, Callable
 
 import jinja2
-import jinja2.sandbox
 
 from ..errors import ModelLoadError, PagedError
-from .render_budget import BudgetExceeded, run_within
+from . import render_pool
+from .template_sandbox import check_syntax
 
 Escape = Callable[[Any], Any]
 
@@ -33,32 +32,6 @@ Escape = Callable[[Any], Any]
 # (each pass swaps every occurrence found; a second pass is only ever needed when a
 # placeholder happens to complete another token, which no real vocabulary does).
 _MAX_PASSES = 8
-
-# A template comes with the model, and a pulled model is anyone's: its rendering runs on the
-# server's shared preparation threads, so it gets a wall-clock budget (real templates render
-# in milliseconds, thousands of messages with tools in well under a second) and may not build
-# a string, list or number bigger than a prompt could ever be in one operation.
-RENDER_SECONDS = 5.0
-MAX_PRODUCT_ITEMS = 1 << 22
-
-
-class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """Jinja's immutable sandbox, with ``*`` and ``**`` refused past MAX_PRODUCT_ITEMS (one such
-    operation is a single C call, which the time budget cannot interrupt)."""
-
-    intercepted_binops = frozenset(["*", "**"])
-
-    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":
-            for seq, count in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) \
-                        and len(seq) * max(count, 0) > MAX_PRODUCT_ITEMS:
-                    raise jinja2.sandbox.SecurityError(f"the template repeats a sequence {count} times")
-        if operator == "**" and isinstance(right, int) and isinstance(left, int) \
-                and abs(left) > 1 and right * max(abs(left).bit_length(), 1) > 64 * 1024:
-            raise jinja2.sandbox.SecurityError("the template raises a number to an enormous power")
-        return super().call_binop(context, operator, left, right)
-
 
 def no_escape(value: Any) -> Any:
     """The identity: what a plain (unguarded) render passes its strings through."""
@@ -128,13 +101,6 @@ def _tojson_text(text: str) -> str:
     quoted = json.dumps(text)[1:-1]
     return (quoted.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
             .replace("'", "\\u0027"))
-
-
-@jinja2.pass_eval_context
-def _plain_tojson(eval_ctx, value: Any, indent: int | None = None) -> str:
-    """Jinja's tojson as a plain string: its Markup would HTML-escape the markup it is added to
-    (gpt-oss's template writes `"...<|message|>" + content|tojson + "<|end|>"`)."""
-    return str(jinja2.filters.do_tojson(eval_ctx, value, indent))
 
 
 class ChatPrompt(str):
@@ -214,23 +180,19 @@ def builtin_template(arch: str, tokens: list[str] | None) -> str:
     return LLAMA2_TEMPLATE
 
 
+BUILTIN_TEMPLATES = frozenset([GEMMA_TEMPLATE, CHATML_TEMPLATE, LLAMA3_TEMPLATE, LLAMA2_TEMPLATE])
+
+
 class ChatTemplate:
-    """Renders a message list to the prompt text the model was trained on."""
+    """Renders a message list to the prompt text the model was trained on. A template is
+    untrusted input (it came with a GGUF): it renders in a renderer process
+    (``render_pool``); only this package's own templates render in this process."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
-        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = self._raise
-        # transformers' helper, which gpt-oss's template calls for the date in its system message
-        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-        env.filters["tojson"] = _plain_tojson
+        check_syntax(source)   # parsed only: compiling runs constant parts, which is the renderer's job
         self.source = source
-        self.template = env.from_string(source)
         self.bos_token, self.eos_token = bos_token, eos_token
-        self.render_seconds: float | None = RENDER_SECONDS
-
-    @staticmethod
-    def _raise(message: str):
-        raise PagedError(f"chat template: {message}")
+        self.trusted = source in BUILTIN_TEMPLATES
 
     @classmethod
     def for_model(cls, metadata: dict, arch: str) -> "ChatTemplate":
@@ -279,13 +241,7 @@ class ChatTemplate:
     def _render_text(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
                      variables: dict | None = None) -> str:
         # the template's own names win over a caller's variables of the same name
-        extra = {**(variables or {}), **({"tools": tools} if tools else {})}
-        try:
-            return run_within(self.render_seconds, lambda: self.template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token="",
-                eos_token=self.eos_token, **extra))
-        except BudgetExceeded:
-            raise PagedError(f"chat template did not finish rendering within {self.render_seconds:g} s "
-                             "(the model's template loops too long for these messages)") from None
-        except jinja2.TemplateError as e:
-            raise PagedError(f"chat template failed to render: {e}") from e
+        names = {**(variables or {}), **({"tools": tools} if tools else {}), "messages": messages,
+                 "add_generation_prompt": add_generation_prompt, "bos_token": "", "eos_token": self.eos_token}
+        renderer = render_pool.trusted_renderer() if self.trusted else render_pool.renderer()
+        return renderer.render(self.source, names)

@@ -89,11 +89,11 @@ def test_an_unsafe_directory_is_refused(tmp_path):
         DiskBlockStore(str(theirs), max_bytes=1 << 20)
     link = tmp_path / "link"
     link.symlink_to(theirs)
-    with pytest.raises(PagedError, match="belongs to uid"):
+    with pytest.raises(PagedError, match="symbolic link"):
         DiskBlockStore(str(link), max_bytes=1 << 20)
-    # ours, readable by others (an older version's 0755): made private, then used
+    # ours, made by an older version (0755, its secret in it): made private, then used
     old = tmp_path / "old"
-    old.mkdir()
+    DiskBlockStore(str(old), max_bytes=1 << 20).close()
     os.chmod(old, 0o755)
     DiskBlockStore(str(old), max_bytes=1 << 20).close()
     assert stat.S_IMODE(old.stat().st_mode) == 0o700

@@ -8,10 +8,11 @@ import pytest
 
 from pyllama_paged.errors import PagedError
 from pyllama_paged.server.app import create_app
+from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.registry import EngineOptions, ModelRegistry
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.serving import Running
-from pyllama_paged.tokenizer import chat_template
+from pyllama_paged.tokenizer import render_pool
 from pyllama_paged.tokenizer.chat_template import ChatTemplate
 
 # ten billion iterations of a loop that calls nothing: no sandbox hook ever runs in it
@@ -19,8 +20,16 @@ LOOPING = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}
            "{% for m in messages %}{{ m.content }}{% endfor %}")
 
 
-def test_a_looping_template_is_stopped_with_a_clear_error(monkeypatch):
-    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
+@pytest.fixture
+def render_seconds():
+    """Sets the renderers' time budget for one test (the process's limits come back after)."""
+    before = render_pool.limits()
+    yield lambda seconds: render_pool.configure(render_pool.render_limits(seconds=seconds))
+    render_pool.configure(before)
+
+
+def test_a_looping_template_is_stopped_with_a_clear_error(render_seconds):
+    render_seconds(0.5)
     template = ChatTemplate(LOOPING)
     with pytest.raises(PagedError, match="did not finish rendering within 0.5 s"):
         template.render([{"role": "user", "content": "hi"}])
@@ -39,8 +48,7 @@ def test_ordinary_products_still_work():
     assert text == "===1024[1, 1]"
 
 
-def test_looping_chats_do_not_hold_up_a_healthy_model(tmp_path, monkeypatch):
-    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 1.0)
+def test_looping_chats_do_not_hold_up_a_healthy_model(tmp_path):
 
     def with_template(writer, rng):
         writer.add_string("tokenizer.chat_template", LOOPING)
@@ -49,7 +57,8 @@ def test_looping_chats_do_not_hold_up_a_healthy_model(tmp_path, monkeypatch):
     healthy = write_tiny_model(tmp_path / "healthy.gguf", "gemma3")
     registry = ModelRegistry([loopy, healthy], EngineOptions(n_ctx=256, n_threads=1, kv_budget_tokens=1024,
                                                              max_num_seqs=4))
-    server = Running(create_app(registry))
+    before = render_pool.limits()
+    server = Running(create_app(registry, Limits(template_seconds=1.0)))
     try:
         def chat(model: str) -> httpx.Response:
             return httpx.post(f"{server.url}/api/chat", timeout=120, json={
@@ -69,3 +78,4 @@ def test_looping_chats_do_not_hold_up_a_healthy_model(tmp_path, monkeypatch):
     finally:
         server.close()
         registry.close()
+        render_pool.configure(before)

@@ -13,6 +13,9 @@ careless script), so:
 - it is created 0700 and, if it exists, refused unless this account owns it and
   nobody else may write it (or, opted in with `group=True`, unless it belongs to
   one of this account's groups and others have no access: docs/prefix-tiers.md);
+  a symbolic link is refused, and an existing directory is made private (chmod)
+  only if it is one this package made (it holds the secret below): a typo such
+  as `~` is refused, never locked;
 - every operation goes through a descriptor of the directory opened and checked
   once, so renaming the path away and planting another one changes nothing;
 - files are created under fresh random names with O_CREAT|O_EXCL|O_NOFOLLOW, mode
@@ -27,7 +30,9 @@ careless script), so:
   of the prompt to whoever cannot read the secret;
 - the bound is the directory's, not one process's: the bytes are counted in a
   shared file under an flock, and whoever takes it past the bound evicts the oldest
-  files, whichever process wrote them.
+  files, whichever process wrote them;
+- a block is not written while its filesystem has less than a reserve free (the
+  save is counted as skipped): a cache never fills the disk others need.
 
 Several processes may share the directory: a file another process removes,
 truncates or corrupts is a miss (and is deleted), never an exception or wrong bytes.
@@ -68,6 +73,8 @@ _STALE_TEMPORARY_SECONDS = 3600
 # the disk writer's backlog: beyond this many bytes waiting, new blocks are dropped (the
 # engine never waits on the disk; a dropped block is recomputed if it is ever missed)
 _WRITE_BACKLOG_BYTES = 256 << 20
+# bytes left free on the directory's filesystem: below it no block is written (as pulls keep)
+DEFAULT_RESERVE_BYTES = 256 << 20
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 # a FIFO planted under an entry's name would block a plain open for reading forever
@@ -136,7 +143,8 @@ def _unusable(path: str, why: str) -> PagedError:
 def open_directory(directory: str, group: bool = False) -> int:
     """A descriptor of directory, created if needed (0700; 2770 with group), checked to be
     private to this account (or, with group, to one of its groups); PagedError saying why
-    not. A directory this account owns that others may only read is made 0700."""
+    not. A symbolic link is refused. A directory this account owns that others may only
+    read is made 0700 if this package made it (it holds the secret), else refused."""
     path = os.path.abspath(directory)
     dir_mode, _ = _modes(group)
     try:
@@ -146,7 +154,10 @@ def open_directory(directory: str, group: bool = False) -> int:
             created = True
         except FileExistsError:
             created = False
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+        if os.path.islink(path):
+            raise _unusable(path, f"it is a symbolic link (to {os.readlink(path)}); give the directory itself")
+        # O_NOFOLLOW: a link put there since the check is not followed either
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
     except OSError as e:
         raise _unusable(path, e.strerror or str(e)) from None
     try:
@@ -182,9 +193,24 @@ def _check_directory_owner(fd: int, path: str, st: os.stat_result, group: bool) 
         raise _unusable(path, f"others may write in it (mode {mode:04o}); use a fresh directory, or chmod 700 "
                               "it if nobody else can have written there")
     if mode & 0o077:
+        if not _made_here(fd):
+            # not ours to lock: a typo (`~`, a shared folder) must not take others' access away
+            raise _unusable(path, f"others may read it (mode {mode:04o}) and it is not a prefix cache directory "
+                                  "pyllama-paged made; give a new directory (it is created 0700), or chmod 700 "
+                                  "this one yourself")
         os.fchmod(fd, 0o700)
         log.warning("prefix cache directory %s was mode %04o (others could read the cached K/V); now 0700",
                     path, mode)
+
+
+def _made_here(dir_fd: int) -> bool:
+    """Whether the directory holds this package's secret file, a plain file of this account:
+    a prefix cache directory made by an earlier run (earlier versions made them 0755)."""
+    try:
+        st = os.stat(SECRET_NAME, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def check_directory(directory: str, group: bool = False) -> None:
@@ -311,10 +337,13 @@ class DiskBlockStore:
     it (oldest modification first out; a hit renews it). Writes go through a background
     thread: put() never blocks. group: share the directory with its group (docs/prefix-tiers.md)."""
 
-    def __init__(self, directory: str, max_bytes: int, group: bool = False):
+    def __init__(self, directory: str, max_bytes: int, group: bool = False,
+                 reserve_bytes: int = DEFAULT_RESERVE_BYTES):
         self.directory = os.path.abspath(directory)
         self.max_bytes = int(max_bytes)
         self.group = group
+        self.reserve_bytes = int(reserve_bytes)   # left free on the filesystem: below it, no write
+        self.num_skipped = 0       # writes skipped because the filesystem was below its reserve
         self._file_mode = _modes(group)[1]
         self.num_corrupt = 0       # files found damaged (removed, counted as misses)
         self.num_dropped = 0       # writes dropped because the backlog was full
@@ -550,6 +579,15 @@ class DiskBlockStore:
             self._writer.join()
         self._close_fds()
 
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether the filesystem keeps its reserve free after nbytes more (else counted as skipped)."""
+        fs = os.fstatvfs(self._dir)
+        if fs.f_bavail * fs.f_frsize - nbytes >= self.reserve_bytes:
+            return True
+        with self._lock:
+            self.num_skipped += 1
+        return False
+
     def _close_fds(self) -> None:
         for attr in ("_lock_fd", "_dir"):
             fd = getattr(self, attr, -1)
@@ -582,6 +620,8 @@ class DiskBlockStore:
                 return   # written already, by this process or another
         except FileNotFoundError:
             pass
+        if not self._room_for(_HEADER.size + data.nbytes):
+            return
         # anything else under the name (a planted symlink) is replaced by the rename below,
         # never opened
         payload = np.ascontiguousarray(data, dtype=np.uint8)

@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from ...errors import PagedError
-from .block_store import KEY_BYTES, DiskBlockStore, HostBlockStore
+from .block_store import DEFAULT_RESERVE_BYTES, KEY_BYTES, DiskBlockStore, HostBlockStore
 
 # bytes of each tensor's data that go into a model's fingerprint: weights that differ
 # anywhere differ in every tensor's first rows (a fine-tune, another quantization)
@@ -46,12 +46,14 @@ class PrefixTierConfig:
     """The tiers of one engine. ram_bytes: the host-RAM tier's bound (0: none); disk_dir:
     the disk tier's directory (None: none), holding at most disk_bytes of block files
     among all the processes sharing it; disk_group: share it with the accounts of its
-    group instead of keeping it private to this one (docs/prefix-tiers.md)."""
+    group instead of keeping it private to this one (docs/prefix-tiers.md);
+    disk_reserve_bytes: left free on the directory's filesystem (no block is written below it)."""
 
     ram_bytes: int = 0
     disk_dir: str | None = None
     disk_bytes: int = 16 << 30
     disk_group: bool = False
+    disk_reserve_bytes: int = DEFAULT_RESERVE_BYTES
 
     def __post_init__(self):
         if self.ram_bytes < 0:
@@ -112,8 +114,8 @@ class PrefixTiers:
         self.n_groups = n_groups
         self.block_bytes = block_bytes       # one group's block; an entry holds n_groups of them
         self.ram = HostBlockStore(config.ram_bytes) if config.ram_bytes > 0 else None
-        self.disk = DiskBlockStore(config.disk_dir, config.disk_bytes, config.disk_group) \
-            if config.disk_dir else None
+        self.disk = DiskBlockStore(config.disk_dir, config.disk_bytes, config.disk_group,
+                                   config.disk_reserve_bytes) if config.disk_dir else None
         if self.disk is not None:
             # every chain starts here: keyed, no file name can be computed from a prompt without
             # the directory's secret
@@ -218,7 +220,8 @@ class PrefixTiers:
                        tier_ram_max_bytes=self.ram.max_bytes)
         if self.disk is not None:
             out.update(tier_disk_bytes=self.disk.num_bytes, tier_disk_max_bytes=self.disk.max_bytes,
-                       tier_disk_corrupt_files=self.disk.num_corrupt, tier_disk_dropped_writes=self.disk.num_dropped)
+                       tier_disk_corrupt_files=self.disk.num_corrupt, tier_disk_dropped_writes=self.disk.num_dropped,
+                       tier_disk_skipped_writes=self.disk.num_skipped)
         return out
 
 

@@ -7,7 +7,10 @@ cores decoded 10 tokens/s where one thread decoded 58. So, when the caller did n
 thread count, each step runs on the cores that are free now:
 
 - what the OS says: the runnable tasks that are not this step (Linux's /proc/loadavg,
-  sampled between steps, when our own workers sleep), averaged over the last few steps;
+  sampled between steps, when our own workers sleep), averaged over the last few steps; in
+  a container that may use fewer CPUs than the host (a cpuset or a cgroup quota), the CPUs
+  the container's other tasks kept busy since the last step instead (cgroup v2's CPU usage:
+  `cgroup_cpu`), since the host's count is mostly tasks on CPUs the container never gets;
 - what the steps say: seconds per token measured for each thread count and step size
   (the median of its last few steps: one step stalled by an interrupt or a page fault
   moves nothing), so that when the OS's count misleads (a competitor that mostly sleeps),
@@ -24,23 +27,21 @@ thread count, each step runs on the cores that are free now:
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections import deque
 from typing import Callable
 
 from ..._native import lib
+from .cgroup_cpu import CgroupCPU, ContainerLoad, container_cpus, limited
 
 MAX_THREADS = lib.PP_SAMPLER_MAX_THREADS   # the native sampler's limit (it shares the engine's thread count)
 LOADAVG = "/proc/loadavg"
 
 
 def cores_available() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):   # not on Linux
-        return max(1, os.cpu_count() or 1)
+    """The CPUs this process may run on (its affinity mask where the OS has one), at most
+    its cgroup's CPU quota."""
+    return container_cpus(CgroupCPU())
 
 
 def default_threads() -> int:
@@ -58,6 +59,13 @@ def runnable_others(path: str = LOADAVG) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return max(0, running - 1)
+
+
+def load_reader(cgroup: CgroupCPU | None = None) -> Callable[[], int | None]:
+    """What tells the policy how many CPUs others keep busy: the container's cgroup when the
+    process may use fewer CPUs than the host, else the host's /proc/loadavg."""
+    cgroup = cgroup if cgroup is not None else CgroupCPU()
+    return ContainerLoad(cgroup) if limited(cgroup) else runnable_others
 
 
 def _bucket(tokens: int) -> int:
@@ -81,10 +89,10 @@ class ThreadPolicy:
     STALE_STEPS = 512       # a figure older than this no longer overrules the OS
 
     def __init__(self, max_threads: int, cores: int | None = None,
-                 read_load: Callable[[], int | None] = runnable_others):
+                 read_load: Callable[[], int | None] | None = None):
         self.max_threads = max(1, max_threads)
         self.cores = cores if cores is not None else cores_available()
-        self.read_load = read_load
+        self.read_load = read_load if read_load is not None else load_reader()
         self.load: deque[int] = deque(maxlen=self.WINDOW)
         # (bucket, threads) -> (the last SAMPLES seconds per token, the step of the last)
         self.seconds_per_token: dict[tuple[int, int], tuple[deque[float], int]] = {}
