@@ -30,6 +30,11 @@ HARMONY_MARKUP: harmony's special tokens typed as gpt-oss's GGUF types them (all
 ``<|return|>`` the EOS). The reply is harmony (tools.harmony), and a reply piece may hold
 markup (e.g. ``"assistant<|channel|>"``), since the second message's ``<|channel|>`` and
 ``<|message|>`` would otherwise repeat the first's tokens.
+
+GEMMA4_MARKUP types Gemma 4's tokens as its GGUF does, for a reply in its format under the tiny
+gemma4 file's template (reference/tiny_gemma4.GEMMA4_TEMPLATE); since Gemma 4 goes on after a
+tool's result inside its own turn, ``after`` starts a script at a piece other than the generation
+prompt's last token (``<tool_response|>``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ import numpy as np
 from ..tokenizer.chat_template import ChatTemplate
 from ..tokenizer.spm import SPACE_MARK
 from ..tokenizer.tokenizer import Tokenizer
+from .reference.tiny_gemma4 import CONTROL_PIECES as GEMMA4_CONTROL
+from .reference.tiny_gemma4 import END_OF_TURN as GEMMA4_END_OF_TURN
+from .reference.tiny_gemma4 import USER_DEFINED_PIECES as GEMMA4_USER_DEFINED
 from .reference.tiny_gguf import build_vocab, write_tiny_model
 
 ARCH = "qwen3"
@@ -74,6 +82,9 @@ QWEN3_MARKUP = Markup(CONTROL_PIECES, USER_DEFINED_PIECES, END_OF_TURN)
 # tokens user-defined and <|return|> and <|call|> the ends of generation, as llama.cpp does
 HARMONY_MARKUP = Markup(("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
                          "<|call|>"), (), "<|return|>")
+# Gemma 4's (testing/reference/tiny_gemma4.py): <turn|> ends a turn (the EOS); <|tool_response>,
+# where a call's result goes, ends the reply too (the tokenizer makes it an end of generation)
+GEMMA4_MARKUP = Markup(GEMMA4_CONTROL, GEMMA4_USER_DEFINED, GEMMA4_END_OF_TURN)
 
 # The turns, shared by both templates: the system turn carries the tools; earlier assistant
 # turns keep only what follows their think block (Qwen3 drops old thinking the same way).
@@ -205,13 +216,15 @@ def scripted_tokenizer(reply: Sequence[str], chat_template: str, markup: Markup 
 
 
 def script_chain(reply: Sequence[str], chat_template: str, variables: dict | None = None,
-                 markup: Markup = QWEN3_MARKUP, end: str | None = None) -> list[int]:
-    """Token ids of the chain: the rendered generation prompt's last token, the reply's pieces,
-    then end (one of markup's pieces that ends generation; None: the EOS, <|im_end|> for
-    Qwen3). Raises ValueError when a token comes twice."""
+                 markup: Markup = QWEN3_MARKUP, end: str | None = None, after: str | None = None) -> list[int]:
+    """Token ids of the chain: the rendered generation prompt's last token (or the piece after,
+    for prompts that end elsewhere: Gemma 4's after a tool's result), the reply's pieces, then
+    end (one of markup's pieces that ends generation; None: the EOS, <|im_end|> for Qwen3).
+    Raises ValueError when a token comes twice."""
     tokenizer = scripted_tokenizer(reply, chat_template, markup)
     prompt = ChatTemplate(chat_template).render(list(PROBE_MESSAGES), variables=variables)
-    start = tokenizer.encode(prompt, add_special=True, parse_special=True)[-1]
+    start = tokenizer.encode(prompt, add_special=True, parse_special=True)[-1] if after is None \
+        else tokenizer.token_to_id(after)
     last = tokenizer.eos_id if end is None else tokenizer.token_to_id(end)
     if last not in tokenizer.eot_ids:
         raise ValueError(f"the reply must end with a token that ends generation, not {end!r}")
@@ -228,12 +241,13 @@ def script_chain(reply: Sequence[str], chat_template: str, variables: dict | Non
 
 def write_scripted_model(path: str | os.PathLike, reply: Sequence[str], chat_template: str, *,
                          variables: dict | None = None, markup: Markup = QWEN3_MARKUP, end: str | None = None,
-                         seed: int = 0, n_embd: int = 256, weight_type: str = "f16", **options: Any) -> str:
+                         after: str | None = None, seed: int = 0, n_embd: int = 256, weight_type: str = "f16",
+                         **options: Any) -> str:
     """Write a qwen3 GGUF whose reply to chat_template's generation prompt (rendered with
-    variables, e.g. {"enable_thinking": False}) is the pieces of reply, each one token, then
-    end (None: the EOS of markup, Qwen3's by default); returns the path. options go to
-    write_tiny_model (n_layer, name, ...)."""
-    chain = script_chain(reply, chat_template, variables, markup, end)
+    variables, e.g. {"enable_thinking": False}), or to any prompt ending with the piece after,
+    is the pieces of reply, each one token, then end (None: the EOS of markup, Qwen3's by
+    default); returns the path. options go to write_tiny_model (n_layer, name, ...)."""
+    chain = script_chain(reply, chat_template, variables, markup, end, after)
     if len(chain) > n_embd:
         raise ValueError(f"a chain of {len(chain)} tokens needs n_embd >= {len(chain)} (orthogonal embeddings)")
     rng = np.random.default_rng(seed)

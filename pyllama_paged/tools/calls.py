@@ -1,8 +1,9 @@
 """Tool calls found in generated text, for the template families we ship:
 Qwen/Hermes (<tool_call>{json}</tool_call>), Llama 3.x ({"name", "parameters"},
 after <|python_tag|> or bare), Mistral ([TOOL_CALLS] [{"name", "arguments"}]),
-Gemma-style bare JSON (also inside a ``` fence), and Gemma's tool_code fence of
-Python calls (```tool_code\nget_weather(city="Paris")\n```)."""
+Gemma-style bare JSON (also inside a ``` fence), Gemma's tool_code fence of
+Python calls (```tool_code\nget_weather(city="Paris")\n```), and Gemma 4's
+<|tool_call>call:NAME{...}<tool_call|> (gemma4.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ _FENCE_LANG = re.compile(r"[a-zA-Z_]*")   # one greedy run: linear, nothing to b
 _BETWEEN_CALLS = re.compile(r"[ \n\t;,]*")
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 # text that may open a tool call: held back while streaming until the answer ends
-_OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```")
+_OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```", "<|tool_call>")
+# openings of a call that may follow answer text (Hermes', Gemma 4's)
+_MID_OPENERS = (_OPEN, "<|tool_call>")
 
 
 @dataclass
@@ -148,6 +151,10 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
     """(content left, tool calls) of a whole answer; names, when given, are the only
     functions a call may name (anything else stays content)."""
     names = names or set()
+    if _MID_OPENERS[1] in text:
+        from .gemma4 import parse_gemma4_calls   # it builds ToolCalls of this module
+        found = parse_gemma4_calls(text, names)
+        return found if found is not None else (text, [])
     if _OPEN in text:
         calls, kept, pos = [], [], 0
         for start, end, body in _hermes_blocks(text):
@@ -196,9 +203,10 @@ class ToolCallStream:
         if self._space:
             self.held, self._space = "".join(self._space) + self.held, []
         self.held += text
-        if _OPEN in self.held:
-            before, _, after = self.held.partition(_OPEN)
-            self._hold(_OPEN + after)
+        opened = [at for opener in _MID_OPENERS if (at := self.held.find(opener)) >= 0]
+        if opened:
+            before = self.held[:min(opened)]
+            self._hold(self.held[min(opened):])
             return before
         if not self.started:
             stripped = self.held.lstrip()
@@ -207,9 +215,9 @@ class ToolCallStream:
                     self._hold(self.held)
                 return ""
             self.started = True
-        # keep a possible partial "<tool_call>" at the end
-        keep = next((k for k in range(min(len(self.held), len(_OPEN) - 1), 0, -1)
-                     if _OPEN.startswith(self.held[-k:])), 0)
+        # keep a possible partial "<tool_call>" (or "<|tool_call>") at the end
+        keep = next((k for k in range(min(len(self.held), max(map(len, _MID_OPENERS)) - 1), 0, -1)
+                     if any(o.startswith(self.held[-k:]) for o in _MID_OPENERS)), 0)
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return out
 

@@ -14,9 +14,10 @@ from typing import Any
 from ..constrain.grammar import Constraint, ConstraintError, closed_objects, compile_constraint
 from ..tokenizer.chat_template import ChatPrompt, ChatTemplate, Escape, no_escape
 from ..tokenizer.tokenizer import Tokenizer
+from .gemma4 import CALL_OPEN
 from .reasoning import speaks_harmony
 
-FAMILIES = ("hermes", "llama3", "mistral", "json")
+FAMILIES = ("hermes", "llama3", "mistral", "json", "gemma4")
 
 
 def tool_family(template: ChatTemplate, tokenizer: Tokenizer) -> str:
@@ -25,6 +26,8 @@ def tool_family(template: ChatTemplate, tokenizer: Tokenizer) -> str:
         return tokenizer.token_to_id(token) is not None
 
     source = template.source
+    if CALL_OPEN in source or has(CALL_OPEN):
+        return "gemma4"
     if "<tool_call>" in source or has("<tool_call>"):
         return "hermes"
     if "[TOOL_CALLS]" in source or has("[TOOL_CALLS]"):
@@ -160,6 +163,10 @@ def plan_tools(template: ChatTemplate, tokenizer: Tokenizer, tools: Any = None, 
             # its call is a commentary message after the analysis, which a bare JSON grammar forbids
             raise ConstraintError("a forced tool_choice ('required' or a named function) is not supported yet for "
                                   "a harmony model (gpt-oss): use tool_choice 'auto'")
+        if tool_family(template, tokenizer) == "gemma4":
+            # its calls are in Gemma 4's own notation, not JSON, which no grammar here writes yet
+            raise ConstraintError("a forced tool_choice ('required' or a named function) is not supported yet for "
+                                  "Gemma 4: use tool_choice 'auto'")
         only = None
         if isinstance(mode, dict):
             only = (mode.get("function") or {}).get("name")

@@ -1,0 +1,232 @@
+"""Gemma 4's chat format (tools/gemma4.py, the tiny file's template in testing/reference/tiny_gemma4.py):
+its thinking channel comes back as thinking and its <|tool_call>call:NAME{...}<tool_call|> as a
+tool call, whatever the cut into deltas; through the unmodified openai and ollama clients on tiny
+real models whose greedy reply is a script in Gemma 4's format (testing/scripted_gguf.py with
+GEMMA4_MARKUP), streamed and not, a tool-call round trip included; and the tiny gemma4 model itself
+served with its template."""
+
+import json
+import random
+
+import openai
+import pytest
+
+from pyllama_paged import Llama
+from pyllama_paged.api.chat_call import ChatCall, prepare_call, split_as_streamed
+from pyllama_paged.server.generation import Limits
+from pyllama_paged.testing.reference.tiny_gemma4 import GEMMA4_TEMPLATE, write_tiny_gemma4
+from pyllama_paged.testing.scripted_gguf import GEMMA4_MARKUP, scripted_tokenizer, write_scripted_model
+from pyllama_paged.testing.serving import model_server
+from pyllama_paged.tokenizer.chat_template import ChatTemplate
+from pyllama_paged.tokenizer.tokenizer import Tokenizer
+from pyllama_paged.tools.gemma4 import parse_arguments, parse_gemma4_calls
+from pyllama_paged.tools.prompt import tool_family
+from pyllama_paged.tools.reasoning import split_reasoning, template_thinks, thinking_variables
+
+HELLO = [{"role": "user", "content": "Hello"}]
+THINKING = "The user greets me."
+ANSWER = "Hello! How can I help?"
+# one token a piece, none twice; generation ends at <turn|> (the EOS)
+THINK_THEN_ANSWER = ["<|channel>", "thought\n", THINKING, "<channel|>", "Hello!", " How can I help?"]
+CALL_THINKING = "The user wants the weather."
+# the call, then <|tool_response>, where the result goes, ends the reply
+THINK_THEN_CALL = ["<|channel>", "thought\n", CALL_THINKING, "<channel|>", "<|tool_call>",
+                   'call:get_weather{city:<|"|>Paris<|"|>,days:2}', "<tool_call|>"]
+RESULT_ANSWER = "It is 21 degrees in Paris."
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+WEATHER_QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
+RESULT = '{"temperature": 21}'
+# the call and its result in the model's turn, which the model goes on with
+HISTORY = ('<|turn>model\n<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'
+           '<|tool_response>response:get_weather{value:<|"|>{"temperature": 21}<|"|>}<tool_response|>')
+
+# -- the split and the notation, without a model --------------------------------------------------
+
+
+@pytest.mark.parametrize("text,value", [
+    ('{city:<|"|>Paris<|"|>,days:2}', {"city": "Paris", "days": 2}),
+    ('{}', {}),
+    ('{ a: -1.5e2 , b:[1,<|"|>x, y<|"|>,true,null] ,c:{d:false}}', {"a": -150.0, "b": [1, "x, y", True, None],
+                                                                  "c": {"d": False}}),
+    ('{q:<|"|>a "quoted": {json} text<|"|>}', {"q": 'a "quoted": {json} text'}),
+])
+def test_gemma4_argument_notation(text, value):
+    assert parse_arguments(text) == value
+
+
+@pytest.mark.parametrize("text", ['{city:Paris}', '{city:<|"|>Paris}', '{:1}', '{a:1', '[1]', '{a:1} x',
+                                  "{a:" * 100 + "1" + "}" * 100])
+def test_what_is_not_the_notation_is_refused(text):
+    with pytest.raises(ValueError):
+        parse_arguments(text)
+
+
+def test_calls_after_answer_text_and_calls_not_offered():
+    text = ('Let me look. <|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>'
+            '<|tool_call>call:get_weather{city:<|"|>Rome<|"|>}<tool_call|>')
+    content, calls = parse_gemma4_calls(text, {"get_weather"})
+    assert content == "Let me look." and [(c.name, c.arguments) for c in calls] == \
+        [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]
+    assert parse_gemma4_calls(text, {"other"}) is None
+    # unreadable arguments leave the text as the model wrote it
+    assert split_as_streamed("<|tool_call>call:get_weather{city:Oslo}<tool_call|>", {"get_weather"}) == \
+        ("<|tool_call>call:get_weather{city:Oslo}<tool_call|>", [])
+
+
+def test_every_cut_into_deltas_gives_the_same_split():
+    from pyllama_paged.api.chat_call import AnswerSplitter
+    from pyllama_paged.api.text_stream import TextDelta
+
+    reply = "".join(THINK_THEN_CALL)
+    rng = random.Random(0)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(reply)), 6))
+        pieces = [reply[a:b] for a, b in zip([0] + cuts, cuts + [len(reply)])]
+        splitter = AnswerSplitter({"get_weather"}, thinks=True)
+        out = [splitter.feed(TextDelta(0, p, "stop" if i == len(pieces) - 1 else None)) for i, p in enumerate(pieces)]
+        assert "".join(o.thinking for o in out) == CALL_THINKING and not "".join(o.text for o in out)
+        assert [(c.name, c.arguments) for c in out[-1].calls] == [("get_weather", {"city": "Paris", "days": 2})]
+    assert split_reasoning("".join(THINK_THEN_ANSWER)) == (THINKING, ANSWER)
+    # a channel opened later in the answer is answer text
+    assert split_reasoning("Hi <|channel>thought\nx<channel|>") == ("", "Hi <|channel>thought\nx<channel|>")
+
+
+def test_the_template_is_told_by_its_markup_and_takes_the_thinking_switch():
+    template = ChatTemplate(GEMMA4_TEMPLATE)
+    assert template_thinks(GEMMA4_TEMPLATE)
+    tokenizer = scripted_tokenizer(THINK_THEN_ANSWER, GEMMA4_TEMPLATE, GEMMA4_MARKUP)
+    assert tool_family(template, tokenizer) == "gemma4"
+    on = template.render(HELLO, variables=thinking_variables(GEMMA4_TEMPLATE, True, None))
+    off = template.render(HELLO, variables=thinking_variables(GEMMA4_TEMPLATE, False, None))
+    assert on.startswith("<|turn>system\n<|think|><turn|>\n") and "<|think|>" not in off
+    assert off.endswith("<|turn>user\nHello<turn|>\n<|turn>model\n")
+
+
+# -- served: the clients ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma4-chat")
+
+    def write(name, reply, end=None, after=None):
+        # room for the tools' declaration, which the tiny vocabulary spells in many tokens
+        return write_scripted_model(folder / f"{name}.gguf", reply, GEMMA4_TEMPLATE, markup=GEMMA4_MARKUP, end=end,
+                                    after=after, context_length=1024)
+
+    return {"thinker": write("thinker", THINK_THEN_ANSWER),
+            "caller": write("caller", THINK_THEN_CALL, "<|tool_response>"),
+            # after the tool's result the model goes on in its turn
+            "answerer": write("answerer", [RESULT_ANSWER], after="<tool_response|>"),
+            "gemma4": write_tiny_gemma4(folder / "gemma4.gguf", "dense", weight_type="f16")}
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    with model_server(list(models.values()), Limits(max_tokens=64), n_ctx=1024, n_threads=2, n_batch=128,
+                      kv_tokens=4096, max_num_seqs=8) as s:
+        yield s
+
+
+def _prompt_ids(messages, tools=None, thinking=None):
+    """The prompt the server's chat path makes for these messages (what the scripted models render)."""
+    tokenizer = scripted_tokenizer(THINK_THEN_ANSWER, GEMMA4_TEMPLATE, GEMMA4_MARKUP)
+    call = ChatCall(messages=messages, tools=tools, thinking=thinking)
+    return prepare_call(call, ChatTemplate(GEMMA4_TEMPLATE), tokenizer).prompt_ids, tokenizer
+
+
+def test_openai_reasoning_content_and_answer_streamed_and_not(oai):
+    out = oai.chat.completions.create(model="thinker", messages=HELLO, temperature=0)
+    message = out.choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == (THINKING, ANSWER)
+    assert out.choices[0].finish_reason == "stop" and not message.tool_calls
+    assert out.usage.completion_tokens == len(THINK_THEN_ANSWER) + 1   # the script and <turn|>
+    thinking, content = [], []
+    for chunk in oai.chat.completions.create(model="thinker", messages=HELLO, temperature=0, stream=True):
+        if chunk.choices:
+            thinking.append((chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or "")
+            content.append(chunk.choices[0].delta.content or "")
+    assert ("".join(thinking), "".join(content)) == (THINKING, ANSWER)
+    assert not any("<|" in piece or "|>" in piece for piece in thinking + content)
+
+
+def test_the_python_api_splits_the_thinking_too(models):
+    with Llama(model_path=models["thinker"], n_ctx=1024, n_threads=2, verbose=False) as llm:
+        message = llm.create_chat_completion(HELLO, temperature=0)["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == (THINKING, ANSWER)
+        deltas = [c["choices"][0]["delta"] for c in llm.create_chat_completion(HELLO, temperature=0, stream=True)]
+        assert ("".join(d.get("reasoning_content", "") for d in deltas),
+                "".join(d.get("content") or "" for d in deltas)) == (THINKING, ANSWER)
+
+
+def test_ollama_thinking_apart_and_the_switch_reaches_the_template(oll):
+    whole = oll.chat(model="thinker", messages=HELLO, think=True, options={"temperature": 0})
+    assert (whole.message.thinking, whole.message.content) == (THINKING, ANSWER)
+    chunks = list(oll.chat(model="thinker", messages=HELLO, think=True, stream=True, options={"temperature": 0}))
+    assert ("".join(c.message.thinking or "" for c in chunks), "".join(c.message.content or "" for c in chunks)) \
+        == (THINKING, ANSWER)
+    assert "thinking" in oll.show("thinker").capabilities
+    on, _ = _prompt_ids(HELLO, thinking=True)
+    off, _ = _prompt_ids(HELLO, thinking=False)
+    assert whole.prompt_eval_count == len(on) != len(off)
+    assert oll.chat(model="thinker", messages=HELLO, think=False).prompt_eval_count == len(off)
+
+
+def test_a_tool_call_round_trips_through_openai(oai):
+    first = oai.chat.completions.create(model="caller", messages=[WEATHER_QUESTION], tools=[WEATHER_TOOL],
+                                        temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert choice.message.model_extra["reasoning_content"] == CALL_THINKING
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris", "days": 2})
+    streamed = [c for c in oai.chat.completions.create(model="caller", messages=[WEATHER_QUESTION],
+                                                       tools=[WEATHER_TOOL], temperature=0, stream=True)]
+    assert not "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    calls = [t for c in streamed if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == \
+        [("get_weather", {"city": "Paris", "days": 2})]
+    # the client sends the call and its result back, as OpenAI's docs show
+    followup = [WEATHER_QUESTION, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    second = oai.chat.completions.create(model="answerer", messages=followup, tools=[WEATHER_TOOL], temperature=0)
+    assert second.choices[0].message.content == RESULT_ANSWER
+    ids, tokenizer = _prompt_ids(followup, [WEATHER_TOOL])
+    assert tokenizer.decode(ids).endswith(HISTORY) and second.usage.prompt_tokens == len(ids)
+
+
+def test_a_tool_call_round_trips_through_ollama(oll):
+    for stream in (False, True):
+        chunks = oll.chat(model="caller", messages=[WEATHER_QUESTION], tools=[WEATHER_TOOL], think=True,
+                          stream=stream, options={"temperature": 0})
+        chunks = list(chunks) if stream else [chunks]
+        calls = [c for chunk in chunks for c in (chunk.message.tool_calls or [])]
+        assert [(c.function.name, dict(c.function.arguments)) for c in calls] == \
+            [("get_weather", {"city": "Paris", "days": 2})]
+        assert "".join(chunk.message.thinking or "" for chunk in chunks) == CALL_THINKING
+        assert not "".join(chunk.message.content or "" for chunk in chunks)
+    asked = oll.chat(model="caller", messages=[WEATHER_QUESTION], tools=[WEATHER_TOOL], options={"temperature": 0})
+    followup = [WEATHER_QUESTION, asked.message, {"role": "tool", "content": RESULT, "tool_name": "get_weather"}]
+    answered = oll.chat(model="answerer", messages=followup, tools=[WEATHER_TOOL], options={"temperature": 0})
+    assert answered.message.content == RESULT_ANSWER
+
+
+def test_a_forced_tool_choice_is_refused_clearly(oai):
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError, match="not supported yet for Gemma 4: use tool_choice 'auto'"):
+            oai.chat.completions.create(model="caller", messages=[WEATHER_QUESTION], tools=[WEATHER_TOOL],
+                                        tool_choice=choice, temperature=0)
+
+
+def test_the_gemma4_model_answers_through_its_template(oai, models):
+    """The tiny gemma4 file (random weights): its own template renders the chat, the engine runs it."""
+    tokenizer = Tokenizer.from_gguf(models["gemma4"])
+    ids = prepare_call(ChatCall(messages=[{"role": "system", "content": "Be brief."}, *HELLO]),
+                       ChatTemplate(GEMMA4_TEMPLATE), tokenizer).prompt_ids
+    assert tokenizer.decode(ids) == "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHello<turn|>\n<|turn>model\n"
+    out = oai.chat.completions.create(model="gemma4", messages=[{"role": "system", "content": "Be brief."}, *HELLO],
+                                      max_tokens=8, temperature=0)
+    assert out.usage.prompt_tokens == len(ids) and 1 <= out.usage.completion_tokens <= 8
