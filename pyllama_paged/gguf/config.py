@@ -246,25 +246,30 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
         _expert_fields(cfg, f)
     if yarn:
         _yarn_fields(cfg, f)
-    window = f.integer("attention.sliding_window", 0, lo=0)
-    if arch == "gemma3":
-        # Gemma 3 scales embeddings by sqrt(n_embd); five of every six layers
-        # use sliding-window attention with a 10k RoPE base (llama.cpp's
-        # swa pattern of 6), the sixth is global with rope.freq_base.
-        cfg.embd_scale = math.sqrt(n_embd)
-        cfg.layer_window = [window if (il % 6) < 5 else 0 for il in range(n_layer)]
-        scalar = f.number("attention.query_pre_attn_scalar", 0.0)
-        if scalar:
-            cfg.attn_scale = 1.0 / math.sqrt(scalar)
-    elif arch == "gpt-oss":
-        _gpt_oss_fields(cfg, f)
-    elif arch == "gemma4":
-        _gemma4_fields(cfg, _Fields(meta, arch, path))
-    elif window and arch == "llama":  # Mistral v0.1 style: every layer windowed
-        cfg.layer_window = [window] * n_layer
+    _layer_fields(cfg, f, meta)
     if n_head % n_head_kv:
         raise ModelLoadError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     return cfg
+
+
+def _layer_fields(cfg: ModelConfig, f: _Fields, meta: dict) -> None:
+    """Each architecture's own layers: which slide and over what, their rope and scales."""
+    window = f.integer("attention.sliding_window", 0, lo=0)
+    if f.arch == "gemma3":
+        # Gemma 3 scales embeddings by sqrt(n_embd); five of every six layers
+        # use sliding-window attention with a 10k RoPE base (llama.cpp's
+        # swa pattern of 6), the sixth is global with rope.freq_base.
+        cfg.embd_scale = math.sqrt(cfg.n_embd)
+        cfg.layer_window = [window if (il % 6) < 5 else 0 for il in range(cfg.n_layer)]
+        scalar = f.number("attention.query_pre_attn_scalar", 0.0)
+        if scalar:
+            cfg.attn_scale = 1.0 / math.sqrt(scalar)
+    elif f.arch == "gpt-oss":
+        _gpt_oss_fields(cfg, f)
+    elif f.arch == "gemma4":
+        _gemma4_fields(cfg, _Fields(meta, f.arch, f.path))   # the per-layer arrays as they are
+    elif window and f.arch == "llama":  # Mistral v0.1 style: every layer windowed
+        cfg.layer_window = [window] * cfg.n_layer
 
 
 def _expert_fields(cfg: ModelConfig, f: _Fields) -> None:

@@ -5,15 +5,15 @@ real models whose greedy reply is a script in Gemma 4's format (testing/scripted
 GEMMA4_MARKUP), streamed and not, a tool-call round trip included; and the tiny gemma4 model itself
 served with its template."""
 
-import json
 import random
 
 import openai
 import pytest
 
 from pyllama_paged import Llama
-from pyllama_paged.api.chat_call import ChatCall, prepare_call, split_as_streamed
+from pyllama_paged.api.chat_call import split_as_streamed
 from pyllama_paged.server.generation import Limits
+from pyllama_paged.testing.chat_replies import chat_prompt_ids, llama_reply, ollama_reply, openai_reply
 from pyllama_paged.testing.reference.tiny_gemma4 import GEMMA4_TEMPLATE, write_tiny_gemma4
 from pyllama_paged.testing.scripted_gguf import GEMMA4_MARKUP, scripted_tokenizer, write_scripted_model
 from pyllama_paged.testing.serving import model_server
@@ -131,83 +131,63 @@ def server(models):
         yield s
 
 
-def _prompt_ids(messages, tools=None, thinking=None):
-    """The prompt the server's chat path makes for these messages (what the scripted models render)."""
+def _prompt_ids(messages, **call_fields):
     tokenizer = scripted_tokenizer(THINK_THEN_ANSWER, GEMMA4_TEMPLATE, GEMMA4_MARKUP)
-    call = ChatCall(messages=messages, tools=tools, thinking=thinking)
-    return prepare_call(call, ChatTemplate(GEMMA4_TEMPLATE), tokenizer).prompt_ids, tokenizer
+    return chat_prompt_ids(GEMMA4_TEMPLATE, tokenizer, messages, **call_fields), tokenizer
 
 
 def test_openai_reasoning_content_and_answer_streamed_and_not(oai):
+    for stream in (False, True):
+        assert openai_reply(oai, "thinker", HELLO, stream, temperature=0) == (THINKING, ANSWER, [])
     out = oai.chat.completions.create(model="thinker", messages=HELLO, temperature=0)
-    message = out.choices[0].message
-    assert (message.model_extra["reasoning_content"], message.content) == (THINKING, ANSWER)
-    assert out.choices[0].finish_reason == "stop" and not message.tool_calls
+    assert out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens == len(THINK_THEN_ANSWER) + 1   # the script and <turn|>
-    thinking, content = [], []
-    for chunk in oai.chat.completions.create(model="thinker", messages=HELLO, temperature=0, stream=True):
-        if chunk.choices:
-            thinking.append((chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or "")
-            content.append(chunk.choices[0].delta.content or "")
-    assert ("".join(thinking), "".join(content)) == (THINKING, ANSWER)
-    assert not any("<|" in piece or "|>" in piece for piece in thinking + content)
+    pieces = [c.choices[0].delta for c in oai.chat.completions.create(model="thinker", messages=HELLO, temperature=0,
+                                                                      stream=True) if c.choices]
+    assert not any("<|" in (d.content or "") + ((d.model_extra or {}).get("reasoning_content") or "")
+                   for d in pieces)
 
 
 def test_the_python_api_splits_the_thinking_too(models):
     with Llama(model_path=models["thinker"], n_ctx=1024, n_threads=2, verbose=False) as llm:
-        message = llm.create_chat_completion(HELLO, temperature=0)["choices"][0]["message"]
-        assert (message["reasoning_content"], message["content"]) == (THINKING, ANSWER)
-        deltas = [c["choices"][0]["delta"] for c in llm.create_chat_completion(HELLO, temperature=0, stream=True)]
-        assert ("".join(d.get("reasoning_content", "") for d in deltas),
-                "".join(d.get("content") or "" for d in deltas)) == (THINKING, ANSWER)
+        for stream in (False, True):
+            assert llama_reply(llm, HELLO, stream, temperature=0) == (THINKING, ANSWER)
 
 
 def test_ollama_thinking_apart_and_the_switch_reaches_the_template(oll):
-    whole = oll.chat(model="thinker", messages=HELLO, think=True, options={"temperature": 0})
-    assert (whole.message.thinking, whole.message.content) == (THINKING, ANSWER)
-    chunks = list(oll.chat(model="thinker", messages=HELLO, think=True, stream=True, options={"temperature": 0}))
-    assert ("".join(c.message.thinking or "" for c in chunks), "".join(c.message.content or "" for c in chunks)) \
-        == (THINKING, ANSWER)
+    for stream in (False, True):
+        assert ollama_reply(oll, "thinker", HELLO, stream, think=True, options={"temperature": 0}) == \
+            (THINKING, ANSWER, [])
     assert "thinking" in oll.show("thinker").capabilities
     on, _ = _prompt_ids(HELLO, thinking=True)
     off, _ = _prompt_ids(HELLO, thinking=False)
-    assert whole.prompt_eval_count == len(on) != len(off)
+    assert oll.chat(model="thinker", messages=HELLO, think=True).prompt_eval_count == len(on) != len(off)
     assert oll.chat(model="thinker", messages=HELLO, think=False).prompt_eval_count == len(off)
 
 
+CALLED = [("get_weather", {"city": "Paris", "days": 2})]
+
+
 def test_a_tool_call_round_trips_through_openai(oai):
+    for stream in (False, True):
+        assert openai_reply(oai, "caller", [WEATHER_QUESTION], stream, tools=[WEATHER_TOOL], temperature=0) == \
+            (CALL_THINKING, "", CALLED)
     first = oai.chat.completions.create(model="caller", messages=[WEATHER_QUESTION], tools=[WEATHER_TOOL],
                                         temperature=0)
-    choice = first.choices[0]
-    assert choice.finish_reason == "tool_calls" and not choice.message.content
-    assert choice.message.model_extra["reasoning_content"] == CALL_THINKING
-    [call] = choice.message.tool_calls
-    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris", "days": 2})
-    streamed = [c for c in oai.chat.completions.create(model="caller", messages=[WEATHER_QUESTION],
-                                                       tools=[WEATHER_TOOL], temperature=0, stream=True)]
-    assert not "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
-    calls = [t for c in streamed if c.choices for t in (c.choices[0].delta.tool_calls or [])]
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == \
-        [("get_weather", {"city": "Paris", "days": 2})]
+    assert first.choices[0].finish_reason == "tool_calls"
     # the client sends the call and its result back, as OpenAI's docs show
-    followup = [WEATHER_QUESTION, choice.message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    followup = [WEATHER_QUESTION, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id, "content": RESULT}]
     second = oai.chat.completions.create(model="answerer", messages=followup, tools=[WEATHER_TOOL], temperature=0)
     assert second.choices[0].message.content == RESULT_ANSWER
-    ids, tokenizer = _prompt_ids(followup, [WEATHER_TOOL])
+    ids, tokenizer = _prompt_ids(followup, tools=[WEATHER_TOOL])
     assert tokenizer.decode(ids).endswith(HISTORY) and second.usage.prompt_tokens == len(ids)
 
 
 def test_a_tool_call_round_trips_through_ollama(oll):
     for stream in (False, True):
-        chunks = oll.chat(model="caller", messages=[WEATHER_QUESTION], tools=[WEATHER_TOOL], think=True,
-                          stream=stream, options={"temperature": 0})
-        chunks = list(chunks) if stream else [chunks]
-        calls = [c for chunk in chunks for c in (chunk.message.tool_calls or [])]
-        assert [(c.function.name, dict(c.function.arguments)) for c in calls] == \
-            [("get_weather", {"city": "Paris", "days": 2})]
-        assert "".join(chunk.message.thinking or "" for chunk in chunks) == CALL_THINKING
-        assert not "".join(chunk.message.content or "" for chunk in chunks)
+        assert ollama_reply(oll, "caller", [WEATHER_QUESTION], stream, tools=[WEATHER_TOOL], think=True,
+                            options={"temperature": 0}) == (CALL_THINKING, "", CALLED)
     asked = oll.chat(model="caller", messages=[WEATHER_QUESTION], tools=[WEATHER_TOOL], options={"temperature": 0})
     followup = [WEATHER_QUESTION, asked.message, {"role": "tool", "content": RESULT, "tool_name": "get_weather"}]
     answered = oll.chat(model="answerer", messages=followup, tools=[WEATHER_TOOL], options={"temperature": 0})
@@ -224,8 +204,7 @@ def test_a_forced_tool_choice_is_refused_clearly(oai):
 def test_the_gemma4_model_answers_through_its_template(oai, models):
     """The tiny gemma4 file (random weights): its own template renders the chat, the engine runs it."""
     tokenizer = Tokenizer.from_gguf(models["gemma4"])
-    ids = prepare_call(ChatCall(messages=[{"role": "system", "content": "Be brief."}, *HELLO]),
-                       ChatTemplate(GEMMA4_TEMPLATE), tokenizer).prompt_ids
+    ids = chat_prompt_ids(GEMMA4_TEMPLATE, tokenizer, [{"role": "system", "content": "Be brief."}, *HELLO])
     assert tokenizer.decode(ids) == "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHello<turn|>\n<|turn>model\n"
     out = oai.chat.completions.create(model="gemma4", messages=[{"role": "system", "content": "Be brief."}, *HELLO],
                                       max_tokens=8, temperature=0)

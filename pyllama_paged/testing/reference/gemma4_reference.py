@@ -46,8 +46,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .numpy_model import (LayerInfo, ReferenceModel, attention, gelu_tanh, load_tensor, rms_norm, rope,
-                          router_margin, routed_experts)
+from .numpy_model import (LayerInfo, ReferenceModel, attention, gelu_tanh, load_tensor, metadata_getter, rms_norm,
+                          rope, router_margin, routed_experts)
 
 # llama.cpp's hparams default for the sliding layers' rope base when the file has none
 ROPE_FREQ_BASE_SWA = 10000.0
@@ -119,14 +119,7 @@ class Gemma4Reference(ReferenceModel):
     @classmethod
     def from_file_parts(cls, meta: dict[str, Any], infos, mm) -> "Gemma4Reference":
         """The reference of a gemma4 file that read_gguf parsed."""
-        def hp(key: str, default: Any = KeyError) -> Any:
-            full = f"gemma4.{key}"
-            if full in meta:
-                return meta[full]
-            if default is KeyError:
-                raise KeyError(f"GGUF is missing {full}")
-            return default
-
+        hp = metadata_getter(meta, "gemma4")
         tensors = {info.name: load_tensor(mm, info) for info in infos}
         n_layer, n_embd = int(hp("block_count")), int(hp("embedding_length"))
         layers = _layers(hp, n_layer)

@@ -365,6 +365,19 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], list[GGUFTensorI
     return meta, infos, mm
 
 
+def metadata_getter(meta: dict[str, Any], arch: str):
+    """hp(key, default): the architecture's metadata field arch.key (KeyError without a default)."""
+    def hp(key: str, default: Any = KeyError) -> Any:
+        full = f"{arch}.{key}"
+        if full in meta:
+            return meta[full]
+        if default is KeyError:
+            raise KeyError(f"GGUF is missing {full}")
+        return default
+
+    return hp
+
+
 def load_tensor(mm: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
     """Dequantize one tensor to float32 with gguf.quants.dequantize (numpy shape)."""
     block, type_size = gguf.GGML_QUANT_SIZES[info.qtype]
@@ -437,14 +450,7 @@ class ReferenceModel:
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {arch!r}")
 
-        def hp(key: str, default: Any = KeyError) -> Any:
-            full = f"{arch}.{key}"
-            if full in meta:
-                return meta[full]
-            if default is KeyError:
-                raise KeyError(f"GGUF is missing {full}")
-            return default
-
+        hp = metadata_getter(meta, arch)
         tensors = {info.name: load_tensor(mm, info) for info in infos}
         del mm
 
