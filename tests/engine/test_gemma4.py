@@ -5,6 +5,11 @@ for V, experts beside the dense FFN) on every attention path and KV layout, chun
 the window, a batch of sequences of different lengths, forks and preemption; each of Gemma 4's
 features changes the logits and the engine follows it; the KV pools hold each layer's own row
 width, and a shared-KV layer no rows at all."""
+import os
+import subprocess
+from pathlib import Path
+
+import httpx
 import numpy as np
 import pytest
 
@@ -17,11 +22,13 @@ from pyllama_paged.gguf.config import config_from_metadata
 from pyllama_paged.gguf.reader import read_metadata
 from pyllama_paged.testing import synthetic_gguf
 from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.testing.agreement import assert_forked_samples_agree, assert_preempted_answers_agree
+from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
+                                              assert_preempted_answers_agree, reference_next_logits)
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_gemma4 import write_tiny_gemma4
 from pyllama_paged.testing.routed_logits import TOLERANCE, assert_one_step_routes_as_alone, assert_routed_logits_match
 from pyllama_paged.testing.routed_logits import file_logits, relative_error
+from pyllama_paged.testing.serving import free_port, stop_server, wait_healthy
 from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
 PROMPT = [int(x) for x in np.random.default_rng(1).integers(0, 300, size=40)]   # the window of 8, five times
@@ -280,3 +287,35 @@ def test_preemption_keeps_the_reference_answers(tiny, reference, mode):
     finally:
         llm.runner.close()
         model.close()
+
+
+# ---- llama.cpp ---------------------------------------------------------------------------------
+
+# llama.cpp's tools, where bench/build_llama_cpp.sh builds them (or LLAMA_CPP_BIN names them)
+LLAMA_CPP_BIN = Path(os.environ.get("LLAMA_CPP_BIN",
+                                    Path(__file__).resolve().parents[2] / "bench" / ".llama.cpp" / "build" / "bin"))
+
+
+@pytest.mark.parametrize("shape", ["dense", "moe"])
+def test_llama_cpp_continues_as_the_reference(tmp_path, tiny, reference, shape):
+    """llama.cpp's own gemma4 graph (llama-server, where built) gives the float64 reference's greedy
+    continuation of the tiny files, up to a near-tie: the reference reads Gemma 4 as llama.cpp does
+    (seen: 20 of 20 tokens the same, top probabilities within 5e-4)."""
+    binary = LLAMA_CPP_BIN / "llama-server"
+    if not binary.is_file():
+        pytest.skip("llama-server is not built (bench/build_llama_cpp.sh builds it)")
+    r, path = reference[shape, "f16"], tiny[shape, "f16"]
+    prompt = [r.bos_id] + PROMPT[:24]
+    url, log = f"http://127.0.0.1:{(port := free_port())}", tmp_path / "llama-server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(binary), "-m", path, "--port", str(port), "-t", "2", "-c", "256", "--no-warmup"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(url, proc, "/health", timeout=120, log=log)
+        body = {"prompt": prompt, "n_predict": 16, "cache_prompt": False, "return_tokens": True,
+                "samplers": ["top_k"], "top_k": 1}
+        got = httpx.post(f"{url}/completion", json=body, timeout=120).json()["tokens"]
+    finally:
+        stop_server(proc)
+    eot = Tokenizer.from_gguf(path).eot_ids
+    assert_greedy_agree(prompt, until_end(r.generate_greedy(prompt, 16), eot), got, reference_next_logits(r), eot)
