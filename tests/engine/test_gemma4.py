@@ -26,7 +26,8 @@ from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert
                                               assert_preempted_answers_agree, reference_next_logits)
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_gemma4 import write_tiny_gemma4
-from pyllama_paged.testing.routed_logits import TOLERANCE, assert_one_step_routes_as_alone, assert_routed_logits_match
+from pyllama_paged.testing.routed_logits import (ROUTER_NEAR_TIE, TOLERANCE, assert_one_step_routes_as_alone,
+                                                 assert_routed_logits_match)
 from pyllama_paged.testing.routed_logits import file_logits, relative_error
 from pyllama_paged.testing.serving import free_port, stop_server, wait_healthy
 from pyllama_paged.tokenizer.tokenizer import Tokenizer
@@ -36,6 +37,10 @@ PROMPT = [int(x) for x in np.random.default_rng(1).integers(0, 300, size=40)]   
 # attention and a norm after every block pass that on (seen: 1.9% of the spread with an f16 KV, 2.7%
 # in the MoE file); F16 weights meet TOLERANCE itself (0.05% and 0.5%)
 Q8_WEIGHTS_TOLERANCE = {"f16": 4e-2, "q8_0": 8e-2}
+# and they move the MoE file's router logits (rms-normed activations against a spread of ~6
+# logits) further than routed_logits' near-tie allows for: a gap of 0.16 was seen to cross. With
+# Q8_0 weights, a token routed within this many logits may take the other expert.
+Q8_WEIGHTS_NEAR_TIE = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +76,8 @@ def test_logits_match_reference(tiny, want, shape, weights, kv_cache_type, paged
     """Chunked prefill (23, 1 and 16 tokens) then single steps, past the window: our paged operator,
     the gathered pages through GGML's flash attention and the slab baseline."""
     logits, margin = want[shape, weights]
+    if weights == "q8_0":   # the near-tie rule in routed_logits' units
+        margin = margin * (ROUTER_NEAR_TIE / Q8_WEIGHTS_NEAR_TIE)
     got = file_logits(tiny[shape, weights], PROMPT, paged=paged, kv_cache_type=kv_cache_type, attention=attention)
     assert_routed_logits_match(got, logits, margin, tolerance(weights, kv_cache_type))
 
@@ -271,7 +278,7 @@ def until_end(answer, end_ids):
 
 
 # 40 tokens each: the sliding group gives back the blocks behind its window, and the growing full
-# group's blocks outrun the pool's 12
+# group's blocks outrun the pool's 10
 LONG_GREEDY = SamplingParams(max_tokens=40, temperature=0)
 
 
@@ -281,7 +288,7 @@ def test_preemption_keeps_the_reference_answers(tiny, reference, mode):
     eot = Tokenizer.from_gguf(tiny["dense", "f16"]).eot_ids
     answers = [until_end(r.generate_greedy(p, LONG_GREEDY.max_tokens), eot) for p in PROMPTS]
     model = Model(tiny["dense", "f16"])
-    llm = make_engine(model, eot, num_blocks=12, mode=mode)
+    llm = make_engine(model, eot, num_blocks=10, mode=mode)
     try:
         assert_preempted_answers_agree(llm, PROMPTS, LONG_GREEDY, r, answers, eot)
     finally:

@@ -78,7 +78,7 @@ DENSE_CASES = [
     ([["kv_drop", "gemma4.embedding_length_per_layer_input"]],
      r"missing metadata field 'gemma4\.embedding_length_per_layer_input'"),
     ([["kv", "gemma4.embedding_length_per_layer_input", gguf_mutate.U32, 64]],
-     r"tensor 'per_layer_token_embd\.weight': shape \[256, 413\] but the hyper-parameters need \[512, 413\]"),
+     r"tensor 'per_layer_token_embd\.weight': shape \[256, 415\] but the hyper-parameters need \[512, 415\]"),
     ([["kv_drop", "gemma4.attention.sliding_window_pattern"]],
      r"missing metadata field 'gemma4\.attention\.sliding_window_pattern'"),
     ([["kv", "gemma4.attention.sliding_window_pattern", gguf_mutate.ARRAY,

@@ -116,9 +116,11 @@ SHAPES = {
 
 
 def gemma4_vocab(n_vocab: int | None = None) -> dict:
-    """The tiny Gemma vocabulary (tiny_gguf.build_vocab) with Gemma 4's markup tokens typed as
-    its GGUF types them; BOS added, no space prefix."""
-    vocab = build_vocab("gemma3", n_vocab)
+    """The tiny Gemma vocabulary (tiny_gguf.build_vocab, with newline runs as Gemma 4's has them)
+    with Gemma 4's markup tokens typed as its GGUF types them; BOS added, no space prefix; and
+    merges that build every piece from the piece one character shorter (the ranks Gemma 4's
+    tokenizer reads: tokenizer_gemma4_bpe)."""
+    vocab = build_vocab("gemma3", n_vocab, ["\n", "\n\n"])
     for pieces, ttype in ((CONTROL_PIECES, gguf.TokenType.CONTROL), (USER_DEFINED_PIECES, gguf.TokenType.USER_DEFINED)):
         for piece in pieces:
             # in place of <unusedN> padding where the vocabulary was padded, else appended
@@ -127,7 +129,10 @@ def gemma4_vocab(n_vocab: int | None = None) -> dict:
                 vocab["tokens"].append(piece), vocab["types"].append(int(ttype)), vocab["scores"].append(0.0)
             else:
                 vocab["tokens"][slot], vocab["types"][slot] = piece, int(ttype)
-    return {**vocab, "add_bos": True, "add_eos": False, "add_space_prefix": False}
+    known = set(vocab["tokens"])
+    merges = [f"{t[:-1]} {t[-1]}" for t, ttype in zip(vocab["tokens"], vocab["types"])
+              if ttype == gguf.TokenType.NORMAL and len(t) > 1 and t[:-1] in known and t[-1] in known]
+    return {**vocab, "merges": merges, "add_bos": True, "add_eos": False, "add_space_prefix": False}
 
 
 def rope_divisors(head_dim: int) -> np.ndarray:
@@ -148,6 +153,7 @@ def write_tiny_gemma4(
     final_logit_softcapping: float | None = 30.0,
     v_on_full: bool | None = None,
     chat_template: str | None = GEMMA4_TEMPLATE,
+    tokenizer: str = "gemma4",
     n_vocab: int | None = None,
     seed: int = 0,
     name: str | None = None,
@@ -160,6 +166,8 @@ def write_tiny_gemma4(
     norms, scales, the router and rope_freqs stay f32. ``fused_experts``: the experts' gate and
     up as one ``ffn_gate_up_exps`` (else ``ffn_gate_exps`` and ``ffn_up_exps``). ``v_on_full``:
     whether full layers have a V projection (default: the shape's; sliding ones always do).
+    ``tokenizer``: "gemma4" (Gemma 4's, as its files have it) or "llama" (the same pieces as a
+    SentencePiece vocabulary).
     ``tensor_hook(name, data)`` returns what to write instead of a tensor's drawn data (same
     shape, before quantization); tensors named in ``drop`` are not written."""
     s = SHAPES[shape]
@@ -177,7 +185,10 @@ def write_tiny_gemma4(
     w.add_type("model")
     w.add_name(name or f"tiny-gemma4-{shape}")
     _add_hparams(w, s, n_layer, sliding, n_head_kv, n_ff, sliding_window, final_logit_softcapping)
-    add_tokenizer(w, "llama", "default", vocab)
+    if tokenizer == "gemma4":   # Gemma 4's own (merge ranks over SentencePiece-style pieces)
+        add_tokenizer(w, "gemma4", "gemma4", vocab)
+    else:   # the same pieces read as a SentencePiece vocabulary ("llama"), merged by score
+        add_tokenizer(w, "llama", "default", {**vocab, "merges": None})
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     def add(tname: str, data: np.ndarray, wtype: str | None = None) -> None:
