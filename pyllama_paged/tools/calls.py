@@ -13,6 +13,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from .gemma4 import CALL_OPEN, parse_gemma4_calls
+
 # Scanning is done with str.find/strip and slices, never with a regex holding a
 # lazy body between whitespace runs: a model (or a user's grammar) can write "```"
 # and thousands of spaces, and such a regex backtracks in cubic time on it.
@@ -21,9 +23,9 @@ _FENCE_LANG = re.compile(r"[a-zA-Z_]*")   # one greedy run: linear, nothing to b
 _BETWEEN_CALLS = re.compile(r"[ \n\t;,]*")
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 # text that may open a tool call: held back while streaming until the answer ends
-_OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```", "<|tool_call>")
+_OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```", CALL_OPEN)
 # openings of a call that may follow answer text (Hermes', Gemma 4's)
-_MID_OPENERS = (_OPEN, "<|tool_call>")
+_MID_OPENERS = (_OPEN, CALL_OPEN)
 
 
 @dataclass
@@ -152,9 +154,8 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
     functions a call may name (anything else stays content)."""
     names = names or set()
     if _MID_OPENERS[1] in text:
-        from .gemma4 import parse_gemma4_calls   # it builds ToolCalls of this module
         found = parse_gemma4_calls(text, names)
-        return found if found is not None else (text, [])
+        return (found[0], [ToolCall(name, args) for name, args in found[1]]) if found is not None else (text, [])
     if _OPEN in text:
         calls, kept, pos = [], [], 0
         for start, end, body in _hermes_blocks(text):

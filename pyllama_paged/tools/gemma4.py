@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import re
 
-from .calls import ToolCall
-
 THOUGHT_OPEN = "<|channel>thought"
 THOUGHT_CLOSE = "<channel|>"
 CALL_OPEN = "<|tool_call>"
@@ -103,9 +101,9 @@ def parse_arguments(text: str) -> dict:
     return value
 
 
-def parse_gemma4_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]] | None:
-    """(content, calls) of an answer holding Gemma 4 calls; None when a call block is not one
-    of the request's functions with readable arguments (the caller then keeps the text)."""
+def parse_gemma4_calls(text: str, names: set[str]) -> tuple[str, list[tuple[str, dict]]] | None:
+    """(content, [(name, arguments)]) of an answer holding Gemma 4 calls; None when a call block
+    is not one of the request's functions with readable arguments (the caller then keeps the text)."""
     calls, kept, pos = [], [], 0
     while (start := text.find(CALL_OPEN, pos)) != -1:
         kept.append(text[pos:start])
@@ -121,7 +119,7 @@ def parse_gemma4_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]
     return "".join(kept).strip(), calls
 
 
-def _call(block: str, names: set[str]) -> ToolCall | None:
+def _call(block: str, names: set[str]) -> tuple[str, dict] | None:
     block = block.strip()
     if not block.startswith(_CALL_PREFIX):
         return None
@@ -129,6 +127,6 @@ def _call(block: str, names: set[str]) -> ToolCall | None:
     if not name or (names and name.group() not in names):
         return None
     try:
-        return ToolCall(name.group(), parse_arguments(block[name.end():]))
+        return name.group(), parse_arguments(block[name.end():])
     except (ValueError, RecursionError):
         return None

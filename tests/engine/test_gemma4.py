@@ -24,7 +24,7 @@ from pyllama_paged.testing import synthetic_gguf
 from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
                                               assert_preempted_answers_agree, reference_next_logits)
-from pyllama_paged.testing.reference.numpy_model import ReferenceModel
+from pyllama_paged.testing.reference.loader import load_reference
 from pyllama_paged.testing.reference.tiny_gemma4 import write_tiny_gemma4
 from pyllama_paged.testing.routed_logits import (ROUTER_NEAR_TIE, TOLERANCE, assert_one_step_routes_as_alone,
                                                  assert_routed_logits_match)
@@ -52,7 +52,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny):
-    return {key: ReferenceModel.from_gguf(path) for key, path in tiny.items()}
+    return {key: load_reference(path) for key, path in tiny.items()}
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +241,7 @@ def test_each_feature_decides_and_the_engine_follows_it(tmp_path, want, name):
     ignored it could not pass test_logits_match_reference; the engine follows the changed file."""
     shape, changes = VARIANTS[name]
     path = write_tiny_gemma4(tmp_path / "variant.gguf", shape, weight_type="f16", **changes)
-    changed_ref = ReferenceModel.from_gguf(path)
+    changed_ref = load_reference(path)
     changed = changed_ref.forward(PROMPT)
     assert relative_error(changed, want[shape, "f16"][0]) > 5 * TOLERANCE["f16"]
     assert_routed_logits_match(file_logits(path, PROMPT), changed, changed_ref.last_router_margin, TOLERANCE["f16"])

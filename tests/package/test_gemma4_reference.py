@@ -11,7 +11,7 @@ import pytest
 
 from pyllama_paged.testing.reference import gemma4_reference as g4
 from pyllama_paged.testing.reference import numpy_model as ref
-from pyllama_paged.testing.reference.numpy_model import ReferenceModel
+from pyllama_paged.testing.reference.loader import load_reference
 from pyllama_paged.testing.reference.tiny_gemma4 import SHAPES, rope_divisors, write_tiny_gemma4
 
 PROMPT = [int(x) for x in np.random.default_rng(1).integers(0, 300, size=30)]
@@ -25,7 +25,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def refs(files):
-    return {shape: ReferenceModel.from_gguf(path) for shape, path in files.items()}
+    return {shape: load_reference(path) for shape, path in files.items()}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -151,7 +151,7 @@ def test_the_moe_layer_runs_its_dense_ffn_beside_the_experts_by_hand(refs):
 
 def test_separate_gate_and_up_experts_are_the_fused_ones_apart(tmp_path, refs):
     path = write_tiny_gemma4(tmp_path / "apart.gguf", "moe", fused_experts=False)
-    apart = ReferenceModel.from_gguf(path)
+    apart = load_reference(path)
     assert "blk.0.ffn_gate_exps.weight" in apart.tensors and "blk.0.ffn_gate_up_exps.weight" not in apart.tensors
     logits = apart.forward(PROMPT[:8])
     assert np.isfinite(logits).all() and logits.std() > 0.5

@@ -25,7 +25,7 @@ LAYERS = [
     ["convert.bert_gguf"],
     ["tokenizer.vocab", "tokenizer.render_budget", "tokenizer.template_sandbox", "tokenizer.render_pool"],
     ["tokenizer.spm"],
-    ["tokenizer.bpe", "tokenizer.wordpiece", "tokenizer.special"],
+    ["tokenizer.bpe", "tokenizer.wordpiece", "tokenizer.special", "tokenizer.gemma4_bpe"],
     ["tokenizer.tokenizer", "tokenizer.chat_template"],
     ["constrain.vocab"],
     ["constrain.grammar"],
@@ -51,6 +51,7 @@ LAYERS = [
     ["engine.llm_engine", "engine.prompt_logprobs"],
     ["engine.loop", "engine.pooling.encoder", "engine.shared_steps", "engine.pooling.rerank_head"],
     ["engine.builder"],
+    ["tools.gemma4"],
     ["api.text_stream", "api.sampling_options", "tools.calls", "tools.messages", "tools.reasoning", "api.embeddings"],
     ["tools.prompt", "tools.harmony", "api.rerank_inputs"],
     ["api.chat_call"],
@@ -85,7 +86,8 @@ LAYERS = [
      "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf",
      "testing.synthetic_blocks", "testing.synthetic_bpe", "testing.synthetic_presets", "testing.vocab_metadata",
      "testing.device_checks", "testing.model_sources", "testing.scripted_gguf",
-     "testing.ray_cluster", "testing.engine_runs", "testing.routed_logits"],
+     "testing.ray_cluster", "testing.engine_runs", "testing.routed_logits", "testing.reference.gemma4_reference",
+     "testing.reference.loader", "testing.reference.tiny_gemma4", "testing.synthetic_gemma4", "testing.chat_replies"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer
     # llama-cpp-python's submodule names (llama_cpp.llama_speculative, ...) over ours

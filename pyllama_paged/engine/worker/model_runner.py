@@ -148,7 +148,7 @@ class ModelRunner:
         """Per layer group: its window and the KV bytes per token it costs in steady state
         (a window group's cost stops growing past its window)."""
         per_token = self.kv_slot_bytes
-        return [{"group": g, "window": w, "layers": self.kv_groups.layers_per_group,
+        return [{"group": g, "window": w, "layers": self.kv_groups.layer_group.count(g),
                  "bytes_per_token": per_token,
                  "max_tokens": (-(-(w - 1) // self.kv.block_size) + 1) * self.kv.block_size if w > 0 else None}
                 for g, w in enumerate(self.kv_groups.group_window)]

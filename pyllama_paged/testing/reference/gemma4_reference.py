@@ -1,7 +1,7 @@
 """The float64 reference of ``gemma4`` (Gemma 4 E2B/E4B, 12B, 26B-A4B, 31B text models), as
 llama.cpp's graph (src/models/gemma4.cpp at 0c1e570) computes it from a GGUF.
-``ReferenceModel.from_gguf`` hands gemma4 files to ``Gemma4Reference``; its ``forward`` has
-``ReferenceModel.forward``'s contract (past_kv / return_kv included).
+``Gemma4Reference.from_gguf`` loads one (``loader.load_reference`` any supported file); its
+``forward`` has ``ReferenceModel.forward``'s contract (past_kv / return_kv included).
 
 What differs from gemma3 (numpy_model.py's docstring has the shared rules):
 
@@ -46,8 +46,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .numpy_model import (LayerInfo, ReferenceModel, attention, gelu_tanh, load_tensor, metadata_getter, rms_norm,
-                          rope, router_margin, routed_experts)
+from .numpy_model import (LayerInfo, ReferenceModel, attention, gelu_tanh, load_tensor, metadata_getter, read_gguf,
+                          rms_norm, rope, router_margin, routed_experts)
 
 # llama.cpp's hparams default for the sliding layers' rope base when the file has none
 ROPE_FREQ_BASE_SWA = 10000.0
@@ -115,6 +115,11 @@ class Gemma4Reference(ReferenceModel):
     """ReferenceModel's interface over gemma4's graph (see the module docstring)."""
 
     n_embd_per_layer: int = 0
+
+    @classmethod
+    def from_gguf(cls, path) -> "Gemma4Reference":
+        """The reference of a gemma4 GGUF file."""
+        return cls.from_file_parts(*read_gguf(path))
 
     @classmethod
     def from_file_parts(cls, meta: dict[str, Any], infos, mm) -> "Gemma4Reference":

@@ -444,9 +444,6 @@ class ReferenceModel:
     def from_gguf(cls, path: str | os.PathLike) -> "ReferenceModel":
         meta, infos, mm = read_gguf(path)
         arch = meta["general.architecture"]
-        if arch == "gemma4":   # a reference of its own (gemma4_reference.py), which builds on this one
-            from .gemma4_reference import Gemma4Reference
-            return Gemma4Reference.from_file_parts(meta, infos, mm)
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {arch!r}")
 
