@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from .spm import SPACE_MARK, WordCache, bigram_merge, encode_words
+from .bpe import merge_ranks, merged_ids
+from .spm import SPACE_MARK, WordCache, encode_words
 
 _RUNS = re.compile(r"[^\n]+|\n+")
 
@@ -26,27 +27,15 @@ class Gemma4Encoder:
 
     def __init__(self, vocab: dict[str, int], merges: Iterable[str]):
         self._vocab = vocab
-        self._ranks: dict[str, int] = {}
-        for rank, merge in enumerate(merges):
-            if merge.find(" ", 1) > 0:   # "left right", split at the first space after the first character
-                self._ranks.setdefault(merge, rank)
+        self._ranks = merge_ranks(merges)
         self._cache = WordCache()
 
     def _encode_word(self, word: str) -> tuple[int, ...]:
         get = self._vocab.get
         if word[0] == "\n" and (tid := get(word)) is not None:
             return (tid,)
-        out = []
-        for piece in bigram_merge(word, self._ranks, " "):
-            tid = get(piece)
-            if tid is not None:
-                out.append(tid)
-                continue
-            for byte in piece.encode("utf-8", "surrogateescape"):
-                tid = get(f"<0x{byte:02X}>")
-                if tid is not None:
-                    out.append(tid)
-        return tuple(out)
+        return merged_ids(word, self._ranks, get,
+                          lambda piece: [get(f"<0x{b:02X}>") for b in piece.encode("utf-8", "surrogateescape")])
 
     def encode(self, text: str) -> list[int]:
         """Token ids of one raw-text fragment."""
