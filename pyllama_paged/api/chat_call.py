@@ -9,7 +9,7 @@ whole (split_answer). Each API renders the resulting pieces into its own body.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..constrain.grammar import Constraint
@@ -18,7 +18,7 @@ from ..engine.worker.sampler import SamplingParams
 from ..tokenizer.chat_template import ChatTemplate
 from ..tokenizer.tokenizer import Tokenizer
 from ..tools.calls import ToolCall, ToolCallStream, parse_tool_calls
-from ..tools.harmony import HarmonySplitter, split_harmony
+from ..tools.harmony import HarmonyReader, HarmonyTokens, harmony_tokens
 from ..tools.messages import normalize_messages
 from ..tools.prompt import plan_tools, render_chat
 from ..tools.reasoning import (ReasoningSplitter, prompt_opens_thinking, speaks_harmony, split_reasoning,
@@ -67,7 +67,7 @@ class PreparedChat:
     tool_names: set[str]            # the tools whose calls to look for in the answer
     thinks: bool = False            # the template writes a think block: the answer's thinking is split out
     opens_thinking: bool = False    # the prompt ends inside an open think block
-    harmony: bool = False           # the reply is harmony (gpt-oss): its channels are read instead
+    harmony: HarmonyTokens | None = None   # the reply is harmony (gpt-oss): its channels are read instead
 
 
 def prepare_call(call: ChatCall, template: ChatTemplate, tokenizer: Tokenizer,
@@ -78,11 +78,12 @@ def prepare_call(call: ChatCall, template: ChatTemplate, tokenizer: Tokenizer,
     messages = normalize_messages(call.messages)
     constraint = call.structured(tokenizer) if call.structured is not None else None
     tools, constraint, names = plan_tools(template, tokenizer, call.tools, call.tool_choice, constraint)
-    thinks, harmony = template_thinks(template.source), speaks_harmony(template.source)
+    thinks = template_thinks(template.source)
+    harmony = harmony_tokens(tokenizer) if speaks_harmony(template.source) else None
     variables = thinking_variables(template.source, call.thinking, call.reasoning_effort)
     ids, text = _prompt_ids(template, tokenizer, messages, tools, n_ctx if call.truncate else None, variables)
-    return PreparedChat(ids, constraint, names, thinks, thinks and not harmony and prompt_opens_thinking(text),
-                        harmony)
+    return PreparedChat(ids, constraint, names, thinks,
+                        thinks and harmony is None and prompt_opens_thinking(text), harmony)
 
 
 def _prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], tools: list[dict],
@@ -141,17 +142,31 @@ class AnswerPiece:
 
 class AnswerSplitter:
     """Each sample's streamed text as content and tool calls: text that cannot open a call
-    passes at once; text that may be one is held until the sample ends, and parsed then
-    (which can take a while on a long answer: see ends_with_parse). A harmony reply is read
-    by its channels instead (tools/harmony.py), its call given at the end."""
+    passes at once; text that may be one is held until it can be told (tools/calls.py), and
+    calls are parsed when the sample ends (which can take a while on a long answer: see
+    ends_with_parse) or when text that is no call follows whole ones: the sample's answer
+    ends there (finish_reason "stop", the text after its calls dropped; see cut and
+    all_ended). A harmony reply is read by its channels instead (tools/harmony.py: from the
+    deltas' token ids), its call given at the end."""
 
     def __init__(self, tool_names: set[str], thinks: bool = False, opens_thinking: bool = False,
-                 harmony: bool = False):
+                 harmony: HarmonyTokens | None = None):
         self.tool_names = tool_names
         self.thinks, self.opens_thinking, self.harmony = thinks, opens_thinking, harmony
         self._streams: dict[int, ToolCallStream] = {}
         self._reasoning: dict[int, ReasoningSplitter] = {}
-        self._harmony: dict[int, HarmonySplitter] = {}
+        self._harmony: dict[int, HarmonyReader] = {}
+        self._ended: set[int] = set()      # samples whose last piece was made
+        self._cut: dict[int, int] = {}     # samples ended after their calls: characters dropped
+
+    def cut(self, index: int) -> int | None:
+        """How many characters of sample index's text were dropped after its calls when its
+        answer ended with them (None: it was not cut; its later deltas add nothing)."""
+        return self._cut.get(index)
+
+    def all_ended(self, n: int) -> bool:
+        """Whether each of n samples has had its last piece (its finish, or its calls' end)."""
+        return len(self._ended) >= n
 
     def ends_with_parse(self, delta: TextDelta) -> bool:
         """Whether feeding this delta parses held text for tool calls."""
@@ -159,7 +174,11 @@ class AnswerSplitter:
 
     def feed(self, delta: TextDelta) -> AnswerPiece:
         """The piece a text delta makes; the last one of a sample carries its calls."""
-        if self.harmony:
+        if delta.index in self._ended:   # after its calls' end: what the model wrote on is dropped
+            return AnswerPiece(delta.index, "")
+        if delta.finish_reason:
+            self._ended.add(delta.index)
+        if self.harmony is not None:
             return self._feed_harmony(delta)
         text, calls, thinking = delta.text, [], ""
         if self.thinks:   # tool calls are read from the answer after the thinking, never inside it
@@ -169,22 +188,50 @@ class AnswerSplitter:
                 last = splitter.finish()
                 part.thinking, part.content = part.thinking + last.thinking, part.content + last.content
             thinking, text = part.thinking, part.content
+        finish, stop = delta.finish_reason, delta.stop
         if self.tool_names:
             stream = self._streams.setdefault(delta.index, ToolCallStream(self.tool_names))
             text = stream.feed(text)
-            if delta.finish_reason:
+            if stream.done:   # whole calls, then text that is none: the answer ends here
+                self._cut[delta.index] = stream.dropped
+                if not finish:
+                    finish, stop = "stop", None
+                    self._ended.add(delta.index)
+            if finish:
                 rest, calls = stream.finish()
                 text += rest
-        return AnswerPiece(delta.index, text, delta.event, delta.finish_reason, delta.stop, calls, thinking)
+        return AnswerPiece(delta.index, text, delta.event, finish, stop, calls, thinking)
 
     def _feed_harmony(self, delta: TextDelta) -> AnswerPiece:
-        splitter = self._harmony.setdefault(delta.index, HarmonySplitter(self.tool_names))
-        part, calls = splitter.feed(delta.text), []
+        reader = self._harmony.setdefault(delta.index, HarmonyReader(self.harmony, self.tool_names))
+        token = delta.event.token_id if delta.event is not None else None
+        part, calls = reader.feed(delta.text, token, bool(delta.finish_reason)), []
         if delta.finish_reason:
-            last, calls = splitter.finish()
+            last, calls = reader.finish()
             part.thinking, part.content = part.thinking + last.thinking, part.content + last.content
         return AnswerPiece(delta.index, part.content, delta.event, delta.finish_reason, delta.stop, calls,
                            part.thinking)
+
+
+def _read_harmony(deltas: list[TextDelta], harmony: HarmonyTokens, tool_names: set[str]) -> AnswerPiece:
+    """A sample's whole harmony reply (its deltas, which end with its finish) as one piece."""
+    splitter = AnswerSplitter(tool_names, harmony=harmony)
+    pieces = [splitter.feed(d) for d in deltas]
+    return AnswerPiece(0, "".join(p.text for p in pieces), thinking="".join(p.thinking for p in pieces),
+                       calls=[c for p in pieces for c in p.calls])
+
+
+def without_dropped(deltas: list[TextDelta], splitter: AnswerSplitter) -> list[TextDelta]:
+    """The deltas less what each cut sample wrote after its calls (the text its splitter dropped)."""
+    out, left = list(deltas), {}
+    for k in range(len(out) - 1, -1, -1):   # from each sample's end
+        d = out[k]
+        drop = left.setdefault(d.index, splitter.cut(d.index) or 0)
+        if drop and d.text:
+            keep = max(0, len(d.text) - drop)
+            left[d.index] = drop - (len(d.text) - keep)
+            out[k] = replace(d, text=d.text[:keep])
+    return out
 
 
 def split_answer(text: str, tool_names: set[str]) -> tuple[str, list[ToolCall]]:
@@ -215,7 +262,8 @@ class Answer:
 
 def collect_answers(deltas: list[TextDelta], n: int, tool_names: set[str],
                     split: Callable[[str, set[str]], tuple[str, list[ToolCall]]] = split_answer,
-                    thinks: bool = False, opens_thinking: bool = False, harmony: bool = False) -> list[Answer]:
+                    thinks: bool = False, opens_thinking: bool = False,
+                    harmony: HarmonyTokens | None = None) -> list[Answer]:
     """Each of n samples' answer from all of a request's deltas, its thinking (a model that
     thinks) and then its tool calls split out (by its channels, for a harmony reply)."""
     answers = []
@@ -223,8 +271,9 @@ def collect_answers(deltas: list[TextDelta], n: int, tool_names: set[str],
         own = [d for d in deltas if d.index == j]
         text = "".join(d.text for d in own)
         end = next((d for d in reversed(own) if d.finish_reason), None)
-        if harmony:
-            thinking, content, calls = split_harmony(text, tool_names)
+        if harmony is not None:
+            piece = _read_harmony(own, harmony, tool_names)
+            thinking, content, calls = piece.thinking, piece.text, piece.calls
         else:
             thinking, answer = split_reasoning(text, opens_thinking) if thinks else ("", text)
             content, calls = split(answer, tool_names)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import closing
 from typing import Iterator
 
+from ..tools.harmony import HarmonyTokens
 from .chat_call import AnswerSplitter
 from .text_stream import TextDelta
 
@@ -34,7 +36,7 @@ def legacy_functions(functions, function_call, tools, tool_choice):
 
 def chat_chunks(llama, prompt_ids: list[int], params, names: set[str], model: str,
                 stopping_criteria=None, thinks: bool = False, opens_thinking: bool = False,
-                harmony: bool = False) -> Iterator[dict]:
+                harmony: HarmonyTokens | None = None) -> Iterator[dict]:
     """The chat stream: every chunk has choices[0]; the last one also carries usage. A model
     that thinks (thinks; opens_thinking: its prompt opened the block) sends its thinking as
     reasoning_content deltas, as OpenAI-compatible servers do; a harmony reply (harmony) is read
@@ -49,24 +51,34 @@ def chat_chunks(llama, prompt_ids: list[int], params, names: set[str], model: st
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": j, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
+    width = params.beam_width if params.beam_width > 1 else params.n
+
     def chunks():
-        for _, j, text, finish, ev in llama.stream_texts([prompt_ids], params, stopping_criteria):
-            if j not in started:
-                started.add(j)
-                yield chunk(j, {"role": "assistant"})
-            counts[j] = counts.get(j, 0) + (1 if ev is not None else 0)
-            lp = None
-            if want_logprobs and ev is not None and ev.logprob is not None:
-                lp = {"content": [token_logprob(llama._tokenizer, ev)], "refusal": None}
-            piece = splitter.feed(TextDelta(j, text, finish, ev))
-            if piece.thinking:
-                yield chunk(j, {"reasoning_content": piece.thinking})
-            if piece.text or lp:
-                yield chunk(j, {"content": piece.text}, logprobs=lp)
-            if piece.calls:
-                yield chunk(j, {"tool_calls": [c.openai(k) for k, c in enumerate(piece.calls)]})
-            if finish:
-                yield chunk(j, {}, "tool_calls" if piece.calls else finish)
+        with closing(llama.stream_texts([prompt_ids], params, stopping_criteria)) as texts:
+            for _, j, text, finish, ev in texts:
+                if splitter.cut(j) is None:
+                    yield from sample_chunks(j, text, finish, ev)
+                if splitter.all_ended(width):   # every sample ended, some by their calls: stop generating
+                    return
+
+    def sample_chunks(j, text, finish, ev):
+        """The chunks one sample's text delta makes."""
+        if j not in started:
+            started.add(j)
+            yield chunk(j, {"role": "assistant"})
+        counts[j] = counts.get(j, 0) + (1 if ev is not None else 0)
+        lp = None
+        if want_logprobs and ev is not None and ev.logprob is not None:
+            lp = {"content": [token_logprob(llama._tokenizer, ev)], "refusal": None}
+        piece = splitter.feed(TextDelta(j, text, finish, ev))
+        if piece.thinking:
+            yield chunk(j, {"reasoning_content": piece.thinking})
+        if piece.text or lp:
+            yield chunk(j, {"content": piece.text}, logprobs=lp)
+        if piece.calls:
+            yield chunk(j, {"tool_calls": [c.openai(k) for k, c in enumerate(piece.calls)]})
+        if piece.finish_reason:
+            yield chunk(j, {}, "tool_calls" if piece.calls else piece.finish_reason)
 
     last = None
     for c in chunks():

@@ -11,7 +11,8 @@ import llguidance
 
 from ..errors import RequestError
 from ..tokenizer.tokenizer import Tokenizer
-from .vocab import ll_tokenizer
+from .digits import DIGIT_BOUND, DigitRun, DigitTable, schema_digit_bound
+from .vocab import digit_table, ll_tokenizer
 
 KINDS = ("json", "json_schema", "regex", "gbnf", "lark")
 # NOTE(constrain): compact JSON (no free whitespace between tokens): a small
@@ -97,38 +98,52 @@ class Constraint:
     # compiled once, by the caller's thread: each sample starts from a copy of it, so
     # the engine thread never compiles (n=8 compiled 9 times there)
     initial: Any = None
+    digit_bound: int | None = None   # JSON: the longest run of digits outside strings (digits.py)
+    digits: DigitTable | None = None
 
     def start(self) -> "ConstraintState":
         """A fresh matcher at the start of the grammar (a copy of the compiled one)."""
         if self.initial is None:
-            return ConstraintState(llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0))
-        return ConstraintState(self.initial.deep_copy())
+            matcher = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+        else:
+            matcher = self.initial.deep_copy()
+        run = DigitRun(self.digits, self.digit_bound) if self.digit_bound is not None and self.digits else None
+        return ConstraintState(matcher, run)
 
 
-def compile_constraint(tokenizer: Tokenizer, kind: str, spec: Any = None) -> Constraint:
-    """Compile a grammar; ConstraintError (with the library's reason) when it is invalid."""
+def compile_constraint(tokenizer: Tokenizer, kind: str, spec: Any = None, digit_bound: int | None = None
+                       ) -> Constraint:
+    """Compile a grammar; ConstraintError (with the library's reason) when it is invalid. A JSON
+    kind's numbers get at most digit_bound digits in a run (default: the schema's, see
+    digits.py); another kind's only when digit_bound is given (a grammar around JSON)."""
     try:
         grammar = _grammar(kind, spec)
+        if digit_bound is None and kind in ("json", "json_schema"):
+            digit_bound = schema_digit_bound(spec) if kind == "json_schema" else DIGIT_BOUND
     except RecursionError:
         raise ConstraintError(f"the {kind.replace('_', ' ')} constraint is nested too deeply") from None
     ll = ll_tokenizer(tokenizer)
     matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
     if matcher.is_error():
         raise ConstraintError(f"invalid {kind.replace('_', ' ')} constraint: {matcher.get_error()}")
-    return Constraint(kind, grammar, ll, matcher)
+    digits = digit_table(tokenizer) if digit_bound is not None else None
+    return Constraint(kind, grammar, ll, matcher, digit_bound, digits)
 
 
 class ConstraintState:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar (and, for JSON, in its runs of digits)."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "digits")
 
-    def __init__(self, matcher: llguidance.LLMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, digits: DigitRun | None = None):
         self.matcher = matcher
+        self.digits = digits
 
     def accept(self, token_id: int) -> None:
         """Advance past a sampled token (always one the mask allowed)."""
         self.matcher.consume_token(token_id)
+        if self.digits is not None:
+            self.digits.advance(token_id)
 
     @property
     def is_error(self) -> bool:

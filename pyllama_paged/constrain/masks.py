@@ -30,7 +30,8 @@ class MaskBuffer:
         self._bits = np.zeros((0, self.n_words), dtype=np.int32)
 
     def fill(self, states: list[ConstraintState]) -> np.ndarray:
-        """uint8 [len(states), n_vocab]: 1 where a row's grammar allows the token."""
+        """uint8 [len(states), n_vocab]: 1 where a row's grammar allows the token (and, for
+        JSON, its bound on a number's digits: digits.py)."""
         n = len(states)
         if self._bits.shape[0] < n:
             self._bits = np.zeros((n, self.n_words), dtype=np.int32)
@@ -38,4 +39,10 @@ class MaskBuffer:
         _shared_executor().unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)],
                                                     bits.ctypes.data, self.n_words * 4, n)
         # one byte per token for the native sampler (0 masks it out)
-        return np.unpackbits(bits.view(np.uint8), axis=1, count=self.n_vocab, bitorder="little")
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=self.n_vocab, bitorder="little")
+        for i, state in enumerate(states):
+            admitted = state.digits.admits() if state.digits is not None else None
+            if admitted is not None:   # a JSON number's run of digits is at its bound
+                row = allowed[i, :len(admitted)]   # the model's rows past the tokenizer's: masked already
+                np.bitwise_and(row, admitted[:len(row)], out=row)
+        return allowed

@@ -1,5 +1,6 @@
 """The vocabulary as llguidance sees it: one byte string per token id, with
-control tokens marked so that no grammar can spell them out of text."""
+control tokens marked so that no grammar can spell them out of text; and the
+same bytes as the digit bound reads them (digits.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import weakref
 import llguidance
 
 from ..tokenizer.tokenizer import Tokenizer, TokenType
+from .digits import DigitTable
 
 # llguidance's convention: a leading 0xff byte marks a special token, which a
 # grammar can only name explicitly (<|...|>) and never produce as text
@@ -43,17 +45,34 @@ class _Wrapped:
         return self._tokenizer.encode(text, add_special=False, parse_special=False)
 
 
-_cache: "weakref.WeakKeyDictionary[Tokenizer, llguidance.LLTokenizer]" = weakref.WeakKeyDictionary()
+class _Vocabulary:
+    """What constraints need of one tokenizer, built once."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        wrapped = _Wrapped(tokenizer)
+        eos = sorted(tokenizer.eot_ids) or None
+        self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapped), eos_token=eos)
+        self.digits = DigitTable(wrapped.tokens, set(wrapped.special_token_ids))
+
+
+_cache: "weakref.WeakKeyDictionary[Tokenizer, _Vocabulary]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+
+
+def _vocabulary(tokenizer: Tokenizer) -> _Vocabulary:
+    with _lock:
+        found = _cache.get(tokenizer)
+        if found is None:
+            found = _cache[tokenizer] = _Vocabulary(tokenizer)
+        return found
 
 
 def ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     """llguidance's view of a tokenizer, built once per tokenizer (about a second
     for a 262k vocabulary); every end-of-generation token ends a grammar."""
-    with _lock:
-        found = _cache.get(tokenizer)
-        if found is None:
-            eos = sorted(tokenizer.eot_ids) or None
-            found = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapped(tokenizer)), eos_token=eos)
-            _cache[tokenizer] = found
-        return found
+    return _vocabulary(tokenizer).ll
+
+
+def digit_table(tokenizer: Tokenizer) -> DigitTable:
+    """The tokenizer's tokens as the digit bound reads them, built with ll_tokenizer's."""
+    return _vocabulary(tokenizer).digits

@@ -8,12 +8,15 @@ as pieces (text, tool calls, the end) or whole answers, which each API renders."
 from __future__ import annotations
 
 from concurrent.futures import Executor
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from ..api.chat_call import (Answer, AnswerPiece, AnswerSplitter, ChatCall, PreparedChat, collect_answers,
-                             prepare_call, split_answer)
+                             prepare_call, split_answer, without_dropped)
+from ..api.text_stream import TextDelta
 from ..errors import PagedError
+from ..tools.harmony import HarmonyTokens
 from ..tools.messages import MessageError
 from .generation import APIError, Generation, check_request, field_error, fit_prompt, off_loop, \
     require_generative, start_generation
@@ -32,22 +35,54 @@ class ChatRun:
     prep: Executor         # the server's pool for slow text work
     thinks: bool = False   # the model writes a think block: its thinking comes apart from the answer
     opens_thinking: bool = False   # the prompt opened that block
-    harmony: bool = False   # the reply is harmony (gpt-oss): read by its channels
+    harmony: HarmonyTokens | None = None   # the reply is harmony (gpt-oss): read by its channels
+
+    @property
+    def width(self) -> int:
+        """How many samples (or beams) the answer has."""
+        params = self.gen.params
+        return params.beam_width if params.beam_width > 1 else params.n
+
+    def splitter(self) -> AnswerSplitter:
+        """A splitter of this run's answer into content, thinking and tool calls."""
+        return AnswerSplitter(self.tool_names, self.thinks, self.opens_thinking, self.harmony)
+
+    async def read(self, splitter: AnswerSplitter) -> AsyncIterator[tuple[TextDelta, AnswerPiece]]:
+        """Each text delta with the piece it makes (a sample's last one, whose held text is
+        parsed for tool calls, made off the event loop), up to every sample's end. A sample
+        whose whole tool calls are followed by text that is no call ends with them; once all
+        have ended the generation is aborted (its pages freed), not run on."""
+        async with aclosing(self.gen.deltas()) as deltas:
+            async for d in deltas:
+                if splitter.cut(d.index) is not None:
+                    continue
+                piece = await off_loop(self.prep, splitter.feed, d) if splitter.ends_with_parse(d) else \
+                    splitter.feed(d)
+                if piece.finish_reason and not d.finish_reason:   # ended by its calls
+                    self.gen.finish_reasons[d.index] = piece.finish_reason
+                yield d, piece
+                if splitter.all_ended(self.width):
+                    return
 
     async def pieces(self) -> AsyncIterator[AnswerPiece]:
-        """The answer as it streams, a piece per text delta (a sample's last one, whose held
-        text is parsed for tool calls, made off the event loop)."""
-        splitter = AnswerSplitter(self.tool_names, self.thinks, self.opens_thinking, self.harmony)
-        async for d in self.gen.deltas():
-            yield await off_loop(self.prep, splitter.feed, d) if splitter.ends_with_parse(d) else splitter.feed(d)
+        """The answer as it streams, a piece per text delta."""
+        async for _, piece in self.read(self.splitter()):
+            yield piece
 
     async def answers(self, request, split=split_answer) -> list[Answer]:
         """Each sample's whole answer (a client hanging up meanwhile aborts it: 499);
         split: how its tool calls are split out (split_answer, or split_as_streamed)."""
-        deltas = await self.gen.collect(request)
-        params = self.gen.params
-        width = params.beam_width if params.beam_width > 1 else params.n
-        return await off_loop(self.prep, collect_answers, deltas, width, self.tool_names, split, self.thinks,
+        splitter = self.splitter()
+
+        async def ended_by_calls():
+            """The deltas, with a sample's end where its calls ended it."""
+            async for d, piece in self.read(splitter):
+                yield d
+                if piece.finish_reason and not d.finish_reason:
+                    yield TextDelta(d.index, "", piece.finish_reason)
+
+        deltas = without_dropped(await self.gen.collect(request, ended_by_calls()), splitter)
+        return await off_loop(self.prep, collect_answers, deltas, self.width, self.tool_names, split, self.thinks,
                               self.opens_thinking, self.harmony)
 
 

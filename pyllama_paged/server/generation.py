@@ -240,11 +240,12 @@ class Generation:
             self.metrics.add_tokens(len(self.prompt_ids), self.num_generated, served.name)
             self.metrics.observe_e2e(served.name, time.perf_counter() - self.started)
 
-    async def collect(self, request) -> list[TextDelta]:
-        """Every delta of a non-streamed answer. A client that hangs up while it waits
+    async def collect(self, request, deltas=None) -> list[TextDelta]:
+        """Every delta of a non-streamed answer (of deltas, an iterator over this generation's
+        that may end it early; None: all of them). A client that hangs up while it waits
         has its request aborted (pages freed) instead of run to max_tokens: 499."""
         async def answer():
-            return [d async for d in self.deltas()]
+            return [d async for d in (self.deltas() if deltas is None else deltas)]
 
         async def hang_up():
             # the body has been read: the next ASGI message is http.disconnect

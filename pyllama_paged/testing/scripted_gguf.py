@@ -11,7 +11,9 @@ embedding of the token before it; every other row is zero. From a chain token th
 logit is then SCRIPT_LOGIT and every other logit is 0, so the script is followed at any
 ordinary temperature, whatever came earlier in the prompt. The next token depends on the
 current one only, so no token may occur twice in the chain: a reply piece may be any string
-(it becomes one token of its own), which keeps scripts free of repeats.
+(it becomes one token of its own), which keeps scripts free of repeats; a piece of the format's
+markup may repeat, since the vocabulary then holds a copy of it for each use (a second special
+token of the same text: readers that go by token ids and their types see the same marker).
 
 The vocabulary is the tiny SentencePiece one (reference/tiny_gguf.build_vocab) with Qwen3's
 markup typed as llama.cpp types it in Qwen3's files: ``<|im_start|>``/``<|im_end|>`` control
@@ -27,9 +29,9 @@ path hands tools to them (tools.prompt.knows_tools) and reads calls back as Herm
 
 HARMONY_TEMPLATE is a template in the spirit of gpt-oss's, written here, for a vocabulary with
 HARMONY_MARKUP: harmony's special tokens typed as gpt-oss's GGUF types them (all control;
-``<|return|>`` the EOS). The reply is harmony (tools.harmony), and a reply piece may hold
-markup (e.g. ``"assistant<|channel|>"``), since the second message's ``<|channel|>`` and
-``<|message|>`` would otherwise repeat the first's tokens.
+``<|return|>`` the EOS). The reply is harmony (tools.harmony), read by its marker tokens: a
+reply piece that holds markup in its text (``"assistant<|channel|>"``) is an ordinary token,
+text that only spells markers, as an attacker's would.
 
 GEMMA4_MARKUP types Gemma 4's tokens as its GGUF does, for a reply in its format under the tiny
 gemma4 file's template (reference/tiny_gemma4.GEMMA4_TEMPLATE); since Gemma 4 goes on after a
@@ -190,20 +192,34 @@ def _vocab_piece(text: str) -> str:
 
 
 def _extra_pieces(reply: Sequence[str], markup: Markup) -> list[str]:
-    # once each: build_vocab would give a piece listed twice two tokens
-    pieces = markup.control + markup.user_defined + markup.plain + tuple(_vocab_piece(p) for p in reply)
-    return list(dict.fromkeys(pieces))
+    # once each (build_vocab gives a piece listed twice two tokens), but for markup the reply
+    # uses again: a copy for each further use
+    special = markup.control + markup.user_defined
+    pieces = list(dict.fromkeys(special + markup.plain + tuple(_vocab_piece(p) for p in reply)))
+    return pieces + [p for p in special for _ in range(list(reply).count(p) - 1)]
 
 
 def _mark_up(vocab: dict, chat_template: str, markup: Markup) -> None:
     """Type the format's markup, make its EOS piece the EOS and add the template (the vocab_hook)."""
-    index = {t: i for i, t in enumerate(vocab["tokens"])}
+    copies = _copies(vocab["tokens"], markup)
     for piece in markup.control:
-        vocab["types"][index[piece]] = int(gguf.TokenType.CONTROL)
+        for i in copies[piece]:
+            vocab["types"][i] = int(gguf.TokenType.CONTROL)
     for piece in markup.user_defined:
-        vocab["types"][index[piece]] = int(gguf.TokenType.USER_DEFINED)
-    vocab.update(eos=index[markup.eos], add_bos=False, add_eos=False, add_space_prefix=False,
+        for i in copies[piece]:
+            vocab["types"][i] = int(gguf.TokenType.USER_DEFINED)
+    vocab.update(eos=copies[markup.eos][-1], add_bos=False, add_eos=False, add_space_prefix=False,
                  chat_template=chat_template)
+
+
+def _copies(tokens: Sequence[str], markup: Markup) -> dict[str, list[int]]:
+    """Each markup piece's token ids, in vocabulary order."""
+    special = set(markup.control + markup.user_defined)
+    copies: dict[str, list[int]] = {p: [] for p in special}
+    for i, t in enumerate(tokens):
+        if t in special:
+            copies[t].append(i)
+    return copies
 
 
 def scripted_tokenizer(reply: Sequence[str], chat_template: str, markup: Markup = QWEN3_MARKUP) -> Tokenizer:
@@ -228,7 +244,16 @@ def script_chain(reply: Sequence[str], chat_template: str, variables: dict | Non
     last = tokenizer.eos_id if end is None else tokenizer.token_to_id(end)
     if last not in tokenizer.eot_ids:
         raise ValueError(f"the reply must end with a token that ends generation, not {end!r}")
-    chain = [start] + [tokenizer.token_to_id(_vocab_piece(p)) for p in reply] + [last]
+    copies = _copies(tokenizer.tokens, markup)
+    uses: dict[str, int] = {}
+
+    def token(piece: str) -> int:
+        if piece not in copies:
+            return tokenizer.token_to_id(_vocab_piece(piece))
+        uses[piece] = uses.get(piece, -1) + 1   # the markup's k-th use: its k-th copy
+        return copies[piece][uses[piece]]
+
+    chain = [start] + [token(p) for p in reply] + [last]
     seen: dict[int, int] = {}
     for position, tid in enumerate(chain):
         if tid in seen:

@@ -13,6 +13,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from .call_scan import SEPARATORS as _SEPARATORS
+from .call_scan import CallScan, Options
 from .gemma4 import CALL_OPEN, parse_gemma4_calls
 
 # Scanning is done with str.find/strip and slices, never with a regex holding a
@@ -22,8 +24,10 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _FENCE_LANG = re.compile(r"[a-zA-Z_]*")   # one greedy run: linear, nothing to backtrack into
 _BETWEEN_CALLS = re.compile(r"[ \n\t;,]*")
 _JSON_NAMES = {"true": True, "false": False, "null": None}
-# text that may open a tool call: held back while streaming until the answer ends
-_OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```", CALL_OPEN)
+# what a call object may hold (call_scan.py reads the same while it streams): another key
+# makes the object an answer in JSON, not a call
+_CALL_KEYS = frozenset(("name", "arguments", "parameters", "type", "function", "id"))
+_FUNCTION_KEYS = frozenset(("name", "arguments", "parameters", "description"))
 # openings of a call that may follow answer text (Hermes', Gemma 4's)
 _MID_OPENERS = (_OPEN, CALL_OPEN)
 
@@ -46,10 +50,12 @@ class ToolCall:
 
 
 def _as_call(obj, names: set[str]) -> ToolCall | None:
-    if not isinstance(obj, dict):
+    if not isinstance(obj, dict) or not obj.keys() <= _CALL_KEYS:
         return None
     if isinstance(obj.get("function"), dict):   # {"type": "function", "function": {...}}
         obj = obj["function"]
+        if not obj.keys() <= _FUNCTION_KEYS:
+            return None
     name = obj.get("name")
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
@@ -153,7 +159,7 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
     """(content left, tool calls) of a whole answer; names, when given, are the only
     functions a call may name (anything else stays content)."""
     names = names or set()
-    if _MID_OPENERS[1] in text:
+    if CALL_OPEN in text:
         found = parse_gemma4_calls(text, names)
         return (found[0], [ToolCall(name, args) for name, args in found[1]]) if found is not None else (text, [])
     if _OPEN in text:
@@ -178,58 +184,87 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
 
 
 class ToolCallStream:
-    """Streams content while it cannot be a tool call; holds back text that may be one
-    and decides when the answer ends."""
+    """Streams content while it cannot be a tool call; holds back text that may be one (it
+    opens like one: `{`, `[`, a fence, a call marker, or `<tool_call>` anywhere) only until
+    call_scan tells it cannot be, then lets it through. Whole calls followed by text that is
+    no call end the answer: `done`, the calls kept and that text dropped (`dropped` characters),
+    so the generation can stop there."""
 
     def __init__(self, names: set[str]):
         self.names = names
-        self.held = ""
-        self.holding = False
-        self.started = False   # some non-space content was already let through
-        # Pieces kept as lists, joined once: growing one string piece by piece copies it
-        # every time (quadratic over a long answer).
+        self._options = Options(names) if names else None
+        self.started = False   # some non-space content was let through: only <tool_call> opens a call now
+        self.done = False
+        self.dropped = 0
+        # Pieces kept as lists, joined when needed: growing one string piece by piece copies
+        # it every time (quadratic over a long answer).
         self._space: list[str] = []   # leading whitespace, before anything else came
-        self._parts: list[str] = []   # everything held once holding
+        self._tail = ""               # (started) what may be the start of "<tool_call>"
+        self._parts: list[str] = []   # the held candidate
+        self._scan: CallScan | None = None
 
     def feed(self, text: str) -> str:
         """Content safe to stream now."""
-        if not text:
+        if self.done or not text:
             return ""
-        if self.holding:
-            self._parts.append(text)
-            return ""
-        if not self.started and not self.held and text.isspace():
-            self._space.append(text)
-            return ""
-        if self._space:
-            self.held, self._space = "".join(self._space) + self.held, []
-        self.held += text
-        opened = [at for opener in _MID_OPENERS if (at := self.held.find(opener)) >= 0]
-        if opened:
-            before = self.held[:min(opened)]
-            self._hold(self.held[min(opened):])
-            return before
+        if self._scan is not None:
+            return self._hold(text)
         if not self.started:
-            stripped = self.held.lstrip()
-            if any(stripped.startswith(o) or o.startswith(stripped) for o in _OPENERS):
-                if any(stripped.startswith(o) for o in _OPENERS):
-                    self._hold(self.held)
+            self._space.append(text)
+            if text.isspace():
                 return ""
+            text, self._space = "".join(self._space), []
+            if text.lstrip()[0] in "<[{`":
+                return self._begin(text, hermes_only=False)
             self.started = True
-        # keep a possible partial "<tool_call>" (or "<|tool_call>") at the end
-        keep = next((k for k in range(min(len(self.held), max(map(len, _MID_OPENERS)) - 1), 0, -1)
-                     if any(o.startswith(self.held[-k:]) for o in _MID_OPENERS)), 0)
-        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
-        return out
-
-    def _hold(self, text: str) -> None:
-        self.holding, self._parts, self.held = True, [text], ""
+        return self._stream(text)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content still held, tool calls) at the end of the answer."""
-        if not self.holding:
-            text = "".join(self._space) + self.held
-            self._space, self.held = [], ""
+        if not self._parts:
+            text = "".join(self._space) + self._tail
+            self._space, self._tail = [], ""
             return text, []
-        text, self._parts = "".join(self._parts), []
-        return parse_tool_calls(text, self.names)
+        complete = self._scan.complete_end if self._scan is not None else None
+        text, self._parts, self._scan = "".join(self._parts), [], None
+        content, calls = parse_tool_calls(text, self.names)
+        if not calls and complete is not None:   # whole calls, then one cut short: the whole ones
+            content, calls = parse_tool_calls(text[:complete], self.names)
+        return content, calls
+
+    def _stream(self, text: str) -> str:
+        """Content once some has been let through: all but a <tool_call> (or Gemma 4's
+        <|tool_call>) block (held)."""
+        text, self._tail = self._tail + text, ""
+        found = min((at for opener in _MID_OPENERS if (at := text.find(opener)) >= 0), default=-1)
+        if found >= 0:
+            return text[:found] + self._begin(text[found:], hermes_only=True)
+        # what may begin an opener waits: it starts at the last "<" (each opener holds one, first)
+        last = text.rfind("<", max(0, len(text) - max(map(len, _MID_OPENERS)) + 1))
+        cut = last if last >= 0 and any(o.startswith(text[last:]) for o in _MID_OPENERS) else len(text)
+        self._tail = text[cut:]
+        return text[:cut]
+
+    def _begin(self, text: str, hermes_only: bool) -> str:
+        self._parts = []
+        self._scan = CallScan(self._options, self._parses, hermes_only)
+        return self._hold(text)
+
+    def _hold(self, text: str) -> str:
+        self._parts.append(text)
+        if self._scan.feed(text):
+            return ""
+        held, complete, self._scan = "".join(self._parts), self._scan.complete_end, None
+        if complete is not None:   # whole calls, then text that is none: the answer ends with them
+            self._parts, self.done, self.dropped = [held[:complete]], True, len(held) - complete
+            return ""
+        # no call: let it through, up to its first character; the rest may still hold a <tool_call>
+        self._parts, self.started = [], True
+        first = len(held) - len(held.lstrip()) + 1
+        return held[:first] + self._stream(held[first:])
+
+    def _parses(self, text: str) -> bool:
+        """Whether text (from the held candidate's start or its last whole call on) is tool
+        calls and nothing else."""
+        content, calls = parse_tool_calls(text.lstrip(_SEPARATORS), self.names)
+        return bool(calls) and not content.strip()

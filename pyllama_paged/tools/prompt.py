@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..constrain.digits import schema_digit_bound
 from ..constrain.grammar import Constraint, ConstraintError, closed_objects, compile_constraint
 from ..tokenizer.chat_template import ChatPrompt, ChatTemplate, Escape, no_escape
 from ..tokenizer.tokenizer import Tokenizer
@@ -122,7 +123,7 @@ def forced_call_constraint(tokenizer: Tokenizer, family: str, tools: list[dict],
         return compile_constraint(tokenizer, "json_schema", {"type": "array", "items": one, "minItems": 1})
     if family == "hermes":
         lark = 'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json ' + json.dumps(one)
-        return compile_constraint(tokenizer, "lark", lark)
+        return compile_constraint(tokenizer, "lark", lark, digit_bound=schema_digit_bound(one))
     return compile_constraint(tokenizer, "json_schema", one)
 
 

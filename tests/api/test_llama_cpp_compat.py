@@ -162,13 +162,11 @@ def test_readme_function_calling():
                 "properties": {
                   "name": {
                     "title": "Name",
-                    "type": "string",
-                    "maxLength": 20
+                    "type": "string"
                   },
                   "age": {
                     "title": "Age",
-                    "type": "integer",
-                    "maximum": 150
+                    "type": "integer"
                   }
                 },
                 "required": [ "name", "age" ]

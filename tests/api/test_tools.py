@@ -83,6 +83,64 @@ def test_several_calls_and_things_that_are_not_calls():
     assert stream.feed("Sure") == "Sure" and stream.feed(", <tool") == ", " and stream.feed("bar>") == "<toolbar>"
 
 
+def _stream(text, names=NAMES):
+    """(content streamed, the characters fed before the first content, calls, the stream) for
+    text fed one character at a time until the stream is done."""
+    stream, out, first = ToolCallStream(names), [], None
+    for k, ch in enumerate(text):
+        piece = stream.feed(ch)
+        if piece and first is None:
+            first = k + 1
+        out.append(piece)
+        if stream.done:
+            break
+    rest, calls = stream.finish()
+    return "".join(out) + rest, first, [(c.name, c.arguments) for c in calls], stream
+
+
+@pytest.mark.parametrize("call", [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>',
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}',
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}',
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}]',
+    '```json\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n```',
+    '```tool_code\nget_weather(city="Paris", unit="C")\n```',
+])
+def test_a_call_then_text_ends_the_answer_with_the_call(call):
+    """Whole-text parsing once read a call followed by text as plain text; the stream stops
+    at the first character after the call that no call goes on with, and drops it."""
+    trailing = "\n\nThe weather in Paris is sunny."
+    content, _, calls, stream = _stream(call + trailing)
+    assert (content, calls) == ("", [("get_weather", PARIS)])
+    assert stream.done and stream.dropped == len("\n\nT")
+
+
+def test_calls_one_after_another_are_all_read_before_the_end():
+    hermes = ('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n'
+              '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}</tool_call>')
+    llama = ('{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+             '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}')
+    for text in (hermes, llama):
+        content, _, calls, stream = _stream(text + " Done.")
+        assert [name for name, _ in calls] == ["get_time", "get_weather"] and not content and stream.done
+
+
+@pytest.mark.parametrize("text,told_after", [
+    ('{"answer": 42, "name": "get_weather"}', 4),      # a key no call has
+    ('{"name": "Alice", "age": 36}', 11),              # a name no tool has
+    ('{"name": "get_weatherman", "arguments": {}}', 22),
+    ('[1, 2, 3]', 2), ('[TOOL', 6),                    # an array of no calls; not a marker
+    ('```python\nprint(1)\n```', 11),                 # a fence of code that is no JSON
+    ("<b>bold</b>", 2), ("{broken", 2),
+    ('{"name": "get_weather", "arguments": {}, "x": 1}', 43),   # a key after the call's own
+])
+def test_text_that_cannot_be_a_call_streams_once_it_cannot(text, told_after):
+    content, first, calls, _ = _stream(text + " and more")
+    assert (content, calls) == (text + " and more", [])
+    assert first == told_after   # let through at the character that told, not at the end
+    assert parse_tool_calls(text, NAMES) == (text, [])   # and the whole answer reads the same
+
+
 # ---- rendering ----------------------------------------------------------------
 # A template of our own in the shape of the tool-aware ones GGUF files carry.
 TOOL_TEMPLATE = (
@@ -143,6 +201,30 @@ def test_forced_call_grammar_admits_a_call_then_the_end(llm, family, answer):
         only.accept(token)
     else:
         pytest.fail("a call to get_time passed a grammar for get_weather only")
+
+
+COUNT = {"type": "function", "function": {
+    "name": "count", "parameters": {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"}},
+                                    "required": ["n", "x"]}}}
+
+
+@pytest.mark.parametrize("family,prefix", [
+    ("hermes", '<tool_call>\n{"name":"count","arguments":{"n":'),
+    ("llama3", '{"name":"count","parameters":{"n":1,"x":0.'),
+    ("mistral", '[{"name":"count","arguments":{"n":'),
+    ("json", '{"name":"count","arguments":{"n":1,"x":'),
+])
+def test_a_forced_calls_numbers_take_at_most_16_digits(llm, family, prefix):
+    tok = llm._tokenizer
+    state = forced_call_constraint(tok, family, [COUNT]).start()
+    for token in tok.encode(prefix, add_special=False):
+        state.accept(token)
+    buffer, nine = MaskBuffer(tok.n_vocab), tok.encode("9", add_special=False)[0]
+    written = 0
+    while written < 40 and buffer.fill([state])[0][nine]:
+        state.accept(nine)
+        written += 1
+    assert written == 16
 
 
 def test_tool_choice_errors(llm):
@@ -215,6 +297,27 @@ def test_openai_forced_and_named_tool_calls_round_trip(server):
     _check_call(deltas[0].function.name, deltas[0].function.arguments)
     assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
     assert wait_pool_empty(server.url)
+
+
+def test_a_model_that_prefers_digits_ends_its_forced_call_and_its_json_over_http(server, llm):
+    """logit_bias makes every digit the model's first choice: without a bound on a number's
+    digits it writes them until max_tokens and nothing parses."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    tok = llm._tokenizer
+    bias = {str(tok.encode(str(d), add_special=False)[0]): 100 for d in range(10)}
+    messages = [{"role": "user", "content": "Count to three."}]
+    r = client.chat.completions.create(model=M, messages=messages, tools=[COUNT], tool_choice="required",
+                                       max_tokens=120, seed=1, logit_bias=bias)
+    assert r.choices[0].finish_reason == "tool_calls"
+    arguments = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+    jsonschema.validate(arguments, COUNT["function"]["parameters"])
+    assert len(str(arguments["n"])) == 16
+    schema = COUNT["function"]["parameters"]
+    r = client.chat.completions.create(model=M, messages=messages, max_tokens=120, seed=2, logit_bias=bias,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "count", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 def test_ollama_tool_call_round_trip(server):

@@ -79,15 +79,19 @@ def test_every_cut_into_deltas_gives_the_same_split():
     from pyllama_paged.api.chat_call import AnswerSplitter
     from pyllama_paged.api.text_stream import TextDelta
 
-    reply = "".join(THINK_THEN_CALL)
     rng = random.Random(0)
-    for _ in range(50):
-        cuts = sorted(rng.sample(range(1, len(reply)), 6))
-        pieces = [reply[a:b] for a, b in zip([0] + cuts, cuts + [len(reply)])]
-        splitter = AnswerSplitter({"get_weather"}, thinks=True)
-        out = [splitter.feed(TextDelta(0, p, "stop" if i == len(pieces) - 1 else None)) for i, p in enumerate(pieces)]
-        assert "".join(o.thinking for o in out) == CALL_THINKING and not "".join(o.text for o in out)
-        assert [(c.name, c.arguments) for c in out[-1].calls] == [("get_weather", {"city": "Paris", "days": 2})]
+    # a call alone after the thinking, and one after answer text (the text streams, the call does not)
+    for reply, content in (("".join(THINK_THEN_CALL), ""),
+                           ("".join(THINK_THEN_CALL[:4]) + "Let me look. " + "".join(THINK_THEN_CALL[4:]), "Let me look. ")):
+        for _ in range(50):
+            cuts = sorted(rng.sample(range(1, len(reply)), 6))
+            pieces = [reply[a:b] for a, b in zip([0] + cuts, cuts + [len(reply)])]
+            splitter = AnswerSplitter({"get_weather"}, thinks=True)
+            out = [splitter.feed(TextDelta(0, p, "stop" if i == len(pieces) - 1 else None))
+                   for i, p in enumerate(pieces)]
+            assert "".join(o.thinking for o in out) == CALL_THINKING and "".join(o.text for o in out).strip() == \
+                content.strip()
+            assert [(c.name, c.arguments) for c in out[-1].calls] == [("get_weather", {"city": "Paris", "days": 2})]
     assert split_reasoning("".join(THINK_THEN_ANSWER)) == (THINKING, ANSWER)
     # a channel opened later in the answer is answer text
     assert split_reasoning("Hi <|channel>thought\nx<channel|>") == ("", "Hi <|channel>thought\nx<channel|>")

@@ -17,6 +17,7 @@ from ...api.sampling_options import OLLAMA
 from ...constrain.formats import from_ollama
 from ...engine.worker.sampler import SamplingParams
 from ...errors import PagedError
+from ...tools.harmony import harmony_tokens
 from ...tools.reasoning import prompt_opens_thinking, speaks_harmony, template_thinks, thinking_variables
 from ..chat import ChatRun, check_chat, start_chat
 from ..generation import APIError, check_request, fit_prompt, off_loop, request_params, require_generative, \
@@ -279,9 +280,9 @@ def build_router(state) -> APIRouter:
             if done:   # Ollama's token context of this exchange (prompt + response)
                 out["context"] = gen.prompt_ids + gen.output_ids
             return out
-        harmony = thinks and speaks_harmony(served.template.source)
-        run = ChatRun(served, gen, set(), state.prep, thinks, thinks and not harmony and prompt_opens_thinking(text),
-                      harmony)
+        harmony = harmony_tokens(served.tokenizer) if thinks and speaks_harmony(served.template.source) else None
+        run = ChatRun(served, gen, set(), state.prep, thinks,
+                      thinks and harmony is None and prompt_opens_thinking(text), harmony)
         return await respond(run, request, body, shape, keep_alive)
 
     @router.post("/api/chat")
