@@ -37,7 +37,7 @@ Prepare the GPU machine first (its 16 cores build for one architecture in a few 
     pip install --force-reinstall --no-deps /tmp/ggml/libggml_python-*.whl
     pip install --force-reinstall --no-deps --no-build-isolation .
     CUDA_ARCHS=90 bench/build_llama_cpp.sh --cuda    # or let this script build it
-    python bench/device_bench.py [--models llama3.2-1b,llama3.2-3b] [--workloads batched,single,chat,step]
+    python -m bench.device_bench [--models llama3.2-1b,llama3.2-3b] [--workloads batched,single,chat,step]
 
 A cuBLAS or CUDA runtime installed with pip (nvidia-cublas, as PyTorch brings) and not on
 the loader's path is put on LD_LIBRARY_PATH (the script runs itself again with it), so that
@@ -56,8 +56,8 @@ import sys
 import time
 from pathlib import Path
 
-from common.peers import llama_cpp_tools
-from common.report import RESULTS_DIR, markdown_table, nvidia_gpus, save_figure, script_parser, write_results
+from bench.common.peers import llama_cpp_tools
+from bench.common.report import RESULTS_DIR, markdown_table, nvidia_gpus, save_figure, script_parser, write_results
 
 BENCH = Path(__file__).resolve().parent
 MODELS_DIR = BENCH / ".models"
@@ -69,8 +69,8 @@ SYNTHETIC_PRESET = "gemma3-1.6b"
 # In this order, each on every model before the next: the issue's headline figures first, so a
 # spent budget skips the diagnostic step table rather than them.
 WORKLOADS = ("batched", "single", "chat", "step")
-SCRIPTS = {"batched": BENCH / "engine" / "batched.py", "single": BENCH / "engine" / "single_stream.py",
-           "chat": BENCH / "serving" / "chat_trace.py", "step": BENCH / "engine" / "step_overhead.py"}
+SCRIPTS = {"batched": "bench.engine.batched", "single": "bench.engine.single_stream",
+           "chat": "bench.serving.chat_trace", "step": "bench.engine.step_overhead"}   # run with -m from the root
 # A workload still running when the budget is spent gets this long to finish before it is stopped.
 GRACE_S = 60
 PROMPTS = ["The three primary colors are", "def fibonacci(n):\n",
@@ -103,12 +103,12 @@ def put_cuda_libraries_on_path() -> None:
     if not missing:
         return
     env = {**os.environ, "LD_LIBRARY_PATH": ":".join(current + missing), _REEXEC_ENV: "1"}
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", "bench.device_bench", *sys.argv[1:]], env)
 
 
 def ggml_gpus() -> list:
     """The GPUs the installed GGML lists (pyllama_paged.engine.worker.devices.Device)."""
-    from pyllama_paged.engine.worker.devices import list_devices
+    from pyllama_paged.engine import list_devices
     return [d for d in list_devices() if d.is_gpu]
 
 
@@ -122,7 +122,7 @@ def refuse(message: str) -> int:
 
 def greedy_answers(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy continuations of prompts, all added at once (one batch) and stepped to the end."""
-    from pyllama_paged.engine.worker.sampler import SamplingParams
+    from pyllama_paged.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params).request_id for p in prompts]
@@ -137,9 +137,7 @@ def greedy_answers(engine, prompts: list[list[int]], max_tokens: int) -> list[li
 
 def functional_check(args) -> int:
     """The engine on a GGML GPU device against the CPU: placement and greedy agreement."""
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import EngineConfig, LLMEngine, Model
     from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
@@ -216,7 +214,7 @@ def resolve_model(name: str) -> tuple[str, str, str | None]:
     """A --models entry as (label, GGUF path, the synthetic preset that writes it or None);
     writes nothing."""
     if name == "default":
-        from pyllama_paged.engine.worker.model import default_model_path
+        from pyllama_paged.engine import default_model_path
         return name, default_model_path(), None
     from pyllama_paged.testing.synthetic_presets import PRESETS
     preset = SYNTHETIC_PRESET if name == "synthetic" else name
@@ -267,7 +265,7 @@ def workload_plan(args, models: dict[str, str], bin_dir: Path | None, out_dir: P
     for workload in args.workloads.split(","):
         for label, path in models.items():
             argv = workload_argv(workload, args, bin_dir, gpu_layers)
-            cmd = argv and [sys.executable, str(SCRIPTS[workload]), "--model", path, "--out", str(out_dir / label),
+            cmd = argv and [sys.executable, "-m", SCRIPTS[workload], "--model", path, "--out", str(out_dir / label),
                             *argv]
             plan.append({"model": label, "workload": workload, "cmd": cmd})
     return plan
@@ -276,7 +274,7 @@ def workload_plan(args, models: dict[str, str], bin_dir: Path | None, out_dir: P
 def run_command(cmd: list[str], timeout: float) -> int | None:
     """Run cmd in a process group of its own; its exit status, or None when it ran past timeout
     (then the group is stopped: a workload's servers with it)."""
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, cwd=BENCH.parent)   # the checkout's root: -m finds bench
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

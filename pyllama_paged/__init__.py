@@ -8,8 +8,7 @@ from .api.llama import Llama
 from .api.llama_compat import (LlamaCache, LlamaRAMCache, LlamaState, LlamaTokenizer, LogitsProcessor,
                                LogitsProcessorList, MinTokensLogitsProcessor, StoppingCriteria, StoppingCriteriaList)
 from .api.llama_grammar import LlamaGrammar
-from .engine.loop import EngineLoop, RequestStream
-from .engine.worker.sampler import SamplingParams
+from .engine import EngineLoop, RequestStream, SamplingParams
 from .errors import ComputeError, ModelLoadError, NativeError, OutOfBlocksError, PagedError, RequestError
 from ._version import __version__
 

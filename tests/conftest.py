@@ -41,3 +41,23 @@ def model_sources(tmp_path, monkeypatch):
         for key in ("HF_HUB_CACHE", "XDG_CACHE_HOME"):
             monkeypatch.delenv(key, raising=False)
         yield sources
+
+
+@pytest.fixture(scope="session")
+def bench():
+    """import_module for the checkout's bench package (bench.common.*, its scripts), imported
+    as `python -m bench...` imports it from the checkout's root, but by its path: the root
+    itself stays off sys.path, where its source tree would shadow the installed package."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "bench"
+    if "bench" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench", root / "__init__.py",
+                                                      submodule_search_locations=[str(root)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["bench"] = package
+        spec.loader.exec_module(package)
+    return importlib.import_module

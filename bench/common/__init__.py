@@ -6,5 +6,6 @@
 - model_files: the F16/BF16/Q4_0 exports of the default model some benchmarks run;
 - conversations: word prompts of given token lengths (window_capacity, window_answers).
 
-A script under bench/<shelf>/ puts bench/ on sys.path first, then imports `common.<module>`.
+A script under bench/<shelf>/ runs as `python -m bench.<shelf>.<script>` from the checkout's root
+and imports `bench.common.<module>`.
 """

@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from common.report import BENCH_DIR
+from bench.common.report import BENCH_DIR
 
 MODELS_DIR = BENCH_DIR / ".models"
 FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
@@ -83,7 +83,7 @@ def export(source: str | Path, out: str | Path, dtype: str = "f16") -> Path:
 
 def default_export(dtype: str = "f16") -> Path:
     """The embedded default model's export in bench/.models/, written the first time."""
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
 
     source = Path(default_model_path())
     out = MODELS_DIR / f"{source.stem.removesuffix('-q4_k_m')}-{dtype}.gguf"

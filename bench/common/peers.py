@@ -13,9 +13,10 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from common.report import BENCH_DIR
+from bench.common.report import BENCH_DIR
 
 # pyllama_paged is imported inside the functions: device_bench.py imports this module before it
 # has put pip's CUDA libraries on the loader's path (and runs itself again).
@@ -120,10 +121,10 @@ def our_cli() -> str:
 
 def our_bytes_per_token(model: str | None) -> int:
     """KV bytes one token takes in our paged pool for `model` (None: the default model)."""
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import EngineConfig, Model
     from pyllama_paged.engine.worker.model_runner import ModelRunner
     m = Model(model)
-    runner = ModelRunner(m, paged=True, n_ctx=16, block_size=16, num_blocks=1, n_threads=1, n_batch=16)
+    runner = ModelRunner(m, EngineConfig(paged=True, n_ctx=16, block_size=16, num_blocks=1, n_threads=1, n_batch=16))
     try:
         return runner.kv_bytes_per_token
     finally:
@@ -185,3 +186,20 @@ def llama_server_binary(args) -> str | None:
         return args.llama_server
     return llama_cpp_tool("llama-server")
 
+
+def stream_chat(client, model: str, messages: list[dict], max_tokens: int, record: dict, on_chunk=None):
+    """One greedy streamed chat completion of max_tokens (past end-of-text) through an openai
+    client: its tokens into record, on_chunk(chunk) for each chunk; returns (the stream, when the
+    first text came, or None)."""
+    stream = client.chat.completions.create(
+        model=model, messages=messages, stream=True, max_tokens=max_tokens, temperature=0,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    first = None
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            record.update(tokens=chunk.usage.completion_tokens, prompt_tokens=chunk.usage.prompt_tokens)
+        if on_chunk is not None:
+            on_chunk(chunk)
+    return stream, first

@@ -268,6 +268,18 @@ def script_parser(doc: str | None) -> "argparse.ArgumentParser":
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
+def save_npl_figure(fig, ax, npl, ylabel: str, title: str, path, rows,
+                    xlabel: str = "parallel sequences (npl)") -> int:
+    """Finish a plot over parallel sequences (npl on a log axis), write it, print the rows' table;
+    0, a script's exit status."""
+    ax.set(xscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.set_xticks(npl, [str(n) for n in npl])
+    ax.legend()
+    save_figure(fig, path)
+    print(markdown_table(rows))
+    return 0
+
+
 def save_figure(fig, path, dpi: int = 100) -> None:
     """Lay out a finished figure and write it (the plots the summaries show)."""
     fig.tight_layout()

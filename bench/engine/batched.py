@@ -12,7 +12,7 @@ many layers on the GPU on both sides, llama-batched-bench with flash attention o
 (bench/device_bench.py runs it so on CUDA).
 
     bench/build_llama_cpp.sh   # once
-    python bench/engine/batched.py    # writes bench/results/batched.{json,md,png}
+    python -m bench.engine.batched    # writes bench/results/batched.{json,md,png}
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
-from common.peers import gpu_layers_flag, llama_cpp_tool
-from common.roofline import batched_ceiling, copy_bandwidth, int8_peak, model_weights
+from bench.common.report import RESULTS_DIR, save_npl_figure, script_parser, write_results
+from bench.common.peers import gpu_layers_flag, llama_cpp_tool
+from bench.common.roofline import batched_ceiling, copy_bandwidth, int8_peak, model_weights
 
 
 def peer(binary: str, model: str, args, extra=()) -> dict[int, dict]:
@@ -56,12 +55,8 @@ def peer(binary: str, model: str, args, extra=()) -> dict[int, dict]:
 
 
 def ours(model_path: str | None, args) -> dict[int, dict]:
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.model import Model
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.worker.model_runner import dense_kv_bytes_per_token
-    from pyllama_paged.engine.worker.sampler import SamplingParams
-    from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+    from pyllama_paged.engine import (EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig,
+                                      dense_kv_bytes_per_token)
 
     model = Model(model_path, n_gpu_layers=args.gpu_layers)
     per_seq = args.npp + args.ntg
@@ -124,7 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
     model_path = args.model or default_model_path()
     theirs = {}
     if "llama.cpp" in args.sides:
@@ -179,13 +174,9 @@ def main(argv=None) -> int:
     ax.plot(args.npl, [r["ours t/s"] for r in rows], "s-", label="ours (paged, with sampling)")
     if roof:
         ax.plot(args.npl, [r["roofline t/s"] for r in rows], "--", color="grey", label="roofline")
-    ax.set(xscale="log", xlabel="parallel sequences (npl)", ylabel="total tokens/s",
-           title=f"pp{args.npp} + tg{args.ntg} per sequence, {args.threads} threads")
-    ax.set_xticks(args.npl, [str(n) for n in args.npl])
-    ax.legend()
-    save_figure(fig, Path(args.out) / "batched.png")
-    print(markdown_table(rows))
-    return 0
+    return save_npl_figure(fig, ax, args.npl, "total tokens/s",
+                           f"pp{args.npp} + tg{args.ntg} per sequence, {args.threads} threads",
+                           Path(args.out) / "batched.png", rows)
 
 
 if __name__ == "__main__":

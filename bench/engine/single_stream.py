@@ -11,7 +11,7 @@ the ceiling that binds. With --gpu-layers, that many layers on the GPU on both s
 this CPU's).
 
     bench/build_llama_cpp.sh
-    python bench/engine/single_stream.py --model bench/.models/<file>.gguf
+    python -m bench.engine.single_stream --model bench/.models/<file>.gguf
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, write_results
-from common.peers import LLAMA_CPP_BIN
-from common.roofline import copy_bandwidth, int8_peak, model_weights, step_floor_s
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, write_results
+from bench.common.peers import LLAMA_CPP_BIN
+from bench.common.roofline import copy_bandwidth, int8_peak, model_weights, step_floor_s
 
 
 def llama_bench(binary: str, model: str, args) -> dict:
@@ -51,13 +50,13 @@ class Ours:
     steps from an empty context, the logits of each (what llama-bench times)."""
 
     def __init__(self, model_path: str, args):
-        from pyllama_paged.engine.worker.model import Model
+        from pyllama_paged.engine import EngineConfig, Model
         from pyllama_paged.engine.worker.model_runner import ModelRunner
 
         self.args = args
         self.model = Model(model_path, n_gpu_layers=args.gpu_layers)
-        self.runner = ModelRunner(self.model, paged=True, n_ctx=args.npp + args.ntg + 16,
-                                  n_threads=args.threads, n_batch=args.npp, block_size=16)
+        self.runner = ModelRunner(self.model, EngineConfig(paged=True, n_ctx=args.npp + args.ntg + 16,
+                                                           n_threads=args.threads, n_batch=args.npp, block_size=16))
         self.rng = np.random.default_rng(0)
         self.round()   # warms up
 

@@ -22,10 +22,10 @@ in bench/.models/) and the draft the Q4_K_M file it came from: no second real mo
 shares its tokenizer. Written as speculative_draft_model[_{style}_{sampling}].*.
 
     bench/build_llama_cpp.sh
-    python bench/engine/speculative.py                       # the default model, every prompt
-    python bench/engine/speculative.py --kinds code_edit --max-tokens 32 --repeats 1 --sides ours
-    python bench/engine/speculative.py --prompt-style completion --sampling ollama --repeats 5
-    python bench/engine/speculative.py --drafter draft_model --target T.gguf --draft D.gguf
+    python -m bench.engine.speculative                       # the default model, every prompt
+    python -m bench.engine.speculative --kinds code_edit --max-tokens 32 --repeats 1 --sides ours
+    python -m bench.engine.speculative --prompt-style completion --sampling ollama --repeats 5
+    python -m bench.engine.speculative --drafter draft_model --target T.gguf --draft D.gguf
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.peers import LLAMA_CPP_BIN, launch_llama_server
-from common.report import RESULTS_DIR, markdown_table, save_figure, write_results
+from bench.common.peers import LLAMA_CPP_BIN, launch_llama_server
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, write_results
 from pyllama_paged.testing.serving import stop_server
 
 CODE = '''import json
@@ -136,9 +135,7 @@ def loop_share(tokens: list[int], max_period: int = MAX_LOOP_PERIOD) -> float:
 def run_ours(model, prompt: list[int], args, speculative, seed: int | None) -> dict:
     """One request alone on a fresh engine (greedy, or Ollama's sampling with seed):
     decode tokens/s and the draft counters."""
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.sampler import SamplingParams
+    from pyllama_paged.engine import EngineConfig, LLMEngine, SamplingParams
 
     if args.sampling == "ollama":
         o = OLLAMA_SAMPLING
@@ -250,14 +247,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
-    from pyllama_paged.engine.worker.model import Model, default_model_path
-    from pyllama_paged.engine.spec.draft import SpeculativeConfig
+    from pyllama_paged.engine import Model, SpeculativeConfig, default_model_path
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     draft = None
     if args.drafter == "draft_model":
-        from common.model_files import default_export   # gguf, needed by this mode alone
+        from bench.common.model_files import default_export   # gguf, needed by this mode alone
 
         args.model = str(args.model or default_export())
         draft = args.draft = str(args.draft or default_model_path())

@@ -9,7 +9,7 @@ widths, so per-step overheads are not hidden behind matrix products:
 
     python -m pyllama_paged.testing.synthetic_gguf --preset llama3.2-1b --n-embd 256 \
         --n-head 4 --n-head-kv 1 --n-ff 256      # written for you when --model is not given
-    python bench/engine/step_overhead.py        # bench/results/step_overhead.{json,md,png}
+    python -m bench.engine.step_overhead        # bench/results/step_overhead.{json,md,png}
 
 Ours: ModelRunner (the native step, no scheduler or sampling, as llama-batched-bench samples
 nothing): npl sequences of --npp prompt tokens each, prefilled, then --ntg decode steps of all
@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
-from common.peers import llama_cpp_tool
+from bench.common.report import RESULTS_DIR, save_npl_figure, script_parser, write_results
+from bench.common.peers import llama_cpp_tool
 
 MODELS = Path(__file__).resolve().parents[1] / ".models"
 SHAPE = {"n_embd": 256, "n_head": 4, "n_head_kv": 1, "n_ff": 256}
@@ -51,7 +50,7 @@ def default_model() -> Path:
 def peer(binary: str, model: str, args) -> dict[int, float]:
     """llama-batched-bench's ms per decode step, by npl: the better of flash attention on
     and off (the tool at its best)."""
-    from engine.batched import peer as batched_peer   # its command and output parser
+    from bench.engine.batched import peer as batched_peer   # its command and output parser
     best: dict[int, float] = {}
     for fa in ("on", "off"):
         rows = batched_peer(binary, model, args, extra=["-fa", fa])
@@ -65,11 +64,13 @@ def peer(binary: str, model: str, args) -> dict[int, float]:
 def runner_steps(model, attention: str, npl: int, args) -> dict:
     """ms per decode step of npl sequences on the native step alone, and the steps' graphs."""
     from pyllama_paged.engine.worker.model_runner import ModelRunner
+    from pyllama_paged.engine import EngineConfig
     rng = np.random.default_rng(npl)
     per_seq = args.npp + args.ntg
     blocks = -(-per_seq // args.block_size) + 1   # every sequence whole: the bench never preempts
-    runner = ModelRunner(model, paged=True, n_ctx=per_seq, n_seq_max=npl, n_threads=args.threads,
-                         n_batch=512, block_size=args.block_size, attention=attention, num_blocks=npl * blocks)
+    runner = ModelRunner(model, EngineConfig(paged=True, n_ctx=per_seq, n_seq_max=npl, n_threads=args.threads,
+                                             n_batch=512, block_size=args.block_size, attention=attention,
+                                             num_blocks=npl * blocks))
     try:
         seqs = [runner.add_sequence(rng.integers(1000, 50000, size=args.npp).tolist()) for _ in range(npl)]
         for s in seqs:
@@ -102,10 +103,7 @@ def _has_stats() -> bool:
 
 def engine_steps(model, attention: str, npl: int, args) -> float:
     """ms per decode step through LLMEngine (scheduler, greedy sampling of every sequence)."""
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-    from pyllama_paged.engine.worker.sampler import SamplingParams
+    from pyllama_paged.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
     per_seq = args.npp + args.ntg
     blocks = -(-per_seq // args.block_size) + 1
     config = EngineConfig(n_ctx=per_seq, n_threads=args.threads, n_batch=512, block_size=args.block_size,
@@ -131,7 +129,7 @@ def engine_steps(model, attention: str, npl: int, args) -> float:
 
 
 def ours(model_path: str, args) -> dict:
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     model = Model(model_path, n_gpu_layers=args.gpu_layers)
     out = {}
     try:
@@ -221,13 +219,9 @@ def main(argv=None) -> int:
                     label=f"before, {attention}")
     if theirs:
         ax.plot(args.npl, [theirs[n] for n in args.npl], "s--", label="llama-batched-bench")
-    ax.set(xscale="log", xlabel="sequences decoded per step", ylabel="ms per decode step",
-           title=f"{Path(model_path).name}, {args.threads} thread(s)")
-    ax.set_xticks(args.npl, [str(n) for n in args.npl])
-    ax.legend()
-    save_figure(fig, Path(args.out) / "step_overhead.png")
-    print(markdown_table(rows))
-    return 0
+    return save_npl_figure(fig, ax, args.npl, "ms per decode step",
+                           f"{Path(model_path).name}, {args.threads} thread(s)", Path(args.out) / "step_overhead.png",
+                           rows, xlabel="sequences decoded per step")
 
 
 def argparse_hidden():

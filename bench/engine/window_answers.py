@@ -4,24 +4,17 @@ and all together on the engine (same pool bytes); an answer that differs must
 part only where the two best logits are within a near-tie (pyllama_paged/testing/agreement.py),
 as batch shapes round differently. Writes bench/results/window_answers.{json,md}.
 
-    python bench/engine/window_answers.py
+    python -m bench.engine.window_answers
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.conversations import make_conversations
-from common.report import write_results
-from pyllama_paged.engine.config import EngineConfig
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.worker.model import Model
+from bench.common.conversations import make_conversations
+from bench.common.report import write_results
+from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
@@ -55,7 +48,7 @@ def main() -> None:
     together, peak = run(m, tok, prompts, KV_BYTES)
     alone = [run(m, tok, [p], KV_BYTES)[0][0] for p in prompts]
     same = sum(a == b for a, b in zip(alone, together))
-    r = ModelRunner(m, n_ctx=2048, n_threads=2, n_batch=512, block_size=32)
+    r = ModelRunner(m, EngineConfig(n_ctx=2048, n_threads=2, n_batch=512, block_size=32))
     logits_of = engine_logits(r)
     near = 0
     for p, a, b in zip(prompts, alone, together):

@@ -26,7 +26,7 @@ ours vs llama.cpp's llama-server (iSWA cache), side by side in one run.
 Writes bench/results/window_capacity.{json,md,png}.
 
     bench/build_llama_cpp.sh      # once
-    python bench/engine/window_capacity.py
+    python -m bench.engine.window_capacity
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.conversations import make_conversations
-from common.peers import kv_buffer_mib, launch_llama_server, launch_ours, llama_cpp_tool
-from common.report import RESULTS_DIR, save_figure, script_parser, write_results
+from bench.common.conversations import make_conversations
+from bench.common.peers import kv_buffer_mib, launch_llama_server, launch_ours, llama_cpp_tool
+from bench.common.report import RESULTS_DIR, save_figure, script_parser, write_results
 from pyllama_paged.testing.serving import stop_server
 
 
@@ -142,7 +141,7 @@ def run_burst(side, url, model, convs) -> dict:
 
 
 def part_chat(args, model_path, binary, out_dir) -> dict:
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
     m = Model(args.model)
     tokenizer = Tokenizer.from_metadata(m.metadata)
@@ -174,7 +173,7 @@ def part_chat(args, model_path, binary, out_dir) -> dict:
 
 
 def part_longctx(args, model_path, binary, out_dir) -> dict:
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
     m = Model(args.model)
     tokenizer = Tokenizer.from_metadata(m.metadata)
@@ -202,11 +201,7 @@ def part_longctx(args, model_path, binary, out_dir) -> dict:
 
 
 def part_long(args, model_path, binary, out_dir) -> dict:
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.model import Model
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.worker.sampler import SamplingParams
-    from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+    from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
     n = args.long_tokens
     proc, url, mib = start_llama_server(binary, model_path, args.threads, n, 1, out_dir / "window_capacity.long.log")
     stop_server(proc)

@@ -86,7 +86,7 @@ At 0.6 req/step nothing but naive rejects; from ~0.9 up paged queues too.
 Use --arrival-rate to sweep the load.
 
 Outputs: bench/results/allocator_trace.{json,md,png} (or --out DIR).
-Run: python bench/kernels/allocator_trace.py [options]
+Run: python -m bench.kernels.allocator_trace [options]
 """
 
 from __future__ import annotations
@@ -100,8 +100,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 from pyllama_paged.engine.kv.block_pool import BlockPool
 from pyllama_paged.errors import OutOfBlocksError

@@ -24,22 +24,19 @@ fixed per-call cost (a 1-token context) is reported separately.
 
 Every configuration also checks paged == contiguous output (max abs diff).
 
-    python bench/kernels/attention.py                       # default: gemma3-270m shape
-    python bench/kernels/attention.py --shapes gemma3-270m,llama --cold
+    python -m bench.kernels.attention                       # default: gemma3-270m shape
+    python -m bench.kernels.attention --shapes gemma3-270m,llama --cold
 """
 
 from __future__ import annotations
 
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 SHAPES = {  # name: (n_head, n_head_kv, head_dim)
     "gemma3-270m": (4, 1, 256),

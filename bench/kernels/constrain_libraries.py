@@ -10,10 +10,10 @@ once per step.
 Two phases, because xgrammar cannot be installed beside our package without
 torch and transformers (its hard dependencies, several GB on Linux):
 
-  python bench/kernels/constrain_libraries.py vocab /tmp/vocab.pkl      # our venv
-  python bench/kernels/constrain_libraries.py measure /tmp/vocab.pkl llguidance
-  python bench/kernels/constrain_libraries.py measure /tmp/vocab.pkl xgrammar  # a venv with xgrammar --no-deps
-  python bench/kernels/constrain_libraries.py report                    # bench/results/constrain_libraries.{json,md}
+  python -m bench.kernels.constrain_libraries vocab /tmp/vocab.pkl      # our venv
+  python -m bench.kernels.constrain_libraries measure /tmp/vocab.pkl llguidance
+  python -m bench.kernels.constrain_libraries measure /tmp/vocab.pkl xgrammar  # a venv with xgrammar --no-deps
+  python -m bench.kernels.constrain_libraries report                    # bench/results/constrain_libraries.{json,md}
 
 For the xgrammar run, stand-in `torch`/`transformers` modules are installed in
 sys.modules: xgrammar imports both at module level but takes any DLPack array
@@ -29,12 +29,10 @@ import statistics
 import sys
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, write_results
+from bench.common.report import RESULTS_DIR, write_results
 
 SCHEMA = {
     "type": "object",
@@ -56,7 +54,7 @@ REGEX_TEXT = "555-867-5309 (Jenny From Accounting)"
 
 
 def dump_vocab(path: str) -> None:
-    from pyllama_paged.engine.worker.model import Model, default_model_path
+    from pyllama_paged.engine import Model, default_model_path
     from pyllama_paged.constrain.vocab import vocabulary_bytes
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
@@ -90,7 +88,7 @@ def measure_llguidance(data: dict) -> dict:
     # ours: the same LLTokenizer the server builds (llguidance calls back into our
     # tokenizer while it computes masks, so the vocabulary alone is not enough)
     from pyllama_paged.constrain.vocab import ll_tokenizer
-    from pyllama_paged.engine.worker.model import Model, default_model_path
+    from pyllama_paged.engine import Model, default_model_path
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
     model = Model(default_model_path())

@@ -7,28 +7,21 @@ unpacked to the sampler's byte masks) is timed around MaskBuffer.fill, and the
 grammar advance around ConstraintState.accept. Only steps where every row is
 a decode row of a running request count, so both runs compare like with like.
 
-Outputs: bench/results/constrain_step.{json,md}. Run: python bench/kernels/constrain_step.py
+Outputs: bench/results/constrain_step.{json,md}. Run: python -m bench.kernels.constrain_step
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import markdown_table, write_results
+from bench.common.report import markdown_table, write_results
 
 from pyllama_paged.constrain import grammar as grammar_mod
 from pyllama_paged.constrain import masks as masks_mod
 from pyllama_paged.constrain.grammar import compile_constraint
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.worker.model import Model, default_model_path
-from pyllama_paged.engine.config import EngineConfig
-from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig, default_model_path
 from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
 # long answers, so every sequence is still running for the measured steps: a list of

@@ -4,7 +4,7 @@ says so and writes nothing. The comparison with GGML's CUDA flash attention on
 contiguous K/V needs GGML built with CUDA (issue 13, stage 1) and is not here
 yet.
 
-    python bench/kernels/cuda_attention.py [--arch sm_90] [--seqs 16] [--peak-gbs 3350]
+    python -m bench.kernels.cuda_attention [--arch sm_90] [--seqs 16] [--peak-gbs 3350]
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import REPO_ROOT, RESULTS_DIR, nvidia_gpus, write_results
+from bench.common.report import REPO_ROOT, RESULTS_DIR, nvidia_gpus, write_results
 from pyllama_paged.testing.cuda_harness import CudaHarness, build
 
 

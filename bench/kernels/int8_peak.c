@@ -23,23 +23,21 @@ typedef __m512i vec;
 static inline vec op(vec acc, vec a, vec b) { return _mm512_dpbusd_epi32(acc, a, b); }
 static inline vec splat(int x) { return _mm512_set1_epi32(x); }
 static inline int lane0(vec v) { return _mm_cvtsi128_si32(_mm512_castsi512_si128(v)); }
-#elif defined(__AVXVNNI__)
-#define ISA "avx-vnni (ymm vpdpbusd)"
+#elif defined(__AVXVNNI__) || defined(__AVX2__)
 #define MACS_PER_OP 32
 typedef __m256i vec;
-static inline vec op(vec acc, vec a, vec b) { return _mm256_dpbusd_avx_epi32(acc, a, b); }
 static inline vec splat(int x) { return _mm256_set1_epi32(x); }
 static inline int lane0(vec v) { return _mm_cvtsi128_si32(_mm256_castsi256_si128(v)); }
-#elif defined(__AVX2__)
+#if defined(__AVXVNNI__)
+#define ISA "avx-vnni (ymm vpdpbusd)"
+static inline vec op(vec acc, vec a, vec b) { return _mm256_dpbusd_avx_epi32(acc, a, b); }
+#else
 /* maddubs + madd + add: the three instructions our AVX2 kernel spends on 32 MACs */
 #define ISA "avx2 (ymm maddubs + madd)"
-#define MACS_PER_OP 32
-typedef __m256i vec;
 static inline vec op(vec acc, vec a, vec b) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
 }
-static inline vec splat(int x) { return _mm256_set1_epi32(x); }
-static inline int lane0(vec v) { return _mm_cvtsi128_si32(_mm256_castsi256_si128(v)); }
+#endif
 #else
 #error "int8_peak needs AVX2 at least"
 #endif

@@ -66,6 +66,14 @@ static void fill_prompt(int32_t *buf, int32_t n) {
     next_token_base += (uint32_t)n + 1000u;
 }
 
+/* R fresh prompts (untimed); returns the first of the R * gen_len tokens their answers take. */
+static uint32_t fill_prompts(int32_t *prompts, const config *c) {
+    for (int32_t j = 0; j < c->R; j++) fill_prompt(prompts + (size_t)j * c->prompt_len, c->prompt_len);
+    uint32_t tok = next_token_base;
+    next_token_base += (uint32_t)(c->R * c->gen_len) + 1000u;
+    return tok;
+}
+
 static phase_times run_phased(pp_block_pool *pool, const config *c, int32_t *prompts,
                               int32_t *parents, int32_t *children) {
     phase_times pt = {0};
@@ -73,9 +81,7 @@ static phase_times run_phased(pp_block_pool *pool, const config *c, int32_t *pro
     int32_t ncopies;
     double elapsed = 0;
     while (elapsed < c->min_time) {
-        for (int32_t j = 0; j < c->R; j++) fill_prompt(prompts + (size_t)j * c->prompt_len, c->prompt_len);
-        uint32_t tok = next_token_base;
-        next_token_base += (uint32_t)(c->R * c->gen_len) + 1000u;
+        uint32_t tok = fill_prompts(prompts, c);
 
         double t0 = now_s();
         for (int32_t j = 0; j < c->R; j++)
@@ -117,9 +123,7 @@ static double run_cycle(pp_block_pool *pool, const config *c, int32_t *prompt, i
     double busy = 0;
     while (busy < c->min_time) {
         /* Batches of R requests between clock reads; prompts made untimed. */
-        for (int32_t j = 0; j < c->R; j++) fill_prompt(prompt + (size_t)j * c->prompt_len, c->prompt_len);
-        uint32_t tok = next_token_base;
-        next_token_base += (uint32_t)(c->R * c->gen_len) + 1000u;
+        uint32_t tok = fill_prompts(prompt, c);
         double t0 = now_s();
         for (int32_t j = 0; j < c->R; j++) {
             CHECK(pp_seq_create(pool, prompt + (size_t)j * c->prompt_len, c->prompt_len, &parent, NULL));

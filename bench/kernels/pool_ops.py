@@ -24,7 +24,7 @@ temporary directory. The library itself is built by the package build
 (CMake Release).
 
 Outputs: bench/results/pool_ops.{json,md} (or --out DIR).
-Run: python bench/kernels/pool_ops.py [options]
+Run: python -m bench.kernels.pool_ops [options]
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, script_parser, write_results
 
 from pyllama_paged.engine.kv.block_pool import BlockPool
 from pyllama_paged import _native

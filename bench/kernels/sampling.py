@@ -11,20 +11,18 @@ Part 2 (in the engine): --rows concurrent greedy-free requests (temperature
 0.8, top-p 0.95, top-k 0 and 40) on the default model, 2 threads; the
 LLMEngine's own counters split each decode step into forward and sampling.
 
-Outputs: bench/results/sampling.{json,md,png}. Run: python bench/kernels/sampling.py
+Outputs: bench/results/sampling.{json,md,png}. Run: python -m bench.kernels.sampling
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import markdown_table, save_figure, write_results
+from bench.common.report import markdown_table, save_figure, write_results
 
 
 SETTINGS = {
@@ -44,7 +42,7 @@ def model_like_logits(rng, rows, n_vocab):
 
 
 def micro(args):
-    from pyllama_paged.engine.worker.sampler import BatchSampler, Sampler, SamplingParams
+    from pyllama_paged.engine import BatchSampler, Sampler, SamplingParams
     from pyllama_paged.testing.reference.sampling_reference import reference_probs
 
     rng = np.random.default_rng(0)
@@ -85,11 +83,7 @@ TEXT_PROMPTS = [
 
 
 def in_engine(args):
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.model import Model
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.worker.sampler import SamplingParams
-    from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+    from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
 
     model = Model()
     config = EngineConfig(n_ctx=512, n_threads=args.threads, n_batch=512, block_size=32,

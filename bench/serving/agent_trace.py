@@ -44,8 +44,8 @@ restart's downtime, reported apart, excluded). Writes
 bench/results/agent_trace/agent_trace.{json,md,png}.
 
     bench/build_llama_cpp.sh      # once: llama.cpp's llama-server
-    python bench/serving/agent_trace.py
-    python bench/serving/agent_trace.py --agents 2 --users-per-agent 1 --turns 3 --system-tokens 1000   # smoke
+    python -m bench.serving.agent_trace
+    python -m bench.serving.agent_trace --agents 2 --users-per-agent 1 --turns 3 --system-tokens 1000   # smoke
 """
 
 from __future__ import annotations
@@ -62,10 +62,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.peers import (add_server_arguments, llama_server_binary, parse_peer, peer_chat_template, peer_label,
-                          start_llama_server, start_ours)
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.peers import (add_server_arguments, llama_server_binary, parse_peer, peer_chat_template,
+                                peer_label, start_llama_server, start_ours, stream_chat)
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from pyllama_paged.testing.serving import stop_server
 
 OUT_DIR = RESULTS_DIR / "agent_trace"
@@ -177,19 +176,12 @@ def stream_turn(client, model: str, item: dict, args, t0: float) -> dict:
     sent = time.perf_counter()
     record["sent"] = sent - t0
     try:
-        stream = client.chat.completions.create(
-            model=model, messages=item["messages"], stream=True, max_tokens=args.max_tokens, temperature=0,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        first = None
-        for chunk in stream:
-            if first is None and chunk.choices and chunk.choices[0].delta.content:
-                first = time.perf_counter()
-            if chunk.usage is not None:
-                record["tokens"] = chunk.usage.completion_tokens
-                record["prompt_tokens"] = chunk.usage.prompt_tokens
+        def timed(chunk) -> None:   # llama-server's prompt timings, when it sends them
             timings = (chunk.model_extra or {}).get("timings")
             if timings:
                 record.update(prompt_n=timings.get("prompt_n"), cache_n=timings.get("cache_n"))
+
+        _, first = stream_chat(client, model, item["messages"], args.max_tokens, record, timed)
         if first is None:
             raise RuntimeError("no tokens streamed")
         record.update(ttft=first - sent, done=time.perf_counter() - t0)
@@ -360,7 +352,7 @@ def main(argv=None) -> int:
     if args.turns < 2:
         ap.error("--turns must be >= 2 (the restart comes after half of them)")
 
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
     from pyllama_paged.tokenizer.vocab import read_tokenizer_metadata
     model_path = args.model or default_model_path()

@@ -34,7 +34,7 @@ its own; it needs Python 3.11-3.13). This script installs nothing:
 
     python3 -m venv bench/.aiperf-venv && bench/.aiperf-venv/bin/pip install aiperf
     bench/build_llama_cpp.sh      # once: llama.cpp's tools from the llama-cpp-python sdist
-    python bench/serving/aiperf_bench.py  # from our venv (pip install '.[bench]')
+    python -m bench.serving.aiperf_bench  # from our venv (pip install '.[bench]')
 
 The tokenizer: AIPerf loads a Hugging Face tokenizer (by hub name or from a directory) and
 cannot reach the hub here, and its built-in tiktoken one downloads its table. So the
@@ -53,10 +53,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.peers import (DEFAULT_KV_BYTES, add_server_arguments, llama_server_binary, our_bytes_per_token,
+from bench.common.peers import (DEFAULT_KV_BYTES, add_server_arguments, llama_server_binary, our_bytes_per_token,
                           parse_peer, peer_chat_template, peer_label, start_llama_server, start_ours)
-from common.report import BENCH_DIR, REPO_ROOT, RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import BENCH_DIR, REPO_ROOT, RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from pyllama_paged.testing.serving import stop_server
 
 INSTALL_HINT = "python3 -m venv bench/.aiperf-venv && bench/.aiperf-venv/bin/pip install aiperf"
@@ -264,7 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS_DIR / "aiperf"))
     args = ap.parse_args(argv)
 
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
     # our server is this interpreter's `pyllama-paged`, whether or not its venv is activated
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -43,7 +43,7 @@ percentiles (gaps between streamed content chunks, per request, pooled),
 errors. Writes bench/results/chat_trace.{json,md,png}.
 
     bench/build_llama_cpp.sh      # once: llama.cpp's tools from the llama-cpp-python sdist
-    python bench/serving/chat_trace.py
+    python -m bench.serving.chat_trace
 """
 
 from __future__ import annotations
@@ -55,10 +55,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.peers import (DEFAULT_KV_BYTES, add_server_arguments, llama_server_binary, our_bytes_per_token, parse_peer,
+from bench.common.peers import (DEFAULT_KV_BYTES, add_server_arguments, llama_server_binary, our_bytes_per_token, parse_peer,
                           peer_chat_template, peer_label, start_llama_server, start_ours)
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from pyllama_paged.testing.serving import stop_server
 
 SYSTEM_PROMPTS = [
@@ -177,7 +176,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
     model_path = args.model or default_model_path()
     binary = llama_server_binary(args)
     trace = make_trace(args)

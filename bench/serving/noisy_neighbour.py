@@ -29,9 +29,9 @@ pulls from a silent host a 502/503/504 too, the answer a dead upstream deserves,
 Writes bench/results/noisy_neighbour.{json,md,png}; the server's output goes to
 noisy_neighbour.server.log beside them (not committed).
 
-    python bench/serving/noisy_neighbour.py                      # everything, several minutes
-    python bench/serving/noisy_neighbour.py --only 4,9,stats_burst --out-dir /tmp/nn
-    python bench/serving/noisy_neighbour.py --only draft_long_prompt,pulls_silent_host
+    python -m bench.serving.noisy_neighbour                      # everything, several minutes
+    python -m bench.serving.noisy_neighbour --only 4,9,stats_burst --out-dir /tmp/nn
+    python -m bench.serving.noisy_neighbour --only draft_long_prompt,pulls_silent_host
 """
 
 from __future__ import annotations
@@ -57,10 +57,9 @@ from typing import Callable
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.peers import our_cli
-from common.report import RESULTS_DIR, save_figure, write_results
-from pyllama_paged.engine.worker.model import default_model_path
+from bench.common.peers import our_cli
+from bench.common.report import RESULTS_DIR, save_figure, write_results
+from pyllama_paged.engine import default_model_path
 from pyllama_paged.models.refs import REGISTRY_ENV
 from pyllama_paged.testing.serving import free_port, stop_server, wait_healthy
 

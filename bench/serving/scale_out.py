@@ -27,7 +27,7 @@ requests per replica (the x-pyllama-replica header). Writes
 bench/results/scale_out/scale_out.{json,md,png}.
 
     pip install 'pyllama-paged[ray,bench]'
-    python bench/serving/scale_out.py
+    python -m bench.serving.scale_out
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.peers import stream_chat
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 from pyllama_paged.server.scale_out.ray_routing import PIN_HEADER
 from pyllama_paged.testing.ray_cluster import RayCluster, start_ray_server, stop_ray_server
 
@@ -103,15 +103,7 @@ def run_user(client, model: str, user: dict, args, t0: float, out: list) -> None
         sent = time.perf_counter()
         record = {"app": user["app"], "sent": sent - t0}
         try:
-            stream = client.chat.completions.create(
-                model=model, messages=messages, stream=True, max_tokens=args.max_tokens, temperature=0,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-            first = None
-            for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].delta.content:
-                    first = time.perf_counter()
-                if chunk.usage is not None:
-                    record["tokens"] = chunk.usage.completion_tokens
+            stream, first = stream_chat(client, model, messages, args.max_tokens, record)
             record.update(replica=stream.response.headers.get(PIN_HEADER), done=time.perf_counter() - t0,
                           ttft=(first or time.perf_counter()) - sent)
         except Exception as exc:  # noqa: BLE001 -- a failed request is counted, the trace goes on

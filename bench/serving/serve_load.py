@@ -3,7 +3,7 @@ paged=True vs paged=False in the same KV budget (and llama.cpp's llama-server
 when --llama-server BINARY is given). Throughput, TTFT and inter-token latency
 percentiles, errors; writes bench/results/serve_load.{json,md,png}.
 
-    python bench/serving/serve_load.py --clients 1 8 32 --requests-per-client 2
+    python -m bench.serving.serve_load --clients 1 8 32 --requests-per-client 2
 """
 
 from __future__ import annotations
@@ -11,20 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, save_figure, write_results
+from bench.common.report import RESULTS_DIR, save_figure, write_results
 
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.server.config import ServeConfig
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, ModelRegistry
 from pyllama_paged.testing.serving import Running, free_port, wait_healthy
 
 QUESTIONS = ["Why is the sky blue?", "Write a haiku about rivers.", "What is a prime number?",
@@ -33,8 +31,8 @@ QUESTIONS = ["Why is the sky blue?", "Write a haiku about rivers.", "What is a p
 
 
 def start_ours(paged: bool, args):
-    opts = EngineOptions(paged=paged, n_ctx=args.n_ctx, n_threads=args.threads, n_batch=256,
-                         block_size=16, kv_budget_tokens=args.budget_tokens, max_num_seqs=64)
+    opts = ServeConfig.flat(paged=paged, n_ctx=args.n_ctx, n_threads=args.threads, n_batch=256,
+                            block_size=16, kv_budget_tokens=args.budget_tokens, max_num_seqs=64)
     registry = ModelRegistry(None, opts)
     server = Running(create_app(registry, Limits(max_queue=1024)))
 

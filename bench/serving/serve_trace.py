@@ -69,7 +69,7 @@ Metrics (per side)
   contended (load averages are recorded too).
 
 Outputs: bench/results/serve_trace.{json,md,png}.
-Run: python bench/serving/serve_trace.py [--num-requests N --budget-tokens T --n-ctx C
+Run: python -m bench.serving.serve_trace [--num-requests N --budget-tokens T --n-ctx C
 --seed S --threads K --rate R]
 """
 
@@ -84,8 +84,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 # ---- the text the prompts are cut from (original sentences, plain English) ----
 
@@ -242,10 +241,7 @@ def _cpu_busy_s() -> float | None:
 
 
 def run_side(name: str, paged: bool, model, tok, trace: list[ClientRequest], args) -> dict:
-    from pyllama_paged.engine.config import EngineConfig
-    from pyllama_paged.engine.llm_engine import LLMEngine
-    from pyllama_paged.engine.worker.sampler import SamplingParams
-    from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+    from pyllama_paged.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
     from pyllama_paged.engine.sched.request import RequestStatus
 
     budget = args.budget_tokens
@@ -604,7 +600,7 @@ def main(argv=None) -> int:
     if args.budget_tokens % args.n_ctx or args.budget_tokens % args.block_size:
         ap.error("--budget-tokens must be a multiple of --n-ctx and of --block-size")
 
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
     t_all = time.perf_counter()

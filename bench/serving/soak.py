@@ -5,8 +5,8 @@ memory, file descriptors and pool figures recorded over time. Writes
 bench/results/soak[_LABEL].{json,md,png}; the server's stdout/stderr go to
 bench/results/soak[_LABEL].server.log (not committed).
 
-    python bench/serving/soak.py                          # 64 clients, 30 minutes
-    python bench/serving/soak.py --clients 16 --minutes 2 --label short
+    python -m bench.serving.soak                          # 64 clients, 30 minutes
+    python -m bench.serving.soak --clients 16 --minutes 2 --label short
 
 Server: the embedded default model, --threads 2, --kv-budget tokens in pages of
 --block-size (default: 64 tokens per client, at least 2048, i.e. far less than
@@ -72,8 +72,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for the shared `common` package
-from common.report import RESULTS_DIR, markdown_table, save_figure, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, write_results
 from pyllama_paged.testing.serving import free_port, wait_healthy
 
 APIS = ("ollama/generate", "ollama/chat", "openai/chat", "openai/completions")

@@ -16,7 +16,7 @@ from .library import HEADER_PATH, LIBRARY_PATH, TESTING_HEADER_PATH, check_versi
 check_version(library_version(), _version.__version__)
 
 from .ggml_log import GGML_LOG_DEBUG, GGML_LOG_WARN  # noqa: E402  (after the version check)
-from .handle import NativeHandle  # noqa: E402
+from .handle import Closing, NativeHandle  # noqa: E402
 from .status import (  # noqa: E402
     PP_ERR_CAPACITY,
     PP_ERR_COMPUTE,
@@ -30,7 +30,7 @@ from .status import (  # noqa: E402
 
 __all__ = [
     "HEADER_PATH", "LIBRARY_PATH", "TESTING_HEADER_PATH", "check_version", "ffi", "lib", "library_version",
-    "GGML_LOG_DEBUG", "GGML_LOG_WARN", "NativeHandle",
+    "GGML_LOG_DEBUG", "GGML_LOG_WARN", "Closing", "NativeHandle",
     "PP_OK", "PP_ERR_OUT_OF_BLOCKS", "PP_ERR_CAPACITY", "PP_ERR_INVALID", "PP_ERR_NO_MEMORY", "PP_ERR_COMPUTE",
     "check", "last_error",
 ]

@@ -5,7 +5,9 @@ pyllama_paged.h is bound first, then pyllama_paged_testing.h (functions only tes
 benchmarks call, exported by the same library).
 
 PYLLAMA_PAGED_LIBRARY, when set, names the shared library to load instead of the one the
-package installs (beside the package's modules).
+package installs (beside the package's modules). A source tree imported in place (a checkout's
+root first on sys.path, as `python -m bench.engine.batched` puts it) has no build of its own:
+it loads the installed package's, which the version check below holds to the same version.
 """
 
 from __future__ import annotations
@@ -16,8 +18,23 @@ from pathlib import Path
 
 import cffi
 
+def _native_dir() -> Path:
+    """Where the library and its headers are: beside this package's modules, or for a source
+    tree without them, beside the installed package's (the same path when none is installed)."""
+    here = Path(__file__).resolve().parent.parent
+    if (here / "libpyllama_paged.so").exists():
+        return here
+    try:
+        from importlib import metadata
+
+        installed = Path(metadata.distribution("pyllama-paged").locate_file("pyllama_paged"))
+    except (ImportError, OSError, ValueError):   # PackageNotFoundError is an ImportError
+        return here
+    return installed if (installed / "libpyllama_paged.so").exists() else here
+
+
 # CMakeLists.txt installs the library and the headers at the package's top, not in this folder.
-_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+_PACKAGE_DIR = _native_dir()
 HEADER_PATH = _PACKAGE_DIR / "include" / "pyllama_paged.h"
 TESTING_HEADER_PATH = _PACKAGE_DIR / "include" / "pyllama_paged_testing.h"
 # The header is always the installed one; the library may be another build of it

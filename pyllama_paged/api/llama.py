@@ -4,6 +4,7 @@ every generation goes through the same scheduler (LLMEngine) as the server."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import Any, Iterator, Sequence
 
@@ -11,18 +12,10 @@ import numpy as np
 
 from .._native import GGML_LOG_DEBUG, lib
 from ..constrain.formats import from_python
-from ..engine.llm_engine import RequestOutput
-from ..engine.worker.model import Model
-from ..engine.builder import build_engine
-from ..engine.config import EngineConfig
-from ..engine.kv.prefix_tiers import PrefixTierConfig
-from ..engine.spec.draft import SpeculativeConfig
-from ..engine.worker.devices import list_devices
-from ..engine.worker.sampler import SamplingParams
-from ..engine.sched.scheduler import SchedulerConfig
-from ..engine.shared_steps import SharedSteps
+from ..engine import (EngineConfig, PrefixTierConfig, RequestOutput, SamplingParams, SchedulerConfig,
+                      SharedSteps, SpeculativeConfig, build_engine, list_devices, load_model)
 from ..errors import PagedError, RequestError
-from .chat_call import ChatCall, prepare_call
+from ..calls.chat_call import ChatCall, prepare_call
 from .llama_chat import chat_chunks, collect_chat, legacy_functions
 from .llama_chat_format import is_vision_handler, vision_refusal
 from .llama_compat import (CHAT_FORMATS, LLAMA_DEFAULT_SEED, CompatWarnings, LlamaState, LlamaTokenizer,
@@ -31,12 +24,12 @@ from .llama_completion import collect_completion, completion_chunks
 from .llama_eval import TokenSampler, logits_after
 from .llama_pretrained import find_pretrained
 from .llama_speculative import speculative_of
-from .sampling_options import PYTHON, sampling_params
-from .text_stream import TextAssembler
+from ..calls.sampling_options import PYTHON, sampling_params
+from ..calls.text_stream import TextAssembler
 from ..tokenizer.chat_template import ChatTemplate
 from ..tokenizer.tokenizer import Tokenizer
-from .embeddings import embed_for_llama, openai_list
-from .rerank import rerank_for_llama
+from ..calls.embeddings import embed_for_llama, openai_list
+from ..calls.rerank import rerank_for_llama
 
 
 class Llama:
@@ -89,12 +82,16 @@ class Llama:
             self._warnings.warn("n_gpu_layers", f"n_gpu_layers={n_gpu_layers} asks for a GPU, but this GGML "
                                                 "lists none: running on the CPU (see the README's GPU builds)")
             n_gpu_layers = 0
-        self._model = Model(model_path, repack_weights=repack_weights, pack_panels=pack_panels,
-                            n_gpu_layers=n_gpu_layers, main_gpu=main_gpu)
+        # threads given: exactly that many; else each step on the cores free at the time (EngineConfig)
+        config = EngineConfig(model_path=model_path, paged=paged, n_ctx=n_ctx, n_seq_max=n_seq_max,
+                              n_threads=n_threads or n_threads_batch, block_size=block_size,
+                              kv_cache_type=kv_cache_type, repack_weights=repack_weights, pack_panels=pack_panels,
+                              n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, speculative=speculative,
+                              prefix_tiers=PrefixTierConfig(ram_bytes=prefix_cache_ram, disk_dir=prefix_cache_dir))
+        self._model = load_model(config)
         self.model_path = self._model.path
         self._tokenizer = Tokenizer.from_metadata(self._model.metadata)
-        n_train = self._model.config.n_ctx_train
-        self._n_ctx = min(n_ctx, n_train) if n_ctx > 0 else n_train   # 0: the training context
+        self._n_ctx = config.context_for(self._model.config.n_ctx_train)   # <= 0: the training context
         self.n_batch = min(n_batch, self._n_ctx)
         self.paged = paged
         self._tokens: list[int] = []   # what the model has evaluated: the last prompt and its answer
@@ -102,14 +99,8 @@ class Llama:
         # replaces self._tokens makes it stale (the list is another object then)
         self._last_logits: tuple[list[int], np.ndarray] | None = None
         self._token_sampler: TokenSampler | None = None
-        # threads given: exactly that many; else each step on the cores free at the time (EngineConfig)
-        config = EngineConfig(paged=paged, n_ctx=self._n_ctx, n_seq_max=n_seq_max,
-                              n_threads=n_threads or n_threads_batch, n_batch=self.n_batch,
-                              block_size=block_size, kv_cache_type=kv_cache_type,
-                              n_gpu_layers=n_gpu_layers, main_gpu=main_gpu,
-                              scheduler=SchedulerConfig(max_num_batched_tokens=self.n_batch),
-                              speculative=speculative,
-                              prefix_tiers=PrefixTierConfig(ram_bytes=prefix_cache_ram, disk_dir=prefix_cache_dir))
+        config = dataclasses.replace(config, n_ctx=self._n_ctx, n_batch=self.n_batch,
+                                     scheduler=SchedulerConfig(max_num_batched_tokens=self.n_batch))
         self.n_threads = config.n_threads
         self.llm_engine = build_engine(config, self._model, self._tokenizer.eot_ids)
         self._steps = SharedSteps(self.llm_engine)
@@ -296,7 +287,7 @@ class Llama:
     def rerank(self, query: str, documents: Sequence, top_n: int | None = None, return_documents: bool = False,
                truncate: bool = False) -> dict:
         """Documents (strings or {"text": ...}) ranked against query, as /v1/rerank answers (see
-        api/rerank.py); the model must be a reranker, or a decoder loaded with pooling_type=4."""
+        calls/rerank.py); the model must be a reranker, or a decoder loaded with pooling_type=4."""
         return rerank_for_llama(self, query, documents, top_n, return_documents, truncate)
 
     # ---- generation: every path goes through the scheduler -----------------
@@ -519,7 +510,7 @@ class Llama:
             repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             stop=stop, seed=seed, n=n, ignore_eos=ignore_eos, logit_bias=self._logit_bias(logit_bias),
             speculative=speculative, logprobs=(top_logprobs or 0) if logprobs else None))
-        call = ChatCall(messages, tools, tool_choice,
+        call = ChatCall(messages=messages, tools=tools, tool_choice=tool_choice,
                         structured=lambda tokenizer: from_python(tokenizer, response_format, grammar),
                         surface=PYTHON, sampling=fields, sampling_defaults={"seed": self._seed}, thinking=think)
         prepared = prepare_call(call, self.chat_template, self._tokenizer)

@@ -9,9 +9,9 @@ import uuid
 from contextlib import closing
 from typing import Iterator
 
+from ..calls.chat_call import AnswerSplitter
+from ..calls.text_stream import TextDelta
 from ..tools.harmony import HarmonyTokens
-from .chat_call import AnswerSplitter
-from .text_stream import TextDelta
 
 
 def token_logprob(tokenizer, event) -> dict:

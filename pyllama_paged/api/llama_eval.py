@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..engine.worker.sampler import BatchSampler, Sampler, SamplingParams
+from ..engine import BatchSampler, Sampler, SamplingParams
 from ..errors import PagedError, RequestError
 
 

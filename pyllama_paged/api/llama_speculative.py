@@ -1,6 +1,6 @@
 """llama-cpp-python's llama_speculative names: LlamaPromptLookupDecoding, given as
 Llama(draft_model=...), becomes the engine's own prompt-lookup speculative decoding
-(engine/spec/draft.py), which drafts inside the scheduler's steps for every request."""
+(engine/spec_decode/draft.py), which drafts inside the scheduler's steps for every request."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 
 import numpy as np
 
-from ..engine.spec.draft import PromptLookupDrafter, SpeculativeConfig
+from ..engine import PromptLookupDrafter, SpeculativeConfig
 from ..errors import RequestError
 
 _MAX_DRAFT = 32   # SpeculativeConfig's bound on num_draft_tokens

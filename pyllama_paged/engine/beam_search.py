@@ -7,15 +7,19 @@ penalized log-probability."""
 from __future__ import annotations
 
 from .sched.request import Request, Sequence
-from .worker.sampler import Sampler, SamplingParams
+from .params import SamplingParams
+from .worker.sampler import Sampler
 
 
 def expansion_sampler(width: int) -> Sampler:
-    """The sampler of a beam's row: greedy, with its 2 x width likeliest tokens' log-probabilities."""
-    return Sampler(SamplingParams(temperature=0.0, logprobs=2 * width))
+    """The sampler of a beam's row: greedy, with its 2 x width likeliest tokens' log-probabilities
+    (past the bound a request's logprobs are checked against: the native result holds them)."""
+    params = SamplingParams(temperature=0.0)
+    params.logprobs = 2 * width
+    return Sampler(params)
 
 
-def advance_beams(request: Request, items, scheduler, eot_ids, limit: int) -> list[Sequence]:
+def advance_beams(request: Request, items, scheduler, eot_ids) -> list[Sequence]:
     """Keep the beam_width best continuations; forked beams share pages. items: (beam,
     its 2 x width likeliest next tokens -> log-probability); the scheduler keeps the KV
     books (fork_sequence, free_sequence). Returns the live beams, in the order their new
@@ -57,8 +61,7 @@ def advance_beams(request: Request, items, scheduler, eot_ids, limit: int) -> li
             seq.finish_reason = "pruned"
     live = [s for s, _, _ in new_seqs]
     request.seqs = live + [s for s in request.seqs if s.is_finished and s not in live]
-    max_tokens = request.params.max_tokens or limit
-    length_done = live and (len(live[0].output_ids) >= max_tokens or len(live[0].token_ids) >= limit)
+    length_done = live and len(live[0].token_ids) >= request.max_len
     penalty = request.params.length_penalty
     best_live = max((s.cumulative_logprob / len(s.output_ids) ** penalty for s in live), default=None)
     enough = len(request.finished_beams) >= width and request.params.early_stopping

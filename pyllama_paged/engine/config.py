@@ -1,25 +1,20 @@
-"""EngineConfig: everything that builds one engine (the model file, its KV cache,
-the compute context and the scheduler), in one place, so the Python API, the
-server and the benchmarks wire an engine the same way (LLMEngine.from_config,
-build_engine)."""
+"""EngineConfig: everything that builds one engine (the model file and how its weights
+load, its KV cache, the compute context, the scheduler, speculative decoding, the prefix
+cache's tiers), in one place, so the Python API, the server and the benchmarks wire an
+engine the same way (load_model, LLMEngine.from_config, build_engine). A field with a flag
+is an option of `pyllama-paged run|chat|serve`; the groups' are serve's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import PagedError
+from ..flags import flagged, group
 from .sched.scheduler import SchedulerConfig
 from .kv.prefix_tiers import PrefixTierConfig
-from .spec.draft import SpeculativeConfig
+from .spec_decode.draft import SpeculativeConfig
 from .worker.model_runner import KV_TYPES
 from .worker.thread_policy import MAX_THREADS, default_threads
-
-
-def cli_option(default, flag: str, help_text: str, **argparse_settings):
-    """A field that is also a command-line option (metadata: its flag, its help, and argparse's
-    other settings: type, choices, action, aliases), so that the CLI and every message that names
-    the option say the same."""
-    return field(default=default, metadata={"flag": flag, "help": help_text, **argparse_settings})
 
 
 @dataclass
@@ -27,20 +22,26 @@ class EngineConfig:
     """One engine's settings. The KV budget is, first match: num_blocks (paged: exactly
     that many pages), kv_bytes, kv_tokens tokens of every layer, else n_seq_max
     sequences of n_ctx tokens. paged=False spends the same budget on whole n_ctx slabs.
-    A field with a flag is an option of `pyllama-paged run|chat|serve` (cli.py)."""
+    A flagged field is an option of `pyllama-paged run|chat|serve` (cli.py, flags.py)."""
 
-    model_path: str | None = None       # None: the embedded default model
+    # fields __post_init__ resolves (the thread count not given: the CPUs, each step adapting);
+    # an option shows their declared default, and settings made again from flags resolve them anew
+    RESOLVED_FIELDS = ("n_threads", "adapt_threads")
+
+    model_path: str | None = flagged(None, "--model", "GGUF file, or the name of a pulled model (default: the "
+                                     "embedded Gemma 3 270M, a base model: it continues text, it does not follow "
+                                     "instructions)", aliases=("-m",), metavar="MODEL")
     # <= 0: the model's training context (never more than it)
-    n_ctx: int = cli_option(4096, "--ctx", "context length in tokens, per sequence", type=int)
+    n_ctx: int = flagged(4096, "--ctx", "context length in tokens, per sequence", type=int)
     n_batch: int = 512                  # tokens per forward step
-    n_threads: int | None = cli_option(
+    n_threads: int | None = flagged(
         None, "--threads", f"CPU threads, exactly, 1 to {MAX_THREADS} (default: each step on the cores free at "
         "the time, at most every CPU this process may use)", type=int, aliases=("-t",))
     adapt_threads: bool = False         # with n_threads given: each step on the cores free now, at most that many
-    paged: bool = cli_option(True, "--no-paged", "a contiguous KV slab per sequence instead of pages",
-                             action="store_false")
-    block_size: int = cli_option(32, "--block-size", "KV page size in tokens", type=int)
-    kv_cache_type: str = cli_option("f16", "--kv-type", "KV cache type", choices=tuple(KV_TYPES))
+    paged: bool = flagged(True, "--no-paged", "a contiguous KV slab per sequence instead of pages",
+                          action="store_false")
+    block_size: int = flagged(32, "--block-size", "KV page size in tokens", type=int)
+    kv_cache_type: str = flagged("f16", "--kv-type", "KV cache type", choices=tuple(KV_TYPES))
     num_blocks: int | None = None
     kv_bytes: int | None = None
     kv_tokens: int | None = None
@@ -49,13 +50,16 @@ class EngineConfig:
     attention: str = "kernel"           # "kernel": our CPU operator; "gather": GGML ops alone
     repack_weights: bool = True
     pack_panels: bool | str = True
-    n_gpu_layers: int = cli_option(0, "--gpu-layers", "layers on the GPU, the last ones first (-1 or more than "
-                                   "the model has: all, and the output head); needs a GGML built for a GPU, see "
-                                   "the README", type=int, aliases=("-ngl",))
-    main_gpu: int = cli_option(0, "--main-gpu", "which of GGML's GPUs, counted from 0", type=int)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    speculative: SpeculativeConfig | None = None   # speculative decoding (None: off)
-    prefix_tiers: PrefixTierConfig | None = None   # host-RAM / disk tiers below the prefix cache (None: off)
+    n_gpu_layers: int = flagged(0, "--gpu-layers", "layers on the GPU, the last ones first (-1 or more than "
+                                "the model has: all, and the output head); needs a GGML built for a GPU, see "
+                                "the README", type=int, aliases=("-ngl",))
+    main_gpu: int = flagged(0, "--main-gpu", "which of GGML's GPUs, counted from 0", type=int)
+    scheduler: SchedulerConfig = group(SchedulerConfig, default_factory=SchedulerConfig)
+    # speculative decoding (None: off; --speculative or --draft-model turn it on)
+    speculative: SpeculativeConfig | None = group(SpeculativeConfig, build=SpeculativeConfig.from_options,
+                                                  switches=("method", "draft_model"))
+    # host-RAM / disk tiers below the prefix cache (None: off)
+    prefix_tiers: PrefixTierConfig | None = group(PrefixTierConfig, build=PrefixTierConfig.from_options)
 
     def __post_init__(self):
         if self.n_threads is None:

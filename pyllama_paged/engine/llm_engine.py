@@ -1,33 +1,46 @@
-"""LLMEngine: one step = Scheduler.schedule() (plain data: ids and counts), the KV
-data moves it asks for (KVMover), ModelRunner.execute() over the batch,
-Scheduler.update_from_output() (progress), then the rows' effects on the
-requests (Postprocessor: sample, fork, beams, score, pool, finish).
+"""LLMEngine: one step is five calls: Scheduler.schedule() (plain data: ids and
+counts), the KV data moves it asks for (KVMover.apply), execute (the speculator's
+drafts, ModelRunner.execute over the batch, the filled blocks down to the tiers),
+Scheduler.update_from_output() (progress), then the rows' effects on the requests
+(Postprocessor.process: sample, fork, beams, score, pool, finish).
 Single-threaded; EngineLoop runs it for many callers."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import numpy as np
 
-from .pooling.embedding import EmbedParams
 from .config import EngineConfig
 from .worker.devices import device_kv_budget
-from .worker.model import Model
+from .worker.model import Model, load_model
 from .worker.model_runner import ModelRunner, dense_kv_bytes_per_token
-from .outputs import RequestOutput, TokenEvent  # noqa: F401 - callers import a step's outputs from here
+from .outputs import RequestOutput
 from ..errors import PagedError, RequestError
-from .worker.sampler import Sampler, SamplingParams
-from .scoring import ScoreParams
-from .kv.moves import KVMover
+from .worker.sampler import BatchSampler, Sampler
+from .params import EmbedParams, SamplingParams, ScoreParams
+from .kv_moves import KVMover
 from .kv.prefix_tiers import PrefixTierConfig, PrefixTiers, kv_identity, model_fingerprint
 from .postprocess import ExecutedStep, Postprocessor
 from .sched.scheduler import Scheduler, SchedulerConfig
 from .sched.scheduler_output import SchedulerOutput
-from .spec.verify import Speculator
-from .spec.draft_model import drafter_for
+from .spec_decode.verify import Speculator
+from .spec_decode.draft_model import drafter_for
 from .sched.request import Request, RequestStatus, Sequence
 from ..tokenizer.tokenizer import Tokenizer
+
+
+def runner_config(config: EngineConfig, model: Model) -> EngineConfig:
+    """config as the runner of model takes it: the context resolved against the model's
+    training context, and a model with layers on a GPU given a pool that fits its free memory
+    unless the budget was set."""
+    n_ctx = config.context_for(model.config.n_ctx_train)
+    resolved = dataclasses.replace(config, n_ctx=n_ctx)
+    if model.device is not None and not config.kv_budget_given:
+        dense = dense_kv_bytes_per_token(model.config, config.kv_cache_type)
+        resolved.kv_bytes = device_kv_budget(model, config.kv_budget_bytes(n_ctx, dense))
+    return resolved
 
 
 class LLMEngine:
@@ -42,37 +55,25 @@ class LLMEngine:
         self.num_computed_tokens = 0          # tokens run through the model
         self.limit = min(runner.n_ctx, runner.kv.capacity_tokens())
         self.forward_seconds = 0.0            # time in the model step, for /stats
-        self.step_seconds = 0.0               # whole steps (schedule to outputs)
+        self.step_seconds = 0.0               # whole steps that ran the model (schedule to outputs)
         self.num_steps = 0
         self.kv_moves = KVMover(runner)       # the KV data each step moves (and the swap space)
-        self.post = Postprocessor(self)       # what each step's rows do to the requests
+        # what each step's rows do to the requests
+        self.post = Postprocessor(self.requests, self.scheduler, BatchSampler(runner.n_vocab, runner.n_threads),
+                                  self.eot_ids, self.forget, runner.copy_blocks)
         self._owned_model = None              # a model from_config loaded (closed with the engine)
-        self.speculator: Speculator | None = None   # speculative decoding (EngineConfig.speculative)
+        self.speculator: Speculator | None = None   # speculative decoding (use_speculator)
         self.tiers: PrefixTiers | None = None       # the prefix cache below the pool (use_prefix_tiers)
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, model: Model | None = None, eot_ids=None) -> "LLMEngine":
-        """The engine config describes: its model (loaded from config.model_path unless given;
-        one loaded here is closed with the engine), KV pool, runner and scheduler. eot_ids:
-        the ids that end generation (None: the GGUF tokenizer's)."""
+        """The engine config describes: its model (load_model(config) unless given; one loaded
+        here is closed with the engine), KV pool, runner, scheduler, speculator and tiers.
+        eot_ids: the ids that end generation (None: the GGUF tokenizer's)."""
         owned = model is None
-        model = model or Model(config.model_path, repack_weights=config.repack_weights,
-                               pack_panels=config.pack_panels, n_gpu_layers=config.n_gpu_layers,
-                               main_gpu=config.main_gpu)
+        model = model or load_model(config)
         try:
-            n_ctx = config.context_for(model.config.n_ctx_train)
-            budget = config.kv_budget_bytes(n_ctx, dense_kv_bytes_per_token(model.config, config.kv_cache_type))
-            if model.device is not None and not config.kv_budget_given:
-                budget = device_kv_budget(model, budget)
-            if config.paged:
-                sizes = dict(num_blocks=config.num_blocks, kv_bytes=budget)
-            else:   # the baseline: the same bytes as whole n_ctx slabs
-                dense_slab = n_ctx * dense_kv_bytes_per_token(model.config, config.kv_cache_type)
-                sizes = dict(n_seq_max=max(1, budget // dense_slab))
-            runner = ModelRunner(model, paged=config.paged, n_ctx=n_ctx, n_threads=config.n_threads,
-                                 n_batch=config.n_batch, block_size=config.block_size,
-                                 kv_cache_type=config.kv_cache_type, free_window_blocks=config.free_window_blocks,
-                                 attention=config.attention, **sizes)
+            runner = ModelRunner(model, runner_config(config, model))
             if eot_ids is None:
                 eot_ids = Tokenizer.from_metadata(model.metadata).eot_ids
         except BaseException:
@@ -81,17 +82,15 @@ class LLMEngine:
             raise
         engine = cls(runner, eot_ids, config.scheduler)
         engine._owned_model = model if owned else None
-        if config.speculative is not None:
-            try:   # a draft model (method draft_model) loads here, checked against the target
-                engine.speculator = Speculator(config.speculative, drafter_for(
-                    config.speculative, model, runner, n_threads=config.n_threads,
-                    kv_cache_type=config.kv_cache_type, attention=config.attention,
-                    n_gpu_layers=config.n_gpu_layers, main_gpu=config.main_gpu))
-            except BaseException:
-                engine.close()
-                raise
-        if config.prefix_tiers is not None and config.prefix_tiers.enabled and config.paged:
-            engine.use_prefix_tiers(config.prefix_tiers)
+        try:   # a draft model (method draft_model) loads here, checked against the target
+            if config.speculative is not None:
+                engine.use_speculator(Speculator(config.speculative,
+                                                 drafter_for(config.speculative, model, runner, config)))
+            if config.prefix_tiers is not None and config.prefix_tiers.enabled and config.paged:
+                engine.use_prefix_tiers(config.prefix_tiers)
+        except BaseException:
+            engine.close()
+            raise
         return engine
 
     is_encoder = False   # EncoderEngine's counterpart: this engine generates
@@ -110,6 +109,10 @@ class LLMEngine:
     def num_generated_tokens(self) -> int:
         """Tokens sampled so far, all requests together."""
         return self.post.num_generated_tokens
+
+    def use_speculator(self, speculator: Speculator | None) -> None:
+        """Speculate with speculator from the next step (None: stop); the engine closes it."""
+        self.speculator = self.post.speculator = speculator
 
     def use_prefix_tiers(self, config: PrefixTierConfig) -> PrefixTiers:
         """Keep computed blocks in host RAM and/or on disk below the pool (paged only), and
@@ -135,7 +138,7 @@ class LLMEngine:
             self._owned_model = None
         if self.speculator is not None:   # a draft model and its pool
             self.speculator.close()
-            self.speculator = None
+            self.use_speculator(None)
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | EmbedParams | ScoreParams,
@@ -157,6 +160,9 @@ class LLMEngine:
                                f"of {self.runner.n_vocab}")
         request = Request(request_id, prompt_ids, params if sampled else SamplingParams(), embed=embed,
                           score=score)
+        # max_tokens resolved here, once: the prompt and at most that many tokens (0 or None: to
+        # the context), within the context
+        request.max_len = min(self.limit, len(prompt_ids) + (request.params.max_tokens or self.limit))
         request.seqs = [Sequence(list(prompt_ids), len(prompt_ids), Sampler(request.params))]
         self.scheduler.add(request)
         if request.status != RequestStatus.FINISHED:
@@ -201,56 +207,62 @@ class LLMEngine:
         """One turn: schedule(), the KV moves it asks for, the runner over the batch,
         update_from_output() (progress), then sampling, forks and finishes. Returns the
         outputs of the requests that moved."""
+        started, steps = time.perf_counter(), self.num_steps
         try:
-            return self._step()
+            outputs = self._step()
+            if self.num_steps > steps:   # the model ran: the step's cost model learns how long it took
+                elapsed = time.perf_counter() - started
+                self.scheduler.observe_step(elapsed)
+                self.step_seconds += elapsed
+            return outputs
         finally:
             self._flush_kv_events()   # the step's prefix-cache changes, as one batch
 
     def _step(self) -> list[RequestOutput]:
-        started = time.perf_counter()
-        output = self.scheduler.schedule()                         # 1. what runs: ids and counts
-        moves = self.kv_moves                                      # 2. the KV data it moves, in order
-        moves.swap_out(output.swap_out)
-        moves.swap_in(output.swap_in, output.resumed_seq_ids)
-        moves.load_from_tiers(output.tier_loads)
-        moves.copy_on_write(output.block_copies)
-        outputs: dict[str, RequestOutput] = {}
-        self.post.failed(output.failed_request_ids, outputs)
-        if not output.seq_ids:
-            return list(outputs.values())
-        step = self._execute(output)                               # 3. the model over the batch
-        moves.save_to_tiers(output)                                #    the blocks it filled, before the commit
-        self.scheduler.update_from_output(output, step.seqs)       # 4. progress
-        self.post.process(output, step, outputs)                   # 5. sample, fork, beams, score, pool, finish
-        elapsed = time.perf_counter() - started
-        self.scheduler.observe_step(elapsed)
-        self.step_seconds += elapsed
-        self.num_steps += 1
-        return list(outputs.values())
+        output = self.scheduler.schedule()                        # 1. what runs: ids and counts
+        self.kv_moves.apply(output)                               # 2. the KV data it moves, in order
+        step = self._execute(output)                              # 3. drafts, the model, tier saves
+        self.scheduler.update_from_output(output, step.seqs)      # 4. progress
+        return self.post.process(output, step)                    # 5. sample, fork, beams, score, pool, finish
 
     def _execute(self, output: SchedulerOutput) -> ExecutedStep:
-        """Run the runner over the step's items: the speculator's drafts first (a draft model
-        catching up on a long prompt spends the step's spare prefill budget, and the step's
-        cost model learns those tokens as prefill), then the batch."""
+        """The step's batch on the model: the speculator's drafts first (a draft model catching
+        up on a long prompt spends the step's spare prefill budget, and the step's cost model
+        learns those tokens as prefill), then the runner, then the blocks the step filled down
+        to the tiers, before the commit can give a sliding-window group's blocks back. A step
+        that scheduled nothing runs nothing."""
+        if not output.seq_ids:
+            return ExecutedStep()
+        step = self._batch_of(output)
+        if self.speculator is not None:
+            step.drafts = self.speculator.draft(output, step.seqs, step.requests, self.runner.kv,
+                                                self.runner.n_batch, self.scheduler.spare_prefill_tokens)
+            self.scheduler.charge_prefill(self.speculator.last_catch_up_tokens)
+        self._run(output, step)
+        self.kv_moves.save_to_tiers(output)
+        return step
+
+    def _batch_of(self, output: SchedulerOutput) -> ExecutedStep:
+        """The step's sequences and their requests, and the pooled rows its embedding chunks want."""
         owner = {s.seq_id: r for r in self.requests.values() for s in r.seqs}
         seqs = {s.seq_id: s for r in self.requests.values() for s in r.seqs}
         requests = [owner[seq_id] for seq_id in output.seq_ids]
-        hidden = self.post.hidden_rows(output, requests, seqs)
-        drafts = {}
-        if self.speculator is not None:
-            drafts = self.speculator.draft(output, seqs, requests, self.runner.kv, self.runner.n_batch,
-                                           self.limit, self.scheduler.spare_prefill_tokens)
-            self.scheduler.charge_prefill(self.speculator.last_catch_up_tokens)
+        return ExecutedStep(seqs, owner, requests, self.post.hidden_rows(output, requests, seqs))
+
+    def _run(self, output: SchedulerOutput, step: ExecutedStep) -> None:
+        """ModelRunner.execute over the step's items: its logits (and pooled) rows into step."""
         # every row drawn by argmax: a step that computes them on a device reads back ids alone
-        argmax_only = hidden is None and not drafts and all(
-            r.score is None and not r.is_beam and all(s.sampler.plain_greedy for s in r.live_seqs) for r in requests)
+        argmax_only = step.hidden is None and not step.drafts and all(
+            r.score is None and not r.is_beam and all(s.sampler.plain_greedy for s in r.live_seqs)
+            for r in step.requests)
         started = time.perf_counter()
-        logits, rows = self.runner.execute(output.items_array(), hidden,
-                                           [r.score is not None for r in requests], drafts, argmax_only)
-        ids = self.runner.step_argmax() if argmax_only else None
+        step.logits, step.rows = self.runner.execute(output.items_array(), step.hidden,
+                                                     [r.score is not None for r in step.requests], step.drafts,
+                                                     argmax_only)
+        step.argmax = self.runner.step_argmax() if argmax_only else None
         self.forward_seconds += time.perf_counter() - started
         self.num_computed_tokens += sum(output.num_tokens)
-        return ExecutedStep(seqs, owner, requests, hidden, logits, rows, drafts, ids)
+        self.num_steps += 1
 
     # ---- the prefix cache, as routers see it ---------------------------------
     def set_kv_event_listener(self, listener) -> None:
@@ -282,11 +294,11 @@ class LLMEngine:
 
     # ---- what callers read through the engine (never its runner or pool) ----
     def pool_figures(self) -> dict:
-        """The pool as /api/pool and /metrics show it: stats and the pool's shape (counts
-        from the pool's own counters, no walk over its blocks)."""
+        """The pool as /api/pool, /api/ps and /metrics show it: stats and the pool's shape
+        (counts from the pool's own counters, no walk over its blocks), and its bytes on a GPU."""
         kv = self.runner.kv
         return {"stats": self.stats(), "kv_pool_bytes": self.runner.kv_pool_bytes, "paged": kv.paged,
-                "block_size": kv.block_size}
+                "block_size": kv.block_size, "kv_device_bytes": self.runner.kv_device_bytes}
 
     # ---- statistics --------------------------------------------------------
     def stats(self) -> dict:

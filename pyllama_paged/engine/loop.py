@@ -13,8 +13,9 @@ import threading
 from collections import deque
 
 from ..errors import PagedError
-from .llm_engine import LLMEngine, RequestOutput
-from .worker.sampler import SamplingParams
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .params import SamplingParams
 
 _END = object()
 
@@ -114,7 +115,6 @@ class EngineLoop:
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                request_id: str | None = None) -> RequestStream:
         """Queue a request from any thread; returns its stream of RequestOutput."""
-        params.validate()
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id)
         with self._cv:

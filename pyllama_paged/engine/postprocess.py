@@ -7,7 +7,7 @@ that ended finish (their pages back through the scheduler)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,28 +23,38 @@ from .worker.sampler import BatchSampler, Sampled, Sampler
 @dataclass(slots=True)
 class ExecutedStep:
     """One step as the model ran it: the step's sequences by id and their requests (owner,
-    and `requests[i]` for item i), the logits rows, the pooled rows for the embedding chunks
-    that asked (`hidden[i]`: item i's (first, count), or None), and the draft tokens spliced
-    after item i (`drafts[i]`); `argmax`: the rows' greedy tokens, computed with the step when
-    every row is a plain greedy draw (then a device's logits were not read back)."""
+    and `requests[i]` for item i), the pooled rows for the embedding chunks that asked
+    (`hidden[i]`: item i's (first, count), or None), the draft tokens spliced after item i
+    (`drafts[i]`), the logits rows; `argmax`: the rows' greedy tokens, computed with the step
+    when every row is a plain greedy draw (then a device's logits were not read back). A step
+    that scheduled nothing ran nothing: its fields stay empty."""
 
-    seqs: dict[int, Sequence]
-    owner: dict[int, Request]
-    requests: list[Request]
-    hidden: list | None
-    logits: np.ndarray
-    rows: np.ndarray
-    drafts: dict[int, list[int]]
+    seqs: dict[int, Sequence] = field(default_factory=dict)
+    owner: dict[int, Request] = field(default_factory=dict)
+    requests: list[Request] = field(default_factory=list)
+    hidden: list | None = None
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    logits: np.ndarray | None = None
+    rows: np.ndarray | None = None
     argmax: np.ndarray | None = None   # each logits row's argmax, when every row is drawn so
 
 
 class Postprocessor:
-    """Turns a step's rows into token events and finished requests, for one engine (whose
-    requests, scheduler and speculator it reads)."""
+    """Turns a step's rows into token events and finished requests. It is given what it acts
+    on: the requests in flight (the engine's table, shared), the scheduler (which keeps the KV
+    books: forks, frees, removals), its own batched sampler, the end-of-text ids, forget(request)
+    (the engine's parts drop what they hold for an ended request), the block copy that accepted
+    draft tokens may need, and, while the engine speculates, its speculator."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.sampler = BatchSampler(engine.runner.n_vocab, engine.runner.n_threads)
+    def __init__(self, requests: dict[str, Request], scheduler, sampler: BatchSampler, eot_ids, forget,
+                 copy_blocks):
+        self.requests = requests
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.eot_ids = eot_ids
+        self.forget_request = forget
+        self.copy_blocks = copy_blocks
+        self.speculator = None                # the engine's, when it speculates (verifies drafted rows)
         self.pooling = DecoderPooling()       # embedding requests' pooled states in flight
         self.scores = PromptScores()          # scoring requests' scores in flight
         self.sample_seconds = 0.0             # time in sampling, for /stats
@@ -59,20 +69,21 @@ class Postprocessor:
                 self.pooling.rows_wanted(r.embed.pooling, start, n, len(seqs[seq_id].token_ids))
                 for seq_id, r, (_, start, n) in zip(output.seq_ids, requests, output.items)]
 
-    def failed(self, request_ids: list[str], outputs: dict[str, RequestOutput]) -> None:
-        """Requests the scheduler ended with an error: reported finished."""
-        for request_id in request_ids:
-            request = self.engine.requests.pop(request_id)
-            self.engine.forget(request)
+    def process(self, output: SchedulerOutput, step: ExecutedStep) -> list[RequestOutput]:
+        """Everything the step does to its requests: those the scheduler ended with an error
+        reported finished, then the rows' effects. Returns the outputs of the requests that moved."""
+        outputs: dict[str, RequestOutput] = {}
+        for request_id in output.failed_request_ids:
+            request = self.requests.pop(request_id)
+            self.forget_request(request)
             outputs[request_id] = self.output(request, finished=True)
-
-    def process(self, output: SchedulerOutput, step: ExecutedStep, outputs: dict[str, RequestOutput]) -> None:
-        """Everything the step's rows do to its requests, into outputs (by request id)."""
-        if step.hidden is not None:
-            self._pool_embeddings(output, step, outputs)
-        drafts = {output.seq_ids[i]: d for i, d in step.drafts.items()}   # by sequence from here on
-        self._sample(self._logit_rows(output, step, outputs, drafts), step.logits, step.owner, outputs, drafts,
-                     step.argmax)
+        if output.seq_ids:
+            if step.hidden is not None:
+                self._pool_embeddings(output, step, outputs)
+            drafts = {output.seq_ids[i]: d for i, d in step.drafts.items()}   # by sequence from here on
+            self._sample(self._logit_rows(output, step, outputs, drafts), step.logits, step.owner, outputs, drafts,
+                         step.argmax)
+        return list(outputs.values())
 
     def forget(self, seq_id: int) -> None:
         """An ended request's sequence: drop its pooled rows and scores in flight."""
@@ -118,14 +129,13 @@ class Postprocessor:
         """Sample every (sequence, logits row) that reached its last token in one call;
         append, fork (n>1), advance beams, finish. Drafted sequences (drafts: seq id ->
         tokens) are verified by the speculator instead."""
-        engine = self.engine
         ready: dict[str, list[tuple[Sequence, int]]] = {}   # request id -> (sequence, logits row)
         for seq, row in finishing:
             ready.setdefault(owner[seq.seq_id].request_id, []).append((seq, row))
         picks = []   # (request, sequence, row, sampler): every row of this step, drawn in one call
         beams: dict[str, list] = {}
         for request_id, items in ready.items():
-            request = engine.requests[request_id]
+            request = self.requests[request_id]
             outputs.setdefault(request_id, self.output(request))
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
@@ -153,28 +163,27 @@ class Postprocessor:
                 self._accept(request, seq, sampled, outputs[request.request_id])
         for request_id, items in beams.items():
             if request_id not in failed:
-                live = advance_beams(engine.requests[request_id], [(seq, drawn[i].top) for seq, i in items],
-                                     engine.scheduler, engine.eot_ids, engine.limit)
+                live = advance_beams(self.requests[request_id], [(seq, drawn[i].top) for seq, i in items],
+                                     self.scheduler, self.eot_ids)
                 outputs[request_id].events.extend(TokenEvent(i, s.token_ids[-1]) for i, s in enumerate(live))
         if drafts:
             self._verify_drafts(finishing, drafts, logits, owner, outputs)
         for request_id in ready:
-            request = engine.requests.get(request_id)
+            request = self.requests.get(request_id)
             if request is not None and not request.live_seqs:
                 self._finish(request, outputs[request_id])
 
     def _verify_drafts(self, finishing, drafts: dict, logits: np.ndarray, owner: dict,
                        outputs: dict[str, RequestOutput]) -> None:
         """The drafted sequences' tokens, from their rows (Speculator.verify)."""
-        engine = self.engine
         items = [(owner[seq.seq_id], seq, row, drafts[seq.seq_id]) for seq, row in finishing
-                 if seq.seq_id in drafts and owner[seq.seq_id].request_id in engine.requests]
+                 if seq.seq_id in drafts and owner[seq.seq_id].request_id in self.requests]
         started = time.perf_counter()
-        engine.speculator.verify(
+        self.speculator.verify(
             self.sampler, logits, items,
             lambda r, seq, sampled: self._accept(r, seq, sampled, outputs[r.request_id]),
             lambda r, error: self._fail(r, outputs[r.request_id], error),
-            lambda r: r.request_id in engine.requests, engine.runner.kv, engine.runner.copy_blocks)
+            lambda r: r.request_id in self.requests, self.scheduler.kv, self.copy_blocks)
         self.sample_seconds += time.perf_counter() - started
 
     def _pool_embeddings(self, output: SchedulerOutput, step: ExecutedStep,
@@ -195,9 +204,9 @@ class Postprocessor:
                 self._finish(request, out)
 
     def _finish(self, request: Request, out: RequestOutput) -> None:
-        self.engine.scheduler.remove(request)
-        self.engine.requests.pop(request.request_id, None)
-        self.engine.forget(request)
+        self.scheduler.remove(request)
+        self.requests.pop(request.request_id, None)
+        self.forget_request(request)
         out.finished = True
         out.finish_reasons = [s.finish_reason for s in request.seqs]
         if request.is_beam:
@@ -214,13 +223,12 @@ class Postprocessor:
         out.events.append(TokenEvent(seq.index, token, sampled.logprob, sampled.top))
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
-        if token in self.engine.eot_ids and not request.params.ignore_eos:
+        if token in self.eot_ids and not request.params.ignore_eos:
             seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= (request.params.max_tokens or self.engine.limit) or \
-                len(seq.token_ids) >= self.engine.limit:
+        elif len(seq.token_ids) >= request.max_len:
             seq.finish_reason = "length"
         if seq.is_finished:
-            self.engine.scheduler.free_sequence(seq)   # finished sequences give their pages back at once
+            self.scheduler.free_sequence(seq)   # finished sequences give their pages back at once
 
     def _samples_of(self, request: Request, items) -> list[tuple[Request, Sequence, int]]:
         """The sequences to sample for a request this step; an n>1 request forks its
@@ -232,7 +240,7 @@ class Postprocessor:
                 request.is_forked = True
                 for i in range(1, params.n):
                     child = Sequence(list(seq.token_ids), seq.num_prompt, Sampler(params.for_sample(i)),
-                                     kv=self.engine.scheduler.fork_sequence(seq), index=i)
+                                     kv=self.scheduler.fork_sequence(seq), index=i)
                     request.seqs.append(child)
                     picks.append((request, child, row))
             picks.append((request, seq, row))

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from .worker.model_runner import ModelRunner
-from .scoring import MAX_SCORE_ROWS as _ROWS, score_rows
+from .params import MAX_SCORE_ROWS as _ROWS
+from .scoring import score_rows
 
 
 def prompt_logprobs(runner: ModelRunner, token_ids: Sequence[int],

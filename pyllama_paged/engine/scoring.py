@@ -12,25 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import PagedError
-from .worker.sampler import MAX_LOGPROBS, log_softmax
-
-MAX_SCORE_ROWS = 32          # positions per step: 32 x 262,144 floats is 32 MiB of logits
+from .worker.sampler import log_softmax
 
 TokenScore = tuple[float | None, dict[int, float]]   # (log p(token | before), top_n best there)
-
-
-@dataclass(slots=True)
-class ScoreParams:
-    """What a scoring request asks of the engine: its prompt's own log-probabilities and,
-    at each position, the top_n likeliest tokens."""
-
-    top_n: int = 0
-
-    def validate(self) -> None:
-        """PagedError naming the field when top_n is out of range."""
-        if not 0 <= self.top_n <= MAX_LOGPROBS:
-            raise PagedError(f"logprobs (top_n) must be in [0, {MAX_LOGPROBS}], got {self.top_n}")
 
 
 def score_rows(logits: np.ndarray, token_ids, start: int, top_n: int) -> list[TokenScore]:

@@ -15,7 +15,7 @@ from collections import deque
 from typing import Iterable
 
 from ..errors import PagedError
-from .llm_engine import RequestOutput
+from .outputs import RequestOutput
 
 
 class SharedSteps:

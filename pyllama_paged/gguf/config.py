@@ -175,11 +175,8 @@ class _Fields:
         return value
 
 
-def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelConfig:
-    """Build a ModelConfig from GGUF key/values; errors name the file and key.
-    Every field is type- and range-checked here, so no metadata value can make
-    this raise anything but ModelLoadError or hand the native core a value that
-    does not fit its int32/float fields."""
+def _architecture(meta: dict, n_vocab: int | None, path: str) -> str:
+    """The file's general.architecture, one we run, once its vocabulary is known to fit."""
     arch = meta.get("general.architecture")
     if arch is None:
         raise ModelLoadError(f"{path}: missing metadata field 'general.architecture'")
@@ -189,13 +186,20 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
     if arch not in ARCH_IDS:
         raise ModelLoadError(
             f"{path}: architecture '{arch}' is not supported (supported: {', '.join(ARCH_IDS)})")
-
     if not n_vocab:
         raise ModelLoadError(f"{path}: no vocabulary: neither 'tokenizer.ggml.tokens' nor "
                              "tensor 'token_embd.weight' is present")
     if n_vocab > _INT32_MAX:
         raise ModelLoadError(f"{path}: vocabulary of {n_vocab} tokens is too large")
+    return arch
 
+
+def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelConfig:
+    """Build a ModelConfig from GGUF key/values; errors name the file and key.
+    Every field is type- and range-checked here, so no metadata value can make
+    this raise anything but ModelLoadError or hand the native core a value that
+    does not fit its int32/float fields."""
+    arch = _architecture(meta, n_vocab, path)
     f = _Fields(meta, arch, path).scalar_view()
     n_embd = f.integer("embedding_length")
     n_head = f.integer("attention.head_count")

@@ -26,6 +26,10 @@ from ..errors import DownloadError, RequestError
 from .refs import DEFAULT_REGISTRY, HF_HOSTS, REGISTRY_ENV, registry_base
 
 PULL_ALLOW_ENV = "PYLLAMA_PAGED_PULL_ALLOW"
+# the option naming those hosts (serve's and pull's --pull-allow), as its help says it
+PULL_ALLOW_HELP = ("hosts pulls may use besides the configured registry (PYLLAMA_PAGED_REGISTRY) and the Hugging "
+                   "Face Hub, comma-separated (also PYLLAMA_PAGED_PULL_ALLOW); a host named here may be on a "
+                   "private or loopback address (docs/models.md)")
 BLOB_HOSTS_ENV = "PYLLAMA_PAGED_BLOB_HOSTS"
 HUB_ENDPOINT_ENV = "HF_ENDPOINT"
 # where the Ollama registry and the Hub send blobs (a leading dot: that domain's subdomains)

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
@@ -24,18 +24,21 @@ from .._version import __version__
 from ..errors import ModelLoadError, ModelsBusyError
 from ..tokenizer import render_pool
 from .dashboard import DASHBOARD_HTML
-from .generation import APIError, Limits, limit_flag
-from .scale_out.kv_events import KVEventPublisher, KVEventsConfig
+from .config import ORIGINS_ENV, Limits, ServeConfig
+from .generation import APIError, limit_flag
+from .routing.kv_events import KVEventPublisher
 from .metrics import Metrics
-from .registry import EngineOptions, ModelRegistry
+from .registry import ModelRegistry
 from .anthropic import api as anthropic_api
 from .pooling import embeddings as embeddings_api
 from .ollama import api as ollama_api, manage as ollama_manage
 from .openai import api as openai_api, responses as openai_responses
 from .pooling import rerank as rerank_api
-from .scale_out import router_contract
+from .routing import router_contract
 from .error_bodies import anthropic_error_body, openai_error_object
 from .lookup import find_model
+from .openai.responses_store import ResponseStore
+from .state import server_state
 
 log = logging.getLogger("pyllama_paged.server")
 
@@ -45,13 +48,7 @@ DEFAULT_ORIGINS = tuple(f"{scheme}://{host}{port}" for host in ("localhost", "12
                         for scheme in ("http", "https") for port in ("", ":*")) + (
     "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*",
     "chrome-extension://*", "moz-extension://*", "safari-extension://*", "ms-browser-extension://*")
-ORIGINS_ENV = "PYLLAMA_PAGED_ORIGINS"
 CORS_METHODS = ("GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS")
-
-
-def origins_from(text: str | None) -> list[str]:
-    """Origins from a comma-separated list (the --origins option, the PYLLAMA_PAGED_ORIGINS variable)."""
-    return [o.strip() for o in (text or "").split(",") if o.strip()]
 
 
 class OriginPolicy:
@@ -125,6 +122,7 @@ class ServerState:
     # tokenizing, templates, grammars, tool-call parsing: a few threads of their own
     prep: ThreadPoolExecutor | None = None
     draining: bool = False   # stopping: /health answers 503 while requests still finish
+    responses: ResponseStore = field(default_factory=ResponseStore)   # the Responses API's, one per app
 
     def __post_init__(self):
         if self.prep is None:
@@ -375,6 +373,24 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
                        allow_headers=["*"])
     app.add_middleware(CallerMiddleware, access=access)
     _redact_access_log()
+    _add_error_handlers(app, state)
+    _expire_idle_models(app, registry)
+
+    async def stop_prep():
+        state.prep.shutdown(wait=False, cancel_futures=True)
+
+    app.router.on_shutdown.append(stop_prep)
+    for routes in (ollama_api.router, ollama_manage.router, openai_api.router, openai_responses.router,
+                   # llama-server's /embeddings beside /v1/embeddings (openai_api's routes add their own)
+                   openai_api.add_unversioned(embeddings_api.router), rerank_api.router, anthropic_api.router,
+                   router_contract.router, router):
+        app.include_router(routes)
+    _document_errors(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Every error in the shape of the API it was asked of, counted in /metrics."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -424,63 +440,56 @@ def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: s
             state.metrics.count_request(route_label(request.scope), response.status_code)
         return response
 
-    _expire_idle_models(app, registry)
 
-    async def stop_prep():
-        state.prep.shutdown(wait=False, cancel_futures=True)
+# the server's own routes: its banner, /metrics, the pool view and its dashboard
+router = APIRouter()
 
-    app.router.on_shutdown.append(stop_prep)
-    app.include_router(ollama_api.build_router(state))
-    app.include_router(ollama_manage.build_router(state))
-    app.include_router(openai_api.build_router(state))
-    app.include_router(openai_responses.build_router(state))
-    # llama-server's /embeddings beside /v1/embeddings (openai_api's routes add their own)
-    app.include_router(openai_api.add_unversioned(embeddings_api.build_router(state)))
-    app.include_router(rerank_api.build_router(state))
-    app.include_router(anthropic_api.build_router(state))
-    app.include_router(router_contract.build_router(state))
 
-    @app.get("/", response_class=PlainTextResponse)
-    async def root():
-        return PlainTextResponse("Ollama is running (pyllama-paged)")
+@router.get("/", response_class=PlainTextResponse)
+async def root():
+    return PlainTextResponse("Ollama is running (pyllama-paged)")
 
-    @app.head("/", response_class=Response)
-    async def root_head():
-        return Response()
 
-    async def all_stats() -> dict[str, dict]:
-        """Each loaded model's engine figures (a model keep_alive dropped has none), the
-        models read together so that one busy engine costs one timeout, not one each."""
-        models = list(registry.models.items())
-        found = await asyncio.gather(*(m.figures(state.limits.stats_timeout) for _, m in models))
-        return {name: figures["stats"] for (name, _), (figures, _) in zip(models, found) if figures is not None}
+@router.head("/", response_class=Response)
+async def root_head():
+    return Response()
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        return PlainTextResponse(state.metrics.render(await all_stats()),
-                                 media_type="text/plain; version=0.0.4")
 
-    @app.get("/api/pool")
-    async def pool(model: str | None = None):
-        served = await find_model(registry, model)
-        found, current = await served.figures(state.limits.stats_timeout)
-        if found is None:   # dropped by keep_alive: no pages held (the next request loads it)
-            return {"model": served.name, "paged": served.options.paged, "block_size": served.options.block_size,
-                    "blocks": [], "counts": {}, "loaded": served.is_loaded, "current": current,
-                    "stats": {"blocks_used": 0, "blocks_total": 0}}
-        stats = found["stats"]
-        counts = block_counts(stats)
-        # the cells in state order, from the pool's counters (which block is which is not shown)
-        blocks = [name for name in ("used", "shared", "cached", "free") for _ in range(counts[name])]
-        return {"model": served.name, "paged": found["paged"], "block_size": found["block_size"],
-                "blocks": blocks, "counts": counts, "stats": stats, "loaded": True, "current": current}
+async def _all_stats(state: ServerState) -> dict[str, dict]:
+    """Each loaded model's engine figures (a model keep_alive dropped has none), the
+    models read together so that one busy engine costs one timeout, not one each."""
+    models = list(state.registry.models.items())
+    found = await asyncio.gather(*(m.figures(state.limits.stats_timeout) for _, m in models))
+    return {name: figures["stats"] for (name, _), (figures, _) in zip(models, found) if figures is not None}
 
-    @app.get("/dashboard", response_class=HTMLResponse)
-    async def dashboard():
-        return HTMLResponse(DASHBOARD_HTML)
 
-    _document_errors(app)
-    return app
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request):
+    state = server_state(request)
+    return PlainTextResponse(state.metrics.render(await _all_stats(state)), media_type="text/plain; version=0.0.4")
+
+
+@router.get("/api/pool")
+async def pool(request: Request, model: str | None = None):
+    state = server_state(request)
+    served = await find_model(state.registry, model)
+    found, current = await served.figures(state.limits.stats_timeout)
+    if found is None:   # dropped by keep_alive: no pages held (the next request loads it)
+        engine = served.serving.engine
+        return {"model": served.name, "paged": engine.paged, "block_size": engine.block_size,
+                "blocks": [], "counts": {}, "loaded": served.is_loaded, "current": current,
+                "stats": {"blocks_used": 0, "blocks_total": 0}}
+    stats = found["stats"]
+    counts = block_counts(stats)
+    # the cells in state order, from the pool's counters (which block is which is not shown)
+    blocks = [name for name in ("used", "shared", "cached", "free") for _ in range(counts[name])]
+    return {"model": served.name, "paged": found["paged"], "block_size": found["block_size"],
+            "blocks": blocks, "counts": counts, "stats": stats, "loaded": True, "current": current}
+
+
+@router.get("/dashboard", response_class=HTMLResponse)
+async def dashboard():
+    return HTMLResponse(DASHBOARD_HTML)
 
 
 def block_counts(stats: dict) -> dict[str, int]:
@@ -490,21 +499,22 @@ def block_counts(stats: dict) -> dict[str, int]:
             "cached": stats.get("blocks_cached", 0), "free": stats.get("blocks_free", 0)}
 
 
-def serve(model_paths: list[str] | None, host: str, port: int, api_key: str | None,
-          options: EngineOptions, limits: Limits, origins: list[str] | tuple[str, ...] = (),
-          kv_events: KVEventsConfig | None = None, drain_seconds: float = 0.0) -> None:
-    """Load the models and run uvicorn until interrupted (draining for drain_seconds first);
-    kv_events: publish the prefix caches' changes there."""
+def serve(config: ServeConfig) -> None:
+    """Load config's models and run uvicorn on config.host:config.port until interrupted
+    (draining for config.drain_seconds first), publishing the prefix caches' changes on
+    config.kv_events (a ZMQ socket) when set."""
     import uvicorn
 
-    publisher = KVEventPublisher(kv_events) if kv_events is not None else None
+    publisher = KVEventPublisher(config.kv_events) if config.kv_events is not None else None
     try:
-        options = dataclasses.replace(options, kv_events=publisher) if publisher is not None else options
-        registry = ModelRegistry(model_paths, options)
+        if publisher is not None:
+            config = dataclasses.replace(config, kv_event_listener=publisher)
+        registry = ModelRegistry(config.models, config)
         try:
-            app = create_app(registry, limits, api_key, origins, host)
-            config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
-            router_contract.DrainingServer(config, app.state.pp, drain_seconds).run()
+            app = create_app(registry, config.limits, config.api_key, config.origins, config.host)
+            server = uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                    timeout_graceful_shutdown=5)
+            router_contract.DrainingServer(server, app.state.pp, config.drain_seconds).run()
         finally:
             registry.close()   # the engines' last events (their caches cleared) go out before the socket closes
     finally:

@@ -1,9 +1,12 @@
-"""The server's one chat path. Every API's chat request (OpenAI's chat completions, the
-Responses API, Anthropic's Messages, Ollama's /api/chat) comes here as a ChatCall and goes
-the same way: the per-request limits, the model looked up (a 404), the generative check,
-the API's own refusals; then the shared core (api/chat_call.py: messages, tools, template,
-tokens) off the event loop, the sampling parameters and a Generation. Its answer comes back
-as pieces (text, tool calls, the end) or whole answers, which each API renders."""
+"""The server's one generation path. Every API's chat request (OpenAI's chat completions,
+the Responses API, Anthropic's Messages, Ollama's /api/chat) comes here as a ChatCall
+(run_chat), every text completion (OpenAI's completions, Ollama's /api/generate) as a
+PromptCall (run_prompt), and goes the same way: the per-request limits, an unset max_tokens
+given its default within the server's cap, the model looked up (a 404), the generative
+check, the API's own refusals; then the shared core (calls/chat_call.py: messages, tools,
+template, tokens) off the event loop, the sampling parameters and a Generation per prompt.
+Its answer comes back as pieces (text, tool calls, the end) or whole answers, which each
+API renders."""
 
 from __future__ import annotations
 
@@ -12,14 +15,15 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from ..api.chat_call import (Answer, AnswerPiece, AnswerSplitter, ChatCall, PreparedChat, collect_answers,
-                             prepare_call, split_answer, without_dropped)
-from ..api.text_stream import TextDelta
+from ..calls.chat_call import (Answer, AnswerPiece, AnswerSplitter, Call, ChatCall, PreparedChat, PromptCall,
+                               collect_answers, prepare_call, prepare_prompts, split_answer, without_dropped)
+from ..calls.text_stream import TextDelta
 from ..errors import PagedError
 from ..tools.harmony import HarmonyTokens
 from ..tools.messages import MessageError
 from .generation import APIError, Generation, check_request, field_error, fit_prompt, off_loop, \
     require_generative, start_generation
+from .keep_alive import keep_alive_seconds
 from .lookup import find_model
 from .registry import ServedModel
 
@@ -86,10 +90,13 @@ class ChatRun:
                               self.opens_thinking, self.harmony)
 
 
-async def check_chat(state, call: ChatCall) -> ServedModel:
+async def check_call(state, call: Call) -> ServedModel:
     """The checks before any work: the request's limits, its model (a 404), that the model
-    generates text, and the API's refusals of what it cannot honour."""
+    generates text, and the API's refusals of what it cannot honour. An unset max_tokens
+    gets the call's default (OpenAI completions' 16) within the server's cap, or the cap."""
     check_request(state.limits, **call.limit_fields)
+    cap = state.limits.max_tokens
+    call.sampling_defaults["max_tokens"] = min(call.sampling_defaults.get("max_tokens") or cap, cap)
     served = await find_model(state.registry, call.model)
     require_generative(served)
     if call.refuse_unsupported is not None:
@@ -107,9 +114,8 @@ async def prepare_chat_call(state, served: ServedModel, call: ChatCall) -> Prepa
         raise APIError(400, str(e), call.messages_param if isinstance(e, MessageError) else None) from None
 
 
-async def start_chat(state, served: ServedModel, call: ChatCall, keep_alive: float | None = None) -> ChatRun:
-    """The checked call's generation started: a queue place taken, nothing held before it.
-    keep_alive: Ollama's, in seconds (None: the server's)."""
+async def start_chat(state, served: ServedModel, call: ChatCall) -> ChatRun:
+    """The checked call's generation started: a queue place taken, nothing held before it."""
     prepared = await prepare_chat_call(state, served, call)
     ids = prepared.prompt_ids
     if call.truncate:   # still too long without every droppable turn: its tokens are cut
@@ -118,11 +124,59 @@ async def start_chat(state, served: ServedModel, call: ChatCall, keep_alive: flo
         params = call.params(prepared.constraint)
     except PagedError as e:
         raise field_error(e) from None
-    gen = start_generation(served, ids, params, state.limits, state.metrics, call.n_ctx, keep_alive)
+    gen = start_generation(served, ids, params, state.limits, state.metrics, call.n_ctx,
+                           keep_alive_seconds(call.keep_alive))
     return ChatRun(served, gen, prepared.tool_names, state.prep, prepared.thinks, prepared.opens_thinking,
                    prepared.harmony)
 
 
 async def run_chat(state, call: ChatCall) -> ChatRun:
     """A chat call checked, prepared and started: the whole path before the answer."""
-    return await start_chat(state, await check_chat(state, call), call)
+    return await start_chat(state, await check_call(state, call), call)
+
+
+async def prepare_prompt(state, call: PromptCall) -> tuple[ServedModel, list[PreparedChat]]:
+    """A prompt call checked, and each prompt's tokens made off the event loop, within the
+    context (cut from the front with call.truncate, a 400 otherwise)."""
+    served = await check_call(state, call)
+    try:
+        prepared = await off_loop(state.prep, prepare_prompts, call, served.template, served.tokenizer,
+                                  served.config.n_vocab)
+    except PagedError as e:
+        raise APIError(400, str(e), "prompt") from None
+    for p in prepared:
+        p.prompt_ids = fit_prompt(served, p.prompt_ids, state.limits, call.truncate, call.n_ctx)
+        if not p.prompt_ids:
+            raise APIError(400, "prompt is empty", "prompt")
+    return served, prepared
+
+
+async def start_prompts(state, served: ServedModel, call: PromptCall, prepared: list[PreparedChat]) -> list[ChatRun]:
+    """A generation started for each prepared prompt, a queue place each (one refused gives
+    the earlier ones theirs back)."""
+    try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
+        constraint = await off_loop(state.prep, call.structured, served.tokenizer) if call.structured else None
+    except PagedError as e:
+        raise APIError(400, str(e), call.structured_param) from None
+    runs: list[ChatRun] = []
+    try:
+        for p in prepared:
+            try:
+                params = call.params(constraint)   # each its own: a generation may shorten its max_tokens
+            except PagedError as e:
+                raise field_error(e) from None
+            gen = start_generation(served, p.prompt_ids, params, state.limits, state.metrics, call.n_ctx,
+                                   keep_alive_seconds(call.keep_alive))
+            runs.append(ChatRun(served, gen, set(), state.prep, p.thinks, p.opens_thinking, p.harmony))
+    except BaseException:   # a later prompt refused (queue full): the earlier ones give their places back
+        for run in runs:
+            run.gen.leave()
+        raise
+    return runs
+
+
+async def run_prompt(state, call: PromptCall) -> list[ChatRun]:
+    """A prompt call checked, prepared and started, a run per prompt: the whole path before
+    the answers."""
+    served, prepared = await prepare_prompt(state, call)
+    return await start_prompts(state, served, call, prepared)

@@ -8,14 +8,15 @@ import functools
 import json
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.worker.sampler import SamplingParams
+from ..engine import SamplingParams
 from ..errors import PagedError
-from ..api.sampling_options import Surface, sampling_params
-from ..api.text_stream import TextAssembler, TextDelta
-from ..tokenizer.render_pool import RenderLimits, render_limits
+from ..calls.sampling_options import Surface, sampling_params
+from ..calls.text_stream import TextAssembler, TextDelta
+from ..flags import flag_of
+from .config import Limits
 from .metrics import Metrics
 from .registry import ServedModel
 
@@ -31,63 +32,9 @@ class APIError(Exception):
         self.code = code
 
 
-def _option(default, flag: str, help_text: str, kind=int):
-    # the `serve` flag lives beside the field so that the CLI and every refusal name the same option
-    return field(default=default, metadata={"flag": flag, "help": help_text, "type": kind})
-
-
-@dataclass
-class Limits:
-    """What one request may ask of the server, and how the server shields its users from
-    each other; every field is a `pyllama-paged serve` option (its metadata names it)."""
-    max_body_bytes: int = _option(1 << 20, "--max-body", "request body limit in bytes (413 above it)")
-    max_prompt_tokens: int | None = _option(None, "--max-prompt-tokens",
-                                            "prompt tokens of one request")
-    max_tokens: int = _option(4096, "--max-tokens", "cap on max_tokens / num_predict")
-    max_n: int = _option(8, "--max-n", "samples (n, beam width) of one request")
-    max_queue: int = _option(256, "--max-queue", "requests waiting beyond those running, per model "
-                             "(503 when full); an embedding request takes one place")
-    max_prompts: int = _option(32, "--max-prompts", "prompts in one /v1/completions request")
-    max_messages: int = _option(2048, "--max-messages", "messages in one chat request")
-    max_stop: int = _option(16, "--max-stop", "stop strings of one request")
-    max_stop_chars: int = _option(256, "--max-stop-chars", "characters of one stop string")
-    max_tools: int = _option(128, "--max-tools", "tools offered in one request")
-    max_tools_bytes: int = _option(256 * 1024, "--max-tools-bytes", "size of a request's tools as JSON, in bytes")
-    max_logit_bias: int = _option(1024, "--max-logit-bias", "logit_bias entries of one request")
-    max_grammar_bytes: int = _option(64 * 1024, "--max-grammar-bytes",
-                                     "size of a GBNF grammar or a JSON schema (format, response_format, "
-                                     "json_schema), in bytes")
-    max_schema_depth: int = _option(64, "--max-schema-depth",
-                                    "nesting depth of a JSON schema or of tool parameters (JSON levels)")
-    max_embedding_inputs: int = _option(2048, "--max-embedding-inputs",
-                                        "inputs in one embedding request (OpenAI's limit)")
-    max_embedding_chars: int = _option(1 << 20, "--max-embedding-chars",
-                                       "characters of all inputs of one embedding request "
-                                       "(a token of a token-array input counts as one)")
-    prep_threads: int = _option(4, "--prep-threads",
-                                "worker threads that tokenize, render chat templates, compile grammars "
-                                "and parse tool calls (kept off the event loop and its shared pool)")
-    stats_timeout: float = _option(2.0, "--stats-timeout",
-                                   "seconds /metrics, /api/ps and /api/pool wait for a busy engine before "
-                                   "answering with its last known figures", float)
-    template_seconds: float = _option(5.0, "--template-seconds",
-                                      "seconds a chat template may take to render; past them its renderer process "
-                                      "is killed and replaced", float)
-    template_memory_mib: int = _option(512, "--template-memory-mib",
-                                       "memory (address space, MiB) of each chat template renderer process")
-    template_max_bytes: int = _option(8 << 20, "--template-max-bytes", "bytes of prompt a chat template may render")
-    template_processes: int = _option(2, "--template-processes",
-                                      "chat template renderer processes (started on demand, kept warm)")
-
-    def render_limits(self) -> RenderLimits:
-        """The chat template renderers' limits these Limits set."""
-        return render_limits(seconds=self.template_seconds, memory_mib=self.template_memory_mib,
-                             output_bytes=self.template_max_bytes, processes=self.template_processes)
-
-
 def limit_flag(name: str) -> str:
     """The `serve` option that sets Limits field `name`."""
-    return next(f.metadata["flag"] for f in fields(Limits) if f.name == name)
+    return flag_of(Limits, name)
 
 
 def refuse_over(limits: Limits, name: str, value: int, what: str, param: str | None,
@@ -162,7 +109,7 @@ async def off_loop(pool: Executor, fn, *args):
 def admit(served: ServedModel, limits: Limits, metrics: Metrics) -> None:
     """Take one of the model's places (running or queued) now, or a 503. The check and the
     count are one step with no await between, so a burst cannot overshoot the limit."""
-    if not metrics.admit(served.name, limits.max_queue + served.options.scheduler.max_num_seqs):
+    if not metrics.admit(served.name, limits.max_queue + served.serving.engine.scheduler.max_num_seqs):
         raise APIError(503, "server busy: the request queue is full, retry shortly", None,
                        "server_busy", {"Retry-After": "1"})
 

@@ -5,7 +5,6 @@ was started with, and the models of the local store (pulled), loaded on first us
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import datetime as dt
 import hashlib
 import logging
@@ -13,21 +12,15 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ..tokenizer.chat_template import ChatTemplate
-from ..engine.loop import EngineLoop
-from ..engine.builder import build_engine
-from ..engine.config import EngineConfig, cli_option
-from ..engine.pooling.encoder import EncoderEngine
-from ..engine.llm_engine import LLMEngine
-from ..engine.worker.model import Model, default_model_path
-from ..engine.sched.scheduler import SchedulerConfig
-from ..engine.scoring import ScoreParams
+from ..engine import (EncoderEngine, EngineConfig, EngineLoop, LLMEngine, Model, ScoreParams, build_engine,
+                      default_model_path, load_model)
 from ..errors import ModelLoadError, ModelsBusyError, PagedError
 from ..models.store import ModelStore, StoredModel
 from ..tokenizer.tokenizer import Tokenizer
+from .config import ServeConfig
 
 DEFAULT_MODEL_NAME = "gemma3:270m"
 log = logging.getLogger("pyllama_paged.server")
@@ -40,61 +33,14 @@ def _engine_figures(llm) -> dict:
     return llm.pool_figures()
 
 
-def _served_scheduler() -> SchedulerConfig:
-    # streams keep their pace while others arrive: an inter-token budget, and a ceiling on
-    # prefill beside decodes before the budget is learned
-    return SchedulerConfig(itl_budget="auto", max_prefill_tokens_with_decodes=128)
-
-
-@dataclass
-class ServedEngineConfig(EngineConfig):
-    """EngineConfig with the server's defaults (a KV pool of 32768 tokens of every layer,
-    shared by all users; the scheduler of _served_scheduler), and the server's own settings.
-    Each model's engine is this config with the model's path (ServedModel.engine_config)."""
-
-    kv_tokens: int | None = 32768
-    scheduler: SchedulerConfig = field(default_factory=_served_scheduler)
-    # where each generative engine tells of its prefix cache's changes (a KVEventListener, e.g.
-    # the server's ZMQ publisher; None: nowhere); attached again at every load
-    kv_events: object | None = field(default=None, compare=False, repr=False)
-    # engines loaded at once (Ollama's OLLAMA_MAX_LOADED_MODELS): the files the server starts
-    # with are never unloaded to make room; pulled models share the slots left (at least one),
-    # and loading one more first drops the pulled model idle longest
-    max_loaded_models: int = cli_option(
-        3, "--max-loaded-models", "engines loaded at once: the --model files always stay loaded, and pulled models "
-        "share the slots left (at least one); loading another pulled model first unloads the pulled model idle "
-        "longest; pulled models stay loaded 5 minutes after their last request unless a request's keep_alive "
-        "says otherwise", type=int, metavar="N")
-    stored_keep_alive: float | None = 300.0   # seconds a pulled model stays loaded idle (Ollama's 5m)
-
-
-# EngineConfig's fields under the names `serve` and Ray's builder arguments gave them first
-_EARLIER_NAMES = {"kv_budget_tokens": "kv_tokens", "kv_budget_bytes": "kv_bytes"}
-# the scheduler's settings a server takes flat; its token budget per step is n_batch
-_SCHEDULER_SETTINGS = frozenset(f.name for f in fields(SchedulerConfig)) - {"max_num_batched_tokens"}
-
-
-class EngineOptions(ServedEngineConfig):
-    """ServedEngineConfig, also given flat as `serve`'s options and Ray's builder arguments
-    give it: a SchedulerConfig field (max_num_seqs=8) sets the scheduler's, and kv_budget_tokens
-    / kv_budget_bytes are kv_tokens / kv_bytes."""
-
-    def __init__(self, **settings):
-        settings = {_EARLIER_NAMES.get(name, name): value for name, value in settings.items()}
-        flat = {name: settings.pop(name) for name in _SCHEDULER_SETTINGS & settings.keys()}
-        if flat:
-            settings["scheduler"] = dataclasses.replace(settings.get("scheduler") or _served_scheduler(), **flat)
-        super().__init__(**settings)
-
-
 class ServedModel:
     """One served GGUF. Its engine (weights, KV pool, runner, loop) is loaded while
     it is used and dropped when keep_alive runs out or is 0 with no request in
     flight; a snapshot of its metadata keeps /api/tags and /api/show answering,
     and the next request loads it again (Ollama's keep_alive)."""
 
-    def __init__(self, name: str, path: str, options: EngineOptions):
-        self.name, self.path, self.options = name, str(path), options
+    def __init__(self, name: str, path: str, serving: ServeConfig):
+        self.name, self.path, self.serving = name, str(path), serving
         self.model: Model | None = None
         self.engine: LLMEngine | EncoderEngine | None = None
         self.loop: EngineLoop | None = None
@@ -129,34 +75,33 @@ class ServedModel:
             raise ModelLoadError(f"model {self.name} was replaced by another file; ask for it again")
         self.loads += 1
         self.identity = file_identity(self.path)   # the file these weights came from
-        model = Model(self.path, n_gpu_layers=self.options.n_gpu_layers, main_gpu=self.options.main_gpu)
+        config = self.engine_config()
+        model = load_model(config)
         try:
             if self.tokenizer is None:   # kept across unloads, like the metadata
                 self.tokenizer = Tokenizer.from_metadata(model.metadata)
-            engine = build_engine(self.engine_config(), model, self.tokenizer.eot_ids)
+            engine = build_engine(config, model, self.tokenizer.eot_ids)
         except BaseException:
             model.close()
             raise
-        if self.options.kv_events is not None and not engine.is_encoder:
-            engine.set_kv_event_listener(self.options.kv_events)
+        if self.serving.kv_event_listener is not None and not engine.is_encoder:
+            engine.set_kv_event_listener(self.serving.kv_event_listener)
         self.loop = EngineLoop(engine)
         self.model, self.engine = model, engine
         self.loaded_at = time.time()
 
-    @property
-    def size_vram(self) -> int:
-        """Bytes this model holds on a GPU (weights and KV pools), as Ollama's /api/ps reports."""
-        if self.model is None or self.model.device is None or self.engine is None or self.engine.is_encoder:
+    def size_vram(self, figures: dict | None) -> int:
+        """Bytes this model holds on a GPU (weights and, from its engine's figures, KV pools), as
+        Ollama's /api/ps reports."""
+        model = self.model
+        if model is None or model.device is None or figures is None:
             return 0
-        return self.model.device_bytes + self.engine.runner.kv_device_bytes
+        return model.device_bytes + figures.get("kv_device_bytes", 0)
 
     def engine_config(self) -> EngineConfig:
-        """The engine of this model: the options' EngineConfig fields, with its path, and
-        as many tokens per scheduler step as per forward step."""
-        o = self.options
-        settings = {f.name: getattr(o, f.name) for f in fields(EngineConfig)}
-        return EngineConfig(**{**settings, "model_path": self.path,
-                               "scheduler": dataclasses.replace(o.scheduler, max_num_batched_tokens=o.n_batch)})
+        """The engine of this model (ServeConfig.engine_for its path): what load_model and
+        build_engine are given, every field of the server's EngineConfig included."""
+        return self.serving.engine_for(self.path)
 
     @property
     def is_loaded(self) -> bool:
@@ -384,9 +329,9 @@ class ModelRegistry:
 
     The files the server starts with (the operator's) are pinned: never unloaded to make
     room, and their loads never wait for room. Pulled models share the slots
-    options.max_loaded_models leaves beside them (at least one): a load beyond those first
+    serving.max_loaded_models leaves beside them (at least one): a load beyond those first
     drops the least recently used idle pulled engine, and waits (up to LOAD_WAIT_S) while
-    every loaded pulled one is busy. A pulled model stays loaded options.stored_keep_alive
+    every loaded pulled one is busy. A pulled model stays loaded serving.stored_keep_alive
     seconds after its last request unless a request says otherwise. That first load runs on
     a worker thread (resolve). A stored name pulled again (or re-pointed) at another file is
     served from the new file: the old engine finishes its requests and goes."""
@@ -394,8 +339,8 @@ class ModelRegistry:
     LOAD_WAIT_S = 120.0
     ROOM_POLL_S = 0.05
 
-    def __init__(self, paths: list[str] | None, options: EngineOptions, store: ModelStore | None = None):
-        self.options = options
+    def __init__(self, paths: list[str] | None, serving: ServeConfig | None = None, store: ModelStore | None = None):
+        self.serving = serving = serving if serving is not None else ServeConfig()
         self.store = store if store is not None else ModelStore()
         self.models: dict[str, ServedModel] = {}
         self.aliases: dict[str, str] = {}     # a name made with copy/create -> a served model's name
@@ -406,8 +351,8 @@ class ModelRegistry:
             self._load(DEFAULT_MODEL_NAME, default_model_path())
         for path in paths or []:
             self._load(model_name_for(path), path)
-        self.max_loaded = max(options.max_loaded_models, len(self.models))
-        self.stored_slots = max(1, options.max_loaded_models - len(self.models))
+        self.max_loaded = max(serving.max_loaded_models, len(self.models))
+        self.stored_slots = max(1, serving.max_loaded_models - len(self.models))
         self._retiring: dict[asyncio.Task, ServedModel] = {}   # engines of re-pointed names, until idle
         self._sweep_store()
 
@@ -422,7 +367,7 @@ class ModelRegistry:
             log.warning("the model store at %s is not used for writing: %s", self.store.root, e)
 
     def _load(self, name: str, path: str) -> None:
-        served = ServedModel(name, str(path), self.options)
+        served = ServedModel(name, str(path), self.serving)
         served.make_room = self.make_room
         self.models[name] = served
 
@@ -542,9 +487,9 @@ class ModelRegistry:
     async def _load_stored(self, key: str, path: str) -> ServedModel:
         """A stored model's first engine, after making room for it."""
         await self.make_room(None)
-        served = await asyncio.get_running_loop().run_in_executor(None, ServedModel, key, path, self.options)
+        served = await asyncio.get_running_loop().run_in_executor(None, ServedModel, key, path, self.serving)
         served.make_room = self.make_room
-        served.default_keep_alive = self.options.stored_keep_alive
+        served.default_keep_alive = self.serving.stored_keep_alive
         served.keep_alive = None
         return served
 

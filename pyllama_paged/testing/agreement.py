@@ -81,7 +81,7 @@ def assert_forked_samples_agree(llm, prompt, ref, end_ids, n: int = 3, max_token
     """n greedy samples of prompt on llm share its pages and copy the partial last block on
     their first write (at least n - 1 copies); each continues as ref's greedy answer does, up
     to a near-tie, and every block is free afterwards."""
-    from ..engine.worker.sampler import SamplingParams
+    from ..engine import SamplingParams
     (outs,), _ = run_to_completion(llm, [prompt], SamplingParams(max_tokens=max_tokens, temperature=0, n=n))
     assert sorted(outs) == list(range(n)) and llm.stats()["cow_copies"] >= n - 1
     want = ref.generate_greedy(prompt, max_tokens)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from pyllama_paged._native import NativeHandle, check, ffi, lib
-from pyllama_paged.engine.worker.model_runner import KV_TYPES
+from pyllama_paged.engine import KV_TYPES
 
 
 def _i32(a) -> tuple[np.ndarray, object]:

@@ -10,7 +10,7 @@ import json
 def chat_prompt_ids(template_source: str, tokenizer, messages: list, **call_fields) -> list[int]:
     """The prompt the server's one chat path makes of messages (call_fields: the ChatCall's others,
     e.g. tools, thinking) under a template: what a model scripted for it is given."""
-    from ..api.chat_call import ChatCall, prepare_call
+    from ..calls.chat_call import ChatCall, prepare_call
     from ..tokenizer.chat_template import ChatTemplate
 
     return prepare_call(ChatCall(messages=messages, **call_fields), ChatTemplate(template_source), tokenizer).prompt_ids

@@ -33,12 +33,12 @@ def _tiny(arch: str, folder: Path) -> str:
 
 
 def _runner(path, n_gpu_layers: int, **kw):
-    from ..engine.worker.model import Model
+    from ..engine import EngineConfig, Model
     from ..engine.worker.model_runner import ModelRunner
 
     model = Model(path, n_gpu_layers=n_gpu_layers)
     settings = dict(n_ctx=256, n_threads=2, n_batch=64, block_size=16)
-    return model, ModelRunner(model, **{**settings, **kw})
+    return model, ModelRunner(model, EngineConfig(**{**settings, **kw}))
 
 
 def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -150,12 +150,11 @@ PROMPTS = [list(np.random.default_rng(i).integers(4, 300, size=n)) for i, n in e
 
 
 def _engine(model, num_blocks=None, mode="recompute", free=True):
-    from ..engine.llm_engine import LLMEngine
+    from ..engine import EngineConfig, LLMEngine, SchedulerConfig
     from ..engine.worker.model_runner import ModelRunner
-    from ..engine.sched.scheduler import SchedulerConfig
 
-    runner = ModelRunner(model, n_ctx=256, n_threads=2, n_batch=64, block_size=16, num_blocks=num_blocks,
-                         free_window_blocks=free)
+    runner = ModelRunner(model, EngineConfig(n_ctx=256, n_threads=2, n_batch=64, block_size=16, num_blocks=num_blocks,
+                                             free_window_blocks=free))
     return LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=64, preemption_mode=mode))
 
 
@@ -164,8 +163,7 @@ def check_engine() -> dict:
     window 16): batched greedy requests with window pages given back, swap and recompute
     preemption in a pool too small for all, n=3 samples and beams; answers compared with
     the CPU engine's, each request alone (near-ties allowed as in testing/agreement.py)."""
-    from ..engine.worker.model import Model
-    from ..engine.worker.sampler import SamplingParams
+    from ..engine import Model, SamplingParams
     from .agreement import assert_greedy_agree, engine_logits, run_to_completion
 
     greedy = SamplingParams(max_tokens=40, temperature=0)
@@ -318,18 +316,18 @@ def check_server() -> dict:
 def check_limits() -> dict:
     """Asking the device for more than it holds: a KV pool above what it binds in one
     tensor is a clear error, and the same process then serves a model that fits."""
-    from ..engine.worker.model import Model
+    from ..engine import EngineConfig, Model
     from ..engine.worker.model_runner import ModelRunner
     from ..errors import PagedError
 
     model = Model(n_gpu_layers=-1)
     try:
         try:
-            ModelRunner(model, n_ctx=512, n_threads=2, kv_bytes=64 * 2**30)
+            ModelRunner(model, EngineConfig(n_ctx=512, n_threads=2, kv_bytes=64 * 2**30))
             refused = None
         except PagedError as e:
             refused = str(e)
-        runner = ModelRunner(model, n_ctx=512, n_threads=2)
+        runner = ModelRunner(model, EngineConfig(n_ctx=512, n_threads=2))
         seq = runner.add_sequence([2, 651, 1957, 6037, 9692, 659])
         finite = bool(np.isfinite(runner.prefill(seq)).all())
         runner.close()
@@ -345,7 +343,7 @@ CHECKS = {"reference": check_reference, "forks": check_forks, "mixed": check_mix
 
 def main(argv=None) -> int:
     """Run one check and print its answer as a JSON line (with the device it ran on)."""
-    from ..engine.worker.devices import gpu_device
+    from ..engine import gpu_device
 
     argv = sys.argv[1:] if argv is None else argv
     name, args = argv[0], argv[1:]

@@ -24,7 +24,7 @@ def digit_answers(llm, engine, prompt, max_tokens: int) -> list[list[int]]:
     """Greedy answers of prompt constrained to digits and spaces, without and with
     speculative decoding (each checked against the grammar)."""
     from ..constrain.grammar import compile_constraint
-    from ..engine.worker.sampler import SamplingParams
+    from ..engine import SamplingParams
 
     answers = []
     for speculative in (False, True):
@@ -41,7 +41,7 @@ def digit_answers(llm, engine, prompt, max_tokens: int) -> list[list[int]]:
 def greedy_with_and_without(engine, prompt, max_tokens: int, **params) -> tuple[list[int], list[int]]:
     """prompt's greedy answer without speculative decoding, then with it (params: more
     SamplingParams fields)."""
-    from ..engine.worker.sampler import SamplingParams
+    from ..engine import SamplingParams
 
     [[plain]] = run_together(engine, [(prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                speculative=False, **params))])
@@ -62,3 +62,15 @@ def chunked_logits(runner, prompt, chunks=(23, 1, 16)):
                                    list(range(n))))
         done += n
     return np.concatenate(rows)
+
+
+def prompt_logits(model, prompt):
+    """The logits after prompt, prefilled on a fresh 64-token runner of model (closed after)."""
+    from ..engine import EngineConfig
+    from ..engine.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(model, EngineConfig(n_ctx=64, n_threads=2, n_batch=64, block_size=16))
+    try:
+        return runner.prefill(runner.add_sequence(list(prompt)))
+    finally:
+        runner.close()

@@ -124,13 +124,14 @@ def seed_sizes(docs: dict[str, mut.Doc]) -> dict[str, tuple[int, int]]:
 def _exercise(model, tokenizer, template) -> None:
     """Use a model that opened: the first request would do this much."""
     from pyllama_paged.engine.worker.model_runner import ModelRunner
+    from pyllama_paged.engine import EngineConfig
 
     ids = [t for t in tokenizer.encode("Hello the world <|im_end|>", parse_special=True)
            if 0 <= t < model.config.n_vocab][:8] or [0]
     tokenizer.decode(ids)
     template.render([{"role": "user", "content": "hi"}])
-    runner = ModelRunner(model, paged=True, n_ctx=max(1, min(64, model.config.n_ctx_train)), n_threads=1,
-                         n_batch=16, block_size=16)
+    runner = ModelRunner(model, EngineConfig(paged=True, n_ctx=max(1, min(64, model.config.n_ctx_train)), n_threads=1,
+                                             n_batch=16, block_size=16))
     try:
         runner.prefill(runner.add_sequence(ids))
     finally:
@@ -141,7 +142,7 @@ def open_case(path: str, exercise: bool) -> dict:
     """Open one case file the way the library does; classify the outcome."""
     from pyllama_paged.tokenizer.chat_template import ChatTemplate
     from pyllama_paged.errors import PagedError
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import Model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
     stage = "reader"

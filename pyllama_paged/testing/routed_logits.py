@@ -23,12 +23,12 @@ def file_logits(path, prompt, *, paged: bool = True, kv_cache_type: str = "f16",
                 chunks=(23, 1, 16), pack_panels: bool = True) -> np.ndarray:
     """All-position logits of prompt on the model file at path, computed in prefill chunks
     then single-token steps, on a runner made for this call alone."""
-    from ..engine.worker.model import Model
+    from ..engine import EngineConfig, Model
     from ..engine.worker.model_runner import ModelRunner
 
     model = Model(str(path), pack_panels=pack_panels)
-    runner = ModelRunner(model, paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=16,
-                         kv_cache_type=kv_cache_type, attention=attention)
+    runner = ModelRunner(model, EngineConfig(paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=16,
+                                             kv_cache_type=kv_cache_type, attention=attention))
     try:
         return chunked_logits(runner, prompt, chunks)
     finally:
@@ -62,10 +62,11 @@ def assert_one_step_routes_as_alone(model, prompts, tolerance: float = 1e-3) -> 
     """The prompts' last-token logits computed in one step together equal those each gets on
     a runner of its own (no prefix cache hit spares a token), within tolerance of the spread."""
     from ..engine.worker.model_runner import ModelRunner
+    from ..engine import EngineConfig
 
     def runner():
-        return ModelRunner(model, paged=True, n_ctx=64, n_seq_max=len(prompts) + 1, n_threads=2, n_batch=128,
-                           block_size=16)
+        return ModelRunner(model, EngineConfig(paged=True, n_ctx=64, n_seq_max=len(prompts) + 1, n_threads=2,
+                                               n_batch=128, block_size=16))
 
     alone = []
     for p in prompts:

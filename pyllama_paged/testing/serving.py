@@ -118,11 +118,12 @@ def wait_pool_empty(url, timeout=120):
 
 def tiny_registry(directory, name: str = "tiny", **options):
     """A ModelRegistry serving a tiny random-weight Gemma 3 (loads in milliseconds) as `name`."""
-    from pyllama_paged.server.registry import EngineOptions, ModelRegistry
+    from pyllama_paged.server.config import ServeConfig
+    from pyllama_paged.server.registry import ModelRegistry
 
     path = write_tiny_model(Path(directory) / f"{name}.gguf", "gemma3", weight_type="q8_0")
     settings = dict(n_ctx=512, n_threads=2, n_batch=128, kv_tokens=2048, max_num_seqs=8)
-    return ModelRegistry([path], EngineOptions(**{**settings, **options}))
+    return ModelRegistry([path], ServeConfig.flat(**{**settings, **options}))
 
 
 def wait_until(condition, timeout=20.0, what="condition"):
@@ -144,9 +145,10 @@ def model_server(paths, limits=None, **options):
     """The GGUF files at paths (None: the embedded default model) served on a loopback port
     with these engine options; the server and then the models are stopped on leaving."""
     from pyllama_paged.server.app import create_app
-    from pyllama_paged.server.registry import EngineOptions, ModelRegistry
+    from pyllama_paged.server.config import ServeConfig
+    from pyllama_paged.server.registry import ModelRegistry
 
-    registry = ModelRegistry(paths, EngineOptions(**options))
+    registry = ModelRegistry(paths, ServeConfig.flat(**options))
     try:
         server = Running(create_app(registry, limits))
         try:

@@ -97,7 +97,7 @@ def llama3_rope_divisors(head_dim: int, freq_base: float) -> np.ndarray:
 
 def _source_metadata(source: str | None) -> dict:
     """The default gemma3 model's metadata, for presets that copy its tokenizer."""
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
 
     # strict: a token that is not UTF-8 must fail here, not be copied altered
     meta = read_metadata(source or default_model_path(), errors="strict")

@@ -1,5 +1,6 @@
 """Writes a vocabulary as the tokenizer.ggml.* metadata of a GGUF being built, for the test
-model writers (pyllama_paged/testing/reference/tiny_gguf.py, synthetic_gguf.py)."""
+model writers (pyllama_paged/testing/reference/tiny_gguf.py, synthetic_gguf.py); and, for the
+tests that build GGUFs by hand, metadata fields by their Python type and the file's last steps."""
 
 from __future__ import annotations
 
@@ -31,3 +32,30 @@ def add_tokenizer(w, model: str, pre: str, vocab: Mapping) -> None:
             getattr(w, method)(bool(vocab[key]))
     if vocab.get("chat_template"):
         w.add_chat_template(vocab["chat_template"])
+
+
+def add_fields(w, metadata: Mapping, integer: str = "add_uint32") -> None:
+    """Add metadata to the gguf.GGUFWriter w by each value's type: the tokenizer's arrays (scores
+    as FLOAT32, token types as INT32), bools, ints (with the writer's method named integer),
+    strings."""
+    for key, value in metadata.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            w.add_array(key, value)
+        elif key == "tokenizer.ggml.scores":
+            w.add_array(key, [float(v) for v in value])
+        elif key == "tokenizer.ggml.token_type":
+            w.add_array(key, [int(v) for v in value])
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            getattr(w, integer)(key, value)
+        else:
+            w.add_string(key, value)
+
+
+def finish(w) -> None:
+    """Write the gguf.GGUFWriter w's header, metadata and tensors, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -5,7 +5,7 @@ import pytest
 from pyllama_paged.tokenizer.chat_template import ChatTemplate, builtin_template
 from pyllama_paged.errors import PagedError
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.engine.worker.sampler import SamplingParams
+from pyllama_paged.engine import SamplingParams
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 
 CONVERSATION = [

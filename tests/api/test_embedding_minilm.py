@@ -79,10 +79,11 @@ def test_served_through_ollama_and_openai_clients(gguf_path, ours):
     import ollama
     import openai
     from pyllama_paged.server.app import create_app
-    from pyllama_paged.server.registry import EngineOptions, ModelRegistry
+    from pyllama_paged.server.config import ServeConfig
+    from pyllama_paged.server.registry import ModelRegistry
     from pyllama_paged.testing.serving import Running
 
-    registry = ModelRegistry([gguf_path], EngineOptions(n_threads=2))
+    registry = ModelRegistry([gguf_path], ServeConfig.flat(n_threads=2))
     server = Running(create_app(registry))
     try:
         got = ollama.Client(host=server.url).embed(model="all-minilm-l6-v2", input=SENTENCES[:20]).embeddings

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from pyllama_paged import EngineLoop, Llama, PagedError, SamplingParams
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import EmbedParams, Model
 from pyllama_paged.convert.bert_gguf import gguf_tensor_name, llama_cpp_token
-from pyllama_paged.engine.pooling.embedding import EmbedParams
 from pyllama_paged.engine.pooling.encoder import pack
 from pyllama_paged.tokenizer.tokenizer import Tokenizer
 from pyllama_paged.tokenizer.wordpiece import split_words
@@ -169,9 +168,9 @@ def test_decoder_embedding_matches_reference(tiny_decoders, arch, pooling):
 
 
 def _embed_ids(llm, prompts, pooling):
-    from pyllama_paged.api.embeddings import finish_vector
-    from pyllama_paged.engine.pooling.embedding import run_embeddings
-    from pyllama_paged.engine.shared_steps import SharedSteps
+    from pyllama_paged.calls.embeddings import finish_vector
+    from pyllama_paged.calls.embeddings import run_embeddings
+    from pyllama_paged.engine import SharedSteps
     return [finish_vector(v) for v in run_embeddings(SharedSteps(llm.llm_engine), prompts, EmbedParams(pooling))]
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import pyllama_paged
 from pyllama_paged import Llama, LlamaGrammar
-from pyllama_paged.engine.worker.model import default_model_path
+from pyllama_paged.engine import default_model_path
 
 MODEL_PATH = default_model_path()
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_paged.engine.llm_engine import RequestOutput, TokenEvent
-from pyllama_paged.api.text_stream import StopMatcher, StopStrings, TextAssembler
+from pyllama_paged.engine import RequestOutput, TokenEvent
+from pyllama_paged.calls.text_stream import StopMatcher, StopStrings, TextAssembler
 from pyllama_paged.tokenizer.chat_template import ChatPrompt, ChatTemplate, builtin_template
 from pyllama_paged.tokenizer.spm import WordCache, bigram_merge
 from pyllama_paged.tokenizer.tokenizer import Tokenizer

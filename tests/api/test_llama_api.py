@@ -5,7 +5,7 @@ import pytest
 
 from pyllama_paged.errors import PagedError
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.api.text_stream import StopMatcher
+from pyllama_paged.calls.text_stream import StopMatcher
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ def test_llama_grammar(llm, tmp_path):
 
 
 def test_from_pretrained_local_directory_and_hf_cache(tmp_path, monkeypatch):
-    from pyllama_paged.engine.worker.model import default_model_path
+    from pyllama_paged.engine import default_model_path
     from pyllama_paged.testing.model_sources import ModelSources
 
     src = default_model_path()

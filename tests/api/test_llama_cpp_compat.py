@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pyllama_paged import Llama  # was: from llama_cpp import Llama
-from pyllama_paged.engine.worker.model import default_model_path
+from pyllama_paged.engine import default_model_path
 
 MODEL_PATH = default_model_path()
 
@@ -95,17 +95,21 @@ def test_readme_chat_completion():
     llm.close()
 
 
+# the README's JSON-mode messages
+WORLD_SERIES = [
+    {
+        "role": "system",
+        "content": "You are a helpful assistant that outputs in JSON.",
+    },
+    {"role": "user", "content": "Who won the world series in 2020"},
+]
+
+
 def test_readme_json_mode_and_json_schema():
     # as the README writes it: a free json_object from a base model may run to the context (512)
     llm = Llama(model_path=MODEL_PATH, chat_format="chatml")
     out = llm.create_chat_completion(
-        messages=[
-            {
-                "role": "system",
-                "content": "You are a helpful assistant that outputs in JSON.",
-            },
-            {"role": "user", "content": "Who won the world series in 2020"},
-        ],
+        messages=WORLD_SERIES,
         response_format={
             "type": "json_object",
         },
@@ -116,13 +120,7 @@ def test_readme_json_mode_and_json_schema():
     if out["choices"][0]["finish_reason"] == "stop":   # a free object may fill the context; ended, it parses
         assert isinstance(json.loads(content), dict)
     out = llm.create_chat_completion(
-        messages=[
-            {
-                "role": "system",
-                "content": "You are a helpful assistant that outputs in JSON.",
-            },
-            {"role": "user", "content": "Who won the world series in 2020"},
-        ],
+        messages=WORLD_SERIES,
         response_format={
             "type": "json_object",
             "schema": {

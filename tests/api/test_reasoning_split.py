@@ -1,10 +1,9 @@
 """Thinking apart from the answer (tools/reasoning.py): the split is the same however the
 reply is cut into deltas, and only a block at the reply's start is thinking."""
 
-import random
-
 import pytest
 
+from pyllama_paged.testing.deltas import delta_cuts
 from pyllama_paged.tools.reasoning import (ReasoningSplitter, prompt_opens_thinking, split_reasoning,
                                            template_thinks)
 
@@ -30,11 +29,7 @@ def test_whole_reply(reply, opened, thinking, answer):
 
 @pytest.mark.parametrize("reply,opened,thinking,answer", CASES)
 def test_every_cut_into_deltas_gives_the_same_split(reply, opened, thinking, answer):
-    rng = random.Random(len(reply))
-    cuts = [[i] for i in range(len(reply) + 1)] + [sorted(rng.sample(range(len(reply) + 1), min(4, len(reply))))
-                                                      for _ in range(20)]
-    cuts.append(list(range(len(reply) + 1)))   # one character at a time
-    for points in cuts:
+    for points in delta_cuts(reply, 4):
         splitter = ReasoningSplitter(opened)
         got_thinking = got_answer = ""
         bounds = [0, *points, len(reply)]

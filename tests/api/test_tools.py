@@ -10,13 +10,12 @@ import numpy as np
 import openai
 import pytest
 
-from pyllama_paged.testing.serving import Running, wait_pool_empty
+from pyllama_paged.testing.serving import default_model_server, wait_pool_empty
 from pyllama_paged.constrain.grammar import ConstraintError
 from pyllama_paged.constrain.masks import MaskBuffer
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME
 from pyllama_paged.tokenizer.chat_template import ChatTemplate
 from pyllama_paged.tokenizer.tokenizer import Tokenizer
 from pyllama_paged.tools.calls import ToolCallStream, parse_tool_calls
@@ -244,12 +243,9 @@ def llm():
 
 @pytest.fixture(scope="module")
 def server():
-    registry = ModelRegistry(None, EngineOptions(n_ctx=1024, n_threads=2, n_batch=256, block_size=32,
-                                                 kv_budget_tokens=8192, max_num_seqs=16))
-    s = Running(create_app(registry, Limits(max_tokens=200)))
-    yield s
-    s.close()
-    registry.close()
+    with default_model_server(Limits(max_tokens=200), n_ctx=1024, n_threads=2, n_batch=256, block_size=32,
+                              kv_budget_tokens=8192, max_num_seqs=16) as running:
+        yield running
 
 
 def _check_call(name, arguments):

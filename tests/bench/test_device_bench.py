@@ -15,12 +15,9 @@ BENCH = CHECKOUT / "bench"
 
 
 @pytest.fixture(scope="module")
-def device_bench():
-    """The script as a module (it imports bench/'s `common` package, as when run from bench/)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(BENCH))
-        import device_bench
-        yield device_bench
+def device_bench(bench):
+    """The script as a module of the bench package, as `python -m bench.device_bench` runs it."""
+    return bench("bench.device_bench")
 
 
 def test_refuses_without_an_nvidia_gpu_and_writes_nothing(device_bench, tmp_path, capsys):
@@ -50,11 +47,11 @@ def test_default_plan_runs_every_workload_on_both_llama_files_on_the_gpu(device_
         (w, m) for w in ("batched", "single", "chat", "step") for m in ("llama3.2-1b", "llama3.2-3b")]
     for p in plan:
         cmd = p["cmd"]
-        assert cmd[:2] == [sys.executable, str(device_bench.SCRIPTS[p["workload"]])]
+        assert cmd[:3] == [sys.executable, "-m", device_bench.SCRIPTS[p["workload"]]]
         assert cmd[cmd.index("--gpu-layers") + 1] == "-1"
         assert cmd[cmd.index("--out") + 1] == str(tmp_path / p["model"])
         assert "--sides" not in cmd   # llama.cpp's side runs
-    cmds = {p["workload"]: " ".join(p["cmd"][2:]) for p in plan if p["model"] == "llama3.2-1b"}
+    cmds = {p["workload"]: " ".join(p["cmd"][3:]) for p in plan if p["model"] == "llama3.2-1b"}
     assert "--npl 1 16 64 --llama-batched-bench /cuda/bin/llama-batched-bench" in cmds["batched"]
     assert "--npp 128 --ntg 128" in cmds["batched"]
     assert "--llama-bench /cuda/bin/llama-bench" in cmds["single"] and "--repeats 3" in cmds["single"]

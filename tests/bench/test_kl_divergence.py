@@ -2,28 +2,17 @@
 hand, llama-perplexity's base-file format written and read back (its layout checked byte by byte),
 and our engine's scored rows lined up with the float64 reference's on a tiny model."""
 
-import importlib.util
 import math
 import struct
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "engine" / "kl_divergence.py"
 
 
 @pytest.fixture(scope="module")
-def kld():
-    spec = importlib.util.spec_from_file_location("kl_divergence_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up while the script runs
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+def kld(bench):
+    return bench("bench.engine.kl_divergence")
 
 
 def logits_of(probs):
@@ -101,7 +90,7 @@ def test_the_base_file_round_trips_in_llama_perplexitys_layout(kld, tmp_path):
 
 
 def test_our_scored_rows_line_up_with_the_references_on_a_tiny_model(kld, tmp_path, monkeypatch):
-    from pyllama_paged.engine.worker.model import Model
+    from pyllama_paged.engine import EngineConfig, Model
     from pyllama_paged.engine.worker.model_runner import ModelRunner
     from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
@@ -118,7 +107,7 @@ def test_our_scored_rows_line_up_with_the_references_on_a_tiny_model(kld, tmp_pa
     head = kld.ReferenceHead.from_gguf(path)
     model = Model(path)
     # steps of 20 tokens: the scored rows start inside a step, and the last step is short
-    runner = ModelRunner(model, paged=True, n_ctx=64, n_threads=2, n_batch=20, block_size=16)
+    runner = ModelRunner(model, EngineConfig(paged=True, n_ctx=64, n_threads=2, n_batch=20, block_size=16))
     try:
         for chunk, chunk_states in zip(chunks, states):
             ref = head.log_probs(chunk_states)

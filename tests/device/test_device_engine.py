@@ -7,7 +7,7 @@ by name. The checks print the device they ran on."""
 
 import pytest
 
-from pyllama_paged.engine.worker.devices import list_devices
+from pyllama_paged.engine import list_devices
 from pyllama_paged.testing.device_checks import ARCH_WEIGHTS, run_check
 
 pytestmark = pytest.mark.skipif(not any(d.is_gpu for d in list_devices()),

@@ -9,7 +9,7 @@ import pytest
 
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.engine.worker.sampler import SamplingParams
+from pyllama_paged.engine import SamplingParams
 
 FIXTURE = json.loads((Path(__file__).resolve().parents[1] / "data" / "greedy_gemma3_llamacpp.json").read_text())
 # A disagreement is only accepted where our logits call it a near-tie.

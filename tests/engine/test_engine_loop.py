@@ -7,11 +7,8 @@ import time
 import pytest
 
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.loop import EngineLoop
+from pyllama_paged.engine import EngineConfig, EngineLoop, LLMEngine, Model, SamplingParams
 from pyllama_paged.errors import PagedError
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.worker.model import Model
-from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 from pyllama_paged.testing.loop_control import finishes, paused
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
@@ -20,7 +17,7 @@ from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 def running_loop(directory):
     """An EngineLoop on a tiny llama model; stops and frees everything when done."""
     model = Model(write_tiny_model(directory / "llama.gguf", "llama", weight_type="q8_0"))
-    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=128, block_size=16, num_blocks=200)
+    runner = ModelRunner(model, EngineConfig(n_ctx=256, n_threads=1, n_batch=128, block_size=16, num_blocks=200))
     loop = EngineLoop(LLMEngine(runner, {2}))
     yield loop
     loop.stop()

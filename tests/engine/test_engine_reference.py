@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import EngineConfig, Model
 from pyllama_paged.testing.engine_runs import chunked_logits
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
@@ -35,8 +35,8 @@ def engine_logits(path, prompt, *, paged, kv_cache_type, block_size=16, chunks=(
                   repack_weights=True, attention="kernel", pack_panels=True):
     """All-position logits, computed in prefill chunks then single-token steps."""
     model = Model(path, repack_weights=repack_weights, pack_panels=pack_panels)
-    runner = ModelRunner(model, paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=block_size,
-                    kv_cache_type=kv_cache_type, attention=attention)
+    runner = ModelRunner(model, EngineConfig(paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=block_size,
+                                             kv_cache_type=kv_cache_type, attention=attention))
     try:
         return chunked_logits(runner, prompt, chunks)
     finally:
@@ -219,7 +219,7 @@ def test_engines_release_their_worker_threads(tiny_models):
     model = Model(tiny_models["llama"])
     before = n_threads_now()
     for _ in range(5):
-        runner = ModelRunner(model, paged=True, n_ctx=64, n_threads=3, n_batch=16, block_size=16)
+        runner = ModelRunner(model, EngineConfig(paged=True, n_ctx=64, n_threads=3, n_batch=16, block_size=16))
         seq = runner.add_sequence([5, 6, 7])
         runner.prefill(seq)
         assert n_threads_now() >= before + 2   # the pool's two workers
@@ -251,7 +251,7 @@ def test_forked_child_computes_with_its_own_workers(tiny_models):
     import signal
 
     model = Model(tiny_models["llama"])
-    runner = ModelRunner(model, paged=True, n_ctx=64, n_threads=2, n_batch=16, block_size=16)
+    runner = ModelRunner(model, EngineConfig(paged=True, n_ctx=64, n_threads=2, n_batch=16, block_size=16))
     want = runner.prefill(runner.add_sequence([5, 6, 7]))
     pid = os.fork()
     if pid == 0:  # child: a hang is killed by the alarm, any failure exits non-zero
@@ -275,7 +275,7 @@ def test_thread_count_above_ggml_limit_is_an_error(tiny_models):
     from pyllama_paged.errors import NativeError
     model = Model(tiny_models["llama"])
     with pytest.raises(NativeError, match="limit of 512"):
-        ModelRunner(model, paged=True, n_ctx=64, n_threads=10_000, n_batch=16, block_size=16)
+        ModelRunner(model, EngineConfig(paged=True, n_ctx=64, n_threads=10_000, n_batch=16, block_size=16))
     model.close()
 
 
@@ -287,8 +287,9 @@ def test_a_step_of_many_sequences_fits_the_flash_attention_graph(tiny_models, pa
     Each sequence's logits are those it gets alone."""
     model = Model(tiny_models["gemma3"])
     n = 200
-    runner = ModelRunner(model, paged=paged, n_ctx=8, n_seq_max=n + 1, n_threads=2, n_batch=n, block_size=8,
-                         num_blocks=(n + 1) * 8 if paged else None, attention=attention)
+    runner = ModelRunner(model, EngineConfig(paged=paged, n_ctx=8, n_seq_max=n + 1, n_threads=2, n_batch=n,
+                                             block_size=8, num_blocks=(n + 1) * 8 if paged else None,
+                                             attention=attention))
     try:
         seqs = [runner.add_sequence([5 + i % 150]) for i in range(n)]
         together = runner.step([(s, 1) for s in seqs]).copy()   # the next step reuses the rows

@@ -5,14 +5,9 @@ request's logits row, and they free their pages."""
 import numpy as np
 import pytest
 
-from pyllama_paged.engine.config import EngineConfig
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.loop import EngineLoop
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import (MAX_SCORE_ROWS, EngineConfig, EngineLoop, LLMEngine, Model, SamplingParams,
+                                  SchedulerConfig, ScoreParams)
 from pyllama_paged.engine.prompt_logprobs import prompt_logprobs
-from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.scoring import MAX_SCORE_ROWS, ScoreParams
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
@@ -92,3 +87,19 @@ def test_a_scoring_request_on_the_loop_and_its_abort(engine):
 def test_score_params_are_checked():
     with pytest.raises(Exception, match="top_n"):
         ScoreParams(top_n=-1).validate()
+
+
+def test_params_check_themselves_and_a_request_resolves_max_tokens_once(engine):
+    # issue 50: SamplingParams is checked when made; the engine's own samplers (n>1 forks of the
+    # last 64-bit seed, a beam's 2 x width log-probabilities) are made past the request's bounds
+    with pytest.raises(Exception, match="temperature"):
+        SamplingParams(temperature=-1)
+    prompt = list(range(10, 30))
+    forked = engine.add_request(prompt, SamplingParams(max_tokens=3, n=2, seed=2**64 - 1))
+    beams = engine.add_request(prompt, SamplingParams(max_tokens=3, beam_width=16))
+    to_the_context = engine.add_request(prompt, SamplingParams(max_tokens=0, temperature=0))
+    assert (forked.max_len, beams.max_len, to_the_context.max_len) == (23, 23, engine.limit)
+    engine.abort(to_the_context.request_id)
+    results, _ = run(engine, [forked, beams])
+    assert all(r["error"] is None for r in results.values())
+    assert results[forked.request_id]["tokens"] and results[beams.request_id]["tokens"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pyllama_paged._native import ffi, lib
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import EngineConfig, Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.testing.engine_runs import chunked_logits
 from pyllama_paged.testing.routed_logits import ROUTER_NEAR_TIE, assert_one_step_routes_as_alone, file_logits, row_errors
@@ -148,35 +148,41 @@ def test_expert_panels_on_the_portable_and_avx2_kernels(tiny, reference, monkeyp
     assert row_errors(got, want)[margin >= ROUTER_NEAR_TIE].max() < TOLERANCE
 
 
+def panel_model(path) -> Model:
+    """The model at path, its experts in our panels (a skip where no panel kernel takes them)."""
+    model = Model(path)
+    if model.panel_kernel == "ggml":
+        model.close()
+        pytest.skip("no panel kernel takes these weights on this CPU")
+    return model
+
+
+def routes_as_alone(path, low: int, high: int) -> None:
+    """Seven sequences of several lengths (token ids in [low, high)) in one step through the
+    panels: each one's logits are those it gets alone."""
+    with panel_model(path) as model:
+        assert_one_step_routes_as_alone(model, [
+            [int(x) for x in np.random.default_rng(10 + i).integers(low, high, size=n)]
+            for i, n in enumerate([3, 9, 17, 1, 30, 1, 1])])
+
+
 @pytest.mark.parametrize("weights", ["q8_0", "q4_k_m"])
 def test_many_sequences_in_one_step_route_as_alone_through_the_panels(tiny, weights):
     """A step's tokens from several sequences share each expert's panels (grouped by expert,
     prompts and single tokens mixed): each sequence's logits are those it gets alone."""
-    model = Model(tiny[weights])
-    if model.panel_kernel == "ggml":
-        model.close()
-        pytest.skip("no panel kernel takes these weights on this CPU")
-    prompts = [[int(x) for x in np.random.default_rng(10 + i).integers(4, 200, size=n)]
-               for i, n in enumerate([3, 9, 17, 1, 30, 1, 1])]
-
-    try:
-        assert_one_step_routes_as_alone(model, prompts)
-    finally:
-        model.close()
+    routes_as_alone(tiny[weights], 4, 200)
 
 
 def test_an_expert_routed_more_tokens_than_a_tile_holds_gives_the_short_runs_rows(tiny):
     """A 300-token prompt in one step routes about 75 tokens to each of 8 experts, more than the
     64 columns one kernel call takes (expert_panels.c's tile): its logits are those of the same
     prompt in 20-token steps (at most 40 columns an expert)."""
-    model = Model(tiny["q4_k_m"])
-    if model.panel_kernel == "ggml":
-        model.close()
-        pytest.skip("no panel kernel takes these weights on this CPU")
+    model = panel_model(tiny["q4_k_m"])
     prompt = [int(x) for x in np.random.default_rng(5).integers(4, 200, size=300)]
 
     def all_logits(chunks):
-        r = ModelRunner(model, paged=True, n_ctx=320, n_threads=2, n_batch=320, block_size=16, kv_cache_type="f16")
+        r = ModelRunner(model, EngineConfig(paged=True, n_ctx=320, n_threads=2, n_batch=320, block_size=16,
+                                            kv_cache_type="f16"))
         try:
             return chunked_logits(r, prompt, chunks)
         finally:
@@ -273,16 +279,7 @@ def test_mxfp4_expert_panels_give_mul_mat_id_and_reference_logits(gpt_oss, gpt_o
 def test_many_gpt_oss_sequences_in_one_step_route_as_alone_through_mxfp4_panels(gpt_oss):
     """Prompts and single tokens of several sequences in one step share the MXFP4 experts'
     panels: each sequence's logits are those it gets alone."""
-    model = Model(gpt_oss["q8_0"])
-    if model.panel_kernel == "ggml":
-        model.close()
-        pytest.skip("no panel kernel takes these weights on this CPU")
-    prompts = [[int(x) for x in np.random.default_rng(10 + i).integers(0, N_TEXT_TOKENS, size=n)]
-               for i, n in enumerate([3, 9, 17, 1, 30, 1, 1])]
-    try:
-        assert_one_step_routes_as_alone(model, prompts)
-    finally:
-        model.close()
+    routes_as_alone(gpt_oss["q8_0"], 0, N_TEXT_TOKENS)
 
 
 def test_mxfp4_experts_routed_more_columns_than_a_tile_holds(gpt_oss):
@@ -298,7 +295,8 @@ def test_mxfp4_experts_routed_more_columns_than_a_tile_holds(gpt_oss):
 
     def all_logits(chunks, pack_panels=True):
         model = Model(path, pack_panels=pack_panels)
-        r = ModelRunner(model, paged=True, n_ctx=320, n_threads=2, n_batch=320, block_size=16, kv_cache_type="f16")
+        r = ModelRunner(model, EngineConfig(paged=True, n_ctx=320, n_threads=2, n_batch=320, block_size=16,
+                                            kv_cache_type="f16"))
         try:
             return model.n_panel_packed, chunked_logits(r, prompt, chunks)
         finally:

@@ -13,15 +13,12 @@ import httpx
 import numpy as np
 import pytest
 
+from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.kv.groups import KVGroups
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner, dense_kv_bytes_per_token, kv_groups_for, kv_row_bytes
 from pyllama_paged.gguf.config import config_from_metadata
 from pyllama_paged.gguf.reader import read_metadata
 from pyllama_paged.testing import synthetic_gguf
-from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
                                               assert_preempted_answers_agree, reference_next_logits)
 from pyllama_paged.testing.reference.loader import load_reference
@@ -96,7 +93,7 @@ def test_a_batch_of_sequences_of_different_lengths_each_matches_its_solo_referen
     together: every logits row is its own sequence's reference row."""
     r, path = reference[shape, "f16"], tiny[shape, "f16"]
     model = Model(path)
-    runner = ModelRunner(model, n_ctx=96, n_seq_max=4, n_threads=2, n_batch=64, block_size=16)
+    runner = ModelRunner(model, EngineConfig(n_ctx=96, n_seq_max=4, n_threads=2, n_batch=64, block_size=16))
     try:
         prompts = [[int(x) for x in np.random.default_rng(30 + i).integers(0, 300, size=n)]
                    for i, n in enumerate([3, 12, 29, 45])]
@@ -143,7 +140,7 @@ def test_pools_hold_each_layers_own_width_and_shared_layers_none(tiny):
     model = Model(tiny["dense", "f16"])
     try:
         cfg = model.config
-        runner = ModelRunner(model, n_ctx=64, n_threads=2, n_batch=64, block_size=16)
+        runner = ModelRunner(model, EngineConfig(n_ctx=64, n_threads=2, n_batch=64, block_size=16))
         assert runner.kv_groups == KVGroups((1, 1, 0, 1, 1, 0, 1, 0), (0, 8))
         assert runner.kv_bytes_per_token == 2 * kv_row_bytes("f16", 4 * 64 + 2 * 128)
         assert runner.kv_slot_bytes == 2 * kv_row_bytes("f16", 256)
@@ -152,7 +149,7 @@ def test_pools_hold_each_layers_own_width_and_shared_layers_none(tiny):
         # without the shared layers' saving the two would each hold rows of their own
         assert sum(2 * kv_row_bytes("f16", cfg.kv_values(il)) for il in range(cfg.n_layer)) == \
                per_token + 2 * kv_row_bytes("f16", 64 + 128)
-        slab = ModelRunner(model, paged=False, n_ctx=64, n_threads=2, n_batch=64)
+        slab = ModelRunner(model, EngineConfig(paged=False, n_ctx=64, n_threads=2, n_batch=64))
         assert slab.kv_bytes_per_token == per_token
         assert slab.kv_slot_bytes == slab.kv_bytes_per_token   # one group: every layer side by side
         slab.close()
@@ -200,7 +197,7 @@ def test_sliding_groups_give_their_blocks_back_past_the_window(tiny, reference):
     """A sequence of 100 tokens: the full group holds every block, the sliding group the window's,
     and the logits stay the reference's."""
     model = Model(tiny["dense", "f16"])
-    runner = ModelRunner(model, n_ctx=128, n_threads=2, n_batch=64, block_size=8)
+    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=64, block_size=8))
     try:
         prompt = [int(x) for x in np.random.default_rng(7).integers(0, 300, size=100)]
         seq = runner.add_sequence(prompt)
@@ -255,7 +252,8 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0)
 
 
 def make_engine(model, eot, num_blocks=200, mode="recompute", budget=64):
-    runner = ModelRunner(model, n_ctx=128, n_threads=2, n_batch=budget, block_size=16, num_blocks=num_blocks)
+    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=budget, block_size=16,
+                                             num_blocks=num_blocks))
     return LLMEngine(runner, eot, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
 
 

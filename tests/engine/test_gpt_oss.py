@@ -17,18 +17,15 @@ import openai
 import pytest
 
 from pyllama_paged._native import ffi, last_error, lib
-from pyllama_paged.api.chat_call import ChatCall, prepare_call
+from pyllama_paged.calls.chat_call import ChatCall, prepare_call
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.errors import ModelLoadError
 from pyllama_paged.testing import gguf_mutate, synthetic_gguf
 from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
                                               assert_preempted_answers_agree, reference_next_logits)
-from pyllama_paged.testing.engine_runs import chunked_logits
+from pyllama_paged.testing.engine_runs import chunked_logits, prompt_logits
 from pyllama_paged.testing.routed_logits import TOLERANCE, assert_one_step_routes_as_alone, relative_error
 from pyllama_paged.testing.routed_logits import assert_routed_logits_match as assert_logits_match
 from pyllama_paged.testing.routed_logits import file_logits as engine_logits
@@ -149,15 +146,9 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny):
-    return {wt: ReferenceModel.from_gguf(path) for wt, path in tiny.items()}
-
-
-@pytest.fixture(scope="module")
 def model(tiny):
-    m = Model(tiny["f16"])
-    yield m
-    m.close()
+    with Model(tiny["f16"]) as loaded:
+        yield loaded
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +298,7 @@ def test_panels_take_the_q8_0_and_mxfp4_projections(tmp_path, weights):
     path = write_tiny_gpt_oss(tmp_path / f"{weights}.gguf", weight_type=weights)
     r = ReferenceModel.from_gguf(path)
     model = Model(path, pack_panels="any-cpu")
-    runner = ModelRunner(model, n_ctx=64, n_threads=2, n_batch=64, block_size=16)
+    runner = ModelRunner(model, EngineConfig(n_ctx=64, n_threads=2, n_batch=64, block_size=16))
     try:
         # the AVX2 kernel (CPUs without VNNI) takes no Q8_0: the experts alone
         every = weights == "mxfp4" or model.panel_kernel != "avx2"
@@ -339,7 +330,8 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0)
 
 
 def make_engine(model, eot, num_blocks=200, mode="recompute", budget=64):
-    runner = ModelRunner(model, n_ctx=128, n_threads=2, n_batch=budget, block_size=16, num_blocks=num_blocks)
+    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=budget, block_size=16,
+                                             num_blocks=num_blocks))
     return LLMEngine(runner, eot, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
 
 
@@ -420,10 +412,8 @@ def test_the_gpt_oss_20b_preset_shrinks_and_takes_shape_flags(tmp_path):
                 cfg.n_ctx_train) == ("gpt-oss", 2, 512, 64, 8, 201088, 131072)
         assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.layer_window) == (8, 2, 256, [128, 0])
         assert (cfg.rope_freq_scale, cfg.yarn_ext_factor, cfg.n_ctx_orig_yarn) == (1 / 32, 1.0, 4096)
-        runner = ModelRunner(model, n_ctx=64, n_threads=2, n_batch=64, block_size=16)
-        logits = runner.prefill(runner.add_sequence(list(range(100, 120))))
+        logits = prompt_logits(model, range(100, 120))
         assert logits.shape == (201088,) and np.isfinite(logits).all() and logits.std() > 0.5
-        runner.close()
     finally:
         model.close()
     bench = LLAMA_CPP_BIN / "llama-bench"

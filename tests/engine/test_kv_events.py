@@ -6,23 +6,17 @@ import numpy as np
 import pytest
 
 from pyllama_paged._native import lib
-from pyllama_paged.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, reference_group
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import (AllBlocksCleared, BlockRemoved, BlockStored, LLMEngine, SamplingParams, 
+                                  SchedulerConfig)
+from pyllama_paged.engine.kv.events import reference_group
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
+from pyllama_paged.engine import EngineConfig
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    m = Model(write_tiny_model(tmp_path_factory.mktemp("kv-events") / "gemma3.gguf", "gemma3", weight_type="q8_0"))
-    yield m
-    m.close()
+# `model`: tests/engine/conftest.py's tiny Gemma 3
 
 
 class Recorder:
@@ -49,8 +43,8 @@ class Recorder:
 
 
 def engine(model, num_blocks, mode="recompute", windows=False):
-    runner = ModelRunner(model, paged=True, n_ctx=256, n_threads=1, n_batch=64, block_size=BS,
-                         num_blocks=num_blocks, free_window_blocks=windows)
+    runner = ModelRunner(model, EngineConfig(paged=True, n_ctx=256, n_threads=1, n_batch=64, block_size=BS,
+                                             num_blocks=num_blocks, free_window_blocks=windows))
     llm = LLMEngine(runner, {1}, SchedulerConfig(max_num_batched_tokens=64, preemption_mode=mode))
     recorder = Recorder()
     llm.set_kv_event_listener(recorder)
@@ -168,7 +162,7 @@ def test_reset_clears_and_later_blocks_are_stored_again(model):
 
 
 def test_no_listener_no_events_and_slabs_have_none(model):
-    runner = ModelRunner(model, paged=False, n_ctx=256, n_threads=1, n_batch=64, n_seq_max=2)
+    runner = ModelRunner(model, EngineConfig(paged=False, n_ctx=256, n_threads=1, n_batch=64, n_seq_max=2))
     llm = LLMEngine(runner, {1}, SchedulerConfig(max_num_batched_tokens=64))
     rec = Recorder()
     llm.set_kv_event_listener(rec)   # no prefix cache: nothing to tell

@@ -13,11 +13,8 @@ import pytest
 
 from pyllama_paged._native import ffi, lib
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.sampler import SamplingParams
 from pyllama_paged.errors import ModelLoadError
 from pyllama_paged.testing import gguf_mutate, synthetic_gguf
 from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
@@ -28,13 +25,14 @@ from pyllama_paged.testing.routed_logits import file_logits as engine_logits
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.serving import model_server
+from pyllama_paged.testing.engine_runs import prompt_logits
 
 EOT = {2}   # the tiny vocabulary's </s>
 PROMPT = [int(x) for x in np.random.default_rng(1).integers(4, 200, size=40)]
 
 
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
+def tiny(tmp_path_factory):
     """The tiny qwen3moe (8 experts, 2 per token) with Q8_0 weights, one with Q4_K weights, and
     one with F16 weights for the greedy answers: their logits are the reference's to a few 1e-4
     of the spread, so a greedy answer parts from the reference's only at an exact tie."""
@@ -44,33 +42,27 @@ def tiny_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_moe):
-    return {wt: ReferenceModel.from_gguf(path) for wt, path in tiny_moe.items()}
-
-
-@pytest.fixture(scope="module")
-def model(tiny_moe):
-    m = Model(tiny_moe["f16"])
-    yield m
-    m.close()
+def model(tiny):
+    with Model(tiny["f16"]) as loaded:
+        yield loaded
 
 
 @pytest.mark.parametrize("weights", ["q8_0", "q4_k"])
 @pytest.mark.parametrize("kv_cache_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("paged,attention", [(True, "kernel"), (True, "gather"), (False, "kernel")])
-def test_logits_match_reference(tiny_moe, reference, weights, kv_cache_type, paged, attention):
+def test_logits_match_reference(tiny, reference, weights, kv_cache_type, paged, attention):
     """Our paged operator, the gathered pages through GGML's flash attention and the slab
     baseline all give the reference's logits, with Q8_0 and Q4_K experts."""
     ref = reference[weights]
     want = ref.forward(PROMPT)
-    got = engine_logits(tiny_moe[weights], PROMPT, paged=paged, kv_cache_type=kv_cache_type, attention=attention)
+    got = engine_logits(tiny[weights], PROMPT, paged=paged, kv_cache_type=kv_cache_type, attention=attention)
     assert_logits_match(got, want, ref.last_router_margin, TOLERANCE[kv_cache_type])
 
 
-def test_the_router_decides(tiny_moe, reference):
+def test_the_router_decides(tiny, reference):
     """Routing matters: the same weights with every token sent to its two least probable experts
     (the router negated) give other logits, so a wrong top-k could not pass the test above."""
-    flipped = write_tiny_model(tiny_moe["f16"].parent / "flipped.gguf", "qwen3moe", weight_type="f16",
+    flipped = write_tiny_model(tiny["f16"].parent / "flipped.gguf", "qwen3moe", weight_type="f16",
                                strict=True, tensor_hook=lambda name, d: -d if "ffn_gate_inp" in name else d)
     want = reference["f16"].forward(PROMPT)
     flipped_ref = ReferenceModel.from_gguf(flipped)
@@ -97,8 +89,8 @@ def test_a_deep_model_routing_eight_experts_fits_the_graph(tmp_path, paged, atte
                             n_head=4, n_head_kv=1, head_dim=16, n_expert=16, n_expert_used=8, n_ff_exp=32)
     model = Model(path)
     n = 64
-    runner = ModelRunner(model, paged=paged, n_ctx=8, n_seq_max=n + 1, n_threads=2, n_batch=n, block_size=8,
-                         num_blocks=(n + 1) * 2, attention=attention)
+    runner = ModelRunner(model, EngineConfig(paged=paged, n_ctx=8, n_seq_max=n + 1, n_threads=2, n_batch=n,
+                                             block_size=8, num_blocks=(n + 1) * 2, attention=attention))
     try:
         seqs = [runner.add_sequence([5 + i]) for i in range(n)]
         together = runner.step([(s, 1) for s in seqs]).copy()
@@ -122,16 +114,15 @@ def test_the_qwen3_30b_a3b_preset_shrinks_and_takes_shape_flags(tmp_path):
         assert (cfg.arch, cfg.n_layer, cfg.n_embd, cfg.head_dim, cfg.n_vocab, cfg.n_ctx_train) == \
                ("qwen3moe", 2, 256, 128, 151936, 40960)
         assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp) == (16, 4, 256)
-        runner = ModelRunner(model, n_ctx=64, n_threads=2, n_batch=64, block_size=16)
-        logits = runner.prefill(runner.add_sequence(list(range(100, 120))))
+        logits = prompt_logits(model, range(100, 120))
         assert logits.shape == (151936,) and np.isfinite(logits).all() and logits.std() > 0.5
-        runner.close()
     finally:
         model.close()
 
 
 def make_engine(model, num_blocks=200, mode="recompute", budget=64):
-    runner = ModelRunner(model, n_ctx=128, n_threads=2, n_batch=budget, block_size=16, num_blocks=num_blocks)
+    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=budget, block_size=16,
+                                             num_blocks=num_blocks))
     return LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
 
 
@@ -165,10 +156,10 @@ def test_preemption_keeps_the_reference_answers(model, reference, reference_answ
         llm.runner.close()
 
 
-def test_llama_api_and_http_server_answer_as_the_reference(tiny_moe, reference):
+def test_llama_api_and_http_server_answer_as_the_reference(tiny, reference):
     """Llama.generate gives the reference's greedy continuation of a prompt, and its text comes
     back from Llama.create_completion, /v1/completions (the real openai client) and /api/generate."""
-    path = tiny_moe["f16"]
+    path = tiny["f16"]
     prompt = "The capital of France is"
     llm = Llama(model_path=str(path), n_ctx=128, n_threads=2, verbose=False)
     try:
@@ -214,8 +205,8 @@ def mutated(tmp_path, source, ops):
      r"tensor 'blk\.0\.ffn_gate_exps\.weight': shape \[256, 256, 8\] but the hyper-parameters need "
      r"\[256, 128, 8\] \(one matrix per expert\)"),
 ])
-def test_a_broken_expert_file_is_refused_precisely(tmp_path, tiny_moe, ops, message):
-    path = mutated(tmp_path, tiny_moe["q8_0"], ops)
+def test_a_broken_expert_file_is_refused_precisely(tmp_path, tiny, ops, message):
+    path = mutated(tmp_path, tiny["q8_0"], ops)
     with pytest.raises(ModelLoadError, match=message):
         Model(path)
 

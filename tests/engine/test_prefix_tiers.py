@@ -12,11 +12,8 @@ import pytest
 
 from pyllama_paged.api.llama import Llama
 from pyllama_paged.engine.kv.block_store import DiskBlockStore, HostBlockStore
-from pyllama_paged.engine.config import EngineConfig
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.kv.prefix_tiers import PrefixTierConfig, chain_keys
-from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+from pyllama_paged.engine import EngineConfig, LLMEngine, PrefixTierConfig, SamplingParams, SchedulerConfig
+from pyllama_paged.engine.kv.prefix_tiers import chain_keys
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 
 SYSTEM = ("You are the support agent of a hardware shop. Policies: refunds within 30 days with a receipt; "

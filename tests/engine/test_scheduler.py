@@ -9,9 +9,8 @@ import pytest
 
 from pyllama_paged.engine.kv.manager import PagedKV
 from pyllama_paged.engine.sched.request import Request, RequestStatus, Sequence
-from pyllama_paged.engine.worker.sampler import Sampler, SamplingParams
-from pyllama_paged.engine.sched.scheduler import Scheduler, SchedulerConfig
-from pyllama_paged.engine.scoring import MAX_SCORE_ROWS, ScoreParams
+from pyllama_paged.engine import MAX_SCORE_ROWS, Sampler, SamplingParams, SchedulerConfig, ScoreParams
+from pyllama_paged.engine.sched.scheduler import Scheduler
 
 BLOCK = 4
 

@@ -7,24 +7,12 @@ import pytest
 from pyllama_paged.errors import ComputeError, PagedError
 
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.kv.groups import KVGroups
-from pyllama_paged.engine.worker.model import Model
-from pyllama_paged.engine.worker.sampler import MAX_BEAM_WIDTH, SamplingParams, log_softmax
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+from pyllama_paged.engine import MAX_BEAM_WIDTH, EngineConfig, KVGroups, LLMEngine, SamplingParams, SchedulerConfig
+from pyllama_paged.engine.worker.sampler import log_softmax
 from pyllama_paged.engine.sched.step_cost import StepCostModel, decode_columns
 from pyllama_paged.testing.agreement import run_to_completion, assert_greedy_agree, engine_logits
-from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 EOT = {1}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("serve") / "gemma3.gguf", "gemma3", weight_type="q8_0")
-    m = Model(path)
-    yield m
-    m.close()
 
 
 def make_engine(model, num_blocks=400, mode="recompute", budget=64, paged=True, n_seq_max=1,
@@ -32,9 +20,10 @@ def make_engine(model, num_blocks=400, mode="recompute", budget=64, paged=True, 
     """An engine on the tiny model. num_blocks counts blocks of every layer (the
     tests' sizes assume that); with free_windows the pool is split into layer
     groups, the same bytes in num_blocks * groups smaller blocks."""
-    runner = ModelRunner(model, paged=paged, n_ctx=256, n_threads=1, n_batch=budget, block_size=16,
-                         num_blocks=num_blocks * groups_of(model) if paged and free_windows else
-                         num_blocks if paged else None, n_seq_max=n_seq_max, free_window_blocks=free_windows)
+    runner = ModelRunner(model, EngineConfig(paged=paged, n_ctx=256, n_threads=1, n_batch=budget, block_size=16,
+                                             num_blocks=num_blocks * groups_of(model) if paged and free_windows else
+                         num_blocks if paged else None,
+                                             n_seq_max=n_seq_max, free_window_blocks=free_windows))
     return LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
 
 
@@ -172,7 +161,7 @@ def from_scratch_logprobs(runner):
 
 def reference_beam_search(model, prompt, width, max_tokens, length_penalty=1.0):
     """Textbook beam search: every hypothesis recomputed from scratch, no sharing."""
-    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=64)
+    runner = ModelRunner(model, EngineConfig(n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=64))
     logprobs = from_scratch_logprobs(runner)
     beams = [(0.0, [])]
     finished = []
@@ -213,7 +202,7 @@ def test_beam_search_matches_reference(model, width):
     want = reference_beam_search(model, prompt, width, 6)
     # Every beam's score, recomputed from scratch without shared pages, is what
     # the runner reported: forks and copy-on-write kept each beam's KV right.
-    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=64)
+    runner = ModelRunner(model, EngineConfig(n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=64))
     logprobs = from_scratch_logprobs(runner)
     for tokens, score in final.beams:
         total = sum(float(logprobs(prompt + tokens[:i])[tok]) for i, tok in enumerate(tokens))
@@ -255,7 +244,7 @@ def test_request_that_can_never_fit_fails_fast(model):
 
 
 def test_max_num_seqs_counts_the_samples_a_request_will_fork(model):
-    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=64, block_size=16, num_blocks=200)
+    runner = ModelRunner(model, EngineConfig(n_ctx=256, n_threads=1, n_batch=64, block_size=16, num_blocks=200))
     llm = LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=1, n=4)
     for i in range(4):
@@ -292,7 +281,7 @@ def test_a_request_whose_samples_outgrow_the_pool_is_preempted_whole(model, num_
 
 
 def test_an_aborted_step_is_a_compute_error_and_the_engine_goes_on(model):
-    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=64, block_size=16, num_blocks=32)
+    runner = ModelRunner(model, EngineConfig(n_ctx=256, n_threads=1, n_batch=64, block_size=16, num_blocks=32))
     seq = runner.add_sequence(list(range(10, 30)))
     runner.abort()
     with pytest.raises(ComputeError, match="aborted"):
@@ -326,7 +315,7 @@ def test_a_preempted_request_that_can_no_longer_fit_ends_instead_of_waiting_fore
 
 def test_prefill_is_chunked_small_while_streams_decode(model):
     # the inter-token gap of running streams stays bounded when a long prompt arrives
-    engine = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=200)
+    engine = ModelRunner(model, EngineConfig(n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=200))
     llm = LLMEngine(engine, EOT, SchedulerConfig(max_num_batched_tokens=256, max_prefill_tokens_with_decodes=32))
     for i in range(3):
         llm.add_request(list(range(10 + i, 20 + i)), SamplingParams(max_tokens=30, temperature=0))
@@ -357,7 +346,7 @@ class KnownCost(StepCostModel):
 
 
 def test_an_itl_budget_admits_only_the_streams_it_can_keep_and_starves_nobody(model):
-    runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=400)
+    runner = ModelRunner(model, EngineConfig(n_ctx=256, n_threads=1, n_batch=256, block_size=16, num_blocks=400))
     llm = LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=256, itl_budget=0.055))
     llm.scheduler.step_cost = KnownCost()   # predict(b decodes) = 0.01 + 0.01 b: 4 streams fit 55 ms
     requests = [llm.add_request(list(range(10 + i, 50 + i)), SamplingParams(max_tokens=8 + 3 * i, temperature=0))
@@ -405,7 +394,7 @@ def test_step_cost_counts_the_padded_columns_of_small_steps():
 
 
 def test_an_itl_budget_must_be_seconds_auto_or_none(model):
-    runner = ModelRunner(model, n_ctx=64, n_threads=1, n_batch=64, block_size=16, num_blocks=8)
+    runner = ModelRunner(model, EngineConfig(n_ctx=64, n_threads=1, n_batch=64, block_size=16, num_blocks=8))
     for bad in (0, -1, "fast"):
         with pytest.raises(ValueError, match="itl_budget"):
             LLMEngine(runner, EOT, SchedulerConfig(itl_budget=bad))
@@ -415,7 +404,8 @@ def test_an_itl_budget_must_be_seconds_auto_or_none(model):
 def test_step_logits_are_read_where_ggml_left_them_and_match_a_copied_step(model):
     from pyllama_paged._native import ffi, lib
     prompt = [2, 40, 41, 42, 43, 44, 45, 46, 47]
-    in_place, copied = (ModelRunner(model, n_ctx=64, n_threads=1, n_batch=64, block_size=16, num_blocks=16)
+    in_place, copied = (ModelRunner(model, EngineConfig(n_ctx=64, n_threads=1, n_batch=64, block_size=16,
+                                                        num_blocks=16))
                         for _ in range(2))
     seq = in_place.add_sequence(prompt)
     assert len(in_place.step([(seq, 4)])) == 0          # a non-final chunk: no logits row at all
@@ -440,7 +430,8 @@ def test_a_padded_step_matches_its_sequences_in_a_full_batch_of_four_columns(mod
     # 5 and 7 decodes run their matrix products over 8 columns (zero padding): the
     # padding must not reach the real rows, which match the same sequences among 8
     prompts = [[2] + [40 + i + j for j in range(6 + i)] for i in range(8)]
-    runners = [ModelRunner(model, n_ctx=64, n_threads=1, n_batch=128, block_size=16, num_blocks=200) for _ in range(2)]
+    config = EngineConfig(n_ctx=64, n_threads=1, n_batch=128, block_size=16, num_blocks=200)
+    runners = [ModelRunner(model, config) for _ in range(2)]
     rows = []
     for runner, n in zip(runners, (5, 8)):
         seqs = [runner.add_sequence(p) for p in prompts]
@@ -457,7 +448,7 @@ def test_beam_width_and_logprobs_bounded_by_the_native_result(model):
     """The native result holds PP_SAMPLE_MAX_TOP entries; wider requests are refused
     before any sampling (a width of 17 once wrote 34 entries into 20)."""
     from pyllama_paged._native import ffi, lib
-    from pyllama_paged.engine.worker.sampler import MAX_LOGPROBS
+    from pyllama_paged.engine import MAX_LOGPROBS
     assert ffi.sizeof("pp_sample_result") >= lib.PP_SAMPLE_MAX_TOP * 8
     assert 2 * MAX_BEAM_WIDTH <= lib.PP_SAMPLE_MAX_TOP and MAX_LOGPROBS <= lib.PP_SAMPLE_MAX_TOP
     llm = make_engine(model)

@@ -8,15 +8,13 @@ import numpy as np
 import pytest
 
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.engine.config import EngineConfig
-from pyllama_paged.engine.llm_engine import LLMEngine
+from pyllama_paged.engine import (BatchSampler, EngineConfig, LLMEngine, PromptLookupDrafter, Sampler,
+                                  SamplingParams, SpeculativeConfig)
 from pyllama_paged.engine.kv.manager import PagedKV, SeqState
 from pyllama_paged.engine.sched.request import Request, Sequence
-from pyllama_paged.engine.worker.sampler import BatchSampler, Sampler, SamplingParams
-from pyllama_paged.engine.spec.batch import block_room, splice_drafts
-from pyllama_paged.engine.spec.draft import PromptLookupDrafter, SpeculativeConfig
-from pyllama_paged.engine.spec.length import DraftLengths
-from pyllama_paged.engine.spec.verify import Speculator
+from pyllama_paged.engine.worker.draft_splice import block_room, splice_drafts
+from pyllama_paged.engine.spec_decode.length import DraftLengths
+from pyllama_paged.engine.spec_decode.verify import Speculator
 from pyllama_paged.errors import PagedError
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 from pyllama_paged.testing.engine_runs import (chat_ids as _chat, digit_answers, greedy_with_and_without,

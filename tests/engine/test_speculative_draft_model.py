@@ -8,13 +8,9 @@ import numpy as np
 import pytest
 
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.engine.config import EngineConfig
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.worker.model import default_model_path
-from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.spec.draft import SpeculativeConfig
-from pyllama_paged.engine.spec.draft_model import DraftModelDrafter
+from pyllama_paged.engine import (EngineConfig, LLMEngine, SamplingParams, SchedulerConfig, SpeculativeConfig,
+                                  default_model_path)
+from pyllama_paged.engine.spec_decode.draft_model import DraftModelDrafter
 from pyllama_paged.errors import PagedError
 from pyllama_paged.testing import synthetic_gguf, synthetic_presets
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits

@@ -6,7 +6,7 @@ the cached items pointer is used only for the buffer's own rows."""
 import numpy as np
 
 from pyllama_paged._native import ffi
-from pyllama_paged.engine.worker.step_batch import StepBuffers
+from pyllama_paged.engine.kv.step_batch import StepBuffers
 
 
 def _address(cdata) -> int:

@@ -7,10 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_paged.engine.builder import build_engine
-from pyllama_paged.engine.config import EngineConfig
-from pyllama_paged.engine.worker.model import Model
-from pyllama_paged.engine.worker.sampler import SamplingParams
+from pyllama_paged.engine import EngineConfig, Model, SamplingParams, build_engine
 from pyllama_paged.engine.worker.thread_policy import ThreadPolicy, default_threads, runnable_others
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 

@@ -18,14 +18,10 @@ import pytest
 
 from pyllama_paged.engine.kv import block_store
 from pyllama_paged.engine.kv.block_store import DiskBlockStore
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import EngineConfig, LLMEngine, PrefixTierConfig, SamplingParams, SchedulerConfig
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.kv.prefix_tiers import PrefixTierConfig, PrefixTiers, chain_keys
-from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
+from pyllama_paged.engine.kv.prefix_tiers import PrefixTiers, chain_keys
 from pyllama_paged.errors import PagedError
-from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 VICTIM_TEXT = b"the victim's own bytes\n"
 
@@ -400,16 +396,12 @@ def test_the_disk_bound_holds_for_every_process_sharing_the_directory(tmp_path):
 
 
 # ---- reset -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    m = Model(write_tiny_model(tmp_path_factory.mktemp("tier-safety") / "gemma3.gguf", "gemma3",
-                               weight_type="q8_0"))
-    yield m
-    m.close()
+# `model`: tests/engine/conftest.py's tiny Gemma 3
 
 
 def test_reset_empties_the_ram_tier_and_keeps_the_disk(model, tmp_path):
-    runner = ModelRunner(model, paged=True, n_ctx=256, n_threads=1, n_batch=64, block_size=16, num_blocks=200)
+    runner = ModelRunner(model, EngineConfig(paged=True, n_ctx=256, n_threads=1, n_batch=64, block_size=16,
+                                             num_blocks=200))
     llm = LLMEngine(runner, {1}, SchedulerConfig(max_num_batched_tokens=64))
     tiers = llm.use_prefix_tiers(PrefixTierConfig(ram_bytes=64 << 20, disk_dir=str(tmp_path / "kv")))
     try:

@@ -6,16 +6,12 @@ import numpy as np
 import pytest
 
 from pyllama_paged.engine.kv.block_pool import BlockPool, BlockState
-from pyllama_paged.engine.kv.groups import KVGroups, first_needed_block, window_blocks_held
+from pyllama_paged.engine import EngineConfig, KVGroups, LLMEngine, SamplingParams, SchedulerConfig
+from pyllama_paged.engine.kv.groups import first_needed_block, window_blocks_held
 from pyllama_paged.engine.kv.manager import PagedKV
-from pyllama_paged.engine.llm_engine import LLMEngine
-from pyllama_paged.engine.worker.model import Model
 from pyllama_paged.engine.worker.model_runner import ModelRunner
-from pyllama_paged.engine.worker.sampler import SamplingParams
-from pyllama_paged.engine.sched.scheduler import SchedulerConfig
-from pyllama_paged.engine.worker.step_batch import StepBuffers
+from pyllama_paged.engine.kv.step_batch import StepBuffers
 from pyllama_paged.testing.agreement import run_to_completion, assert_greedy_agree, engine_logits
-from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
 BS = 4
 
@@ -156,18 +152,12 @@ def test_a_step_over_a_released_block_is_refused():
 
 # ---- the engine ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    # tiny Gemma 3: 6 layers, 5 of them with a window of 16 tokens
-    path = write_tiny_model(tmp_path_factory.mktemp("swa") / "gemma3.gguf", "gemma3", weight_type="q8_0")
-    m = Model(path)
-    yield m
-    m.close()
+# the module's `model`: tests/engine/conftest.py's tiny Gemma 3 (5 of its 6 layers windowed to 16 tokens)
 
 
 def runner_for(model, free, num_blocks=None, n_batch=64):
-    return ModelRunner(model, n_ctx=256, n_threads=1, n_batch=n_batch, block_size=16, num_blocks=num_blocks,
-                       free_window_blocks=free)
+    return ModelRunner(model, EngineConfig(n_ctx=256, n_threads=1, n_batch=n_batch, block_size=16,
+                                           num_blocks=num_blocks, free_window_blocks=free))
 
 
 def test_long_sequences_give_the_logits_they_give_without_freeing(model):
@@ -279,7 +269,8 @@ def test_the_portable_gather_path_reads_only_what_the_window_kept(model):
     prompt = list(np.random.default_rng(9).integers(4, 300, size=120))
     out = {}
     for attention in ("kernel", "gather"):
-        runner = ModelRunner(model, n_ctx=256, n_threads=1, n_batch=64, block_size=16, attention=attention)
+        runner = ModelRunner(model, EngineConfig(n_ctx=256, n_threads=1, n_batch=64, block_size=16,
+                                                 attention=attention))
         seq = runner.add_sequence_cached(prompt)
         rows = []
         while seq.num_computed < len(prompt):
@@ -296,4 +287,4 @@ def test_the_portable_gather_path_reads_only_what_the_window_kept(model):
 def test_an_unknown_attention_path_is_refused(model):
     from pyllama_paged.errors import PagedError
     with pytest.raises(PagedError, match="attention 'cuda' unknown"):
-        ModelRunner(model, n_ctx=64, n_threads=1, attention="cuda")
+        ModelRunner(model, EngineConfig(n_ctx=64, n_threads=1, attention="cuda"))

@@ -5,9 +5,10 @@ import struct
 
 import pytest
 
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import Model
 from pyllama_paged.gguf.config import ModelLoadError
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
+from pyllama_paged.testing.vocab_metadata import add_fields, finish
 
 
 @pytest.fixture(scope="module")
@@ -51,61 +52,38 @@ def test_unsupported_architecture(tmp_path):
     p = tmp_path / "mamba.gguf"
     w = gguf.GGUFWriter(str(p), "mamba")
     w.add_block_count(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     with pytest.raises(ModelLoadError, match="architecture 'mamba' is not supported"):
         Model(str(p))
 
 
-def test_missing_field_and_tensor(good_file, tmp_path):
+def _bare_llama(path, *tensors, feed_forward: bool = True) -> str:
+    """A one-layer llama GGUF with two tokens and only the tensors (name, shape) given."""
     import gguf
     import numpy as np
-    p = tmp_path / "bare.gguf"
-    w = gguf.GGUFWriter(str(p), "llama")
+    w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
     w.add_embedding_length(64)
     w.add_head_count(2)
+    if feed_forward:
+        w.add_feed_forward_length(128)
     w.add_token_list(["a", "b"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    for name, shape in tensors:
+        w.add_tensor(name, np.zeros(shape, np.float32))
+    finish(w)
+    return str(path)
+
+
+def test_missing_field_and_tensor(good_file, tmp_path):
     with pytest.raises(ModelLoadError, match="llama.feed_forward_length"):
-        Model(str(p))
-    p2 = tmp_path / "notensors.gguf"
-    w = gguf.GGUFWriter(str(p2), "llama")
-    w.add_block_count(1)
-    w.add_embedding_length(64)
-    w.add_head_count(2)
-    w.add_feed_forward_length(128)
-    w.add_token_list(["a", "b"])
-    w.add_tensor("token_embd.weight", np.zeros((2, 64), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        Model(_bare_llama(tmp_path / "bare.gguf", feed_forward=False))
     with pytest.raises(ModelLoadError, match="missing tensor 'output_norm.weight'"):
-        Model(str(p2))
+        Model(_bare_llama(tmp_path / "notensors.gguf", ("token_embd.weight", (2, 64))))
 
 
 def test_wrong_tensor_shape_names_the_tensor(tmp_path):
-    import gguf
-    import numpy as np
-    p = tmp_path / "shape.gguf"
-    w = gguf.GGUFWriter(str(p), "llama")
-    w.add_block_count(1)
-    w.add_embedding_length(64)
-    w.add_head_count(2)
-    w.add_feed_forward_length(128)
-    w.add_token_list(["a", "b"])
-    w.add_tensor("token_embd.weight", np.zeros((2, 64), np.float32))
-    w.add_tensor("blk.0.attn_q.weight", np.zeros((32, 64), np.float32))  # needs 64 x 64
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    p = _bare_llama(tmp_path / "shape.gguf", ("token_embd.weight", (2, 64)),
+                    ("blk.0.attn_q.weight", (32, 64)))   # needs 64 x 64
     with pytest.raises(ModelLoadError, match=r"tensor 'blk.0.attn_q.weight': shape \[64, 32\]"):
         Model(str(p))
 
@@ -148,17 +126,9 @@ def test_mistyped_and_out_of_range_hyperparameters(tmp_path):
         p = tmp_path / name
         w = gguf.GGUFWriter(str(p), "llama")
         w.add_token_list(["a", "b"])
-        for key, value in {"llama.block_count": 1, "llama.embedding_length": 64,
-                           "llama.attention.head_count": 2, "llama.feed_forward_length": 128,
-                           **fields}.items():
-            if isinstance(value, str):
-                w.add_string(key, value)
-            else:
-                w.add_uint64(key, value)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        add_fields(w, {"llama.block_count": 1, "llama.embedding_length": 64, "llama.attention.head_count": 2,
+                       "llama.feed_forward_length": 128, **fields}, integer="add_uint64")
+        finish(w)
         return str(p)
 
     with pytest.raises(ModelLoadError, match=r"'llama.block_count' must be an integer, got the string '2'"):

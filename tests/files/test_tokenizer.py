@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from pyllama_paged.testing.vocab_metadata import add_fields, finish
+
 try:
     from pyllama_paged.gguf.reader import GGUFFile
     from pyllama_paged.tokenizer.tokenizer import IncrementalDecoder, Tokenizer, TokenType
@@ -331,23 +333,8 @@ def test_pre_tokenizers(pre, text, words):
 def _write_gguf(path: Path, metadata: dict) -> None:
     gguf = pytest.importorskip("gguf")
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in metadata.items():
-        if key == "tokenizer.ggml.tokens" or key == "tokenizer.ggml.merges":
-            writer.add_array(key, value)
-        elif key == "tokenizer.ggml.scores":
-            writer.add_array(key, [float(v) for v in value])  # FLOAT32 elements
-        elif key == "tokenizer.ggml.token_type":
-            writer.add_array(key, [int(v) for v in value])  # INT32 elements
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_string(key, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    add_fields(writer, metadata)
+    finish(writer)
 
 
 def test_from_gguf_path_reader_and_metadata_agree(tmp_path, fixture_data):
@@ -513,23 +500,8 @@ def _write_llama_gguf(path: str, metadata: dict) -> None:
     writer.add_head_count_kv(4)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(16)
-    for key, value in metadata.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-            writer.add_array(key, value)
-        elif key == "tokenizer.ggml.scores":
-            writer.add_array(key, [float(v) for v in value])  # FLOAT32 elements
-        elif key == "tokenizer.ggml.token_type":
-            writer.add_array(key, [int(v) for v in value])  # INT32 elements
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_string(key, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    add_fields(writer, metadata)
+    finish(writer)
 
 
 def _llamacpp_reference(model_path: str, texts: list[str], piece_ids) -> dict:

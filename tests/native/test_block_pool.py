@@ -321,7 +321,7 @@ def test_weaken_hash_is_refused_once_the_pool_holds_data():
 def test_a_step_batch_is_built_from_the_pool_in_one_call():
     import numpy as np
     from pyllama_paged.engine.kv.manager import PagedKV
-    from pyllama_paged.engine.worker.step_batch import StepBuffers
+    from pyllama_paged.engine.kv.step_batch import StepBuffers
 
     kv = PagedKV(16, 4, max_seq_len=16)
     a, _ = kv.create([5, 6, 7, 8, 9, 10])      # prefill 6 tokens in a chunk of 4, then 2
@@ -353,7 +353,7 @@ def test_a_step_batch_is_built_from_the_pool_in_one_call():
 def test_a_malformed_step_batch_is_refused_before_anything_is_written():
     import numpy as np
     from pyllama_paged.engine.kv.manager import PagedKV
-    from pyllama_paged.engine.worker.step_batch import StepBuffers
+    from pyllama_paged.engine.kv.step_batch import StepBuffers
 
     kv = PagedKV(8, 4, max_seq_len=16)
     a, _ = kv.create([1, 2, 3])

@@ -282,3 +282,48 @@ def test_the_kernel_allocates_nothing_while_it_runs():
     assert status == 0 and np.isfinite(out).all()
     assert grown < 16 * 1024, f"the kernel allocated {grown} bytes during a step"
     h.close()
+
+
+@pytest.mark.parametrize("kv_type,head_dim,n_head,n_head_kv,window,sinks", [
+    ("f16", 64, 3, 1, 0, False),     # an odd GQA group: a tile pairs rows of different tokens
+    ("f16", 128, 4, 2, 100, False),  # a sliding window: tiles start their keys anywhere
+    ("q8_0", 64, 3, 1, 0, False),
+    ("f16", 64, 4, 2, 0, True),      # sinks: counted once, whichever slice is first
+])
+def test_a_rows_output_is_the_same_bits_in_any_batch(kv_type, head_dim, n_head, n_head_kv, window, sinks):
+    """Batch invariance (docs/batch-invariance.md): the last 40 queries of a 700-token
+    sequence, computed as one prefill chunk, in chunks of 7 and 13 beside another sequence's
+    queries, and one at a time (the split-K path on 1 to 3 threads), give every row the same
+    bits."""
+    rng = np.random.default_rng(head_dim + n_head + window)
+    bs, length, n_q = 16, 700, 40
+    num_blocks = 2 * (-(-length // bs)) + 2
+    sink_values = rng.standard_normal(n_head).astype(np.float32) + 3.0
+    results = []
+    for n_threads in (1, 2, 3):
+        h = AttentionHarness(kv_type, num_blocks * bs, n_head, n_head_kv, head_dim, n_threads=n_threads)
+        if sinks:
+            h.set_sinks(sink_values)
+        state = np.random.default_rng(7)   # the same K/V, queries and tables for every thread count
+        blocks, _, _ = scatter_sequence(state, h, length, bs, num_blocks, n_head_kv * head_dim, set())
+        other, _, _ = scatter_sequence(state, h, 60, bs, num_blocks, n_head_kv * head_dim, set(blocks.tolist()))
+        q = state.standard_normal((n_q, n_head, head_dim)).astype(np.float32)
+        q_other = state.standard_normal((60, n_head, head_dim)).astype(np.float32)
+        tables = np.full((2, len(blocks)), -1, np.int32)
+        tables[0] = blocks
+        tables[1, :len(other)] = other
+        positions = list(range(length - n_q, length))
+        whole = h.paged(q, positions, [0] * n_q, tables, bs, window)
+        results.append(whole)
+        for chunk in (7, 13):   # this sequence's chunks after another's queries in the same call
+            parts = []
+            for c in range(0, n_q, chunk):
+                m = min(chunk, n_q - c)
+                qq = np.concatenate([q_other[:5], q[c:c + m]])
+                out = h.paged(qq, list(range(55, 60)) + positions[c:c + m], [1] * 5 + [0] * m, tables, bs, window)
+                parts.append(out[5:])
+            results.append(np.concatenate(parts))
+        results.append(np.concatenate([h.paged(q[i:i + 1], positions[i:i + 1], [0], tables, bs, window)
+                                       for i in range(n_q)]))
+    for got in results[1:]:
+        assert np.array_equal(got.view(np.uint32), results[0].view(np.uint32))

@@ -4,7 +4,7 @@ reference of the same rules (pyllama_paged/testing/reference/sampling_reference.
 import numpy as np
 import pytest
 
-from pyllama_paged.engine.worker.sampler import BatchSampler, Sampler, SamplingParams
+from pyllama_paged.engine import BatchSampler, Sampler, SamplingParams
 from pyllama_paged.errors import NativeError, PagedError
 from pyllama_paged.testing.reference.sampling_reference import reference_probs
 
@@ -229,7 +229,7 @@ def test_more_threads_than_the_sampler_spreads_over_still_sample():
     """A host (or n_threads) past PP_SAMPLER_MAX_THREADS gets a sampler at the maximum,
     not an error (a 96-core host could not start the server)."""
     from pyllama_paged._native import lib
-    from pyllama_paged.engine.worker.sampler import BatchSampler, Sampler, SamplingParams
+    from pyllama_paged.engine import BatchSampler, Sampler, SamplingParams
     sampler = BatchSampler(64, lib.PP_SAMPLER_MAX_THREADS + 32)
     logits = np.zeros((1, 64), dtype=np.float32)
     logits[0, 7] = 5.0

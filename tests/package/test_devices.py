@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from pyllama_paged._native import ffi, lib
-from pyllama_paged.engine.worker.devices import LayerSplit, gpu_device, list_devices
-from pyllama_paged.engine.worker.model import Model
+from pyllama_paged.engine import Model, gpu_device, list_devices
+from pyllama_paged.engine.worker.devices import LayerSplit
 from pyllama_paged.errors import PagedError
 
 NO_GPU = not any(d.is_gpu for d in list_devices())

@@ -1,5 +1,7 @@
 """The package's import graph: no cycles, and every arrow points down the
-layers (server/CLI -> Python API -> engine -> GGUF/tokenizer -> native)."""
+layers (server/CLI -> Python API -> engine -> GGUF/tokenizer -> native). The
+engine is one layer from outside (its front door, engine/__init__.py) and a
+one-way graph of districts inside."""
 
 import ast
 from pathlib import Path
@@ -11,6 +13,7 @@ PACKAGE = Path(pyllama_paged.__file__).resolve().parent
 # Bottom first; a module may import from its own layer or any layer below.
 LAYERS = [
     ["errors", "_version"],
+    ["flags"],   # settings that are command-line options: below everything that has some
     ["_native.library"],
     ["_native.status", "_native.ggml_log", "_native.handle"],
     ["_native"],   # the binding's facade (_native/__init__.py) re-exports its modules
@@ -31,37 +34,19 @@ LAYERS = [
     ["constrain.vocab"],
     ["constrain.grammar"],
     ["constrain.masks", "constrain.formats"],
-    ["engine.pooling.embedding"],
-    ["engine.kv.block_pool", "engine.kv.events", "engine.kv.block_store", "engine.worker.cgroup_cpu",
-     "engine.worker.thread_policy"],
-    ["engine.worker.step_batch", "engine.kv.groups", "engine.spec.draft", "engine.spec.batch", "engine.kv.prefix_tiers",
-     "engine.spec.length"],
-    ["engine.kv.manager"],
-    ["engine.worker.devices"],
-    ["engine.worker.model"],
-    ["engine.worker.model_runner"],
-    ["engine.worker.sampler"],
-    ["engine.scoring", "engine.outputs"],
-    ["engine.sched.request"],
-    ["engine.sched.scheduler_output"],
-    ["engine.sched.preemption", "engine.beam_search", "engine.spec.verify", "engine.spec.draft_model"],
-    ["engine.sched.step_cost"],
-    ["engine.sched.scheduler"],
-    ["engine.kv.moves", "engine.postprocess"],
-    ["engine.config"],
-    ["engine.llm_engine", "engine.prompt_logprobs"],
-    ["engine.loop", "engine.pooling.encoder", "engine.shared_steps", "engine.pooling.rerank_head"],
-    ["engine.builder"],
+    ["engine"],   # the engine: its districts below (ENGINE), reached from outside only through its front door
     ["tools.gemma4", "tools.call_scan"],
-    ["api.text_stream", "api.sampling_options", "tools.calls", "tools.messages", "tools.reasoning", "api.embeddings"],
-    ["tools.prompt", "tools.harmony", "api.rerank_inputs"],
-    ["api.chat_call"],
+    ["calls.text_stream", "calls.sampling_options", "tools.calls", "tools.messages", "tools.reasoning", "calls.embeddings"],
+    ["tools.prompt", "tools.harmony", "calls.rerank_inputs", "calls.rerank_head"],
+    ["calls.chat_call"],
     ["api.llama_compat", "api.llama_grammar", "api.llama_pretrained", "api.llama_chat", "api.llama_completion",
      "api.llama_eval", "api.llama_speculative",
-     "api.rerank"],
+     "calls.rerank"],
     ["api.llama_chat_format"],
     ["api.llama"],
-    ["server.metrics", "server.dashboard", "server.scale_out.kv_events", "server.scale_out.router_contract"],
+    ["server.metrics", "server.dashboard", "server.state", "server.routing.kv_events",
+     "server.routing.router_contract"],
+    ["server.config"],
     ["server.registry"],
     ["server.generation"],
     # what the dialects share: the model lookup, keep_alive, the one chat path, SSE, error bodies
@@ -83,17 +68,46 @@ LAYERS = [
     ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.tiny_gpt_oss",
      "testing.reference.sampling_reference",
      "testing.reference.bert_reference", "testing.reference.tiny_bert", "testing.reference.tiny_reranker",
-     "testing.agreement", "testing.attention_harness", "testing.cuda_harness", "testing.serving", "testing.loop_control",
+     "testing.agreement", "testing.invariance", "testing.attention_harness", "testing.cuda_harness", "testing.serving", "testing.loop_control",
      "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf",
      "testing.synthetic_blocks", "testing.synthetic_bpe", "testing.synthetic_presets", "testing.vocab_metadata",
      "testing.device_checks", "testing.model_sources", "testing.scripted_gguf",
-     "testing.ray_cluster", "testing.engine_runs", "testing.routed_logits", "testing.reference.gemma4_reference",
-     "testing.reference.loader", "testing.reference.tiny_gemma4", "testing.synthetic_gemma4", "testing.chat_replies"],
+     "testing.ray_cluster", "testing.engine_runs", "testing.routed_logits", "testing.deltas",
+     "testing.reference.gemma4_reference", "testing.reference.loader", "testing.reference.tiny_gemma4",
+     "testing.synthetic_gemma4", "testing.chat_replies"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer
     # llama-cpp-python's submodule names (llama_cpp.llama_speculative, ...) over ours
     ["llama_speculative", "llama_chat_format", "llama_grammar", "llama_cpp"],
 ]
+
+# The engine's districts, bottom first: a module imports its own district or a lower row,
+# never a sibling on its row; the engine's own files (one step, its config, the loop, the
+# builder) are the top, and the front door re-exports what the rest of the package uses.
+ENGINE = [
+    ["engine.params", "engine.outputs"],
+    ["engine.kv"],
+    ["engine.worker"],
+    ["engine.spec_decode", "engine.sched", "engine.pooling"],
+    ["engine"],
+]
+DISTRICT_ROW = {district: i for i, row in enumerate(ENGINE) for district in row}
+# who outside the engine may import past its front door: the test harnesses drive a ModelRunner
+MAY_ENTER_THE_ENGINE = ("testing.",)
+
+
+def district_of(module: str) -> str | None:
+    """The engine district a module belongs to (None: outside the engine)."""
+    if module != "engine" and not module.startswith("engine."):
+        return None
+    parts = module.split(".")
+    return ".".join(parts[:2]) if ".".join(parts[:2]) in DISTRICT_ROW else "engine"
+
+
+def layer_of(module: str) -> int:
+    return LAYER["engine"] if district_of(module) else LAYER[module]
+
+
 LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
 
 
@@ -119,7 +133,7 @@ def imports_of(path: Path) -> set[str]:
                 continue
             for alias in node.names:   # `from . import x` may name a module
                 candidate = f"{target}.{alias.name}" if target else alias.name
-                found.add(candidate if candidate in LAYER else target)
+                found.add(candidate if candidate in MODULES else target)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("pyllama_paged."):
@@ -128,23 +142,49 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+MODULES = {module_name(path) for path in PACKAGE.rglob("*.py")}
+
+
 def graph() -> dict[str, set[str]]:
     modules = {}
     for path in PACKAGE.rglob("*.py"):
         name = module_name(path)
-        if path.name == "__init__.py" and path.parent != PACKAGE and name not in LAYER:
+        if path.name == "__init__.py" and path.parent != PACKAGE and name not in LAYER and name != "engine":
             continue   # subpackage docstrings: nothing to import (a facade that re-exports is a layer)
         modules[name] = {m for m in imports_of(path) if m != name}
     return modules
 
 
 def test_every_module_has_a_layer():
-    assert set(graph()) == set(LAYER), "add new modules to LAYERS"
+    outside = {m for m in graph() if not district_of(m)}
+    assert outside | {"engine"} == set(LAYER), "add new modules to LAYERS"
 
 
 def test_imports_point_down_the_layers():
-    upward = [(m, dep) for m, deps in graph().items() for dep in deps if LAYER[dep] > LAYER[m]]
+    upward = [(m, dep) for m, deps in graph().items() for dep in deps if layer_of(dep) > layer_of(m)]
     assert not upward, f"imports against the layering: {upward}"
+
+
+def test_engine_districts_import_only_lower_ones():
+    wrong = [(m, dep) for m, deps in graph().items() if district_of(m) for dep in deps
+             if district_of(dep) and district_of(dep) != district_of(m)
+             and DISTRICT_ROW[district_of(dep)] >= DISTRICT_ROW[district_of(m)]]
+    assert not wrong, f"an engine district imports its own row or above: {wrong}"
+
+
+def test_engine_districts_each_have_a_row():
+    folders = {".".join(p.parent.relative_to(PACKAGE).parts) for p in (PACKAGE / "engine").rglob("__init__.py")}
+    files = {f"engine.{p.stem}" for p in (PACKAGE / "engine").glob("*.py")} & set(DISTRICT_ROW)
+    assert folders | files == set(DISTRICT_ROW)
+
+
+def test_outside_reaches_the_engine_only_through_its_front_door():
+    g = graph()
+    inside = [(m, dep) for m, deps in g.items() if not district_of(m) and not m.startswith(MAY_ENTER_THE_ENGINE)
+              for dep in deps if district_of(dep) and dep != "engine"]
+    assert not inside, f"engine internals imported from outside the engine: {inside}"
+    # and nothing inside goes out through its own front door (it imports everything)
+    assert not [m for m, deps in g.items() if district_of(m) and m != "engine" and "engine" in deps]
 
 
 def test_no_import_cycles():
@@ -168,6 +208,7 @@ def test_no_import_cycles():
 def test_the_scheduler_keeps_books_and_never_reaches_the_model():
     # it decides a SchedulerOutput over the KV manager; the engine moves KV data and runs the model
     for module in ("engine.sched.scheduler", "engine.sched.preemption", "engine.sched.scheduler_output"):
+        assert module in graph(), module
         reached = set()
         todo = [module]
         while todo:
@@ -182,9 +223,10 @@ def test_the_scheduler_keeps_books_and_never_reaches_the_model():
 # share only what the server's top level and the layers below hold: a new dialect is a
 # protocol file and a renderer, never an import of another dialect.
 FOLDERS = ["_native", "gguf", "models", "convert", "tokenizer", "constrain",
-           "engine", "engine/kv", "engine/sched", "engine/worker", "engine/spec", "engine/pooling",
-           "tools", "api",
-           "server", "server/openai", "server/anthropic", "server/ollama", "server/pooling", "server/scale_out",
+           "engine", "engine/kv", "engine/sched", "engine/worker", "engine/spec_decode", "engine/pooling",
+           "tools", "calls", "api",
+           "server", "server/openai", "server/anthropic", "server/ollama", "server/pooling", "server/routing",
+           "server/scale_out",
            "testing", "testing/reference"]
 DIALECTS = ["server.openai", "server.anthropic", "server.ollama", "server.pooling", "server.scale_out"]
 

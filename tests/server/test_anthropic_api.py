@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME
 from pyllama_paged.testing.serving import Running, pool_used, wait_pool_empty, wait_until
 
 M = DEFAULT_MODEL_NAME
@@ -30,19 +30,8 @@ WEATHER = {"name": "get_weather", "description": "Current weather in a city",
                             "required": ["city", "unit"]}}
 
 
-@pytest.fixture(scope="module")
-def registry():
-    reg = ModelRegistry(None, EngineOptions(n_ctx=1024, n_threads=2, n_batch=256, block_size=32,
-                                            kv_budget_tokens=16384, max_num_seqs=16))
-    yield reg
-    reg.close()
-
-
-@pytest.fixture(scope="module")
-def server(registry):
-    s = Running(create_app(registry, Limits(max_tokens=300)))
-    yield s
-    s.close()
+SERVE = dict(n_ctx=1024, n_threads=2, n_batch=256, block_size=32, kv_budget_tokens=16384, max_num_seqs=16)
+LIMITS = Limits(max_tokens=300)
 
 
 @pytest.fixture(scope="module")

@@ -14,28 +14,17 @@ import pytest
 from pyllama_paged.testing.agreement import NEAR_TIE, engine_logits
 from pyllama_paged.testing.serving import Running, wait_pool_empty
 from pyllama_paged.engine.worker.sampler import log_softmax
-from pyllama_paged.api.sampling_options import OLLAMA, OPENAI, sampling_params
+from pyllama_paged.calls.sampling_options import OLLAMA, OPENAI, sampling_params
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME
 
 M = DEFAULT_MODEL_NAME
 KEY = "fidelity-key"
 
 
-@pytest.fixture(scope="module")
-def registry():
-    reg = ModelRegistry(None, EngineOptions(n_ctx=512, n_threads=2, n_batch=256, block_size=32,
-                                            kv_budget_tokens=8192, max_num_seqs=64))
-    yield reg
-    reg.close()
-
-
-@pytest.fixture(scope="module")
-def server(registry):
-    s = Running(create_app(registry, Limits(max_tokens=600, max_n=4)))
-    yield s
-    s.close()
+SERVE = dict(n_ctx=512, n_threads=2, n_batch=256, block_size=32, kv_budget_tokens=8192, max_num_seqs=64)
+LIMITS = Limits(max_tokens=600, max_n=4)
 
 
 @pytest.fixture(scope="module")

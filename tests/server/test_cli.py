@@ -87,7 +87,7 @@ def test_kv_budget_takes_tokens_or_bytes():
 
     import pytest
 
-    from pyllama_paged.cli import parse_kv_budget
+    from pyllama_paged.flags import tokens_or_bytes as parse_kv_budget
 
     assert parse_kv_budget("32768") == (32768, None)
     assert parse_kv_budget("512MiB") == (None, 512 * 2**20)

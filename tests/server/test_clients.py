@@ -21,10 +21,9 @@ from langchain_ollama import ChatOllama  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
-from pyllama_paged.testing.serving import Running, wait_pool_empty  # noqa: E402
-from pyllama_paged.server.app import create_app  # noqa: E402
+from pyllama_paged.testing.serving import wait_pool_empty  # noqa: E402
 from pyllama_paged.server.generation import Limits  # noqa: E402
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry  # noqa: E402
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME  # noqa: E402
 
 M = DEFAULT_MODEL_NAME
 ASK = "Describe a person."
@@ -53,19 +52,8 @@ CALL_FORMAT = {"type": "object", "properties": {"name": {"const": "get_weather"}
                "required": ["name", "arguments"]}
 
 
-@pytest.fixture(scope="module")
-def server():
-    registry = ModelRegistry(None, EngineOptions(n_ctx=1024, n_threads=2, n_batch=256, block_size=32,
-                                                 kv_budget_tokens=16384, max_num_seqs=32))
-    s = Running(create_app(registry, Limits(max_tokens=300)))
-    yield s
-    s.close()
-    registry.close()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+SERVE = dict(n_ctx=1024, n_threads=2, n_batch=256, block_size=32, kv_budget_tokens=16384, max_num_seqs=32)
+LIMITS = Limits(max_tokens=300)   # the server and its oai client: tests/server/conftest.py
 
 
 # ---- structured output --------------------------------------------------------

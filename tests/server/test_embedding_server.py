@@ -21,10 +21,11 @@ from langchain_openai import OpenAIEmbeddings  # noqa: E402
 
 from pyllama_paged import Llama  # noqa: E402
 from pyllama_paged.convert.bert_gguf import convert  # noqa: E402
-from pyllama_paged.engine.worker.model import default_model_path  # noqa: E402
+from pyllama_paged.engine import default_model_path  # noqa: E402
 from pyllama_paged.server.app import create_app  # noqa: E402
 from pyllama_paged.server.generation import Limits  # noqa: E402
-from pyllama_paged.server.registry import EngineOptions, ModelRegistry, model_name_for  # noqa: E402
+from pyllama_paged.server.registry import ModelRegistry, model_name_for  # noqa: E402
+from pyllama_paged.server.config import ServeConfig
 from pyllama_paged.testing.reference.tiny_bert import write_tiny_bert  # noqa: E402
 from pyllama_paged.testing.serving import Running, wait_pool_empty  # noqa: E402
 
@@ -54,7 +55,7 @@ def expected(bert_path):
 @pytest.fixture(scope="module")
 def server(bert_path):
     registry = ModelRegistry([bert_path, default_model_path()],
-                             EngineOptions(n_ctx=512, n_threads=2, n_batch=128, kv_budget_tokens=4096))
+                             ServeConfig.flat(n_ctx=512, n_threads=2, n_batch=128, kv_budget_tokens=4096))
     s = Running(create_app(registry, Limits(max_embedding_inputs=16)))
     yield s
     s.close()

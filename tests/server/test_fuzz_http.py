@@ -27,7 +27,8 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
 
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, ModelRegistry
+from pyllama_paged.server.config import ServeConfig
 from pyllama_paged.testing.serving import Running
 
 # Per operation and mode; FUZZ_HTTP_EXAMPLES=200 for a longer local run.
@@ -41,8 +42,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def server():
-    registry = ModelRegistry(None, EngineOptions(n_ctx=256, n_threads=2, n_batch=64, block_size=32,
-                                                 kv_budget_tokens=4096, max_num_seqs=8))
+    registry = ModelRegistry(None, ServeConfig.flat(n_ctx=256, n_threads=2, n_batch=64, block_size=32,
+                                                    kv_budget_tokens=4096, max_num_seqs=8))
     s = Running(create_app(registry, Limits(max_body_bytes=16 * 1024, max_tokens=4, max_n=2,
                                             max_prompt_tokens=64)))
     yield s

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pyllama_paged import Llama
-from pyllama_paged.api.chat_call import split_as_streamed
+from pyllama_paged.calls.chat_call import split_as_streamed
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.testing.chat_replies import chat_prompt_ids, llama_reply, ollama_reply, openai_reply
 from pyllama_paged.testing.reference.tiny_gemma4 import GEMMA4_TEMPLATE, write_tiny_gemma4
@@ -76,8 +76,8 @@ def test_calls_after_answer_text_and_calls_not_offered():
 
 
 def test_every_cut_into_deltas_gives_the_same_split():
-    from pyllama_paged.api.chat_call import AnswerSplitter
-    from pyllama_paged.api.text_stream import TextDelta
+    from pyllama_paged.calls.chat_call import AnswerSplitter
+    from pyllama_paged.calls.text_stream import TextDelta
 
     rng = random.Random(0)
     # a call alone after the thinking, and one after answer text (the text streams, the call does not)

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from pyllama_paged import Llama
-from pyllama_paged.api.chat_call import ChatCall, prepare_call
-from pyllama_paged.server.generation import Limits
+from pyllama_paged.calls.chat_call import ChatCall, prepare_call
+from pyllama_paged.server.config import Limits
 from pyllama_paged.testing.scripted_gguf import (HARMONY_MARKUP, HARMONY_TEMPLATE, THINKING_TEMPLATE,
                                                  scripted_tokenizer, write_scripted_model)
 from pyllama_paged.testing.chat_replies import llama_reply

@@ -1,4 +1,4 @@
-"""KV events tried as someone who should not read them would (server/scale_out/kv_events.py): the
+"""KV events tried as someone who should not read them would (server/routing/kv_events.py): the
 default endpoint is bound on loopback (an IPv4 loopback address used to be connected to,
 never bound), a wildcard bind is logged as a warning, a subscriber sees no token ids
 unless the operator asked for them, a replay of the whole buffer neither holds live
@@ -14,11 +14,11 @@ import pytest
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
-from pyllama_paged.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from pyllama_paged.engine import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from pyllama_paged.server.app import create_app  # noqa: E402
 from pyllama_paged.server.generation import Limits  # noqa: E402
-from pyllama_paged.server.scale_out import kv_events  # noqa: E402
-from pyllama_paged.server.scale_out.kv_events import END_OF_REPLAY, KVEventPublisher, KVEventsConfig  # noqa: E402
+from pyllama_paged.server.routing import kv_events  # noqa: E402
+from pyllama_paged.server.routing.kv_events import END_OF_REPLAY, KVEventPublisher, KVEventsConfig  # noqa: E402
 from pyllama_paged.testing.serving import Running, free_port, tiny_registry, wait_until  # noqa: E402
 
 

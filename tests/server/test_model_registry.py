@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from pyllama_paged.models.pull import pull
-from pyllama_paged.server.registry import EngineOptions, ModelRegistry
+from pyllama_paged.server.registry import ModelRegistry
+from pyllama_paged.server.config import ServeConfig
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.serving import free_port, stop_server, wait_healthy
 
@@ -36,7 +37,7 @@ def three_models(model_sources, tmp_path):
 
 def _registry(tmp_path, **options) -> ModelRegistry:
     base = write_tiny_model(tmp_path / "base.gguf", "gemma3", seed=9)
-    return ModelRegistry([base], EngineOptions(**{**SETTINGS, **options}))
+    return ModelRegistry([base], ServeConfig.flat(**{**SETTINGS, **options}))
 
 
 def test_loading_past_the_cap_drops_the_least_recently_used_idle_engine(three_models):

@@ -16,7 +16,7 @@ import pytest
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.openai.responses_store import ResponseStore, StoredResponse
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME
-from pyllama_paged.testing.serving import default_model_server, pool_used, wait_pool_empty, wait_until
+from pyllama_paged.testing.serving import pool_used, wait_pool_empty, wait_until
 
 M = DEFAULT_MODEL_NAME
 GREEDY = {"model": M, "temperature": 0}
@@ -29,16 +29,8 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"]}
 
 
-@pytest.fixture(scope="module")
-def server():
-    with default_model_server(Limits(max_tokens=300), n_ctx=1024, n_threads=2, n_batch=256, block_size=32,
-                              kv_budget_tokens=16384, max_num_seqs=32) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+SERVE = dict(n_ctx=1024, n_threads=2, n_batch=256, block_size=32, kv_budget_tokens=16384, max_num_seqs=32)
+LIMITS = Limits(max_tokens=300)   # the server and its oai client: tests/server/conftest.py
 
 
 def test_plain_and_with_instructions(oai):

@@ -9,11 +9,12 @@ import os
 import httpx
 import pytest
 
-from pyllama_paged.cli import _prefix_tiers, build_parser
-from pyllama_paged.engine.kv.prefix_tiers import PrefixTierConfig
+from pyllama_paged.cli import build_parser, serve_config
+from pyllama_paged.engine import PrefixTierConfig
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, ModelRegistry
+from pyllama_paged.server.config import ServeConfig
 from pyllama_paged.testing.serving import Running
 
 SYSTEM = ("You are the assistant of a bicycle repair shop. Opening hours are 9 to 18 on weekdays. "
@@ -22,8 +23,8 @@ SYSTEM = ("You are the assistant of a bicycle repair shop. Opening hours are 9 t
 
 def _serve(directory: str):
     tiers = PrefixTierConfig(ram_bytes=0, disk_dir=directory)
-    registry = ModelRegistry(None, EngineOptions(n_ctx=2048, n_threads=2, n_batch=256, kv_budget_tokens=8192,
-                                                 prefix_tiers=tiers))
+    registry = ModelRegistry(None, ServeConfig.flat(n_ctx=2048, n_threads=2, n_batch=256, kv_budget_tokens=8192,
+                                                    prefix_tiers=tiers))
     return registry, Running(create_app(registry, Limits()))
 
 
@@ -72,29 +73,31 @@ def test_a_restarted_server_restores_the_prompt_from_disk(tmp_path):
     assert stats["computed_tokens"] == computed_cold
 
 
+def _serve_flags(*argv):
+    return serve_config(build_parser().parse_args(["serve", *argv]))
+
+
 def test_kv_events_flags_default_to_loopback_and_hashes_only():
-    from pyllama_paged.cli import kv_events_settings
-
-    config = kv_events_settings(build_parser().parse_args(["serve", "--kv-events"]))
+    config = _serve_flags("--kv-events").kv_events
     assert config.endpoint == "tcp://127.0.0.1:5557" and config.token_ids is False and config.bind is None
-    config = kv_events_settings(build_parser().parse_args(
-        ["serve", "--kv-events", "tcp://10.0.0.5:5557", "--kv-events-token-ids", "--kv-events-bind"]))
+    config = _serve_flags("--kv-events", "tcp://10.0.0.5:5557", "--kv-events-token-ids", "--kv-events-bind").kv_events
     assert (config.endpoint, config.token_ids, config.bind) == ("tcp://10.0.0.5:5557", True, True)
-    assert kv_events_settings(build_parser().parse_args(["serve"])) is None
-    assert _prefix_tiers(build_parser().parse_args(["serve", "--prefix-cache-group"])).disk_group
+    assert _serve_flags().kv_events is None
+    assert _serve_flags("--prefix-cache-group").engine.prefix_tiers.disk_group
 
 
-def test_serve_flags_make_a_tier_config(tmp_path):
-    default = _prefix_tiers(build_parser().parse_args(["serve"]))
-    assert default == PrefixTierConfig(ram_bytes=2048 << 20)
-    args = build_parser().parse_args(["serve", "--cache-ram", "0", "--prefix-cache-dir", str(tmp_path),
-                                      "--prefix-cache-disk", "1GiB"])
-    assert _prefix_tiers(args) == PrefixTierConfig(ram_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 30)
-    assert _prefix_tiers(build_parser().parse_args(["serve", "--cache-ram", "0"])) is None
-    for bad, says in ((["--cache-ram", "-1"], "--cache-ram"), (["--prefix-cache-disk", "lots"], "16GiB"),
-                      (["--prefix-cache-dir", "/proc/no-such-place"], "cannot be used")):
-        with pytest.raises(SystemExit, match=says):
-            _prefix_tiers(build_parser().parse_args(["serve", *bad]))
+def test_serve_flags_make_a_tier_config(tmp_path, capsys):
+    assert _serve_flags().engine.prefix_tiers == PrefixTierConfig(ram_bytes=2048 << 20)
+    tiers = _serve_flags("--cache-ram", "0", "--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk", "1GiB")
+    assert tiers.engine.prefix_tiers == PrefixTierConfig(ram_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 30)
+    assert _serve_flags("--cache-ram", "0").engine.prefix_tiers is None
+    for bad, says in ((["--cache-ram", "-1"], "--cache-ram: must be >= 0 MiB"),
+                      (["--prefix-cache-disk", "lots"], "--prefix-cache-disk: 'lots' is not a size such as 16GiB")):
+        with pytest.raises(SystemExit):   # refused by the parser, which says why on stderr
+            _serve_flags(*bad)
+        assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="cannot be used"):
+        _serve_flags("--prefix-cache-dir", "/proc/no-such-place")
 
 
 def test_reset_prefix_cache_empties_the_ram_tier_and_says_what_disk_keeps(tmp_path, caplog):

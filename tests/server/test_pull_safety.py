@@ -408,9 +408,10 @@ def test_delete_of_a_hub_model_keeps_a_cached_file_and_a_served_one(env, gguf, t
     # a file this store downloaded, but served by the server: kept while served
     mine = pull("hf.co/someone/tiny-GGUF:Q8_0")
     assert mine.owned
-    from pyllama_paged.server.registry import EngineOptions, ModelRegistry
+    from pyllama_paged.server.config import ServeConfig
+    from pyllama_paged.server.registry import ModelRegistry
 
-    serving = ModelRegistry([mine.path], EngineOptions(n_ctx=256, n_threads=2, kv_budget_tokens=1024))
+    serving = ModelRegistry([mine.path], ServeConfig.flat(n_ctx=256, n_threads=2, kv_budget_tokens=1024))
     server = Running(create_app(serving))
     try:
         r = httpx.request("DELETE", server.url + "/api/delete", json={"model": "hf.co/someone/tiny-GGUF:Q8_0"},

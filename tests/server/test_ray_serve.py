@@ -26,8 +26,8 @@ import ollama  # noqa: E402
 import openai  # noqa: E402
 
 from pyllama_paged.api.llama import Llama  # noqa: E402
-from pyllama_paged.cli import build_parser  # noqa: E402
-from pyllama_paged.server.scale_out.ray_app import build, build_arguments  # noqa: E402
+from pyllama_paged.cli import build_parser, serve_config  # noqa: E402
+from pyllama_paged.server.scale_out.ray_app import build, build_config  # noqa: E402
 from pyllama_paged.server.scale_out.ray_routing import PIN_HEADER, rendezvous_order, routing_text  # noqa: E402
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits  # noqa: E402
 from pyllama_paged.testing.ray_cluster import (RayCluster, start_ray_server, stop_ray_server,  # noqa: E402
@@ -293,21 +293,21 @@ def test_only_the_keys_of_a_replica_that_leaves_move():
 
 
 def test_builder_arguments_as_serve_run_passes_them():
-    args = build_arguments({"replicas": "3", "replica_cpus": "2", "replica_memory": "1000", "router": "round_robin",
-                            "models": "a.gguf,b.gguf", "engine": {"n_ctx": 512}, "limits": {"max_tokens": 64}})
-    scale = args["scale"]
+    config = build_config({"replicas": "3", "replica_cpus": "2", "replica_memory": "1000", "router": "round_robin",
+                           "models": "a.gguf,b.gguf", "engine": {"n_ctx": 512}, "limits": {"max_tokens": 64}})
+    scale = config.scale_out
     assert (scale.replicas, scale.replica_cpus, scale.replica_memory, scale.router) == (3, 2.0, 1000, "round_robin")
-    assert args["options"].n_ctx == 512 and args["options"].n_threads == 2 and args["limits"].max_tokens == 64
-    assert args["models"] == ["a.gguf", "b.gguf"]
+    assert config.engine.n_ctx == 512 and config.engine.n_threads == 2 and config.limits.max_tokens == 64
+    assert config.models == ["a.gguf", "b.gguf"]
     with pytest.raises(ValueError, match="replcas"):
-        build_arguments({"replcas": 2})
+        build_config({"replcas": 2})
     assert build({"replicas": 1}) is not None   # an application, ready for serve.run
 
 
 def test_serve_takes_the_ray_options():
-    args = build_parser().parse_args(["serve", "--ray", "auto", "--replicas", "3", "--replica-memory", "2GiB",
-                                      "--ray-router", "round_robin"])
-    assert (args.ray, args.replicas, args.replica_memory, args.ray_router) == ("auto", 3, 2 * 2**30, "round_robin")
+    scale = serve_config(build_parser().parse_args(["serve", "--ray", "auto", "--replicas", "3", "--replica-memory",
+                                                    "2GiB", "--ray-router", "round_robin"])).scale_out
+    assert (scale.address, scale.replicas, scale.replica_memory, scale.router) == ("auto", 3, 2 * 2**30, "round_robin")
 
 
 def test_ray_stays_optional():

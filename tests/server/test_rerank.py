@@ -16,7 +16,8 @@ from pyllama_paged import Llama  # noqa: E402
 from pyllama_paged.convert.bert_gguf import convert  # noqa: E402
 from pyllama_paged.server.app import create_app  # noqa: E402
 from pyllama_paged.server.generation import Limits  # noqa: E402
-from pyllama_paged.server.registry import EngineOptions, ModelRegistry  # noqa: E402
+from pyllama_paged.server.registry import ModelRegistry  # noqa: E402
+from pyllama_paged.server.config import ServeConfig
 from pyllama_paged.testing.reference.tiny_bert import write_tiny_bert, write_tiny_cross_encoder  # noqa: E402
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model  # noqa: E402
 from pyllama_paged.testing.reference.tiny_reranker import write_tiny_decoder_reranker  # noqa: E402
@@ -51,7 +52,7 @@ def expected(paths):
 @pytest.fixture(scope="module")
 def server(paths):
     registry = ModelRegistry([paths[n] for n in (CE, DEC, EMB, CHAT)],
-                             EngineOptions(n_ctx=512, n_threads=2, n_batch=128, kv_budget_tokens=4096))
+                             ServeConfig.flat(n_ctx=512, n_threads=2, n_batch=128, kv_budget_tokens=4096))
     s = Running(create_app(registry, Limits(max_embedding_inputs=8)))
     yield s
     s.close()

@@ -1,5 +1,5 @@
-"""What routers in front of several servers read (server/scale_out/router_contract.py, the vllm:*
-series of server/metrics.py, server/scale_out/kv_events.py): /health, vLLM's metric names scraped
+"""What routers in front of several servers read (server/routing/router_contract.py, the vllm:*
+series of server/metrics.py, server/routing/kv_events.py): /health, vLLM's metric names scraped
 with prometheus_client's own parser, and the prefix cache's events received on a real ZMQ
 SUB socket and decoded with msgpack; then `serve --kv-events --drain-seconds` as a process.
 On a tiny model."""
@@ -17,10 +17,10 @@ zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from pyllama_paged.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from pyllama_paged.engine import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from pyllama_paged.server.app import create_app  # noqa: E402
 from pyllama_paged.server.generation import Limits  # noqa: E402
-from pyllama_paged.server.scale_out.kv_events import KVEventPublisher, KVEventsConfig, encode_batch  # noqa: E402
+from pyllama_paged.server.routing.kv_events import KVEventPublisher, KVEventsConfig, encode_batch  # noqa: E402
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model  # noqa: E402
 from pyllama_paged.testing.serving import Running, free_port, stop_server, tiny_registry, wait_healthy, wait_until  # noqa: E402
 

@@ -15,24 +15,13 @@ from pyllama_paged.testing.loop_control import paused
 from pyllama_paged.testing.serving import Running, pool_used, tiny_registry, wait_pool_empty, wait_until
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME
 
 KEY = "sekrit-key"
 
 
-@pytest.fixture(scope="module")
-def registry():
-    reg = ModelRegistry(None, EngineOptions(n_ctx=512, n_threads=2, n_batch=256, block_size=32,
-                                            kv_budget_tokens=8192, max_num_seqs=64))
-    yield reg
-    reg.close()
-
-
-@pytest.fixture(scope="module")
-def server(registry):
-    s = Running(create_app(registry, Limits(max_body_bytes=64 * 1024, max_tokens=256, max_n=4)))
-    yield s
-    s.close()
+SERVE = dict(n_ctx=512, n_threads=2, n_batch=256, block_size=32, kv_budget_tokens=8192, max_num_seqs=64)
+LIMITS = Limits(max_body_bytes=64 * 1024, max_tokens=256, max_n=4)
 
 
 @pytest.fixture(scope="module")

@@ -11,29 +11,20 @@ import httpx
 import pytest
 
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
-from pyllama_paged.testing.serving import Running, tiny_registry, wait_until
-from pyllama_paged.cli import build_parser, serve_settings
+from pyllama_paged.testing.serving import Running, wait_until
+from pyllama_paged.cli import build_parser, serve_config
 from pyllama_paged.server.app import ORIGINS_ENV, create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import EngineOptions, ModelRegistry
+from pyllama_paged.server.registry import ModelRegistry
+from pyllama_paged.server.config import ServeConfig
 
 M = "tiny"
 KEY = "sekrit-dashboard-key"
 GENERATE = json.dumps({"model": M, "prompt": "hi", "stream": False, "options": {"num_predict": 1}})
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    reg = tiny_registry(tmp_path_factory.mktemp("access"))
-    yield reg
-    reg.close()
-
-
-@pytest.fixture(scope="module")
-def server(registry):
-    s = Running(create_app(registry, Limits(), origins=["https://*.example.org"]))
-    yield s
-    s.close()
+TINY = True
+APP = {"origins": ["https://*.example.org"]}
 
 
 def _post_as_page(url, origin, path="/api/generate"):
@@ -100,8 +91,8 @@ def test_any_host_is_served_when_bound_beyond_loopback(registry):
 
 def test_origins_option_and_environment_add_to_the_defaults(monkeypatch):
     monkeypatch.setenv(ORIGINS_ENV, "https://a.test, https://*.b.test")
-    *_, origins = serve_settings(build_parser().parse_args(["serve", "--origins", "http://c.test:*"]))
-    assert origins == ["https://a.test", "https://*.b.test", "http://c.test:*"]
+    origins = serve_config(build_parser().parse_args(["serve", "--origins", "http://c.test:*"])).origins
+    assert origins == ("https://a.test", "https://*.b.test", "http://c.test:*")
 
 
 def test_api_key_in_a_query_stays_out_of_the_access_log(registry):
@@ -162,7 +153,7 @@ def test_metrics_label_routes_by_template_and_escape_values(tmp_path):
     # Every GET /v1/models/<anything> added a series with the raw path as its label, unescaped
     name = 'we"ird\\name'
     path = write_tiny_model(tmp_path / f"{name}.gguf", "gemma3", weight_type="q8_0")
-    reg = ModelRegistry([path], EngineOptions(n_ctx=256, n_threads=2, n_batch=64, kv_budget_tokens=1024))
+    reg = ModelRegistry([path], ServeConfig.flat(n_ctx=256, n_threads=2, n_batch=64, kv_budget_tokens=1024))
     s = Running(create_app(reg, Limits()))
     try:
         for i in range(30):

@@ -12,8 +12,8 @@ import pytest
 from pyllama_paged.testing.loop_control import paused
 from pyllama_paged.testing.serving import Running, tiny_registry, wait_until
 from pyllama_paged.engine.kv.block_pool import BlockPool
-from pyllama_paged.engine.loop import EngineLoop
-from pyllama_paged.api import chat_call
+from pyllama_paged.engine import EngineLoop
+from pyllama_paged.calls import chat_call
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 

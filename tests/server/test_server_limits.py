@@ -8,13 +8,13 @@ import httpx
 import pytest
 
 from pyllama_paged.testing.serving import Running, tiny_registry
-from pyllama_paged.cli import build_parser, serve_settings
-from pyllama_paged.api import chat_call
+from pyllama_paged.cli import build_parser, serve_config
+from pyllama_paged.calls import chat_call
 from pyllama_paged.server.ollama import api as ollama_api
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.engine.worker.thread_policy import MAX_THREADS
-from pyllama_paged.server.registry import EngineOptions
+from pyllama_paged.engine import MAX_THREADS
+from pyllama_paged.server.config import ServeConfig
 from pyllama_paged.tools.prompt import render_chat
 
 M = "tiny"
@@ -23,18 +23,7 @@ LIMITS = Limits(max_body_bytes=64 * 1024, max_stop=2, max_stop_chars=8, max_tool
                 max_grammar_bytes=200, max_schema_depth=8)
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    reg = tiny_registry(tmp_path_factory.mktemp("limits"))
-    yield reg
-    reg.close()
-
-
-@pytest.fixture(scope="module")
-def server(registry):
-    s = Running(create_app(registry, LIMITS))
-    yield s
-    s.close()
+TINY = True
 
 
 @pytest.fixture
@@ -111,13 +100,12 @@ def test_body_over_the_limit_is_a_413_naming_the_option(server):
 
 
 def test_limits_are_serve_options_with_defaults(monkeypatch):
-    args = build_parser().parse_args(["serve"])
-    options, limits, _, _ = serve_settings(args)
+    limits = serve_config(build_parser().parse_args(["serve"])).limits
     assert limits == Limits()
     assert (limits.max_stop, limits.max_tools, limits.max_messages, limits.max_grammar_bytes) == (16, 128, 2048, 65536)
     args = build_parser().parse_args(["serve", "--max-stop", "3", "--max-messages", "9", "--max-grammar-bytes", "5",
                                       "--stats-timeout", "0.5", "--max-prompt-tokens", "100"])
-    _, limits, _, _ = serve_settings(args)
+    limits = serve_config(args).limits
     assert (limits.max_stop, limits.max_messages, limits.max_grammar_bytes) == (3, 9, 5)
     assert (limits.stats_timeout, limits.max_prompt_tokens) == (0.5, 100)
 
@@ -126,19 +114,19 @@ def test_default_threads_fit_the_sampler_on_a_big_host(tmp_path, monkeypatch):
     # `serve` on a 128-CPU host asked the native sampler for 128 threads; it takes at most 64
     monkeypatch.setattr(os, "cpu_count", lambda: 128)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
-    options, _, _, _ = serve_settings(build_parser().parse_args(["serve"]))
-    assert options.n_threads == MAX_THREADS and EngineOptions().n_threads == MAX_THREADS
+    options = serve_config(build_parser().parse_args(["serve"])).engine
+    assert options.n_threads == MAX_THREADS and ServeConfig.flat().engine.n_threads == MAX_THREADS
     reg = tiny_registry(tmp_path, n_threads=options.n_threads)   # the engine starts with them
     reg.close()
     with pytest.raises(SystemExit, match="--threads"):
-        serve_settings(build_parser().parse_args(["serve", "--threads", "128"]))
+        serve_config(build_parser().parse_args(["serve", "--threads", "128"]))
 
 
 def test_serve_adapts_its_threads_unless_told_how_many(tmp_path):
     # issue 40: beside busy processes a fixed count collapses; a given --threads stays exact
-    options, _, _, _ = serve_settings(build_parser().parse_args(["serve"]))
+    options = serve_config(build_parser().parse_args(["serve"])).engine
     assert options.adapt_threads
-    options, _, _, _ = serve_settings(build_parser().parse_args(["serve", "--threads", "2"]))
+    options = serve_config(build_parser().parse_args(["serve", "--threads", "2"])).engine
     assert not options.adapt_threads and options.n_threads == 2
     reg = tiny_registry(tmp_path, n_threads=2, adapt_threads=True)
     try:

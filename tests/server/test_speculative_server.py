@@ -5,12 +5,12 @@ opt-out in Ollama's options and OpenAI's body, and the counters in /api/pool and
 import httpx
 import pytest
 
-from pyllama_paged.cli import _speculative, build_parser
-from pyllama_paged.engine.worker.model import default_model_path
-from pyllama_paged.engine.spec.draft import SpeculativeConfig
+from pyllama_paged.cli import build_parser, serve_config
+from pyllama_paged.engine import SpeculativeConfig, default_model_path
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, EngineOptions, ModelRegistry
+from pyllama_paged.server.registry import DEFAULT_MODEL_NAME, ModelRegistry
+from pyllama_paged.server.config import ServeConfig
 from pyllama_paged.testing.serving import Running
 
 PROMPT = ("Repeat this sentence exactly: The quick brown fox jumps over the lazy dog while the "
@@ -19,8 +19,8 @@ PROMPT = ("Repeat this sentence exactly: The quick brown fox jumps over the lazy
 
 @pytest.fixture(scope="module")
 def server():
-    registry = ModelRegistry(None, EngineOptions(n_ctx=512, n_threads=2, n_batch=256, kv_budget_tokens=4096,
-                                                 speculative=SpeculativeConfig(num_draft_tokens=4)))
+    registry = ModelRegistry(None, ServeConfig.flat(n_ctx=512, n_threads=2, n_batch=256, kv_budget_tokens=4096,
+                                                    speculative=SpeculativeConfig(num_draft_tokens=4)))
     running = Running(create_app(registry, Limits()))
     yield running
     running.close()
@@ -40,6 +40,10 @@ def _ollama(url, speculative=None):
                                                 "options": options}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["response"]
+
+
+def _speculative(args):
+    return serve_config(args).engine.speculative
 
 
 def test_serve_flags_make_a_config():
@@ -67,8 +71,8 @@ def test_a_served_model_drafts_with_a_draft_model():
     """The default model drafting for itself behind the server: every draft of a greedy
     answer is accepted, up to near-ties."""
     spec = SpeculativeConfig(method="draft_model", draft_model=default_model_path(), num_draft_tokens=4)
-    registry = ModelRegistry(None, EngineOptions(n_ctx=512, n_threads=2, n_batch=256, kv_budget_tokens=2048,
-                                                 speculative=spec))
+    registry = ModelRegistry(None, ServeConfig.flat(n_ctx=512, n_threads=2, n_batch=256, kv_budget_tokens=2048,
+                                                    speculative=spec))
     running = Running(create_app(registry, Limits()))
     try:
         assert _ollama(running.url)

@@ -8,8 +8,8 @@ import pytest
 
 from pyllama_paged.errors import PagedError
 from pyllama_paged.server.app import create_app
-from pyllama_paged.server.generation import Limits
-from pyllama_paged.server.registry import EngineOptions, ModelRegistry
+from pyllama_paged.server.config import Limits, ServeConfig
+from pyllama_paged.server.registry import ModelRegistry
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.serving import Running
 from pyllama_paged.tokenizer import render_pool
@@ -55,8 +55,8 @@ def test_looping_chats_do_not_hold_up_a_healthy_model(tmp_path):
 
     loopy = write_tiny_model(tmp_path / "loopy.gguf", "gemma3", extend=with_template)
     healthy = write_tiny_model(tmp_path / "healthy.gguf", "gemma3")
-    registry = ModelRegistry([loopy, healthy], EngineOptions(n_ctx=256, n_threads=1, kv_budget_tokens=1024,
-                                                             max_num_seqs=4))
+    registry = ModelRegistry([loopy, healthy], ServeConfig.flat(n_ctx=256, n_threads=1, kv_budget_tokens=1024,
+                                                                max_num_seqs=4))
     before = render_pool.limits()
     server = Running(create_app(registry, Limits(template_seconds=1.0)))
     try:

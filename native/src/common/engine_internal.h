@@ -220,7 +220,9 @@ typedef struct pp_attention_params {
     atomic_int slices_done;   /* split-K: threads through this step's slices (reset each step) */
 } pp_attention_params;
 
-#define PP_ATTN_MIN_SPLIT_KEYS 256   /* keys per slice below which splitting is not worth it */
+/* Keys of one softmax slice, at absolute positions: the unit split-K hands to a thread, and
+ * the order every attention row is summed in (a multiple of PP_ATTN_KEY_CHUNK). */
+#define PP_ATTN_SLICE_KEYS 256
 
 /* The CPU paged-attention operator (ggml_custom_4d callback).
  * dst: [head_dim, n_head, n_tokens] f32; src[0] q with the same shape;
@@ -269,6 +271,10 @@ static inline struct ggml_tensor *pp_graph_input(struct ggml_context *ctx, enum 
     ggml_set_input(t);
     return t;
 }
+
+/* graph.c: w x as every weight product of a decoder graph runs it on the CPU (columns padded so
+ * a column's result does not depend on how many share the product; docs/batch-invariance.md). */
+struct ggml_tensor *pp_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x);
 
 /* model/moe_graph.c: the routed experts' FFN of layer L on cur [n_embd, n_tokens]
  * (after ffn_norm): each token's n_expert_used most probable experts, their

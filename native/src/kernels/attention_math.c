@@ -89,7 +89,22 @@ static inline void hsum4(float *out, vec4 a) {
 }
 #endif
 
-/* s[j] = q . k_j for j < n (k rows are head_dim apart). */
+#ifdef PP_ATTN_AVX2
+/* One key's dot product with the same operations as its lane of a four-key
+ * block (one FMA chain over the row, then hsum4's pairing), so a score does
+ * not depend on how many keys the call blocked it with. */
+static inline float dot1(const float *restrict q, const float *restrict kj, int hd) {
+    __m256 a = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, a), _mm256_hadd_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+#endif
+
+/* s[j] = q . k_j for j < n (k rows are head_dim apart). Which key a row's
+ * visible range starts or ends at moves the four-key blocks (a tile pairs
+ * rows of different tokens), so every key's score is computed the same way
+ * inside a block and out of one (docs/batch-invariance.md). */
 static void FN(dot_rows)(const float *restrict q, const float *restrict k, int n, int hd, float *restrict s) {
     int j = 0;
 #ifdef PP_ATTN_AVX2
@@ -100,6 +115,7 @@ static void FN(dot_rows)(const float *restrict q, const float *restrict k, int n
                 fma4(&a, _mm256_loadu_ps(q + d), load4(k + (size_t)j * hd + d, (size_t)hd));
             hsum4(s + j, a);
         }
+        for (; j < n; j++) s[j] = dot1(q, k + (size_t)j * hd, hd);
     }
 #endif
     for (; j < n; j++) {

@@ -10,7 +10,15 @@
  * sliding window), and folds the chunk into an online softmax (running max,
  * running sum, rescaled accumulator): no score matrix is ever materialized
  * beyond one chunk. The row arithmetic (conversion, dots, exp, P.V) is in
- * attention_math.c. */
+ * attention_math.c.
+ *
+ * One order for every batch (docs/batch-invariance.md): a row's keys are cut
+ * at absolute positions, into chunks at multiples of PP_ATTN_KEY_CHUNK (and
+ * page ends) and slices at multiples of PP_ATTN_SLICE_KEYS; each slice is
+ * an online softmax of its own, and the slices are merged in key order by
+ * one function (merge_state). Whatever tile a row shares, whichever thread
+ * runs it and whether a decode splits its keys across threads, the row's
+ * floats take the same operations in the same order. */
 #include "kernels/attention_math.h"
 #include "common/engine_internal.h"
 #include "common/pp_internal.h"
@@ -27,7 +35,8 @@ static int key_begin(const pp_attention_params *ap, int pos) {
 /* Working memory of one tile, sized by the caller for rows x head_dim. */
 typedef struct tile_state {
     float *q;        /* [rows][head_dim] queries, pre-scaled */
-    float *acc;      /* [rows][head_dim] unnormalized outputs */
+    float *acc;      /* [rows][head_dim] the current slice's unnormalized outputs */
+    float *tot;      /* [rows][head_dim] the slices merged so far, unnormalized */
     float *k, *v;    /* [KEY_CHUNK][head_dim] the chunk's rows in f32 */
     float *p;        /* [rows][KEY_CHUNK] scores, then probabilities */
     char  *q8;       /* [rows][q8_row] the queries as q8_0 (q8_0 caches only) */
@@ -35,7 +44,48 @@ typedef struct tile_state {
     float run_max[PP_ATTN_MAX_ROWS];
     float run_sum[PP_ATTN_MAX_ROWS];
     float correction[PP_ATTN_MAX_ROWS];   /* this chunk's rescale of each row's acc */
+    float tot_max[PP_ATTN_MAX_ROWS];      /* the merged slices' max and sum */
+    float tot_sum[PP_ATTN_MAX_ROWS];
 } tile_state;
+
+/* Fold one slice's softmax state (acc_s, max_s, sum_s) into a merged one, in
+ * place. The only place slices meet: the tile walk and the split-K merge
+ * both call it (noinline: one compiled copy, so one rounding). A slice with
+ * nothing visible is skipped; a merged state that is still empty (max
+ * -inf, sum 0, acc 0) takes the slice exactly. */
+static __attribute__((noinline)) void merge_state(float *restrict acc, float *max, float *sum,
+                                                  const float *restrict acc_s, float max_s, float sum_s, int hd) {
+    if (sum_s == 0.0f) return;
+    const float m = max_s > *max ? max_s : *max;
+    const float a = expf(*max - m), b = expf(max_s - m);
+    for (int d = 0; d < hd; d++) acc[d] = acc[d] * a + acc_s[d] * b;
+    *sum = *sum * a + sum_s * b;
+    *max = m;
+}
+
+/* The merged state a row starts from: the layer's sink for its query head
+ * (one more key of value 0: max = sink, sum = 1), or nothing. */
+static void start_merged(const pp_attention_params *ap, int kvh, int rows, int with_sink, tile_state *st) {
+    const int group = ap->n_head / ap->n_head_kv;
+    const int sink = with_sink && ap->sinks;
+    for (int r = 0; r < rows; r++) {
+        st->tot_max[r] = sink ? ap->sinks[kvh * group + r % group] : -INFINITY;
+        st->tot_sum[r] = sink ? 1.0f : 0.0f;
+    }
+    memset(st->tot, 0, sizeof(float) * (size_t)rows * ap->head_dim);
+}
+
+/* Close the current slice of every row: merged into tot, and a fresh
+ * online softmax for the next. */
+static void close_slice(int rows, int hd, tile_state *st) {
+    for (int r = 0; r < rows; r++) {
+        merge_state(st->tot + (size_t)r * hd, &st->tot_max[r], &st->tot_sum[r], st->acc + (size_t)r * hd,
+                    st->run_max[r], st->run_sum[r], hd);
+        st->run_max[r] = -INFINITY;
+        st->run_sum[r] = 0.0f;
+    }
+    memset(st->acc, 0, sizeof(float) * (size_t)rows * hd);
+}
 
 /* Keys [*lo, *hi) of the chunk starting at key k0 (n keys) that a query at
  * pos sees: causal, and within the window if the layer has one. */
@@ -48,9 +98,9 @@ static void visible_keys(const pp_attention_params *ap, int pos, int k0, int n, 
 
 /* Fold keys [k_lo, k_hi) of the sequence of tokens [t0, t1) into st for KV
  * head kvh; row r is token t0 + r / group, query head kvh * group + r % group.
- * Each row still sees only its own causal (and window) range. with_sink: the
- * layer's sinks (if any) join the softmax as one more key of value 0, so a
- * row starts at max = sink, sum = 1 (once per row: one slice of a split). */
+ * Each row still sees only its own causal (and window) range. The result is
+ * st->tot, tot_max, tot_sum: the range's slices merged in order onto the
+ * sink (with_sink and the layer has sinks) or onto nothing. */
 static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor *q,
                         const struct ggml_tensor *kc, const struct ggml_tensor *vc, int t0, int t1,
                         int kvh, int k_lo, int k_hi, int with_sink, tile_state *st) {
@@ -73,16 +123,18 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
                                             (size_t)(kvh * group + r % group) * q->nb[1]);
         for (int d = 0; d < hd; d++) st->q[(size_t)r * hd + d] = qrow[d] * ap->scale;
         if (quantize_q) quantize_q(st->q + (size_t)r * hd, st->q8 + (size_t)r * q8_row, hd);
-        const int sink = with_sink && ap->sinks;
-        st->run_max[r] = sink ? ap->sinks[kvh * group + r % group] : -INFINITY;
-        st->run_sum[r] = sink ? 1.0f : 0.0f;
+        st->run_max[r] = -INFINITY;
+        st->run_sum[r] = 0.0f;
     }
     memset(st->acc, 0, sizeof(float) * (size_t)rows * hd);
+    start_merged(ap, kvh, rows, with_sink, st);
 
     for (int k0 = k_lo; k0 < k_hi;) {
+        if (k0 > k_lo && k0 % PP_ATTN_SLICE_KEYS == 0) close_slice(rows, hd, st);
         const int page_end = (k0 / bs + 1) * bs;
+        const int chunk_end = (k0 / PP_ATTN_KEY_CHUNK + 1) * PP_ATTN_KEY_CHUNK;
         int k1 = page_end < k_hi ? page_end : k_hi;
-        if (k1 - k0 > PP_ATTN_KEY_CHUNK) k1 = k0 + PP_ATTN_KEY_CHUNK;
+        if (k1 > chunk_end) k1 = chunk_end;
         const int n = k1 - k0;
         const int64_t slot0 = (int64_t)table[k0 / bs] * bs + k0 % bs;
         const char *krows = (const char *)kc->data + slot0 * kc->nb[1] + kvh * kv_head_bytes;
@@ -147,6 +199,7 @@ static void attend_tile(const pp_attention_params *ap, const struct ggml_tensor 
         }
         k0 = k1;
     }
+    close_slice(rows, hd, st);
 }
 
 /* Tokens per tile: as many as fit PP_ATTN_MAX_ROWS rows, but small enough
@@ -162,7 +215,7 @@ static int tile_tokens(const pp_attention_params *ap, int nth) {
 /* Floats of one thread's tile memory for rows x hd (see tile_state). */
 static size_t tile_floats(int rows, int hd) {
     const size_t q8_floats = (rows * ggml_row_size(GGML_TYPE_Q8_0, hd) + sizeof(float) - 1) / sizeof(float);
-    return (size_t)2 * rows * hd + (size_t)2 * PP_ATTN_KEY_CHUNK * hd + (size_t)rows * PP_ATTN_KEY_CHUNK +
+    return (size_t)3 * rows * hd + (size_t)2 * PP_ATTN_KEY_CHUNK * hd + (size_t)rows * PP_ATTN_KEY_CHUNK +
            q8_floats;
 }
 
@@ -195,10 +248,17 @@ static void tile_state_init(tile_state *st, const pp_attention_params *ap, int i
     st->math = scratch->math;
     st->q = f;
     st->acc = st->q + (size_t)rows * hd;
-    st->k = st->acc + (size_t)rows * hd;
+    st->tot = st->acc + (size_t)rows * hd;
+    st->k = st->tot + (size_t)rows * hd;
     st->v = st->k + (size_t)PP_ATTN_KEY_CHUNK * hd;
     st->p = st->v + (size_t)PP_ATTN_KEY_CHUNK * hd;
     st->q8 = (char *)(st->p + (size_t)rows * PP_ATTN_KEY_CHUNK);
+}
+
+/* out = acc / sum (0 where nothing was visible), for the tile walk and the split-K merge alike. */
+static void normalize(float *restrict out, const float *restrict acc, float sum, int hd) {
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int d = 0; d < hd; d++) out[d] = acc[d] * inv;
 }
 
 void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
@@ -223,8 +283,7 @@ void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *use
             for (int r = 0; r < (t1 - t0) * group; r++) {
                 float *out = (float *)((char *)dst->data + (t0 + r / group) * dst->nb[2] +
                                        (size_t)(kvh * group + r % group) * dst->nb[1]);
-                const float inv = st.run_sum[r] > 0.0f ? 1.0f / st.run_sum[r] : 0.0f;
-                for (int d = 0; d < hd; d++) out[d] = st.acc[(size_t)r * hd + d] * inv;
+                normalize(out, st.tot + (size_t)r * hd, st.tot_sum[r], hd);
             }
         }
         t0 = t1;
@@ -232,45 +291,39 @@ void pp_paged_attention_cpu(struct ggml_tensor *dst, int ith, int nth, void *use
 }
 
 /* Split-K. Work unit (token, KV head, slice) folds one slice of the token's
- * key range into its unnormalized accumulator plus (max, sum), stored after
- * the output in dst as [head_dim + 2] per (item, slice, group head). The
- * thread that finishes last merges them by log-sum-exp into the output: one
- * op, where a separate merge op cost a barrier per layer (and, on two
- * threads, a decode step's attention ran on one while the other waited). */
+ * key range (the same absolute slices as the tile walk) into its
+ * unnormalized accumulator plus (max, sum), stored after the output in dst
+ * as [head_dim + 2] per (item, slice, group head). The thread that finishes
+ * last merges them in key order with merge_state, onto the sink as the tile
+ * walk does: one op, where a separate merge op cost a barrier per layer
+ * (and, on two threads, a decode step's attention ran on one while the
+ * other waited), and the same floats as a step that does not split. */
 static float *slice_part(float *parts, int item, int split, int g, int n_splits, int group, int hd) {
     return parts + (((size_t)item * n_splits + split) * group + g) * (size_t)(hd + 2);
 }
 
-static void axpy(float *restrict y, const float *restrict x, float a, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
+/* Token pos's slice s: keys [*k_begin, *k_end), empty past its last slice. */
+static void slice_keys(const pp_attention_params *ap, int pos, int s, int *k_begin, int *k_end) {
+    const int lo = key_begin(ap, pos);
+    const int s0 = (lo / PP_ATTN_SLICE_KEYS + s) * PP_ATTN_SLICE_KEYS;
+    *k_begin = s0 > lo ? s0 : lo;
+    *k_end = s0 + PP_ATTN_SLICE_KEYS < pos + 1 ? s0 + PP_ATTN_SLICE_KEYS : pos + 1;
 }
 
-static void scale_row(float *restrict y, float a, int n) {
-    for (int i = 0; i < n; i++) y[i] *= a;
-}
-
-static void merge_slices(const pp_attention_params *ap, float *parts, int n_splits, float *out_base) {
+static void merge_slices(const pp_attention_params *ap, float *parts, int n_splits, float *out_base,
+                         tile_state *st) {
     const int hd = ap->head_dim, n_kv = ap->n_head_kv, group = ap->n_head / ap->n_head_kv;
     const int n_items = ap->batch->n_tokens * n_kv;
     for (int item = 0; item < n_items; item++) {
         const int t = item / n_kv, kvh = item % n_kv;
+        start_merged(ap, kvh, group, 1, st);
         for (int g = 0; g < group; g++) {
-            float m = -INFINITY;
             for (int s = 0; s < n_splits; s++) {
                 const float *p = slice_part(parts, item, s, g, n_splits, group, hd);
-                if (p[hd] > m) m = p[hd];
+                merge_state(st->tot + (size_t)g * hd, &st->tot_max[g], &st->tot_sum[g], p, p[hd], p[hd + 1], hd);
             }
-            float *out = out_base + ((size_t)t * ap->n_head + (size_t)kvh * group + g) * hd;
-            memset(out, 0, sizeof(float) * hd);
-            float total = 0.0f;
-            for (int s = 0; s < n_splits; s++) {
-                const float *p = slice_part(parts, item, s, g, n_splits, group, hd);
-                if (p[hd + 1] == 0.0f) continue;   /* empty slice */
-                const float w = expf(p[hd] - m);
-                total += p[hd + 1] * w;
-                axpy(out, p, w, hd);
-            }
-            if (total > 0.0f) scale_row(out, 1.0f / total, hd);
+            normalize(out_base + ((size_t)t * ap->n_head + (size_t)kvh * group + g) * hd, st->tot + (size_t)g * hd,
+                      st->tot_sum[g], hd);
         }
     }
 }
@@ -293,37 +346,35 @@ void pp_paged_attention_split_cpu(struct ggml_tensor *dst, int ith, int nth, voi
     for (int unit = ith; unit < n_units; unit += nth) {
         const int item = unit / n_splits, split = unit % n_splits;
         const int t = item / n_kv, kvh = item % n_kv;
-        const int pos = batch->positions[t];
-        const int lo = key_begin(ap, pos), len = pos + 1 - lo;
-        const int k_begin = lo + (int)((int64_t)len * split / n_splits);
-        const int k_end = lo + (int)((int64_t)len * (split + 1) / n_splits);
-        attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t, t + 1, kvh, k_begin, k_end, split == 0, &st);
+        int k_begin, k_end;
+        slice_keys(ap, batch->positions[t], split, &k_begin, &k_end);
+        for (int g = 0; g < group; g++) slice_part(parts, item, split, g, n_splits, group, hd)[hd + 1] = 0.0f;
+        if (k_begin >= k_end) continue;   /* past this token's last slice */
+        attend_tile(ap, dst->src[0], dst->src[1], dst->src[2], t, t + 1, kvh, k_begin, k_end, 0, &st);
         for (int g = 0; g < group; g++) {
             float *p = slice_part(parts, item, split, g, n_splits, group, hd);
-            memcpy(p, st.acc + (size_t)g * hd, sizeof(float) * hd);
-            p[hd] = st.run_max[g];
-            p[hd + 1] = st.run_sum[g];
+            memcpy(p, st.tot + (size_t)g * hd, sizeof(float) * hd);
+            p[hd] = st.tot_max[g];
+            p[hd + 1] = st.tot_sum[g];
         }
     }
     /* every thread of the op passes here once per step (the counter is reset with the step's
      * batch); acq_rel: the last one sees the others' slices */
     if (atomic_fetch_add_explicit(&ap->slices_done, 1, memory_order_acq_rel) == nth - 1)
-        merge_slices(ap, parts, n_splits, out);
+        merge_slices(ap, parts, n_splits, out, &st);
 }
 
 int pp_paged_attention_splits(const pp_attention_params *ap, int n_threads) {
     const pp_batch *b = ap->batch;
     const int n_items = b->n_tokens * ap->n_head_kv;
     if (n_items <= 0 || n_items >= n_threads) return 1;
-    int max_keys = 0;
+    int n_slices = 1;
     for (int t = 0; t < b->n_tokens; t++) {
-        const int keys = b->positions[t] + 1 - key_begin(ap, b->positions[t]);
-        if (keys > max_keys) max_keys = keys;
+        const int pos = b->positions[t];
+        const int slices = pos / PP_ATTN_SLICE_KEYS - key_begin(ap, pos) / PP_ATTN_SLICE_KEYS + 1;
+        if (slices > n_slices) n_slices = slices;
     }
-    int n_splits = (n_threads + n_items - 1) / n_items;
-    const int by_length = max_keys / PP_ATTN_MIN_SPLIT_KEYS;
-    if (n_splits > by_length) n_splits = by_length > 1 ? by_length : 1;
-    return n_splits;
+    return n_slices;
 }
 
 struct ggml_tensor *pp_paged_attention(struct ggml_context *ctx, struct ggml_tensor *q,

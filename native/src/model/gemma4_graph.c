@@ -20,7 +20,7 @@ static struct ggml_tensor *per_layer_inputs(struct ggml_context *ctx, const pp_m
     const int64_t n_pl = hp->n_embd_per_layer, n_tokens = tokens->ne[0];
     struct ggml_tensor *rows = ggml_get_rows(ctx, m->per_layer_tok_embd, tokens);   /* [n_pl * n_layer, n_tokens] */
     rows = ggml_scale(ctx, ggml_reshape_3d(ctx, rows, n_pl, hp->n_layer, n_tokens), sqrtf((float)n_pl));
-    struct ggml_tensor *proj = ggml_mul_mat(ctx, m->per_layer_model_proj, x);
+    struct ggml_tensor *proj = pp_matmul(ctx, m->per_layer_model_proj, x);
     proj = ggml_scale(ctx, ggml_reshape_3d(ctx, proj, n_pl, hp->n_layer, n_tokens), 1.0f / sqrtf((float)hp->n_embd));
     proj = pp_graph_norm(ctx, proj, m->per_layer_proj_norm, hp->rms_eps);
     struct ggml_tensor *inputs = ggml_scale(ctx, ggml_add(ctx, proj, rows), 1.0f / sqrtf(2.0f));
@@ -150,7 +150,7 @@ struct ggml_tensor *pp_build_gemma4_moe_ffn(struct ggml_context *ctx, const pp_m
     struct ggml_tensor *router_in = ggml_scale(ctx, ggml_rms_norm(ctx, h, hp->rms_eps), 1.0f / sqrtf((float)n_embd));
     router_in = ggml_mul(ctx, router_in, L->ffn_gate_inp_s);
     struct ggml_tensor *weights;
-    struct ggml_tensor *selected = pp_moe_softmax_route(ctx, ggml_mul_mat(ctx, L->ffn_gate_inp, router_in),
+    struct ggml_tensor *selected = pp_moe_softmax_route(ctx, pp_matmul(ctx, L->ffn_gate_inp, router_in),
                                                         hp->n_expert_used, &weights);
     /* each expert's output scale folds into its weight: the sum is linear in them */
     if (L->ffn_down_exps_s) {   /* picked per token as the router's probabilities are */

@@ -4,6 +4,7 @@
 #include "common/engine_internal.h"
 #include "model/graph_ops.h"
 #include "panels/panels.h"
+#include "ggml-cpu.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -29,14 +30,36 @@ int32_t pp_matmul_columns(int32_t n) {
     return (n + PP_MATMUL_COLUMNS - 1) / PP_MATMUL_COLUMNS * PP_MATMUL_COLUMNS;
 }
 
+/* GGML's CPU product runs a single column through its row-by-column dot
+ * kernels and two or more through tinyBLAS, whose sums are ordered
+ * otherwise; for the types tinyBLAS takes, one column is computed as two
+ * (a zero one), so a sequence's values do not depend on whether it decodes
+ * alone (docs/batch-invariance.md). */
+static int single_column_pads(const struct ggml_tensor *w) {
+    static int llamafile = -1;
+    if (llamafile < 0) llamafile = ggml_cpu_has_llamafile();
+    if (!llamafile) return 0;
+    switch (w->type) {
+        case GGML_TYPE_F32: case GGML_TYPE_F16: case GGML_TYPE_BF16: case GGML_TYPE_Q8_0:
+        case GGML_TYPE_Q4_0: case GGML_TYPE_Q5_0: case GGML_TYPE_IQ4_NL:
+            return 1;
+        default:
+            return 0;
+    }
+}
+
 static struct ggml_tensor *matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x) {
     const int64_t n = x->ne[1];
-    const int64_t pad = pp_matmul_columns((int32_t)n) - n;
+    const int64_t pad = n == 1 && single_column_pads(w) ? 1 : pp_matmul_columns((int32_t)n) - n;
     /* a device's products gain nothing from it, and its decode graphs keep one shape */
     const int on_device = w->buffer && !ggml_backend_buffer_is_host(w->buffer);
     if (pad == 0 || on_device || x->ne[2] != 1 || x->ne[3] != 1) return ggml_mul_mat(ctx, w, x);
     struct ggml_tensor *y = ggml_mul_mat(ctx, w, ggml_pad(ctx, x, 0, (int)pad, 0, 0));
     return ggml_view_2d(ctx, y, y->ne[0], n, y->nb[1], 0);
+}
+
+struct ggml_tensor *pp_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x) {
+    return matmul(ctx, w, x);
 }
 
 typedef pp_panel_columns panel_columns;

@@ -21,7 +21,7 @@ struct ggml_tensor *pp_build_moe_ffn(struct ggml_context *ctx, const pp_model_hp
     const int64_t n_used = hp->n_expert_used;
 
     struct ggml_tensor *weights;
-    struct ggml_tensor *selected = pp_moe_softmax_route(ctx, ggml_mul_mat(ctx, L->ffn_gate_inp, cur), (int)n_used,
+    struct ggml_tensor *selected = pp_moe_softmax_route(ctx, pp_matmul(ctx, L->ffn_gate_inp, cur), (int)n_used,
                                                         &weights);
 
     /* one input column per token, broadcast over its n_used experts */
@@ -79,7 +79,7 @@ struct ggml_tensor *pp_build_gpt_oss_moe_ffn(struct ggml_context *ctx, const pp_
     const int64_t n_embd = cur->ne[0], n_tokens = cur->ne[1];
     const int64_t n_expert = hp->n_expert, n_used = hp->n_expert_used;
 
-    struct ggml_tensor *logits = ggml_add(ctx, ggml_mul_mat(ctx, L->ffn_gate_inp, cur), L->ffn_gate_inp_b);
+    struct ggml_tensor *logits = ggml_add(ctx, pp_matmul(ctx, L->ffn_gate_inp, cur), L->ffn_gate_inp_b);
     struct ggml_tensor *selected = ggml_argsort_top_k(ctx, logits, (int)n_used);   /* I32 [n_used, n_tokens] */
     struct ggml_tensor *weights = ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, n_expert, n_tokens), selected);
     weights = ggml_soft_max(ctx, ggml_reshape_2d(ctx, weights, n_used, n_tokens));

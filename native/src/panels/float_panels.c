@@ -104,33 +104,28 @@ static inline __attribute__((target(T512), always_inline)) __m512 widen512(const
 }
 
 /* One panel by NC columns. lo[i] holds rows 0-3 x the quad's 4 values,
- * hi[i] rows 4-7; SPLIT > 1 gives narrow tiles independent chains over
- * alternate quads. */
+ * hi[i] rows 4-7. Every width adds a column's quads in the same order (one
+ * chain per half), so a column's result does not depend on how many others
+ * share its step (docs/batch-invariance.md); split chains for narrow tiles
+ * would hide the FMA latency, but a decode step waits on memory anyway. */
 static inline __attribute__((target(T512), always_inline)) void tile512(const fpanel_tile *t, const int nc,
-                                                                        const int split, const int bf16) {
-    __m512 lo[2][12], hi[2][12];
-    for (int s = 0; s < split; s++)
-        for (int i = 0; i < nc; i++) lo[s][i] = hi[s][i] = _mm512_setzero_ps();
-    for (int64_t q = 0; q < t->nq; q += split)
-        for (int s = 0; s < split; s++) {
-            const uint8_t *wq = t->panel + (q + s) * QUAD_BYTES;
-            const __m512 w0 = widen512(wq, bf16), w1 = widen512(wq + 32, bf16);
-            for (int i = 0; i < nc; i++) {
-                const __m512 xb =
-                    _mm512_broadcast_f32x4(_mm_loadu_ps((const float *)(t->cols + i * t->stride) + 4 * (q + s)));
-                lo[s][i] = _mm512_fmadd_ps(w0, xb, lo[s][i]);
-                hi[s][i] = _mm512_fmadd_ps(w1, xb, hi[s][i]);
-            }
+                                                                        const int bf16) {
+    __m512 lo[12], hi[12];
+    for (int i = 0; i < nc; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < t->nq; q++) {
+        const uint8_t *wq = t->panel + q * QUAD_BYTES;
+        const __m512 w0 = widen512(wq, bf16), w1 = widen512(wq + 32, bf16);
+        for (int i = 0; i < nc; i++) {
+            const __m512 xb = _mm512_broadcast_f32x4(_mm_loadu_ps((const float *)(t->cols + i * t->stride) + 4 * q));
+            lo[i] = _mm512_fmadd_ps(w0, xb, lo[i]);
+            hi[i] = _mm512_fmadd_ps(w1, xb, hi[i]);
         }
+    }
     /* Per 128-bit lane j: pair sums of lo (row j) and hi (row j + 4), then
      * the two pairs; element 0 is row j, element 2 row j + 4. */
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int i = 0; i < nc; i++) {
-        __m512 a = lo[0][i], b = hi[0][i];
-        if (split > 1) {
-            a = _mm512_add_ps(a, lo[1][i]);
-            b = _mm512_add_ps(b, hi[1][i]);
-        }
+        const __m512 a = lo[i], b = hi[i];
         const __m512 s1 = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
                                         _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
         const __m512 s2 = _mm512_add_ps(s1, _mm512_permute_ps(s1, _MM_SHUFFLE(2, 3, 0, 1)));
@@ -160,26 +155,25 @@ static inline __attribute__((target(T512BF), always_inline)) void round_columns(
     }
 }
 
+/* One chain per column at every width, as tile512 (a column's result is the same whatever
+ * the tile's width). */
 static inline __attribute__((target(T512BF), always_inline)) void tile_bf16(const uint8_t *panel, int64_t nq,
                                                                            const uint16_t *xb, int64_t k,
-                                                                           const int nc, const int split,
-                                                                           float *out, size_t ldo) {
-    __m512 acc[2][BF16_TILE];
-    for (int s = 0; s < split; s++)
-        for (int i = 0; i < nc; i++) acc[s][i] = _mm512_setzero_ps();
-    for (int64_t q = 0; q < nq; q += split)
-        for (int s = 0; s < split; s++) {
-            const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + (q + s) * QUAD_BYTES);
-            for (int i = 0; i < nc; i++) {
-                long long four;
-                memcpy(&four, xb + i * k + 4 * (q + s), sizeof four);
-                acc[s][i] = _mm512_dpbf16_ps(acc[s][i], w, (__m512bh)_mm512_set1_epi64(four));
-            }
+                                                                           const int nc, float *out, size_t ldo) {
+    __m512 acc[BF16_TILE];
+    for (int i = 0; i < nc; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < nq; q++) {
+        const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + q * QUAD_BYTES);
+        for (int i = 0; i < nc; i++) {
+            long long four;
+            memcpy(&four, xb + i * k + 4 * q, sizeof four);
+            acc[i] = _mm512_dpbf16_ps(acc[i], w, (__m512bh)_mm512_set1_epi64(four));
         }
+    }
     /* lanes 2r and 2r + 1 are row r's two halves */
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int i = 0; i < nc; i++) {
-        const __m512 a = split > 1 ? _mm512_add_ps(acc[0][i], acc[1][i]) : acc[0][i];
+        const __m512 a = acc[i];
         const __m512 pairs = _mm512_add_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
         _mm256_storeu_ps(out + (size_t)i * ldo, _mm512_castps512_ps256(_mm512_permutexvar_ps(even, pairs)));
     }
@@ -199,11 +193,11 @@ __attribute__((target(T512BF))) static void bf16_gemm_avx512vnni(const pp_q8_pan
                 const int64_t left = tile - t;
                 const uint16_t *xb = bf16_columns + t * k;
                 float *ot = o + (size_t)t * ldo;
-                if (left >= 12) { tile_bf16(panel, nq, xb, k, 12, 1, ot, ldo); t += 12; }
-                else if (left >= 8) { tile_bf16(panel, nq, xb, k, 8, 1, ot, ldo); t += 8; }
-                else if (left >= 4) { tile_bf16(panel, nq, xb, k, 4, 1, ot, ldo); t += 4; }
-                else if (left >= 2) { tile_bf16(panel, nq, xb, k, 2, 2, ot, ldo); t += 2; }
-                else { tile_bf16(panel, nq, xb, k, 1, 2, ot, ldo); t += 1; }
+                if (left >= 12) { tile_bf16(panel, nq, xb, k, 12, ot, ldo); t += 12; }
+                else if (left >= 8) { tile_bf16(panel, nq, xb, k, 8, ot, ldo); t += 8; }
+                else if (left >= 4) { tile_bf16(panel, nq, xb, k, 4, ot, ldo); t += 4; }
+                else if (left >= 2) { tile_bf16(panel, nq, xb, k, 2, ot, ldo); t += 2; }
+                else { tile_bf16(panel, nq, xb, k, 1, ot, ldo); t += 1; }
             }
         }
     }
@@ -263,11 +257,11 @@ static inline __attribute__((target(T256), always_inline)) void tile256(const fp
     }
 
 PP_FPANEL_GEMM(pp_fpanel_gemm_avx512vnni, T512,
-               if (left >= 12) { tile512(&t, 12, 1, bf16); nc = 12; }
-               else if (left >= 8) { tile512(&t, 8, 1, bf16); nc = 8; }
-               else if (left >= 4) { tile512(&t, 4, 1, bf16); nc = 4; }
-               else if (left >= 2) { tile512(&t, 2, 2, bf16); nc = 2; }
-               else { tile512(&t, 1, 2, bf16); nc = 1; })
+               if (left >= 12) { tile512(&t, 12, bf16); nc = 12; }
+               else if (left >= 8) { tile512(&t, 8, bf16); nc = 8; }
+               else if (left >= 4) { tile512(&t, 4, bf16); nc = 4; }
+               else if (left >= 2) { tile512(&t, 2, bf16); nc = 2; }
+               else { tile512(&t, 1, bf16); nc = 1; })
 
 PP_FPANEL_GEMM(pp_fpanel_gemm_avx2, T256,
                if (left >= 3) { tile256(&t, 3, bf16); nc = 3; }

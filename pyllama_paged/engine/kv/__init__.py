@@ -1,1 +1,2 @@
-"""Where a sequence's KV lives: the block pool, the KV manager, layer groups, prefix-cache events and tiers."""
+"""Where a sequence's KV lives: the block pool, the KV manager, the step's batch buffers, layer
+groups, prefix-cache events and tiers."""

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..._native import PP_ERR_OUT_OF_BLOCKS, check, ffi, lib
+from ..._native import PP_ERR_OUT_OF_BLOCKS, NativeHandle, check, ffi, lib
 from ...errors import PagedError
 
 
@@ -66,17 +66,18 @@ def _token_array(token_ids: Sequence[int]):
     return arr, ffi.cast("const int32_t *", ffi.from_buffer(arr))
 
 
-class BlockPool:
+class BlockPool(NativeHandle):
     """A pool of num_blocks KV blocks of block_size tokens and the sequences in it.
     group_window: one entry per layer group sharing the pool (0: the group keeps
     every token; w: it gives back blocks once past the last w tokens)."""
 
+    _destroy = staticmethod(lib.pp_pool_destroy)
+
     def __init__(self, num_blocks: int, block_size: int, group_window: Sequence[int] = (0,)):
-        self._pool = None
         out = ffi.new("pp_block_pool **")
         windows = ffi.new("int32_t[]", list(group_window))
         check(lib.pp_pool_create_grouped(num_blocks, block_size, len(group_window), windows, out), "BlockPool")
-        self._pool = out[0]
+        self._handle = out[0]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.group_window = tuple(group_window)
@@ -87,89 +88,75 @@ class BlockPool:
         self._copy = ffi.new("pp_block_copy[]", self.n_groups)
         self._each_copies = None   # append_each's, grown to the largest step
 
-    # lifecycle -------------------------------------------------------------
-    def close(self) -> None:
-        """Free the pool and every sequence in it."""
-        if self._pool is not None:
-            lib.pp_pool_destroy(self._pool)
-            self._pool = None
-
-    def __enter__(self) -> "BlockPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        self.close()
-
+    # lifecycle: NativeHandle's close() frees the pool and every sequence in it ------------
     @property
-    def _handle(self):
-        if self._pool is None:
+    def _live(self):
+        """The native pool; PagedError once it is closed."""
+        if self._handle is None:
             raise PagedError("the block pool is closed")
-        return self._pool
+        return self._handle
 
     # pool ------------------------------------------------------------------
     def stats(self) -> PoolStats:
         """A snapshot of the pool's counters."""
         out = ffi.new("pp_pool_stats *")
-        check(lib.pp_pool_stats_get(self._handle, out), "stats")
+        check(lib.pp_pool_stats_get(self._live, out), "stats")
         return PoolStats(**{f: getattr(out, f) for f in PoolStats.__dataclass_fields__})
 
     def block_info(self, block_id: int) -> BlockInfo:
         """State, ref count, fill and hash of one physical block."""
         out = ffi.new("pp_block_info *")
-        check(lib.pp_pool_block_info(self._handle, block_id, out), "block_info")
+        check(lib.pp_pool_block_info(self._live, block_id, out), "block_info")
         return BlockInfo(BlockState(out.state), out.ref_count, out.num_tokens,
                          out.hash if out.has_hash else None, bool(out.is_computed), out.group)
 
     @property
     def num_allocatable(self) -> int:
         """Blocks an allocation could take now: free plus evictable cached."""
-        return lib.pp_pool_num_allocatable(self._handle)
+        return lib.pp_pool_num_allocatable(self._live)
 
     def evict(self, max_blocks: int) -> int:
         """Evict up to max_blocks cached blocks (LRU first); returns how many."""
-        check(lib.pp_pool_evict(self._handle, max_blocks, self._i32), "evict")
+        check(lib.pp_pool_evict(self._live, max_blocks, self._i32), "evict")
         return self._i32[0]
 
     def reset_prefix_cache(self) -> None:
         """Forget every prefix-cache entry."""
-        check(lib.pp_pool_reset_prefix_cache(self._handle), "reset_prefix_cache")
+        check(lib.pp_pool_reset_prefix_cache(self._live), "reset_prefix_cache")
 
     def weaken_hash(self, bits: int) -> None:
         """Keep only `bits` bits of every block hash, to provoke collisions in tests
         (only while the pool is empty)."""
-        check(lib.pp_pool_weaken_hash(self._handle, bits), "weaken_hash")
+        check(lib.pp_pool_weaken_hash(self._live, bits), "weaken_hash")
 
     def hash_block(self, parent_hash: int, token_ids: Sequence[int]) -> int:
         """This pool's (keyed) chained hash of one full block of token ids."""
         arr, ptr = _token_array(token_ids)
-        return lib.pp_hash_block(self._handle, parent_hash, ptr, len(arr))
+        return lib.pp_hash_block(self._live, parent_hash, ptr, len(arr))
 
     def set_hash_key(self, k0: int, k1: int) -> None:
         """Replace the pool's random hash key (only while the pool is empty)."""
-        check(lib.pp_pool_set_hash_key(self._handle, k0, k1), "set_hash_key")
+        check(lib.pp_pool_set_hash_key(self._live, k0, k1), "set_hash_key")
 
     # sequences -------------------------------------------------------------
     def create_sequence(self, token_ids: Sequence[int] = ()) -> tuple[int, int]:
         """New sequence holding token_ids; returns (seq_id, num_cached_tokens)."""
         arr, ptr = _token_array(token_ids)
-        check(lib.pp_seq_create(self._handle, ptr, len(arr), self._i32, self._i32b),
+        check(lib.pp_seq_create(self._live, ptr, len(arr), self._i32, self._i32b),
               "create_sequence")
         return self._i32[0], self._i32b[0]
 
     def create_uncached(self, token_ids: Sequence[int]) -> int:
         """New sequence holding token_ids in new blocks, without prefix-cache lookup."""
         arr, ptr = _token_array(token_ids)
-        check(lib.pp_seq_create_uncached(self._handle, ptr, len(arr), self._i32), "create_uncached")
+        check(lib.pp_seq_create_uncached(self._live, ptr, len(arr), self._i32), "create_uncached")
         return self._i32[0]
 
     def create_cached(self, token_ids: Sequence[int]) -> tuple[int, int]:
         """New sequence holding only the prefix of token_ids found in the cache (taking no
         new block); returns (seq_id, num_cached_tokens). Append the rest as it is computed."""
         arr, ptr = _token_array(token_ids)
-        check(lib.pp_seq_create_cached(self._handle, ptr, len(arr), self._i32, self._i32b),
+        check(lib.pp_seq_create_cached(self._live, ptr, len(arr), self._i32, self._i32b),
               "create_cached")
         return self._i32[0], self._i32b[0]
 
@@ -181,7 +168,7 @@ class BlockPool:
         else:
             arr, ptr = _token_array(token_ids)
             n = len(arr)
-        check(lib.pp_seq_append(self._handle, seq_id, ptr, n, self._copy, self.n_groups, self._i32),
+        check(lib.pp_seq_append(self._live, seq_id, ptr, n, self._copy, self.n_groups, self._i32),
               "append")
         return [(self._copy[i].src, self._copy[i].dst) for i in range(self._i32[0])]
 
@@ -192,7 +179,7 @@ class BlockPool:
         n = len(seq_ids)
         if self._each_copies is None or len(self._each_copies) < n * self.n_groups:
             self._each_copies = ffi.new("pp_block_copy[]", max(64, 2 * n * self.n_groups))
-        status = lib.pp_seq_append_each(self._handle, ffi.cast("const int32_t *", ffi.from_buffer(seq_ids)),
+        status = lib.pp_seq_append_each(self._live, ffi.cast("const int32_t *", ffi.from_buffer(seq_ids)),
                                         ffi.cast("const int32_t *", ffi.from_buffer(token_ids)), n,
                                         self._each_copies, len(self._each_copies), self._i32)
         if status == PP_ERR_OUT_OF_BLOCKS:
@@ -202,26 +189,26 @@ class BlockPool:
 
     def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         """Blocks that appending num_tokens would take (copy-on-write included)."""
-        check(lib.pp_seq_blocks_needed(self._handle, seq_id, num_tokens, self._i32),
+        check(lib.pp_seq_blocks_needed(self._live, seq_id, num_tokens, self._i32),
               "blocks_needed")
         return self._i32[0]
 
     def mark_computed(self, seq_id: int, num_tokens: int) -> None:
         """Record that the KV of the first num_tokens tokens is written (cacheable)."""
-        check(lib.pp_seq_mark_computed(self._handle, seq_id, num_tokens), "mark_computed")
+        check(lib.pp_seq_mark_computed(self._live, seq_id, num_tokens), "mark_computed")
 
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every block of seq_id; returns its id."""
-        check(lib.pp_seq_fork(self._handle, seq_id, self._i32), "fork")
+        check(lib.pp_seq_fork(self._live, seq_id, self._i32), "fork")
         return self._i32[0]
 
     def free(self, seq_id: int) -> None:
         """Release a sequence's blocks (full hashed blocks stay cached)."""
-        check(lib.pp_seq_free(self._handle, seq_id), "free")
+        check(lib.pp_seq_free(self._live, seq_id), "free")
 
     def length(self, seq_id: int) -> int:
         """Number of tokens in a sequence."""
-        check(lib.pp_seq_length(self._handle, seq_id, self._i32), "length")
+        check(lib.pp_seq_length(self._live, seq_id, self._i32), "length")
         return self._i32[0]
 
     def block_table(self, seq_id: int, group: int = 0) -> np.ndarray:
@@ -237,17 +224,17 @@ class BlockPool:
     def slot_mapping(self, seq_id: int, start: int, count: int) -> np.ndarray:
         """KV slots (block_id * block_size + offset) of positions [start, start+count)."""
         out = np.empty(count, dtype=np.int32)
-        check(lib.pp_seq_slot_mapping(self._handle, seq_id, start, count,
+        check(lib.pp_seq_slot_mapping(self._live, seq_id, start, count,
                                       ffi.cast("int32_t *", ffi.from_buffer(out))),
               "slot_mapping")
         return out
 
     def _read_ids(self, fn, seq_id: int, what: str) -> np.ndarray:
         # First call sizes the array (PP_ERR_CAPACITY still reports the count).
-        status = fn(self._handle, seq_id, ffi.NULL, 0, self._i32)
+        status = fn(self._live, seq_id, ffi.NULL, 0, self._i32)
         if status not in (lib.PP_OK, lib.PP_ERR_CAPACITY):
             check(status, what)
         out = np.empty(self._i32[0], dtype=np.int32)
-        check(fn(self._handle, seq_id, ffi.cast("int32_t *", ffi.from_buffer(out)), len(out),
+        check(fn(self._live, seq_id, ffi.cast("int32_t *", ffi.from_buffer(out)), len(out),
                  self._i32), what)
         return out

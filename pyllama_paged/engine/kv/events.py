@@ -111,7 +111,7 @@ class PrefixCacheEvents:
     def _read(self, block: int) -> int | None:
         """The hash a reference-group block holds as a computed cache entry, or None."""
         info = self._info
-        if lib.pp_pool_block_info(self.pool._handle, block, info) != lib.PP_OK:
+        if lib.pp_pool_block_info(self.pool._live, block, info) != lib.PP_OK:
             return None
         if not (info.has_hash and info.is_computed and info.group == self.group
                 and info.state != lib.PP_BLOCK_FREE):

@@ -17,7 +17,7 @@ from ...errors import OutOfBlocksError, PagedError
 from .block_pool import BlockPool
 from .events import PrefixCacheEvents
 from .groups import KVGroups, window_blocks_held
-from ..worker.step_batch import StepBuffers
+from .step_batch import StepBuffers
 
 
 @dataclass
@@ -201,7 +201,7 @@ class PagedKV:
         """A step's batch for items [(handle, start, count)] into buffers, in one native
         call; returns (tokens, logit rows)."""
         b = buffers.native
-        check(lib.pp_pool_build_batch(self.pool._handle, buffers.item_pointer(items),
+        check(lib.pp_pool_build_batch(self.pool._live, buffers.item_pointer(items),
                                       len(items), buffers.max_blocks_per_seq, buffers.capacity_tokens, b),
               "build_batch")
         buffers.n_tokens = b.n_tokens
@@ -212,7 +212,7 @@ class PagedKV:
         items as const pp_step_item * when the caller holds it (StepBuffers.item_pointer)."""
         if item_pointer is None:
             item_pointer = ffi.cast("const pp_step_item *", ffi.from_buffer(items))
-        check(lib.pp_pool_commit_batch(self.pool._handle, item_pointer, len(items)), "commit_batch")
+        check(lib.pp_pool_commit_batch(self.pool._live, item_pointer, len(items)), "commit_batch")
         if self.events is not None:
             self.events.computed(items)
 

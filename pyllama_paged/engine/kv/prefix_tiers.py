@@ -34,7 +34,8 @@ from typing import Sequence
 import numpy as np
 
 from ...errors import PagedError
-from .block_store import DEFAULT_RESERVE_BYTES, KEY_BYTES, DiskBlockStore, HostBlockStore
+from ...flags import flagged, mebibytes, show_size, size_bytes
+from .block_store import DEFAULT_RESERVE_BYTES, KEY_BYTES, DiskBlockStore, HostBlockStore, check_directory
 
 # bytes of each tensor's data that go into a model's fingerprint: weights that differ
 # anywhere differ in every tensor's first rows (a fine-tune, another quantization)
@@ -49,10 +50,17 @@ class PrefixTierConfig:
     group instead of keeping it private to this one (docs/prefix-tiers.md);
     disk_reserve_bytes: left free on the directory's filesystem (no block is written below it)."""
 
-    ram_bytes: int = 0
-    disk_dir: str | None = None
-    disk_bytes: int = 16 << 30
-    disk_group: bool = False
+    ram_bytes: int = flagged(0, "--cache-ram", "host RAM that keeps computed prompt blocks after the KV pool "
+                             "evicts them, per model, restored instead of recomputed (llama-server's flag; 0: off)",
+                             type=mebibytes, show=lambda v: v >> 20, metavar="MiB")
+    disk_dir: str | None = flagged(None, "--prefix-cache-dir", "also keep computed prompt blocks in this directory, "
+                                   "across restarts and for other servers sharing it (content-addressed, "
+                                   "checksummed; off by default)", metavar="DIR")
+    disk_bytes: int = flagged(16 << 30, "--prefix-cache-disk", "most bytes of block files --prefix-cache-dir holds "
+                              "(oldest go first)", type=size_bytes, show=show_size, metavar="SIZE")
+    disk_group: bool = flagged(False, "--prefix-cache-group", "share --prefix-cache-dir with the accounts of its "
+                               "group (a 2770 directory of a group of exactly those accounts; docs/prefix-tiers.md) "
+                               "instead of keeping it private", action="store_true")
     disk_reserve_bytes: int = DEFAULT_RESERVE_BYTES
 
     def __post_init__(self):
@@ -64,6 +72,20 @@ class PrefixTierConfig:
     @property
     def enabled(self) -> bool:
         return self.ram_bytes > 0 or self.disk_dir is not None
+
+    @classmethod
+    def from_options(cls, values: dict) -> "PrefixTierConfig | None":
+        """The tiers of the command line's options (None: none enabled); a disk tier's
+        directory is made and checked now, at startup, not at the first model load."""
+        config = cls(**values)
+        config.check_disk()
+        return config if config.enabled else None
+
+    def check_disk(self) -> None:
+        """Create the disk tier's directory if needed and check it is safe and writable (at
+        startup, not at the first model load); PagedError saying why not."""
+        if self.disk_dir is not None:
+            check_directory(self.disk_dir, self.disk_group)
 
 
 def model_fingerprint(gguf) -> bytes:

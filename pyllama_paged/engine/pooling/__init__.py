@@ -1,1 +1,1 @@
-"""Encoders and pooled outputs: embeddings, the encoder engine, the rerank head."""
+"""Pooled outputs: decoder embeddings and the encoder engine (BERT)."""

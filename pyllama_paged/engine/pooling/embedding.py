@@ -16,30 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import PagedError
-
-POOLINGS = ("mean", "cls", "last")
-# not a pooling the APIs offer: every token's state, unpooled (llama.cpp's pooling NONE), for
-# llama-cpp-python's Llama.embed on a model that does not pool; decoders only
-TOKEN_STATES = "none"
-
-
-@dataclass(slots=True)
-class EmbedParams:
-    """What an embedding request asks of the engine: how token states are pooled and, for a
-    text pair on an encoder (a cross-encoder's query and document), each token's segment."""
-
-    pooling: str = "mean"
-    token_types: tuple[int, ...] | None = None   # one per token (encoders only); None: all 0
-
-    def validate(self) -> None:
-        """PagedError naming the field when the pooling is not one we run."""
-        if self.pooling not in POOLINGS and self.pooling != TOKEN_STATES:
-            raise PagedError(f"pooling '{self.pooling}' is not supported (choose one of {', '.join(POOLINGS)})")
-
-
-def default_pooling(config) -> str:
-    """The model's <arch>.pooling_type when it is one we run, else mean."""
-    return config.pooling if config.pooling in POOLINGS else "mean"
+from ..params import TOKEN_STATES
 
 
 @dataclass(slots=True)
@@ -94,33 +71,3 @@ class DecoderPooling:
 
     def forget(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
-
-
-def run_embeddings(steps, inputs: list[list[int]], params: EmbedParams | list[EmbedParams]) -> list[np.ndarray]:
-    """Embed many token lists through an engine's SharedSteps (LLMEngine or EncoderEngine),
-    all queued at once so the scheduler batches them (with whatever else is running);
-    returns the pooled vectors in order. params: one for all inputs, or one each.
-    PagedError (every input aborted) if one fails."""
-    requests = []
-    try:
-        for i, ids in enumerate(inputs):
-            request = steps.add_request(list(ids), params[i] if isinstance(params, list) else params)
-            if request.error:
-                raise PagedError(f"input {i}: {request.error}")
-            requests.append(request)
-        index = {r.request_id: i for i, r in enumerate(requests)}
-        vectors: list[np.ndarray | None] = [None] * len(inputs)
-        while outputs := steps.next_outputs(index):
-            for out in outputs:
-                i = index[out.request_id]
-                if out.error:
-                    raise PagedError(f"input {i}: {out.error}")
-                if out.embedding is not None:
-                    vectors[i] = out.embedding
-        missing = [i for i, v in enumerate(vectors) if v is None]
-        if missing:
-            raise PagedError(f"input {missing[0]}: finished without an embedding")
-        return vectors
-    finally:
-        for r in requests:
-            steps.abort(r.request_id)

@@ -15,8 +15,8 @@ import numpy as np
 
 from ..._native import NativeHandle, check, ffi, lib
 from ...errors import PagedError
-from .embedding import EmbedParams
-from ..llm_engine import RequestOutput
+from ..params import EmbedParams
+from ..outputs import RequestOutput
 from ..worker.model import Model
 
 _POOLING_IDS = {"mean": lib.PP_POOLING_MEAN, "cls": lib.PP_POOLING_CLS, "last": lib.PP_POOLING_LAST}   # enum pp_pooling
@@ -34,14 +34,6 @@ class NoKV:
         return 0
 
 
-def token_type_count(model: Model) -> int:
-    """How many token types (segments) the model embeds: token_types.weight's rows, 1 without it."""
-    for t in model.gguf.tensors:
-        if t.name == "token_types.weight":
-            return int(t.shape[1]) if len(t.shape) == 2 else 1
-    return 1
-
-
 class EncoderRunner(NativeHandle):
     """One encoder model's compute context: inputs in, pooled token states out. close() frees
     the native context (the model is the caller's)."""
@@ -55,7 +47,7 @@ class EncoderRunner(NativeHandle):
         self.n_threads = n_threads
         self.max_batch_tokens = max(max_batch_tokens, model.config.n_ctx_train)   # one longest input fits
         self.n_ctx = model.config.n_ctx_train
-        self.n_token_types = token_type_count(model)
+        self.n_token_types = model.n_token_types
         self.kv = NoKV()
         self.kv_bytes_per_token = 0
         self.kv_pool_bytes = 0

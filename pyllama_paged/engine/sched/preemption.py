@@ -4,7 +4,7 @@ CPU as cheap as copying); by swap, each sequence's pages are copied to host
 memory and written back into fresh pages when it resumes. The scheduler
 decides whom to preempt and when to resume; this module does the page
 bookkeeping and says which blocks' data must move (SwapMove ids): the engine
-moves it, and keeps the host copies (kv.moves.SwapSpace), before the step
+moves it, and keeps the host copies (kv_moves.SwapSpace), before the step
 that follows writes anything."""
 
 from __future__ import annotations

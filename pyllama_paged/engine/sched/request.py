@@ -7,10 +7,9 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from ..pooling.embedding import EmbedParams
 from ..kv.manager import SeqState
-from ..worker.sampler import Sampler, SamplingParams
-from ..scoring import MAX_SCORE_ROWS, ScoreParams
+from ..params import MAX_SCORE_ROWS, EmbedParams, SamplingParams, ScoreParams
+from ..worker.sampler import Sampler
 
 
 class RequestStatus(enum.Enum):
@@ -71,6 +70,9 @@ class Request:
     first_token_time: float | None = None
     embed: EmbedParams | None = None     # an embedding: prefilled, pooled, never sampled
     score: ScoreParams | None = None     # prompt scoring: prefilled, every position's logits scored, never sampled
+    # the most tokens a sequence of it holds, prompt included: the prompt plus max_tokens within
+    # the engine's context (LLMEngine.add_request resolves it once; a sequence this long ends)
+    max_len: int | None = None
 
     @property
     def is_prefill_only(self) -> bool:

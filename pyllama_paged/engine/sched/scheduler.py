@@ -18,26 +18,46 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..kv.manager import SeqState, fork_state, new_cached_sequence, place_decodes, place_tokens
 from .preemption import PREEMPTION_MODES, release, swap_in, swap_out
 from .step_cost import StepCostModel
 from .scheduler_output import SchedulerOutput, TierLoad
 from ...errors import OutOfBlocksError
+from ...flags import at_least_zero, flagged
 from .request import Request, RequestStatus, Sequence
+
+# "auto" budget: a running stream may slow to this many times a lone stream's
+# pace while others share the step.
+ITL_AUTO_FACTOR = 4.0
+
+
+def itl_budget_option(text: str) -> float | str | None:
+    """--itl-budget-ms's text as SchedulerConfig.itl_budget: 'auto', 'off' (or 0) for None,
+    else milliseconds as seconds."""
+    if text == "auto":
+        return "auto"
+    if text == "off":
+        return None
+    ms = at_least_zero(text, float, "'auto', 'off' or milliseconds")
+    return ms / 1000 if ms > 0 else None
+
+
+def _budget_text(budget: float | str | None) -> str:
+    return "off" if budget is None else budget if isinstance(budget, str) else f"{budget * 1000:g}"
+
 
 @dataclass
 class SchedulerConfig:
+    """How one engine's scheduler admits, chunks and preempts; a flagged field is an option of `serve`."""
+
     max_num_batched_tokens: int = 512   # tokens computed per step (decodes + prefill chunks)
-    # the option of `serve` beside each field that has one (cli.py reads it)
-    max_num_seqs: int = field(default=64, metadata={"flag": "--max-seqs", "type": int,
-                                                    "help": "sequences running at once, per model"})
+    max_num_seqs: int = flagged(64, "--max-seqs", "sequences running at once, per model", type=int)
     watermark: float = 0.01             # fraction of blocks admission leaves free
     # recompute: cheaper on CPU (no copy traffic); swap: keeps work
-    preemption_mode: str = field(default="recompute", metadata={
-        "flag": "--preemption", "choices": PREEMPTION_MODES,
-        "help": "what a preempted request loses: recompute its KV later, or swap it to host memory"})
+    preemption_mode: str = flagged("recompute", "--preemption", "what a preempted request loses: recompute its KV "
+                                   "later, or swap it to host memory", choices=PREEMPTION_MODES)
     # Prefill tokens a step may add while decodes run: bounds every running
     # stream's inter-token gap when new users arrive, at the cost of their
     # time to first token (a long prompt takes several steps). None: up to
@@ -49,7 +69,11 @@ class SchedulerConfig:
     # run) to take at most this long. "auto": ITL_AUTO_FACTOR times a
     # one-sequence decode step on this machine. None: no budget (throughput
     # first, for offline batches).
-    itl_budget: float | str | None = None
+    itl_budget: float | str | None = flagged(
+        None, "--itl-budget-ms", "inter-token budget of running streams: new users are admitted (and prompts "
+        "prefilled) only as far as every stream keeps this gap; 'auto' = 4x a lone stream's step on this machine, "
+        "'off' = throughput first", type=itl_budget_option, show=_budget_text,
+        metavar="ITL_BUDGET_MS")
     min_prefill_tokens_with_decodes: int = 16   # waiting users progress even at the budget
     # Tokens of a step that running prefills leave to admitting waiting requests: a long
     # prompt prefilling alone would otherwise take whole steps until it is done, and a short
@@ -58,11 +82,6 @@ class SchedulerConfig:
     # Host memory that swapped-out KV may hold (vLLM's swap_space); a preemption that
     # would pass it recomputes instead, so swapping never grows the process unbounded.
     swap_space_bytes: int = 4 << 30
-
-
-# "auto" budget: a running stream may slow to this many times a lone stream's
-# pace while others share the step.
-ITL_AUTO_FACTOR = 4.0
 
 
 @dataclass

@@ -1,1 +1,1 @@
-"""What runs a step: weights, the model runner, devices, the sampler, step buffers, thread policy."""
+"""What runs a step: weights, the model runner, drafts spliced into its batch, devices, the sampler, thread policy."""

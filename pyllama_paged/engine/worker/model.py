@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from ..._native import check, ffi, lib
+from ..._native import Closing, check, ffi, lib
 from ...errors import NativeError, PagedError
 from ...gguf.reader import GGUFFile
 from ...gguf.config import (ARCH_IDS, YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, ModelLoadError,
@@ -32,7 +32,15 @@ PANEL_KERNELS = {lib.PP_PANEL_KERNEL_NONE: "ggml", lib.PP_PANEL_KERNEL_SCALAR: "
                  lib.PP_PANEL_KERNEL_AVX2: "avx2"}
 
 
-class Model:
+def load_model(config) -> "Model":
+    """The model an EngineConfig (engine/config.py) names: its file (None: the embedded default
+    model), its weights in the layouts and on the GPU layers the config asks for. The one way
+    the engine, the server and the Python API load a model."""
+    return Model(config.model_path, repack_weights=config.repack_weights, pack_panels=config.pack_panels,
+                 n_gpu_layers=config.n_gpu_layers, main_gpu=config.main_gpu)
+
+
+class Model(Closing):
     """Weights of one GGUF model, described to the native core (data stays mapped)."""
 
     def __init__(self, model_path: str | None = None, *, repack_weights: bool = True,
@@ -130,6 +138,14 @@ class Model:
     def device_bytes(self) -> int:
         """Bytes of weights on the GPU (0: none)."""
         return int(lib.pp_model_device_bytes(self.native))
+
+    @property
+    def n_token_types(self) -> int:
+        """How many token types (segments) the model embeds: token_types.weight's rows, 1 without it."""
+        for t in self.gguf.tensors:
+            if t.name == "token_types.weight":
+                return int(t.shape[1]) if len(t.shape) == 2 else 1
+        return 1
 
     def layer_placement(self) -> list[str]:
         """Per layer, then the output head: the device name it runs on ("CPU" for the CPU)."""

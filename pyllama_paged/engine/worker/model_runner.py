@@ -16,8 +16,8 @@ from ...errors import PagedError
 from ..kv.groups import KVGroups
 from ..kv.manager import PagedKV, SeqState, SlabKV, commit_chunks, fork_state, new_cached_sequence, place_tokens
 from .model import Model
-from ..spec.batch import splice_drafts
-from .step_batch import StepBuffers
+from .draft_splice import splice_drafts
+from ..kv.step_batch import StepBuffers
 from .thread_policy import ThreadPolicy
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type ids
@@ -58,11 +58,15 @@ def _ptr(arr: np.ndarray, ctype: str = "int32_t *"):
 class ModelRunner:
     """A model, where its sequences' KV lives (pages or slabs), and the step that computes them."""
 
-    def __init__(self, model: Model, *, paged: bool = True, n_ctx: int = 4096, n_seq_max: int = 1,
-                 n_threads: int = 2, n_batch: int = 512, block_size: int = 32,
-                 kv_cache_type: str = "f16", num_blocks: int | None = None, kv_bytes: int | None = None,
-                 free_window_blocks: bool = True, attention: str = "kernel"):
-        if n_ctx < 1 or n_batch < 1 or n_seq_max < 1:
+    def __init__(self, model: Model, config):
+        """config: an EngineConfig (engine/config.py) whose n_ctx is the exact context per
+        sequence; the pool holds num_blocks pages if given, else its KV budget
+        (EngineConfig.kv_budget_bytes): pages of block_size tokens, or (paged=False) as many
+        whole n_ctx slabs. n_threads, n_batch, kv_cache_type, free_window_blocks and attention
+        shape the rest."""
+        paged, n_ctx, n_batch, block_size = config.paged, config.n_ctx, config.n_batch, config.block_size
+        n_threads, kv_cache_type, attention = config.n_threads, config.kv_cache_type, config.attention
+        if n_ctx < 1 or n_batch < 1 or config.n_seq_max < 1:
             raise PagedError("n_ctx, n_batch and n_seq_max must be >= 1")
         if paged and not 1 <= block_size <= 1024:
             raise PagedError(f"block_size {block_size} out of range [1, 1024]")
@@ -84,18 +88,17 @@ class ModelRunner:
         cfg = model.config
         # Sliding-window layers get their own block tables and give pages back
         # (kv_groups.py); free_window_blocks=False keeps every layer's KV.
-        self.kv_groups = kv_groups_for(cfg, paged, free_window_blocks)
+        self.kv_groups = kv_groups_for(cfg, paged, config.free_window_blocks)
         dense_token_bytes = dense_kv_bytes_per_token(cfg, kv_cache_type)
+        # the same KV bytes for pages and for the slab baseline, unless the pages are counted
+        budget = config.kv_budget_bytes(n_ctx, dense_token_bytes)
         if paged:
             kv_values = [cfg.kv_values(il) for il in range(cfg.n_layer)]
             slot_bytes = 2 * kv_row_bytes(kv_cache_type, self.kv_groups.slot_values(kv_values, cfg.layer_kv_source))
-            if num_blocks is None:
-                # Same KV bytes as the slab baseline unless told otherwise.
-                budget = kv_bytes if kv_bytes is not None else n_ctx * n_seq_max * dense_token_bytes
-                num_blocks = max(1, budget // (slot_bytes * block_size))
+            num_blocks = config.num_blocks or max(1, budget // (slot_bytes * block_size))
             self.kv = PagedKV(num_blocks, block_size, n_ctx, self.kv_groups)
         else:
-            self.kv = SlabKV(n_seq_max, n_ctx)
+            self.kv = SlabKV(max(1, budget // (n_ctx * dense_token_bytes)), n_ctx)
         out = ffi.new("pp_kv_cache **")
         layer_group = ffi.new("int32_t[]", list(self.kv_groups.layer_group))
         check(lib.pp_kv_cache_create_grouped(model.native, KV_TYPES[kv_cache_type], self.kv.num_blocks,
@@ -223,7 +226,7 @@ class ModelRunner:
         rows in item order, as a fresh [rows, n_embd] array. all_logits[i] gives item i a
         logits row for every one of its tokens (prompt scoring), in place of its one row.
         drafts[i]: draft tokens that follow item i's last token in this step only (never
-        placed in the pool; spec_batch.splice_drafts), each with a logits row after the
+        placed in the pool; worker/draft_splice.py), each with a logits row after the
         item's own. argmax_only: the caller reads only each row's argmax (step_argmax()); where
         the step computed them on a device the logits are then not read back (empty rows)."""
         items = np.ascontiguousarray(items, dtype=np.int32).reshape(-1, 3)

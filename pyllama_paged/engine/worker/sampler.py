@@ -1,95 +1,17 @@
-"""Sampling parameters, each sequence's sampling state, and the batched sampler
+"""Each sequence's sampling state, and the batched sampler
 that draws every row of a step in one native call (native/src/kernels/sampler.c)."""
 
 from __future__ import annotations
 
-import math
 import secrets
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..._native import PP_OK, NativeHandle, check, ffi, lib
 from ...constrain.masks import MaskBuffer
-from ...errors import PagedError, RequestError
-
-# The native result holds PP_SAMPLE_MAX_TOP top entries per row: a request may ask for
-# OpenAI's 20 top log-probabilities, and beam search asks for 2 x beam_width.
-MAX_LOGPROBS = min(20, lib.PP_SAMPLE_MAX_TOP)
-MAX_BEAM_WIDTH = lib.PP_SAMPLE_MAX_TOP // 2
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    penalty_last_n: int = 64
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None
-    n: int = 1
-    beam_width: int = 1
-    length_penalty: float = 1.0
-    early_stopping: bool = True
-    ignore_eos: bool = False    # keep generating past end-of-text tokens (to max_tokens)
-    constraint: Any = None      # a constrain.grammar.Constraint: each step samples within its token mask
-    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling
-    # the Python API's hook (llama-cpp-python's LogitsProcessor): called as
-    # f(token ids so far, the row's float32 logits) -> logits, on the engine's thread
-    logits_processor: Any = None
-    speculative: bool = True    # False: this request never speculates, even when the engine does
-
-    def validate(self) -> None:
-        """Raise PagedError naming the first invalid field."""
-        finite = math.isfinite
-        checks = [
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "must be >= 0"),
-            # 64-bit seeds, signed or not (read modulo 2**64, as llama.cpp casts them)
-            ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "must fit in 64 bits"),
-            ("temperature", finite(self.temperature), "must be finite"),
-            ("repeat_penalty", finite(self.repeat_penalty), "must be finite"),
-            ("presence_penalty", finite(self.presence_penalty), "must be finite"),
-            ("frequency_penalty", finite(self.frequency_penalty), "must be finite"),
-            ("temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 = disabled)"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("repeat_penalty", self.repeat_penalty > 0, "must be > 0"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"must be in [0, {MAX_LOGPROBS}]"),
-            ("n", 1 <= self.n <= 64, "must be in [1, 64]"),
-            ("beam_width", 1 <= self.beam_width <= MAX_BEAM_WIDTH, f"must be in [1, {MAX_BEAM_WIDTH}]"),
-            ("beam_width", self.beam_width == 1 or self.constraint is None,
-             "must be 1 with a grammar or response format"),
-            ("logit_bias", self.logit_bias is None or all(
-                isinstance(k, int) and k >= 0 and isinstance(v, (int, float)) and finite(v)
-                for k, v in self.logit_bias.items()), "must map token ids (ints >= 0) to finite numbers"),
-            ("logits_processor", self.logits_processor is None or callable(self.logits_processor),
-             "must be callable"),
-            ("beam_width", self.beam_width == 1 or (self.logit_bias is None and self.logits_processor is None),
-             "must be 1 with logit_bias or a logits processor"),
-            ("speculative", isinstance(self.speculative, bool), "must be true or false"),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise RequestError(f"sampling parameter '{name}' = {getattr(self, name)!r} {why}")
-
-    def for_sample(self, index: int) -> "SamplingParams":
-        """Parameters of the index-th of n samples: its own seed so samples differ."""
-        if index == 0:
-            return self
-        return replace(self, seed=None if self.seed is None else self.seed + index)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from ...errors import PagedError
+from ..params import SamplingParams
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

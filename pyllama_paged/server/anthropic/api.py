@@ -8,12 +8,13 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ...api.chat_call import ChatCall
+from ...calls.chat_call import ChatCall
 from ...tools.messages import MessageError
-from ..chat import ChatRun, check_chat, prepare_chat_call, run_chat
+from ..chat import ChatRun, check_call, prepare_chat_call, run_chat
 from ..error_bodies import anthropic_error_body
 from ..generation import APIError
 from ..sse import event_stream
+from ..state import server_state
 from .messages import chat_call, content_blocks, stop_reason
 from .schemas import CountTokensRequest, MessagesRequest
 from .stream import AnswerEvents, sse
@@ -46,31 +47,30 @@ async def _events(run: ChatRun, events: AnswerEvents, body: MessagesRequest):
         yield event
 
 
-def build_router(state) -> APIRouter:
-    """The router of /v1/messages."""
-    router = APIRouter()
+router = APIRouter()
 
-    @router.post("/v1/messages/count_tokens")
-    async def count_tokens(body: CountTokensRequest):
-        """The prompt's length in tokens, as /v1/messages would count it (nothing runs)."""
-        call = _call(body)
-        prepared = await prepare_chat_call(state, await check_chat(state, call), call)
-        return {"input_tokens": len(prepared.prompt_ids)}
 
-    @router.post("/v1/messages")
-    async def messages(body: MessagesRequest, request: Request):
-        """Anthropic's Messages API: the answer as a message, or as its events when stream is set."""
-        run = await run_chat(state, _call(body))
-        gen = run.gen
-        message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": run.served.name,
-                   "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": 0}}
-        if body.stream:
-            return event_stream(_events(run, AnswerEvents(message), body))
-        answer = (await run.answers(request))[0]
-        calls = body.kept_calls(answer.calls)
-        reason, sequence = stop_reason(answer.finish_reason, answer.stop, calls)
-        content = content_blocks(answer.content, calls, body.shown_thinking(answer.thinking))
-        return JSONResponse({**message, "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                             "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": gen.num_generated}})
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request):
+    """The prompt's length in tokens, as /v1/messages would count it (nothing runs)."""
+    state, call = server_state(request), _call(body)
+    prepared = await prepare_chat_call(state, await check_call(state, call), call)
+    return {"input_tokens": len(prepared.prompt_ids)}
 
-    return router
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request):
+    """Anthropic's Messages API: the answer as a message, or as its events when stream is set."""
+    run = await run_chat(server_state(request), _call(body))
+    gen = run.gen
+    message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": run.served.name,
+               "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": 0}}
+    if body.stream:
+        return event_stream(_events(run, AnswerEvents(message), body))
+    answer = (await run.answers(request))[0]
+    calls = body.kept_calls(answer.calls)
+    reason, sequence = stop_reason(answer.finish_reason, answer.stop, calls)
+    content = content_blocks(answer.content, calls, body.shown_thinking(answer.thinking))
+    return JSONResponse({**message, "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                         "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": gen.num_generated}})
+

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...api.chat_call import ChatCall
-from ...api.sampling_options import OPENAI
+from ...calls.chat_call import ChatCall
+from ...calls.sampling_options import OPENAI
 from ...tools.calls import ToolCall
 from ...tools.reasoning import template_thinks
 from ...tools.messages import MessageError

@@ -12,18 +12,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...api.chat_call import ChatCall, split_as_streamed
-from ...api.sampling_options import OLLAMA
+from ...calls.chat_call import ChatCall, PromptCall, split_as_streamed
+from ...calls.sampling_options import OLLAMA
 from ...constrain.formats import from_ollama
-from ...engine.worker.sampler import SamplingParams
-from ...errors import PagedError
-from ...tools.harmony import harmony_tokens
-from ...tools.reasoning import prompt_opens_thinking, speaks_harmony, template_thinks, thinking_variables
-from ..chat import ChatRun, check_chat, start_chat
-from ..generation import APIError, check_request, fit_prompt, off_loop, request_params, require_generative, \
-    start_generation
+from ...tools.reasoning import template_thinks
+from ..chat import ChatRun, check_call, run_prompt, start_chat
+from ..generation import APIError
 from ..keep_alive import keep_alive_seconds
 from ..lookup import find_model
+from ..state import server_state
 from ..tool_schema import ToolFunction
 from .manage import OLLAMA_VERSION, NameRequest, describe, describe_stored, show_model
 
@@ -123,12 +120,6 @@ def _sampling(options: Options) -> dict[str, Any]:
     return fields
 
 
-def _params(options: Options | None, default_max: int, constraint) -> SamplingParams:
-    options = options or Options()
-    options.refuse_unsupported()
-    return request_params(OLLAMA, {**_sampling(options), "constraint": constraint}, max_tokens=default_max)
-
-
 # Ollama's think efforts (gpt-oss's): any of them turns thinking on for a model that has one switch
 THINK_LEVELS = ("high", "medium", "low")
 
@@ -156,9 +147,8 @@ def _refuse_think(body: _Common, served) -> None:
                        "think")
 
 
-def _chat_call(body: ChatRequest, max_tokens: int) -> ChatCall:
-    """/api/chat's request as the server's chat path takes it; max_tokens: the server's cap,
-    what an unset num_predict asks for."""
+def _chat_call(body: ChatRequest) -> ChatCall:
+    """/api/chat's request as the server's chat path takes it (an unset num_predict: the server's cap)."""
     options = body.options or Options()
 
     def refuse(served) -> None:
@@ -169,173 +159,170 @@ def _chat_call(body: ChatRequest, max_tokens: int) -> ChatCall:
         messages=[m.model_dump(exclude_none=True, exclude={"thinking"}) for m in body.messages],
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
         structured=lambda tokenizer: from_ollama(tokenizer, body.format), surface=OLLAMA,
-        sampling=_sampling(options), sampling_defaults={"max_tokens": max_tokens},
-        truncate=body.truncate is not False, model=body.model, thinking=_think_switch(body.think),
+        sampling=_sampling(options), truncate=body.truncate is not False, model=body.model, thinking=_think_switch(body.think),
         reasoning_effort=_think_level(body.think),
         limit_fields={"stop": options.stop, "messages": body.messages, "tools": body.tools,
                       "grammars": {"format": body.format}},
-        refuse_unsupported=refuse, n_ctx=options.num_ctx)
+        refuse_unsupported=refuse, n_ctx=options.num_ctx, keep_alive=body.keep_alive)
 
 
-def build_router(state) -> APIRouter:
-    router = APIRouter()
+def _prompt_call(body: GenerateRequest) -> PromptCall:
+    """/api/generate's request as the server's prompt path takes it: the prompt through the
+    model's template after the system prompt, or as given (raw), after the context of an
+    earlier exchange (an unset num_predict: the server's cap)."""
+    options = body.options or Options()
 
-    async def after(served, keep_alive):
-        """keep_alive 0 (this request's or a later one's) drops the engine now unless other
-        requests hold it; then the expiry watcher drops it when the last one ends."""
-        if served.keep_alive == 0:
-            await served.unload_if_idle()
-
-    async def preload(served, keep_alive):
-        served.keep_alive = keep_alive
-        if keep_alive != 0:
-            await served.acquire()
-            served.release()
-        await after(served, keep_alive)
-
-    def final(gen, shape):
-        body = shape("", True)
-        body["done_reason"] = gen.finish_reasons.get(0, "stop")
-        body.update(gen.durations_ns())
-        return body
-
-    async def lines(run: ChatRun, shape, keep_alive):
-        """The NDJSON stream: shape(text, False, calls, thinking) as the answer comes, then the
-        final object; an error after the 200 header ends it with Ollama's error line."""
-        try:
-            async for piece in run.pieces():
-                if piece.index == 0 and (piece.text or piece.calls or piece.thinking):
-                    yield json.dumps(shape(piece.text, False, piece.calls, piece.thinking)) + "\n"
-        except APIError as e:
-            yield json.dumps({"error": e.message}) + "\n"
-            return
-        finally:
-            await after(run.served, keep_alive)
-        yield json.dumps(final(run.gen, shape)) + "\n"
-
-    async def respond(run: ChatRun, request: Request, body: _Common, shape, keep_alive):
-        """NDJSON stream of shape(text, done, calls) objects, or one object when stream is false."""
-        if body.stream is not False:
-            return StreamingResponse(lines(run, shape, keep_alive), media_type="application/x-ndjson")
-        try:
-            # text a stream lets through before a tool call stays content, as it would have streamed
-            answer = (await run.answers(request, split_as_streamed))[0]
-        finally:
-            await after(run.served, keep_alive)
-        out = final(run.gen, shape)
-        whole = shape(answer.content, True, answer.calls, answer.thinking)
-        out.update({k: v for k, v in whole.items() if k in ("response", "message", "thinking")})
-        return JSONResponse(out)
-
-    def loaded(body, served, reason: str):
-        shape = {"model": body.model, "created_at": _now(), "done": True, "done_reason": reason}
-        return JSONResponse({**shape, "response": ""} if isinstance(body, GenerateRequest) else
-                            {**shape, "message": {"role": "assistant", "content": ""}})
-
-    @router.post("/api/generate")
-    async def generate(body: GenerateRequest, request: Request):
-        check_request(state.limits, stop=body.options.stop if body.options else None,
-                      grammars={"format": body.format})
-        served = await find_model(state.registry, body.model)
-        require_generative(served)
+    def refuse(served) -> None:
         _refuse_think(body, served)
-        keep_alive = keep_alive_seconds(body.keep_alive)
-        if body.images:
-            raise APIError(400, "images are not supported by this model", "images")
-        if body.suffix:
-            raise APIError(400, "suffix (fill-in-the-middle) is not supported by this model", "suffix")
-        if body.template:
-            raise APIError(400, "a per-request template is not supported; use raw with a formatted prompt",
-                           "template")
-        if not body.prompt:   # Ollama answers an empty prompt by loading (or unloading) the model
-            await preload(served, keep_alive)
-            return loaded(body, served, "unload" if keep_alive == 0 else "load")
-        def prepare():
-            try:   # a first grammar prepares the vocabulary (about a second)
-                constraint = from_ollama(served.tokenizer, body.format)
-            except PagedError as e:
-                raise APIError(400, str(e), "format") from None
-            if body.raw:   # the prompt as given, its special tokens included
-                text = body.prompt
-            else:
-                messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-                           [{"role": "user", "content": body.prompt}]
-                text = served.template.render(messages, variables=thinking_variables(
-                    served.template.source, _think_switch(body.think), _think_level(body.think)))
-            return constraint, text, list(body.context or []) + served.tokenizer.encode(
-                text, add_special=not body.context, parse_special=True)
+        options.refuse_unsupported()
+        keep_alive_seconds(body.keep_alive)
+        for name, given, why in (("images", body.images, "images are not supported by this model"),
+                                 ("suffix", body.suffix, "suffix (fill-in-the-middle) is not supported by this model"),
+                                 ("template", body.template, "a per-request template is not supported; use raw "
+                                                             "with a formatted prompt")):
+            if given:
+                raise APIError(400, why, name)
 
-        # a raw prompt is the caller's own: its text is not read for a think block
-        thinks = not body.raw and template_thinks(served.template.source)
-        constraint, text, ids = await off_loop(state.prep, prepare)   # a long prompt: never on the event loop
-        n_ctx = body.options.num_ctx if body.options else None
-        ids = fit_prompt(served, ids, state.limits, body.truncate is not False, n_ctx)
-        params = _params(body.options, state.limits.max_tokens, constraint)   # unset: to the context
-        gen = start_generation(served, ids, params, state.limits, state.metrics, n_ctx, keep_alive)
+    return PromptCall(
+        prompts=[body.prompt or ""], templated=not body.raw, system=body.system, context=list(body.context or []),
+        structured=lambda tokenizer: from_ollama(tokenizer, body.format), structured_param="format", surface=OLLAMA,
+        sampling=_sampling(options), truncate=body.truncate is not False, model=body.model,
+        thinking=_think_switch(body.think), reasoning_effort=_think_level(body.think),
+        limit_fields={"stop": options.stop, "grammars": {"format": body.format}}, refuse_unsupported=refuse,
+        n_ctx=options.num_ctx, keep_alive=body.keep_alive)
 
-        def shape(text, done, calls=None, thinking=""):
-            out = {"model": body.model, "created_at": _now(), "response": text, "done": done}
-            if thinking:
-                out["thinking"] = thinking
-            if done:   # Ollama's token context of this exchange (prompt + response)
-                out["context"] = gen.prompt_ids + gen.output_ids
-            return out
-        harmony = harmony_tokens(served.tokenizer) if thinks and speaks_harmony(served.template.source) else None
-        run = ChatRun(served, gen, set(), state.prep, thinks,
-                      thinks and harmony is None and prompt_opens_thinking(text), harmony)
-        return await respond(run, request, body, shape, keep_alive)
 
-    @router.post("/api/chat")
-    async def chat(body: ChatRequest, request: Request):
-        call = _chat_call(body, state.limits.max_tokens)   # unset num_predict: to the context
-        served = await check_chat(state, call)
-        keep_alive = keep_alive_seconds(body.keep_alive)
-        if not body.messages:   # Ollama loads (or unloads) the model for an empty chat
-            await preload(served, keep_alive)
-            return loaded(body, served, "unload" if keep_alive == 0 else "load")
-        run = await start_chat(state, served, call, keep_alive)
+router = APIRouter()
 
-        def shape(text, done, calls=None, thinking=""):
-            message = {"role": "assistant", "content": text}
-            if thinking:   # Ollama's field for a thinking model's thinking, apart from the answer
-                message["thinking"] = thinking
-            if calls:
-                message["tool_calls"] = [c.ollama() for c in calls]
-            return {"model": body.model, "created_at": _now(), "message": message, "done": done}
-        return await respond(run, request, body, shape, keep_alive)
 
-    @router.post("/api/show")
-    async def show(body: NameRequest):
-        return show_model(await find_model(state.registry, body.model or body.name or ""))
+async def _after(served) -> None:
+    """keep_alive 0 (this request's or a later one's) drops the engine now unless other
+    requests hold it; then the expiry watcher drops it when the last one ends."""
+    if served.keep_alive == 0:
+        await served.unload_if_idle()
 
-    @router.get("/api/tags")
-    async def tags():
-        # the store is read on a thread: a listing never holds the loop on a slow disk
-        stored = await asyncio.to_thread(state.registry.stored_models)
-        return {"models": [describe(m) for m in state.registry.models.values()] +
-                          [describe(state.registry.models[t], alias) for alias, t in state.registry.aliases.items()] +
-                          [describe_stored(m) for m in stored]}
 
-    @router.get("/api/ps")
-    async def ps():
-        # an unloaded model is not running: /api/ps lists loaded models only, as Ollama's
-        loaded = [m for m in state.registry.models.values() if m.is_loaded]
-        # read together: a busy engine costs one timeout (then its last figures), not one each
-        found = await asyncio.gather(*(m.figures(state.limits.stats_timeout) for m in loaded))
-        models = []
-        for served, (figures, current) in zip(loaded, found):
-            if figures is None and not served.is_loaded:   # dropped meanwhile
-                continue
-            entry = {**describe(served), "expires_at": served.expires_at(),
-                     "size_vram": served.size_vram, "context_length": served.n_ctx}
-            if figures is not None:
-                entry["kv_cache"] = {"bytes": figures["kv_pool_bytes"], "paged": figures["paged"],
-                                     **figures["stats"], "current": current}
-            models.append(entry)
-        return {"models": models}
+async def _load_only(body: _Common, served, keep_alive) -> JSONResponse:
+    """Ollama's answer to an empty prompt or chat: the model loaded (or unloaded, keep_alive 0)."""
+    served.keep_alive = keep_alive
+    if keep_alive != 0:
+        await served.acquire()
+        served.release()
+    await _after(served)
+    shape = {"model": body.model, "created_at": _now(), "done": True,
+             "done_reason": "unload" if keep_alive == 0 else "load"}
+    return JSONResponse({**shape, "response": ""} if isinstance(body, GenerateRequest) else
+                        {**shape, "message": {"role": "assistant", "content": ""}})
 
-    @router.get("/api/version")
-    async def version():
-        return {"version": OLLAMA_VERSION}
 
-    return router
+def _final(gen, shape) -> dict:
+    body = shape("", True)
+    body["done_reason"] = gen.finish_reasons.get(0, "stop")
+    body.update(gen.durations_ns())
+    return body
+
+
+async def _lines(run: ChatRun, shape):
+    """The NDJSON stream: shape(text, False, calls, thinking) as the answer comes, then the
+    final object; an error after the 200 header ends it with Ollama's error line."""
+    try:
+        async for piece in run.pieces():
+            if piece.index == 0 and (piece.text or piece.calls or piece.thinking):
+                yield json.dumps(shape(piece.text, False, piece.calls, piece.thinking)) + "\n"
+    except APIError as e:
+        yield json.dumps({"error": e.message}) + "\n"
+        return
+    finally:
+        await _after(run.served)
+    yield json.dumps(_final(run.gen, shape)) + "\n"
+
+
+async def _respond(run: ChatRun, request: Request, body: _Common, shape):
+    """NDJSON stream of shape(text, done, calls) objects, or one object when stream is false."""
+    if body.stream is not False:
+        return StreamingResponse(_lines(run, shape), media_type="application/x-ndjson")
+    try:
+        # text a stream lets through before a tool call stays content, as it would have streamed
+        answer = (await run.answers(request, split_as_streamed))[0]
+    finally:
+        await _after(run.served)
+    out = _final(run.gen, shape)
+    whole = shape(answer.content, True, answer.calls, answer.thinking)
+    out.update({k: v for k, v in whole.items() if k in ("response", "message", "thinking")})
+    return JSONResponse(out)
+
+
+@router.post("/api/generate")
+async def generate(body: GenerateRequest, request: Request):
+    state, call = server_state(request), _prompt_call(body)
+    if not body.prompt:   # Ollama answers an empty prompt by loading (or unloading) the model
+        return await _load_only(body, await check_call(state, call), keep_alive_seconds(body.keep_alive))
+    [run] = await run_prompt(state, call)
+
+    def shape(text, done, calls=None, thinking=""):
+        out = {"model": body.model, "created_at": _now(), "response": text, "done": done}
+        if thinking:
+            out["thinking"] = thinking
+        if done:   # Ollama's token context of this exchange (prompt + response)
+            out["context"] = run.gen.prompt_ids + run.gen.output_ids
+        return out
+    return await _respond(run, request, body, shape)
+
+
+@router.post("/api/chat")
+async def chat(body: ChatRequest, request: Request):
+    state, call = server_state(request), _chat_call(body)
+    served = await check_call(state, call)
+    keep_alive = keep_alive_seconds(body.keep_alive)
+    if not body.messages:   # Ollama loads (or unloads) the model for an empty chat
+        return await _load_only(body, served, keep_alive)
+    run = await start_chat(state, served, call)
+
+    def shape(text, done, calls=None, thinking=""):
+        message = {"role": "assistant", "content": text}
+        if thinking:   # Ollama's field for a thinking model's thinking, apart from the answer
+            message["thinking"] = thinking
+        if calls:
+            message["tool_calls"] = [c.ollama() for c in calls]
+        return {"model": body.model, "created_at": _now(), "message": message, "done": done}
+    return await _respond(run, request, body, shape)
+
+
+@router.post("/api/show")
+async def show(body: NameRequest, request: Request):
+    return show_model(await find_model(server_state(request).registry, body.model or body.name or ""))
+
+
+@router.get("/api/tags")
+async def tags(request: Request):
+    registry = server_state(request).registry
+    # the store is read on a thread: a listing never holds the loop on a slow disk
+    stored = await asyncio.to_thread(registry.stored_models)
+    return {"models": [describe(m) for m in registry.models.values()] +
+                      [describe(registry.models[t], alias) for alias, t in registry.aliases.items()] +
+                      [describe_stored(m) for m in stored]}
+
+
+@router.get("/api/ps")
+async def ps(request: Request):
+    state = server_state(request)
+    # an unloaded model is not running: /api/ps lists loaded models only, as Ollama's
+    loaded = [m for m in state.registry.models.values() if m.is_loaded]
+    # read together: a busy engine costs one timeout (then its last figures), not one each
+    found = await asyncio.gather(*(m.figures(state.limits.stats_timeout) for m in loaded))
+    models = []
+    for served, (figures, current) in zip(loaded, found):
+        if figures is None and not served.is_loaded:   # dropped meanwhile
+            continue
+        entry = {**describe(served), "expires_at": served.expires_at(),
+                 "size_vram": served.size_vram(figures), "context_length": served.n_ctx}
+        if figures is not None:
+            entry["kv_cache"] = {"bytes": figures["kv_pool_bytes"], "paged": figures["paged"],
+                                 **figures["stats"], "current": current}
+        models.append(entry)
+    return {"models": models}
+
+
+@router.get("/api/version")
+async def version():
+    return {"version": OLLAMA_VERSION}

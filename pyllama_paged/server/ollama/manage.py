@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from ...tools.reasoning import template_thinks
 from ..generation import APIError
 from ..lookup import find_model, model_not_found
+from ..state import server_state
 from ..registry import quantization_level
 from .pull import pull_response
 
@@ -84,68 +85,74 @@ def _statuses(stream: bool | None, steps: list[str]):
     return StreamingResponse(iter(lines), media_type="application/x-ndjson")
 
 
-def build_router(state) -> APIRouter:
-    router = APIRouter()
-    registry = state.registry
+router = APIRouter()
 
-    @router.post("/api/pull")
-    async def pull(body: NameRequest, request: Request):
-        name = body.model or body.name or ""
-        if not name:
-            raise APIError(400, "model: a model name to pull is required", "model")
-        served = registry.served(name)
-        if served is not None and registry.is_startup_name(name):
-            # a file this server was started with (or a name for one): nothing to fetch
-            return _statuses(body.stream, ["pulling manifest", f"pulling {served.digest[:12]}",
-                                           "verifying sha256 digest", "writing manifest"])
-        return await pull_response(name, body.stream, registry.store, request)
 
-    @router.post("/api/push")
-    async def push(body: NameRequest):
-        raise APIError(400, "pushing models to a registry is not supported by this server", "model")
+@router.post("/api/pull")
+async def pull(body: NameRequest, request: Request):
+    registry = server_state(request).registry
+    name = body.model or body.name or ""
+    if not name:
+        raise APIError(400, "model: a model name to pull is required", "model")
+    served = registry.served(name)
+    if served is not None and registry.is_startup_name(name):
+        # a file this server was started with (or a name for one): nothing to fetch
+        return _statuses(body.stream, ["pulling manifest", f"pulling {served.digest[:12]}",
+                                       "verifying sha256 digest", "writing manifest"])
+    return await pull_response(name, body.stream, registry.store, request)
 
-    @router.post("/api/copy")
-    async def copy(body: CopyRequest):
-        await find_model(registry, body.source, "source")
-        try:
-            registry.add_alias(body.destination, body.source)
-        except ValueError as e:
-            raise APIError(400, str(e), "destination") from None
+
+@router.post("/api/push")
+async def push(body: NameRequest):
+    raise APIError(400, "pushing models to a registry is not supported by this server", "model")
+
+
+@router.post("/api/copy")
+async def copy(body: CopyRequest, request: Request):
+    registry = server_state(request).registry
+    await find_model(registry, body.source, "source")
+    try:
+        registry.add_alias(body.destination, body.source)
+    except ValueError as e:
+        raise APIError(400, str(e), "destination") from None
+    return JSONResponse(None)
+
+
+@router.delete("/api/delete")
+async def delete(body: NameRequest, request: Request):
+    registry = server_state(request).registry
+    name = body.model or body.name or ""
+    if registry.remove_alias(name):
         return JSONResponse(None)
+    if registry.is_startup_name(name):
+        # the name means what a request with it gets: the file, though the store may have one too
+        raise APIError(400, f"model '{name}' is a file this server was started with; it is not deleted "
+                       "(names made with copy or create, and pulled models, can be)", "model")
+    stored = registry.store.find_name(name) if name else None
+    if stored is None:
+        raise model_not_found(registry, name)
+    try:
+        await registry.delete_stored(stored)
+    except ValueError as e:
+        raise APIError(400, str(e), "model") from None
+    return JSONResponse(None)
 
-    @router.delete("/api/delete")
-    async def delete(body: NameRequest):
-        name = body.model or body.name or ""
-        if registry.remove_alias(name):
-            return JSONResponse(None)
-        if registry.is_startup_name(name):
-            # the name means what a request with it gets: the file, though the store may have one too
-            raise APIError(400, f"model '{name}' is a file this server was started with; it is not deleted "
-                           "(names made with copy or create, and pulled models, can be)", "model")
-        stored = registry.store.find_name(name) if name else None
-        if stored is None:
-            raise model_not_found(registry, name)
-        try:
-            await registry.delete_stored(stored)
-        except ValueError as e:
-            raise APIError(400, str(e), "model") from None
-        return JSONResponse(None)
 
-    @router.post("/api/create")
-    async def create(body: dict[str, Any]):
-        name = body.get("model") or body.get("name")
-        source = body.get("from")
-        if not isinstance(name, str) or not name:
-            raise APIError(400, "model: a name for the new model is required", "model")
-        unsupported = sorted(k for k in body if k not in ("model", "name", "from", "stream"))
-        if unsupported or not isinstance(source, str):
-            raise APIError(400, "only creating a new name 'from' a served model is supported "
-                           f"(not {', '.join(unsupported) or 'without from'})", unsupported[0] if unsupported else "from")
-        await find_model(registry, source, "from")
-        try:
-            registry.add_alias(name, source)
-        except ValueError as e:
-            raise APIError(400, str(e), "model") from None
-        return _statuses(body.get("stream"), [f"using existing model {source}"])
+@router.post("/api/create")
+async def create(body: dict[str, Any], request: Request):
+    registry = server_state(request).registry
+    name = body.get("model") or body.get("name")
+    source = body.get("from")
+    if not isinstance(name, str) or not name:
+        raise APIError(400, "model: a name for the new model is required", "model")
+    unsupported = sorted(k for k in body if k not in ("model", "name", "from", "stream"))
+    if unsupported or not isinstance(source, str):
+        raise APIError(400, "only creating a new name 'from' a served model is supported "
+                       f"(not {', '.join(unsupported) or 'without from'})", unsupported[0] if unsupported else "from")
+    await find_model(registry, source, "from")
+    try:
+        registry.add_alias(name, source)
+    except ValueError as e:
+        raise APIError(400, str(e), "model") from None
+    return _statuses(body.get("stream"), [f"using existing model {source}"])
 
-    return router

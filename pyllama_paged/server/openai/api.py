@@ -12,11 +12,12 @@ from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse
 
-from ...api.chat_call import Answer, AnswerPiece
+from ...calls.chat_call import Answer, AnswerPiece
 from ...errors import PagedError
-from ..chat import run_chat
-from ..generation import APIError, admit, check_request, fit_prompt, off_loop, require_generative, start_generation
+from ..chat import prepare_prompt, run_chat, start_prompts
+from ..generation import APIError, admit, off_loop
 from ..lookup import find_model
+from ..state import server_state
 from ..sse import OPENAI_DONE, event_stream, openai_error_events, sse
 from .logprobs import chat_logprobs, completion_logprobs
 from .schemas import ChatRequest, CompletionRequest
@@ -161,139 +162,103 @@ def _chat_chunk_choices(piece: AnswerPiece, started: set[int], logprobs_of) -> l
     return out
 
 
-def build_router(state) -> APIRouter:
-    router = APIRouter()
+router = APIRouter()
 
-    def card(m) -> dict:
-        return {"id": m.name, "object": "model", "created": int(m.loaded_at), "owned_by": "pyllama-paged"}
 
-    @router.get("/v1/models")
-    async def models():
-        stored = await asyncio.to_thread(state.registry.stored_models)
-        return {"object": "list", "data": [card(m) for m in state.registry.models.values()] +
-                [{"id": m.name.lower(), "object": "model", "created": int(m.pulled_at), "owned_by": "pyllama-paged"}
-                 for m in stored]}
+def _card(m) -> dict:
+    return {"id": m.name, "object": "model", "created": int(m.loaded_at), "owned_by": "pyllama-paged"}
 
-    @router.get("/v1/models/{model:path}")
-    async def model(model: str):
-        return card(await find_model(state.registry, model))
 
-    @router.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        check_request(state.limits, stop=body.stop, logit_bias=body.logit_bias, grammars=body.grammars())
-        served = await find_model(state.registry, body.model)
-        require_generative(served)
-        body.refuse_unsupported(served.config.n_vocab)
-        if body.suffix:
-            raise APIError(400, "suffix (fill-in-the-middle) is not supported by this model", "suffix")
-        if body.best_of is not None and body.best_of != (body.n or 1):
-            raise APIError(400, "best_of is not supported (use n)", "best_of")
-        prompts = body.prompt
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise APIError(400, "prompt is empty", "prompt")
-        if len(prompts) > state.limits.max_prompts:
-            raise APIError(400, f"{len(prompts)} prompts; the limit is {state.limits.max_prompts}", "prompt")
-        n_vocab = served.config.n_vocab
+@router.get("/v1/models")
+async def models(request: Request):
+    state = server_state(request)
+    stored = await asyncio.to_thread(state.registry.stored_models)
+    return {"object": "list", "data": [_card(m) for m in state.registry.models.values()] +
+            [{"id": m.name.lower(), "object": "model", "created": int(m.pulled_at), "owned_by": "pyllama-paged"}
+             for m in stored]}
 
-        def tokenized():
-            ids_of = []
-            for p in prompts:
-                if isinstance(p, str):
-                    ids_of.append(served.tokenizer.encode(p, add_special=True, parse_special=True))
-                elif any(not 0 <= t < n_vocab for t in p):
-                    raise APIError(400, "prompt token id outside the vocabulary", "prompt")
-                else:
-                    ids_of.append(list(p))
-            return ids_of
 
-        ids_of = await off_loop(state.prep, tokenized)   # a long prompt: never on the event loop
-        if body.max_tokens == 0 and not body.echo:
-            raise APIError(400, "max_tokens 0 generates nothing: it is only allowed with echo, to score the prompt",
-                           "max_tokens")
-        ids_of = [fit_prompt(served, ids, state.limits) for ids in ids_of]
-        if not all(ids_of):
-            raise APIError(400, "prompt is empty", "prompt")
-        echo_text = await off_loop(state.prep, lambda: [
-            (p if isinstance(p, str) else served.tokenizer.decode(p, skip_special=True)) if body.echo else ""
-            for p in prompts])
-        echo_lps = [None] * len(ids_of)
-        if body.echo and body.logprobs is not None:
-            echo_lps = [await score(served, ids, body.logprobs, state) for ids in ids_of]
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": served.name}
-        tok = served.tokenizer
-        if body.max_tokens == 0:
-            return scored_only(body, head, tok, ids_of, echo_text, echo_lps)
-        try:   # off the event loop: a first grammar prepares the vocabulary (about a second)
-            constraint = await off_loop(state.prep, body.constraint, tok)
-        except PagedError as e:
-            raise APIError(400, str(e)) from None
-        gens = []
-        try:
-            for ids in ids_of:
-                gens.append(start_generation(served, ids, body.params(min(16, state.limits.max_tokens),
-                                                                      body.logprobs, constraint),
-                                             state.limits, state.metrics))
-        except BaseException:   # a later prompt refused (queue full): the earlier ones give their places back
-            for gen in gens:
-                gen.leave()
-            raise
-        n = body.n or 1
+@router.get("/v1/models/{model:path}")
+async def model(model: str, request: Request):
+    return _card(await find_model(server_state(request).registry, model))
 
-        if body.stream:
-            echoed: set[int] = set()
 
-            def chunk_choices(index, d):
-                text = d.text
-                if body.echo and index not in echoed:
-                    echoed.add(index)
-                    text = echo_text[index // n] + text
-                lps = None
-                if body.logprobs is not None and d.event is not None:
-                    lps = completion_logprobs(tok, [], None, [d.event])
-                if text or d.finish_reason or lps:
-                    return [{"index": index, "text": text, "logprobs": lps, "finish_reason": d.finish_reason}]
-                return []
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    state = server_state(request)
+    call = body.prompt_call(state.limits.max_prompts)
+    served, prepared = await prepare_prompt(state, call)
+    tok = served.tokenizer
+    ids_of = [p.prompt_ids for p in prepared]
+    echo_text = await off_loop(state.prep, lambda: [
+        (p if isinstance(p, str) else tok.decode(p, skip_special=True)) if body.echo else "" for p in call.prompts])
+    echo_lps = [None] * len(ids_of)
+    if body.echo and body.logprobs is not None:
+        echo_lps = [await score(served, ids, body.logprobs, state) for ids in ids_of]
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": served.name}
+    if body.max_tokens == 0:
+        return scored_only(body, head, tok, ids_of, echo_text, echo_lps)
+    gens = [run.gen for run in await start_prompts(state, served, call, prepared)]
+    if body.stream:
+        return event_stream(_events(_completion_chunks(body, gens, tok, echo_text), head, gens,
+                                    body.include_usage))
+    collected = await asyncio.gather(*(g.collect(request) for g in gens))
+    choices = await off_loop(state.prep, _completion_choices, body, gens, tok, collected, echo_text, echo_lps)
+    return JSONResponse({**head, "choices": choices, "usage": _usage(gens)})
 
-            async def choice_lists():
-                async for i, d in _merged(gens):
-                    yield chunk_choices(i * n + d.index, d)
 
-            return event_stream(_events(choice_lists(), head, gens, body.include_usage))
-        collected = await asyncio.gather(*(g.collect(request) for g in gens))
+async def _completion_chunks(body: CompletionRequest, gens, tok, echo_text: list[str]):
+    """The streamed choices of the generations, as they come: each prompt's echo before its
+    first text, a token's log-probabilities with it."""
+    n, echoed = body.n or 1, set()
+    async for i, d in _merged(gens):
+        index, text = i * n + d.index, d.text
+        if body.echo and index not in echoed:
+            echoed.add(index)
+            text = echo_text[i] + text
+        lps = None
+        if body.logprobs is not None and d.event is not None:
+            lps = completion_logprobs(tok, [], None, [d.event])
+        yield [{"index": index, "text": text, "logprobs": lps, "finish_reason": d.finish_reason}] \
+            if text or d.finish_reason or lps else []
 
-        def choice(i, j, deltas):
+
+def _completion_choices(body: CompletionRequest, gens, tok, collected, echo_text, echo_lps) -> list[dict]:
+    """Each prompt's n whole choices (log-probabilities formatted here, off the event loop)."""
+    n, choices = body.n or 1, []
+    for i, deltas in enumerate(collected):
+        for j in range(n):
+            own = [d for d in deltas if d.index == j]
             lps = None
             if body.logprobs is not None:
                 lps = completion_logprobs(tok, gens[i].prompt_ids if body.echo else [], echo_lps[i],
-                                          [d.event for d in deltas if d.event is not None])
-            return {"index": i * n + j, "text": echo_text[i] + "".join(d.text for d in deltas),
-                    "logprobs": lps, "finish_reason": gens[i].finish_reasons.get(j, "length")}
+                                          [d.event for d in own if d.event is not None])
+            choices.append({"index": i * n + j, "text": echo_text[i] + "".join(d.text for d in own),
+                            "logprobs": lps, "finish_reason": gens[i].finish_reasons.get(j, "length")})
+    return choices
 
-        choices = await off_loop(state.prep, lambda: [   # log-probs formatted off the event loop
-            choice(i, j, [d for d in deltas if d.index == j]) for i, deltas in enumerate(collected) for j in range(n)])
-        return JSONResponse({**head, "choices": choices, "usage": _usage(gens)})
 
-    @router.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        run = await run_chat(state, body.chat_call(state.limits.max_tokens))
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": run.served.name}
-        tok = run.served.tokenizer
+@router.post("/v1/chat/completions")
+async def chat(body: ChatRequest, request: Request):
+    state = server_state(request)
+    run = await run_chat(state, body.chat_call())
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": run.served.name}
+    tok = run.served.tokenizer
 
-        def logprobs_of(events):
-            return chat_logprobs(tok, events) if body.logprobs else None
+    def logprobs_of(events):
+        return chat_logprobs(tok, events) if body.logprobs else None
 
-        if body.stream:
-            async def choice_lists():
-                started: set[int] = set()
-                async for piece in run.pieces():
-                    yield _chat_chunk_choices(piece, started, logprobs_of)
-            return event_stream(_events(choice_lists(), head, [run.gen], body.include_usage))
-        answers = await run.answers(request)
-        choices = await off_loop(state.prep, lambda: [_chat_choice(a, logprobs_of) for a in answers])
-        return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage([run.gen])})
+    if body.stream:
+        async def choice_lists():
+            started: set[int] = set()
+            async for piece in run.pieces():
+                yield _chat_chunk_choices(piece, started, logprobs_of)
+        return event_stream(_events(choice_lists(), head, [run.gen], body.include_usage))
+    answers = await run.answers(request)
+    choices = await off_loop(state.prep, lambda: [_chat_choice(a, logprobs_of) for a in answers])
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage([run.gen])})
 
-    return add_unversioned(router)
+
+add_unversioned(router)

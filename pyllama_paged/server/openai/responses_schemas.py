@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ...api.chat_call import ChatCall
-from ...api.sampling_options import OPENAI
+from ...calls.chat_call import ChatCall
+from ...calls.sampling_options import OPENAI
 from ...constrain.formats import from_openai
 from ...constrain.grammar import Constraint
 from ...tokenizer.tokenizer import Tokenizer
@@ -160,16 +160,15 @@ class ResponsesRequest(BaseModel):
         """The structured output asked for, if any; ConstraintError (a 400) when it cannot be."""
         return from_openai(tokenizer, self.format_spec())
 
-    def chat_call(self, messages: list[dict], max_tokens: int) -> ChatCall:
+    def chat_call(self, messages: list[dict]) -> ChatCall:
         """The request as the server's chat path takes it, its input (and the conversation
-        before it) already as chat messages; max_tokens: the server's cap, what an unset
-        max_output_tokens asks for."""
+        before it) already as chat messages (an unset max_output_tokens: the server's cap)."""
         return ChatCall(
             messages=messages, tools=self.chat_tools(), tool_choice=self.chat_tool_choice(),
             structured=self.constraint, surface=OPENAI,
             sampling={"max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
                       "seed": self.seed, "ignore_eos": self.ignore_eos},
-            sampling_defaults={"max_tokens": max_tokens}, model=self.model, thinking=self.thinking(),
+            model=self.model, thinking=self.thinking(),
             reasoning_effort=(self.reasoning or {}).get("effort"),
             limit_fields={"messages": self.input if isinstance(self.input, list) else None, "tools": self.tools,
                           "grammars": {"text.format": self.format_spec()}},

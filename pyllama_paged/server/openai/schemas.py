@@ -9,12 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...constrain.formats import from_openai
 from ...constrain.grammar import Constraint, ConstraintError, compile_constraint
-from ...engine.worker.sampler import MAX_LOGPROBS, SamplingParams
+from ...engine import MAX_LOGPROBS
 from ...tokenizer.tokenizer import Tokenizer
-from ...api.chat_call import ChatCall
+from ...calls.chat_call import ChatCall, PromptCall
 from ...tools.reasoning import template_thinks
-from ...api.sampling_options import OPENAI
-from ..generation import APIError, request_params
+from ...calls.sampling_options import OPENAI
+from ..generation import APIError
 from ..tool_schema import ToolFunction
 
 
@@ -111,11 +111,6 @@ class Sampling(BaseModel):
             if self.logit_bias else None
         return {**fields, "logprobs": logprobs, "logit_bias": bias}
 
-    def params(self, max_tokens_default: int, logprobs: int | None = None, constraint=None) -> SamplingParams:
-        """The SamplingParams of the request; an invalid field is a 400 that names it."""
-        return request_params(OPENAI, {**self.sampling(logprobs), "constraint": constraint},
-                              max_tokens=max_tokens_default)
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -128,6 +123,34 @@ class CompletionRequest(Sampling):
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or a list of token ids."""
+        prompt = self.prompt
+        return [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+
+    def refuse_completion(self, n_vocab: int, max_prompts: int) -> None:
+        """A 400 for what /v1/completions cannot do (before any work)."""
+        self.refuse_unsupported(n_vocab)
+        if self.suffix:
+            raise APIError(400, "suffix (fill-in-the-middle) is not supported by this model", "suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError(400, "best_of is not supported (use n)", "best_of")
+        if not self.prompts():
+            raise APIError(400, "prompt is empty", "prompt")
+        if len(self.prompts()) > max_prompts:
+            raise APIError(400, f"{len(self.prompts())} prompts; the limit is {max_prompts}", "prompt")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 generates nothing: it is only allowed with echo, to score the "
+                           "prompt", "max_tokens")
+
+    def prompt_call(self, max_prompts: int) -> PromptCall:
+        """The request as the server's prompt path takes it: an unset max_tokens is OpenAI's 16."""
+        return PromptCall(
+            prompts=self.prompts(), structured=self.constraint, surface=OPENAI, sampling=self.sampling(self.logprobs),
+            sampling_defaults={"max_tokens": 16}, model=self.model,
+            limit_fields={"stop": self.stop, "logit_bias": self.logit_bias, "grammars": self.grammars()},
+            refuse_unsupported=lambda served: self.refuse_completion(served.config.n_vocab, max_prompts))
 
 
 class FunctionCall(_Loose):
@@ -211,9 +234,8 @@ class ChatRequest(Sampling):
         if self.reasoning_effort not in (None, "none", "minimal") and not thinks:
             raise APIError(400, "reasoning_effort: this model does not reason (think)", "reasoning_effort")
 
-    def chat_call(self, max_tokens: int) -> ChatCall:
-        """The request as the server's chat path takes it; max_tokens: the server's cap, what
-        an unset max_tokens asks for."""
+    def chat_call(self) -> ChatCall:
+        """The request as the server's chat path takes it (an unset max_tokens: the server's cap)."""
         sampling = self.sampling((self.top_logprobs or 0) if self.logprobs else None)
         if self.max_completion_tokens and not self.max_tokens:
             sampling["max_tokens"] = self.max_completion_tokens
@@ -221,7 +243,7 @@ class ChatRequest(Sampling):
             messages=[m.model_dump(exclude_none=True) for m in self.messages],
             tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
             tool_choice=self.tool_choice, structured=self.constraint, surface=OPENAI, sampling=sampling,
-            sampling_defaults={"max_tokens": max_tokens}, model=self.model, thinking=self.thinking(),
+            model=self.model, thinking=self.thinking(),
             reasoning_effort=self.reasoning_effort,
             limit_fields={"stop": self.stop, "logit_bias": self.logit_bias, "messages": self.messages,
                           "tools": self.tools, "grammars": self.grammars()},

@@ -11,15 +11,16 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...api.embeddings import as_base64, finish_vector, max_input_tokens, openai_list, tokenize_inputs
-from ...engine.pooling.embedding import TOKEN_STATES, EmbedParams, default_pooling
+from ...calls.embeddings import as_base64, finish_vector, max_input_tokens, openai_list, tokenize_inputs
+from ...engine import EmbedParams, TOKEN_STATES, default_pooling
 from ...errors import PagedError
 from ..generation import APIError, admit, off_loop, refuse_over
 from ..keep_alive import keep_alive_seconds
 from ..lookup import find_model
+from ..state import server_state
 from ..openai_token_arrays import decode_openai_tokens
 from ..registry import ServedModel
 
@@ -63,9 +64,8 @@ async def embed_ids(served: ServedModel, inputs: list[list[int]], pooling: str |
     """Pooled vectors of token lists, every input a request on the model's engine loop."""
     if pooling == TOKEN_STATES:   # per-token states are Llama.embed's; an answer holds one vector per input
         raise APIError(400, f"pooling '{pooling}' is not supported (choose one of mean, cls, last)", "pooling")
-    params = EmbedParams(pooling or default_pooling(served.config))
     try:
-        params.validate()
+        params = EmbedParams(pooling or default_pooling(served.config))   # checks itself
     except PagedError as e:
         raise APIError(400, str(e), "pooling") from None
     return await pooled_states(served, inputs, [params] * len(inputs))
@@ -136,84 +136,89 @@ def _finished(vectors, normalize: bool, dimensions: int | None) -> list[np.ndarr
         raise APIError(400, str(e), "dimensions") from None
 
 
-def build_router(state) -> APIRouter:
-    router = APIRouter()
+router = APIRouter()
 
-    async def touch(served: ServedModel, keep_alive) -> None:
-        """keep_alive as on the generation routes: the last request's wins; 0 drops the
-        engine now unless another request holds it."""
-        served.keep_alive = keep_alive
-        served.last_used = time.time()
-        if served.keep_alive == 0:
-            await served.unload_if_idle()
 
-    async def embed_texts(served: ServedModel, texts, truncate, num_ctx, pooling):
-        """(token lists, pooled vectors, load seconds), holding the engine (loaded if it was dropped)
-        and one of the model's queue places, as a generation does."""
-        async with holding(state, served) as took:
-            # off the event loop: a big batch takes a while
-            ids = await off_loop(state.prep, _tokenized, served, texts, truncate, num_ctx)
-            return ids, await embed_ids(served, ids, pooling), took
+async def _touch(served: ServedModel, keep_alive) -> None:
+    """keep_alive as on the generation routes: the last request's wins; 0 drops the
+    engine now unless another request holds it."""
+    served.keep_alive = keep_alive
+    served.last_used = time.time()
+    if served.keep_alive == 0:
+        await served.unload_if_idle()
 
-    @router.post("/api/embed")
-    async def embed(body: OllamaEmbedRequest):
-        started = time.perf_counter()
-        served = await find_model(state.registry, body.model)
-        keep_alive = keep_alive_seconds(body.keep_alive)
-        options = body.options or EmbedOptions()
-        if body.input is None:
-            await touch(served, keep_alive)
-            return {"model": body.model, "embeddings": [], "total_duration": 0, "load_duration": 0,
-                    "prompt_eval_count": 0}
-        texts = [body.input] if isinstance(body.input, str) else body.input
-        check_inputs(texts, state.limits)
-        ids, pooled, took = await embed_texts(served, texts, body.truncate is not False, options.num_ctx,
-                                              options.pooling)
-        vectors = _finished(pooled, True, body.dimensions)
-        await touch(served, keep_alive)
-        count = sum(len(i) for i in ids)
-        state.metrics.add_tokens(count, 0)
-        return {"model": body.model, "embeddings": [v.tolist() for v in vectors],
-                "total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": int(took * 1e9),
-                "prompt_eval_count": count}
 
-    @router.post("/api/embeddings")
-    async def embeddings(body: OllamaLegacyRequest):
-        # the legacy route: one prompt, the vector as pooled (not normalized), as Ollama's
-        served = await find_model(state.registry, body.model)
-        keep_alive = keep_alive_seconds(body.keep_alive)
-        options = body.options or EmbedOptions()
-        if not body.prompt:   # Ollama answers an empty prompt with an empty vector (a load)
-            await touch(served, keep_alive)
-            return {"embedding": []}
-        check_inputs([body.prompt], state.limits)
-        ids, vectors, _ = await embed_texts(served, [body.prompt], True, options.num_ctx, options.pooling)
-        await touch(served, keep_alive)
-        state.metrics.add_tokens(len(ids[0]), 0)
-        return {"embedding": vectors[0].tolist()}
+async def _embed_texts(state, served: ServedModel, texts, truncate, num_ctx, pooling):
+    """(token lists, pooled vectors, load seconds), holding the engine (loaded if it was dropped)
+    and one of the model's queue places, as a generation does."""
+    async with holding(state, served) as took:
+        # off the event loop: a big batch takes a while
+        ids = await off_loop(state.prep, _tokenized, served, texts, truncate, num_ctx)
+        return ids, await embed_ids(served, ids, pooling), took
 
-    @router.post("/v1/embeddings")
-    async def openai_embeddings(body: OpenAIEmbedRequest):
-        served = await find_model(state.registry, body.model)
-        if body.encoding_format not in (None, "float", "base64"):
-            raise APIError(400, f"encoding_format {body.encoding_format!r} is not one of 'float', 'base64'",
-                           "encoding_format")
-        raw: Any = body.input
-        if isinstance(raw, str):
-            raw = [raw]
-        elif raw and isinstance(raw[0], int):
-            raw = [raw]
-        check_inputs(raw, state.limits)
-        texts = await off_loop(state.prep, _texts_of, raw)
-        ids, pooled, _ = await embed_texts(served, texts, bool(body.truncate), None, body.pooling)
-        vectors = _finished(pooled, True, body.dimensions)
-        served.last_used = time.time()
-        count = sum(len(i) for i in ids)
-        state.metrics.add_tokens(count, 0)
-        encode = as_base64 if body.encoding_format == "base64" else (lambda v: v.tolist())
-        return openai_list([encode(v) for v in vectors], served.name, count)
 
-    return router
+@router.post("/api/embed")
+async def embed(body: OllamaEmbedRequest, request: Request):
+    state = server_state(request)
+    started = time.perf_counter()
+    served = await find_model(state.registry, body.model)
+    keep_alive = keep_alive_seconds(body.keep_alive)
+    options = body.options or EmbedOptions()
+    if body.input is None:
+        await _touch(served, keep_alive)
+        return {"model": body.model, "embeddings": [], "total_duration": 0, "load_duration": 0,
+                "prompt_eval_count": 0}
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    check_inputs(texts, state.limits)
+    ids, pooled, took = await _embed_texts(state, served, texts, body.truncate is not False, options.num_ctx,
+                                          options.pooling)
+    vectors = _finished(pooled, True, body.dimensions)
+    await _touch(served, keep_alive)
+    count = sum(len(i) for i in ids)
+    state.metrics.add_tokens(count, 0)
+    return {"model": body.model, "embeddings": [v.tolist() for v in vectors],
+            "total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": int(took * 1e9),
+            "prompt_eval_count": count}
+
+
+@router.post("/api/embeddings")
+async def embeddings(body: OllamaLegacyRequest, request: Request):
+    state = server_state(request)
+    # the legacy route: one prompt, the vector as pooled (not normalized), as Ollama's
+    served = await find_model(state.registry, body.model)
+    keep_alive = keep_alive_seconds(body.keep_alive)
+    options = body.options or EmbedOptions()
+    if not body.prompt:   # Ollama answers an empty prompt with an empty vector (a load)
+        await _touch(served, keep_alive)
+        return {"embedding": []}
+    check_inputs([body.prompt], state.limits)
+    ids, vectors, _ = await _embed_texts(state, served, [body.prompt], True, options.num_ctx, options.pooling)
+    await _touch(served, keep_alive)
+    state.metrics.add_tokens(len(ids[0]), 0)
+    return {"embedding": vectors[0].tolist()}
+
+
+@router.post("/v1/embeddings")
+async def openai_embeddings(body: OpenAIEmbedRequest, request: Request):
+    state = server_state(request)
+    served = await find_model(state.registry, body.model)
+    if body.encoding_format not in (None, "float", "base64"):
+        raise APIError(400, f"encoding_format {body.encoding_format!r} is not one of 'float', 'base64'",
+                       "encoding_format")
+    raw: Any = body.input
+    if isinstance(raw, str):
+        raw = [raw]
+    elif raw and isinstance(raw[0], int):
+        raw = [raw]
+    check_inputs(raw, state.limits)
+    texts = await off_loop(state.prep, _texts_of, raw)
+    ids, pooled, _ = await _embed_texts(state, served, texts, bool(body.truncate), None, body.pooling)
+    vectors = _finished(pooled, True, body.dimensions)
+    served.last_used = time.time()
+    count = sum(len(i) for i in ids)
+    state.metrics.add_tokens(count, 0)
+    encode = as_base64 if body.encoding_format == "base64" else (lambda v: v.tolist())
+    return openai_list([encode(v) for v in vectors], served.name, count)
 
 
 def _texts_of(inputs: list) -> list[str]:

@@ -37,7 +37,6 @@ import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -49,11 +48,12 @@ from starlette.responses import JSONResponse, Response
 
 from ..app import AccessPolicy, OriginPolicy, create_app, error_response, request_headers
 from ..error_bodies import anthropic_error_body
-from ..generation import Limits, limit_flag
+from ..config import Limits, ScaleOut, ServeConfig
+from ..generation import limit_flag
 from .ray_routing import PIN_HEADER, POLICIES, PrefixAffinityRouter, RoutedRequest, routing_text
-from ..registry import EngineOptions, ModelRegistry
+from ..registry import ModelRegistry
 from ..sse import openai_error_events, sse
-from .router_contract import unhealthy_reason
+from ..routing.router_contract import unhealthy_reason
 
 log = logging.getLogger("pyllama_paged.server")
 
@@ -64,30 +64,14 @@ INGRESS_DEPLOYMENT = "PrefixIngress"
 ENGINE_ANSWER_S = 20.0
 
 
-@dataclass
-class ScaleOut:
-    """How the replicas are laid out and routed (the engine's own settings are EngineOptions)."""
-
-    replicas: int = 2
-    replica_cpus: float = 1.0              # Ray CPUs reserved per replica (match the engine's threads)
-    replica_memory: int | None = None      # bytes Ray reserves per replica (None: no reservation)
-    # "prefix" (affinity), "round_robin", "pow2" (Serve's power of two choices) or the import
-    # path of another RequestRouter (e.g. ray.serve.llm.request_router:PrefixCacheAffinityRouter)
-    router: str = "prefix"
-    prefix_chars: int = 1024               # leading prompt characters routing hashes
-    imbalance: int = 8                     # in-flight requests the preferred replica may exceed the least by
-    max_ongoing_requests: int = 64         # per replica; Serve queues the rest
-    graceful_shutdown_timeout_s: float = 60.0   # a stopping replica's time to finish its requests
-    health_check_period_s: float = 10.0
-
-    def router_config(self) -> RequestRouterConfig | None:
-        """The Serve request-router settings of the engine deployment (None: Serve's default)."""
-        if self.router == "pow2":
-            return None
-        if self.router in POLICIES:
-            return RequestRouterConfig(request_router_class=PrefixAffinityRouter,
-                                       request_router_kwargs={"policy": self.router, "imbalance": self.imbalance})
-        return RequestRouterConfig(request_router_class=self.router)
+def router_config(scale: ScaleOut) -> RequestRouterConfig | None:
+    """The Serve request-router settings of the engine deployment (None: Serve's default)."""
+    if scale.router == "pow2":
+        return None
+    if scale.router in POLICIES:
+        return RequestRouterConfig(request_router_class=PrefixAffinityRouter,
+                                   request_router_kwargs={"policy": scale.router, "imbalance": scale.imbalance})
+    return RequestRouterConfig(request_router_class=scale.router)
 
 
 def _stream_error(content_type: str, path: str, message: str) -> bytes:
@@ -106,13 +90,11 @@ def _stream_error(content_type: str, path: str, message: str) -> bytes:
 class PagedEngine:
     """One replica: the server's app over its own models, engines and KV pools."""
 
-    async def __init__(self, models: list[str] | None, options: EngineOptions, limits: Limits,
-                       api_key: str | None = None, origins: list[str] | tuple[str, ...] = (),
-                       host: str | None = None):
+    async def __init__(self, config: ServeConfig):
         # loading weights takes seconds: off the replica's event loop (Serve's health and
         # queue-length calls run on it)
-        self.registry = await asyncio.to_thread(ModelRegistry, models, options)
-        self.app = create_app(self.registry, limits, api_key, origins, host)
+        self.registry = await asyncio.to_thread(ModelRegistry, config.models, config)
+        self.app = create_app(self.registry, config.limits, config.api_key, config.origins, config.host)
         self.state = self.app.state.pp
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         # the app's startup and shutdown handlers (its idle-model watcher, its prep threads)
@@ -288,11 +270,10 @@ class PrefixIngress:
         return sorted(seen.values(), key=lambda a: a["replica"])
 
 
-def build_application(options: EngineOptions, limits: Limits, scale: ScaleOut, models: list[str] | None = None,
-                      api_key: str | None = None, origins: list[str] | tuple[str, ...] = (),
-                      host: str | None = None):
-    """The Serve application: scale.replicas PagedEngine replicas behind PrefixIngress."""
-    actor_options: dict[str, Any] = {"num_cpus": scale.replica_cpus}
+def build_application(config: ServeConfig):
+    """The Serve application: config.scale_out.replicas PagedEngine replicas behind PrefixIngress."""
+    scale = config.scale_out or ScaleOut()
+    actor_options: dict[str, Any] = {"num_cpus": scale.replica_cpus if scale.replica_cpus is not None else 1.0}
     if scale.replica_memory:
         actor_options["memory"] = scale.replica_memory
     engine_options: dict[str, Any] = dict(
@@ -300,7 +281,7 @@ def build_application(options: EngineOptions, limits: Limits, scale: ScaleOut, m
         max_ongoing_requests=scale.max_ongoing_requests,
         graceful_shutdown_timeout_s=scale.graceful_shutdown_timeout_s, graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=scale.health_check_period_s)
-    router = scale.router_config()
+    router = router_config(scale)
     if router is not None:
         engine_options["request_router_config"] = router
     engine = serve.deployment(PagedEngine).options(**engine_options)
@@ -310,22 +291,21 @@ def build_application(options: EngineOptions, limits: Limits, scale: ScaleOut, m
         name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=max(1, scale.replicas * scale.max_ongoing_requests),
         graceful_shutdown_timeout_s=scale.graceful_shutdown_timeout_s, graceful_shutdown_wait_loop_s=0.5)
-    models = [os.path.abspath(m) for m in models] if models else None
-    return ingress.bind(engine.bind(models, options, limits, api_key, tuple(origins), host),
-                        limits.max_body_bytes, scale.prefix_chars, api_key, tuple(origins), host)
+    config = dataclasses.replace(config, models=[os.path.abspath(m) for m in config.models] if config.models else None)
+    return ingress.bind(engine.bind(config), config.limits.max_body_bytes, scale.prefix_chars, config.api_key,
+                        tuple(config.origins), config.host)
 
 
 def build(args: dict) -> Any:
     """Serve's application builder (`serve run pyllama_paged.server.scale_out.ray_app:build k=v ...`
     or a config file's import_path): ScaleOut fields at the top level, plus "models" (GGUF
-    paths; none: the embedded default), "engine" (EngineOptions' settings: EngineConfig fields,
-    SchedulerConfig ones flat), "limits" (Limits fields), "api_key", "origins" and "host"."""
-    return build_application(**build_arguments(args))
+    paths; none: the embedded default), "engine" (EngineConfig fields, SchedulerConfig ones
+    flat: ServeConfig.flat), "limits" (Limits fields), "api_key", "origins" and "host"."""
+    return build_application(build_config(args))
 
 
-def build_arguments(args: dict) -> dict:
-    """build()'s arguments as build_application's keyword arguments (ValueError for an
-    unknown one)."""
+def build_config(args: dict) -> ServeConfig:
+    """build()'s arguments as one ServeConfig (ValueError for an unknown one)."""
     args = dict(args)
     scale_fields = {f.name for f in dataclasses.fields(ScaleOut)}
     known = scale_fields | {"models", "engine", "limits", "api_key", "origins", "host"}
@@ -333,13 +313,14 @@ def build_arguments(args: dict) -> dict:
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     # `serve run ... replicas=2` passes strings: each ScaleOut field's default type converts them
-    defaults = ScaleOut()
-    scale = ScaleOut(**{k: _coerce(v, getattr(defaults, k)) for k, v in args.items() if k in scale_fields})
+    defaults = ScaleOut(replica_cpus=1.0)
+    scale = ScaleOut(**{"replica_cpus": 1.0, **{k: _coerce(v, getattr(defaults, k)) for k, v in args.items()
+                                                  if k in scale_fields}})
     engine = dict(args.get("engine") or {})
     engine.setdefault("n_threads", max(1, int(scale.replica_cpus)))
-    return {"options": EngineOptions(**engine), "limits": Limits(**(args.get("limits") or {})), "scale": scale,
-            "models": _listed(args.get("models")) or None, "api_key": args.get("api_key"),
-            "origins": _listed(args.get("origins")), "host": args.get("host")}
+    return ServeConfig.flat(**engine, limits=Limits(**(args.get("limits") or {})), scale_out=scale,
+                            models=_listed(args.get("models")) or None, api_key=args.get("api_key"),
+                            origins=tuple(_listed(args.get("origins"))), host=args.get("host"))
 
 
 def _listed(value) -> list[str]:
@@ -358,18 +339,18 @@ def _coerce(value: Any, default: Any) -> Any:
     return type(default)(value) if default is not None else int(value)
 
 
-def run_on_ray(address: str, host: str, port: int, options: EngineOptions, limits: Limits, scale: ScaleOut,
-               models: list[str] | None = None, api_key: str | None = None,
-               origins: list[str] | tuple[str, ...] = ()) -> int:
-    """Deploy the application on the Ray cluster at address with Serve's HTTP proxy on
-    host:port, and keep it until SIGINT or SIGTERM; then delete it, which drains every
-    replica (requests in flight finish, up to scale.graceful_shutdown_timeout_s)."""
+def run_on_ray(config: ServeConfig) -> int:
+    """Deploy the application on the Ray cluster at config.scale_out.address with Serve's HTTP
+    proxy on config.host:config.port, and keep it until SIGINT or SIGTERM; then delete it, which
+    drains every replica (requests in flight finish, up to graceful_shutdown_timeout_s)."""
+    scale, host, port = config.scale_out, config.host, config.port
+    address = scale.address
     ray.init(address=address, logging_level=logging.WARNING)
     try:
         # one proxy, on the head node: Serve's default, one per node, would have every node
         # bind host:port (and several nodes on one machine collide)
         serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
-        app = build_application(options, limits, scale, models, api_key, origins, host)
+        app = build_application(config)
         serve.run(app, name=APP_NAME, route_prefix="/")
         at = _proxy_address(host, port)
         if at != (host, port):

@@ -87,6 +87,15 @@ EXPERT_ARCHS = ("qwen3moe", "gpt-oss")
 # --------------------------------------------------------------------------- ops
 
 
+def _sliding_layers(pattern, n_layer: int) -> list[bool]:
+    """Which layers slide, from <arch>.attention.sliding_window_pattern: a per-layer list, or
+    n (every n-th layer is full, the others slide; 0: all slide)."""
+    if isinstance(pattern, (list, tuple)):
+        return [bool(b) for b in pattern][:n_layer]
+    n = int(pattern)
+    return [n == 0 or (il % n) < (n - 1) for il in range(n_layer)]
+
+
 def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     """RMSNorm over the last axis, then multiply by ``w`` as stored in the GGUF."""
     x = np.asarray(x, dtype=np.float64)
@@ -486,12 +495,7 @@ class ReferenceModel:
             sw = hp("attention.sliding_window", None)
             if sw is not None and int(sw) > 0:
                 sliding_window = int(sw)
-                pattern = hp("attention.sliding_window_pattern", 6)
-                if isinstance(pattern, (list, tuple)):
-                    swa_flags = [bool(b) for b in pattern][:n_layer]
-                else:
-                    n = int(pattern)
-                    swa_flags = [n == 0 or (il % n) < (n - 1) for il in range(n_layer)]
+                swa_flags = _sliding_layers(hp("attention.sliding_window_pattern", 6), n_layer)
                 # llama.cpp hard-codes the local layers' rope for gemma3: base 10000,
                 # no scaling (HF's rope_local_base_freq); a freq_base_swa key wins.
                 swa_base = float(hp("rope.freq_base_swa", 10000.0))
@@ -501,12 +505,7 @@ class ReferenceModel:
             # llama.cpp: the window is required; even layers slide (a pattern of 2), and they
             # keep the full layers' rope, YaRN included, unless freq_base_swa says otherwise
             sliding_window = int(hp("attention.sliding_window"))
-            pattern = hp("attention.sliding_window_pattern", 2)
-            if isinstance(pattern, (list, tuple)):
-                swa_flags = [bool(b) for b in pattern][:n_layer]
-            else:
-                n = int(pattern)
-                swa_flags = [n == 0 or (il % n) < (n - 1) for il in range(n_layer)]
+            swa_flags = _sliding_layers(hp("attention.sliding_window_pattern", 2), n_layer)
             swa_base = float(hp("rope.freq_base_swa", freq_base))
             swa_yarn = yarn
         layers = [

@@ -44,10 +44,16 @@ WEIGHT_TYPES: dict[str, QT] = {
     "q4_k": QT.Q4_K,
     "q5_k": QT.Q5_K,
     "q6_k": QT.Q6_K,
+    # types our panel GEMMs do not take (GGML's own kernels run them)
+    "q4_1": QT.Q4_1,
+    "q5_1": QT.Q5_1,
+    "iq4_nl": QT.IQ4_NL,
+    "tq2_0": QT.TQ2_0,
 }
 
 # What llama-quantize does with rows that are not a multiple of the block size.
-_FALLBACK = {"q4_k": "q8_0", "q5_k": "q8_0", "q6_k": "q8_0", "q8_0": "f16", "q4_0": "f16", "q5_0": "f16"}
+_FALLBACK = {"q4_k": "q8_0", "q5_k": "q8_0", "q6_k": "q8_0", "q8_0": "f16", "q4_0": "f16", "q5_0": "f16",
+             "q4_1": "f16", "q5_1": "f16", "iq4_nl": "q8_0", "tq2_0": "q8_0"}
 
 QK_K = 256
 
@@ -62,6 +68,10 @@ _FILE_TYPES = {
     "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_M,
     "q5_k": gguf.LlamaFileType.MOSTLY_Q5_K_M,
     "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "iq4_nl": gguf.LlamaFileType.MOSTLY_IQ4_NL,
+    "tq2_0": gguf.LlamaFileType.MOSTLY_TQ2_0,
 }
 
 
@@ -201,6 +211,26 @@ def dequantize_mxfp4(raw: np.ndarray) -> np.ndarray:
     return (_E2M1[codes] * scale[:, None]).reshape(*shape[:-1], shape[-1] // 17 * QK_MXFP4)
 
 
+# IQ4_NL's fixed non-linear 4-bit levels (the format's table).
+_IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def quantize_iq4_nl(rows: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks of 32: an f16 scale, then 16 bytes of level indices (value j in the
+    low nibble of byte j, value j + 16 in its high nibble); each value takes the nearest
+    level of scale * _IQ4_NL_LEVELS, the scale chosen so the block's largest magnitude
+    lands on the outer level of its sign (gguf-py has no IQ4_NL quantizer)."""
+    blocks = rows.reshape(-1, 32).astype(np.float32)
+    peak = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
+    scale = np.where(peak < 0, peak / -127.0, peak / 113.0)
+    d = _f16_round(scale)
+    levels = d[:, None] * _IQ4_NL_LEVELS[None, :]
+    idx = np.abs(blocks[:, :, None] - levels[:, None, :]).argmin(axis=2).astype(np.uint8)
+    packed = idx[:, :16] | (idx[:, 16:] << 4)
+    out = np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2), packed], axis=1)
+    return out.reshape(rows.shape[0], -1)
+
+
 def quantize_tensor(data: np.ndarray, wtype: str) -> tuple[np.ndarray, QT]:
     """Return (array for GGUFWriter.add_tensor, raw GGML type)."""
     qt = WEIGHT_TYPES[wtype]
@@ -211,7 +241,19 @@ def quantize_tensor(data: np.ndarray, wtype: str) -> tuple[np.ndarray, QT]:
         return quantize_q5_k(data), qt
     if qt == QT.Q6_K:
         return quantize_q6_k(data), qt
+    if qt == QT.IQ4_NL:
+        return quantize_iq4_nl(data), qt
     return gguf.quants.quantize(data, qt), qt
+
+
+def hook_tensor(tensor_hook, tname: str, data: np.ndarray) -> np.ndarray:
+    """data as tensor_hook(tname, data) makes it (None: unchanged), which may not change its shape."""
+    if tensor_hook is None:
+        return data
+    out = np.asarray(tensor_hook(tname, data), dtype=np.float32)
+    if out.shape != data.shape:
+        raise ValueError(f"tensor_hook changed {tname}'s shape from {data.shape} to {out.shape}")
+    return out
 
 
 def _block_size(wtype: str) -> int:
@@ -453,12 +495,7 @@ def write_tiny_model(
     w.add_file_type(int(_FILE_TYPES[weight_type.lower()]))
 
     def hooked(tname: str, data: np.ndarray) -> np.ndarray:
-        if tensor_hook is None:
-            return data
-        out = np.asarray(tensor_hook(tname, data), dtype=np.float32)
-        if out.shape != data.shape:
-            raise ValueError(f"tensor_hook changed {tname}'s shape from {data.shape} to {out.shape}")
-        return out
+        return hook_tensor(tensor_hook, tname, data)
 
     def add_weight(tname: str, n_out: int, n_in: int, std: float, n_mat: int | None = None,
                    wtype: str | None = None) -> None:

@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ..synthetic_bpe import build_bpe_vocab
 from ..vocab_metadata import add_tokenizer
-from .tiny_gguf import quantize_mxfp4, quantize_tensor, resolve_type
+from .tiny_gguf import hook_tensor, quantize_mxfp4, quantize_tensor, resolve_type
 
 ARCH = "gpt-oss"
 # the real model's rope (gpt-oss-20b and 120b alike)
@@ -100,12 +100,7 @@ def write_tiny_gpt_oss(
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if expert_type == "mxfp4" else gguf.LlamaFileType.MOSTLY_Q8_0))
 
     def hooked(tname: str, data: np.ndarray) -> np.ndarray:
-        if tensor_hook is None:
-            return data
-        out = np.asarray(tensor_hook(tname, data), dtype=np.float32)
-        if out.shape != data.shape:
-            raise ValueError(f"tensor_hook changed {tname}'s shape from {data.shape} to {out.shape}")
-        return out
+        return hook_tensor(tensor_hook, tname, data)
 
     def add_weight(tname: str, shape: tuple[int, ...], std: float, wtype: str) -> None:
         # numpy shape (..., n_out, n_in) == GGML ne [n_in, n_out, ...]

@@ -1,7 +1,7 @@
 """Reranking as the APIs give it: a query and its documents checked, each pair made the
 model's input (rerank_inputs.py), every pair submitted to the engine at once as a pooled
 request (an encoder runs them as a few padded batches, a decoder's scheduler prefills them
-side by side), the pooled states scored by the model's head (engine/pooling/rerank_head.py), then
+side by side), the pooled states scored by the model's head (rerank_head.py), then
 ordered and shaped as llama.cpp's server answers /v1/rerank (Jina's and Cohere's shape).
 
 Results: highest relevance_score first (equal scores keep the documents' order); top_n
@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.pooling.embedding import EmbedParams, run_embeddings
-from ..engine.pooling.encoder import token_type_count
-from ..engine.pooling.rerank_head import RankHead, declared_reranker, not_a_reranker, rank_head
+from ..engine import EmbedParams
+from .rerank_head import RankHead, declared_reranker, not_a_reranker, rank_head
 from ..errors import RequestError
-from .embeddings import max_input_tokens
+from .embeddings import max_input_tokens, run_embeddings
 from .rerank_inputs import PairEncoder
 
 LLAMA_POOLING_TYPE_RANK = 4   # Llama(pooling_type=4) makes any decoder a yes/no reranker
@@ -78,7 +77,7 @@ def prepare_rerank(model, tokenizer, chat_template, limit: int, name: str, query
         raise not_a_reranker(name, model)
     head = rank_head(model, tokenizer)
     encoder = model.config.is_encoder
-    pairs = PairEncoder(tokenizer, encoder, token_type_count(model) if encoder else 1, model.metadata,
+    pairs = PairEncoder(tokenizer, encoder, model.n_token_types if encoder else 1, model.metadata,
                         chat_template, limit).encode(query, texts, truncate)
     distinct: dict[tuple, int] = {}
     inputs, params, rows = [], [], []

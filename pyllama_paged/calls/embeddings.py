@@ -1,7 +1,8 @@
 """Embeddings as the APIs give them: inputs tokenized and fitted to the model's
 context (truncated, or refused with the reason), vectors shortened to
 `dimensions` and L2-normalized, and the llama-cpp-python / OpenAI response
-shapes. The engine does the pooling (engine/pooling/embedding.py)."""
+shapes, and many inputs run through an engine's shared steps at once. The engine
+does the pooling (engine/pooling/embedding.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,42 @@ from typing import Sequence
 
 import numpy as np
 
+from ..engine import POOLINGS, TOKEN_STATES, EmbedParams, default_pooling
 from ..errors import PagedError
 
 
 class InputTooLong(PagedError, ValueError):
     """An input has more tokens than the model takes and truncation is off."""
+
+
+def run_embeddings(steps, inputs: list[list[int]], params: EmbedParams | list[EmbedParams]) -> list[np.ndarray]:
+    """Embed many token lists through an engine's SharedSteps (LLMEngine or EncoderEngine),
+    all queued at once so the scheduler batches them (with whatever else is running);
+    returns the pooled vectors in order. params: one for all inputs, or one each.
+    PagedError (every input aborted) if one fails."""
+    requests = []
+    try:
+        for i, ids in enumerate(inputs):
+            request = steps.add_request(list(ids), params[i] if isinstance(params, list) else params)
+            if request.error:
+                raise PagedError(f"input {i}: {request.error}")
+            requests.append(request)
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        vectors: list[np.ndarray | None] = [None] * len(inputs)
+        while outputs := steps.next_outputs(index):
+            for out in outputs:
+                i = index[out.request_id]
+                if out.error:
+                    raise PagedError(f"input {i}: {out.error}")
+                if out.embedding is not None:
+                    vectors[i] = out.embedding
+        missing = [i for i, v in enumerate(vectors) if v is None]
+        if missing:
+            raise PagedError(f"input {missing[0]}: finished without an embedding")
+        return vectors
+    finally:
+        for r in requests:
+            steps.abort(r.request_id)
 
 
 def max_input_tokens(engine) -> int:
@@ -98,7 +130,6 @@ def embed_for_llama(llm, input, normalize: bool, truncate: bool, pooling: str | 
     """Llama.embed's work: (a vector for a str or a list of them for a list, tokens used); with
     per_token, where no pooling applies (token_states_wanted) each input's vector is a list
     of its tokens' vectors, each finished (cut to dimensions, normalized) on its own."""
-    from ..engine.pooling.embedding import POOLINGS, TOKEN_STATES, EmbedParams, default_pooling, run_embeddings
     from ..gguf.config import POOLING_TYPES
 
     steps = llm._shared_steps()

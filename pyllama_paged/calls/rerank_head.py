@@ -25,8 +25,8 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from ...errors import RequestError
-from ..worker.model import Model
+from ..errors import RequestError
+from ..engine import Model
 
 # the answer tokens' spellings tried in order: bare (BPE "yes", or an SPM piece after a
 # newline), SentencePiece's and GPT-2's word-initial forms

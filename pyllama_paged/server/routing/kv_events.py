@@ -26,6 +26,7 @@ replays, at most one replay per client and a few clients at once."""
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import logging
 import queue
@@ -34,7 +35,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ...engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from ...engine import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from ...flags import flagged
 
 log = logging.getLogger("pyllama_paged.server")
 
@@ -57,20 +59,31 @@ _REQUESTS_PER_TURN = 64
 @dataclass
 class KVEventsConfig:
     """Where and how KV-cache events are published (vLLM's KVEventsConfig fields, plus
-    bind, token_ids and the replay limits)."""
-    endpoint: str = DEFAULT_ENDPOINT
-    replay_endpoint: str | None = None
-    topic: str = ""
+    bind, token_ids and the replay limits); the flagged fields are `serve`'s --kv-events options."""
+
+    endpoint: str = flagged(
+        DEFAULT_ENDPOINT, "--kv-events", "publish the prefix cache's stored and evicted blocks on this ZMQ PUB "
+        "endpoint in vLLM's KV-event format, for KV-aware routers (no value: tcp://127.0.0.1:5557; wildcards, "
+        "loopback and ipc:// bind, other hosts are connected to). As sensitive as the prompts: docs/scale-out.md",
+        nargs="?", const=DEFAULT_ENDPOINT, metavar="ENDPOINT")
+    replay_endpoint: str | None = flagged(None, "--kv-events-replay", "ZMQ ROUTER endpoint where a subscriber asks "
+                                          "for the batches it missed (bound)", metavar="ENDPOINT")
+    topic: str = flagged("", "--kv-events-topic", "ZMQ topic of the KV events", show=lambda v: v or "none")
     buffer_steps: int = 10_000      # batches kept for replay
     max_queue_size: int = 100_000   # batches waiting for the sender before new ones are dropped
     hwm: int = 100_000              # ZMQ's send high-water mark
-    format: str = "array"           # events as tagged arrays (vLLM <= 0.23) or maps (later vLLM)
+    # events as tagged arrays (vLLM <= 0.23) or maps (later vLLM)
+    format: str = flagged("array", "--kv-events-format", "events as tagged arrays (vLLM up to 0.23) or as maps "
+                          "(later vLLM)", choices=list(FORMATS))
     data_parallel_rank: int = 0
     # bind (True) or connect (False) the PUB endpoint; None: bind wildcards, loopback
     # addresses, ipc:// and inproc://, connect to any other host (binds())
-    bind: bool | None = None
+    bind: bool | None = flagged(None, "--kv-events-bind", "bind (--no-kv-events-bind: connect to) the --kv-events "
+                                "endpoint, whatever its address", action=argparse.BooleanOptionalAction)
     # BlockStored carries the blocks' token ids (every prompt, verbatim) only when asked
-    token_ids: bool = False
+    token_ids: bool = flagged(False, "--kv-events-token-ids", "put each stored block's token ids in the events "
+                              "(every prompt, verbatim: only on a socket nobody else can reach); default: hashes "
+                              "only", action="store_true")
     replay_max_clients: int = 4     # replays in progress at once; more requests get no answer
     replay_rate: int = 10_000       # replayed batches per second, all clients together
 

@@ -8,7 +8,7 @@ one target sequence: each step it is caught up with the target's tokens (placed
 and computed, every speculating sequence in one batched forward; the last of
 these gives the first draft token), then k - 1 greedy steps run batched across
 sequences. Those draft tokens are never placed: like the target's spliced drafts
-(spec_batch.py) they take the positions and slots after the newest placed token,
+(worker/draft_splice.py) they take the positions and slots after the newest placed token,
 inside its block (the attention kernel attends by position), and the next catch-up
 places whichever of them the target accepted and computes them again. Recomputing
 a few accepted tokens is cheaper than tracking which draft slots survived, and
@@ -26,6 +26,7 @@ scheduler spread over many steps."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -34,7 +35,7 @@ from ...errors import OutOfBlocksError, PagedError
 from ..kv.manager import SeqState, place_tokens
 from ..worker.model import Model
 from ..worker.model_runner import ModelRunner, dense_kv_bytes_per_token
-from .batch import block_room
+from ..worker.draft_splice import block_room
 from .draft import SpeculativeConfig
 
 
@@ -51,13 +52,12 @@ def check_same_vocab(draft: Model, target: Model) -> None:
                          f"{target.path} ({problem}): a draft model must use the target's tokenizer")
 
 
-def load_draft_runner(spec: SpeculativeConfig, target: Model, target_runner: ModelRunner, *,
-                      n_threads: int, kv_cache_type: str, attention: str, n_gpu_layers: int = 0,
-                      main_gpu: int = 0) -> ModelRunner:
+def load_draft_runner(spec: SpeculativeConfig, target: Model, target_runner: ModelRunner, config) -> ModelRunner:
     """The draft model's runner: spec.draft_model loaded (vocabulary checked against
-    target's), with a paged pool of spec.draft_kv_tokens tokens (None: the tokens the
-    target's pool holds) in the target's block size and context."""
-    model = Model(spec.draft_model, n_gpu_layers=n_gpu_layers, main_gpu=main_gpu)
+    target's) on the GPU layers of config (the target's EngineConfig), with a paged pool of
+    spec.draft_kv_tokens tokens (None: the tokens the target's pool holds) in the target's
+    block size, context and batch, config's threads, KV type and attention."""
+    model = Model(spec.draft_model, n_gpu_layers=config.n_gpu_layers, main_gpu=config.main_gpu)
     try:
         if model.config.is_encoder:
             raise PagedError(f"draft model {model.path} is an embedding model: it cannot draft tokens")
@@ -66,10 +66,10 @@ def load_draft_runner(spec: SpeculativeConfig, target: Model, target_runner: Mod
         if tokens is None:   # as many tokens as the target's pool, whatever their bytes
             tokens = max(1, target_runner.kv_pool_bytes // target_runner.kv_bytes_per_token)
         block_size = target_runner.kv.block_size if target_runner.kv.paged else 32
-        return ModelRunner(model, paged=True, n_ctx=target_runner.n_ctx, n_threads=n_threads,
-                           n_batch=target_runner.n_batch, block_size=block_size, kv_cache_type=kv_cache_type,
-                           kv_bytes=tokens * dense_kv_bytes_per_token(model.config, kv_cache_type),
-                           attention=attention)
+        kv_bytes = tokens * dense_kv_bytes_per_token(model.config, config.kv_cache_type)
+        return ModelRunner(model, dataclasses.replace(
+            config, paged=True, n_ctx=target_runner.n_ctx, n_batch=target_runner.n_batch, block_size=block_size,
+            num_blocks=None, kv_bytes=kv_bytes, free_window_blocks=True))
     except BaseException:
         model.close()
         raise
@@ -255,9 +255,9 @@ class DraftModelDrafter:
                 "spec_draft_blocks_total": pool.num_blocks}
 
 
-def drafter_for(spec: SpeculativeConfig, target: Model, target_runner: ModelRunner, **runner_args):
+def drafter_for(spec: SpeculativeConfig, target: Model, target_runner: ModelRunner, config):
     """The drafter spec asks for: a DraftModelDrafter for method draft_model, else None
-    (Speculator's default, prompt lookup). runner_args: load_draft_runner's."""
+    (Speculator's default, prompt lookup). config: the target's EngineConfig."""
     if spec.method != "draft_model":
         return None
-    return DraftModelDrafter(load_draft_runner(spec, target, target_runner, **runner_args), spec.num_draft_tokens)
+    return DraftModelDrafter(load_draft_runner(spec, target, target_runner, config), spec.num_draft_tokens)

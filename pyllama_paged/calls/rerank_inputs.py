@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from ..engine.pooling.rerank_head import RERANK_TEMPLATE_KEY
+from .rerank_head import RERANK_TEMPLATE_KEY
 from ..tokenizer.chat_template import ChatPrompt, no_escape
 from .embeddings import InputTooLong
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.llm_engine import RequestOutput, TokenEvent
+from ..engine import RequestOutput, TokenEvent
 from ..tokenizer.tokenizer import IncrementalDecoder, Tokenizer
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..sched.scheduler_output import SchedulerOutput, SwapMove, TierLoad
-from .prefix_tiers import PrefixTiers
+from .sched.scheduler_output import SchedulerOutput, SwapMove, TierLoad
+from .kv.prefix_tiers import PrefixTiers
 
 
 class SwapSpace:
@@ -63,6 +63,15 @@ class KVMover:
         self._chains: dict[int, _Chain] = {}    # seq id -> chain, for the last step's sequences
 
     # ---- before the model runs ---------------------------------------------------
+    def apply(self, output: SchedulerOutput) -> None:
+        """A step's moves before the model runs, in the one safe order (SchedulerOutput says
+        why): swapped-out pages to host, swapped-in pages back, prefix pages from the tiers,
+        copy-on-write copies."""
+        self.swap_out(output.swap_out)
+        self.swap_in(output.swap_in, output.resumed_seq_ids)
+        self.load_from_tiers(output.tier_loads)
+        self.copy_on_write(output.block_copies)
+
     def swap_out(self, moves: list[SwapMove]) -> None:
         """Copy swapped-out pages to host: first, since their blocks may be handed to other
         sequences in this same step."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..engine.worker.sampler import SamplingParams
+from ..engine import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,4 @@ def sampling_params(surface: Surface, fields: Mapping[str, Any], **overrides) ->
     values["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
     if values.get("max_tokens") is None:
         values["max_tokens"] = surface.unset_max_tokens
-    params = SamplingParams(**values)
-    params.validate()
-    return params
+    return SamplingParams(**values)   # checks itself

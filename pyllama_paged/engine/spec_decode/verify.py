@@ -14,11 +14,11 @@ each emitted token costs one draw as without speculation (a seeded request draws
 the same tokens up to float near-ties). Rows are drawn in rounds (row j of every
 live draft per call) because row j's grammar mask and penalty history depend on
 the tokens accepted before it; the grammar advances only over emitted tokens.
-A draft model drafting greedily (argmax, spec_draft_model.py) is a deterministic
+A draft model drafting greedily (argmax, draft_model.py) is a deterministic
 draft too, so the same rule stays exact for it.
 
 Accepted draft tokens are placed in the pool after the step (their K/V are already
-in the right slots, spec_batch) and committed then: only then can a block they fill
+in the right slots, worker/draft_splice.py) and committed then: only then can a block they fill
 become a prefix-cache entry."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kv.manager import place_tokens
-from .batch import block_room
+from ..worker.draft_splice import block_room
 from .draft import PromptLookupDrafter, SpeculativeConfig
 from .length import DraftLengths
 
@@ -36,7 +36,7 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, drafter=None):
         self.config = config
-        # drafter: prompt lookup unless given (spec_draft_model.DraftModelDrafter)
+        # drafter: prompt lookup unless given (draft_model.DraftModelDrafter)
         self.drafter = drafter if drafter is not None else PromptLookupDrafter(config)
         self.lengths = DraftLengths(config.draft_token_cost)   # how many tokens pay, per sequence
         self.num_draft_tokens = 0       # tokens proposed and verified
@@ -48,11 +48,11 @@ class Speculator:
         """Whether a request speculates: sampled (not beams), not opted out."""
         return not request.is_beam and getattr(request.params, "speculative", True) is not False
 
-    def draft(self, output, seqs: dict, requests: list, kv, n_batch: int, limit: int,
+    def draft(self, output, seqs: dict, requests: list, kv, n_batch: int,
               catch_up_budget: int | None = None) -> dict[int, list[int]]:
         """Drafts for the step's decode items: {item index: tokens}. A draft stays in the
-        block of its sequence's newest token, within the step's n_batch, the context
-        limit and the request's max_tokens (the step emits at most draft + 1 tokens).
+        block of its sequence's newest token, within the step's n_batch and the request's
+        max_len (the step emits at most draft + 1 tokens).
         catch_up_budget: the tokens a draft model may compute this step to catch up
         sequences it lags behind (the step's spare prefill budget; None: no bound)."""
         room = n_batch - sum(output.num_tokens)
@@ -62,16 +62,13 @@ class Speculator:
         for i in range(output.num_decodes):
             if room <= 0:
                 break
-            seq_id = output.seq_ids[i]
-            request, seq = requests[i], seqs[seq_id]
+            seq_id, request = output.seq_ids[i], requests[i]
             if not self.applies(request):
                 continue
             _, start, n = output.items[i]
             last = start + n - 1            # the newest token's position
-            max_new = request.params.max_tokens or limit
-            # the step emits up to k + 1 tokens: all must fit the context and max_tokens
-            k = min(room, block_room(last, kv.block_size), limit - 2 - last,
-                    max_new - len(seq.output_ids) - 1)
+            # the step emits up to k + 1 tokens after it: all must fit the request's max_len
+            k = min(room, block_room(last, kv.block_size), request.max_len - 2 - last)
             k = self.lengths.length(seq_id, k) if k > 0 else 0
             if k <= 0:
                 continue

@@ -1,7 +1,8 @@
-"""One chat request, whichever API it came by, and the part of the chat path every API
+"""One request to generate, whichever API it came by, and the part of its path every API
 shares. OpenAI's chat completions, the Responses API, Anthropic's Messages and Ollama's
 /api/chat (on the server) and Llama.create_chat_completion each turn their request into a
-ChatCall; then, once for all of them: the messages normalized, the tools planned (a forced
+ChatCall, OpenAI's completions and Ollama's /api/generate into a PromptCall (prepare_prompts:
+each prompt templated or as given, tokenized); then, once for all chats: the messages normalized, the tools planned (a forced
 call compiled into a grammar), the template rendered (the oldest turns dropped to fit, for
 Ollama's truncate), the prompt tokenized, the sampling parameters made, and the answer's
 text split into content and tool calls, per delta while it streams (AnswerSplitter) or
@@ -13,8 +14,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..constrain.grammar import Constraint
-from ..engine.outputs import TokenEvent
-from ..engine.worker.sampler import SamplingParams
+from ..engine import SamplingParams, TokenEvent
+from ..errors import PagedError
 from ..tokenizer.chat_template import ChatTemplate
 from ..tokenizer.tokenizer import Tokenizer
 from ..tools.calls import ToolCall, ToolCallStream, parse_tool_calls
@@ -28,34 +29,54 @@ from .text_stream import TextDelta
 
 
 @dataclass
-class ChatCall:
-    """One chat request in the shape every API's is turned into: what the model is asked
-    (messages and tools in OpenAI's chat shape, a structured output), how to sample (the
-    API's own fields over its Surface), and what only a server reads (the model asked for,
-    the request's fields as sent for its limits, the API's own refusals, Ollama's num_ctx
-    and keep_alive)."""
+class Call:
+    """What every request to generate carries, whichever API it came by: a structured output,
+    how to sample (the API's own fields over its Surface), the thinking switch, and what only
+    a server reads (the model asked for, the request's fields as sent for its limits, the
+    API's own refusals, Ollama's num_ctx and keep_alive)."""
 
-    messages: list[dict]
-    tools: list[dict] | None = None
-    tool_choice: Any = None
     structured: Callable[[Tokenizer], Constraint | None] | None = None   # the structured output, compiled
     surface: Surface = PYTHON
     sampling: dict[str, Any] = field(default_factory=dict)           # the API's sampling fields (None: unset)
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # for fields still unset (a server's cap)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # for fields still unset (max_tokens' default)
     thinking: bool | None = None   # the request's switch for a model that thinks (None: its template's default)
     reasoning_effort: str | None = None   # low, medium or high, for gpt-oss (None: its template's default)
-    truncate: bool = False   # past the context: the oldest turns dropped (never system prompts or the last turn)
+    truncate: bool = False   # past the context: a chat's oldest turns dropped, a prompt's first tokens cut
     # read by the server only
     model: str | None = None
     limit_fields: dict[str, Any] = field(default_factory=dict)   # stop, messages, tools, logit_bias, grammars as sent
     refuse_unsupported: Callable[[Any], None] | None = None      # the API's refusals, given the served model
-    messages_param: str | None = "messages"   # the request field an unreadable message is reported under
     n_ctx: int | None = None      # Ollama's num_ctx: prompt and answer within fewer tokens than the model's
     keep_alive: Any = None        # Ollama's keep_alive, as sent
 
     def params(self, constraint: Constraint | None) -> SamplingParams:
         """The call's SamplingParams, decoding under constraint; PagedError names a bad field."""
         return sampling_params(self.surface, {**self.sampling, "constraint": constraint}, **self.sampling_defaults)
+
+
+@dataclass
+class ChatCall(Call):
+    """One chat request in the shape every API's is turned into: messages and tools in
+    OpenAI's chat shape, beside what every call carries."""
+
+    messages: list[dict] = field(default_factory=list)
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    messages_param: str | None = "messages"   # the request field an unreadable message is reported under
+
+
+@dataclass
+class PromptCall(Call):
+    """One text completion request (OpenAI's /v1/completions, Ollama's /api/generate): each
+    prompt its own generation, as text (its special tokens read) or token ids; templated: a
+    text prompt goes through the model's chat template as a user turn after system (Ollama's
+    generate without raw); context: the tokens of an earlier exchange it continues."""
+
+    prompts: list[str | list[int]] = field(default_factory=list)
+    templated: bool = False
+    system: str | None = None
+    context: list[int] = field(default_factory=list)
+    structured_param: str | None = None   # the request field a bad structured output is reported under
 
 
 @dataclass
@@ -84,6 +105,32 @@ def prepare_call(call: ChatCall, template: ChatTemplate, tokenizer: Tokenizer,
     ids, text = _prompt_ids(template, tokenizer, messages, tools, n_ctx if call.truncate else None, variables)
     return PreparedChat(ids, constraint, names, thinks,
                         thinks and harmony is None and prompt_opens_thinking(text), harmony)
+
+
+def prepare_prompts(call: PromptCall, template: ChatTemplate, tokenizer: Tokenizer,
+                    n_vocab: int) -> list[PreparedChat]:
+    """Each prompt of the call ready to generate (its constraint compiled later, by whoever
+    starts it): text rendered (templated) and tokenized after the call's context, token ids
+    checked against the model's n_vocab. PagedError for what the request got wrong."""
+    thinks = call.templated and template_thinks(template.source)
+    harmony = harmony_tokens(tokenizer) if thinks and speaks_harmony(template.source) else None
+    variables = thinking_variables(template.source, call.thinking, call.reasoning_effort)
+    prepared = []
+    for prompt in call.prompts:
+        if isinstance(prompt, str):
+            text = prompt
+            if call.templated:
+                turns = ([{"role": "system", "content": call.system}] if call.system else []) + \
+                        [{"role": "user", "content": prompt}]
+                text = template.render(turns, variables=variables)
+            ids = list(call.context) + tokenizer.encode(text, add_special=not call.context, parse_special=True)
+            opens = thinks and harmony is None and prompt_opens_thinking(text)
+        elif any(not 0 <= t < n_vocab for t in prompt):
+            raise PagedError("prompt token id outside the vocabulary")
+        else:
+            ids, opens = list(prompt), False
+        prepared.append(PreparedChat(ids, None, set(), thinks, opens, harmony))
+    return prepared
 
 
 def _prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], tools: list[dict],

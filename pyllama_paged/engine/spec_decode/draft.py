@@ -3,7 +3,7 @@ sequence's newest tokens (an n-gram, longest first) are looked up earlier in its
 history (prompt + generated); the tokens that followed the latest earlier occurrence
 are the draft. It pays where answers copy their prompt (code edits, summaries,
 quotes). Knows nothing of the KV cache or the model (the draft-model drafter lives in
-spec_draft_model.py)."""
+draft_model.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from ...errors import PagedError
+from ...flags import flagged
 
 SPECULATIVE_METHODS = ("prompt_lookup", "draft_model")
 
@@ -28,11 +29,15 @@ class SpeculativeConfig:
     tokens as its acceptance so far makes worth that (spec_length.py; 0: always
     num_draft_tokens)."""
 
-    method: str = "prompt_lookup"
-    num_draft_tokens: int = 4
-    max_ngram: int = 3
+    method: str = flagged("prompt_lookup", "--speculative", "speculative decoding: prompt_lookup drafts from "
+                          "earlier text of the same conversation, draft_model from a small model (--draft-model); a "
+                          "request opts out with \"speculative\": false", choices=SPECULATIVE_METHODS)
+    num_draft_tokens: int = flagged(4, "--num-draft-tokens", "most tokens drafted per step", type=int)
+    max_ngram: int = flagged(3, "--max-ngram", "longest n-gram prompt lookup matches", type=int)
     min_ngram: int = 1
-    draft_model: str | None = None
+    draft_model: str | None = flagged(None, "--draft-model", "the GGUF that drafts for --speculative draft_model: "
+                                      "a small model sharing the served model's tokenizer (it implies --speculative "
+                                      "draft_model)", metavar="PATH")
     draft_kv_tokens: int | None = None
     draft_token_cost: float = 0.15
 
@@ -53,6 +58,15 @@ class SpeculativeConfig:
             raise PagedError(f"draft_token_cost must be in [0, 1), got {self.draft_token_cost}")
         if self.draft_kv_tokens is not None and self.draft_kv_tokens < 1:
             raise PagedError(f"draft_kv_tokens must be >= 1 or None, got {self.draft_kv_tokens}")
+
+    @classmethod
+    def from_options(cls, values: dict) -> "SpeculativeConfig":
+        """The config of the command line's options (flags.py): a draft model alone says the
+        method; max_ngram is prompt lookup's alone."""
+        given = {name: value for name, value in values.items() if value is not None}
+        if given.get("method", "draft_model" if "draft_model" in given else None) == "draft_model":
+            given.pop("max_ngram", None)
+        return cls.parse(given)
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":

@@ -11,8 +11,10 @@ import logging
 import threading
 
 import uvicorn
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+
+from ..state import server_state
 
 log = logging.getLogger("pyllama_paged.server")
 
@@ -36,33 +38,32 @@ def log_reset(name: str, done: dict) -> None:
              "directory while no server uses it to drop it)" if kept else "")
 
 
-def build_router(state) -> APIRouter:
-    """/health and /reset_prefix_cache, as vLLM's servers answer them."""
-    router = APIRouter()
-    # an empty 200 (vLLM's answer), documented as such: no JSON body to promise
-    empty = {"response_class": Response, "responses": {200: {"description": "empty body", "content": {}}}}
+router = APIRouter()   # /health and /reset_prefix_cache, as vLLM's servers answer them
+# an empty 200 (vLLM's answer), documented as such: no JSON body to promise
+_EMPTY = {"response_class": Response, "responses": {200: {"description": "empty body", "content": {}}}}
 
-    @router.get("/health", **empty)
-    async def health():
-        reason = unhealthy_reason(state)
-        # vLLM answers 200 with an empty body; routers read only the status
-        return Response(status_code=200) if reason is None else JSONResponse({"error": reason}, status_code=503)
 
-    @router.head("/health", **empty)
-    async def health_head():
-        return Response(status_code=200 if unhealthy_reason(state) is None else 503)
+@router.get("/health", **_EMPTY)
+async def health(request: Request):
+    reason = unhealthy_reason(server_state(request))
+    # vLLM answers 200 with an empty body; routers read only the status
+    return Response(status_code=200) if reason is None else JSONResponse({"error": reason}, status_code=503)
 
-    @router.post("/reset_prefix_cache", **empty)
-    async def reset_prefix_cache():
-        """Drop every loaded model's cached prefixes, in the pool and the RAM tier (running
-        requests keep their pages); a disk tier is kept, and the log says so."""
-        for served in list(state.registry.models.values()):
-            done = await served.call_if_loaded(lambda llm: None if llm.is_encoder else llm.reset_prefix_cache())
-            if done:
-                log_reset(served.name, done)
-        return Response(status_code=200)   # vLLM's answer: routers read only the status
 
-    return router
+@router.head("/health", **_EMPTY)
+async def health_head(request: Request):
+    return Response(status_code=200 if unhealthy_reason(server_state(request)) is None else 503)
+
+
+@router.post("/reset_prefix_cache", **_EMPTY)
+async def reset_prefix_cache(request: Request):
+    """Drop every loaded model's cached prefixes, in the pool and the RAM tier (running
+    requests keep their pages); a disk tier is kept, and the log says so."""
+    for served in list(server_state(request).registry.models.values()):
+        done = await served.call_if_loaded(lambda llm: None if llm.is_encoder else llm.reset_prefix_cache())
+        if done:
+            log_reset(served.name, done)
+    return Response(status_code=200)   # vLLM's answer: routers read only the status
 
 
 class DrainingServer(uvicorn.Server):

@@ -1,0 +1,1 @@
+"""Engine benchmarks: LLMEngine and the model runner against llama.cpp's tools."""

@@ -1,0 +1,1 @@
+"""Kernel benchmarks: paged attention, the pool, the sampler, token masks."""

@@ -1,0 +1,1 @@
+"""Serving benchmarks: the HTTP server under traces and load, beside its peers."""

@@ -1,1 +1,0 @@
-"""Speculative decoding: drafts (n-gram and draft model), their batch, lengths and verification."""

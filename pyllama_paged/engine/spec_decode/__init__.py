@@ -1,0 +1,1 @@
+"""Speculative decoding: drafts (n-gram and draft model), their lengths and verification."""
