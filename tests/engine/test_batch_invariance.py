@@ -51,7 +51,7 @@ def engine_factory(model, *, threads=1, budget=512, blocks=400, mode="recompute"
                                                  num_blocks=blocks))
         engine = LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
         if speculative is not None:
-            engine.speculator = Speculator(speculative)
+            engine.use_speculator(Speculator(speculative))
         return engine
     return make
 
