@@ -275,20 +275,25 @@ def until_end(answer, end_ids):
     return answer[:end + 1]
 
 
-# 40 tokens each: the sliding group gives back the blocks behind its window, and the growing full
-# group's blocks outrun the pool's 10
-LONG_GREEDY = SamplingParams(max_tokens=40, temperature=0)
+# 24 tokens each: the sliding group gives back the blocks behind its window, and the growing full
+# group's blocks outrun the pool's 9 (the longest alone needs 6 and 3)
+LONG_GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def preempted_want(tiny, reference):
+    """The dense file's greedy reference answers to PROMPTS, as the engine ends them."""
+    eot = Tokenizer.from_gguf(tiny["dense", "f16"]).eot_ids
+    return [until_end(reference["dense", "f16"].generate_greedy(p, LONG_GREEDY.max_tokens), eot) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_the_reference_answers(tiny, reference, mode):
-    r = reference["dense", "f16"]
+def test_preemption_keeps_the_reference_answers(tiny, reference, preempted_want, mode):
     eot = Tokenizer.from_gguf(tiny["dense", "f16"]).eot_ids
-    answers = [until_end(r.generate_greedy(p, LONG_GREEDY.max_tokens), eot) for p in PROMPTS]
     model = Model(tiny["dense", "f16"])
-    llm = make_engine(model, eot, num_blocks=10, mode=mode)
+    llm = make_engine(model, eot, num_blocks=9, mode=mode)
     try:
-        assert_preempted_answers_agree(llm, PROMPTS, LONG_GREEDY, r, answers, eot)
+        assert_preempted_answers_agree(llm, PROMPTS, LONG_GREEDY, reference["dense", "f16"], preempted_want, eot)
     finally:
         llm.runner.close()
         model.close()
