@@ -1,9 +1,9 @@
 """Gemma 4's chat format (tools/gemma4.py, the tiny file's template in testing/reference/tiny_gemma4.py):
 its thinking channel comes back as thinking and its <|tool_call>call:NAME{...}<tool_call|> as a
 tool call, whatever the cut into deltas; through the unmodified openai and ollama clients on tiny
-real models whose greedy reply is a script in Gemma 4's format (testing/scripted_gguf.py with
-GEMMA4_MARKUP), streamed and not, a tool-call round trip included; and the tiny gemma4 model itself
-served with its template."""
+real gemma4 models whose greedy reply is a script in Gemma 4's format (testing/scripted_gguf.py
+with GEMMA4_MARKUP and arch="gemma4"), streamed and not, a tool-call round trip included; and the
+tiny random-weight gemma4 model itself served with its template."""
 
 import random
 
@@ -118,7 +118,7 @@ def models(tmp_path_factory):
     def write(name, reply, end=None, after=None):
         # room for the tools' declaration, which the tiny vocabulary spells in many tokens
         return write_scripted_model(folder / f"{name}.gguf", reply, GEMMA4_TEMPLATE, markup=GEMMA4_MARKUP, end=end,
-                                    after=after, context_length=1024)
+                                    after=after, context_length=1024, arch="gemma4")
 
     return {"thinker": write("thinker", THINK_THEN_ANSWER),
             "caller": write("caller", THINK_THEN_CALL, "<|tool_response>"),

@@ -155,6 +155,9 @@ def write_tiny_gemma4(
     chat_template: str | None = GEMMA4_TEMPLATE,
     tokenizer: str = "gemma4",
     n_vocab: int | None = None,
+    vocab: dict | None = None,
+    tie_embeddings: bool = True,
+    context_length: int = 4096,
     seed: int = 0,
     name: str | None = None,
     tensor_hook: Callable[[str, np.ndarray], np.ndarray] | None = None,
@@ -167,7 +170,9 @@ def write_tiny_gemma4(
     up as one ``ffn_gate_up_exps`` (else ``ffn_gate_exps`` and ``ffn_up_exps``). ``v_on_full``:
     whether full layers have a V projection (default: the shape's; sliding ones always do).
     ``tokenizer``: "gemma4" (Gemma 4's, as its files have it) or "llama" (the same pieces as a
-    SentencePiece vocabulary).
+    SentencePiece vocabulary). ``vocab``: the vocabulary to write instead of gemma4_vocab's
+    (tiny_gguf.build_vocab's dict with its add_* flags; with tokenizer "llama"), e.g. a scripted
+    model's; ``tie_embeddings=False`` writes an ``output.weight`` head of its own.
     ``tensor_hook(name, data)`` returns what to write instead of a tensor's drawn data (same
     shape, before quantization); tensors named in ``drop`` are not written."""
     s = SHAPES[shape]
@@ -175,7 +180,7 @@ def write_tiny_gemma4(
     n_head_kv = list(s["n_head_kv"]) * (n_layer if len(s["n_head_kv"]) == 1 else 1)
     n_own = n_layer - s["n_kv_shared"]
     n_ff = [s["n_ff"] * (2 if s["double_wide"] and il >= n_own else 1) for il in range(n_layer)]
-    vocab = gemma4_vocab(n_vocab)
+    vocab = gemma4_vocab(n_vocab) if vocab is None else dict(vocab)
     if chat_template:
         vocab["chat_template"] = chat_template
     n_vocab = len(vocab["tokens"])
@@ -184,7 +189,7 @@ def write_tiny_gemma4(
     w = gguf.GGUFWriter(os.fspath(path), ARCH)
     w.add_type("model")
     w.add_name(name or f"tiny-gemma4-{shape}")
-    _add_hparams(w, s, n_layer, sliding, n_head_kv, n_ff, sliding_window, final_logit_softcapping)
+    _add_hparams(w, s, n_layer, sliding, n_head_kv, n_ff, sliding_window, final_logit_softcapping, context_length)
     if tokenizer == "gemma4":   # Gemma 4's own (merge ranks over SentencePiece-style pieces)
         add_tokenizer(w, "gemma4", "gemma4", vocab)
     else:   # the same pieces read as a SentencePiece vocabulary ("llama"), merged by score
@@ -214,6 +219,8 @@ def write_tiny_gemma4(
 
     n_embd, n_pl = s["n_embd"], s["n_embd_per_layer"]
     matrix("token_embd.weight", (n_vocab, n_embd), 0.5 / np.sqrt(n_embd))
+    if not tie_embeddings:
+        matrix("output.weight", (n_vocab, n_embd), 0.5 / np.sqrt(n_embd))
     vector("output_norm.weight", n_embd, 4.0)
     add("rope_freqs.weight", rope_divisors(s["head_dim"]))
     if n_pl:
@@ -233,9 +240,9 @@ def write_tiny_gemma4(
 
 
 def _add_hparams(w, s: dict, n_layer: int, sliding: list[bool], n_head_kv: list[int], n_ff: list[int],
-                 window: int, softcap: float | None) -> None:
+                 window: int, softcap: float | None, context_length: int) -> None:
     """The metadata keys Gemma 4's converter writes, in its order."""
-    w.add_context_length(4096)
+    w.add_context_length(context_length)
     w.add_embedding_length(s["n_embd"])
     w.add_block_count(n_layer)
     w.add_feed_forward_length(n_ff if len(set(n_ff)) > 1 else n_ff[0])
