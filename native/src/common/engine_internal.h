@@ -51,11 +51,25 @@ typedef struct pp_layer {
     struct ggml_tensor *ffn_gate_up_exps, *ffn_down_exps_s;
 } pp_layer;
 
-/* A decoder layer's matrix products, in the order of the model's panel slots. */
-enum pp_projection { PP_PROJ_Q, PP_PROJ_K, PP_PROJ_V, PP_PROJ_O, PP_PROJ_GATE, PP_PROJ_UP, PP_PROJ_DOWN, PP_N_PROJ };
+/* A decoder layer's matrix products, in the order of the model's panel slots. In a layer with
+ * experts the GATE, UP and DOWN slots hold the experts' panels, and a dense FFN beside them
+ * (gemma4's) takes the BESIDE slots: a slot's state serves one product a step (its chunk
+ * counter), and GGML's product in their place is not batch invariant for every type. */
+enum pp_projection { PP_PROJ_Q, PP_PROJ_K, PP_PROJ_V, PP_PROJ_O, PP_PROJ_GATE, PP_PROJ_UP, PP_PROJ_DOWN,
+                     PP_PROJ_BESIDE_GATE, PP_PROJ_BESIDE_UP, PP_PROJ_BESIDE_DOWN, PP_N_PROJ };
 
+/* The slot of layer L's dense FFN gate (its up and down follow). */
+static inline int pp_dense_ffn_slot(const pp_layer *L) {
+    return L->ffn_gate_inp ? PP_PROJ_BESIDE_GATE : PP_PROJ_GATE;
+}
+
+/* Layer L's dense weight in panel slot proj, or NULL. */
 static inline struct ggml_tensor *pp_layer_weight(const pp_layer *L, int proj) {
-    struct ggml_tensor *const w[PP_N_PROJ] = {L->wq, L->wk, L->wv, L->wo, L->ffn_gate, L->ffn_up, L->ffn_down};
+    struct ggml_tensor *w[PP_N_PROJ] = {L->wq, L->wk, L->wv, L->wo};
+    const int ffn = pp_dense_ffn_slot(L);
+    w[ffn] = L->ffn_gate;
+    w[ffn + 1] = L->ffn_up;
+    w[ffn + 2] = L->ffn_down;
     return w[proj];
 }
 

@@ -90,7 +90,9 @@ static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor 
  * PP_GLU_ROW values instead and is viewed back. */
 #define PP_GLU_ROW 128
 /* pp_panel_gated takes gate's and up's states as a pair */
-_Static_assert(PP_PROJ_UP == PP_PROJ_GATE + 1, "gate and up states adjacent");
+_Static_assert(PP_PROJ_UP == PP_PROJ_GATE + 1 && PP_PROJ_DOWN == PP_PROJ_GATE + 2 &&
+               PP_PROJ_BESIDE_UP == PP_PROJ_BESIDE_GATE + 1 && PP_PROJ_BESIDE_DOWN == PP_PROJ_BESIDE_GATE + 2,
+               "a dense FFN's gate, up and down states adjacent");
 
 /* Whether an architecture's dense FFN is GELU-gated (else SiLU-gated). */
 static int gelu_gated(enum pp_arch arch) { return arch == PP_ARCH_GEMMA3 || arch == PP_ARCH_GEMMA4; }
@@ -235,14 +237,15 @@ struct ggml_tensor *pp_graph_attention(struct ggml_context *ctx, const pp_kv_cac
 
 struct ggml_tensor *pp_graph_dense_ffn(struct ggml_context *ctx, enum pp_arch arch, const pp_layer *L,
                                        pp_panel_gemm_state *gs, struct ggml_tensor *cur, pp_panel_columns *last) {
-    if (gs && pp_panel_gated_takes(&gs[PP_PROJ_GATE])) {
-        cur = pp_panel_gated(ctx, &gs[PP_PROJ_GATE], panel_input(ctx, &gs[PP_PROJ_GATE], cur, last), gelu_gated(arch));
+    pp_panel_gemm_state *ffn = gs ? &gs[pp_dense_ffn_slot(L)] : NULL;   /* gate, up, down */
+    if (ffn && pp_panel_gated_takes(ffn)) {
+        cur = pp_panel_gated(ctx, ffn, panel_input(ctx, ffn, cur, last), gelu_gated(arch));
     } else {
-        struct ggml_tensor *gate = project(ctx, L->ffn_gate, gs ? &gs[PP_PROJ_GATE] : NULL, cur, last);
-        struct ggml_tensor *up = project(ctx, L->ffn_up, gs ? &gs[PP_PROJ_UP] : NULL, cur, last);
+        struct ggml_tensor *gate = project(ctx, L->ffn_gate, ffn, cur, last);
+        struct ggml_tensor *up = project(ctx, L->ffn_up, ffn ? ffn + 1 : NULL, cur, last);
         cur = gated_activation(ctx, arch, gate, up);
     }
-    return project(ctx, L->ffn_down, gs ? &gs[PP_PROJ_DOWN] : NULL, cur, last);
+    return project(ctx, L->ffn_down, ffn ? ffn + 2 : NULL, cur, last);
 }
 
 struct ggml_cgraph *pp_graph_output(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_model *m,

@@ -46,7 +46,7 @@ struct ggml_tensor *pp_graph_attention(struct ggml_context *ctx, const pp_kv_cac
                                        pp_attention_params *ap, int n_threads, int gather);
 
 /* The layer's dense gated FFN (GELU for the gemmas, else SiLU) of cur [n_embd, n_tokens]; gs: the
- * layer's PP_N_PROJ panel slots or NULL. */
+ * layer's PP_N_PROJ panel slots or NULL (it reads those from pp_dense_ffn_slot on). */
 struct ggml_tensor *pp_graph_dense_ffn(struct ggml_context *ctx, enum pp_arch arch, const pp_layer *L,
                                        pp_panel_gemm_state *gs, struct ggml_tensor *cur, pp_panel_columns *last);
 

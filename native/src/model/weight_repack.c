@@ -240,10 +240,8 @@ int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int3
     for (int slot = 0; slot < n_slots && status == PP_OK; slot++) {
         struct ggml_tensor *w = slot < n_slots - 1 ? pp_layer_weight(&m->layers[slot / PP_N_PROJ], slot % PP_N_PROJ)
                                                    : (m->output ? m->output : m->tok_embd);
-        /* a weight on a device runs GGML's product there; a dense FFN beside experts (gemma4)
-         * leaves the slot's state to the experts, whose products share its chunk counter */
-        if (!w || pp_layer_on_device(m, slot / PP_N_PROJ) || !pp_q8_panels_fit(w->type, w->ne[0], w->ne[1], chosen) ||
-            (slot < n_slots - 1 && expert_weight(&m->layers[slot / PP_N_PROJ], slot % PP_N_PROJ)))
+        /* a weight on a device runs GGML's product there */
+        if (!w || pp_layer_on_device(m, slot / PP_N_PROJ) || !pp_q8_panels_fit(w->type, w->ne[0], w->ne[1], chosen))
             continue;
         panels[slot] = pp_q8_panels_alloc(w->type, w->ne[0], w->ne[1]);
         weights[slot] = w;
