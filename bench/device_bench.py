@@ -56,6 +56,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common.options import add_options
 from bench.common.peers import llama_cpp_tools
 from bench.common.report import RESULTS_DIR, markdown_table, nvidia_gpus, save_figure, script_parser, write_results
 
@@ -460,14 +461,13 @@ def parser():
                     help="more arguments for bench/serving/chat_trace.py")
     ap.add_argument("--step-args", default="--npl 1 16 64 --npp 128 --ntg 128",
                     help="more arguments for bench/engine/step_overhead.py (always --paths gather)")
-    ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
     ap.add_argument("--llama-cpp-bin", default=None, help="llama.cpp's CUDA bin folder (default: build it)")
     ap.add_argument("--ours-only", action="store_true",
                     help="our engine's figures alone, where llama.cpp's CUDA tools are not built")
     ap.add_argument("--main-gpu", type=int, default=0, help="which GPU (functional check: of GGML's)")
-    ap.add_argument("--model", default=None, help="functional check: the GGUF (default: the embedded model)")
-    ap.add_argument("--max-tokens", type=int, default=16, help="functional check: tokens per answer")
-    ap.add_argument("--out", default=str(RESULTS_DIR / "device"))
+    add_options(ap, threads=min(8, os.cpu_count() or 1), model=None, max_tokens=16, out=str(RESULTS_DIR / "device"),
+                helps={"model": "functional check: the GGUF (default: the embedded model)",
+                       "max_tokens": "functional check: tokens per answer"})
     return ap
 
 

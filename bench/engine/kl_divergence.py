@@ -45,8 +45,9 @@ from typing import BinaryIO, Sequence
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.peers import LLAMA_CPP_BIN
-from bench.common.report import BENCH_DIR, RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import BENCH_DIR, RESULTS_DIR, markdown_table, save_figure, script_parser, write_report
 
 CACHE_DIR = BENCH_DIR / ".cache" / "kl_divergence"
 TINY_DIR = BENCH_DIR / ".models"
@@ -506,14 +507,13 @@ def main(argv=None) -> int:
                          "(none: --tiny alone)")
     ap.add_argument("--tiny-weights", default="q8_0", help="the tiny models' weight type")
     ap.add_argument("--text", action="append", help=f"text files, joined (repeatable; default {DEFAULT_TEXT})")
-    ap.add_argument("--ctx", type=int, default=1024, help="tokens a chunk (its second half less one is scored)")
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--batch", type=int, default=512, help="our prefill step (the engine's default n_batch)")
-    ap.add_argument("--threads", type=int, default=2)
+    add_options(ap, ctx=1024, threads=2, helps={"ctx": "tokens a chunk (its second half less one is scored)"})
     ap.add_argument("--llama-perplexity", default=str(LLAMA_CPP_BIN / "llama-perplexity"),
                     help="its binary ('' skips llama.cpp)")
     ap.add_argument("--llama-args", default="", help="more llama-perplexity flags, e.g. '-fa off'")
-    ap.add_argument("--out", default=str(RESULTS_DIR / "kl_divergence"))
+    add_options(ap, out=str(RESULTS_DIR / "kl_divergence"))
     args = ap.parse_args(argv)
     if args.llama_perplexity and not Path(args.llama_perplexity).is_file():
         raise SystemExit(f"{args.llama_perplexity} is not built: run bench/build_llama_cpp.sh")
@@ -544,12 +544,11 @@ def main(argv=None) -> int:
              f"Reference perplexity: {reference_ppl}. Ours: ModelRunner, paged, f16 KV, prefill steps of "
              f"{args.batch}; llama.cpp: llama-perplexity {llama_flags}, its defaults otherwise; {args.threads} "
              f"threads each. Whole run {elapsed:.0f} s (reference forward passes: {reference_s}; 0 when cached).")
-    write_results("kl_divergence", {"params": vars(args), "results": results, "elapsed_s": elapsed}, rows,
-                  out_dir=out, title="KL divergence from the float64 reference", notes=notes)
-    plot(results, out / "kl_divergence.png")
     print(markdown_table(rows))
     print(notes)
-    return 0
+    return write_report("kl_divergence", args, {"results": results, "elapsed_s": elapsed}, rows, out_dir=out,
+                        title="KL divergence from the float64 reference", notes=notes,
+                        plot=lambda path: plot(results, path))
 
 
 if __name__ == "__main__":

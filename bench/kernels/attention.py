@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 SHAPES = {  # name: (n_head, n_head_kv, head_dim)
@@ -205,7 +206,7 @@ def plot(results: list[dict], block_sizes: list[int], path) -> None:
 
 def main() -> None:
     ap = script_parser(__doc__)
-    ap.add_argument("--threads", type=int, default=2)
+    add_options(ap, threads=2, seed=0)
     ap.add_argument("--contexts", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--block-sizes", default="16,32,64,128")
     ap.add_argument("--kv-types", default="f16,q8_0")
@@ -215,7 +216,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="evict caches between calls")
     ap.add_argument("--flush-mb", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tolerance", type=float, default=1e-2, help="warn above this paged-vs-contiguous diff")
     ap.add_argument("--name", default="attention", help="results/<name>.{json,md,png}")
     args = ap.parse_args()

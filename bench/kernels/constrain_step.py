@@ -16,6 +16,7 @@ import argparse
 import statistics
 import time
 
+from bench.common.options import add_options
 from bench.common.report import markdown_table, write_results
 
 from pyllama_paged.constrain import grammar as grammar_mod
@@ -88,7 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--threads", type=int, default=2)
+    add_options(ap, threads=2)
     args = ap.parse_args()
     model = Model(default_model_path())
     tok = Tokenizer.from_metadata(model.metadata)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import REPO_ROOT, RESULTS_DIR, nvidia_gpus, write_results
 from pyllama_paged.testing.cuda_harness import CudaHarness, build
 
@@ -33,10 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--heads", default="32,8", help="query heads, KV heads")
-    ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--peak-gbs", type=float, default=None, help="the device's peak bandwidth (H100 SXM: 3350)")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, block_size=32, out=str(RESULTS_DIR))
     args = ap.parse_args(argv)
     path = build(Path(tempfile.mkdtemp()), REPO_ROOT / "native" / "cuda", args.arch)
     if path is None:

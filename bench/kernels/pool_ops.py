@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, markdown_table, script_parser, write_results
 
 from pyllama_paged.engine.kv.block_pool import BlockPool
@@ -196,10 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, default=0,
                     help="pool size in blocks (0: 4x what R requests hold, at least 1024)")
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds per measurement")
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cc", default="cc", help="C compiler command")
     ap.add_argument("--skip-c", action="store_true", help="only the Python API")
-    ap.add_argument("--out", default=str(RESULTS_DIR), help="output directory")
+    add_options(ap, repeats=5, out=str(RESULTS_DIR))
     args = ap.parse_args(argv)
     block_sizes = [int(b) for b in args.block_sizes.split(",") if b.strip()]
     OP_LABELS["create"] = f"create ({args.prompt_len}-token prompt)"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import markdown_table, save_figure, write_results
 
 
@@ -121,13 +122,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=262144)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--prompts", choices=("random", "text"), default="random",
                     help="the engine's prompts: random tokens (flat next-token distributions, the "
                          "default) or English sentences (peaked, as in chat)")
-    ap.add_argument("--out", default=None)
+    add_options(ap, repeats=5, threads=2, out=None, helps={"out": "output directory (default: bench/results/)"})
     args = ap.parse_args()
     micro_rows = micro(args)
     print(markdown_table(micro_rows))

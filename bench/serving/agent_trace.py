@@ -62,9 +62,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.peers import (add_server_arguments, llama_server_binary, parse_peer, peer_chat_template,
                                 peer_label, start_llama_server, start_ours, stream_chat)
-from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_report
 from pyllama_paged.testing.serving import stop_server
 
 OUT_DIR = RESULTS_DIR / "agent_trace"
@@ -333,21 +334,18 @@ def main(argv=None) -> int:
     ap.add_argument("--agents", type=int, default=3)
     ap.add_argument("--users-per-agent", type=int, default=3)
     ap.add_argument("--turns", type=int, default=6, help="turns per user; the restart comes after half of them")
-    ap.add_argument("--system-tokens", type=int, default=4096, help="tokens of each agent's system prompt")
-    ap.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
     ap.add_argument("--concurrency", type=int, default=2, help="requests in flight")
-    ap.add_argument("--kv-budget", type=int, default=4096,
-                    help="our KV pool, in tokens of every layer (4096: 72 MiB for the default model)")
     ap.add_argument("--seq-ctx", type=int, default=8192, help="our per-sequence context")
     ap.add_argument("--tiers", default="off,ram,disk", help="our configurations: off, ram, disk")
     ap.add_argument("--cache-ram", type=int, default=2048, help="our RAM tier (MiB) in ram and disk")
     ap.add_argument("--peer-cache-ram", type=int, default=8192, help="llama-server's --cache-ram (MiB)")
-    ap.add_argument("--seed", type=int, default=0)
+    add_options(ap, system_tokens=4096, max_tokens=24, kv_budget=4096, seed=0, out=str(OUT_DIR),
+                helps={"system_tokens": "tokens of each agent's system prompt",
+                       "kv_budget": "our KV pool, in tokens of every layer (4096: 72 MiB for the default model)"})
     add_server_arguments(ap)
     # llama-server's -c 14336 with -np 3 -kvu takes the same 72 MiB as our 4096-token pool: it
     # sizes its 15 sliding-window layers by slot (3 x 512 + a batch), its 3 global ones by -c
     ap.set_defaults(ctx=14336, peers="np3-kvu", max_seqs=16)
-    ap.add_argument("--out", default=str(OUT_DIR))
     args = ap.parse_args(argv)
     if args.turns < 2:
         ap.error("--turns must be >= 2 (the restart comes after half of them)")
@@ -439,13 +437,10 @@ def main(argv=None) -> int:
              "restart over its first turn in the trace, mean over agents (target <= 0.2x with the disk tier); "
              "tokens/s over both lives' makespans, the restart (restart s: stop + start until healthy) "
              "excluded.\n\nEach agent's first-turn TTFT, cold -> after the restart:\n\n" + markdown_table(per_agent))
-    write_results("agent_trace", {"params": vars(args), "system_prompt_tokens": system_tokens,
-                                  "restart_before_turn": restart_at, "kv_bytes": kv_bytes,
-                                  "our_block_size": our_block[0], "runs": runs},
-                  rows, out_dir=out_dir, title="Agent trace with a restart: prefix-cache tiers vs llama-server",
-                  notes=notes)
-    plot(out_dir / "agent_trace.png", runs, restart_at)
-    return 0
+    return write_report("agent_trace", args, {"system_prompt_tokens": system_tokens, "restart_before_turn": restart_at,
+                                              "kv_bytes": kv_bytes, "our_block_size": our_block[0], "runs": runs},
+                        rows, out_dir=out_dir, title="Agent trace with a restart: prefix-cache tiers vs llama-server",
+                        notes=notes, plot=lambda path: plot(path, runs, restart_at))
 
 
 if __name__ == "__main__":

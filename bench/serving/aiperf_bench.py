@@ -53,9 +53,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.common.options import add_options
 from bench.common.peers import (DEFAULT_KV_BYTES, add_server_arguments, llama_server_binary, our_bytes_per_token,
                           parse_peer, peer_chat_template, peer_label, start_llama_server, start_ours)
-from bench.common.report import BENCH_DIR, REPO_ROOT, RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import BENCH_DIR, REPO_ROOT, RESULTS_DIR, markdown_table, save_figure, script_parser, write_report
 from pyllama_paged.testing.serving import stop_server
 
 INSTALL_HINT = "python3 -m venv bench/.aiperf-venv && bench/.aiperf-venv/bin/pip install aiperf"
@@ -253,14 +254,13 @@ def main(argv=None) -> int:
     ap.add_argument("--min-requests", type=int, default=16, help="... and at least this many")
     ap.add_argument("--isl", type=int, default=256, help="synthetic prompt tokens (AIPerf --isl)")
     ap.add_argument("--osl", type=int, default=128, help="output tokens, generated to the end (AIPerf --osl)")
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--seed", type=int, default=0, help="AIPerf's --random-seed: the same prompts on every side")
     ap.add_argument("--request-timeout", type=int, default=1800, help="seconds; a request past it is an error")
+    add_options(ap, temperature=0.7, seed=0, helps={"seed": "AIPerf's --random-seed: the same prompts on every side"})
     add_server_arguments(ap)
     ap.add_argument("--aiperf", default=None, help="the aiperf command (default: bench/.aiperf-venv's, else PATH's)")
     ap.add_argument("--work-dir", default=str(BENCH_DIR / ".aiperf-work"),
                     help="AIPerf's artifacts, the servers' logs, the written tokenizer")
-    ap.add_argument("--out", default=str(RESULTS_DIR / "aiperf"))
+    add_options(ap, out=str(RESULTS_DIR / "aiperf"))
     args = ap.parse_args(argv)
 
     from pyllama_paged.engine import default_model_path
@@ -338,13 +338,10 @@ def main(argv=None) -> int:
              + ("**The sides' input tokens differ (ISL): their chat templates differ.**\n\n" if unequal else "")
              + "Ours / llama-server (tokens/s: higher is better; TTFT and ITL: lower is better):\n\n"
              + (markdown_table(ratios) if ratios else "(one side only)\n"))
-    write_results("aiperf", {"params": vars(args), "aiperf_version": version, "peer_kv_bytes": peer_kv_bytes,
-                             "peer_extra_args": template,
-                             "kv_pool_tokens": kv_tokens, "kv_bytes_per_token": per_token, "ratios": ratios,
-                             "runs": runs}, rows, out_dir=out_dir,
-                  title="AIPerf against our server and llama-server, same model, same KV bytes", notes=notes)
-    plot(out_dir / "aiperf.png", runs)
-    return 0
+    data = {"aiperf_version": version, "peer_kv_bytes": peer_kv_bytes, "peer_extra_args": template,
+            "kv_pool_tokens": kv_tokens, "kv_bytes_per_token": per_token, "ratios": ratios, "runs": runs}
+    return write_report("aiperf", args, data, rows, out_dir=out_dir, notes=notes, plot=lambda path: plot(path, runs),
+                        title="AIPerf against our server and llama-server, same model, same KV bytes")
 
 
 if __name__ == "__main__":

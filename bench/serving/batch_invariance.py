@@ -43,6 +43,7 @@ from pathlib import Path
 import httpx
 
 from bench.common.model_files import default_export
+from bench.common.options import add_options
 from bench.common.peers import launch_llama_server, launch_ours, llama_cpp_tool
 from bench.common.report import RESULTS_DIR, save_figure, script_parser, write_results
 
@@ -172,13 +173,10 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     ap = script_parser(__doc__)
     ap.add_argument("--n", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prefix-words", type=int, default=90, help="about 120 tokens of shared system text")
     ap.add_argument("--small-pool", type=int, default=2048, help="our pool in the preemption condition (tokens)")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--files", default=",".join(FILES))
-    ap.add_argument("--sides", default="ours,llama-server")
-    ap.add_argument("--llama-server", default=None)
+    add_options(ap, max_tokens=32, threads=2, sides="ours,llama-server", llama_server=None)
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

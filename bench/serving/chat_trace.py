@@ -55,9 +55,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.peers import (DEFAULT_KV_BYTES, add_server_arguments, llama_server_binary, our_bytes_per_token, parse_peer,
                           peer_chat_template, peer_label, start_llama_server, start_ours)
-from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_report
 from pyllama_paged.testing.serving import stop_server
 
 SYSTEM_PROMPTS = [
@@ -167,13 +168,11 @@ def plot(path: Path, runs: dict) -> None:
 def main(argv=None) -> int:
     ap = script_parser(__doc__)
     ap.add_argument("--requests", type=int, default=40)
-    ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     ap.add_argument("--output-mean", type=float, default=160, help="mean output tokens (log-normal)")
-    ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--greedy", action="store_true", help="also run the trace at temperature 0")
-    ap.add_argument("--seed", type=int, default=0)
+    add_options(ap, rate=1.0, temperature=0.7, seed=0)
     add_server_arguments(ap)
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    add_options(ap, out=str(RESULTS_DIR))
     args = ap.parse_args(argv)
 
     from pyllama_paged.engine import default_model_path
@@ -260,12 +259,10 @@ def main(argv=None) -> int:
              f"({runs and next(iter(r.get('kv_pool_tokens') for r in runs.values() if 'kv_pool_tokens' in r), None)} "
              f"tokens of pool), context {seq_ctx} per sequence, block {args.block_size}.\n\n"
              "Ours / llama-server:\n\n" + (markdown_table(ratios) if ratios else "(one side only)\n"))
-    write_results("chat_trace", {"params": vars(args), "kv_bytes": kv_bytes, "peer_kv_bytes": peer_kv_bytes,
-                                 "ratios": ratios,
-                                 "runs": runs}, rows, out_dir=out_dir,
-                  title="Chat trace through the HTTP server: ours vs llama-server, same KV bytes", notes=notes)
-    plot(out_dir / "chat_trace.png", runs)
-    return 0
+    return write_report("chat_trace", args, {"kv_bytes": kv_bytes, "peer_kv_bytes": peer_kv_bytes, "ratios": ratios,
+                                             "runs": runs}, rows, out_dir=out_dir, notes=notes,
+                        title="Chat trace through the HTTP server: ours vs llama-server, same KV bytes",
+                        plot=lambda path: plot(path, runs))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from typing import Callable
 import httpx
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.peers import our_cli
 from bench.common.report import RESULTS_DIR, save_figure, write_results
 from pyllama_paged.engine import default_model_path
@@ -751,13 +752,12 @@ def run_phase(args, kind: str, chosen: list[Hostile], out: Path) -> Phase:
 def main(argv=None) -> int:
     global SILENT
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
     ap.add_argument("--draft-model", default=None,
                     help="the draft GGUF of the --draft-model server (row 13; default: the served model "
                          "itself, which shares its vocabulary)")
-    ap.add_argument("--threads", type=int, default=None, help="the server's --threads (default: its own)")
-    ap.add_argument("--port", type=int, default=None, help="port of the default server (default: a free one)")
-    ap.add_argument("--out-dir", default=str(RESULTS_DIR))
+    add_options(ap, model=None, threads=None, port=None, out_dir=str(RESULTS_DIR),
+                helps={"threads": "the server's --threads (default: its own)",
+                       "port": "port of the default server (default: a free one)"})
     ap.add_argument("--only", default=None,
                     help="comma-separated hostile requests, by name or number: " + ",".join(h.name for h in HOSTILE))
     ap.add_argument("--baseline-s", type=float, default=BASELINE_SECONDS)

@@ -39,8 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.peers import stream_chat
-from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
+from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_report
 from pyllama_paged.server.scale_out.ray_routing import PIN_HEADER
 from pyllama_paged.testing.ray_cluster import RayCluster, start_ray_server, stop_ray_server
 
@@ -186,22 +187,17 @@ def plot(path: Path, runs: dict) -> None:
 def main(argv=None) -> int:
     ap = script_parser(__doc__)
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1, help="threads (and Ray CPUs) per replica")
+    add_options(ap, threads=1, helps={"threads": "threads (and Ray CPUs) per replica"})
     ap.add_argument("--policies", default="prefix,round_robin",
                     help="routing policies to compare (prefix, round_robin, pow2)")
     ap.add_argument("--system-prompts", type=int, default=4)
-    ap.add_argument("--system-tokens", type=int, default=500)
     ap.add_argument("--users", type=int, default=16)
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--rate", type=float, default=0.5, help="users arriving per second (Poisson)")
     ap.add_argument("--think", type=float, default=1.0, help="seconds between a user's turns")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--kv-budget", type=int, default=16384, help="KV pool tokens per replica")
-    ap.add_argument("--max-seqs", type=int, default=16)
     ap.add_argument("--prefix-chars", type=int, default=1024, help="leading characters prefix routing hashes")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(OUT_DIR))
+    add_options(ap, system_tokens=500, rate=0.5, max_tokens=32, ctx=2048, kv_budget=16384, max_seqs=16, seed=0,
+                out=str(OUT_DIR), helps={"rate": "users arriving per second (Poisson)",
+                                         "kv_budget": "KV pool tokens per replica"})
     args = ap.parse_args(argv)
 
     out_dir = Path(args.out)
@@ -227,10 +223,9 @@ def main(argv=None) -> int:
              f"{args.ctx}; prefix routing hashes the first {args.prefix_chars} characters. Hit rate and prefill "
              "from the replicas' engines (GET /ray/replicas), before and after.\n\n"
              "Replicas each app's requests landed on:\n\n" + markdown_table(placement))
-    write_results("scale_out", {"params": vars(args), "runs": runs}, rows, out_dir=out_dir,
-                  title="Scale out on Ray Serve: prefix-affinity vs round-robin routing", notes=notes)
-    plot(out_dir / "scale_out.png", runs)
-    return 0
+    return write_report("scale_out", args, {"runs": runs}, rows, out_dir=out_dir, notes=notes,
+                        title="Scale out on Ray Serve: prefix-affinity vs round-robin routing",
+                        plot=lambda path: plot(path, runs))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, save_figure, write_results
 
 from pyllama_paged.server.app import create_app
@@ -101,11 +102,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests-per-client", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--budget-tokens", type=int, default=8192)
-    ap.add_argument("--n-ctx", type=int, default=1024)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary")
+    add_options(ap, max_tokens=32, budget_tokens=8192, n_ctx=1024, threads=2, llama_server=None,
+                helps={"llama_server": "path of llama.cpp's llama-server binary (default: not run)"})
     args = ap.parse_args()
     servers = [("paged", lambda: start_ours(True, args)), ("slab (paged=False)", lambda: start_ours(False, args))]
     if args.llama_server:

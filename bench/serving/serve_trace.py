@@ -84,6 +84,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, markdown_table, save_figure, script_parser, write_results
 
 # ---- the text the prompts are cut from (original sentences, plain English) ----
@@ -577,24 +578,17 @@ def plot(path: Path, sides: dict, title: str, budget: int) -> None:
 def main(argv=None) -> int:
     ap = script_parser(__doc__)
     ap.add_argument("--num-requests", type=int, default=40, help="client requests in the trace")
-    ap.add_argument("--budget-tokens", type=int, default=8192, help="KV budget in token slots (both sides)")
-    ap.add_argument("--n-ctx", type=int, default=1024, help="context = the slab size")
-    ap.add_argument("--block-size", type=int, default=16, help="paged block size (tokens)")
-    ap.add_argument("--seed", type=int, default=0, help="trace and sampling seed")
-    ap.add_argument("--threads", type=int, default=2, help="engine threads")
-    ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals, requests per second")
     ap.add_argument("--prompt-mean", type=float, default=120.0, help="mean prompt tokens (log-normal)")
     ap.add_argument("--output-mean", type=float, default=48.0, help="mean max_tokens (log-normal)")
     ap.add_argument("--sigma", type=float, default=0.6, help="log-normal sigma of both lengths")
     ap.add_argument("--frac-n4", type=float, default=0.25, help="fraction of requests with n=4")
     ap.add_argument("--frac-shared", type=float, default=0.4, help="fraction of requests with the common system prompt")
-    ap.add_argument("--system-tokens", type=int, default=64, help="system prompt tokens (BOS included)")
-    ap.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="scheduler max_num_seqs")
     ap.add_argument("--max-batched-tokens", type=int, default=256, help="scheduler max_num_batched_tokens (and n_batch)")
-    ap.add_argument("--sides", default="paged,slab", help="which sides, in run order")
-    ap.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--out", default=str(RESULTS_DIR), help="output directory")
+    add_options(ap, budget_tokens=8192, n_ctx=1024, block_size=16, seed=0, threads=2, rate=2.0, system_tokens=64,
+                temperature=0.8, sides="paged,slab", model=None, out=str(RESULTS_DIR),
+                helps={"n_ctx": "context = the slab size", "seed": "trace and sampling seed",
+                       "system_tokens": "system prompt tokens (BOS included)", "sides": "which sides, in run order"})
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = ap.parse_args(argv)
     if args.budget_tokens % args.n_ctx or args.budget_tokens % args.block_size:

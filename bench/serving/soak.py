@@ -72,6 +72,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.common.options import add_options
 from bench.common.report import RESULTS_DIR, markdown_table, save_figure, write_results
 from pyllama_paged.testing.serving import free_port, wait_healthy
 
@@ -889,20 +890,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=64, help="concurrent clients")
     ap.add_argument("--minutes", type=float, default=30, help="duration of the load")
-    ap.add_argument("--kv-budget", type=int, default=None,
-                    help="server --kv-budget in tokens (default: 64 per client, at least 2048)")
     ap.add_argument("--hangup-share", type=float, default=0.2,
                     help="share of streaming requests that hang up mid-stream")
     ap.add_argument("--stream-share", type=float, default=0.8, help="share of streaming requests")
     ap.add_argument("--n-share", type=float, default=0.25, help="share of OpenAI requests with n=2..4")
     ap.add_argument("--min-tokens", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--think", type=float, default=1.0, help="max pause between a client's requests (s)")
-    ap.add_argument("--port", type=int, default=0, help="server port (0: a free one)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--max-seqs", type=int, default=64)
+    add_options(ap, kv_budget=None, max_tokens=128, port=0, threads=2, ctx=4096, block_size=32, max_seqs=64,
+                helps={"kv_budget": "server --kv-budget in tokens (default: 64 per client, at least 2048)",
+                       "port": "server port (0: a free one)"})
     ap.add_argument("--preemption", default="recompute", choices=["recompute", "swap"])
     ap.add_argument("--sample-every", type=float, default=5.0, help="RSS / pool sampling period (s)")
     ap.add_argument("--probe-timeout", type=float, default=5.0, help="a slower health probe fails (s)")
@@ -911,7 +907,7 @@ def main() -> int:
     ap.add_argument("--rss-tolerance", type=float, default=2.0,
                     help="RSS levelled off if the last third's mean is within this %% of the middle third's")
     ap.add_argument("--progress-every", type=float, default=30.0)
-    ap.add_argument("--seed", type=int, default=0)
+    add_options(ap, seed=0)
     ap.add_argument("--label", default=None, help="results/soak_<label>.* instead of results/soak.*")
     args = ap.parse_args()
 

@@ -1,6 +1,6 @@
-"""Comparing a mixture-of-experts model's logits with the float64 reference (qwen3moe and
-gpt-oss tests, expert panels): a whole file's all-position logits through a fresh runner, and
-the tolerance rules that let a token routed at a near-tie be a swapped expert away."""
+"""Comparing a model's logits with the float64 reference (the engine's reference tests, qwen3moe
+and gpt-oss, expert panels): a whole file's all-position logits through a fresh runner, and the
+tolerance rules that let a token routed at a near-tie be a swapped expert away."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 
 from .engine_runs import chunked_logits
 
-# test_engine_reference.py's tolerances, relative to the logits' spread
+# Tolerances on logits of O(1..10) magnitude, relative to the logits' spread: f16 KV rounds
+# K/V to 11 bits; q8_0 KV quantizes both K/V and the query.
 TOLERANCE = {"f16": 2e-2, "q8_0": 8e-2}
 # A token whose last expert kept is within this many router logits of the best one left out
 # (the reference's last_router_margin, in some layer) may run the other expert in an engine:
@@ -20,14 +21,15 @@ MAX_NEAR_TIE_ROWS = 0.2
 
 
 def file_logits(path, prompt, *, paged: bool = True, kv_cache_type: str = "f16", attention: str = "kernel",
-                chunks=(23, 1, 16), pack_panels: bool = True) -> np.ndarray:
+                chunks=(23, 1, 16), pack_panels=True, repack_weights: bool = True,
+                block_size: int = 16) -> np.ndarray:
     """All-position logits of prompt on the model file at path, computed in prefill chunks
     then single-token steps, on a runner made for this call alone."""
     from ..engine import EngineConfig, Model
     from ..engine.worker.model_runner import ModelRunner
 
-    model = Model(str(path), pack_panels=pack_panels)
-    runner = ModelRunner(model, EngineConfig(paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=16,
+    model = Model(str(path), repack_weights=repack_weights, pack_panels=pack_panels)
+    runner = ModelRunner(model, EngineConfig(paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=block_size,
                                              kv_cache_type=kv_cache_type, attention=attention))
     try:
         return chunked_logits(runner, prompt, chunks)

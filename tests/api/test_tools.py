@@ -177,14 +177,26 @@ def test_templates_without_tools_get_them_described(llm):
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}' in text
 
 
-@pytest.mark.parametrize("family,answer", [
-    ("hermes", '<tool_call>\n{"name":"get_time","arguments":{"zone":"CET"}}\n</tool_call>'),
-    ("llama3", '{"name":"get_time","parameters":{"zone":"CET"}}'),
-    ("mistral", '[{"name":"get_time","arguments":{"zone":"CET"}}]'),
-    ("json", '{"name":"get_time","arguments":{"zone":"CET"}}'),
-])
-def test_forced_call_grammar_admits_a_call_then_the_end(llm, family, answer):
+# How a model of each tool family writes a call: the text before the arguments object (of the
+# function NAME) and the text after it.
+CALL_WRAPPERS = {
+    "hermes": ('<tool_call>\n{"name":"NAME","arguments":', '}\n</tool_call>'),
+    "llama3": ('{"name":"NAME","parameters":', '}'),
+    "mistral": ('[{"name":"NAME","arguments":', '}]'),
+    "json": ('{"name":"NAME","arguments":', '}'),
+}
+
+
+def call_text(family: str, name: str, arguments: str, whole: bool = True) -> str:
+    """A call of `name` as a `family` model writes it; without its closing text unless whole."""
+    before, after = CALL_WRAPPERS[family]
+    return before.replace("NAME", name) + arguments + (after if whole else "")
+
+
+@pytest.mark.parametrize("family", CALL_WRAPPERS)
+def test_forced_call_grammar_admits_a_call_then_the_end(llm, family):
     tok = llm._tokenizer
+    answer = call_text(family, "get_time", '{"zone":"CET"}')
     state = forced_call_constraint(tok, family, TOOLS).start()
     buffer = MaskBuffer(tok.n_vocab)
     for token in tok.encode(answer, add_special=False):
@@ -207,16 +219,12 @@ COUNT = {"type": "function", "function": {
                                     "required": ["n", "x"]}}}
 
 
-@pytest.mark.parametrize("family,prefix", [
-    ("hermes", '<tool_call>\n{"name":"count","arguments":{"n":'),
-    ("llama3", '{"name":"count","parameters":{"n":1,"x":0.'),
-    ("mistral", '[{"name":"count","arguments":{"n":'),
-    ("json", '{"name":"count","arguments":{"n":1,"x":'),
-])
-def test_a_forced_calls_numbers_take_at_most_16_digits(llm, family, prefix):
+@pytest.mark.parametrize("family,numbers", [
+    ("hermes", '{"n":'), ("llama3", '{"n":1,"x":0.'), ("mistral", '{"n":'), ("json", '{"n":1,"x":')])
+def test_a_forced_calls_numbers_take_at_most_16_digits(llm, family, numbers):
     tok = llm._tokenizer
     state = forced_call_constraint(tok, family, [COUNT]).start()
-    for token in tok.encode(prefix, add_special=False):
+    for token in tok.encode(call_text(family, "count", numbers, whole=False), add_special=False):
         state.accept(token)
     buffer, nine = MaskBuffer(tok.n_vocab), tok.encode("9", add_special=False)[0]
     written = 0

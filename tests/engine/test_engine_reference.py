@@ -7,13 +7,11 @@ import pytest
 
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.engine import EngineConfig, Model
-from pyllama_paged.testing.engine_runs import chunked_logits
+from pyllama_paged.testing.routed_logits import TOLERANCE
+from pyllama_paged.testing.routed_logits import file_logits as engine_logits
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 
-# Tolerances on logits of O(1..10) magnitude, relative to the logits' spread:
-# f16 KV rounds K/V to 11 bits; q8_0 KV quantizes both K/V and the query.
-TOLERANCE = {"f16": 2e-2, "q8_0": 8e-2}
 
 
 @pytest.fixture(scope="module")
@@ -29,19 +27,6 @@ def reference_logits(tiny_models):
     prompt = [int(x) for x in np.random.default_rng(1).integers(4, 200, size=40)]
     return prompt, {arch: ReferenceModel.from_gguf(path).forward(prompt)
                     for arch, path in tiny_models.items()}
-
-
-def engine_logits(path, prompt, *, paged, kv_cache_type, block_size=16, chunks=(23, 1, 16),
-                  repack_weights=True, attention="kernel", pack_panels=True):
-    """All-position logits, computed in prefill chunks then single-token steps."""
-    model = Model(path, repack_weights=repack_weights, pack_panels=pack_panels)
-    runner = ModelRunner(model, EngineConfig(paged=paged, n_ctx=64, n_threads=2, n_batch=64, block_size=block_size,
-                                             kv_cache_type=kv_cache_type, attention=attention))
-    try:
-        return chunked_logits(runner, prompt, chunks)
-    finally:
-        runner.close()
-        model.close()
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2", "qwen3"])

@@ -97,6 +97,7 @@ typedef struct fpanel_tile {
 } fpanel_tile;
 
 #define T512 "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+#define T256 "avx2,fma,f16c"
 
 static inline __attribute__((target(T512), always_inline)) __m512 widen512(const uint8_t *p, int bf16) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
@@ -203,8 +204,6 @@ __attribute__((target(T512BF))) static void bf16_gemm_avx512vnni(const pp_q8_pan
     }
 }
 
-#define T256 "avx2,fma,f16c"
-
 static inline __attribute__((target(T256), always_inline)) __m256 widen256(const uint8_t *p, int bf16) {
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
     return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
@@ -236,9 +235,7 @@ static inline __attribute__((target(T256), always_inline)) void tile256(const fp
 /* Column tiles over groups of panels; the tile widths are constants so each
  * call unrolls into registers. */
 #define PP_FPANEL_GEMM(NAME, TARGET, TILE_CALLS)                                                              \
-    __attribute__((target(TARGET))) void NAME(const pp_q8_panels *w, int64_t p0, int64_t p1,                  \
-                                              const uint8_t *cols, size_t stride, int64_t n, float *out,     \
-                                              size_t ldo) {                                                  \
+    PP_PANEL_GEMM_KERNEL(NAME, TARGET) {                                                                    \
         const int64_t nq = w->k / 4;                                                                          \
         const int bf16 = w->type == GGML_TYPE_BF16;                                                           \
         for (int64_t g0 = p0; g0 < p1; g0 += PANEL_GROUP) {                                                   \
@@ -247,7 +244,7 @@ static inline __attribute__((target(T256), always_inline)) void tile256(const fp
                 const int64_t left = n - c;                                                                   \
                 int64_t nc = 0;                                                                               \
                 for (int64_t pi = g0; pi < g1; pi++) {                                                        \
-                    const fpanel_tile t = {fpanel(w, pi), nq, cols + (size_t)c * stride, stride,              \
+                    const fpanel_tile t = {fpanel(w, pi), nq, cols + (size_t)c * col_stride, col_stride,      \
                                            out + (size_t)c * ldo + (size_t)pi * PP_PANEL_ROWS, ldo};          \
                     TILE_CALLS                                                                                \
                 }                                                                                             \

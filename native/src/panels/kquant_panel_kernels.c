@@ -258,9 +258,7 @@ __attribute__((target("avx2,fma,f16c"))) void pp_kpanel_widen_scales_avx2(const 
     PP_KTILE(NAME##_q6_main, TARGET, DOT, NC_MAIN, 2, 1)                                                    \
     PP_KTILE(NAME##_q6_four, TARGET, DOT, 4, 2, 1)                                                          \
     PP_KTILE(NAME##_q6_one, TARGET, DOT, 1, 2, 1)                                                           \
-    __attribute__((target(TARGET))) void NAME(const pp_q8_panels *w, int64_t p0, int64_t p1,               \
-                                              const uint8_t *cols, size_t col_stride, int64_t n, float *out, \
-                                              size_t ldo) {                                                 \
+    PP_PANEL_GEMM_KERNEL(NAME, TARGET) {                                                                \
         const int64_t k = w->k, nb = k / PP_PANEL_BLOCK;                                                    \
         pp_kpanel p = pp_kpanel_scratch();                                                                  \
         for (int64_t pi = p0; pi < p1; pi++) {                                                              \

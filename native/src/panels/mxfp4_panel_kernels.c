@@ -90,38 +90,21 @@ static inline __attribute__((target("avx2"), always_inline)) void widen(const ui
  * offset, -128 x that sum, is exact in 128ths. */
 #define mx_offset(o) ((o) / 128 * PP_MX_CODE_BIAS)
 
-#define PP_MX_COLUMNS(NAME, PANEL, NB, K, COLS, STRIDE, N, O, LDO, NC_MAIN)                                 \
-    do {                                                                                                    \
-        int64_t c = 0;                                                                                      \
-        for (; c + NC_MAIN <= (N); c += NC_MAIN) NAME##_main(PANEL, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
-        for (; c + 4 <= (N); c += 4) NAME##_four(PANEL, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
-        for (; c + 2 <= (N); c += 2) NAME##_two(PANEL, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
-        for (; c < (N); c++) NAME##_one(PANEL, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
-    } while (0)
-
 #define PP_MX_KERNEL(NAME, TARGET, DOT, NC_MAIN)                                                            \
-    PP_PANEL_TILE(NAME##_stored_main, TARGET, DOT, NC_MAIN, 1, PP_PANEL_MX_BLOCK_BYTES, stored_scales, mx_offset, stored_group, PP_MX_PF_BYTES) \
-    PP_PANEL_TILE(NAME##_stored_four, TARGET, DOT, 4, 1, PP_PANEL_MX_BLOCK_BYTES, stored_scales, mx_offset, stored_group, PP_MX_PF_BYTES) \
-    PP_PANEL_TILE(NAME##_stored_two, TARGET, DOT, 2, 2, PP_PANEL_MX_BLOCK_BYTES, stored_scales, mx_offset, stored_group, PP_MX_PF_BYTES)  \
-    PP_PANEL_TILE(NAME##_stored_one, TARGET, DOT, 1, 2, PP_PANEL_MX_BLOCK_BYTES, stored_scales, mx_offset, stored_group, PP_MX_PF_BYTES) \
-    PP_PANEL_TILE(NAME##_wide_main, TARGET, DOT, NC_MAIN, 1, PP_PANEL_MX_WIDE_BYTES, wide_scales, mx_offset, wide_group, 0) \
-    PP_PANEL_TILE(NAME##_wide_four, TARGET, DOT, 4, 1, PP_PANEL_MX_WIDE_BYTES, wide_scales, mx_offset, wide_group, 0)     \
-    PP_PANEL_TILE(NAME##_wide_two, TARGET, DOT, 2, 2, PP_PANEL_MX_WIDE_BYTES, wide_scales, mx_offset, wide_group, 0)      \
-    PP_PANEL_TILE(NAME##_wide_one, TARGET, DOT, 1, 2, PP_PANEL_MX_WIDE_BYTES, wide_scales, mx_offset, wide_group, 0)      \
-    __attribute__((target(TARGET))) void NAME(const pp_q8_panels *w, int64_t p0, int64_t p1,               \
-                                              const uint8_t *cols, size_t col_stride, int64_t n, float *out, \
-                                              size_t ldo) {                                                 \
+    PP_PANEL_TILES(NAME##_stored, TARGET, DOT, NC_MAIN, PP_PANEL_MX_BLOCK_BYTES, stored_scales, mx_offset, stored_group, PP_MX_PF_BYTES) \
+    PP_PANEL_TILES(NAME##_wide, TARGET, DOT, NC_MAIN, PP_PANEL_MX_WIDE_BYTES, wide_scales, mx_offset, wide_group, 0) \
+    PP_PANEL_GEMM_KERNEL(NAME, TARGET) {                                                                \
         const int64_t k = w->k, nb = k / PP_PANEL_BLOCK;                                                    \
         _Alignas(64) uint8_t wide[PP_PANEL_MAX_K / PP_PANEL_BLOCK * PP_PANEL_MX_WIDE_BYTES];                \
         for (int64_t pi = p0; pi < p1; pi++) {                                                              \
             float *o = out + (size_t)pi * PP_PANEL_ROWS;                                                    \
             const uint8_t *stored = w->data + (size_t)pi * nb * PP_PANEL_MX_BLOCK_BYTES;                    \
             if (n < PP_MX_WIDEN_COLUMNS) {                                                                  \
-                PP_MX_COLUMNS(NAME##_stored, stored, nb, k, cols, col_stride, n, o, ldo, NC_MAIN);          \
+                PP_PANEL_COLUMNS(NAME##_stored, stored, nb, k, cols, col_stride, n, o, ldo, NC_MAIN);          \
                 continue;                                                                                   \
             }                                                                                               \
             widen(stored, nb, wide);                                                                        \
-            PP_MX_COLUMNS(NAME##_wide, wide, nb, k, cols, col_stride, n, o, ldo, NC_MAIN);                  \
+            PP_PANEL_COLUMNS(NAME##_wide, wide, nb, k, cols, col_stride, n, o, ldo, NC_MAIN);                  \
         }                                                                                                   \
     }
 

@@ -62,4 +62,22 @@ static inline float pp_load_f32(const uint8_t *p) {
         _Pragma("GCC unroll 8") for (int i = 0; i < NC; i++) _mm256_storeu_ps(out + i * ldo, accf[i]);     \
     }
 
+/* The tile widths a kernel walks a panel's columns with: NC_MAIN, 4, 2 and 1
+ * (NAME##_main, _four, _two, _one); the narrow ones in two chains. */
+#define PP_PANEL_TILES(NAME, TARGET, DOT, NC_MAIN, BLOCK_BYTES, SCALES, OFFSET, GROUP, PF_BYTES)                \
+    PP_PANEL_TILE(NAME##_main, TARGET, DOT, NC_MAIN, 1, BLOCK_BYTES, SCALES, OFFSET, GROUP, PF_BYTES)           \
+    PP_PANEL_TILE(NAME##_four, TARGET, DOT, 4, 1, BLOCK_BYTES, SCALES, OFFSET, GROUP, PF_BYTES)                 \
+    PP_PANEL_TILE(NAME##_two, TARGET, DOT, 2, 2, BLOCK_BYTES, SCALES, OFFSET, GROUP, PF_BYTES)                  \
+    PP_PANEL_TILE(NAME##_one, TARGET, DOT, 1, 2, BLOCK_BYTES, SCALES, OFFSET, GROUP, PF_BYTES)
+
+/* N columns of one panel through NAME's tiles, widest first. */
+#define PP_PANEL_COLUMNS(NAME, PANEL, NB, K, COLS, STRIDE, N, O, LDO, NC_MAIN)                                 \
+    do {                                                                                                    \
+        int64_t c = 0;                                                                                      \
+        for (; c + NC_MAIN <= (N); c += NC_MAIN) NAME##_main(PANEL, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
+        for (; c + 4 <= (N); c += 4) NAME##_four(PANEL, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
+        for (; c + 2 <= (N); c += 2) NAME##_two(PANEL, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
+        for (; c < (N); c++) NAME##_one(PANEL, NB, K, (COLS) + c * (STRIDE), STRIDE, (O) + c * (LDO), LDO); \
+    } while (0)
+
 #endif

@@ -42,36 +42,39 @@ int pp_panel_kernel_runs_here(enum pp_panel_kernel k) {
     return 0;
 }
 
+/* Each weight family's kernel for each pp_panel_kernel (indexed by its value;
+ * NULL where the family has no such kernel: its portable one runs). */
+typedef pp_panel_kernel_fn family_kernels[PP_PANEL_KERNEL_AVX2 + 1];
+
+#if defined(__x86_64__)
+#define X86(fn) fn
+#else
+#define X86(fn) NULL
+#endif
+#define FAMILY(SCALAR, AVXVNNI, AVX512VNNI, AVX2)                                                        \
+    {[PP_PANEL_KERNEL_SCALAR] = SCALAR, [PP_PANEL_KERNEL_AVXVNNI] = X86(AVXVNNI),                        \
+     [PP_PANEL_KERNEL_AVX512VNNI] = X86(AVX512VNNI), [PP_PANEL_KERNEL_AVX2] = X86(AVX2)}
+enum { FLOAT_PANELS, K_QUANT_PANELS, MXFP4_PANELS, Q8_PANELS };
+static const family_kernels kernels_of[] = {
+    [FLOAT_PANELS] = FAMILY(pp_fpanel_gemm_scalar, pp_fpanel_gemm_avx2, pp_fpanel_gemm_avx512vnni, pp_fpanel_gemm_avx2),
+    [K_QUANT_PANELS] = FAMILY(pp_kpanel_gemm_scalar, pp_kpanel_gemm_avxvnni, pp_kpanel_gemm_avx512vnni, pp_kpanel_gemm_avx2),
+    [MXFP4_PANELS] = FAMILY(pp_mxpanel_gemm_scalar, pp_mxpanel_gemm_avxvnni, pp_mxpanel_gemm_avx512vnni, pp_mxpanel_gemm_avx2),
+    [Q8_PANELS] = FAMILY(pp_panel_gemm_scalar, pp_panel_gemm_avxvnni, pp_panel_gemm_avx512vnni, NULL),
+};
+#undef FAMILY
+#undef X86
+
 pp_panel_kernel_fn pp_panel_kernel_for(enum pp_panel_kernel k, enum ggml_type type) {
-    if (pp_panel_type_is_float(type)) {
+    const int is_float = pp_panel_type_is_float(type), is_k = pp_panel_type_is_k(type);
 #if defined(__x86_64__)
-        if (k == PP_PANEL_KERNEL_AVX512VNNI)
-            return type == GGML_TYPE_BF16 ? pp_fpanel_gemm_bf16_avx512vnni : pp_fpanel_gemm_avx512vnni;
-        if (k == PP_PANEL_KERNEL_AVXVNNI || k == PP_PANEL_KERNEL_AVX2) return pp_fpanel_gemm_avx2;
+    if (type == GGML_TYPE_BF16 && k == PP_PANEL_KERNEL_AVX512VNNI) return pp_fpanel_gemm_bf16_avx512vnni;
 #endif
-        return pp_fpanel_gemm_scalar;
-    }
-    if (pp_panel_type_is_k(type)) {
-#if defined(__x86_64__)
-        if (k == PP_PANEL_KERNEL_AVX512VNNI) return pp_kpanel_gemm_avx512vnni;
-        if (k == PP_PANEL_KERNEL_AVXVNNI) return pp_kpanel_gemm_avxvnni;
-        if (k == PP_PANEL_KERNEL_AVX2) return pp_kpanel_gemm_avx2;
-#endif
-        return pp_kpanel_gemm_scalar;
-    }
-    if (type == GGML_TYPE_MXFP4) {
-#if defined(__x86_64__)
-        if (k == PP_PANEL_KERNEL_AVX512VNNI) return pp_mxpanel_gemm_avx512vnni;
-        if (k == PP_PANEL_KERNEL_AVXVNNI) return pp_mxpanel_gemm_avxvnni;
-        if (k == PP_PANEL_KERNEL_AVX2) return pp_mxpanel_gemm_avx2;
-#endif
-        return pp_mxpanel_gemm_scalar;
-    }
-#if defined(__x86_64__)
-    if (k == PP_PANEL_KERNEL_AVX512VNNI) return pp_panel_gemm_avx512vnni;
-    if (k == PP_PANEL_KERNEL_AVXVNNI) return pp_panel_gemm_avxvnni;
-#endif
-    return pp_panel_gemm_scalar;
+    const family_kernels *family = &kernels_of[is_float ? FLOAT_PANELS
+                                               : is_k   ? K_QUANT_PANELS
+                                               : type == GGML_TYPE_MXFP4 ? MXFP4_PANELS
+                                                                         : Q8_PANELS];
+    const pp_panel_kernel_fn fn = ((unsigned)k <= PP_PANEL_KERNEL_AVX2) ? (*family)[k] : NULL;
+    return fn ? fn : (*family)[PP_PANEL_KERNEL_SCALAR];
 }
 
 int pp_q8_panels_fit(enum ggml_type type, int64_t k, int64_t n_rows, enum pp_panel_kernel kernel) {

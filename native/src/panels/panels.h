@@ -200,6 +200,11 @@ struct ggml_tensor *pp_expert_matmul(struct ggml_context *ctx, pp_expert_route *
 typedef void pp_panel_gemm_kernel(const pp_q8_panels *w, int64_t p0, int64_t p1, const uint8_t *cols,
                                   size_t col_stride, int64_t n, float *out, size_t ldo);
 typedef pp_panel_gemm_kernel *pp_panel_kernel_fn;
+/* The head of a kernel's definition for TARGET's instructions (its parameters named as above). */
+#define PP_PANEL_GEMM_KERNEL(NAME, TARGET)                                                                  \
+    __attribute__((target(TARGET))) void NAME(const pp_q8_panels *w, int64_t p0, int64_t p1,               \
+                                              const uint8_t *cols, size_t col_stride, int64_t n, float *out, \
+                                              size_t ldo)
 /* One column of x into the layout the quantized formats' kernels read. */
 typedef void pp_panel_quantizer(const float *x, int64_t k, uint8_t *col);
 typedef pp_panel_quantizer *pp_panel_quantize_fn;

@@ -49,27 +49,16 @@ static inline __attribute__((target("avx2,f16c"), always_inline)) __m256 f16_sca
 #define PP_Q8_PF_BYTES 2048
 
 #define PP_PANEL_KERNEL(NAME, TARGET, DPBUSD, NC_MAIN, WIDEN)                                               \
-    PP_PANEL_TILE(NAME##_main, TARGET, DPBUSD, NC_MAIN, 1, PP_PANEL_BLOCK_BYTES, f16_scales, q8_offset, q8_group, 0)                  \
-    PP_PANEL_TILE(NAME##_four, TARGET, DPBUSD, 4, 1, PP_PANEL_BLOCK_BYTES, f16_scales, q8_offset, q8_group, 0)                        \
-    PP_PANEL_TILE(NAME##_one, TARGET, DPBUSD, 1, 2, PP_PANEL_BLOCK_BYTES, f16_scales, q8_offset, q8_group, 0)                         \
-    PP_PANEL_TILE(NAME##_q4_main, TARGET, DPBUSD, NC_MAIN, 1, PP_PANEL_Q4_BLOCK_BYTES, f16_scales, q4_offset, q4_group, PP_Q8_PF_BYTES)           \
-    PP_PANEL_TILE(NAME##_q4_four, TARGET, DPBUSD, 4, 1, PP_PANEL_Q4_BLOCK_BYTES, f16_scales, q4_offset, q4_group, PP_Q8_PF_BYTES)                 \
-    PP_PANEL_TILE(NAME##_q4_one, TARGET, DPBUSD, 1, 2, PP_PANEL_Q4_BLOCK_BYTES, f16_scales, q4_offset, q4_group, PP_Q8_PF_BYTES)                  \
-    __attribute__((target(TARGET))) void NAME(const pp_q8_panels *w, int64_t p0, int64_t p1,               \
-                                              const uint8_t *cols, size_t col_stride, int64_t n, float *out, \
-                                              size_t ldo) {                                                 \
+    PP_PANEL_TILES(NAME, TARGET, DPBUSD, NC_MAIN, PP_PANEL_BLOCK_BYTES, f16_scales, q8_offset, q8_group, 0) \
+    PP_PANEL_TILES(NAME##_q4, TARGET, DPBUSD, NC_MAIN, PP_PANEL_Q4_BLOCK_BYTES, f16_scales, q4_offset, q4_group, PP_Q8_PF_BYTES) \
+    PP_PANEL_GEMM_KERNEL(NAME, TARGET) {                                                                \
         const int64_t k = w->k, nb = k / PP_PANEL_BLOCK;                                                    \
         _Alignas(64) uint8_t tmp[PP_PANEL_MAX_K / PP_PANEL_BLOCK * PP_PANEL_BLOCK_BYTES];                   \
         for (int64_t pi = p0; pi < p1; pi++) {                                                              \
             float *o = out + (size_t)pi * PP_PANEL_ROWS;                                                    \
-            int64_t c = 0;                                                                                  \
             if (w->type == GGML_TYPE_Q4_0 && n < PP_Q4_WIDEN_COLUMNS) {                                     \
                 const uint8_t *q4 = w->data + (size_t)pi * nb * PP_PANEL_Q4_BLOCK_BYTES;                    \
-                for (; c + NC_MAIN <= n; c += NC_MAIN)                                                      \
-                    NAME##_q4_main(q4, nb, k, cols + c * col_stride, col_stride, o + c * ldo, ldo);         \
-                for (; c + 4 <= n; c += 4)                                                                  \
-                    NAME##_q4_four(q4, nb, k, cols + c * col_stride, col_stride, o + c * ldo, ldo);         \
-                for (; c < n; c++) NAME##_q4_one(q4, nb, k, cols + c * col_stride, col_stride, o + c * ldo, ldo); \
+                PP_PANEL_COLUMNS(NAME##_q4, q4, nb, k, cols, col_stride, n, o, ldo, NC_MAIN);               \
                 continue;                                                                                   \
             }                                                                                               \
             const uint8_t *panel = w->data + (size_t)pi * nb * PP_PANEL_BLOCK_BYTES;                        \
@@ -80,11 +69,7 @@ static inline __attribute__((target("avx2,f16c"), always_inline)) __m256 f16_sca
                 widen_q4_avx2(w->data + (size_t)pi * nb * PP_PANEL_Q4_BLOCK_BYTES, nb, tmp);                \
                 panel = tmp;                                                                                \
             }                                                                                               \
-            for (; c + NC_MAIN <= n; c += NC_MAIN)                                                          \
-                NAME##_main(panel, nb, k, cols + c * col_stride, col_stride, o + c * ldo, ldo);             \
-            for (; c + 4 <= n; c += 4)                                                                      \
-                NAME##_four(panel, nb, k, cols + c * col_stride, col_stride, o + c * ldo, ldo);             \
-            for (; c < n; c++) NAME##_one(panel, nb, k, cols + c * col_stride, col_stride, o + c * ldo, ldo); \
+            PP_PANEL_COLUMNS(NAME, panel, nb, k, cols, col_stride, n, o, ldo, NC_MAIN);                     \
         }                                                                                                   \
     }
 
