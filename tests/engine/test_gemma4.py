@@ -13,14 +13,15 @@ import httpx
 import numpy as np
 import pytest
 
-from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
+from pyllama_paged.engine import EngineConfig, Model, SamplingParams
 from pyllama_paged.engine.kv.groups import KVGroups
 from pyllama_paged.engine.worker.model_runner import ModelRunner, dense_kv_bytes_per_token, kv_groups_for, kv_row_bytes
 from pyllama_paged.gguf.config import config_from_metadata
 from pyllama_paged.gguf.reader import read_metadata
 from pyllama_paged.testing import synthetic_gguf
 from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
-                                              assert_preempted_answers_agree, reference_next_logits)
+                                              assert_preempted_answers_agree, reference_next_logits,
+                                              small_engine)
 from pyllama_paged.testing.reference.loader import load_reference
 from pyllama_paged.testing.reference.tiny_gemma4 import write_tiny_gemma4
 from pyllama_paged.testing.routed_logits import (ROUTER_NEAR_TIE, TOLERANCE, assert_one_step_routes_as_alone,
@@ -251,17 +252,11 @@ PROMPTS = [[int(x) for x in np.random.default_rng(20 + i).integers(0, 300, size=
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
 
 
-def make_engine(model, eot, num_blocks=200, mode="recompute", budget=64):
-    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=budget, block_size=16,
-                                             num_blocks=num_blocks))
-    return LLMEngine(runner, eot, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
-
-
 @pytest.mark.parametrize("shape", ["dense", "moe"])
 def test_parallel_samples_fork_and_copy_on_write_keep_the_reference_answer(tiny, reference, shape):
     model = Model(tiny[shape, "f16"])
     eot = Tokenizer.from_gguf(tiny[shape, "f16"]).eot_ids
-    llm = make_engine(model, eot)
+    llm = small_engine(model, eot)
     try:
         assert_forked_samples_agree(llm, PROMPTS[2], reference[shape, "f16"], eot)
     finally:
@@ -291,7 +286,7 @@ def preempted_want(tiny, reference):
 def test_preemption_keeps_the_reference_answers(tiny, reference, preempted_want, mode):
     eot = Tokenizer.from_gguf(tiny["dense", "f16"]).eot_ids
     model = Model(tiny["dense", "f16"])
-    llm = make_engine(model, eot, num_blocks=9, mode=mode)
+    llm = small_engine(model, eot, num_blocks=9, mode=mode)
     try:
         assert_preempted_answers_agree(llm, PROMPTS, LONG_GREEDY, reference["dense", "f16"], preempted_want, eot)
     finally:
