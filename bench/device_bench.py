@@ -31,13 +31,17 @@ minutes on an H100 with 16 cores: once --budget-s (counted from the start) is sp
 workloads left are skipped and reported so, and a workload still running then is stopped a
 minute later (GRACE_S), so one call always comes back with what it measured.
 
-Prepare the GPU machine first (its 16 cores build for one architecture in a few minutes):
+Nothing is built or downloaded on the GPU machine (it reaches no network, and 15 minutes are the
+whole loan): bench/gpu_carry.sh builds here, once, one file, bench/.carry/carry.tar.xz (the CUDA
+GGML for sm_90, our library against it, the Python 3.12 wheels the machine lacks, llama.cpp
+b10488's tools on the same GGML); this script unpacks it and runs itself again on it. The loan's
+one call, with the carry beside the tracked tree:
 
-    bench/build_ggml_cuda.sh /tmp/ggml 90            # our GGML, CUDA backend
-    pip install --force-reinstall --no-deps /tmp/ggml/libggml_python-*.whl
-    pip install --force-reinstall --no-deps --no-build-isolation .
-    CUDA_ARCHS=90 bench/build_llama_cpp.sh --cuda    # or let this script build it
-    python -m bench.device_bench [--models llama3.2-1b,llama3.2-3b] [--workloads batched,single,chat,step]
+    python -m bench.device_bench --tar $OUT      # results packed into $OUT/device_bench.tar.xz
+
+Each measured row stands beside our prediction (bench/common/gpu_model.py). --dry-run walks every
+step but the GPU's on any machine: the carry unpacked and checked, the models, each workload's
+command line, the predictions, the packed results.
 
 A cuBLAS or CUDA runtime installed with pip (nvidia-cublas, as PyTorch brings) and not on
 the loader's path is put on LD_LIBRARY_PATH (the script runs itself again with it), so that
@@ -53,11 +57,13 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from bench.common import gpu_model
+from bench.common.loan import CARRY, carried_llama_cpp_bin, carry_problems, run_on_carry, tar_results, unpack_carry
 from bench.common.options import add_options
-from bench.common.peers import llama_cpp_tools
 from bench.common.report import RESULTS_DIR, markdown_table, nvidia_gpus, save_figure, script_parser, write_results
 
 BENCH = Path(__file__).resolve().parent
@@ -195,13 +201,12 @@ def functional_check(args) -> int:
 
 # ---- the benchmark -------------------------------------------------------------------
 
-def llama_cpp_bin(args, gpu: dict) -> Path:
-    """llama.cpp's CUDA tools: --llama-cpp-bin, else bench/build_llama_cpp.sh --cuda for this
-    GPU's architecture."""
+def llama_cpp_bin(args) -> Path | None:
+    """llama.cpp's CUDA tools: --llama-cpp-bin, else the carry's (None: neither; this script
+    never builds them: the GPU machine reaches no network and a build would spend the loan)."""
     if args.llama_cpp_bin:
         return Path(args.llama_cpp_bin)
-    env = {**os.environ, "CUDA_ARCHS": os.environ.get("CUDA_ARCHS", gpu["compute_cap"].replace(".", ""))}
-    return llama_cpp_tools(cuda=True, env=env)
+    return carried_llama_cpp_bin()
 
 
 def llama_cpp_lists_cuda(bin_dir: Path) -> bool:
@@ -407,7 +412,10 @@ def benchmark(args, gpus: list[dict], started: float) -> int:
         return refuse("the installed libggml-python has no CUDA backend (GGML lists no CUDA device): build and "
                       "install it with bench/build_ggml_cuda.sh (see this script's docstring)")
     gpu = gpus[0]
-    bin_dir = None if args.ours_only else llama_cpp_bin(args, gpu)
+    bin_dir = None if args.ours_only else llama_cpp_bin(args)
+    if bin_dir is None and not args.ours_only:
+        return refuse("llama.cpp's CUDA tools are not here: build the carry with bench/gpu_carry.sh (it brings "
+                      "them), or pass --llama-cpp-bin or --ours-only")
     if bin_dir is not None and not llama_cpp_lists_cuda(bin_dir):
         return refuse(f"llama.cpp's tools in {bin_dir} list no CUDA device: build them with "
                       "bench/build_llama_cpp.sh --cuda")
@@ -419,7 +427,7 @@ def benchmark(args, gpus: list[dict], started: float) -> int:
         write_model(path, preset)
         models[label] = path
     status = run_plan(workload_plan(args, models, bin_dir, out_dir), args.budget_s, started)
-    rows = summary_rows(out_dir, status)
+    rows = with_predictions(summary_rows(out_dir, status), gpu["name"])
     times = run_times(status)
     notes = (f"Every layer and the output head on {gpu['name']} on both sides; {args.threads} CPU threads; "
              f"llama.cpp with flash attention on (step: the better of on and off). "
@@ -436,7 +444,60 @@ def benchmark(args, gpus: list[dict], started: float) -> int:
     plot(out_dir / "device_bench.png", rows, gpu["name"])
     print(markdown_table(rows))
     print(markdown_table(times))
+    if args.tar:
+        print(f"results packed into {tar_results(out_dir, Path(args.tar))}")
     return 0 if all(e["result"] == "ok" for w in status.values() for e in w.values()) else 1
+
+
+def with_predictions(rows: list[dict], gpu_name: str) -> list[dict]:
+    """Each measured row with our predicted figure beside it (bench/common/gpu_model.py)."""
+    device = gpu_model.gpu_device(gpu_name)
+    table = gpu_model.predictions(device) if device else []
+    return [{**r, "ours predicted": gpu_model.prediction_for(table, gpu_name, r["model"], r["workload"],
+                                                              r["setting"])} for r in rows]
+
+
+def dry_run(args) -> int:
+    """Every step of a loan that needs no GPU, on this machine: the carry unpacked and checked,
+    the models, the plan's command lines, the predictions the measurements will stand beside, and
+    the results packed as a loan brings them back. Exit 1 when a step found something missing."""
+    problems = []
+    print(f"1. GPU: {', '.join(g['name'] for g in nvidia_gpus()) or 'none here: its calls are skipped'}")
+    carry = Path(args.carry)
+    bin_dir = Path(args.llama_cpp_bin) if args.llama_cpp_bin else Path("<carry>/llama.cpp/bin")
+    if carry.is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            found = carry_problems(unpack_carry(carry, Path(tmp)))
+        problems += [f"carry: {p}" for p in found]
+        print(f"2. carry {carry} ({carry.stat().st_size / 2**20:.1f} MiB): " + ("complete" if not found else
+                                                                              "; ".join(found)))
+    else:
+        problems.append(f"carry: no {carry}: build it with bench/gpu_carry.sh")
+        print(f"2. {problems[-1]}")
+    models = {}
+    for name in args.models.split(","):
+        label, path, preset = resolve_model(name)
+        models[label] = path
+        print(f"3. model {label}: {path}" + ("" if Path(path).exists() else
+                                             f" (written from preset {preset} on the loan)" if preset else " MISSING"))
+        if not preset and not Path(path).exists():
+            problems.append(f"model {path} is missing")
+    gpu_name = args.dry_run_gpu
+    out_dir = Path(args.out) / ("".join(c if c.isalnum() else "-" for c in gpu_name).strip("-").lower() + "-dry-run")
+    plan = workload_plan(args, models, None if args.ours_only else bin_dir, out_dir)
+    for item in plan:
+        print(f"4. {item['model']} {item['workload']}: " + (shlex.join(item["cmd"]) if item["cmd"] else "skipped"))
+    device = gpu_model.gpu_device(gpu_name)
+    rows = [{"model": r["model"], "workload": r["workload"], "setting": r["setting"], "ours predicted": r["ours"],
+             "llama.cpp predicted": r["llama.cpp"], "ours": None, "llama.cpp": None}
+            for r in gpu_model.predictions(device)] if device else []
+    print(f"5. predictions on {gpu_name} beside the measurements to come:\n" + markdown_table(rows))
+    write_results("device_bench", {"dry_run": True, "plan": plan, "problems": problems}, rows, out_dir=out_dir,
+                  title=f"GPU benchmark, dry run (predicted on {gpu_name})")
+    packed = tar_results(out_dir, Path(args.tar) if args.tar else out_dir.parent / "back")
+    print(f"6. results packed into {packed} (at most 8 files come back)")
+    print("dry run: " + ("every step ready" if not problems else "MISSING\n  " + "\n  ".join(problems)))
+    return 0 if not problems else 1
 
 
 def parser():
@@ -461,9 +522,16 @@ def parser():
                     help="more arguments for bench/serving/chat_trace.py")
     ap.add_argument("--step-args", default="--npl 1 16 64 --npp 128 --ntg 128",
                     help="more arguments for bench/engine/step_overhead.py (always --paths gather)")
-    ap.add_argument("--llama-cpp-bin", default=None, help="llama.cpp's CUDA bin folder (default: build it)")
+    ap.add_argument("--llama-cpp-bin", default=None, help="llama.cpp's CUDA bin folder (default: the carry's; never built here)")
     ap.add_argument("--ours-only", action="store_true",
                     help="our engine's figures alone, where llama.cpp's CUDA tools are not built")
+    ap.add_argument("--carry", default=str(CARRY),
+                    help="bench/gpu_carry.sh's file: unpacked and run on when present (GGML with CUDA, our "
+                         "library, the Python wheels, llama.cpp's tools)")
+    ap.add_argument("--tar", default=None, help="also pack the results into DIR/device_bench.tar.xz (a loan: $OUT)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="walk every step of a loan that needs no GPU (carry, models, plan, predictions, packing)")
+    ap.add_argument("--dry-run-gpu", default="NVIDIA H100 80GB HBM3", help="--dry-run: the GPU to predict for")
     ap.add_argument("--main-gpu", type=int, default=0, help="which GPU (functional check: of GGML's)")
     add_options(ap, threads=min(8, os.cpu_count() or 1), model=None, max_tokens=16, out=str(RESULTS_DIR / "device"),
                 helps={"model": "functional check: the GGUF (default: the embedded model)",
@@ -480,10 +548,14 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--workloads: unknown {', '.join(sorted(unknown))} (choose from {', '.join(WORKLOADS)})")
 
+    if args.dry_run:
+        return dry_run(args)
     gpus = nvidia_gpus()
     if not gpus and not args.functional_check:
         return refuse("no NVIDIA GPU here (nvidia-smi is absent or lists none): the device benchmark needs one. "
                       "--functional-check runs a short check, without timings, on any GPU GGML lists.")
+    if not args.functional_check:   # the check runs on the GGML installed here (Vulkan's too)
+        run_on_carry(Path(args.carry), "bench.device_bench", sys.argv[1:] if argv is None else list(argv))
     put_cuda_libraries_on_path()
     if args.functional_check:
         return functional_check(args)

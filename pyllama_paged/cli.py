@@ -8,6 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from .calls.sampling_options import BASE_MODEL_MAX_TOKENS
 from .errors import PagedError
 from .flags import add_flags, flagged, read_flags
 
@@ -46,8 +47,8 @@ class _Answers:
 class RunSettings(_Answers):
     """`run`'s own options: how the completion of PROMPT is sampled."""
 
-    max_tokens: int = flagged(128, "--max-tokens", "tokens to generate at most; -1: to the end of the context",
-                              type=_max_tokens, aliases=("-n",), metavar="N")
+    max_tokens: int = flagged(BASE_MODEL_MAX_TOKENS, "--max-tokens", "tokens to generate at most; -1: to the end "
+                              "of the context", type=_max_tokens, aliases=("-n",), metavar="N")
     temperature: float = flagged(0.0, "--temperature", "sampling temperature; 0 picks the likeliest token every "
                                  "time", type=float)
     top_k: int = flagged(40, "--top-k", "sample among the k likeliest tokens", type=int)
@@ -73,8 +74,11 @@ _LLAMA_SKIPS = ("scheduler", "speculative", "prefix_tiers")
 
 
 def _model_path(name: str | None) -> str | None:
-    """--model as a file, or the GGUF of a pulled model's name; a clear error otherwise."""
+    """--model as a file, the GGUF of a pulled model's name or of an embedded model's
+    (gemma3:270m-base, smollm2:135m); a clear error otherwise."""
     import os
+
+    from .models.embedded import CHAT_MODEL_NAME, chat_model_missing, embedded_path
 
     if name is None or os.path.isfile(name):
         return name
@@ -87,12 +91,18 @@ def _model_path(name: str | None) -> str | None:
     stored = ModelStore().find_name(name)
     if stored is not None:
         return stored.path
+    embedded = embedded_path(name)
+    if embedded is not None:
+        return embedded
+    if name.lower().removesuffix(":latest") == CHAT_MODEL_NAME:
+        raise PagedError(f"--model {name}: {chat_model_missing()}")
     raise PagedError(f"--model {name}: no such file, and no pulled model of that name "
                      "(`pyllama-paged pull NAME` fetches one)")
 
 
-def _open_llama(args):
-    """The Llama that run and chat use, from the engine flags (each a Llama argument of its name)."""
+def _open_llama(args, default_path=None):
+    """The Llama that run and chat use, from the engine flags (each a Llama argument of its
+    name); default_path(): the model without --model (None: the embedded base model)."""
     from .api.llama import Llama
     from .engine import EngineConfig
 
@@ -101,7 +111,8 @@ def _open_llama(args):
         raise PagedError(f"--ctx {args.n_ctx} is smaller than one KV page (--block-size {args.block_size}): "
                          f"give --ctx {args.block_size} or more")
     names = [f.name for f in dataclasses.fields(EngineConfig) if "flag" in f.metadata and f.name != "model_path"]
-    return Llama(_model_path(args.model_path), **{name: getattr(args, name) for name in names})
+    path = _model_path(args.model_path) if args.model_path is not None or default_path is None else default_path()
+    return Llama(path, **{name: getattr(args, name) for name in names})
 
 
 def _limit(max_tokens: int) -> int | None:
@@ -150,9 +161,9 @@ def _print_stats(llm, last_rate: float | None) -> None:
     print(f"[generated {s['generated_tokens']} tokens, computed {s['computed_tokens']}; last answer {rate}]")
 
 
-BASE_MODEL_NOTE = ("note: the default model (Gemma 3 270M) is a base model, not tuned to follow instructions: "
-                   "it continues your text rather than answering it, and may repeat itself. For a chat model: "
-                   "`pyllama-paged pull gemma3:270m`, then `pyllama-paged chat --model gemma3:270m`.")
+BASE_MODEL_NOTE = ("note: this model has no chat template: it is a base model, not tuned to follow instructions, "
+                   "so it continues your text rather than answering it, and may repeat itself. Without --model, "
+                   "chat uses the embedded chat model smollm2:135m.")
 
 
 class ThinkingWriter:
@@ -181,9 +192,19 @@ class ThinkingWriter:
             self.out.write((self.RESET if self.tty else "") + gap)
 
 
+def _chat_model() -> str:
+    """chat's model without --model: the embedded chat model, or an error saying how to install it."""
+    from .models.embedded import chat_model_missing, chat_model_path
+
+    path = chat_model_path()
+    if path is None:
+        raise PagedError(f"{chat_model_missing()}; or give --model FILE.gguf or a pulled model's name")
+    return path
+
+
 def cmd_chat(args) -> int:
-    with _open_llama(args) as llm:
-        if args.model_path is None:
+    with _open_llama(args, _chat_model) as llm:
+        if not llm.metadata.get("tokenizer.chat_template"):
             print(BASE_MODEL_NOTE, flush=True)
         history: list[dict] = []
         if args.system:
@@ -262,8 +283,11 @@ def serve_config(args):
 
     try:
         config = read_flags(serve_defaults(), args, skip=_SERVE_SKIPS)
-        return dataclasses.replace(config, api_key=config.api_key or os.environ.get("PYLLAMA_API_KEY") or None,
-                                   origins=origin_list(os.environ.get(ORIGINS_ENV)) + config.origins)
+        env_key = os.environ.get("PYLLAMA_API_KEY")
+        config = dataclasses.replace(config, api_key=config.api_key or ([env_key] if env_key else None),
+                                     origins=origin_list(os.environ.get(ORIGINS_ENV)) + config.origins)
+        config.api_keys()   # a key file that cannot be read is said now, not at the first request
+        return config
     except PagedError as e:
         raise SystemExit(str(e)) from None
 

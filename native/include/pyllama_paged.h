@@ -261,6 +261,25 @@ int32_t pp_seq_tokens(const pp_block_pool *pool, int32_t seq_id, int32_t *out,
 int32_t pp_seq_slot_mapping(const pp_block_pool *pool, int32_t seq_id, int32_t start,
                             int32_t count, int32_t *out);
 
+/* How pp_seq_create_rooted places a sequence's tokens: as pp_seq_create,
+ * pp_seq_create_cached or pp_seq_create_uncached. */
+enum pp_seq_create_mode {
+    PP_SEQ_CREATE          = 0,
+    PP_SEQ_CREATE_CACHED   = 1,
+    PP_SEQ_CREATE_UNCACHED = 2
+};
+
+/* The pp_seq_create variant `mode` names, with the sequence's hash chain
+ * starting from root instead of 0: root is the parent hash of its first
+ * block, so its full blocks are hits only for sequences created under the
+ * same root, and it never reuses blocks hashed under another (what computes
+ * the KV besides the tokens: a LoRA adapter and its scale). Forks keep their
+ * parent's chain. root 0 is the plain functions' chain. *num_cached_tokens
+ * (may be NULL) as theirs (0 for PP_SEQ_CREATE_UNCACHED). PP_ERR_INVALID for
+ * an unknown mode; otherwise as the function the mode names. */
+int32_t pp_seq_create_rooted(pp_block_pool *pool, uint64_t root, int32_t mode, const int32_t *token_ids,
+                             int32_t num_tokens, int32_t *seq_id, int32_t *num_cached_tokens);
+
 /* ---- a step's batch ---------------------------------------------------- */
 
 /* Tokens [start, start + count) of a sequence, computed in one step. */
@@ -509,6 +528,52 @@ enum pp_panel_kernel {
  * pp_model_repack_weights. */
 int32_t pp_model_pack_panels(pp_model *model, int32_t any_cpu, int32_t *kernel, int32_t *n_packed);
 
+/* A LoRA adapter of a model: for each projection it changes (a decoder
+ * layer's attn_q/k/v/output or dense ffn_gate/up/down), the pair A [in, rank]
+ * and B [rank, out] (GGML order) of a GGUF adapter as llama.cpp's converter
+ * writes it ("<base tensor name>.lora_a" / ".lora_b"). A step adds
+ * user_scale * alpha / rank * B (A x) to the base product of each token of
+ * a sequence running it (alpha 0: user_scale alone, as llama.cpp reads it);
+ * the base weights are never changed, so sequences with different adapters,
+ * or none, run in one step (pp_batch.loras). */
+typedef struct pp_lora pp_lora;
+
+/* The most different adapters one step may run. */
+enum { PP_LORA_MAX_PER_STEP = 64 };
+
+/* An empty adapter of model (borrowed: it must outlive the adapter) with
+ * the file's adapter.lora.alpha; pairs are attached with pp_lora_set_tensor.
+ * PP_ERR_INVALID for a model not finalized, an encoder model or a
+ * non-finite alpha. Free with pp_lora_destroy. */
+int32_t pp_lora_create(const pp_model *model, float alpha, pp_lora **out);
+
+/* Destroy an adapter. NULL is accepted. No step may be running with it. */
+void pp_lora_destroy(pp_lora *lora);
+
+/* Attach one tensor of the adapter file by its GGUF name; data is n_bytes
+ * bytes in GGML's layout of type and shape ne (n_dims), borrowed until
+ * pp_lora_finalize copies it. A "*_norm.weight" tensor (mergekit writes
+ * them) is ignored, as llama.cpp does. PP_ERR_INVALID, naming the tensor,
+ * for a name that is neither .lora_a nor .lora_b, a base that is not a
+ * projection of the model's layers (or one with routed experts), a shape
+ * that does not fit the base's ([in, rank] for A, [rank, out] for B), a
+ * type without a CPU product, a wrong byte count or a second copy. */
+int32_t pp_lora_set_tensor(pp_lora *lora, const char *name, int32_t type, const int64_t *ne, int32_t n_dims,
+                           const void *data, int64_t n_bytes);
+
+/* Check that every pair is complete with one rank and copy the weights
+ * into host memory the adapter owns (the data given to pp_lora_set_tensor
+ * may be released afterwards). PP_ERR_INVALID names the first incomplete or
+ * mismatched pair, or says the adapter holds none; PP_ERR_NO_MEMORY if the
+ * copy cannot be allocated. A failed finalize leaves the adapter unusable:
+ * destroy it. */
+int32_t pp_lora_finalize(pp_lora *lora);
+
+/* The adapter's complete pairs, and the bytes its weights take (0 before
+ * pp_lora_finalize). Counts, not statuses: 0 for NULL. */
+int32_t pp_lora_n_pairs(const pp_lora *lora);
+int64_t pp_lora_bytes(const pp_lora *lora);
+
 /* ---- KV cache ----------------------------------------------------------- */
 
 typedef struct pp_kv_cache pp_kv_cache;
@@ -604,6 +669,15 @@ typedef struct pp_batch {
      * n_logits x n_vocab floats, and pp_context_step_logits gives NULL.
      * 0 (or where the context computes no ids): the logits as usual. */
     int32_t        argmax_only;
+    /* LoRA adapters: sequence s runs loras[seq_lora[s]] with user scale
+     * seq_lora_scale[s] (n_seqs entries each), or no adapter where
+     * seq_lora[s] is -1. n_loras 0 and NULLs: no adapter in the step. At
+     * most the count pp_context_reserve_loras reserved; every adapter made
+     * for the context's model and finalized (PP_ERR_INVALID otherwise). */
+    int32_t        n_loras;
+    pp_lora *const *loras;
+    const int32_t *seq_lora;
+    const float   *seq_lora_scale;
 } pp_batch;
 
 typedef struct pp_context pp_context;
@@ -706,6 +780,15 @@ int32_t pp_context_step_stats(const pp_context *ctx, pp_step_stats *out);
  * CPU backend runs: with every layer on a device (whose backends have no
  * abort hook) a step stops at its CPU ops, or the next step does. */
 int32_t pp_context_abort(pp_context *ctx);
+
+/* Make room for steps that run up to max_loras different LoRA adapters
+ * (1..PP_LORA_MAX_PER_STEP): their graphs' extra nodes and the per-step
+ * plan of which tokens run which adapter. Until then a step with adapters
+ * fails with PP_ERR_INVALID. Asking for fewer than reserved keeps what is
+ * there. No step may be running on the context. PP_ERR_INVALID for a bad
+ * count, PP_ERR_NO_MEMORY if the room cannot be had (the context keeps
+ * what it had and stays usable). */
+int32_t pp_context_reserve_loras(pp_context *ctx, int32_t max_loras);
 
 /* ---- encoder (embedding models) ----------------------------------------- */
 

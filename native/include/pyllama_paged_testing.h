@@ -123,6 +123,45 @@ int32_t pp_panel_row_run(int32_t type, int64_t k, int64_t n_rows, const void *we
 int64_t pp_panel_chunks_run(int64_t n_panels, int32_t n_threads, int64_t chunk, const int32_t *schedule,
                             int32_t n_schedule, int64_t *claims, int64_t max_claims);
 
+/* ---- step graph introspection --------------------------------------------- */
+
+/* One node of a context's last step graph as GGML's CUDA backend compares it
+ * before replaying a captured CUDA graph (ggml-cuda's update rule: the whole
+ * tensor struct, and each source's data pointer, ne and nb). Addresses are
+ * plain integers (0: none); sizes match GGML 0.20.2 (10 sources, 64-byte
+ * names, 16 op parameters). */
+typedef struct pp_graph_node {
+    char     op[32];              /* ggml_op_desc: the op, or the unary/glu op's name */
+    char     name[64];
+    int32_t  type;                /* enum ggml_type */
+    int32_t  flags;
+    int64_t  ne[4];
+    uint64_t nb[4];
+    int32_t  op_params[16];
+    uint64_t self;                /* the tensor's own address (a CUDA graph's key is nodes[0]'s) */
+    uint64_t data;
+    uint64_t buffer;
+    uint64_t view_src;
+    uint64_t view_offs;
+    uint64_t extra;
+    uint64_t src[10];             /* the sources' addresses */
+    uint64_t src_data[10];        /* and what the rule reads of them (zero where no source) */
+    int64_t  src_ne[10][4];
+    uint64_t src_nb[10][4];
+    uint64_t props_hash;          /* FNV-1a over the struct's bytes and the sources' data, ne, nb:
+                                     equal hashes, equal properties for the rule */
+    int32_t  backend;             /* the scheduler's backend index (0: the device), -1 without one */
+    int32_t  on_host;             /* 1: the node's buffer is in host memory (or it has none) */
+} pp_graph_node;
+
+/* The nodes of the context's last step graph (the one its last decode ran),
+ * in execution order, into out (the caller's, `capacity` entries); *n_nodes
+ * receives the graph's node count even when it exceeds capacity (then only
+ * the first `capacity` are written). PP_ERR_INVALID for a NULL argument or a
+ * negative capacity, or when the context has no graph (no step yet, or the
+ * last one failed). Reads only: the graph stays as it was. */
+int32_t pp_context_graph_nodes(const pp_context *ctx, pp_graph_node *out, int32_t capacity, int32_t *n_nodes);
+
 #ifdef __cplusplus
 }
 #endif

@@ -12,7 +12,7 @@ import numpy as np
 
 from .._native import GGML_LOG_DEBUG, lib
 from ..constrain.formats import from_python
-from ..engine import (EngineConfig, PrefixTierConfig, RequestOutput, SamplingParams, SchedulerConfig,
+from ..engine import (EngineConfig, LoraRequest, PrefixTierConfig, RequestOutput, SamplingParams, SchedulerConfig,
                       SharedSteps, SpeculativeConfig, build_engine, list_devices, load_model)
 from ..errors import PagedError, RequestError
 from ..calls.chat_call import ChatCall, prepare_call
@@ -40,7 +40,7 @@ class Llama:
                  seed: int = LLAMA_DEFAULT_SEED, type_k: int | None = None, type_v: int | None = None,
                  chat_format: str | None = None, chat_handler=None, embedding: bool = False,
                  pooling_type: int = -1, logits_all: bool = False, last_n_tokens_size: int = 64,
-                 lora_path: str | None = None, verbose: bool = False,
+                 lora_path: str | None = None, lora_scale: float = 1.0, verbose: bool = False,
                  paged: bool = True, block_size: int = 32, kv_cache_type: str = "f16", n_seq_max: int = 1,
                  repack_weights: bool = True, pack_panels: bool = True, n_gpu_layers: int = 0,
                  main_gpu: int = 0, speculative: Any = None, prefix_cache_ram: int = 0,
@@ -55,13 +55,13 @@ class Llama:
         or a SpeculativeConfig (None: off); a request opts out with SamplingParams(speculative=False).
         draft_model: llama-cpp-python's LlamaPromptLookupDecoding, the same prompt lookup.
         prefix_cache_ram: bytes of host RAM that keep computed prompt blocks after the KV pool
-        evicts them (0: none); prefix_cache_dir: a directory keeping them across runs (None: none)."""
+        evicts them (0: none); prefix_cache_dir: a directory keeping them across runs (None: none).
+        lora_path: a LoRA adapter GGUF (llama.cpp's convert_lora_to_gguf.py) every call runs, at
+        lora_scale; the base weights stay as they are (llama.cpp merges nothing either)."""
         self.llm_engine = self._model = self._steps = None   # set first: close() is safe after a failed init
         self._warnings = CompatWarnings()
         self._warnings.constructor_args(llama_cpp_args)
-        if lora_path is not None:
-            raise RequestError("lora_path: LoRA adapters are not supported (the base model would answer "
-                               "instead of the adapted one)")
+        lora = None if lora_path is None else LoraRequest("default", lora_scale)   # checks the scale first
         if n_threads_batch is not None and n_threads is not None and n_threads_batch != n_threads:
             self._warnings.warn("n_threads_batch", "n_threads_batch is not separate here: n_threads runs "
                                                    "prompts and generation alike")
@@ -103,6 +103,13 @@ class Llama:
                                      scheduler=SchedulerConfig(max_num_batched_tokens=self.n_batch))
         self.n_threads = config.n_threads
         self.llm_engine = build_engine(config, self._model, self._tokenizer.eot_ids)
+        if lora is not None:
+            try:
+                self.llm_engine.add_lora(lora.name, lora_path)
+            except BaseException:
+                self._free()
+                raise
+            self.llm_engine.default_lora = lora
         self._steps = SharedSteps(self.llm_engine)
         # bert: embeddings only, no KV cache and no chat
         self.chat_template = None if self._model.config.is_encoder else self._chat_template(chat_format)
@@ -124,8 +131,10 @@ class Llama:
         directory, the Hugging Face cache, an installed model package) or downloaded from the
         Hub (HF_ENDPOINT) and checked against its sha256. progress(status, completed, total)
         sees the download's bytes (default: a bar on stderr, unless verbose=False)."""
-        if additional_files:
-            raise RequestError("additional_files (split GGUFs) are not supported")
+        if additional_files and "-00001-of-" not in (filename or ""):
+            # llama-cpp-python's use of them: a split GGUF's other parts, which come with its first here
+            raise RequestError("additional_files is for the other parts of a split GGUF, fetched with its first "
+                               "part here: give filename='*-00001-of-0000N.gguf'")
         closing = None
         if progress is None and kwargs.get("verbose", True):
             from ..models.progress import TerminalProgress
@@ -487,12 +496,14 @@ class Llama:
                                model: str | None = None, logits_processor=None, grammar=None,
                                logit_bias: dict | None = None, logprobs: bool | None = None,
                                top_logprobs: int | None = None, *, n: int = 1, ignore_eos: bool = False,
-                               stopping_criteria=None, speculative: bool = True, think: bool | None = None):
+                               stopping_criteria=None, speculative: bool = True, think: bool | None = None,
+                               reasoning_budget: int | None = None):
         """OpenAI-shaped chat completion over the model's chat template (or chat_handler's
         answer when one was given); tool calls come back in message.tool_calls, a thinking
         model's thinking in message.reasoning_content. speculative=False opts this call out
         of the model's speculative decoding; think switches a thinking template's thinking
-        on or off (its enable_thinking; None: the template's default)."""
+        on or off (its enable_thinking; None: the template's default); reasoning_budget:
+        thinking tokens at most before the think block is closed (None or -1: no budget)."""
         if self.chat_handler is not None:
             return self.chat_handler(
                 llama=self, messages=messages, functions=functions, function_call=function_call, tools=tools,
@@ -512,9 +523,10 @@ class Llama:
             speculative=speculative, logprobs=(top_logprobs or 0) if logprobs else None))
         call = ChatCall(messages=messages, tools=tools, tool_choice=tool_choice,
                         structured=lambda tokenizer: from_python(tokenizer, response_format, grammar),
-                        surface=PYTHON, sampling=fields, sampling_defaults={"seed": self._seed}, thinking=think)
+                        surface=PYTHON, sampling=fields, sampling_defaults={"seed": self._seed}, thinking=think,
+                        thinking_budget=reasoning_budget)
         prepared = prepare_call(call, self.chat_template, self._tokenizer)
-        params = call.params(prepared.constraint)
+        params = call.params(prepared.constraint, prepared.thinking_budget)
         criteria = (watch, stopping_criteria) if watch is not None else None
         chunks = chat_chunks(self, prepared.prompt_ids, params, prepared.tool_names, model or self.model_path,
                              criteria, prepared.thinks, prepared.opens_thinking, prepared.harmony)

@@ -52,7 +52,7 @@ UNUSED_ARGS: dict[str, tuple[Any, str]] = {
     "tokenizer": (None, "the GGUF's own tokenizer is used"),
     "spm_infill": (False, "fill-in-the-middle is not supported"),
     "swa_full": (None, "the KV cache is paged"),
-    **_unused("LoRA adapters are not supported", lora_base=None, lora_scale=1.0),
+    "lora_base": (None, "the adapter (lora_path) applies to the loaded model's own weights"),
 }
 # Accepted silently: their effect is already what this engine does (a fused
 # attention kernel, KV on the compute device, no perf counters to turn off).

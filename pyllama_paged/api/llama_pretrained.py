@@ -99,8 +99,9 @@ def _download(repo_id: str, pattern: str, local_dir, cache_dir, progress, looked
     """The file from the Hub, into local_dir or Hugging Face's cache; errors say where we looked."""
     try:
         _, files = repo_files(repo_id)
-        name = choose_glob(list(files), pattern, repo_id)
-        return download_file(repo_id, files[name], cache_dir=cache_dir, local_dir=local_dir, progress=progress)
+        names = choose_glob(list(files), pattern, repo_id)   # a split GGUF's parts: all, the first opened
+        return [download_file(repo_id, files[name], cache_dir=cache_dir, local_dir=local_dir, progress=progress)
+                for name in names][0]
     except ModelNotFoundError as e:
         raise ModelNotFoundError(f"no local file matches {repo_id} / {pattern!r} ({looked}), and the Hub has "
                                  f"none: {e}") from None

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..constrain.grammar import Constraint
+from ..constrain.thinking_budget import ThinkingBudget
 from ..engine import SamplingParams, TokenEvent
 from ..errors import PagedError
 from ..tokenizer.chat_template import ChatTemplate
@@ -22,8 +23,8 @@ from ..tools.calls import ToolCall, ToolCallStream, parse_tool_calls
 from ..tools.harmony import HarmonyReader, HarmonyTokens, harmony_tokens
 from ..tools.messages import normalize_messages
 from ..tools.prompt import plan_tools, render_chat
-from ..tools.reasoning import (ReasoningSplitter, prompt_opens_thinking, speaks_harmony, split_reasoning,
-                               template_thinks, thinking_variables)
+from ..tools.reasoning import (THINK_CLOSE, THINK_OPEN, ReasoningSplitter, budget_tokens, prompt_opens_thinking,
+                               speaks_harmony, split_reasoning, template_thinks, thinking_variables)
 from .sampling_options import PYTHON, Surface, sampling_params
 from .text_stream import TextDelta
 
@@ -41,6 +42,9 @@ class Call:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # for fields still unset (max_tokens' default)
     thinking: bool | None = None   # the request's switch for a model that thinks (None: its template's default)
     reasoning_effort: str | None = None   # low, medium or high, for gpt-oss (None: its template's default)
+    # thinking tokens at most before a think block's close is forced (None: the effort's, or none;
+    # a server fills in its --reasoning-budget; negative: no budget)
+    thinking_budget: int | None = None
     truncate: bool = False   # past the context: a chat's oldest turns dropped, a prompt's first tokens cut
     # read by the server only
     model: str | None = None
@@ -48,10 +52,13 @@ class Call:
     refuse_unsupported: Callable[[Any], None] | None = None      # the API's refusals, given the served model
     n_ctx: int | None = None      # Ollama's num_ctx: prompt and answer within fewer tokens than the model's
     keep_alive: Any = None        # Ollama's keep_alive, as sent
+    lora: list[tuple[int, float]] | None = None   # llama-server's per-request adapters: (id, scale)
 
-    def params(self, constraint: Constraint | None) -> SamplingParams:
-        """The call's SamplingParams, decoding under constraint; PagedError names a bad field."""
-        return sampling_params(self.surface, {**self.sampling, "constraint": constraint}, **self.sampling_defaults)
+    def params(self, constraint: Constraint | None, budget: ThinkingBudget | None = None) -> SamplingParams:
+        """The call's SamplingParams, decoding under constraint with a thinking budget;
+        PagedError names a bad field."""
+        return sampling_params(self.surface, {**self.sampling, "constraint": constraint, "thinking_budget": budget},
+                               **self.sampling_defaults)
 
 
 @dataclass
@@ -89,6 +96,7 @@ class PreparedChat:
     thinks: bool = False            # the template writes a think block: the answer's thinking is split out
     opens_thinking: bool = False    # the prompt ends inside an open think block
     harmony: HarmonyTokens | None = None   # the reply is harmony (gpt-oss): its channels are read instead
+    thinking_budget: ThinkingBudget | None = None   # the think block's close forced past this many tokens
 
 
 def prepare_call(call: ChatCall, template: ChatTemplate, tokenizer: Tokenizer,
@@ -103,8 +111,9 @@ def prepare_call(call: ChatCall, template: ChatTemplate, tokenizer: Tokenizer,
     harmony = harmony_tokens(tokenizer) if speaks_harmony(template.source) else None
     variables = thinking_variables(template.source, call.thinking, call.reasoning_effort)
     ids, text = _prompt_ids(template, tokenizer, messages, tools, n_ctx if call.truncate else None, variables)
-    return PreparedChat(ids, constraint, names, thinks,
-                        thinks and harmony is None and prompt_opens_thinking(text), harmony)
+    opens = thinks and harmony is None and prompt_opens_thinking(text)
+    return PreparedChat(ids, constraint, names, thinks, opens, harmony,
+                        thinking_budget(call, tokenizer, thinks and harmony is None, opens))
 
 
 def prepare_prompts(call: PromptCall, template: ChatTemplate, tokenizer: Tokenizer,
@@ -129,8 +138,20 @@ def prepare_prompts(call: PromptCall, template: ChatTemplate, tokenizer: Tokeniz
             raise PagedError("prompt token id outside the vocabulary")
         else:
             ids, opens = list(prompt), False
-        prepared.append(PreparedChat(ids, None, set(), thinks, opens, harmony))
+        prepared.append(PreparedChat(ids, None, set(), thinks, opens, harmony,
+                                     thinking_budget(call, tokenizer, thinks and harmony is None, opens)))
     return prepared
+
+
+def thinking_budget(call: Call, tokenizer: Tokenizer, think_tags: bool, opens: bool) -> ThinkingBudget | None:
+    """The call's thinking budget on a model that writes think blocks (think_tags), as the
+    model's own tokens of <think> and </think>; None without a budget. gpt-oss (harmony)
+    takes its reasoning effort through its template instead."""
+    tokens = budget_tokens(call.thinking_budget, call.reasoning_effort)
+    if not think_tags or tokens is None:
+        return None
+    tags = [tuple(tokenizer.encode(tag, add_special=False, parse_special=True)) for tag in (THINK_OPEN, THINK_CLOSE)]
+    return ThinkingBudget(tokens, tags[0], tags[1], opens)
 
 
 def _prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], tools: list[dict],

@@ -31,6 +31,11 @@ OPENAI = Surface({"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "r
 
 _FIELDS = set(SamplingParams.__dataclass_fields__)
 
+# A model without a chat template (a base model) continues text and seldom stops on its own:
+# the answer length of `pyllama-paged run` without -n, and of a request to such a model that
+# leaves its limit unset, on every API (the server's cap would let it ramble for thousands)
+BASE_MODEL_MAX_TOKENS = 128
+
 
 def sampling_params(surface: Surface, fields: Mapping[str, Any], **overrides) -> SamplingParams:
     """SamplingParams from the fields a caller gave (None = not given) over the

@@ -6,13 +6,14 @@ step) < spec_decode/ | sched/ | pooling/ (drafts, what runs next, embeddings) < 
 folder's files (one step, its config, the loop, the builder). Nothing here knows HTTP."""
 
 from .params import (MAX_BEAM_WIDTH, MAX_LOGPROBS, MAX_SCORE_ROWS, POOLINGS, TOKEN_STATES, EmbedParams,
-                     SamplingParams, ScoreParams, default_pooling)
+                     LoraRequest, SamplingParams, ScoreParams, default_pooling)
 from .outputs import RequestOutput, TokenEvent
 from .kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventListener
 from .kv.groups import KVGroups
 from .kv.prefix_tiers import PrefixTierConfig
 from .worker.devices import gpu_device, list_devices
 from .worker.model import Model, default_model_path, load_model
+from .worker.lora import LoraAdapter, split_scale
 from .worker.model_runner import KV_TYPES, dense_kv_bytes_per_token
 from .worker.sampler import BatchSampler, Sampler
 from .worker.thread_policy import MAX_THREADS
@@ -27,7 +28,7 @@ from .shared_steps import SharedSteps
 
 __all__ = [
     # what a request asks, and their bounds
-    "SamplingParams", "EmbedParams", "ScoreParams", "MAX_LOGPROBS", "MAX_BEAM_WIDTH", "MAX_SCORE_ROWS",
+    "SamplingParams", "EmbedParams", "ScoreParams", "LoraRequest", "MAX_LOGPROBS", "MAX_BEAM_WIDTH", "MAX_SCORE_ROWS",
     "POOLINGS", "TOKEN_STATES", "default_pooling",
     # what a step returns; the prefix cache's events
     "RequestOutput", "TokenEvent", "KVEvent", "KVEventListener", "BlockStored", "BlockRemoved", "AllBlocksCleared",
@@ -38,5 +39,5 @@ __all__ = [
     "EngineLoop", "RequestStream", "SharedSteps",
     # the model: weights, devices, KV bytes per token, a sampler for the Python API's sample()
     "Model", "default_model_path", "list_devices", "gpu_device", "KVGroups", "dense_kv_bytes_per_token",
-    "BatchSampler", "Sampler", "PromptLookupDrafter",
+    "BatchSampler", "Sampler", "PromptLookupDrafter", "LoraAdapter", "split_scale",
 ]

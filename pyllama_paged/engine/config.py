@@ -28,9 +28,10 @@ class EngineConfig:
     # an option shows their declared default, and settings made again from flags resolve them anew
     RESOLVED_FIELDS = ("n_threads", "adapt_threads")
 
-    model_path: str | None = flagged(None, "--model", "GGUF file, or the name of a pulled model (default: the "
-                                     "embedded Gemma 3 270M, a base model: it continues text, it does not follow "
-                                     "instructions)", aliases=("-m",), metavar="MODEL")
+    model_path: str | None = flagged(None, "--model", "GGUF file, or the name of a pulled or embedded model "
+                                     "(default: for run the embedded base model gemma3:270m-base, which continues "
+                                     "text; for chat the embedded chat model smollm2:135m)", aliases=("-m",),
+                                     metavar="MODEL")
     # <= 0: the model's training context (never more than it)
     n_ctx: int = flagged(4096, "--ctx", "context length in tokens, per sequence", type=int)
     n_batch: int = 512                  # tokens per forward step

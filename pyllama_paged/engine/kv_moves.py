@@ -112,7 +112,10 @@ class KVMover:
             return
         bs = self.runner.kv.block_size
         chains = {}
+        adapted = self.runner.kv.loras.of   # the tiers' chains hold base-model KV only
         for seq_id, (handle, start, count) in zip(output.seq_ids, output.items):
+            if handle in adapted:
+                continue
             chain = self._chains.get(seq_id)
             if chain is None or chain.handle != handle:   # new, or placed again since
                 chain = _Chain(handle, start // bs)

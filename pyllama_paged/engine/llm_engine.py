@@ -19,7 +19,8 @@ from .worker.model_runner import ModelRunner, dense_kv_bytes_per_token
 from .outputs import RequestOutput
 from ..errors import PagedError, RequestError
 from .worker.sampler import BatchSampler, Sampler
-from .params import EmbedParams, SamplingParams, ScoreParams
+from .params import EmbedParams, LoraRequest, SamplingParams, ScoreParams
+from .worker.lora import LoraAdapter
 from .kv_moves import KVMover
 from .kv.prefix_tiers import PrefixTierConfig, PrefixTiers, kv_identity, model_fingerprint
 from .postprocess import ExecutedStep, Postprocessor
@@ -64,6 +65,8 @@ class LLMEngine:
         self._owned_model = None              # a model from_config loaded (closed with the engine)
         self.speculator: Speculator | None = None   # speculative decoding (use_speculator)
         self.tiers: PrefixTiers | None = None       # the prefix cache below the pool (use_prefix_tiers)
+        self.loras: dict[str, LoraAdapter] = {}     # LoRA adapters by name (add_lora)
+        self.default_lora: LoraRequest | None = None   # what a request naming none runs (Llama(lora_path=))
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, model: Model | None = None, eot_ids=None) -> "LLMEngine":
@@ -133,12 +136,50 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.close()
         self.runner.close()
+        for adapter in self.loras.values():
+            adapter.close()
+        self.loras.clear()
         if self._owned_model is not None:
             self._owned_model.close()
             self._owned_model = None
         if self.speculator is not None:   # a draft model and its pool
             self.speculator.close()
             self.use_speculator(None)
+
+    # ---- LoRA adapters -----------------------------------------------------
+    def add_lora(self, name: str, path: str) -> LoraAdapter:
+        """Load a LoRA adapter file for this engine's model under name (requests pick it with
+        SamplingParams.lora); ModelLoadError for a file that is not an adapter of this model."""
+        if not isinstance(name, str) or not name:
+            raise RequestError("a LoRA adapter needs a non-empty name")
+        if name in self.loras:
+            raise RequestError(f"a LoRA adapter named {name!r} is already loaded")
+        adapter = LoraAdapter(self.runner.model, path)
+        self.loras[name] = adapter
+        return adapter
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter; RequestError while a request in flight runs it, or if unknown."""
+        adapter = self.loras.get(name)
+        if adapter is None:
+            raise RequestError(f"no LoRA adapter named {name!r} is loaded")
+        if any(r.lora is not None and r.lora[0] is adapter for r in self.requests.values()):
+            raise RequestError(f"LoRA adapter {name!r} is in use by a running request")
+        del self.loras[name]
+        if self.default_lora is not None and self.default_lora.name == name:
+            self.default_lora = None
+        adapter.close()
+
+    def _lora_of(self, wanted: LoraRequest | None) -> tuple | None:
+        """(adapter, scale) a request runs: its own LoraRequest, else the engine's default."""
+        wanted = wanted if wanted is not None else self.default_lora
+        if wanted is None or wanted.scale == 0.0:
+            return None   # scale 0 adds nothing: the base model's KV, and its prefix cache
+        adapter = self.loras.get(wanted.name)
+        if adapter is None:
+            known = ", ".join(sorted(self.loras)) or "none"
+            raise RequestError(f"no LoRA adapter named {wanted.name!r} is loaded (loaded: {known})")
+        return adapter, float(wanted.scale)
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | EmbedParams | ScoreParams,
@@ -159,7 +200,7 @@ class LLMEngine:
             raise RequestError(f"logit_bias token id {max(params.logit_bias)} outside the vocabulary "
                                f"of {self.runner.n_vocab}")
         request = Request(request_id, prompt_ids, params if sampled else SamplingParams(), embed=embed,
-                          score=score)
+                          score=score, lora=None if embed else self._lora_of(params.lora))
         # max_tokens resolved here, once: the prompt and at most that many tokens (0 or None: to
         # the context), within the context
         request.max_len = min(self.limit, len(prompt_ids) + (request.params.max_tokens or self.limit))

@@ -18,6 +18,22 @@ MAX_LOGPROBS = min(20, lib.PP_SAMPLE_MAX_TOP)
 MAX_BEAM_WIDTH = lib.PP_SAMPLE_MAX_TOP // 2
 
 
+@dataclass(frozen=True)
+class LoraRequest:
+    """Which LoRA adapter a request runs, by the name the engine loaded it under
+    (LLMEngine.add_lora), and the user scale its B (A x) is multiplied by (llama.cpp's
+    adapter scale: the file's alpha / rank is applied too)."""
+
+    name: str
+    scale: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise RequestError(f"a LoRA adapter's name must be a non-empty string, got {self.name!r}")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale):
+            raise RequestError(f"LoRA adapter {self.name!r}: scale {self.scale!r} must be a finite number")
+
+
 @dataclass
 class SamplingParams:
     """What a generation asks of the engine: how each token is drawn and when it stops."""
@@ -45,6 +61,9 @@ class SamplingParams:
     # f(token ids so far, the row's float32 logits) -> logits, on the engine's thread
     logits_processor: Any = None
     speculative: bool = True    # False: this request never speculates, even when the engine does
+    lora: LoraRequest | None = None   # the LoRA adapter it runs (None: the engine's default, if any)
+    # a constrain.thinking_budget.ThinkingBudget: a think block's close forced once its tokens are spent
+    thinking_budget: Any = None
 
     def __post_init__(self):
         self.validate()
@@ -80,6 +99,8 @@ class SamplingParams:
             ("beam_width", self.beam_width == 1 or (self.logit_bias is None and self.logits_processor is None),
              "must be 1 with logit_bias or a logits processor"),
             ("speculative", isinstance(self.speculative, bool), "must be true or false"),
+            ("lora", self.lora is None or isinstance(self.lora, LoraRequest), "must be a LoraRequest or None"),
+            ("beam_width", self.beam_width == 1 or self.thinking_budget is None, "must be 1 with a thinking budget"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -134,6 +155,7 @@ class ScoreParams:
     at each position, the top_n likeliest tokens."""
 
     top_n: int = 0
+    lora: LoraRequest | None = None   # the LoRA adapter the prompt is scored under (None: the engine's default)
 
     def __post_init__(self):
         self.validate()

@@ -30,6 +30,7 @@ class TensorInfo:
     type: int                # ggml_type id
     offset: int              # absolute byte offset in the file
     n_bytes: int
+    part: int = 0            # which file of a split GGUF holds it (gguf/split.py); 0 for a plain file
 
 
 # GGML shapes and byte sizes are int64_t; a tensor has at most GGML_MAX_DIMS dims.
@@ -205,6 +206,11 @@ class GGUFFile:
         ttype = cur.unpack("I", f"tensor '{name}'")
         offset = cur.unpack("Q", f"tensor '{name}'")
         return name, shape, ttype, offset
+
+    @property
+    def parts(self) -> list["GGUFFile"]:
+        """The files holding the model: this one (a split GGUF has several: gguf/split.py)."""
+        return [self]
 
     def tensor_bytes(self, info: TensorInfo) -> np.ndarray:
         """The tensor's raw bytes (a view of the map, no copy)."""

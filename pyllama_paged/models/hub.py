@@ -116,16 +116,27 @@ def _models(names: list[str]) -> dict[str, list[str]]:
     return groups
 
 
-def _refuse_split(repo_id: str, parts: list[str]) -> None:
-    if len(parts) > 1 or _SPLIT.match(parts[0]):
-        raise RequestError(f"{repo_id}: {parts[0]} is one part of a split GGUF ({len(parts)} parts here); split "
-                           "files are not supported: merge them with llama.cpp's `llama-gguf-split --merge` "
-                           "and load the merged file")
+def split_parts(repo_id: str, parts: list[str], names: list[str]) -> list[str]:
+    """A chosen GGUF and, for a part of a split (-00001-of-0000N), every part in order, all
+    found among the repository's names; a clear error for a part that is missing."""
+    m = _SPLIT.match(parts[0])
+    if m is None and len(parts) == 1:
+        return parts
+    if m is None:
+        raise RequestError(f"several files of {repo_id} match: {', '.join(parts)}")
+    prefix, count = m.group(1), int(m.group(3))
+    by_lower = {n.lower(): n for n in names}
+    wanted = [f"{prefix}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    missing = [w for w in wanted if w.lower() not in by_lower]
+    if count < 1 or missing:
+        raise ModelNotFoundError(f"{repo_id}: the split GGUF {prefix} has {count} parts, but "
+                                 f"{', '.join(missing) or 'its count'} is not in the repository")
+    return [by_lower[w.lower()] for w in wanted]
 
 
-def choose_quant(files: list[str], quant: str | None, repo_id: str) -> str:
-    """The one GGUF of a repository whose name has QUANT (default Q4_K_M, else the only one);
-    a clear error for none, several or a split file."""
+def choose_quant(files: list[str], quant: str | None, repo_id: str) -> list[str]:
+    """The one GGUF of a repository whose name has QUANT (default Q4_K_M, else the only one):
+    its file, or a split's parts in order; a clear error for none, several or a missing part."""
     ggufs = [n for n in files if n.lower().endswith(".gguf") and "mmproj" not in PurePosixPath(n).name.lower()]
     if not ggufs:
         raise ModelNotFoundError(f"{repo_id} has no .gguf file")
@@ -142,22 +153,21 @@ def choose_quant(files: list[str], quant: str | None, repo_id: str) -> str:
     if len(groups) > 1:
         raise RequestError(f"{wanted!r} matches several files of {repo_id}: {', '.join(hits)}; "
                            "name one with a longer QUANT")
-    parts = next(iter(groups.values()))
-    _refuse_split(repo_id, parts)
-    return parts[0]
+    return split_parts(repo_id, next(iter(groups.values())), files)
 
 
-def choose_glob(files: list[str], pattern: str, repo_id: str) -> str:
-    """The one file of a repository that matches a glob; a clear error otherwise."""
+def choose_glob(files: list[str], pattern: str, repo_id: str) -> list[str]:
+    """The one file of a repository that matches a glob (a split's parts in order when it
+    matches parts of one); a clear error otherwise."""
     hits = match_glob(files, pattern)
     if not hits:
         ggufs = [n for n in files if n.lower().endswith(".gguf")]
         raise ModelNotFoundError(f"no file of {repo_id} matches {pattern!r}; its .gguf files: "
                                  f"{', '.join(ggufs) or 'none'}")
-    if len(hits) > 1:
+    groups = _models(hits)
+    if len(groups) > 1:
         raise RequestError(f"several files of {repo_id} match {pattern!r}: {', '.join(hits)}")
-    _refuse_split(repo_id, hits)
-    return hits[0]
+    return split_parts(repo_id, next(iter(groups.values())), files)
 
 
 def tag_for_file(name: str) -> str:
@@ -252,39 +262,51 @@ def download_file(repo_id: str, file: HubFile, *, cache_dir=None, local_dir=None
 
 
 class HubPull:
-    """A pull from the Hub, planned: the reference (tag settled), commit and file."""
+    """A pull from the Hub, planned: the reference (tag settled), commit and files (one GGUF,
+    or the parts of a split GGUF in order)."""
 
-    def __init__(self, ref: ModelRef, commit: str, file: HubFile):
-        self.ref, self.commit, self.file = ref, commit, file
+    def __init__(self, ref: ModelRef, commit: str, files: list[HubFile]):
+        self.ref, self.commit, self.files = ref, commit, files
+        self.file = files[0]   # the GGUF a load opens (a split's first part)
 
     @property
     def layers(self) -> list[tuple[str, int | None]]:
         """(digest, size) of what is downloaded."""
-        return [(self.file.digest, self.file.size)]
+        return [(f.digest, f.size) for f in self.files]
 
     def fetch(self, store: ModelStore, progress: Progress | None = None,
               should_stop: Callable[[], bool] | None = None) -> StoredModel:
-        """Download (or find in the cache) and verify the file, then record it in the store,
-        with whether this pull downloaded it (a file that was in the cache already belongs to
-        whoever put it there, and a delete leaves it)."""
+        """Download (or find in the cache) and verify each file, then record them in the store,
+        with whether this pull downloaded the first (a file that was in the cache already belongs
+        to whoever put it there, and a delete leaves it). A split's later parts are the
+        manifest's files "split-0000k"."""
         store.prepare()
         cached = _cached(self.ref.repo_id, self.file.name)
-        if cached is None:
-            _check_space(self.file)
-        path = download_file(self.ref.repo_id, self.file, progress=progress, should_stop=should_stop)
-        refused = not_gguf(path, f"{self.ref.repo_id}/{self.file.name}")
-        if refused is not None:
-            if cached is None:   # ours to remove; a file that was in the cache before is someone else's
-                remove_hub_file(Path(path))
-            raise refused
+        paths = [self._fetch_one(f, i == 0, progress, should_stop) for i, f in enumerate(self.files)]
+        path = paths[0]
         if progress:
             progress("writing manifest", 0, 0)
         previous = store.find(self.ref)
         owned = cached is None or (previous is not None and previous.owned and previous.path == path)
-        return store.write(self.ref, {"path": path, "digest": self.file.digest, "size": os.path.getsize(path),
-                                      "downloaded_here": owned}, {},
-                           {"endpoint": hub_endpoint(), "repo": self.ref.repo_id, "file": self.file.name,
-                            "revision": self.commit})
+        parts = {f"split-{i + 1:05d}": {"path": p, "digest": f.digest}
+                 for i, (p, f) in enumerate(zip(paths, self.files)) if i > 0}
+        return store.write(self.ref, {"path": path, "digest": self.file.digest,
+                                      "size": sum(os.path.getsize(p) for p in paths), "downloaded_here": owned},
+                           parts, {"endpoint": hub_endpoint(), "repo": self.ref.repo_id, "file": self.file.name,
+                                   "revision": self.commit})
+
+    def _fetch_one(self, file: HubFile, first: bool, progress, should_stop) -> str:
+        """One file downloaded and verified: a GGUF (checked from its first bytes), or removed."""
+        cached = _cached(self.ref.repo_id, file.name)
+        if cached is None:
+            _check_space(file)
+        path = download_file(self.ref.repo_id, file, progress=progress, should_stop=should_stop)
+        refused = not_gguf(path, f"{self.ref.repo_id}/{file.name}")
+        if refused is not None:
+            if cached is None:   # ours to remove; a file that was in the cache before is someone else's
+                remove_hub_file(Path(path))
+            raise refused
+        return path
 
 
 def _cached(repo_id: str, name: str) -> str | None:
@@ -309,10 +331,8 @@ def plan_hub(ref: ModelRef, should_stop: Callable[[], bool] | None = None) -> Hu
     """Settle which file a Hub reference means (one request: the repository's file list)."""
     commit, files = repo_files(ref.repo_id, should_stop=should_stop)
     names = list(files)
-    if ref.pattern:
-        name = choose_glob(names, ref.pattern, ref.repo_id)
+    chosen = choose_glob(names, ref.pattern, ref.repo_id) if ref.pattern else choose_quant(names, ref.tag, ref.repo_id)
+    for name in chosen:
         check_declared_size(files[name].size, f"{ref.repo_id}/{name}")
-        return HubPull(ref.with_tag(tag_for_file(name)), commit, files[name])
-    name = choose_quant(names, ref.tag, ref.repo_id)
-    check_declared_size(files[name].size, f"{ref.repo_id}/{name}")
-    return HubPull(ref.with_tag(ref.tag or "latest"), commit, files[name])
+    tag = tag_for_file(_SPLIT.sub(r"\1.gguf", chosen[0])) if ref.pattern else ref.tag or "latest"
+    return HubPull(ref.with_tag(tag), commit, [files[name] for name in chosen])

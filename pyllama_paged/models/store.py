@@ -248,7 +248,7 @@ class ModelStore:
             return False
         if _inside(path, self.root):
             return True
-        return model.source == "hf" and path == model.path and model.owned and _inside(path, hub_cache_dir())
+        return model.source == "hf" and _hub_gguf(model, path) and model.owned and _inside(path, hub_cache_dir())
 
     def delete(self, model: StoredModel, protected: set[str] | frozenset = frozenset()) -> list[str]:
         """Forget a stored model: its manifest, then the files no other manifest uses and that
@@ -272,11 +272,16 @@ class ModelStore:
                 log.warning("delete of %s: keeping %s (outside the store, not downloaded by it, or served)",
                             model.name, path)
                 continue
-            if model.source == "hf" and path == model.path:
+            if model.source == "hf" and _hub_gguf(model, path):
                 remove_hub_file(Path(path))
             else:
                 remove_entry(Path(path))
         return kept
+
+
+def _hub_gguf(model: StoredModel, path: str) -> bool:
+    """Whether path is a Hub model's GGUF: its file, or a later part of its split (files "split-*")."""
+    return path == model.path or any(role.startswith("split-") and p == path for role, p in model.files.items())
 
 
 def remove_hub_file(link: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import ipaddress
 import logging
 import re
@@ -30,6 +29,7 @@ from .routing.kv_events import KVEventPublisher
 from .metrics import Metrics
 from .registry import ModelRegistry
 from .anthropic import api as anthropic_api
+from .api_keys import APIKeys
 from .pooling import embeddings as embeddings_api
 from .ollama import api as ollama_api, manage as ollama_manage
 from .openai import api as openai_api, responses as openai_responses
@@ -116,7 +116,7 @@ class ServerState:
     registry: ModelRegistry
     limits: Limits
     metrics: Metrics
-    api_key: str | None = None
+    api_keys: APIKeys = field(default_factory=APIKeys)
     origins: OriginPolicy = field(default_factory=OriginPolicy)
     bind_host: str | None = None   # None: the address each connection came in on
     # tokenizing, templates, grammars, tool-call parsing: a few threads of their own
@@ -159,7 +159,7 @@ class AccessPolicy:
     """Who may call: the Host check (DNS rebinding), the Origin allow-list (pages of other
     sites) and the API key. The server's middleware and Ray's ingress both ask it."""
 
-    api_key: str | None = None
+    api_keys: APIKeys = field(default_factory=APIKeys)
     origins: OriginPolicy = field(default_factory=OriginPolicy)
     bind_host: str | None = None   # None: the address each connection came in on
 
@@ -184,15 +184,15 @@ class AccessPolicy:
         return None
 
     def refuse_key(self, scope, headers: dict[str, str]) -> Response | None:
-        """A 401 when a key is set and the request does not carry it, else None."""
-        if not self.api_key or _is_health_probe(scope):
+        """A 401 when keys are required and the request carries none of them, else None."""
+        if not self.api_keys.required or _is_health_probe(scope):
             return None
         auth = headers.get("authorization", "")
         given = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
         if not given:
             query = scope.get("query_string", b"").decode("latin-1")
             given = next((p[4:] for p in query.split("&") if p.startswith("key=")), "")
-        if hmac.compare_digest(given.encode("latin-1", "replace"), self.api_key.encode()):
+        if self.api_keys.accepts(given):
             return None
         return error_response(scope["path"], 401, "invalid or missing API key", None, "invalid_request_error",
                               code="invalid_api_key")
@@ -358,14 +358,15 @@ def route_label(scope) -> str:
     return getattr(route, "path_format", None) or getattr(route, "path", None) or "(unmatched)"
 
 
-def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: str | None = None,
+def create_app(registry: ModelRegistry, limits: Limits | None = None, api_key: APIKeys | str | None = None,
                origins: list[str] | tuple[str, ...] = (), host: str | None = None) -> FastAPI:
-    """The ASGI app serving the registry's models. origins: browser origins allowed beside
-    the defaults; host: the address the server is bound to (None: each connection's)."""
-    state = ServerState(registry, limits or Limits(), Metrics(), api_key, OriginPolicy(origins), host)
+    """The ASGI app serving the registry's models. api_key: the key, keys or APIKeys a
+    request must carry one of (None: none); origins: browser origins allowed beside the
+    defaults; host: the address the server is bound to (None: each connection's)."""
+    state = ServerState(registry, limits or Limits(), Metrics(), APIKeys.of(api_key), OriginPolicy(origins), host)
     app = FastAPI(title="pyllama-paged", version=__version__)
     app.state.pp = state
-    access = AccessPolicy(state.api_key, state.origins, state.bind_host)
+    access = AccessPolicy(state.api_keys, state.origins, state.bind_host)
     # the last added runs first: Host and Origin, then CORS (preflights answered, headers on
     # every answer after it, refusals of the key included), then the key and the body cap
     app.add_middleware(GuardMiddleware, state=state, access=access)
@@ -511,9 +512,10 @@ def serve(config: ServeConfig) -> None:
             config = dataclasses.replace(config, kv_event_listener=publisher)
         registry = ModelRegistry(config.models, config)
         try:
-            app = create_app(registry, config.limits, config.api_key, config.origins, config.host)
+            app = create_app(registry, config.limits, config.api_keys(), config.origins, config.host)
             server = uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                    timeout_graceful_shutdown=5)
+                                    timeout_graceful_shutdown=5, ssl_keyfile=config.ssl_keyfile,
+                                    ssl_certfile=config.ssl_certfile)
             router_contract.DrainingServer(server, app.state.pp, config.drain_seconds).run()
         finally:
             registry.close()   # the engines' last events (their caches cleared) go out before the socket closes

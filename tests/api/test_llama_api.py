@@ -1,6 +1,7 @@
 """The llama-cpp-python-shaped API on the default model: completions, streaming,
 stop strings, seeds, logprobs, echo, errors."""
 
+import numpy as np
 import pytest
 
 from pyllama_paged.errors import PagedError
@@ -213,7 +214,7 @@ def test_constructor_accepts_llama_cpp_arguments_and_warns_once():
         Llama(n_ctx=64, type_k=1, type_v=8)
     with pytest.raises(ValueError, match="BF16"):
         Llama(n_ctx=64, type_k=30, type_v=30)
-    with pytest.raises(ValueError, match="LoRA"):
+    with pytest.raises(ValueError, match="adapter.gguf: no such file"):
         Llama(n_ctx=64, lora_path="adapter.gguf")
 
 
@@ -268,3 +269,24 @@ def test_from_pretrained_local_directory_and_hf_cache(tmp_path, monkeypatch):
         # found nowhere here, it is asked of the Hub (a local one: tests/api/test_pretrained_download.py)
         monkeypatch.setenv("HF_ENDPOINT", hub_without_it.url)
         Llama.from_pretrained("someone/other-GGUF", "*.gguf", cache_dir=tmp_path / "hub")
+
+
+def test_lora_path_and_scale(tmp_path):
+    """Llama(lora_path=, lora_scale=) as llama-cpp-python: every call runs the adapter at that
+    scale (the float64 reference W + scale * alpha / rank * B A); a wrong file is refused."""
+    from pyllama_paged.testing.reference.numpy_model import ReferenceModel
+    from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
+    from pyllama_paged.testing.reference.tiny_lora import with_lora, write_tiny_lora
+
+    base = write_tiny_model(tmp_path / "base.gguf", "llama", weight_type="q8_0")
+    adapter = write_tiny_lora(tmp_path / "adapter.gguf", base, seed=3)
+    prompt = [2, 17, 99, 42, 7, 150, 33, 61]
+    ref = ReferenceModel.from_gguf(base)
+    want = with_lora(ref, adapter, 0.5).forward(prompt)[-1]
+    with Llama(base, n_ctx=64, n_threads=2, lora_path=adapter, lora_scale=0.5, verbose=False) as llm:
+        llm.eval(prompt)
+        got = np.asarray(llm.eval_logits[0])
+    assert np.abs(got - want).max() / np.ptp(want) < 3e-2
+    assert np.abs(ref.forward(prompt)[-1] - want).max() / np.ptp(want) > 0.2   # the adapter changed them
+    with pytest.raises(ValueError, match="not an adapter file"):
+        Llama(base, n_ctx=64, lora_path=base, verbose=False)

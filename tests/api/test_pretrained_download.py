@@ -63,3 +63,22 @@ def test_a_hub_download_resumes_a_dropped_connection(model_sources, tmp_path):
     ranged = [s.range for s in model_sources.seen("GET", "/resolve/") if s.range]
     assert len(ranged) == 1 and ranged[0].startswith("bytes=") and ranged[0] != "bytes=0-"
     assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest()
+
+
+def test_from_pretrained_fetches_every_part_of_a_split(model_sources, tmp_path):
+    """llama-cpp-python's split call (the first part's filename, the others as additional_files):
+    every part is downloaded beside the first and the model loads from it."""
+    from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
+    from pyllama_paged.testing.split_gguf import write_split
+
+    parts = write_split(write_tiny_model(tmp_path / "tiny.gguf", "gemma3", weight_type="q8_0"),
+                        str(tmp_path / "tiny-Q8_0"), 3)
+    for p in parts:
+        model_sources.add_hub_file(REPO, Path(p).name, Path(p).read_bytes())
+    with Llama.from_pretrained(REPO, "*Q8_0-00001-of-00003.gguf", additional_files=["*-00002-of-00003.gguf",
+                               "*-00003-of-00003.gguf"], n_ctx=64, n_threads=2, verbose=False) as llm:
+        assert llm.model_path.endswith("tiny-Q8_0-00001-of-00003.gguf")
+        assert llm("hi", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert all(Path(llm.model_path).with_name(Path(p).name).exists() for p in parts)
+    with pytest.raises(ValueError, match="additional_files is for the other parts of a split GGUF"):
+        Llama.from_pretrained(REPO, "*Q4_K_M.gguf", additional_files=["x.gguf"], verbose=False)

@@ -164,3 +164,17 @@ def test_the_native_core_checks_per_layer_shapes_itself(fields, message):
     good, keep = _native_hparams(layer_kv_source=[-1, -1, 1], layer_head_dim=[16, 32, 32], layer_window=[8, 0, 0])
     assert lib.pp_model_create(good, out) == lib.PP_OK
     lib.pp_model_destroy(out[0])
+
+
+def test_a_lora_adapter_is_refused_clearly(tmp_path, tiny):
+    """gemma4's graph adds no adapter's products: an adapter is refused, not silently ignored."""
+    from pyllama_paged.engine.worker.lora import LoraAdapter
+    from pyllama_paged.testing.reference.tiny_lora import write_tiny_lora
+
+    adapter = write_tiny_lora(tmp_path / "adapter.gguf", tiny["dense"], targets=("attn_q",))
+    model = Model(tiny["dense"])
+    try:
+        with pytest.raises(ModelLoadError, match="LoRA adapters are not supported for gemma4 models yet"):
+            LoraAdapter(model, adapter)
+    finally:
+        model.close()

@@ -19,8 +19,10 @@ LAYERS = [
     ["_native"],   # the binding's facade (_native/__init__.py) re-exports its modules
     ["gguf.config"],
     ["gguf.reader"],
+    ["gguf.split"],   # a split GGUF's parts read as one
     # model downloads: below everything that loads models, and needing none of it
-    ["models.refs", "models.download", "models.progress", "models.egress", "models.store_files"],
+    ["models.refs", "models.download", "models.progress", "models.egress", "models.store_files",
+     "models.embedded"],
     ["models.store", "models.hub_guard"],
     ["models.hub", "models.ollama_registry"],
     ["models.pull"],
@@ -30,7 +32,7 @@ LAYERS = [
     ["tokenizer.spm"],
     ["tokenizer.bpe", "tokenizer.wordpiece", "tokenizer.special", "tokenizer.gemma4_bpe"],
     ["tokenizer.tokenizer", "tokenizer.chat_template"],
-    ["constrain.digits"],
+    ["constrain.digits", "constrain.thinking_budget"],
     ["constrain.vocab"],
     ["constrain.grammar"],
     ["constrain.masks", "constrain.formats"],
@@ -44,7 +46,7 @@ LAYERS = [
      "calls.rerank"],
     ["api.llama_chat_format"],
     ["api.llama"],
-    ["server.metrics", "server.dashboard", "server.state", "server.routing.kv_events",
+    ["server.metrics", "server.dashboard", "server.state", "server.routing.kv_events", "server.api_keys",
      "server.routing.router_contract"],
     ["server.config"],
     ["server.registry"],
@@ -73,6 +75,7 @@ LAYERS = [
      "testing.synthetic_blocks", "testing.synthetic_bpe", "testing.synthetic_presets", "testing.vocab_metadata",
      "testing.device_checks", "testing.model_sources", "testing.scripted_gguf",
      "testing.ray_cluster", "testing.engine_runs", "testing.routed_logits", "testing.deltas",
+     "testing.cuda_graph_replay", "testing.reference.tiny_lora", "testing.split_gguf",
      "testing.reference.gemma4_reference", "testing.reference.loader", "testing.reference.tiny_gemma4",
      "testing.synthetic_gemma4", "testing.chat_replies"],
     ["cli"],

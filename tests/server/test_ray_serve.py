@@ -33,7 +33,7 @@ from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits  
 from pyllama_paged.testing.ray_cluster import (RayCluster, start_ray_server, stop_ray_server,  # noqa: E402
                                                wait_replicas)
 
-MODEL = "gemma3:270m"
+MODEL = "gemma3:270m-base"
 CTX = 1024
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from pyllama_paged.testing.agreement import assert_greedy_agree, engine_logits
 from pyllama_paged.testing.loop_control import paused
-from pyllama_paged.testing.serving import Running, pool_used, tiny_registry, wait_pool_empty, wait_until
+from pyllama_paged.testing.serving import Running, default_model_names, pool_used, tiny_registry, wait_pool_empty, wait_until
 from pyllama_paged.server.app import create_app
 from pyllama_paged.server.generation import Limits
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME
@@ -49,7 +49,7 @@ def test_ollama_generate_chat_and_listing(server):
                                 options=GREEDY, stream=True))
     assert "".join(p.message.content for p in streamed) == c.message.content
     names = [m.model for m in client.list().models]
-    assert names == [DEFAULT_MODEL_NAME]
+    assert names == default_model_names()
     assert client.show(DEFAULT_MODEL_NAME).details.family == "gemma3"
     ps = client.ps()
     assert ps.models[0].model == DEFAULT_MODEL_NAME
@@ -68,7 +68,7 @@ def test_ollama_unknown_model_is_404_with_the_list(server):
 # ---- the openai client ------------------------------------------------------
 def test_openai_completions_chat_models(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
+    assert [m.id for m in client.models.list().data] == default_model_names()
     c = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="The capital of France is", max_tokens=8,
                                   temperature=0)
     assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 8
@@ -101,22 +101,22 @@ def test_openai_errors_have_openai_shape(server):
 
 # ---- raw HTTP error cases ---------------------------------------------------
 @pytest.mark.parametrize("path,body,status,needle", [
-    ("/api/generate", b'{"model": "gemma3:270m", "prompt": ', 400, "malformed JSON"),
+    ("/api/generate", b'{"model": "gemma3:270m-base", "prompt": ', 400, "malformed JSON"),
     ("/v1/completions", b'{not json', 400, "malformed JSON"),
-    ("/api/generate", json.dumps({"model": "gemma3:270m", "prompt": 5}).encode(), 400, "prompt"),
-    ("/api/chat", json.dumps({"model": "gemma3:270m", "messages": [{"role": "wizard", "content": "x"}]}).encode(),
+    ("/api/generate", json.dumps({"model": "gemma3:270m-base", "prompt": 5}).encode(), 400, "prompt"),
+    ("/api/chat", json.dumps({"model": "gemma3:270m-base", "messages": [{"role": "wizard", "content": "x"}]}).encode(),
      400, "messages.0.role"),
-    ("/v1/chat/completions", json.dumps({"model": "gemma3:270m", "messages": [], "max_tokens": 2}).encode(),
+    ("/v1/chat/completions", json.dumps({"model": "gemma3:270m-base", "messages": [], "max_tokens": 2}).encode(),
      400, "messages"),
-    ("/v1/completions", json.dumps({"model": "gemma3:270m", "prompt": "x", "temperature": "hot"}).encode(),
+    ("/v1/completions", json.dumps({"model": "gemma3:270m-base", "prompt": "x", "temperature": "hot"}).encode(),
      400, "temperature"),
-    ("/v1/completions", json.dumps({"model": "gemma3:270m", "prompt": "x", "max_tokens": 100000}).encode(),
+    ("/v1/completions", json.dumps({"model": "gemma3:270m-base", "prompt": "x", "max_tokens": 100000}).encode(),
      400, "max_tokens"),
-    ("/api/generate", json.dumps({"model": "gemma3:270m", "prompt": "word " * 600, "truncate": False}).encode(),
+    ("/api/generate", json.dumps({"model": "gemma3:270m-base", "prompt": "word " * 600, "truncate": False}).encode(),
      400, "limit"),
-    ("/v1/completions", json.dumps({"model": "gemma3:270m", "prompt": "word " * 600}).encode(), 400, "limit"),
-    ("/api/generate", json.dumps({"model": "zzz", "prompt": "x"}).encode(), 404, "gemma3:270m"),
-    ("/api/generate", json.dumps({"model": "gemma3:270m", "prompt": "x" * 70000}).encode(), 413, "larger than"),
+    ("/v1/completions", json.dumps({"model": "gemma3:270m-base", "prompt": "word " * 600}).encode(), 400, "limit"),
+    ("/api/generate", json.dumps({"model": "zzz", "prompt": "x"}).encode(), 404, "gemma3:270m-base"),
+    ("/api/generate", json.dumps({"model": "gemma3:270m-base", "prompt": "x" * 70000}).encode(), 413, "larger than"),
 ])
 def test_bad_requests_get_clear_4xx(server, path, body, status, needle):
     # httpx's default 5 s is a timing assumption a loaded CI machine breaks: a deadline for a hang only

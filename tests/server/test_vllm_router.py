@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from pyllama_paged.server.registry import DEFAULT_MODEL_NAME
-from pyllama_paged.testing.serving import free_ports, stop_server, wait_healthy
+from pyllama_paged.testing.serving import default_model_names, free_ports, stop_server, wait_healthy
 
 openai = pytest.importorskip("openai")
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
@@ -80,7 +80,7 @@ def test_router_forwards_chats_and_loses_nothing_when_a_worker_goes(cluster):
     a, b = workers
     via_router = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     direct = openai.OpenAI(base_url=f"http://127.0.0.1:{a}/v1", api_key="none", max_retries=0, timeout=120)
-    assert [m.id for m in via_router.models.list().data] == [DEFAULT_MODEL_NAME]
+    assert [m.id for m in via_router.models.list().data] == default_model_names()
     assert httpx.get(url + "/health", timeout=10).status_code == 200   # the router's own, from the workers'
     for question in QUESTIONS:
         expected = chat(direct, question, stream=False)

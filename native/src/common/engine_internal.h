@@ -232,6 +232,7 @@ typedef struct pp_attention_params {
     int32_t n_head_kv;
     int32_t head_dim;
     atomic_int slices_done;   /* split-K: threads through this step's slices (reset each step) */
+    struct pp_lora_plan *lora;   /* the step's LoRA adapters (model/lora.h), or NULL: none */
 } pp_attention_params;
 
 /* Keys of one softmax slice, at absolute positions: the unit split-K hands to a thread, and
@@ -350,6 +351,12 @@ static inline size_t pp_graph_capacity(int n_layer, int max_batch_tokens) {
  * a pool made by another process than pool_pid's is left alone. */
 void pp_compute_release(ggml_gallocr_t galloc, ggml_backend_t backend, ggml_threadpool_t threadpool,
                         pid_t pool_pid);
+
+/* model/context.c: the graph the context's last step ran (NULL when none is
+ * kept) and its scheduler (NULL for a model on the CPU alone); borrowed, for
+ * introspection only (testing/graph_export.c). */
+struct ggml_cgraph *pp_context_last_graph(const pp_context *c);
+ggml_backend_sched_t pp_context_scheduler(const pp_context *c);
 
 /* model/encoder_graph.c: the bert forward over n_seqs inputs padded to max_len
  * tokens each. Inputs "tokens", "types", "positions" ([n_seqs * max_len]

@@ -6,6 +6,7 @@
 #include "kernels/attention_math.h"
 #include "common/pp_internal.h"
 #include "panels/panels.h"
+#include "model/lora.h"
 #include "ggml-cpu.h"
 
 #include <math.h>
@@ -20,6 +21,7 @@ typedef struct step_shape {
     int32_t  n_tokens, n_logits, n_hidden, path, n_threads, argmax;
     int32_t  reusable;     /* 0: slabs, whose views move with each sequence's length */
     uint64_t attention;    /* the attention nodes' shapes (flash plan, kernel splits) */
+    uint64_t lora;         /* the LoRA nodes' (pp_lora_plan_shape; 0: none) */
 } step_shape;
 
 struct pp_context {
@@ -60,6 +62,7 @@ struct pp_context {
     struct ggml_tensor  *in_tokens, *in_positions, *in_slots, *in_rows;
     struct ggml_tensor  *out_logits, *out_argmax, *out_hidden;
     pp_step_stats        stats;
+    pp_lora_plan        *lora_plan;    /* NULL until pp_context_reserve_loras */
 };
 
 /* GGML asks between graph nodes whether to stop (ggml_abort_callback). */
@@ -185,6 +188,7 @@ void pp_context_destroy(pp_context *c) {
     free(c->step_ids);
     free(c->layer_params);
     free(c->gemm_states);
+    pp_lora_plan_destroy(c->lora_plan);
     pp_attention_scratch_release(&c->scratch);
     free(c);
 }
@@ -365,26 +369,40 @@ static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_bat
     if (b->n_logits > 0) memcpy(out_rows, b->logit_rows, sizeof(int32_t) * b->n_logits);
     if (b->n_hidden > 0) memcpy(out_rows + b->n_logits, b->hidden_rows, sizeof(int32_t) * b->n_hidden);
     if (flash) pp_fill_flash_inputs(gf, b, &c->plan, swa_window, c->cache);
+    pp_lora_plan_upload(c->lora_plan);
     return PP_OK;
 }
 
-/* The step's shape: what its graph's nodes and their sizes depend on. */
+/* Whether some layer's attention is our CPU operator, the one node whose build reads the
+ * thread count (its tasks and split-K choice). */
+static int graph_reads_threads(const pp_context *c, int gather) {
+    if (!c->cache->paged || gather) return 0;
+    for (int il = 0; il < c->model->hp.n_layer; il++)
+        if (!pp_pool_on_device(c->cache, c->cache->k[il])) return 1;
+    return 0;
+}
+
+/* The step's shape: what its graph's nodes and their sizes depend on. The thread count
+ * only where a node reads it: a device's graph (and the gather path's) is the same at any
+ * count, so a step on another number of threads runs it again (a device keeps replaying). */
 static step_shape shape_of(pp_context *c, const pp_batch *b, int gather, int flash) {
+    const int threads = graph_reads_threads(c, gather);
     step_shape s = {.n_tokens = b->n_tokens, .n_logits = b->n_logits, .n_hidden = b->n_hidden,
-                    .path = gather, .n_threads = c->n_threads, .reusable = c->cache->paged,
+                    .path = gather, .n_threads = threads ? c->n_threads : 0, .reusable = c->cache->paged,
                     .argmax = b->n_logits > 0 && computes_argmax(c)};
     uint64_t h = flash ? pp_flash_plan_shape(&c->plan) : 0;
     /* Our kernel's split-K choice is made per layer when the graph is built. */
-    for (int il = 0; !gather && il < c->model->hp.n_layer; il++)
+    for (int il = 0; threads && il < c->model->hp.n_layer; il++)
         h = (h ^ (uint64_t)pp_paged_attention_splits(&c->layer_params[il], c->n_threads)) * 1099511628211ull;
     s.attention = h;
+    s.lora = pp_lora_plan_shape(c->lora_plan);
     return s;
 }
 
 static int same_shape(const step_shape *a, const step_shape *b) {
     return a->reusable && b->reusable && a->n_tokens == b->n_tokens && a->n_logits == b->n_logits &&
            a->n_hidden == b->n_hidden && a->path == b->path && a->n_threads == b->n_threads && a->argmax == b->argmax &&
-           a->attention == b->attention;
+           a->attention == b->attention && a->lora == b->lora;
 }
 
 static void forget_graph(pp_context *c) {
@@ -403,6 +421,7 @@ static int32_t step_graph(pp_context *c, const pp_batch *b, int gather, const st
     struct ggml_init_params params = {.mem_size = c->meta_size, .mem_buffer = c->meta_buf, .no_alloc = true};
     struct ggml_context *ctx = ggml_init(params);
     if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
+    pp_lora_plan_reset_inputs(c->lora_plan);
     struct ggml_cgraph *gf = pp_build_graph(ctx, c->model, c->cache, b, c->layer_params, c->gemm_states,
                                             c->n_threads, gather, c->max_nodes);
     if (shape->argmax) {   /* each row's greedy token, beside (or, read back, instead of) its logits */
@@ -494,9 +513,13 @@ int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     st = pp_context_set_threads(c, c->n_threads);   /* a no-op unless this is a forked child */
     if (st != PP_OK) return st;
     const pp_model *m = c->model;
+    int32_t n_lora = 0;
+    st = pp_lora_plan_make(c->lora_plan, m, b, &n_lora);
+    if (st != PP_OK) return st;
     int swa_window = 0;
     for (int il = 0; il < m->hp.n_layer; il++) {
         c->layer_params[il].batch = b;
+        c->layer_params[il].lora = n_lora > 0 ? c->lora_plan : NULL;
         atomic_store(&c->layer_params[il].slices_done, 0);
         if (m->layer_window[il] > swa_window) swa_window = m->layer_window[il];
     }
@@ -526,6 +549,10 @@ int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     return read_outputs(c, b, logits);
 }
 
+struct ggml_cgraph *pp_context_last_graph(const pp_context *c) { return c ? c->graph : NULL; }
+
+ggml_backend_sched_t pp_context_scheduler(const pp_context *c) { return c ? c->sched : NULL; }
+
 int32_t pp_context_step_stats(const pp_context *c, pp_step_stats *out) {
     if (!c || !out) return pp_fail(PP_ERR_INVALID, "pp_context_step_stats: NULL argument");
     *out = c->stats;
@@ -546,6 +573,42 @@ const float *pp_context_step_logits(const pp_context *c, int32_t *n_rows) {
 int32_t pp_context_abort(pp_context *c) {
     if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_abort: context is NULL");
     atomic_store(&c->abort_requested, 1);
+    return PP_OK;
+}
+
+int32_t pp_context_reserve_loras(pp_context *c, int32_t max_loras) {
+    if (!c) return pp_fail(PP_ERR_INVALID, "pp_context_reserve_loras: context is NULL");
+    if (max_loras < 1 || max_loras > PP_LORA_MAX_PER_STEP)
+        return pp_fail(PP_ERR_INVALID, "max_loras %d outside 1..%d", max_loras, PP_LORA_MAX_PER_STEP);
+    if (pp_lora_plan_max_loras(c->lora_plan) >= max_loras) return PP_OK;
+    const int n_layer = c->model->hp.n_layer;
+    const size_t max_nodes = pp_graph_capacity(n_layer, c->max_batch_tokens) + pp_lora_graph_nodes(n_layer, max_loras);
+    const size_t meta_size = ggml_tensor_overhead() * max_nodes + ggml_graph_overhead_custom(max_nodes, false);
+    pp_lora_plan *plan = NULL;
+    int32_t st = pp_lora_plan_create(max_loras, c->max_batch_tokens, &plan);
+    if (st != PP_OK) return st;
+    void *meta = malloc(meta_size);
+    ggml_backend_sched_t sched = NULL;
+    if (meta && c->sched) {   /* the scheduler's graph size is fixed when it is made */
+        ggml_backend_t backends[2] = {c->device_backend, c->backend};
+        sched = ggml_backend_sched_new(backends, NULL, 2, max_nodes, false, false);
+    }
+    if (!meta || (c->sched && !sched)) {
+        free(meta);
+        pp_lora_plan_destroy(plan);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot make room for steps of %d LoRA adapters", max_loras);
+    }
+    forget_graph(c);   /* it lives in the old metadata arena */
+    free(c->meta_buf);
+    c->meta_buf = meta;
+    c->meta_size = meta_size;
+    c->max_nodes = max_nodes;
+    if (sched) {
+        ggml_backend_sched_free(c->sched);
+        c->sched = sched;
+    }
+    pp_lora_plan_destroy(c->lora_plan);
+    c->lora_plan = plan;
     return PP_OK;
 }
 

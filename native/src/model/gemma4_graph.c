@@ -96,8 +96,9 @@ static struct ggml_tensor *feed_forward(struct ggml_context *ctx, const pp_model
     const pp_layer *L = &m->layers[il];
     const float eps = m->hp.rms_eps;
     pp_panel_gemm_state *gs = s->gemm_states ? &s->gemm_states[il * PP_N_PROJ] : NULL;
-    struct ggml_tensor *dense = pp_graph_dense_ffn(ctx, m->hp.arch, L, gs, pp_graph_norm(ctx, h, L->ffn_norm, eps),
-                                                   &s->last);
+    /* no adapters: pp_lora_create refuses gemma4 */
+    struct ggml_tensor *dense = pp_graph_dense_ffn(ctx, m->hp.arch, L, gs, NULL, il,
+                                                   pp_graph_norm(ctx, h, L->ffn_norm, eps), &s->last);
     if (!L->ffn_gate_inp) return dense;
     struct ggml_tensor *experts = pp_build_gemma4_moe_ffn(ctx, &m->hp, L, gs, pp_graph_norm(ctx, h, L->ffn_pre_norm_2, eps), h);
     return ggml_add(ctx, pp_graph_norm(ctx, dense, L->ffn_post_norm_1, eps),

@@ -4,6 +4,7 @@
 #include "common/engine_internal.h"
 #include "model/graph_ops.h"
 #include "panels/panels.h"
+#include "model/lora.h"
 #include "ggml-cpu.h"
 
 #include <math.h>
@@ -129,7 +130,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         const pp_layer *L = &m->layers[il];
         pp_attention_params *ap = &layer_params[il];
         pp_panel_gemm_state *gs = gemm_states ? &gemm_states[il * PP_N_PROJ] : NULL;
-#define PROJECT(w, p, x) project(ctx, (w), gs ? &gs[(p)] : NULL, (x), &last)
+#define PROJECT(w, p, x) pp_lora_project(ctx, ap->lora, il, (p), (x), project(ctx, (w), gs ? &gs[(p)] : NULL, (x), &last))
         struct ggml_tensor *cur = norm(ctx, x, L->attn_norm, hp->rms_eps);
 
         struct ggml_tensor *q = PROJECT(L->wq, PP_PROJ_Q, cur);
@@ -174,7 +175,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         } else if (L->ffn_gate_inp) {
             cur = pp_build_moe_ffn(ctx, hp, L, gs, cur);
         } else {
-            cur = pp_graph_dense_ffn(ctx, hp->arch, L, gs, cur, &last);
+            cur = pp_graph_dense_ffn(ctx, hp->arch, L, gs, ap->lora, il, cur, &last);
         }
         if (L->post_ffw_norm) cur = norm(ctx, cur, L->post_ffw_norm, hp->rms_eps);
         x = ggml_add(ctx, cur, x);
@@ -236,16 +237,20 @@ struct ggml_tensor *pp_graph_attention(struct ggml_context *ctx, const pp_kv_cac
 }
 
 struct ggml_tensor *pp_graph_dense_ffn(struct ggml_context *ctx, enum pp_arch arch, const pp_layer *L,
-                                       pp_panel_gemm_state *gs, struct ggml_tensor *cur, pp_panel_columns *last) {
+                                       pp_panel_gemm_state *gs, struct pp_lora_plan *lora, int il,
+                                       struct ggml_tensor *cur, pp_panel_columns *last) {
     pp_panel_gemm_state *ffn = gs ? &gs[pp_dense_ffn_slot(L)] : NULL;   /* gate, up, down */
-    if (ffn && pp_panel_gated_takes(ffn)) {
+    if (ffn && pp_panel_gated_takes(ffn) && !pp_lora_touches_gated(lora, il)) {
         cur = pp_panel_gated(ctx, ffn, panel_input(ctx, ffn, cur, last), gelu_gated(arch));
     } else {
-        struct ggml_tensor *gate = project(ctx, L->ffn_gate, ffn, cur, last);
-        struct ggml_tensor *up = project(ctx, L->ffn_up, ffn ? ffn + 1 : NULL, cur, last);
+        struct ggml_tensor *gate = pp_lora_project(ctx, lora, il, PP_PROJ_GATE, cur,
+                                                   project(ctx, L->ffn_gate, ffn, cur, last));
+        struct ggml_tensor *up = pp_lora_project(ctx, lora, il, PP_PROJ_UP, cur,
+                                                 project(ctx, L->ffn_up, ffn ? ffn + 1 : NULL, cur, last));
         cur = gated_activation(ctx, arch, gate, up);
     }
-    return project(ctx, L->ffn_down, ffn ? ffn + 2 : NULL, cur, last);
+    return pp_lora_project(ctx, lora, il, PP_PROJ_DOWN, cur,
+                           project(ctx, L->ffn_down, ffn ? ffn + 2 : NULL, cur, last));
 }
 
 struct ggml_cgraph *pp_graph_output(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_model *m,

@@ -46,9 +46,11 @@ struct ggml_tensor *pp_graph_attention(struct ggml_context *ctx, const pp_kv_cac
                                        pp_attention_params *ap, int n_threads, int gather);
 
 /* The layer's dense gated FFN (GELU for the gemmas, else SiLU) of cur [n_embd, n_tokens]; gs: the
- * layer's PP_N_PROJ panel slots or NULL (it reads those from pp_dense_ffn_slot on). */
+ * layer's PP_N_PROJ panel slots or NULL (it reads those from pp_dense_ffn_slot on); lora: the
+ * step's adapters (model/lora.h) for layer il, or NULL. */
 struct ggml_tensor *pp_graph_dense_ffn(struct ggml_context *ctx, enum pp_arch arch, const pp_layer *L,
-                                       pp_panel_gemm_state *gs, struct ggml_tensor *cur, pp_panel_columns *last);
+                                       pp_panel_gemm_state *gs, struct pp_lora_plan *lora, int il,
+                                       struct ggml_tensor *cur, pp_panel_columns *last);
 
 /* The graph's end from the last layer's output x (its asked-for rows): the output norm, the
  * hidden rows ("hidden"), the head and its soft-cap ("logits"). Returns gf. */

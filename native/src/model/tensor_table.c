@@ -10,9 +10,7 @@ static const pp_tensor_slot *find_slot(const pp_tensor_slot *table, size_t n, co
     return NULL;
 }
 
-/* The layer of a "blk.<decimal layer>.<suffix>" name, with *suffix pointing
- * into name; -1 for any other name or a layer >= n_layer. */
-static int32_t tensor_layer(const char *name, int32_t n_layer, const char **suffix) {
+int32_t pp_tensor_layer(const char *name, int32_t n_layer, const char **suffix) {
     /* parsed by hand because sscanf's %d has undefined behaviour on overflow
      * (a fuzzed "blk.99999999999."): the layer stops growing at n_layer */
     if (strncmp(name, "blk.", 4) != 0) return -1;
@@ -32,7 +30,7 @@ int pp_resolve_tensor(pp_model *m, const pp_tensor_table *table, const char *nam
     pp_tensor_slot globals[PP_MAX_GLOBAL_SLOTS], layer[PP_MAX_LAYER_SLOTS];
     const pp_tensor_slot *found = find_slot(globals, table->globals(m, globals), name);
     const char *suffix = NULL;
-    const int32_t il = found ? -1 : tensor_layer(name, m->hp.n_layer, &suffix);
+    const int32_t il = found ? -1 : pp_tensor_layer(name, m->hp.n_layer, &suffix);
     if (il >= 0) found = find_slot(layer, table->layer(m, &m->layers[il], layer), suffix);
     if (!found) return 0;
     *spec = *found;

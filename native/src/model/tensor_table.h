@@ -33,6 +33,10 @@ typedef struct pp_tensor_table {
     size_t (*layer)(const pp_model *m, pp_layer *L, pp_tensor_slot *out);
 } pp_tensor_table;
 
+/* The layer of a "blk.<decimal layer>.<suffix>" name, with *suffix pointing
+ * into name; -1 for any other name or a layer >= n_layer. */
+PP_HIDDEN int32_t pp_tensor_layer(const char *name, int32_t n_layer, const char **suffix);
+
 /* Where name goes (1, with *spec) or 0 for a name the model does not use:
  * an entry of the globals, or for "blk.<il>.<suffix>" with il < n_layer the
  * entry of layer il's table named suffix. */

@@ -113,7 +113,7 @@ typedef struct pp_prefix_plan {
     int32_t  num_lookups;      /* full blocks looked up, over all groups (the hit-rate base) */
     int32_t  num_reused;       /* blocks reused, over all groups */
     int32_t  num_reused_cached;/* of those, blocks now cached (ref 0): they leave the allocatable count */
-    uint64_t chain_hash;       /* hash of logical block H - 1 (0 if H == 0) */
+    uint64_t chain_hash;       /* hash of logical block H - 1 (the chain's root if H == 0) */
 } pp_prefix_plan;
 
 /* Dry run of a lookup: fills *plan and ids[g * max_hit + i] (max_hit =
@@ -122,7 +122,7 @@ typedef struct pp_prefix_plan {
  * of H blocks needs, in every full-attention group, blocks [0, H) and in each
  * window group only the blocks the query at position H * block_size sees.
  * Changes nothing. */
-PP_HIDDEN void    pp_prefix_plan_lookup(const pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
+PP_HIDDEN void    pp_prefix_plan_lookup(const pp_block_pool *p, uint64_t root, const int32_t *token_ids, int32_t num_tokens,
                                         int32_t *ids, pp_prefix_plan *plan);
 
 /* copy_on_write.c */

@@ -163,7 +163,7 @@ static void place_hits(pp_block_pool *p, pp_sequence *s, const int32_t *token_id
 
 /* Shared by the pp_seq_create variants: the prefix-cache hits (unless
  * !lookup), then (place_rest) every other token in new blocks. */
-static int create_seq(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens, int lookup,
+static int create_seq(pp_block_pool *p, uint64_t root, const int32_t *token_ids, int32_t num_tokens, int lookup,
                       int place_rest, int32_t *seq_id, int32_t *num_cached_tokens) {
     if (!p || !seq_id) return pp_fail(PP_ERR_INVALID, "pp_seq_create: NULL argument");
     if (num_tokens < 0 || (num_tokens > 0 && !token_ids))
@@ -176,9 +176,10 @@ static int create_seq(pp_block_pool *p, const int32_t *token_ids, int32_t num_to
     if (!ids) return pp_fail(PP_ERR_NO_MEMORY, "cannot plan a sequence of %d tokens", num_tokens);
     pp_prefix_plan plan;
     if (lookup) {
-        pp_prefix_plan_lookup(p, token_ids, num_tokens, ids, &plan);
+        pp_prefix_plan_lookup(p, root, token_ids, num_tokens, ids, &plan);
     } else {
         memset(&plan, 0, sizeof plan);
+        plan.chain_hash = root;
     }
     const int32_t num_new = place_rest ? (blocks_for(num_tokens, bs) - plan.num_hit) * p->n_groups : 0;
     const int32_t available = p->num_free + p->num_cached - plan.num_reused_cached;
@@ -207,16 +208,28 @@ static int create_seq(pp_block_pool *p, const int32_t *token_ids, int32_t num_to
 
 int32_t pp_seq_create(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
                       int32_t *seq_id, int32_t *num_cached_tokens) {
-    return create_seq(p, token_ids, num_tokens, 1, 1, seq_id, num_cached_tokens);
+    return create_seq(p, 0, token_ids, num_tokens, 1, 1, seq_id, num_cached_tokens);
 }
 
 int32_t pp_seq_create_uncached(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens, int32_t *seq_id) {
-    return create_seq(p, token_ids, num_tokens, 0, 1, seq_id, NULL);
+    return create_seq(p, 0, token_ids, num_tokens, 0, 1, seq_id, NULL);
 }
 
 int32_t pp_seq_create_cached(pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
                              int32_t *seq_id, int32_t *num_cached_tokens) {
-    return create_seq(p, token_ids, num_tokens, 1, 0, seq_id, num_cached_tokens);
+    return create_seq(p, 0, token_ids, num_tokens, 1, 0, seq_id, num_cached_tokens);
+}
+
+int32_t pp_seq_create_rooted(pp_block_pool *p, uint64_t root, int32_t mode, const int32_t *token_ids,
+                             int32_t num_tokens, int32_t *seq_id, int32_t *num_cached_tokens) {
+    switch (mode) {
+        case PP_SEQ_CREATE: return create_seq(p, root, token_ids, num_tokens, 1, 1, seq_id, num_cached_tokens);
+        case PP_SEQ_CREATE_CACHED: return create_seq(p, root, token_ids, num_tokens, 1, 0, seq_id, num_cached_tokens);
+        case PP_SEQ_CREATE_UNCACHED:
+            if (num_cached_tokens) *num_cached_tokens = 0;
+            return create_seq(p, root, token_ids, num_tokens, 0, 1, seq_id, NULL);
+        default: return pp_fail(PP_ERR_INVALID, "pp_seq_create_rooted: unknown mode %d", mode);
+    }
 }
 
 static int32_t append_cost(const pp_block_pool *p, const pp_sequence *s, int32_t n) {

@@ -119,7 +119,7 @@ static int32_t lookup_block(const pp_block_pool *p, int32_t g, uint64_t h, uint6
     return b;
 }
 
-void pp_prefix_plan_lookup(const pp_block_pool *p, const int32_t *token_ids, int32_t num_tokens,
+void pp_prefix_plan_lookup(const pp_block_pool *p, uint64_t root, const int32_t *token_ids, int32_t num_tokens,
                            int32_t *ids, pp_prefix_plan *plan) {
     /* The last token is always computed again (its logits start generation),
      * and a cached block is immutable: hits stop before the block holding it. */
@@ -133,7 +133,8 @@ void pp_prefix_plan_lookup(const pp_block_pool *p, const int32_t *token_ids, int
     int32_t full_limit = max_hit;   /* first miss over the full-attention groups */
     int32_t last_miss[PP_MAX_GROUPS];
     for (int32_t g = 0; g < p->n_groups; g++) last_miss[g] = -1;
-    uint64_t parent = 0, chain_at_best = 0;
+    /* root: the parent of the first block (0, or the KV identity a sequence is computed under) */
+    uint64_t parent = root, chain_at_best = root;
     int32_t best = 0;
     for (int32_t i = 0; i < max_hit && i < full_limit; i++) {
         const int32_t *chunk = token_ids + (size_t)i * bs;

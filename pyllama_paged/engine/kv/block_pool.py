@@ -139,25 +139,24 @@ class BlockPool(NativeHandle):
         check(lib.pp_pool_set_hash_key(self._live, k0, k1), "set_hash_key")
 
     # sequences -------------------------------------------------------------
-    def create_sequence(self, token_ids: Sequence[int] = ()) -> tuple[int, int]:
-        """New sequence holding token_ids; returns (seq_id, num_cached_tokens)."""
-        arr, ptr = _token_array(token_ids)
-        check(lib.pp_seq_create(self._live, ptr, len(arr), self._i32, self._i32b),
-              "create_sequence")
-        return self._i32[0], self._i32b[0]
+    def create_sequence(self, token_ids: Sequence[int] = (), root: int = 0) -> tuple[int, int]:
+        """New sequence holding token_ids; returns (seq_id, num_cached_tokens). root: the
+        parent hash of its first block (0: the plain chain; a LoRA adapter's kv_root keeps
+        its KV apart from every other adapter's)."""
+        return self._create(lib.PP_SEQ_CREATE, token_ids, root, "create_sequence")
 
-    def create_uncached(self, token_ids: Sequence[int]) -> int:
+    def create_uncached(self, token_ids: Sequence[int], root: int = 0) -> int:
         """New sequence holding token_ids in new blocks, without prefix-cache lookup."""
-        arr, ptr = _token_array(token_ids)
-        check(lib.pp_seq_create_uncached(self._live, ptr, len(arr), self._i32), "create_uncached")
-        return self._i32[0]
+        return self._create(lib.PP_SEQ_CREATE_UNCACHED, token_ids, root, "create_uncached")[0]
 
-    def create_cached(self, token_ids: Sequence[int]) -> tuple[int, int]:
+    def create_cached(self, token_ids: Sequence[int], root: int = 0) -> tuple[int, int]:
         """New sequence holding only the prefix of token_ids found in the cache (taking no
         new block); returns (seq_id, num_cached_tokens). Append the rest as it is computed."""
+        return self._create(lib.PP_SEQ_CREATE_CACHED, token_ids, root, "create_cached")
+
+    def _create(self, mode: int, token_ids: Sequence[int], root: int, what: str) -> tuple[int, int]:
         arr, ptr = _token_array(token_ids)
-        check(lib.pp_seq_create_cached(self._live, ptr, len(arr), self._i32, self._i32b),
-              "create_cached")
+        check(lib.pp_seq_create_rooted(self._live, root, mode, ptr, len(arr), self._i32, self._i32b), what)
         return self._i32[0], self._i32b[0]
 
     def append(self, seq_id: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:

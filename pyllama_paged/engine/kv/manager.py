@@ -57,7 +57,8 @@ def place_decodes(kv, seqs: Sequence[SeqState], token_ids: Sequence[int]) -> lis
 
 
 def fork_state(kv, seq: SeqState) -> SeqState:
-    """A new sequence in kv sharing every page of seq (copy-on-write on its last block)."""
+    """A new sequence in kv sharing every page of seq (copy-on-write on its last block) and
+    its LoRA adapter."""
     return SeqState(kv.fork(seq.handle), seq.num_computed, seq.num_tokens)
 
 
@@ -74,14 +75,43 @@ def commit_chunks(kv, work: Sequence[tuple[SeqState, int]], items: np.ndarray | 
     kv.commit_batch(items, item_pointer)
 
 
-def new_cached_sequence(kv, token_ids: Sequence[int]) -> SeqState:
+def new_cached_sequence(kv, token_ids: Sequence[int], lora=None) -> SeqState:
     """A new sequence in kv holding only the cached prefix of token_ids, computed (the
     rest is placed chunk by chunk with place_tokens). Slabs are reserved whole and
-    hold every token, none computed."""
+    hold every token, none computed. lora: the (adapter, scale) computing its KV, or None."""
     if len(token_ids) > kv.max_seq_len:
         raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {kv.max_seq_len}")
-    handle, cached = kv.create_cached(token_ids)
+    handle, cached = kv.create_cached(token_ids, lora)
     return SeqState(handle, cached if kv.paged else 0, cached)
+
+
+class SeqLoras:
+    """Which LoRA adapter computes each sequence's KV: handle -> (adapter, scale), for the
+    sequences that run one (the step reads it; forks inherit it)."""
+
+    def __init__(self):
+        self.of: dict[int, tuple] = {}
+
+    @staticmethod
+    def root(lora) -> int:
+        """The prefix-cache chain's root for KV computed under lora ((adapter, scale) or None)."""
+        return 0 if lora is None else lora[0].kv_root(lora[1])
+
+    def remember(self, created: tuple[int, int], lora) -> tuple[int, int]:
+        """Note a new sequence's adapter; created ((handle, cached)) passes through."""
+        if lora is not None:
+            self.of[created[0]] = lora
+        return created
+
+    def copy(self, parent: int, child: int) -> int:
+        """A fork runs its parent's adapter; returns the child's handle."""
+        if parent in self.of:
+            self.of[child] = self.of[parent]
+        return child
+
+    def forget(self, handle: int) -> None:
+        """A freed sequence's entry goes."""
+        self.of.pop(handle, None)
 
 
 class PagedKV:
@@ -99,6 +129,7 @@ class PagedKV:
         self.max_seq_len = max_seq_len
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
         self.events = None   # a PrefixCacheEvents told of what becomes computed (watch_cache)
+        self.loras = SeqLoras()
 
     def watch_cache(self, listener) -> None:
         """Report the prefix cache's changes to listener (a KVEventListener; None: stop). The
@@ -113,26 +144,29 @@ class PagedKV:
         if self.events is not None:
             self.events.cleared()
 
-    def create(self, token_ids: Sequence[int]) -> tuple[int, int]:
-        """A sequence holding token_ids; returns (handle, tokens already cached)."""
-        return self.pool.create_sequence(token_ids)
+    def create(self, token_ids: Sequence[int], lora=None) -> tuple[int, int]:
+        """A sequence holding token_ids; returns (handle, tokens already cached). lora: the
+        (adapter, scale) its KV is computed under (None: the base model): prefix-cache hits
+        come only from sequences computed under the same."""
+        return self.loras.remember(self.pool.create_sequence(token_ids, self.loras.root(lora)), lora)
 
-    def create_cached(self, token_ids: Sequence[int]) -> tuple[int, int]:
+    def create_cached(self, token_ids: Sequence[int], lora=None) -> tuple[int, int]:
         """A sequence holding only the cached prefix of token_ids: (handle, its length)."""
-        return self.pool.create_cached(token_ids)
+        return self.loras.remember(self.pool.create_cached(token_ids, self.loras.root(lora)), lora)
 
-    def create_uncached(self, token_ids: Sequence[int]) -> int:
+    def create_uncached(self, token_ids: Sequence[int], lora=None) -> int:
         """A sequence holding token_ids, every block new (no prefix-cache lookup)."""
-        return self.pool.create_uncached(token_ids)
+        return self.loras.remember((self.pool.create_uncached(token_ids, self.loras.root(lora)), 0), lora)[0]
 
     def append(self, handle: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         return self.pool.append(handle, token_ids)
 
     def fork(self, handle: int) -> int:
-        return self.pool.fork(handle)
+        return self.loras.copy(handle, self.pool.fork(handle))
 
     def free(self, handle: int) -> None:
         self.pool.free(handle)
+        self.loras.forget(handle)
 
     def mark_computed(self, handle: int, num_tokens: int) -> None:
         self.pool.mark_computed(handle, num_tokens)
@@ -238,23 +272,24 @@ class SlabKV:
         self.max_blocks_per_seq = 1
         self._free = list(range(num_slabs - 1, -1, -1))
         self._tokens: dict[int, list[int]] = {}   # handle (= slab id) -> the tokens it holds
+        self.loras = SeqLoras()
 
-    def create(self, token_ids: Sequence[int]) -> tuple[int, int]:
+    def create(self, token_ids: Sequence[int], lora=None) -> tuple[int, int]:
         if len(token_ids) > self.block_size:
             raise PagedError(f"sequence of {len(token_ids)} tokens exceeds n_ctx {self.block_size}")
         if not self._free:
             raise OutOfBlocksError(f"out of KV slabs: all {self.num_blocks} are in use")
         slab = self._free.pop()
         self._tokens[slab] = list(token_ids)
-        return slab, 0
+        return self.loras.remember((slab, 0), lora)
 
-    def create_cached(self, token_ids: Sequence[int]) -> tuple[int, int]:
+    def create_cached(self, token_ids: Sequence[int], lora=None) -> tuple[int, int]:
         """A slab holding all of token_ids (slabs are reserved whole; nothing is cached)."""
-        handle, _ = self.create(token_ids)
+        handle, _ = self.create(token_ids, lora)
         return handle, len(token_ids)
 
-    def create_uncached(self, token_ids: Sequence[int]) -> int:
-        return self.create(token_ids)[0]
+    def create_uncached(self, token_ids: Sequence[int], lora=None) -> int:
+        return self.create(token_ids, lora)[0]
 
     def blocks_to_prefill(self, num_tokens: int, chunk: int) -> int:
         return 1
@@ -275,6 +310,7 @@ class SlabKV:
     def free(self, handle: int) -> None:
         del self._tokens[handle]
         self._free.append(handle)
+        self.loras.forget(handle)
 
     def mark_computed(self, handle: int, num_tokens: int) -> None:
         pass  # slabs are never shared

@@ -92,12 +92,13 @@ def model_fingerprint(gguf) -> bytes:
     """A digest of a GGUF's metadata, tensor table and the first bytes of every tensor:
     changes with any other weights, costs milliseconds even for GBs of them."""
     h = hashlib.blake2b(digest_size=KEY_BYTES)
-    data = gguf.data
-    first = min((t.offset for t in gguf.tensors), default=len(data))
-    h.update(len(data).to_bytes(8, "little"))
-    h.update(memoryview(data[:first]))
+    for i, part in enumerate(gguf.parts):   # a split GGUF's files in order (one for a plain file)
+        data = part.data
+        first = min((t.offset for t in gguf.tensors if t.part == i), default=len(data))
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(memoryview(data[:first]))
     for t in gguf.tensors:
-        h.update(memoryview(data[t.offset:t.offset + min(t.n_bytes, _FINGERPRINT_TENSOR_BYTES)]))
+        h.update(memoryview(gguf.tensor_bytes(t)[:_FINGERPRINT_TENSOR_BYTES]))
     return h.digest()
 
 

@@ -38,12 +38,12 @@ def swap_out(kv, seq: Sequence) -> list[SwapMove]:
     return moves
 
 
-def swap_in(kv, seq: Sequence) -> list[SwapMove]:
+def swap_in(kv, seq: Sequence, lora=None) -> list[SwapMove]:
     """Place a swapped-out sequence again (the caller has checked that the pool holds
     it); returns the pages whose host copies restore its KV. Pages a window group had
     given back are not restored: marking the tokens computed gives them back again;
     blocks the prefix cache already holds need no write."""
-    handle, cached = kv.create(seq.swapped_tokens)
+    handle, cached = kv.create(seq.swapped_tokens, lora)
     moves = []
     for g in range(kv.n_groups):
         for i, block in enumerate(kv.block_table(handle, g)):

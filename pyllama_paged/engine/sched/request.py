@@ -73,6 +73,8 @@ class Request:
     # the most tokens a sequence of it holds, prompt included: the prompt plus max_tokens within
     # the engine's context (LLMEngine.add_request resolves it once; a sequence this long ends)
     max_len: int | None = None
+    # the (LoraAdapter, scale) its sequences run (LLMEngine resolves params.lora), or None
+    lora: tuple | None = None
 
     @property
     def is_prefill_only(self) -> bool:

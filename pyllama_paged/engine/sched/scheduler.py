@@ -430,7 +430,7 @@ class Scheduler:
             self.swapped.popleft()
             self._release_swap_space(request)
             for seq in seqs:
-                self._plan.swap_in += swap_in(kv, seq)
+                self._plan.swap_in += swap_in(kv, seq, request.lora)
                 self._plan.resumed_seq_ids.append(seq.seq_id)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -455,7 +455,8 @@ class Scheduler:
             self.waiting.popleft()
             for seq in seqs:
                 try:
-                    seq.kv = new_cached_sequence(self.kv, [] if request.is_prefill_only else seq.token_ids)
+                    seq.kv = new_cached_sequence(self.kv, [] if request.is_prefill_only else seq.token_ids,
+                                                 request.lora)
                 except OutOfBlocksError:   # raced the watermark estimate: undo, retry later
                     for s in seqs:
                         release(self.kv, s)
@@ -464,7 +465,7 @@ class Scheduler:
             if self.kv.paged and not request.is_prefill_only:
                 self.prefix_queried_tokens += sum(len(s.token_ids) for s in seqs)
                 self.prefix_hit_tokens += sum(s.kv.num_computed for s in seqs)
-                if self.tiers is not None:
+                if self.tiers is not None and request.lora is None:   # the tiers hold base-model KV
                     for seq in seqs:
                         self._restore_from_tiers(seq)
             request.status = RequestStatus.RUNNING

@@ -6,7 +6,7 @@ import warnings
 
 from ..._native import Closing, check, ffi, lib
 from ...errors import NativeError, PagedError
-from ...gguf.reader import GGUFFile
+from ...gguf.split import open_gguf
 from ...gguf.config import (ARCH_IDS, YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, ModelLoadError,
                             config_from_metadata)
 from .devices import Device, LayerSplit, gpu_device
@@ -32,6 +32,16 @@ PANEL_KERNELS = {lib.PP_PANEL_KERNEL_NONE: "ggml", lib.PP_PANEL_KERNEL_SCALAR: "
                  lib.PP_PANEL_KERNEL_AVX2: "avx2"}
 
 
+def load_checked(status: int, what: str, path: str, close) -> None:
+    """A native status of loading the file at path: a failure calls close() (what was made so far
+    is freed) and is a ModelLoadError naming the file."""
+    try:
+        check(status, what)
+    except (NativeError, MemoryError) as e:  # MemoryError: a native allocation failed
+        close()
+        raise ModelLoadError(f"{path}: {e}") from e
+
+
 def load_model(config) -> "Model":
     """The model an EngineConfig (engine/config.py) names: its file (None: the embedded default
     model), its weights in the layouts and on the GPU layers the config asks for. The one way
@@ -53,7 +63,7 @@ class Model(Closing):
         self.n_panel_packed = 0
         self.gguf = None
         self.path = str(model_path) if model_path else default_model_path()
-        self.gguf = GGUFFile(self.path)
+        self.gguf = open_gguf(self.path)   # one file, or every part of a split GGUF
         self.metadata = self.gguf.metadata
         self.config: ModelConfig = config_from_metadata(self.metadata, self._vocab_size(), self.path)
         self._create_native()
@@ -170,11 +180,7 @@ class Model(Closing):
         self.n_panel_packed = int(n[0])
 
     def _wrap(self, status: int, what: str) -> None:
-        try:
-            check(status, what)
-        except (NativeError, MemoryError) as e:  # MemoryError: a native allocation failed
-            self.close()
-            raise ModelLoadError(f"{self.path}: {e}") from e
+        load_checked(status, what, self.path, self.close)
 
     @property
     def native(self):

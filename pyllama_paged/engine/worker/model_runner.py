@@ -17,6 +17,7 @@ from ..kv.groups import KVGroups
 from ..kv.manager import PagedKV, SeqState, SlabKV, commit_chunks, fork_state, new_cached_sequence, place_tokens
 from .model import Model
 from .draft_splice import splice_drafts
+from .lora import StepLoras
 from ..kv.step_batch import StepBuffers
 from .thread_policy import ThreadPolicy
 
@@ -111,6 +112,7 @@ class ModelRunner:
         check(lib.pp_context_set_attention_path(self._ctx, ATTENTION_PATHS[attention]), "attention path")
         self.attention = attention
         self._batch = ffi.new("pp_batch *")
+        self._loras = StepLoras()
         self._buffers = StepBuffers()
         self._no_logits = np.empty((0, self.n_vocab), dtype=np.float32)
         self._no_hidden = np.empty((0, model.config.n_embd), dtype=np.float32)
@@ -179,24 +181,25 @@ class ModelRunner:
         check(lib.pp_context_abort(self._ctx), "abort")
 
     # ---- sequences' KV -------------------------------------------------------
-    def add_sequence(self, token_ids: Sequence[int]) -> SeqState:
-        """Place a new sequence's tokens in the KV cache (prefix-cache hits are kept)."""
+    def add_sequence(self, token_ids: Sequence[int], lora=None) -> SeqState:
+        """Place a new sequence's tokens in the KV cache (prefix-cache hits are kept). lora:
+        (LoraAdapter, scale) the sequence runs, or None; forks inherit it."""
         if len(token_ids) > self.n_ctx:
             raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
-        handle, cached = self.kv.create(token_ids)
+        handle, cached = self.kv.create(token_ids, lora)
         # The pool never counts the last token as cached: its logits start generation.
         return SeqState(handle, cached, len(token_ids))
 
-    def add_sequence_cached(self, token_ids: Sequence[int]) -> SeqState:
+    def add_sequence_cached(self, token_ids: Sequence[int], lora=None) -> SeqState:
         """A new sequence holding only the cached prefix of token_ids (computed); the
         rest is placed chunk by chunk with append_tokens."""
-        return new_cached_sequence(self.kv, token_ids)
+        return new_cached_sequence(self.kv, token_ids, lora)
 
-    def add_sequence_uncached(self, token_ids: Sequence[int]) -> SeqState:
+    def add_sequence_uncached(self, token_ids: Sequence[int], lora=None) -> SeqState:
         """A new sequence holding token_ids in fresh blocks (nothing reused, nothing computed)."""
         if len(token_ids) > self.n_ctx:
             raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
-        return SeqState(self.kv.create_uncached(token_ids), 0, len(token_ids))
+        return SeqState(self.kv.create_uncached(token_ids, lora), 0, len(token_ids))
 
     def append_tokens(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         """Reserve KV room for new tokens (copy-on-write done here)."""
@@ -240,6 +243,7 @@ class ModelRunner:
         buffers.reserve(total, len(items), self.kv.max_blocks_per_seq, self.kv.n_groups)
         items = buffers.items(items)
         n_tokens, n_logits = self.kv.build_batch(items, buffers)
+        self._loras.fill(self._batch, items[:, 0].tolist(), self.kv.loras.of, self._reserve_loras)
         tok, pos, slots, seqs, tables, rows = buffers.arrays(n_tokens, len(items), n_logits)
         hidden_rows = None
         hidden = hidden if hidden is not None and any(h is not None for h in hidden) else None
@@ -321,8 +325,12 @@ class ModelRunner:
         logits = np.empty((len(rows), self.n_vocab), dtype=np.float32) if out is None else out
         if logits.shape != (len(rows), self.n_vocab) or logits.dtype != np.float32 or not logits.flags.c_contiguous:
             raise PagedError("the logits buffer does not match the rows asked for")
+        self._batch.n_loras = 0
         self._decode(tok, pos, slots, seqs, tables, rows, logits)
         return logits
+
+    def _reserve_loras(self, n: int) -> None:
+        check(lib.pp_context_reserve_loras(self._ctx, n), "LoRA adapters")
 
     def _step_logits(self) -> np.ndarray:
         """The last step's logits rows where GGML left them (no copy): valid until the next step."""

@@ -36,7 +36,9 @@ class Sampler:
         if params.logit_bias:
             self.bias = (np.fromiter(params.logit_bias.keys(), dtype=np.int64, count=len(params.logit_bias)),
                          np.fromiter(params.logit_bias.values(), dtype=np.float32, count=len(params.logit_bias)))
-        self.adjusts_logits = self.bias is not None or params.logits_processor is not None
+        # a thinking budget spent: the think block's close tag is forced, a token a step
+        self.budget = params.thinking_budget.start() if params.thinking_budget is not None else None
+        self.adjusts_logits = self.bias is not None or params.logits_processor is not None or self.budget is not None
         # the row's argmax is its draw: no penalty, bias, processor, grammar or logprobs
         self.plain_greedy = (params.greedy and params.logprobs is None and not self.adjusts_logits
                              and self.constraint is None and params.repeat_penalty == 1.0
@@ -124,6 +126,8 @@ class BatchSampler(NativeHandle):
                 out[k] = Sampled(-1, error="no token can be sampled: every allowed token's logit is -inf "
                                            "or not finite (logit_bias, grammar or logits processor)")
                 continue
+            if sampler.budget is not None:
+                sampler.budget.accept(res.token)
             if sampler.constraint is not None:
                 try:
                     sampler.constraint.accept(res.token)
@@ -138,7 +142,8 @@ class BatchSampler(NativeHandle):
         return out
 
     def _adjust_logits(self, logits: np.ndarray, picks) -> dict[int, str]:
-        """Apply each row's logit_bias, then its logits processor, in place (the rows are
+        """Apply each row's logit_bias, then its logits processor, then its thinking budget's
+        forced token, in place (the rows are
         the runner's buffer of this step, read by nothing after sampling). Returns the
         rows whose processor failed, with why."""
         failed: dict[int, str] = {}
@@ -157,6 +162,10 @@ class BatchSampler(NativeHandle):
                         row[:] = adjusted
                 except Exception as e:  # the caller's code: it fails its own request only
                     failed[k] = f"logits_processor raised {type(e).__name__}: {e}"
+            forced = sampler.budget.forced if sampler.budget is not None else None
+            if forced is not None:   # last: what the budget forces, nothing undoes
+                row.fill(-np.inf)
+                row[forced] = 0.0
         return failed
 
     def _arrays(self, n: int):

@@ -63,7 +63,7 @@ async def messages(body: MessagesRequest, request: Request):
     """Anthropic's Messages API: the answer as a message, or as its events when stream is set."""
     run = await run_chat(server_state(request), _call(body))
     gen = run.gen
-    message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": run.served.name,
+    message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": run.model_name,
                "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": 0}}
     if body.stream:
         return event_stream(_events(run, AnswerEvents(message), body))

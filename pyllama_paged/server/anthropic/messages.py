@@ -136,6 +136,7 @@ def chat_call(body: MessagesRequest) -> ChatCall:
     # Anthropic's sampling defaults (temperature 1, no top_p/top_k cut) are the OpenAI surface's
     return ChatCall(messages=chat_messages(body), tools=tools, tool_choice=tool_choice, structured=body.constraint,
                     surface=OPENAI, sampling=body.sampling(), model=body.model, thinking=body.thinking_switch(),
+                    thinking_budget=body.thinking_budget(),
                     limit_fields={"stop": body.stop_sequences, "messages": body.messages, "tools": body.tools,
                                   "grammars": {"output_config": body.schema()}},
                     refuse_unsupported=lambda served: body.refuse_unsupported(template_thinks(served.template.source)),

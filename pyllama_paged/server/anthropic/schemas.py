@@ -76,8 +76,8 @@ class MessagesRequest(_Strict):
     tool_choice: ToolChoice | None = None
     service_tier: str | None = None          # one tier here: accepted, nothing to choose
     output_config: OutputConfig | None = None
-    # {"type": "enabled", "budget_tokens": N} (the budget a target, as Claude's, not a cut),
-    # "disabled" or "adaptive"; display "omitted" leaves the thinking's text out
+    # {"type": "enabled", "budget_tokens": N} (past N thinking tokens the think block is
+    # closed), "disabled" or "adaptive"; display "omitted" leaves the thinking's text out
     thinking: dict[str, Any] | None = None
     # what we cannot honour: named so that asking for it is a 400
     mcp_servers: list[dict[str, Any]] | None = None
@@ -88,6 +88,11 @@ class MessagesRequest(_Strict):
         disabled or absent off (Claude thinks only when asked)."""
         kind = (self.thinking or {}).get("type", "disabled")
         return None if kind == "adaptive" else kind == "enabled"
+
+    def thinking_budget(self) -> int | None:
+        """thinking.budget_tokens of enabled thinking (None: not given)."""
+        thinking = self.thinking or {}
+        return thinking.get("budget_tokens") if thinking.get("type") == "enabled" else None
 
     def shown_thinking(self, thinking: str) -> str | None:
         """The thinking as its block shows it: None for no block (none written, or thinking
@@ -103,6 +108,9 @@ class MessagesRequest(_Strict):
         if kind not in ("enabled", "disabled", "adaptive"):
             raise APIError(400, f"thinking.type must be enabled, disabled or adaptive, not {kind!r}", "thinking")
         # adaptive leaves it to the model, which may not think
+        budget = (self.thinking or {}).get("budget_tokens")
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise APIError(400, f"thinking.budget_tokens must be an integer >= 0, not {budget!r}", "thinking")
         if kind == "enabled" and not model_thinks:
             raise APIError(400, "thinking: this model does not think (extended thinking is not supported)",
                            "thinking")

@@ -300,6 +300,7 @@ async def tags(request: Request):
     stored = await asyncio.to_thread(registry.stored_models)
     return {"models": [describe(m) for m in registry.models.values()] +
                       [describe(registry.models[t], alias) for alias, t in registry.aliases.items()] +
+                      [describe(served, name) for name, served, _, _ in registry.adapter_list()] +
                       [describe_stored(m) for m in stored]}
 
 

@@ -10,11 +10,12 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict
 
 from ...calls.chat_call import Answer, AnswerPiece
 from ...errors import PagedError
-from ..chat import prepare_prompt, run_chat, start_prompts
+from ..chat import answering_model, prepare_prompt, run_chat, start_prompts
 from ..generation import APIError, admit, off_loop
 from ..lookup import find_model
 from ..state import server_state
@@ -77,12 +78,13 @@ async def _merged(gens):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def score(served, ids: list[int], top_n: int, state) -> list:
-    """A prompt's own log-probabilities: a queue place like any request, and a scoring
-    request the engine computes a chunk per step beside everyone's work."""
+async def score(served, ids: list[int], top_n: int, state, lora=None) -> list:
+    """A prompt's own log-probabilities (under the LoRA adapter the request picked): a queue
+    place like any request, and a scoring request the engine computes a chunk per step beside
+    everyone's work."""
     admit(served, state.limits, state.metrics)
     try:
-        return await served.score_prompt(ids, top_n)
+        return await served.score_prompt(ids, top_n, lora)
     except PagedError as e:
         raise APIError(503, f"no room to score the prompt now: {e}", "prompt", "server_busy") from None
     finally:
@@ -169,18 +171,78 @@ def _card(m) -> dict:
     return {"id": m.name, "object": "model", "created": int(m.loaded_at), "owned_by": "pyllama-paged"}
 
 
+def _adapter_card(name: str, served, path: str) -> dict:
+    """A LoRA adapter as vLLM lists one: a model whose parent is the model it adapts."""
+    return {"id": name, "object": "model", "created": int(served.loaded_at), "owned_by": "pyllama-paged",
+            "root": path, "parent": served.name}
+
+
 @router.get("/v1/models")
 async def models(request: Request):
     state = server_state(request)
     stored = await asyncio.to_thread(state.registry.stored_models)
     return {"object": "list", "data": [_card(m) for m in state.registry.models.values()] +
+            [_adapter_card(name, served, path) for name, served, path, _ in state.registry.adapter_list()] +
             [{"id": m.name.lower(), "object": "model", "created": int(m.pulled_at), "owned_by": "pyllama-paged"}
              for m in stored]}
 
 
 @router.get("/v1/models/{model:path}")
 async def model(model: str, request: Request):
-    return _card(await find_model(server_state(request).registry, model))
+    registry = server_state(request).registry
+    for name, served, path, _ in registry.adapter_list():
+        if name == model.lower().removesuffix(":latest"):
+            return _adapter_card(name, served, path)
+    return _card(await find_model(registry, model))
+
+
+class LoadLora(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    lora_name: str
+    lora_path: str | None = None
+
+
+def _lora_runtime(request: Request):
+    state = server_state(request)
+    if not state.registry.serving.lora_runtime:
+        raise APIError(403, "loading and unloading LoRA adapters while serving is off; start the server with "
+                       "--lora-runtime", None, code="forbidden")
+    return state
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLora, request: Request):
+    """vLLM's: load an adapter file as a model name (with --lora-runtime)."""
+    state = _lora_runtime(request)
+    if not body.lora_path:
+        raise APIError(400, "lora_path is required", "lora_path")
+    try:
+        await state.registry.load_adapter(body.lora_name, body.lora_path)
+    except PagedError as e:
+        raise APIError(400, str(e), "lora_path") from None
+    except ValueError as e:
+        raise APIError(400, str(e), "lora_name") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: LoadLora, request: Request):
+    """vLLM's: unload an adapter loaded at start or at run time (with --lora-runtime)."""
+    state = _lora_runtime(request)
+    try:
+        await state.registry.unload_adapter(body.lora_name)
+    except KeyError:
+        raise APIError(404, f"no LoRA adapter named '{body.lora_name}' is loaded", "lora_name") from None
+    except PagedError as e:
+        raise APIError(409, str(e), "lora_name") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+@router.get("/lora-adapters")
+async def lora_adapters(request: Request):
+    """llama-server's list of the adapters a request's lora field picks by id."""
+    return [{"id": i, "name": name, "path": path, "scale": scale}
+            for i, (name, _, path, scale) in enumerate(server_state(request).registry.adapter_list())]
 
 
 @router.post("/v1/completions")
@@ -194,9 +256,9 @@ async def completions(body: CompletionRequest, request: Request):
         (p if isinstance(p, str) else tok.decode(p, skip_special=True)) if body.echo else "" for p in call.prompts])
     echo_lps = [None] * len(ids_of)
     if body.echo and body.logprobs is not None:
-        echo_lps = [await score(served, ids, body.logprobs, state) for ids in ids_of]
+        echo_lps = [await score(served, ids, body.logprobs, state, call.sampling.get("lora")) for ids in ids_of]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": served.name}
+            "model": answering_model(served, call.sampling.get("lora"))}
     if body.max_tokens == 0:
         return scored_only(body, head, tok, ids_of, echo_text, echo_lps)
     gens = [run.gen for run in await start_prompts(state, served, call, prepared)]
@@ -244,7 +306,7 @@ async def chat(body: ChatRequest, request: Request):
     state = server_state(request)
     run = await run_chat(state, body.chat_call())
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": run.served.name}
+            "created": int(time.time()), "model": run.model_name}
     tok = run.served.tokenizer
 
     def logprobs_of(events):

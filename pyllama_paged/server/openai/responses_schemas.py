@@ -15,7 +15,7 @@ from ...constrain.grammar import Constraint
 from ...tokenizer.tokenizer import Tokenizer
 from ...tools.reasoning import template_thinks
 from ..generation import APIError
-from .schemas import JsonSchemaFormat
+from .schemas import JsonSchemaFormat, ThinkingBudgetFields
 
 # the include values that only concern logprobs we do not compute here; every other value
 # names output of hosted tools or encrypted reasoning, which this server never produces
@@ -55,7 +55,7 @@ class TextConfig(_Loose):
     verbosity: str | None = None   # a hint about length; a model without the notion may ignore it
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(ThinkingBudgetFields):
     # strict: the types the schema says (true is not the integer 1, "5" is not a number)
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
@@ -169,7 +169,7 @@ class ResponsesRequest(BaseModel):
             sampling={"max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
                       "seed": self.seed, "ignore_eos": self.ignore_eos},
             model=self.model, thinking=self.thinking(),
-            reasoning_effort=(self.reasoning or {}).get("effort"),
+            reasoning_effort=(self.reasoning or {}).get("effort"), thinking_budget=self.thinking_budget(),
             limit_fields={"messages": self.input if isinstance(self.input, list) else None, "tools": self.tools,
                           "grammars": {"text.format": self.format_spec()}},
             refuse_unsupported=lambda served: self.refuse_unsupported(template_thinks(served.template.source)),

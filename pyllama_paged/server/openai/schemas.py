@@ -44,6 +44,15 @@ class ResponseFormat(_Loose):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
+class LoraEntry(BaseModel):
+    """One entry of llama-server's per-request "lora" field: an adapter by its --lora position
+    (GET /lora-adapters lists them), and its scale (0: not applied)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: int = Field(ge=0)
+    scale: float = 1.0
+
+
 class Sampling(BaseModel):
     # strict: the types the schema says (true is not the integer 1, "5" is not a number)
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -70,6 +79,11 @@ class Sampling(BaseModel):
     response_format: ResponseFormat | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
+    lora: list[LoraEntry] | None = None   # llama-server's: [{"id", "scale"}] over the --lora adapters
+
+    def lora_entries(self) -> list[tuple[int, float]] | None:
+        """The lora field as (id, scale) pairs (None: not given)."""
+        return None if self.lora is None else [(e.id, e.scale) for e in self.lora]
 
     def constraint(self, tokenizer: Tokenizer) -> Constraint | None:
         """The structured output asked for, if any; ConstraintError (a 400) when it cannot be."""
@@ -148,7 +162,7 @@ class CompletionRequest(Sampling):
         """The request as the server's prompt path takes it: an unset max_tokens is OpenAI's 16."""
         return PromptCall(
             prompts=self.prompts(), structured=self.constraint, surface=OPENAI, sampling=self.sampling(self.logprobs),
-            sampling_defaults={"max_tokens": 16}, model=self.model,
+            sampling_defaults={"max_tokens": 16}, model=self.model, lora=self.lora_entries(),
             limit_fields={"stop": self.stop, "logit_bias": self.logit_bias, "grammars": self.grammars()},
             refuse_unsupported=lambda served: self.refuse_completion(served.config.n_vocab, max_prompts))
 
@@ -187,7 +201,20 @@ class Tool(_Loose):
     function: FunctionDef
 
 
-class ChatRequest(Sampling):
+class ThinkingBudgetFields(BaseModel):
+    """llama-server's thinking budget on OpenAI's requests: thinking tokens at most before the
+    think block is closed (-1: none; unset: the reasoning effort's, else the server's)."""
+
+    reasoning_budget_tokens: int | None = Field(None, ge=-1)
+    thinking_budget_tokens: int | None = Field(None, ge=-1)   # the same, by llama-server's other name
+
+    def thinking_budget(self) -> int | None:
+        """The budget asked for, by either name (None: not asked)."""
+        asked = self.reasoning_budget_tokens
+        return asked if asked is not None else self.thinking_budget_tokens
+
+
+class ChatRequest(Sampling, ThinkingBudgetFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
@@ -243,8 +270,8 @@ class ChatRequest(Sampling):
             messages=[m.model_dump(exclude_none=True) for m in self.messages],
             tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
             tool_choice=self.tool_choice, structured=self.constraint, surface=OPENAI, sampling=sampling,
-            model=self.model, thinking=self.thinking(),
-            reasoning_effort=self.reasoning_effort,
+            model=self.model, thinking=self.thinking(), lora=self.lora_entries(),
+            reasoning_effort=self.reasoning_effort, thinking_budget=self.thinking_budget(),
             limit_fields={"stop": self.stop, "logit_bias": self.logit_bias, "messages": self.messages,
                           "tools": self.tools, "grammars": self.grammars()},
             refuse_unsupported=lambda served: self.refuse_unsupported(served.config.n_vocab,

@@ -46,6 +46,7 @@ from ray.serve.request_router import ReplicaID
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..api_keys import APIKeys
 from ..app import AccessPolicy, OriginPolicy, create_app, error_response, request_headers
 from ..error_bodies import anthropic_error_body
 from ..config import Limits, ScaleOut, ServeConfig
@@ -94,7 +95,7 @@ class PagedEngine:
         # loading weights takes seconds: off the replica's event loop (Serve's health and
         # queue-length calls run on it)
         self.registry = await asyncio.to_thread(ModelRegistry, config.models, config)
-        self.app = create_app(self.registry, config.limits, config.api_key, config.origins, config.host)
+        self.app = create_app(self.registry, config.limits, config.api_keys(), config.origins, config.host)
         self.state = self.app.state.pp
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         # the app's startup and shutdown handlers (its idle-model watcher, its prep threads)
@@ -201,14 +202,14 @@ class _Relay(Response):
 class PrefixIngress:
     """The HTTP entry: each request to PagedEngine with the prompt prefix its router reads."""
 
-    def __init__(self, engine, max_body_bytes: int, prefix_chars: int, api_key: str | None = None,
+    def __init__(self, engine, max_body_bytes: int, prefix_chars: int, api_key: APIKeys | str | None = None,
                  origins: tuple[str, ...] = (), host: str | None = None):
         self.engine = engine.options(stream=True)
         self.max_body_bytes, self.prefix_chars = max_body_bytes, prefix_chars
         self.figures = engine.options(stream=False).figures
         # the replicas check every relayed request themselves; what the ingress answers on its
         # own (/ray/replicas: ids, nodes, pids, hosts) needs the same checks here
-        self.access = AccessPolicy(api_key, OriginPolicy(origins), host)
+        self.access = AccessPolicy(APIKeys.of(api_key), OriginPolicy(origins), host)
 
     async def __call__(self, request: Request) -> Response:
         """Route one HTTP request to a replica and relay its answer."""
@@ -292,7 +293,7 @@ def build_application(config: ServeConfig):
         max_ongoing_requests=max(1, scale.replicas * scale.max_ongoing_requests),
         graceful_shutdown_timeout_s=scale.graceful_shutdown_timeout_s, graceful_shutdown_wait_loop_s=0.5)
     config = dataclasses.replace(config, models=[os.path.abspath(m) for m in config.models] if config.models else None)
-    return ingress.bind(engine.bind(config), config.limits.max_body_bytes, scale.prefix_chars, config.api_key,
+    return ingress.bind(engine.bind(config), config.limits.max_body_bytes, scale.prefix_chars, config.api_keys(),
                         tuple(config.origins), config.host)
 
 
@@ -300,7 +301,8 @@ def build(args: dict) -> Any:
     """Serve's application builder (`serve run pyllama_paged.server.scale_out.ray_app:build k=v ...`
     or a config file's import_path): ScaleOut fields at the top level, plus "models" (GGUF
     paths; none: the embedded default), "engine" (EngineConfig fields, SchedulerConfig ones
-    flat: ServeConfig.flat), "limits" (Limits fields), "api_key", "origins" and "host"."""
+    flat: ServeConfig.flat), "limits" (Limits fields), "api_key" (one or a list), "api_key_file" (the
+    same path on every node), "origins" and "host"."""
     return build_application(build_config(args))
 
 
@@ -308,7 +310,7 @@ def build_config(args: dict) -> ServeConfig:
     """build()'s arguments as one ServeConfig (ValueError for an unknown one)."""
     args = dict(args)
     scale_fields = {f.name for f in dataclasses.fields(ScaleOut)}
-    known = scale_fields | {"models", "engine", "limits", "api_key", "origins", "host"}
+    known = scale_fields | {"models", "engine", "limits", "api_key", "api_key_file", "origins", "host"}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -320,7 +322,8 @@ def build_config(args: dict) -> ServeConfig:
     engine.setdefault("n_threads", max(1, int(scale.replica_cpus)))
     return ServeConfig.flat(**engine, limits=Limits(**(args.get("limits") or {})), scale_out=scale,
                             models=_listed(args.get("models")) or None, api_key=args.get("api_key"),
-                            origins=tuple(_listed(args.get("origins"))), host=args.get("host"))
+                            api_key_file=args.get("api_key_file"), origins=tuple(_listed(args.get("origins"))),
+                            host=args.get("host"))
 
 
 def _listed(value) -> list[str]:
