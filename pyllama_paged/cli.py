@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import sys
 import time
@@ -54,6 +55,8 @@ class RunSettings(_Answers):
     top_k: int = flagged(40, "--top-k", "sample among the k likeliest tokens", type=int)
     top_p: float = flagged(0.95, "--top-p", "sample among the likeliest tokens holding this much probability",
                            type=float)
+    image: str | None = flagged(None, "--image", "an image file PROMPT is about, as a chat turn (needs --mmproj)",
+                                metavar="FILE")
 
 
 @dataclass
@@ -120,15 +123,33 @@ def _limit(max_tokens: int) -> int | None:
     return None if max_tokens == -1 else max_tokens
 
 
+def _run_chunks(llm, args):
+    """run's stream: PROMPT completed, or with --image a user turn of the image and PROMPT; the
+    text of each chunk and the chunk."""
+    sampling = dict(max_tokens=_limit(args.max_tokens), temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, stream=True, ignore_eos=args.ignore_eos)
+    if args.image is None:
+        for chunk in llm.create_completion(args.prompt, **sampling):
+            yield chunk["choices"][0]["text"], chunk
+        return
+    if not args.mmproj:
+        raise PagedError("--image needs a vision projector: give --mmproj FILE")
+    try:
+        with open(args.image, "rb") as f:
+            url = "data:image;base64," + base64.b64encode(f.read()).decode()
+    except OSError as e:
+        raise PagedError(f"--image {args.image}: {e.strerror}") from None
+    turn = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": args.prompt}]
+    for chunk in llm.create_chat_completion([{"role": "user", "content": turn}], **sampling):
+        yield chunk["choices"][0]["delta"].get("content") or "", chunk
+
+
 def cmd_run(args) -> int:
     with _open_llama(args) as llm:
         start = time.perf_counter()
         n = 0
-        for chunk in llm.create_completion(args.prompt, max_tokens=_limit(args.max_tokens),
-                                           temperature=args.temperature, top_k=args.top_k,
-                                           top_p=args.top_p, seed=args.seed, stream=True,
-                                           ignore_eos=args.ignore_eos):
-            sys.stdout.write(chunk["choices"][0]["text"])
+        for text, chunk in _run_chunks(llm, args):
+            sys.stdout.write(text)
             sys.stdout.flush()
             if "usage" in chunk:
                 n = chunk["usage"]["completion_tokens"]
@@ -359,6 +380,12 @@ def cmd_info(args) -> int:
                      f"{full * per_group} (the {full * groups.layers_per_group} full-attention layers; "
                      f"the {groups.window_groups * groups.layers_per_group} sliding-window layers stop growing)")
         print(line)
+    if cfg.is_hybrid:
+        from .engine import state_bytes_per_sequence
+        n_linear = sum(cfg.layer_recurrent)
+        print(f"recurrent state per sequence: {state_bytes_per_sequence(model.native)} bytes (f32, its "
+              f"{n_linear} Gated DeltaNet layers; KV only in the {cfg.n_attention_layers} full-attention layers), "
+              "the same per prefix-cache checkpoint")
     from ._native import ffi, lib
     build = ffi.string(lib.pp_ggml_build_info()).decode()
     print(f"GGML: {build}")

@@ -340,7 +340,14 @@ enum pp_arch {
                              layers (layer_window), YaRN rope; routed experts with biases (top
                              n_expert_used router logits + bias, softmaxed among themselves)
                              and a clamped SwiGLU; post_attention_norm is the FFN's norm */
-    PP_ARCH_GEMMA4   = 7  /* Gemma 4: gemma3's layer with per-layer head sizes, KV heads and
+    PP_ARCH_QWEN35   = 7, /* Qwen3.5/3.6 hybrid: Gated DeltaNet layers (layer_recurrent; their
+                             state lives in a pp_state_pool) and full-attention layers with a
+                             sigmoid output gate (attn_q holds query and gate per head), q/k
+                             norms and IMRoPE (rope_sections); post_attention_norm is the FFN's
+                             norm; a dense SwiGLU FFN */
+    PP_ARCH_QWEN35MOE = 8, /* qwen35's layers with qwen3moe's routed experts plus a shared expert
+                             (n_ff_shexp) scaled by sigmoid(ffn_gate_inp_shexp . x) */
+    PP_ARCH_GEMMA4   = 9  /* Gemma 4: gemma3's layer with per-layer head sizes, KV heads and
                              rope (layer_* below; rope_freqs on full layers only), an unweighted
                              v norm (k standing in for a missing v), attention scale 1,
                              shared-KV layers, per-layer embeddings (n_embd_per_layer), a
@@ -394,6 +401,16 @@ typedef struct pp_model_hparams {
     const int32_t *layer_kv_source;  /* -1: the layer computes its own K/V; else an earlier layer
                                         that does, of the same window and shapes, whose K/V it reads */
     int32_t n_embd_per_layer;        /* gemma4's per-layer embedding width (E2B/E4B); 0 = none */
+    /* Gated DeltaNet hybrids (PP_ARCH_QWEN35, PP_ARCH_QWEN35MOE; 0 and NULL for the others).
+     * rope_type is then 40 (GGML_ROPE_TYPE_IMROPE). */
+    const int32_t *layer_recurrent; /* n_layer entries: 1 = a Gated DeltaNet layer, 0 = full attention;
+                                       copied at pp_model_create; at least one of each */
+    int32_t ssm_d_conv;          /* the short convolution's kernel, 2..64 (ssm.conv_kernel) */
+    int32_t ssm_d_state;         /* each linear head's key and value size S (ssm.state_size) */
+    int32_t ssm_n_group;         /* query/key heads H_k of a linear layer (ssm.group_count) */
+    int32_t ssm_dt_rank;         /* value heads H_v (ssm.time_step_rank), a multiple of H_k */
+    int32_t rope_sections[4];    /* IMRoPE's sections of rotary pairs (rope.dimension_sections) */
+    int32_t n_ff_shexp;          /* the shared expert's width (PP_ARCH_QWEN35MOE) */
 } pp_model_hparams;
 
 typedef struct pp_model pp_model;
@@ -478,7 +495,8 @@ int32_t pp_device_get(int32_t index, pp_device_info *out);
  * A head larger than the device takes in one tensor (ask
  * pp_model_layer_device) stays on the CPU. n_layers = 0 and
  * offload_output = 0 do nothing and succeed.
- * PP_ERR_INVALID: an unknown device, the CPU device, an encoder-only model,
+ * PP_ERR_INVALID: an unknown device, the CPU device, an encoder-only model, a hybrid
+ * (Gated DeltaNet layers: their state pool is in host memory),
  * a second call, a call after packing/repacking, or a layer weight the
  * device cannot hold in one tensor. PP_ERR_NO_MEMORY: the
  * device cannot hold the weights (the message gives the size); the model is
@@ -581,7 +599,8 @@ typedef struct pp_kv_cache pp_kv_cache;
 /* K and V pools of num_blocks * block_size token rows, of kv_type (a
  * ggml_type: F16, Q8_0 or Q4_0), for the block pool of the same shape
  * (pp_pool_create_grouped). Layer il belongs to group layer_group[il]
- * (n_layer entries, copied; all 0 for an ungrouped pool, n_groups 1). Where
+ * (n_layer entries, copied; all 0 for an ungrouped pool, n_groups 1; a hybrid's
+ * recurrent layers keep no K/V, and their entries are ignored). Where
  * every group has the same number of layers L and every layer the same row
  * width, the cache holds L K and L V tensors of num_blocks * block_size rows:
  * the i-th layer of every group shares the i-th tensor, each physical block
@@ -607,13 +626,13 @@ int32_t pp_kv_cache_create_grouped(const pp_model *model, int32_t kv_type, int32
 
 void pp_kv_cache_destroy(pp_kv_cache *cache);
 
-/* Bytes of K plus V one token occupies across all layers (without freeing;
- * a layer that reads another's KV adds none). A size, not a status: 0 for a
- * NULL cache. */
+/* Bytes of K plus V one token occupies across all attention layers (without
+ * freeing; a layer that reads another's KV adds none). A size, not a status: 0
+ * for a NULL cache. */
 int64_t pp_kv_cache_bytes_per_token(const pp_kv_cache *cache);
 
 /* Bytes of K plus V one slot of a block holds: one token of one group
- * (all layers for an ungrouped cache). A block is block_size slots. A size,
+ * (all attention layers for an ungrouped cache). A block is block_size slots. A size,
  * not a status: 0 for a NULL cache. */
 int64_t pp_kv_cache_bytes_per_slot(const pp_kv_cache *cache);
 
@@ -678,6 +697,21 @@ typedef struct pp_batch {
     pp_lora *const *loras;
     const int32_t *seq_lora;
     const float   *seq_lora_scale;
+    /* Rows whose input is a given embedding instead of their token's (an
+     * image's rows, from pp_vision_encode): embd_rows strictly increasing
+     * in [0, n_tokens), embd n_embd_rows * n_embd floats (row-major,
+     * borrowed for the call). Such a row's token id must still be valid (it
+     * is looked up and then replaced) and the model's embedding scale is not
+     * applied to it. n_embd_rows 0 and NULLs: none. */
+    int32_t        n_embd_rows;
+    const int32_t *embd_rows;
+    const float   *embd;
+    /* Hybrid models: state_slots[s] is the slot of sequence row s in the context's state pool
+     * (pp_context_set_state_pool), n_seqs distinct slots, each taken. The step reads each
+     * sequence's recurrent state there and writes the state after its last token back in
+     * the same computation; a sequence whose first token is at position 0 must come with a
+     * zeroed slot (pp_state_pool_alloc, pp_state_pool_zero). NULL for other models. */
+    const int32_t *state_slots;
 } pp_batch;
 
 typedef struct pp_context pp_context;
@@ -706,12 +740,16 @@ int32_t pp_context_set_threads(pp_context *ctx, int32_t n_threads);
  * batch->hidden the hidden rows asked for (see pp_batch). logits may be NULL:
  * the rows are then read in place with pp_context_step_logits (no copy).
  * PP_ERR_INVALID (nothing computed, cache untouched) for a malformed batch:
- * out-of-range ids, slots, positions or sequence indices.
+ * out-of-range ids, slots, positions or sequence indices; for a hybrid model
+ * also no state pool, or state_slots missing, not taken or repeated; or its
+ * runs changing length more than 128 times (order the sequences by length).
  * PP_ERR_NO_MEMORY (nothing computed) if the step's buffers cannot be had.
  * PP_ERR_COMPUTE if the computation started and failed or was aborted
  * (pp_context_abort): logits are undefined, and so are the KV rows of the
- * batch's slots, which the caller must treat as not computed. Blocks outside
- * the slot mapping (a shared prefix, cached blocks) are never written.
+ * batch's slots, which the caller must treat as not computed, and a hybrid's
+ * state slots of the batch's sequences (recompute them from their first
+ * token). Blocks outside the slot mapping (a shared prefix, cached blocks)
+ * and state slots of sequences outside the batch are never written.
  * The step allocates no memory of its own beyond what GGML's graph allocator
  * reserved: the attention kernel's tiles are made with the context. */
 int32_t pp_context_decode(pp_context *ctx, const pp_batch *batch, float *logits);
@@ -789,6 +827,63 @@ int32_t pp_context_abort(pp_context *ctx);
  * count, PP_ERR_NO_MEMORY if the room cannot be had (the context keeps
  * what it had and stays usable). */
 int32_t pp_context_reserve_loras(pp_context *ctx, int32_t max_loras);
+/* ---- recurrent state pool (hybrid models) -------------------------------- */
+
+/* A Gated DeltaNet layer keeps a fixed-size state per sequence instead of KV rows: the last
+ * ssm_d_conv - 1 inputs of its convolution and a delta-rule matrix per value head. A state
+ * pool holds num_slots such states, one slot per running sequence, all of the model's linear
+ * layers in f32: it lives beside the block pool and is budgeted with it (bytes_per_slot). A
+ * slot's bytes, as pp_state_pool_read gives them: for each linear layer in order, its
+ * convolution state [(d_conv - 1) x channels] (the inputs oldest first, a row of d_conv - 1
+ * per channel; channels are q, k then v, as attn_qkv's rows), then its delta-rule state
+ * [S x S x H_v] (per value head, a row of S per value dimension, the key index fastest). */
+typedef struct pp_state_pool pp_state_pool;
+
+/* Bytes of one sequence's recurrent state under model (0 for a model without recurrent
+ * layers or NULL). A size, not a status. */
+int64_t pp_model_state_bytes(const pp_model *model);
+
+/* A pool of num_slots zeroed, free state slots for a hybrid model (borrowed; it must
+ * outlive the pool), in host memory. PP_ERR_INVALID for a model without recurrent layers
+ * or num_slots outside 1..1048576, PP_ERR_NO_MEMORY if the bytes cannot be had. */
+int32_t pp_state_pool_create(const pp_model *model, int32_t num_slots, pp_state_pool **out);
+
+/* Destroy a pool. NULL is accepted. Contexts using it must be destroyed (or given another
+ * pool) first. */
+void pp_state_pool_destroy(pp_state_pool *pool);
+
+/* Take a free slot (the lowest id), zeroed: the state of a sequence with no token yet, into
+ * *slot. PP_ERR_OUT_OF_BLOCKS when every slot is taken (nothing changes): free a slot, or
+ * queue the sequence. */
+int32_t pp_state_pool_alloc(pp_state_pool *pool, int32_t *slot);
+
+/* Give a taken slot back. PP_ERR_INVALID for a slot out of range or not taken. */
+int32_t pp_state_pool_free(pp_state_pool *pool, int32_t slot);
+
+/* Copy taken slot src's state over taken slot dst (a fork: the child continues where the
+ * parent is). PP_ERR_INVALID for a slot out of range or not taken, or src == dst. */
+int32_t pp_state_pool_copy(pp_state_pool *pool, int32_t src, int32_t dst);
+
+/* Zero a taken slot: its sequence starts again from its first token (recompute after
+ * preemption). PP_ERR_INVALID for a slot out of range or not taken. */
+int32_t pp_state_pool_zero(pp_state_pool *pool, int32_t slot);
+
+/* Copy a taken slot's state out to host memory dst (pp_state_pool_bytes_per_slot bytes, the
+ * layout above; the caller's), or in from src: swap and tests. PP_ERR_INVALID for a slot out
+ * of range or not taken, or a NULL buffer. */
+int32_t pp_state_pool_read(const pp_state_pool *pool, int32_t slot, void *dst);
+int32_t pp_state_pool_write(pp_state_pool *pool, int32_t slot, const void *src);
+
+/* Sizes and counts, not statuses: 0 for a NULL pool. */
+int64_t pp_state_pool_bytes_per_slot(const pp_state_pool *pool);
+int32_t pp_state_pool_num_slots(const pp_state_pool *pool);
+int32_t pp_state_pool_num_free(const pp_state_pool *pool);
+
+/* Give a context the state pool its steps read and write (borrowed: it must outlive the
+ * context or be replaced first); a hybrid model's context decodes nothing without one.
+ * PP_ERR_INVALID for a pool made for another model, or a pool for a model without
+ * recurrent layers. */
+int32_t pp_context_set_state_pool(pp_context *ctx, pp_state_pool *pool);
 
 /* ---- encoder (embedding models) ----------------------------------------- */
 
@@ -825,6 +920,64 @@ enum pp_pooling {
  * undefined). */
 int32_t pp_encoder_embed(pp_encoder *enc, const int32_t *token_ids, const int32_t *token_types,
                          const int32_t *seq_lens, int32_t n_seqs, int32_t pooling, float *out);
+
+/* ---- vision projectors (mmproj files) --------------------------------------- */
+
+/* Projector types (llama.cpp's clip.projector_type names). */
+enum pp_projector {
+    PP_PROJECTOR_GEMMA3 = 0   /* SigLIP tower; avg-pool scale_factor^2 patches, RMS norm, projection */
+};
+
+/* A vision tower's hyper-parameters, read from the clip.* metadata by the caller. */
+typedef struct pp_vision_hparams {
+    int32_t projector;        /* enum pp_projector */
+    int32_t image_size;       /* the square side images are resized to, in pixels */
+    int32_t patch_size;       /* divides image_size */
+    int32_t n_embd;           /* the tower's width */
+    int32_t n_head;           /* divides n_embd */
+    int32_t n_ff;
+    int32_t n_layer;
+    int32_t scale_factor;     /* gemma3: patches pooled per side into one token; divides the grid side */
+    int32_t projection_dim;   /* the text model's width: each embedding row's length */
+    float   eps;              /* the layer norms' (and the projector's RMS norm's) epsilon */
+} pp_vision_hparams;
+
+typedef struct pp_vision pp_vision;
+
+/* Create a vision encoder for these hyper-parameters with a compute thread
+ * pool of n_threads (1..512, sleeping when idle); weights are attached with
+ * pp_vision_set_tensor. *out owns it; free with pp_vision_destroy.
+ * PP_ERR_INVALID names a bad field; PP_ERR_NO_MEMORY if the backend, pool or
+ * metadata cannot be had (nothing is left allocated). */
+int32_t pp_vision_create(const pp_vision_hparams *hparams, int32_t n_threads, pp_vision **out);
+
+/* Destroy a vision encoder. NULL is accepted. */
+void pp_vision_destroy(pp_vision *vision);
+
+/* Attach one tensor by its GGUF name ("v.patch_embd.weight",
+ * "v.blk.<il>.attn_q.weight", "mm.input_projection.weight", ...), as
+ * pp_model_set_tensor does: data borrowed for the encoder's life, n_bytes
+ * exactly GGML's size of that type and shape, unknown names ignored
+ * (*used = 0), a known name with the wrong shape or type (norms, biases and
+ * the position embedding must be f32; matrices need a CPU product) refused
+ * with a message naming it. Refused after pp_vision_finalize. */
+int32_t pp_vision_set_tensor(pp_vision *vision, const char *name, int32_t type, const int64_t *ne,
+                             int32_t n_dims, const void *data, int64_t n_bytes, int32_t *used);
+
+/* Check every tensor is attached (the error names the first missing one).
+ * Must succeed before pp_vision_encode. */
+int32_t pp_vision_finalize(pp_vision *vision);
+
+/* Embedding rows one image becomes (0 for NULL). A count: cannot fail. */
+int32_t pp_vision_n_tokens(const pp_vision *vision);
+
+/* Encode one image: pixels are 3 planes of image_size x image_size floats
+ * (channel, row, column), already normalised; out receives
+ * pp_vision_n_tokens() * projection_dim floats (row-major), owned by the
+ * caller. One thread at a time. PP_ERR_INVALID for NULLs or an unfinalized
+ * encoder; PP_ERR_NO_MEMORY if the compute buffer cannot be had;
+ * PP_ERR_COMPUTE if GGML failed (out is then undefined). */
+int32_t pp_vision_encode(pp_vision *vision, const float *pixels, float *out);
 
 /* ---- sampling ------------------------------------------------------------ */
 

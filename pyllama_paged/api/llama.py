@@ -16,6 +16,7 @@ from ..engine import (EngineConfig, LoraRequest, PrefixTierConfig, RequestOutput
                       SharedSteps, SpeculativeConfig, build_engine, list_devices, load_model)
 from ..errors import PagedError, RequestError
 from ..calls.chat_call import ChatCall, prepare_call
+from ..vision.prompt_images import open_vision
 from .llama_chat import chat_chunks, collect_chat, legacy_functions
 from .llama_chat_format import is_vision_handler, vision_refusal
 from .llama_compat import (CHAT_FORMATS, LLAMA_DEFAULT_SEED, CompatWarnings, LlamaState, LlamaTokenizer,
@@ -44,7 +45,8 @@ class Llama:
                  paged: bool = True, block_size: int = 32, kv_cache_type: str = "f16", n_seq_max: int = 1,
                  repack_weights: bool = True, pack_panels: bool = True, n_gpu_layers: int = 0,
                  main_gpu: int = 0, speculative: Any = None, prefix_cache_ram: int = 0,
-                 prefix_cache_dir: str | None = None, draft_model: Any = None, **llama_cpp_args: Any):
+                 prefix_cache_dir: str | None = None, draft_model: Any = None, mmproj: str | None = None,
+                 clip_model_path: str | None = None, **llama_cpp_args: Any):
         """Load a GGUF (model_path None: the embedded default model). llama-cpp-python's other
         arguments are accepted; those that change nothing here warn once (llama_compat).
         pack_panels=False keeps GGML's kernels for the weights our panel GEMMs would take.
@@ -57,8 +59,10 @@ class Llama:
         prefix_cache_ram: bytes of host RAM that keep computed prompt blocks after the KV pool
         evicts them (0: none); prefix_cache_dir: a directory keeping them across runs (None: none).
         lora_path: a LoRA adapter GGUF (llama.cpp's convert_lora_to_gguf.py) every call runs, at
-        lora_scale; the base weights stay as they are (llama.cpp merges nothing either)."""
-        self.llm_engine = self._model = self._steps = None   # set first: close() is safe after a failed init
+        lora_scale; the base weights stay as they are (llama.cpp merges nothing either).
+        mmproj (or clip_model_path, llama-cpp-python's name): a vision projector GGUF; chats may
+        then carry image_url parts (data URLs)."""
+        self.llm_engine = self._model = self._steps = self._vision = None   # close() is safe after a failed init
         self._warnings = CompatWarnings()
         self._warnings.constructor_args(llama_cpp_args)
         lora = None if lora_path is None else LoraRequest("default", lora_scale)   # checks the scale first
@@ -113,6 +117,9 @@ class Llama:
         self._steps = SharedSteps(self.llm_engine)
         # bert: embeddings only, no KV cache and no chat
         self.chat_template = None if self._model.config.is_encoder else self._chat_template(chat_format)
+        if mmproj or clip_model_path:
+            self._vision = open_vision(mmproj or clip_model_path, self._model.config.n_embd, self._tokenizer,
+                                       self.n_threads or 1)
 
     def _chat_template(self, chat_format: str | None) -> ChatTemplate:
         if chat_format is None or chat_format == "chat_template.default":
@@ -266,6 +273,9 @@ class Llama:
         if getattr(self, "llm_engine", None) is not None:
             self.llm_engine.close()
             self.llm_engine = None
+        if getattr(self, "_vision", None) is not None:
+            self._vision.close()
+            self._vision = None
         if getattr(self, "_model", None) is not None:
             self._model.close()
             self._model = None
@@ -426,18 +436,20 @@ class Llama:
             raise RequestError("logit_bias must map token ids to numbers") from None
 
     # ---- scheduled generation: many prompts, n samples, beams, chat ---------
-    def stream_texts(self, prompts_ids: Sequence[Sequence[int]], params: SamplingParams, criteria=None):
+    def stream_texts(self, prompts_ids: Sequence[Sequence[int]], params: SamplingParams, criteria=None,
+                     images: Sequence[list] | None = None):
         """Run prompts together through the scheduler; yield (prompt index, sample index,
         text delta, finish reason or None, token event or None) as text becomes available.
-        criteria: (StopWatch, stopping criteria) for one prompt with one sample. Safe from
-        many threads at once: their requests share the engine's steps."""
+        criteria: (StopWatch, stopping criteria) for one prompt with one sample. images[i]:
+        prompt i's, placed by prepare_call. Safe from many threads at once: their requests
+        share the engine's steps."""
         steps = self._shared_steps()
         if criteria is not None and (len(prompts_ids) > 1 or params.n > 1 or params.beam_width > 1):
             raise RequestError("stopping_criteria applies to one prompt with one sample")
         requests = []
         try:
             for i, ids in enumerate(prompts_ids):
-                requests.append(steps.add_request(list(ids), params))
+                requests.append(steps.add_request(list(ids), params, images[i] if images else ()))
                 if requests[-1].error:
                     raise RequestError(f"prompt {i}: {requests[-1].error}")
         except BaseException:
@@ -525,11 +537,11 @@ class Llama:
                         structured=lambda tokenizer: from_python(tokenizer, response_format, grammar),
                         surface=PYTHON, sampling=fields, sampling_defaults={"seed": self._seed}, thinking=think,
                         thinking_budget=reasoning_budget)
-        prepared = prepare_call(call, self.chat_template, self._tokenizer)
+        prepared = prepare_call(call, self.chat_template, self._tokenizer, vision=self._vision)
         params = call.params(prepared.constraint, prepared.thinking_budget)
         criteria = (watch, stopping_criteria) if watch is not None else None
         chunks = chat_chunks(self, prepared.prompt_ids, params, prepared.tool_names, model or self.model_path,
-                             criteria, prepared.thinks, prepared.opens_thinking, prepared.harmony)
+                             criteria, prepared.thinks, prepared.opens_thinking, prepared.harmony, prepared.images)
         return chunks if stream else collect_chat(chunks, n)
 
     def create_chat_completion_openai_v1(self, *args, **kwargs):

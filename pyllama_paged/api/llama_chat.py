@@ -36,11 +36,11 @@ def legacy_functions(functions, function_call, tools, tool_choice):
 
 def chat_chunks(llama, prompt_ids: list[int], params, names: set[str], model: str,
                 stopping_criteria=None, thinks: bool = False, opens_thinking: bool = False,
-                harmony: HarmonyTokens | None = None) -> Iterator[dict]:
+                harmony: HarmonyTokens | None = None, images=()) -> Iterator[dict]:
     """The chat stream: every chunk has choices[0]; the last one also carries usage. A model
     that thinks (thinks; opens_thinking: its prompt opened the block) sends its thinking as
     reasoning_content deltas, as OpenAI-compatible servers do; a harmony reply (harmony) is read
-    by its channels."""
+    by its channels. images: the prompt's, placed by prepare_call."""
     cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
     started: set = set()
     counts: dict = {}
@@ -54,7 +54,7 @@ def chat_chunks(llama, prompt_ids: list[int], params, names: set[str], model: st
     width = params.beam_width if params.beam_width > 1 else params.n
 
     def chunks():
-        with closing(llama.stream_texts([prompt_ids], params, stopping_criteria)) as texts:
+        with closing(llama.stream_texts([prompt_ids], params, stopping_criteria, [list(images)])) as texts:
             for _, j, text, finish, ev in texts:
                 if splitter.cut(j) is None:
                     yield from sample_chunks(j, text, finish, ev)

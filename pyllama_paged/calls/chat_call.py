@@ -21,7 +21,8 @@ from ..tokenizer.chat_template import ChatTemplate
 from ..tokenizer.tokenizer import Tokenizer
 from ..tools.calls import ToolCall, ToolCallStream, parse_tool_calls
 from ..tools.harmony import HarmonyReader, HarmonyTokens, harmony_tokens
-from ..tools.messages import normalize_messages
+from ..tools.messages import ImageSink, MessageError, normalize_messages
+from ..vision.prompt_images import VisionPrompt
 from ..tools.prompt import plan_tools, render_chat
 from ..tools.reasoning import (THINK_CLOSE, THINK_OPEN, ReasoningSplitter, budget_tokens, prompt_opens_thinking,
                                speaks_harmony, split_reasoning, template_thinks, thinking_variables)
@@ -84,6 +85,7 @@ class PromptCall(Call):
     system: str | None = None
     context: list[int] = field(default_factory=list)
     structured_param: str | None = None   # the request field a bad structured output is reported under
+    images: list[str] = field(default_factory=list)   # base64 images (Ollama's), before each text prompt
 
 
 @dataclass
@@ -97,37 +99,54 @@ class PreparedChat:
     opens_thinking: bool = False    # the prompt ends inside an open think block
     harmony: HarmonyTokens | None = None   # the reply is harmony (gpt-oss): its channels are read instead
     thinking_budget: ThinkingBudget | None = None   # the think block's close forced past this many tokens
+    images: list = field(default_factory=list)   # (first position, EncodedImage) per image in the prompt
 
 
 def prepare_call(call: ChatCall, template: ChatTemplate, tokenizer: Tokenizer,
-                 n_ctx: int | None = None) -> PreparedChat:
+                 n_ctx: int | None = None, vision: VisionPrompt | None = None) -> PreparedChat:
     """The call's prompt, constraint and tool names; with call.truncate, the fewest oldest
     turns left out for the prompt to stay under n_ctx tokens. PagedError (MessageError,
-    ConstraintError) for what the request got wrong."""
-    messages = normalize_messages(call.messages)
+    ConstraintError, ImageError) for what the request got wrong. vision: the model reads
+    images (None: an image is refused), each encoded into its place in the prompt."""
+    sink = ImageSink(vision.marker) if vision is not None else None
+    messages = normalize_messages(call.messages, sink)
     constraint = call.structured(tokenizer) if call.structured is not None else None
     tools, constraint, names = plan_tools(template, tokenizer, call.tools, call.tool_choice, constraint)
     thinks = template_thinks(template.source)
     harmony = harmony_tokens(tokenizer) if speaks_harmony(template.source) else None
     variables = thinking_variables(template.source, call.thinking, call.reasoning_effort)
     ids, text = _prompt_ids(template, tokenizer, messages, tools, n_ctx if call.truncate else None, variables)
+    ids, images = vision.expand(ids, sink.images) if vision is not None else (ids, [])
     opens = thinks and harmony is None and prompt_opens_thinking(text)
     return PreparedChat(ids, constraint, names, thinks, opens, harmony,
-                        thinking_budget(call, tokenizer, thinks and harmony is None, opens))
+                        thinking_budget(call, tokenizer, thinks and harmony is None, opens), images)
+
+
+def _prompt_images(call: PromptCall, vision: VisionPrompt | None) -> tuple[ImageSink | None, str]:
+    """The call's images taken (MessageError without vision), and the markers that go before
+    each text prompt."""
+    if not call.images:
+        return None, ""
+    if vision is None:
+        raise MessageError("images are not supported by this model")
+    sink = ImageSink(vision.marker)
+    return sink, "".join(sink.take(v, f"images[{j}]") for j, v in enumerate(call.images))
 
 
 def prepare_prompts(call: PromptCall, template: ChatTemplate, tokenizer: Tokenizer,
-                    n_vocab: int) -> list[PreparedChat]:
+                    n_vocab: int, vision: VisionPrompt | None = None) -> list[PreparedChat]:
     """Each prompt of the call ready to generate (its constraint compiled later, by whoever
     starts it): text rendered (templated) and tokenized after the call's context, token ids
-    checked against the model's n_vocab. PagedError for what the request got wrong."""
+    checked against the model's n_vocab, the call's images before each text prompt.
+    PagedError for what the request got wrong."""
+    sink, markers = _prompt_images(call, vision)
     thinks = call.templated and template_thinks(template.source)
     harmony = harmony_tokens(tokenizer) if thinks and speaks_harmony(template.source) else None
     variables = thinking_variables(template.source, call.thinking, call.reasoning_effort)
     prepared = []
     for prompt in call.prompts:
         if isinstance(prompt, str):
-            text = prompt
+            text = prompt = markers + prompt
             if call.templated:
                 turns = ([{"role": "system", "content": call.system}] if call.system else []) + \
                         [{"role": "user", "content": prompt}]
@@ -138,8 +157,9 @@ def prepare_prompts(call: PromptCall, template: ChatTemplate, tokenizer: Tokeniz
             raise PagedError("prompt token id outside the vocabulary")
         else:
             ids, opens = list(prompt), False
+        ids, images = vision.expand(ids, sink.images) if sink is not None else (ids, [])
         prepared.append(PreparedChat(ids, None, set(), thinks, opens, harmony,
-                                     thinking_budget(call, tokenizer, thinks and harmony is None, opens)))
+                                     thinking_budget(call, tokenizer, thinks and harmony is None, opens), images))
     return prepared
 
 

@@ -10,6 +10,7 @@ from .params import (MAX_BEAM_WIDTH, MAX_LOGPROBS, MAX_SCORE_ROWS, POOLINGS, TOK
 from .outputs import RequestOutput, TokenEvent
 from .kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventListener
 from .kv.groups import KVGroups
+from .kv.state_pool import state_bytes_per_sequence
 from .kv.prefix_tiers import PrefixTierConfig
 from .worker.devices import gpu_device, list_devices
 from .worker.model import Model, default_model_path, load_model
@@ -40,4 +41,6 @@ __all__ = [
     # the model: weights, devices, KV bytes per token, a sampler for the Python API's sample()
     "Model", "default_model_path", "list_devices", "gpu_device", "KVGroups", "dense_kv_bytes_per_token",
     "BatchSampler", "Sampler", "PromptLookupDrafter", "LoraAdapter", "split_scale",
+    # a hybrid model's (Qwen3.5/3.6) recurrent state bytes per sequence
+    "state_bytes_per_sequence",
 ]

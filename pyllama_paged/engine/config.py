@@ -32,6 +32,8 @@ class EngineConfig:
                                      "(default: for run the embedded base model gemma3:270m-base, which continues "
                                      "text; for chat the embedded chat model smollm2:135m)", aliases=("-m",),
                                      metavar="MODEL")
+    mmproj: str | None = flagged(None, "--mmproj", "vision projector GGUF (llama.cpp's mmproj file) for the "
+                                 "model: images in prompts", metavar="FILE")
     # <= 0: the model's training context (never more than it)
     n_ctx: int = flagged(4096, "--ctx", "context length in tokens, per sequence", type=int)
     n_batch: int = 512                  # tokens per forward step
@@ -47,6 +49,14 @@ class EngineConfig:
     kv_bytes: int | None = None
     kv_tokens: int | None = None
     n_seq_max: int = 1
+    # a hybrid model's (Qwen3.5/3.6) recurrent state slots for running sequences (None: out of the
+    # KV budget, engine/kv/state_pool.py's split_budget), and those kept for prefix-cache
+    # checkpoints beside them, out of the same budget (0: its prefix cache is never hit)
+    state_slots: int | None = None
+    state_checkpoints: int = 2
+    # ... and one kept every this many blocks of a long prompt's prefill (a shared system
+    # prompt), each until least recently used (0: a prompt keeps its last full block's alone)
+    state_checkpoint_every: int = 0
     free_window_blocks: bool = True     # sliding-window layers give pages back (per-layer-group paging)
     attention: str = "kernel"           # "kernel": our CPU operator; "gather": GGML ops alone
     repack_weights: bool = True
@@ -68,6 +78,12 @@ class EngineConfig:
         for name in ("n_batch", "n_threads", "n_seq_max", "block_size"):
             if getattr(self, name) < 1:
                 raise PagedError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.state_slots is not None and self.state_slots < 1:
+            raise PagedError(f"EngineConfig.state_slots must be >= 1 or None, got {self.state_slots}")
+        if self.state_checkpoint_every < 0:
+            raise PagedError(f"EngineConfig.state_checkpoint_every must be >= 0, got {self.state_checkpoint_every}")
+        if self.state_checkpoints < 0:
+            raise PagedError(f"EngineConfig.state_checkpoints must be >= 0, got {self.state_checkpoints}")
         for name in ("num_blocks", "kv_bytes", "kv_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:

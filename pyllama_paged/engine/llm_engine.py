@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import warnings
+
 import numpy as np
 
 from .config import EngineConfig
@@ -17,7 +19,7 @@ from .worker.devices import device_kv_budget
 from .worker.model import Model, load_model
 from .worker.model_runner import ModelRunner, dense_kv_bytes_per_token
 from .outputs import RequestOutput
-from ..errors import PagedError, RequestError
+from ..errors import ModelLoadError, PagedError, RequestError
 from .worker.sampler import BatchSampler, Sampler
 from .params import EmbedParams, LoraRequest, SamplingParams, ScoreParams
 from .worker.lora import LoraAdapter
@@ -30,6 +32,20 @@ from .spec_decode.verify import Speculator
 from .spec_decode.draft_model import drafter_for
 from .sched.request import Request, RequestStatus, Sequence
 from ..tokenizer.tokenizer import Tokenizer
+
+
+def _tiers_on(config: EngineConfig) -> bool:
+    """Whether config asks for prefix tiers below the pool."""
+    return config.prefix_tiers is not None and config.prefix_tiers.enabled and config.paged
+
+
+def _off_for_hybrids(config: EngineConfig) -> str:
+    """What config asks for that a hybrid runs without ("" for nothing): a prefix from a tier
+    would come without the state at its end, and swap's host copies hold pages, not states."""
+    off = [what for what, asked in (("prefix tiers are off", _tiers_on(config)),
+                                     ("preemption recomputes instead of swapping",
+                                      config.scheduler.preemption_mode == "swap")) if asked]
+    return ", ".join(off)
 
 
 def runner_config(config: EngineConfig, model: Model) -> EngineConfig:
@@ -85,11 +101,15 @@ class LLMEngine:
             raise
         engine = cls(runner, eot_ids, config.scheduler)
         engine._owned_model = model if owned else None
+        off = _off_for_hybrids(config) if runner.hybrid else ""
+        if off:
+            warnings.warn(f"{model.path}: {off} for a hybrid model (Gated DeltaNet layers: their recurrent "
+                          "state is neither in the tiers' blocks nor in swap's host copies)", UserWarning, stacklevel=2)
         try:   # a draft model (method draft_model) loads here, checked against the target
             if config.speculative is not None:
                 engine.use_speculator(Speculator(config.speculative,
                                                  drafter_for(config.speculative, model, runner, config)))
-            if config.prefix_tiers is not None and config.prefix_tiers.enabled and config.paged:
+            if _tiers_on(config) and not runner.hybrid:
                 engine.use_prefix_tiers(config.prefix_tiers)
         except BaseException:
             engine.close()
@@ -154,6 +174,9 @@ class LLMEngine:
             raise RequestError("a LoRA adapter needs a non-empty name")
         if name in self.loras:
             raise RequestError(f"a LoRA adapter named {name!r} is already loaded")
+        if self.runner.hybrid:   # the state checkpoints and the delta-rule layers know no adapters yet
+            raise ModelLoadError(f"{path}: LoRA adapters are not supported on hybrid models "
+                                 f"({self.runner.model.config.arch}) yet")
         adapter = LoraAdapter(self.runner.model, path)
         self.loras[name] = adapter
         return adapter
@@ -183,14 +206,17 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | EmbedParams | ScoreParams,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, images=()) -> Request:
         """Queue a request (EmbedParams: an embedding; ScoreParams: the prompt's own
-        log-probabilities); a request that can never fit is returned already finished."""
+        log-probabilities); a request that can never fit is returned already finished.
+        images: (first position, EncodedImage) pairs whose rows replace the prompt's
+        placeholder tokens there (vision/image_cache.py)."""
         params.validate()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise PagedError(f"request id {request_id!r} is already in flight")
         prompt_ids = self._checked_tokens(prompt_ids)
+        placed = self._placed_images(prompt_ids, images)
         embed = params if isinstance(params, EmbedParams) else None
         if embed is not None and embed.token_types is not None:
             raise RequestError("token types are for encoder models (text pairs); a decoder has none")
@@ -199,8 +225,10 @@ class LLMEngine:
         if sampled and params.logit_bias and max(params.logit_bias) >= self.runner.n_vocab:
             raise RequestError(f"logit_bias token id {max(params.logit_bias)} outside the vocabulary "
                                f"of {self.runner.n_vocab}")
+        if placed and not sampled:
+            raise RequestError("images are for generation requests, not embeddings or scoring")
         request = Request(request_id, prompt_ids, params if sampled else SamplingParams(), embed=embed,
-                          score=score, lora=None if embed else self._lora_of(params.lora))
+                          score=score, lora=None if embed else self._lora_of(params.lora), images=placed)
         # max_tokens resolved here, once: the prompt and at most that many tokens (0 or None: to
         # the context), within the context
         request.max_len = min(self.limit, len(prompt_ids) + (request.params.max_tokens or self.limit))
@@ -221,6 +249,23 @@ class LLMEngine:
         if bad.size:
             raise RequestError(f"token id {int(bad[0])} outside the vocabulary of {n_vocab}")
         return ids.tolist()
+
+    def _placed_images(self, prompt_ids: list[int], images) -> list:
+        """Each image's token ids written over its placeholder positions of prompt_ids (in
+        place); its (first position, embedding rows) for the runner. RequestError for images
+        that overlap, leave the prompt or are not as wide as the model's embedding."""
+        placed, end = [], 0
+        for start, image in sorted(images, key=lambda pair: pair[0]):
+            rows = image.embeddings
+            if rows.ndim != 2 or rows.shape[1] != self.runner.model.config.n_embd:
+                raise RequestError(f"image rows are {list(rows.shape)}; the model's embedding is "
+                                   f"{self.runner.model.config.n_embd} wide")
+            if start < end or start + len(rows) > len(prompt_ids):
+                raise RequestError(f"an image at position {start} overlaps another or leaves the prompt")
+            prompt_ids[start:start + len(rows)] = image.token_ids()
+            placed.append((start, rows))
+            end = start + len(rows)
+        return placed
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; False if unknown or finished."""
@@ -297,9 +342,10 @@ class LLMEngine:
             r.score is None and not r.is_beam and all(s.sampler.plain_greedy for s in r.live_seqs)
             for r in step.requests)
         started = time.perf_counter()
+        images = [r.images for r in step.requests] if any(r.images for r in step.requests) else None
         step.logits, step.rows = self.runner.execute(output.items_array(), step.hidden,
                                                      [r.score is not None for r in step.requests], step.drafts,
-                                                     argmax_only)
+                                                     argmax_only, images)
         step.argmax = self.runner.step_argmax() if argmax_only else None
         self.forward_seconds += time.perf_counter() - started
         self.num_computed_tokens += sum(output.num_tokens)
@@ -360,6 +406,14 @@ class LLMEngine:
             s.update(self.tiers.stats(), prefix_tier_hits=self.scheduler.tier_hit_tokens)
         s.update(kv_pool_bytes=self.runner.kv_pool_bytes,
                  kv_bytes_per_token_dense=self.runner.kv_bytes_per_token)
+        if self.runner.hybrid:   # the recurrent state slots, out of the same budget
+            hkv, states = self.runner.kv, self.runner.state_pool
+            s.update(state_slots_total=states.num_slots, state_slots_running=hkv.running_slots,
+                     state_slots_used=states.num_slots - states.num_free - hkv.num_checkpoints,
+                     state_bytes_per_seq=states.bytes_per_slot, state_pool_bytes=states.pool_bytes,
+                     state_checkpoints=hkv.num_checkpoints, state_checkpoint_saves=hkv.checkpoint_saves,
+                     state_checkpoint_hits=hkv.checkpoint_hits,
+                     state_checkpoint_hit_tokens=hkv.checkpoint_hit_tokens)
         if kv.paged:
             ps = kv.pool.stats()
             s.update(block_size=kv.block_size, blocks_total=ps.num_blocks, blocks_free=ps.num_free,

@@ -91,7 +91,7 @@ class EngineLoop:
     def __init__(self, llm: LLMEngine):
         self.llm = llm
         self._cv = threading.Condition()
-        self._commands: deque = deque()   # ("add", id, prompt, params) | ("abort", id) | ("call", fn, box, done) | ("task", work, future)
+        self._commands: deque = deque()   # ("add", id, prompt, params, images) | ("abort", id) | ("call", fn, box, done) | ("task", work, future)
         self._streams: dict[str, RequestStream] = {}
         self._tasks: list[tuple] = []     # (generator, Future): long work run a piece per step
         self._ids = itertools.count()
@@ -113,14 +113,15 @@ class EngineLoop:
         self._cv.notify()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               request_id: str | None = None) -> RequestStream:
-        """Queue a request from any thread; returns its stream of RequestOutput."""
+               request_id: str | None = None, images=()) -> RequestStream:
+        """Queue a request from any thread; returns its stream of RequestOutput. images: as
+        LLMEngine.add_request's."""
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id)
         with self._cv:
             if request_id in self._streams:
                 raise PagedError(f"request id {request_id!r} is already in flight")
-            self._enqueue(("add", request_id, list(prompt_ids), params))
+            self._enqueue(("add", request_id, list(prompt_ids), params, list(images)))
             self._streams[request_id] = stream
         return stream
 
@@ -250,9 +251,10 @@ class EngineLoop:
             except Exception as e:  # reported to that request's stream only
                 self._close(request_id, PagedError(f"abort failed: {e}"))
         else:
-            _, request_id, prompt_ids, params = command
+            _, request_id, prompt_ids, params, images = command
             try:
-                request = self.llm.add_request(prompt_ids, params, request_id)
+                request = self.llm.add_request(prompt_ids, params, request_id, images=images) if images else \
+                    self.llm.add_request(prompt_ids, params, request_id)
                 error = request.error
             except Exception as e:  # a bad request fails alone
                 self.llm.abort(request_id)

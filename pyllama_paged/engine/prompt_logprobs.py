@@ -38,7 +38,7 @@ def score_prompt(runner: ModelRunner, token_ids: Sequence[int], top_n: int = 0):
             n = min(_ROWS, len(ids) - start)
             slots, tables = kv.batch_arrays(seq.handle, start, n)
             logits = runner.forward(ids[start:start + n], range(start, start + n), slots, [0] * n, tables,
-                                    list(range(n)))
+                                    list(range(n)), state_slots=runner.state_slots_of(seq))
             kv.mark_computed(seq.handle, max(seq.num_computed, start + n))
             seq.num_computed = max(seq.num_computed, start + n)
             out += score_rows(logits, ids, start, top_n)

@@ -30,12 +30,14 @@ class SharedSteps:
         self._filed: dict[str, deque[RequestOutput]] = {}   # request id -> outputs not yet read
         self._closed = False
 
-    def add_request(self, prompt_ids, params):
-        """Queue a request; its outputs are filed for next_outputs until release()."""
+    def add_request(self, prompt_ids, params, images=()):
+        """Queue a request (images: as LLMEngine.add_request's); its outputs are filed for
+        next_outputs until release()."""
         self._refuse_reentry()
         with self._lock:
             self._refuse_closed()
-            request = self.engine.add_request(prompt_ids, params)
+            request = self.engine.add_request(prompt_ids, params, images=images) if images else \
+                self.engine.add_request(prompt_ids, params)
             if request.request_id in self.engine.requests:
                 self._filed[request.request_id] = deque()
             return request

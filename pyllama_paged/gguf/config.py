@@ -15,15 +15,20 @@ __all__ = ["ARCH_IDS", "ENCODER_ARCHS", "POOLING_TYPES", "ModelConfig", "ModelLo
 ARCH_IDS = {"llama": lib.PP_ARCH_LLAMA, "qwen2": lib.PP_ARCH_QWEN2, "qwen3": lib.PP_ARCH_QWEN3,
             "gemma3": lib.PP_ARCH_GEMMA3, "bert": lib.PP_ARCH_BERT,
             "qwen3moe": lib.PP_ARCH_QWEN3MOE, "gpt-oss": lib.PP_ARCH_GPT_OSS,
+            "qwen35": lib.PP_ARCH_QWEN35, "qwen35moe": lib.PP_ARCH_QWEN35MOE,
             "gemma4": lib.PP_ARCH_GEMMA4}   # enum pp_arch
 ENCODER_ARCHS = frozenset({"bert"})   # encoder-only: embeddings, no KV cache, no generation
-EXPERT_ARCHS = frozenset({"qwen3moe", "gpt-oss"})   # routed experts instead of the dense FFN
+EXPERT_ARCHS = frozenset({"qwen3moe", "gpt-oss", "qwen35moe"})   # routed experts instead of the dense FFN
+# Gated DeltaNet layers beside full-attention ones: a recurrent state per sequence (hybrid_fields)
+HYBRID_ARCHS = frozenset({"qwen35", "qwen35moe"})
+MAX_D_CONV = 64   # pp_model_create's limits on a hybrid's linear layers
+MAX_D_STATE = 1024
 YARN_ARCHS = frozenset({"gpt-oss"})   # the archs whose YaRN rope scaling is checked against the reference
 # llama.cpp's YaRN: the ramp's ends in turns of the original context (it reads no other from a file)
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
 MAX_EXPERTS = 1024   # pp_model_create's limit (llama.cpp's LLAMA_MAX_EXPERTS)
 POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}   # llama.cpp's <arch>.pooling_type
-ROPE_NORMAL, ROPE_NEOX = 0, 2
+ROPE_NORMAL, ROPE_NEOX, ROPE_IMROPE = 0, 2, 40   # GGML_ROPE_TYPE_*
 # the keys gemma4 may give one value per layer; the generic reads see their largest
 PER_LAYER_KEYS = {"gemma4": ("attention.head_count_kv", "feed_forward_length")}
 
@@ -70,6 +75,16 @@ class ModelConfig:
     # layers); empty: every layer its own
     layer_kv_source: list[int] = field(default_factory=list, repr=False)
     n_embd_per_layer: int = field(default=0, repr=False)   # gemma4's per-layer embeddings (0: none)
+    # Gated DeltaNet hybrids (HYBRID_ARCHS): per layer whether it is recurrent (linear attention),
+    # the linear layers' convolution kernel, head size, key heads and value heads, IMRoPE's
+    # sections and a shared expert's width (qwen35moe)
+    layer_recurrent: list[bool] = field(default_factory=list, repr=False)
+    ssm_d_conv: int = field(default=0, repr=False)
+    ssm_d_state: int = field(default=0, repr=False)
+    ssm_n_group: int = field(default=0, repr=False)
+    ssm_dt_rank: int = field(default=0, repr=False)
+    rope_sections: tuple[int, int, int, int] = field(default=(0, 0, 0, 0), repr=False)
+    n_ff_shexp: int = field(default=0, repr=False)
 
     @property
     def is_encoder(self) -> bool:
@@ -85,9 +100,24 @@ class ModelConfig:
         hd = self.layer_head_dim[il] if self.layer_head_dim else self.head_dim
         return hd * (self.layer_n_head_kv[il] if self.layer_n_head_kv else self.n_head_kv)
 
+    def attends(self, il: int) -> bool:
+        """Whether layer il is an attention layer (not a hybrid's recurrent one)."""
+        return not self.layer_recurrent or not self.layer_recurrent[il]
+
     def owns_kv(self, il: int) -> bool:
-        """Whether layer il computes and keeps its own K/V (else it reads an earlier layer's)."""
-        return not self.layer_kv_source or self.layer_kv_source[il] < 0
+        """Whether layer il computes and keeps its own K/V (else it reads an earlier layer's, or
+        it is recurrent and keeps none)."""
+        return self.attends(il) and (not self.layer_kv_source or self.layer_kv_source[il] < 0)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """A model with recurrent (Gated DeltaNet) layers: each sequence also holds a state slot."""
+        return any(self.layer_recurrent)
+
+    @property
+    def n_attention_layers(self) -> int:
+        """The layers that keep K/V (all but a hybrid's recurrent ones)."""
+        return self.n_layer - sum(self.layer_recurrent)
 
 
 _INT32_MAX = 2**31 - 1       # the native hyper-parameters are int32 and float
@@ -208,6 +238,8 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
     if f.integer("attention.value_length", head_dim) != head_dim:
         raise ModelLoadError(f"{path}: value_length != key_length is not supported")
     n_layer = f.integer("block_count", hi=MAX_LAYERS)
+    if arch in HYBRID_ARCHS:   # block_count counts the multi-token-prediction layers after the trunk
+        n_layer -= f.integer("nextn_predict_layers", 0, lo=0, hi=n_layer - 1)
     n_rot = f.integer("rope.dimension_count", head_dim)
     if n_rot > head_dim or n_rot % 2:
         raise ModelLoadError(f"{path}: rope.dimension_count {n_rot} must be even and at most "
@@ -231,7 +263,7 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
         n_ff=f.integer("feed_forward_length", 0, lo=0) if arch in EXPERT_ARCHS else f.integer("feed_forward_length"),
         n_vocab=n_vocab,
         n_ctx_train=f.integer("context_length", 4096),
-        rope_type=ROPE_NORMAL if arch == "llama" else ROPE_NEOX,
+        rope_type=ROPE_NORMAL if arch == "llama" else ROPE_IMROPE if arch in HYBRID_ARCHS else ROPE_NEOX,
         rope_freq_base=f.number("rope.freq_base", 10000.0, positive=True),
         rope_freq_scale=1.0 / scaling_factor,
         rope_freq_base_swa=10000.0,
@@ -248,6 +280,8 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
         _encoder_fields(cfg, f)
     if arch in EXPERT_ARCHS:
         _expert_fields(cfg, f)
+    if arch in HYBRID_ARCHS:
+        _hybrid_fields(cfg, f)
     if yarn:
         _yarn_fields(cfg, f)
     _layer_fields(cfg, f, meta)
@@ -287,6 +321,58 @@ def _expert_fields(cfg: ModelConfig, f: _Fields) -> None:
     derived = cfg.n_ff // cfg.n_expert_used
     cfg.n_ff_exp = f.integer("expert_feed_forward_length", derived if derived > 0 else _REQUIRED)
     cfg.n_ff = cfg.n_ff or cfg.n_ff_exp * cfg.n_expert_used
+
+
+def _hybrid_fields(cfg: ModelConfig, f: _Fields) -> None:
+    """A Qwen3.5/3.6 hybrid as llama.cpp reads it: the layer kinds (attention.recurrent_layers,
+    else every full_attention_interval-th layer attends, 4 by default), the linear layers'
+    ssm.* sizes (inner_size must be state_size value heads), IMRoPE's rope.dimension_sections
+    and qwen35moe's shared expert (expert_shared_feed_forward_length, else feed_forward_length)."""
+    cfg.layer_recurrent = _layer_kinds(cfg, f)
+    n_recurrent = sum(cfg.layer_recurrent)
+    if not 0 < n_recurrent < cfg.n_layer:
+        raise ModelLoadError(f"{f.path}: a {f.arch} model needs recurrent and full-attention layers; "
+                             f"{n_recurrent} of its {cfg.n_layer} layers are recurrent")
+    cfg.ssm_d_conv = f.integer("ssm.conv_kernel", lo=2, hi=MAX_D_CONV)
+    cfg.ssm_d_state = f.integer("ssm.state_size", hi=MAX_D_STATE)
+    cfg.ssm_n_group = f.integer("ssm.group_count")
+    cfg.ssm_dt_rank = f.integer("ssm.time_step_rank", hi=4096)
+    if cfg.ssm_dt_rank % cfg.ssm_n_group:
+        f._fail("ssm.time_step_rank", f"is {cfg.ssm_dt_rank}: the value heads must be a multiple of "
+                                      f"ssm.group_count's {cfg.ssm_n_group} key heads")
+    inner = f.integer("ssm.inner_size")
+    if inner != cfg.ssm_d_state * cfg.ssm_dt_rank:
+        f._fail("ssm.inner_size", f"is {inner}, but ssm.state_size {cfg.ssm_d_state} x ssm.time_step_rank "
+                                  f"{cfg.ssm_dt_rank} value heads is {cfg.ssm_d_state * cfg.ssm_dt_rank}")
+    cfg.rope_sections = _rope_sections(cfg, f)
+    if f.arch == "qwen35moe":   # llama.cpp's default is the file's own feed_forward_length, if any
+        dense = f.integer("feed_forward_length", 0, lo=0)
+        cfg.n_ff_shexp = f.integer("expert_shared_feed_forward_length", dense or _REQUIRED)
+
+
+def _layer_kinds(cfg: ModelConfig, f: _Fields) -> list[bool]:
+    """Per trunk layer whether it is a Gated DeltaNet layer."""
+    flags = f._get("attention.recurrent_layers", None)
+    if flags is None:
+        interval = f.integer("full_attention_interval", 4, hi=MAX_LAYERS)
+        return [(il + 1) % interval != 0 for il in range(cfg.n_layer)]
+    if not (isinstance(flags, (list, tuple)) or hasattr(flags, "shape")) or len(flags) < cfg.n_layer or \
+            not all(isinstance(b, (bool, np.bool_)) for b in flags):
+        f._fail("attention.recurrent_layers", f"must be {cfg.n_layer} booleans, got {_describe(flags)}")
+    return [bool(b) for b in flags[:cfg.n_layer]]
+
+
+def _rope_sections(cfg: ModelConfig, f: _Fields) -> tuple[int, int, int, int]:
+    """IMRoPE's four sections of rotary pairs, as GGML's rope takes them."""
+    sections = f._get("rope.dimension_sections", _REQUIRED)
+    if not (isinstance(sections, (list, tuple)) or hasattr(sections, "shape")) or not 1 <= len(sections) <= 4 or \
+            not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in sections):
+        f._fail("rope.dimension_sections", f"must be up to 4 integers, got {_describe(sections)}")
+    out = tuple(int(v) for v in sections) + (0,) * (4 - len(sections))
+    if min(out) < 0 or sum(out[:3]) == 0 or sum(out) > cfg.head_dim:
+        f._fail("rope.dimension_sections", f"is {list(out)}: sections must be >= 0, the first three not all 0, "
+                                           f"their sum at most key_length {cfg.head_dim}")
+    return out
 
 
 def _yarn_fields(cfg: ModelConfig, f: _Fields) -> None:

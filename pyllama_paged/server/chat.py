@@ -131,7 +131,7 @@ async def prepare_chat_call(state, served: ServedModel, call: ChatCall) -> Prepa
     tokenizing and a first grammar take a while); what the request got wrong is a 400."""
     n_ctx = min(call.n_ctx or served.n_ctx, served.n_ctx)
     try:
-        return await off_loop(state.prep, prepare_call, call, served.template, served.tokenizer, n_ctx)
+        return await off_loop(state.prep, prepare_call, call, served.template, served.tokenizer, n_ctx, served.vision)
     except PagedError as e:
         raise APIError(400, str(e), call.messages_param if isinstance(e, MessageError) else None) from None
 
@@ -140,14 +140,14 @@ async def start_chat(state, served: ServedModel, call: ChatCall) -> ChatRun:
     """The checked call's generation started: a queue place taken, nothing held before it."""
     prepared = await prepare_chat_call(state, served, call)
     ids = prepared.prompt_ids
-    if call.truncate:   # still too long without every droppable turn: its tokens are cut
+    if call.truncate and not prepared.images:   # still too long without every droppable turn: its tokens are cut
         ids = fit_prompt(served, ids, state.limits, True, call.n_ctx)
     try:
         params = call.params(prepared.constraint, prepared.thinking_budget)
     except PagedError as e:
         raise field_error(e) from None
     gen = start_generation(served, ids, params, state.limits, state.metrics, call.n_ctx,
-                           keep_alive_seconds(call.keep_alive))
+                           keep_alive_seconds(call.keep_alive), prepared.images)
     return ChatRun(served, gen, prepared.tool_names, state.prep, prepared.thinks, prepared.opens_thinking,
                    prepared.harmony)
 
@@ -163,11 +163,12 @@ async def prepare_prompt(state, call: PromptCall) -> tuple[ServedModel, list[Pre
     served = await check_call(state, call)
     try:
         prepared = await off_loop(state.prep, prepare_prompts, call, served.template, served.tokenizer,
-                                  served.config.n_vocab)
+                                  served.config.n_vocab, served.vision)
     except PagedError as e:
         raise APIError(400, str(e), "prompt") from None
     for p in prepared:
-        p.prompt_ids = fit_prompt(served, p.prompt_ids, state.limits, call.truncate, call.n_ctx)
+        # a prompt with images is never cut (its images' positions would move): too long is a 400
+        p.prompt_ids = fit_prompt(served, p.prompt_ids, state.limits, call.truncate and not p.images, call.n_ctx)
         if not p.prompt_ids:
             raise APIError(400, "prompt is empty", "prompt")
     return served, prepared
@@ -189,7 +190,7 @@ async def start_prompts(state, served: ServedModel, call: PromptCall, prepared: 
             except PagedError as e:
                 raise field_error(e) from None
             gen = start_generation(served, p.prompt_ids, params, state.limits, state.metrics, call.n_ctx,
-                                   keep_alive_seconds(call.keep_alive))
+                                   keep_alive_seconds(call.keep_alive), p.images)
             runs.append(ChatRun(served, gen, set(), state.prep, p.thinks, p.opens_thinking, p.harmony))
     except BaseException:   # a later prompt refused (queue full): the earlier ones give their places back
         for run in runs:

@@ -20,6 +20,20 @@ from .routing.kv_events import KVEventsConfig
 
 
 @dataclass
+class TemplateLimits:
+    """How chat templates are kept from harming the server: each renders in a pool of processes
+    with these limits (tokenizer/render_pool.py)."""
+
+    seconds: float = flagged(5.0, "--template-seconds", "seconds a chat template may take to render; past them "
+                             "its renderer process is killed and replaced", type=float)
+    memory_mib: int = flagged(512, "--template-memory-mib",
+                              "memory (address space, MiB) of each chat template renderer process", type=int)
+    max_bytes: int = flagged(8 << 20, "--template-max-bytes", "bytes of prompt a chat template may render", type=int)
+    processes: int = flagged(2, "--template-processes",
+                             "chat template renderer processes (started on demand, kept warm)", type=int)
+
+
+@dataclass
 class Limits:
     """What one request may ask of the server, and how the server shields its users from
     each other; every field is a `pyllama-paged serve` option (its metadata names it)."""
@@ -55,24 +69,17 @@ class Limits:
     stats_timeout: float = flagged(2.0, "--stats-timeout",
                                    "seconds /metrics, /api/ps and /api/pool wait for a busy engine before "
                                    "answering with its last known figures", type=float)
-    template_seconds: float = flagged(5.0, "--template-seconds",
-                                      "seconds a chat template may take to render; past them its renderer process "
-                                      "is killed and replaced", type=float)
-    template_memory_mib: int = flagged(512, "--template-memory-mib",
-                                       "memory (address space, MiB) of each chat template renderer process", type=int)
-    template_max_bytes: int = flagged(8 << 20, "--template-max-bytes", "bytes of prompt a chat template may render",
-                                      type=int)
     reasoning_budget: int = flagged(-1, "--reasoning-budget", "thinking tokens of a request that sets no budget "
                                     "of its own, on a model that writes think blocks: past them the block is "
                                     "closed and the answer follows (-1: no budget; 0: no thinking)", type=int,
                                     metavar="N")
-    template_processes: int = flagged(2, "--template-processes",
-                                      "chat template renderer processes (started on demand, kept warm)", type=int)
+    templates: TemplateLimits = group(TemplateLimits, default_factory=TemplateLimits)
 
     def render_limits(self) -> RenderLimits:
         """The chat template renderers' limits these Limits set."""
-        return render_limits(seconds=self.template_seconds, memory_mib=self.template_memory_mib,
-                             output_bytes=self.template_max_bytes, processes=self.template_processes)
+        t = self.templates
+        return render_limits(seconds=t.seconds, memory_mib=t.memory_mib, output_bytes=t.max_bytes,
+                             processes=t.processes)
 
 
 ORIGINS_ENV = "PYLLAMA_PAGED_ORIGINS"

@@ -127,6 +127,7 @@ class Generation:
     finish_reasons: dict[int, str] = field(default_factory=dict)
     output_ids: list[int] = field(default_factory=list)   # sample 0's tokens, end-of-turn excluded
     load_seconds: float = 0.0   # loading the model again (keep_alive had dropped it)
+    images: list = field(default_factory=list)   # (first position, EncodedImage) per image in the prompt
     admitted: bool = False      # holds one of the model's queue places (see admit)
 
     def leave(self) -> None:
@@ -149,7 +150,7 @@ class Generation:
             self.leave()
             raise
         try:
-            stream = served.loop.submit(self.prompt_ids, self.params)
+            stream = served.loop.submit(self.prompt_ids, self.params, images=self.images)
         except BaseException:
             served.release()
             self.leave()
@@ -263,11 +264,13 @@ def fit_prompt(served: ServedModel, prompt_ids: list[int], limits: Limits, trunc
 
 def start_generation(served: ServedModel, prompt_ids: list[int], params: SamplingParams,
                      limits: Limits, metrics: Metrics, n_ctx: int | None = None,
-                     keep_alive: float | None = None) -> Generation:
+                     keep_alive: float | None = None, images=()) -> Generation:
     """Check the limits that need the model, then a Generation ready to iterate; n_ctx
     (Ollama's num_ctx) bounds prompt plus answer below the server's context. The
     request's keep_alive (None: the server's, forever) becomes the model's, as the
-    last request scheduled sets it in Ollama."""
+    last request scheduled sets it in Ollama. images: the prompt's, placed by prepare_call."""
+    if images and served.vision is None:   # never reached through the APIs' checks
+        raise APIError(400, "images are not supported by this model", None)
     prompt_ids = fit_prompt(served, prompt_ids, limits, n_ctx=n_ctx)
     if not prompt_ids:
         raise APIError(400, "prompt is empty", "prompt")
@@ -281,7 +284,7 @@ def start_generation(served: ServedModel, prompt_ids: list[int], params: Samplin
         raise APIError(400, f"n {max(params.n, params.beam_width)} exceeds the limit {limits.max_n}", "n")
     admit(served, limits, metrics)
     served.keep_alive = keep_alive
-    return Generation(served, prompt_ids, params, metrics, admitted=True)
+    return Generation(served, prompt_ids, params, metrics, admitted=True, images=list(images))
 
 
 def final_text(deltas: list[TextDelta], n: int) -> list[str]:

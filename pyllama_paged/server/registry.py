@@ -21,6 +21,7 @@ from ..errors import ModelLoadError, ModelsBusyError, PagedError
 from ..models.embedded import BASE_MODEL_NAME, CHAT_MODEL_NAME, chat_model_path
 from ..models.store import ModelStore, StoredModel, gguf_details
 from ..tokenizer.tokenizer import Tokenizer
+from ..vision.prompt_images import VisionPrompt, open_vision
 from .config import ServeConfig
 
 DEFAULT_MODEL_NAME = BASE_MODEL_NAME   # the embedded base model (Ollama's gemma3:270m is its instruct model)
@@ -73,6 +74,15 @@ class ServedModel:
         # a file without a chat template is a base model: it continues text (an unset answer
         # length is then run's, not the server's cap)
         self.has_chat_template = bool(self.model.metadata.get("tokenizer.chat_template"))
+        self.vision: VisionPrompt | None = None   # the projector's images (--mmproj), kept across unloads
+        if self.engine_config().mmproj and not cfg.is_encoder:
+            try:
+                self.vision = open_vision(self.engine_config().mmproj, cfg.n_embd, self.tokenizer,
+                                          self.engine_config().n_threads or 1)
+            except BaseException:
+                self.close()
+                raise
+
 
     def _load(self) -> None:
         """Weights, KV pool, runner and engine loop (blocking: seconds)."""
@@ -286,6 +296,8 @@ class ServedModel:
     def close(self) -> None:
         if self.is_loaded:
             self._unload()
+        if self.vision is not None:
+            self.vision.close()
         self._figures_thread.shutdown(wait=False)
 
 

@@ -55,11 +55,12 @@ def chunked_logits(runner, prompt, chunks=(23, 1, 16)):
     import numpy as np
 
     seq = runner.add_sequence(prompt)
+    state = runner.state_slots_of(seq)   # a hybrid's recurrent state slot
     rows, done = [], 0
     for n in list(chunks) + [1] * (len(prompt) - sum(chunks)):
         slots, tables = runner.kv.batch_arrays(seq.handle, done, n)
         rows.append(runner.forward(prompt[done:done + n], list(range(done, done + n)), slots, [0] * n, tables,
-                                   list(range(n))))
+                                   list(range(n)), state_slots=state))
         done += n
     return np.concatenate(rows)
 

@@ -87,18 +87,25 @@ SEED_SPECS = {
     # Q4_K needs 256-long rows: ffn_down's (n_ff) are, the rest fall back to Q8_0.
     "qwen3-q4_k-bpe": (dict(arch="qwen3", weight_type="q4_k", head_dim=16, n_vocab=300,
                             **{**_TINY, "n_ff": 256}), _bpe_vocab_ops(300)),
+    # a Gated DeltaNet hybrid (tiny_qwen35.py): ssm.* keys, layer kinds, IMRoPE sections, F32 kernels
+    "qwen35-f16": (dict(arch="qwen35", weight_type="f16", n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_rot=8,
+                        rope_sections=(2, 1, 1, 0), n_ff=64, d_state=16, n_k_heads=1, n_v_heads=2, n_vocab=320),
+                   []),
 }
+HYBRID_SEEDS = ("qwen35", "qwen35moe")   # written by tiny_qwen35.write_tiny_qwen35
 
 
 def make_seeds(directory: str | os.PathLike) -> dict[str, mut.Doc]:
     """Write the seed models into directory and parse them (deterministic)."""
     from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
+    from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
 
     docs = {}
     for name, (kwargs, ops) in SEED_SPECS.items():
         path = Path(directory) / f"seed-{name}.gguf"
         kwargs = dict(kwargs)
-        write_tiny_model(path, kwargs.pop("arch"), **kwargs)
+        arch = kwargs.pop("arch")
+        (write_tiny_qwen35 if arch in HYBRID_SEEDS else write_tiny_model)(path, arch, **kwargs)
         doc = mut.parse(path.read_bytes())
         if ops:
             doc = mut.parse(mut.build(doc, ops))

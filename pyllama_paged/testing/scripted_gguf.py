@@ -22,7 +22,8 @@ user-defined; plus single tokens for "\\n" and "\\n\\n" (Qwen's BPE has both), s
 generation prompt ending in ``</think>\\n\\n`` ends on a token of its own. No BOS and no space
 prefix, as with Qwen3.
 
-THINKING_TEMPLATE and OPEN_THINK_TEMPLATE are ChatML templates written here; both render
+THINKING_TEMPLATE, OPEN_THINK_TEMPLATE and QWEN35_TEMPLATE are ChatML templates written here
+(the last in Qwen3.5's shape: an open think block, XML calls); all render
 ``tools`` in the system turn and assistant ``tool_calls`` in the history, so the server's tool
 path hands tools to them (tools.prompt.knows_tools) and reads calls back as Hermes-style
 ``<tool_call>`` blocks.
@@ -92,6 +93,17 @@ HARMONY_MARKUP = Markup(("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "
 # where a call's result goes, ends the reply too (the tokenizer makes it an end of generation)
 GEMMA4_MARKUP = Markup(GEMMA4_CONTROL, GEMMA4_USER_DEFINED, GEMMA4_END_OF_TURN)
 
+# Where an assistant turn ends, and the tool results' and the other turns after it (every
+# template here but harmony's)
+_LATER_TURNS_END = (
+    "{%- elif m['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + m['content'] + '\n</tool_response><|im_end|>\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
 # The turns, shared by both templates: the system turn carries the tools; earlier assistant
 # turns keep only what follows their think block (Qwen3 drops old thinking the same way).
 _TURNS = (
@@ -121,13 +133,7 @@ _TURNS = (
     "{{- ', \"arguments\": ' -}}{{- f['arguments'] | tojson -}}{{- '}\n</tool_call>' -}}"
     "{%- endfor -%}"
     "{{- '<|im_end|>\n' -}}"
-    "{%- elif m['role'] == 'tool' -%}"
-    "{{- '<|im_start|>user\n<tool_response>\n' + m['content'] + '\n</tool_response><|im_end|>\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-)
+) + _LATER_TURNS_END
 
 # Qwen3's switch: enable_thinking=false gives the reply an empty think block up front.
 THINKING_TEMPLATE = _TURNS + (
@@ -143,6 +149,55 @@ THINKING_TEMPLATE = _TURNS + (
 OPEN_THINK_TEMPLATE = _TURNS + (
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\n<think>\n' -}}"
+    "{%- endif -%}"
+)
+
+# Qwen3.5's shape (written here after its format): the tools as JSON lines in the system turn
+# and calls asked for as XML, <function=NAME> with a <parameter=KEY> block per argument inside
+# <tool_call>; earlier calls rendered the same way from their arguments (a mapping); tool
+# results in a user turn; the generation prompt opens the think block (enable_thinking=false:
+# an empty one).
+QWEN35_TEMPLATE = (
+    "{%- set ns = namespace(first=0) -%}"
+    "{%- if tools or messages[0]['role'] == 'system' -%}"
+    "{{- '<|im_start|>system\n' -}}"
+    "{%- if tools -%}"
+    "{{- '# Tools\n\nYou have access to the following functions:\n\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\n' -}}{{- tool | tojson -}}{%- endfor -%}"
+    "{{- '\n</tools>\n\nTo call a function reply with:\n\n<tool_call>\n<function=the_name>\n'"
+    " + '<parameter=the_parameter>\nits value\n</parameter>\n</function>\n</tool_call>' -}}"
+    "{%- endif -%}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if tools -%}{{- '\n\n' -}}{%- endif -%}"
+    "{{- messages[0]['content'] -}}{%- set ns.first = 1 -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages[ns.first:] -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{%- set answer = (m['content'] or '').split('</think>')[-1] | trim -%}"
+    "{{- '<|im_start|>assistant\n' + answer -}}"
+    "{%- for call in m.get('tool_calls') or [] -%}"
+    "{%- set f = call['function'] if call['function'] is defined else call -%}"
+    "{%- if answer or not loop.first -%}{{- '\n\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\n<function=' + f['name'] + '>\n' -}}"
+    "{%- for key, value in f['arguments'] | items -%}"
+    "{{- '<parameter=' + key + '>\n' -}}"
+    "{%- if value is mapping or (value is sequence and value is not string) -%}{{- value | tojson -}}"
+    "{%- else -%}{{- value | string -}}{%- endif -%}"
+    "{{- '\n</parameter>\n' -}}"
+    "{%- endfor -%}"
+    "{{- '</function>\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
+) + _LATER_TURNS_END + (
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\n\n</think>\n\n' -}}"
+    "{%- else -%}"
+    "{{- '<think>\n' -}}"
+    "{%- endif -%}"
     "{%- endif -%}"
 )
 

@@ -128,6 +128,28 @@ def tiny_registry(directory, name: str = "tiny", **options):
     return ModelRegistry([path], ServeConfig.flat(**{**settings, **options}))
 
 
+def _image_tokens(vocab: dict) -> None:
+    """Gemma 3's image begin and end tokens, as control tokens, at the vocabulary's end."""
+    for piece in ("<start_of_image>", "<end_of_image>"):
+        vocab["tokens"].append(piece)
+        vocab["types"].append(3)   # CONTROL
+        vocab["scores"].append(0.0)
+
+
+def tiny_vision_registry(directory, name: str = "tiny-vision", **options):
+    """tiny_registry's Gemma 3 with Gemma 3's image tokens, served with a tiny projector
+    (--mmproj) of its width: a vision model."""
+    from pyllama_paged.server.config import ServeConfig
+    from pyllama_paged.server.registry import ModelRegistry
+
+    from .reference.tiny_mmproj import write_tiny_mmproj
+
+    path = write_tiny_model(Path(directory) / f"{name}.gguf", "gemma3", weight_type="q8_0", vocab_hook=_image_tokens)
+    mmproj = write_tiny_mmproj(Path(directory) / f"{name}-mmproj.gguf", projection_dim=256)
+    settings = dict(n_ctx=512, n_threads=2, n_batch=128, kv_tokens=2048, max_num_seqs=8, mmproj=mmproj)
+    return ModelRegistry([path], ServeConfig.flat(**{**settings, **options}))
+
+
 def wait_until(condition, timeout=20.0, what="condition"):
     """Poll condition() until true; the deadline only turns a hang into a failure."""
     end = time.monotonic() + timeout

@@ -1,5 +1,5 @@
 """A synthetic byte-level BPE vocabulary ("gpt2" tokenizer model) laid out like Llama 3's,
-Qwen 2.5's or gpt-oss's (o200k_harmony), for the synthetic GGUF writer (pyllama_paged/testing/synthetic_gguf.py).
+Qwen 2.5's, Qwen3.5's or gpt-oss's (o200k_harmony), for the synthetic GGUF writer (pyllama_paged/testing/synthetic_gguf.py).
 
 The real vocabularies cannot be shipped, but their layout is what matters to a benchmark
 or a loader: the 256 byte characters of GPT-2's byte-to-unicode table, then merged tokens
@@ -63,6 +63,10 @@ _QWEN2_SPECIALS = tuple(
     + [(t, USER_DEFINED) for t in ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
                                    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")])
 
+# Qwen3.5/3.6 from id 248044 (<|endoftext|>, <|im_start|>, <|im_end|> at their real ids); the rest
+# in Qwen 2.5's order with Qwen3's thinking tags, not checked against the real file's later ids
+_QWEN35_SPECIALS = _QWEN2_SPECIALS + tuple((t, USER_DEFINED) for t in ("<think>", "</think>"))
+
 # gpt-oss's o200k_harmony from id 199998, all control in its GGUF (the tokenizer itself makes
 # <|end|> and the harmony headers user-defined); the real file's reserved tokens past <|call|>
 # up to 201087 are left to the padding.
@@ -77,6 +81,9 @@ FAMILIES: dict[str, BpeFamily] = {
                         pad=None, add_bos=True, chat_template=LLAMA3_TEMPLATE),
     "qwen2": BpeFamily("qwen2", 151643, _QWEN2_SPECIALS, bos="<|endoftext|>", eos="<|im_end|>",
                        pad="<|endoftext|>", add_bos=False, chat_template=CHATML_TEMPLATE),
+    # Qwen3.5/3.6 (tokenizer.ggml.pre "qwen35": Qwen 2.5's pre-tokenizer with combining marks in words)
+    "qwen35": BpeFamily("qwen35", 248044, _QWEN35_SPECIALS, bos="<|endoftext|>", eos="<|im_end|>",
+                        pad="<|endoftext|>", add_bos=False, chat_template=CHATML_TEMPLATE),
     # <|return|> the EOS as in gpt-oss's GGUF; the template is harmony's shape, written here
     "gpt-oss": BpeFamily("gpt-4o", 199998, _HARMONY_SPECIALS, bos="<|startoftext|>", eos="<|return|>",
                          pad="<|endoftext|>", add_bos=False, chat_template=HARMONY_TEMPLATE),

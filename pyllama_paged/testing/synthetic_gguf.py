@@ -1,6 +1,6 @@
 """A random-weight GGUF the size of a model people run (Llama 3.2 1B/3B, Qwen 2.5 1.5B,
-Gemma 3 4B, Gemma 4 E4B and 26B-A4B, Qwen3-30B-A3B, gpt-oss-20b, or the 1.6B Gemma 3 the
-benchmarks have long used),
+Gemma 3 4B, Gemma 4 E4B and 26B-A4B, Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-9B, Qwen3.6-35B-A3B,
+or the 1.6B Gemma 3 the benchmarks have long used),
 quantized like Q4_K_M (gpt-oss: like its release, MXFP4 experts and Q8_0 elsewhere), for
 benchmarks where weight and KV bytes and prompt lengths must be realistic.
 
@@ -42,6 +42,7 @@ from ..gguf.reader import read_metadata
 from . import synthetic_presets as presets
 from .synthetic_blocks import (MXFP4_BYTES, Q4_K_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK_32, QK_K, mxfp4_blocks,
                                q4_k_blocks, q6_k_blocks, q8_0_blocks)
+from .reference.tiny_mmproj import write_tiny_mmproj
 from .synthetic_bpe import build_bpe_vocab
 from .synthetic_gemma4 import add_gemma4_hparams, add_gemma4_tensors
 from .vocab_metadata import add_tokenizer
@@ -60,7 +61,9 @@ def q4_k_m_type(name: str, n_layer: int, tied: bool) -> str:
     """The type llama.cpp's Q4_K_M gives weight matrix `name`: "Q6_K" or "Q4_K"."""
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         return "Q6_K"
-    more = (".attn_v.weight", ".ffn_down.weight", ".ffn_down_exps.weight")
+    # a hybrid's attn_qkv (the linear layers' q/k/v) is counted with attn_v, as llama-quantize does
+    more = (".attn_v.weight", ".attn_qkv.weight", ".ffn_down.weight", ".ffn_down_exps.weight",
+            ".ffn_down_shexp.weight")
     if name.endswith(more) and more_bits(int(name.split(".")[1]), n_layer):
         return "Q6_K"
     return "Q4_K"
@@ -132,10 +135,11 @@ def _add_hparams(w, p: presets.Preset, meta: dict | None, n_vocab: int) -> None:
     w.add_context_length(pick(p.context_length, "context_length", int))
     w.add_embedding_length(p.n_embd)
     w.add_block_count(p.n_layer)
-    w.add_feed_forward_length(p.n_ff)
+    if p.arch != "qwen35moe":   # Qwen3.6-35B-A3B's config has no dense width, so its file no key
+        w.add_feed_forward_length(p.n_ff)
     w.add_head_count(p.n_head)
     w.add_head_count_kv(p.kv_heads())
-    if p.arch in ("gemma3", "qwen3moe", "gpt-oss", "gemma4") or p.q_dim != p.n_embd:
+    if p.arch in ("gemma3", "qwen3moe", "gpt-oss", "gemma4") or p.hybrid or p.q_dim != p.n_embd:
         w.add_key_length(p.head_dim)
         w.add_value_length(p.head_dim)
     w.add_layer_norm_rms_eps(pick(p.rms_eps, "attention.layer_norm_rms_epsilon", float))
@@ -158,6 +162,22 @@ def _add_hparams(w, p: presets.Preset, meta: dict | None, n_vocab: int) -> None:
         w.add_expert_feed_forward_length(p.n_ff_exp)
     if p.arch == "gemma4":
         add_gemma4_hparams(w, p)
+    if p.hybrid:
+        _add_hybrid_hparams(w, p)
+
+
+def _add_hybrid_hparams(w, p: presets.Preset) -> None:
+    """A Gated DeltaNet hybrid's keys, as llama.cpp's converter writes Qwen3.5's."""
+    if p.n_ff_shexp:
+        w.add_expert_shared_feed_forward_length(p.n_ff_shexp)
+    w.add_rope_dimension_sections(list(p.rope_sections))
+    w.add_ssm_conv_kernel(p.ssm_d_conv)
+    w.add_ssm_state_size(p.ssm_d_state)
+    w.add_ssm_group_count(p.ssm_n_group)
+    w.add_ssm_time_step_rank(p.ssm_dt_rank)
+    w.add_ssm_inner_size(p.ssm_dt_rank * p.ssm_d_state)
+    w.add_full_attention_interval(p.full_attention_interval)
+    w.add_rope_dimension_count(p.n_rot)
 
 
 class _Tensors:
@@ -231,6 +251,10 @@ def _add_tensors(t: _Tensors, n_vocab: int) -> None:
         for il in range(p.n_layer):
             _add_gpt_oss_layer(t, f"blk.{il}.", kv_dim, in_std)
         return
+    if p.hybrid:
+        for il in range(p.n_layer):
+            _add_hybrid_layer(t, il, kv_dim, in_std)
+        return
     for il in range(p.n_layer):
         b = f"blk.{il}."
         t.vector(b + "attn_norm.weight", p.n_embd, 1.0, 0.1)
@@ -298,6 +322,46 @@ def write_metadata(out: Path, preset: str | presets.Preset, *, source: str | Non
     return str(out)
 
 
+def _add_hybrid_layer(t: _Tensors, il: int, kv_dim: int, in_std: float) -> None:
+    """A Qwen3.5 layer as llama.cpp's converter writes it: a Gated DeltaNet mixer (F32 kernel,
+    decay and bias) or a full-attention one whose query is twice as wide (query and output gate),
+    post_attention_norm as the FFN's norm, a dense FFN or experts with a gated shared expert."""
+    p, b = t.p, f"blk.{il}."
+    t.vector(b + "attn_norm.weight", p.n_embd, 1.0, 0.1)
+    if (il + 1) % p.full_attention_interval:
+        key_dim, value_dim = p.ssm_n_group * p.ssm_d_state, p.ssm_dt_rank * p.ssm_d_state
+        t.matrix(b + "attn_qkv.weight", 2 * key_dim + value_dim, p.n_embd, in_std)
+        t.matrix(b + "attn_gate.weight", value_dim, p.n_embd, in_std)
+        t.float_matrix(b + "ssm_conv1d.weight", 2 * key_dim + value_dim, p.ssm_d_conv, 0.5)
+        t.vector(b + "ssm_dt.bias", p.ssm_dt_rank, -3.0, 0.5)   # softplus(-3) = 0.05
+        t.vector(b + "ssm_a", p.ssm_dt_rank, -2.0, 0.5)         # -exp(A_log)
+        t.matrix(b + "ssm_beta.weight", p.ssm_dt_rank, p.n_embd, in_std)
+        t.matrix(b + "ssm_alpha.weight", p.ssm_dt_rank, p.n_embd, in_std)
+        t.vector(b + "ssm_norm.weight", p.ssm_d_state, 1.0, 0.1)
+        t.matrix(b + "ssm_out.weight", p.n_embd, value_dim, 1.0 / np.sqrt(value_dim))
+    else:
+        t.matrix(b + "attn_q.weight", 2 * p.q_dim, p.n_embd, in_std)
+        t.matrix(b + "attn_k.weight", kv_dim, p.n_embd, in_std)
+        t.matrix(b + "attn_v.weight", kv_dim, p.n_embd, in_std)
+        t.vector(b + "attn_q_norm.weight", p.head_dim, 1.0, 0.1)
+        t.vector(b + "attn_k_norm.weight", p.head_dim, 1.0, 0.1)
+        t.matrix(b + "attn_output.weight", p.n_embd, p.q_dim, 1.0 / np.sqrt(p.q_dim))
+    t.vector(b + "post_attention_norm.weight", p.n_embd, 1.0, 0.1)
+    if not p.n_expert:
+        t.matrix(b + "ffn_gate.weight", p.n_ff, p.n_embd, in_std)
+        t.matrix(b + "ffn_up.weight", p.n_ff, p.n_embd, in_std)
+        t.matrix(b + "ffn_down.weight", p.n_embd, p.n_ff, 1.0 / np.sqrt(p.n_ff))
+        return
+    t.float_matrix(b + "ffn_gate_inp.weight", p.n_expert, p.n_embd, in_std)
+    t.matrix(b + "ffn_gate_exps.weight", p.n_ff_exp, p.n_embd, in_std, p.n_expert)
+    t.matrix(b + "ffn_up_exps.weight", p.n_ff_exp, p.n_embd, in_std, p.n_expert)
+    t.matrix(b + "ffn_down_exps.weight", p.n_embd, p.n_ff_exp, 1.0 / np.sqrt(p.n_ff_exp), p.n_expert)
+    t.float_matrix(b + "ffn_gate_inp_shexp.weight", 1, p.n_embd, in_std)
+    t.matrix(b + "ffn_gate_shexp.weight", p.n_ff_shexp, p.n_embd, in_std)
+    t.matrix(b + "ffn_up_shexp.weight", p.n_ff_shexp, p.n_embd, in_std)
+    t.matrix(b + "ffn_down_shexp.weight", p.n_embd, p.n_ff_shexp, 1.0 / np.sqrt(p.n_ff_shexp))
+
+
 def write(out: Path, preset: str | presets.Preset = presets.DEFAULT, *, seed: int = 0,
           source: str | None = None, **shape) -> dict:
     """Write the preset's model (its fields overridden by shape, e.g. n_layer=2) to out;
@@ -329,6 +393,10 @@ def write(out: Path, preset: str | presets.Preset = presets.DEFAULT, *, seed: in
             "n_vocab": n_vocab, "n_params": tensors.n_params, "bytes": out.stat().st_size}
 
 
+# Gemma 3 4B-27B's vision tower (SigLIP so400m at 896 pixels, 14-pixel patches, 4 x 4 pooled).
+GEMMA3_SIGLIP = dict(image_size=896, patch_size=14, n_embd=1152, n_head=16, n_ff=4304, n_layer=27, scale_factor=4)
+
+
 def main(argv=None) -> int:
     """Command line: write one preset (optionally shrunk or reshaped) and print its size."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -338,16 +406,23 @@ def main(argv=None) -> int:
     for flag in ("n-embd", "n-layer", "n-head", "n-head-kv", "n-ff", "n-expert", "n-expert-used", "n-ff-exp"):
         ap.add_argument(f"--{flag}", type=int, help="override the preset's value")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mmproj", metavar="FILE", help="also write a random vision projector for the model "
+                    "(gemma3 presets: Gemma 3's SigLIP tower, or with --small a tiny one)")
     args = ap.parse_args(argv)
     p = presets.get(args.preset)
     if args.small:
         p = presets.shrink(p)
     shape = {k: v for k in ("n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_expert", "n_expert_used",
                             "n_ff_exp") if (v := getattr(args, k)) is not None}
+    if args.mmproj and p.arch != "gemma3":
+        ap.error("--mmproj: only gemma3 presets have a projector writer")
     out = Path(args.out or Path("bench") / ".models" / p.file_name)
     info = write(out, p, seed=args.seed, **shape)
     print(f"{info['path']}: {info['preset']}, {info['n_params'] / 1e9:.2f}B parameters, "
           f"{info['bytes'] / 2**20:.0f} MiB")
+    if args.mmproj:
+        sizes = {} if args.small else GEMMA3_SIGLIP
+        print(write_tiny_mmproj(args.mmproj, projection_dim=info["n_embd"], seed=args.seed, **sizes))
     return 0
 
 

@@ -21,7 +21,7 @@ class Preset:
     """One model shape: what the writer needs besides the random weights."""
 
     name: str
-    arch: str                 # gemma3, llama, qwen2, qwen3moe or gpt-oss: the engine's and llama.cpp's names
+    arch: str                 # gemma3, llama, qwen2, qwen3moe, gpt-oss, qwen35 or qwen35moe (llama.cpp's names)
     n_embd: int
     n_layer: int
     n_head: int
@@ -70,11 +70,38 @@ class Preset:
         if not sliding or self.n_head_kv_swa in (0, self.n_head_kv):
             return self.n_head_kv
         return [self.n_head_kv_swa if s else self.n_head_kv for s in sliding]
+    # Gated DeltaNet hybrids (qwen35, qwen35moe): every full_attention_interval-th layer attends,
+    # the others are linear layers of ssm_n_group query/key heads and ssm_dt_rank value heads
+    # of ssm_d_state each, with a convolution of ssm_d_conv; full attention rotates n_rot dims
+    # in IMRoPE's rope_sections; a shared expert of n_ff_shexp beside the routed ones
+    ssm_d_conv: int = 0
+    ssm_d_state: int = 0
+    ssm_n_group: int = 0
+    ssm_dt_rank: int = 0
+    full_attention_interval: int = 0
+    n_rot: int = 0
+    rope_sections: tuple[int, ...] = ()
+    n_ff_shexp: int = 0
+
+    @property
+    def hybrid(self) -> bool:
+        """A Gated DeltaNet hybrid (qwen35, qwen35moe)."""
+        return self.full_attention_interval > 0
 
     @property
     def block(self) -> int:
         """The row length every matrix of the type mix is a multiple of."""
         return QK_32 if self.type_mix == "mxfp4" else QK_K
+
+    @property
+    def approx_params(self) -> int:
+        """About how many parameters the full-size file holds: the embedding, head and every
+        layer's attention and FFN matrices as a dense model's (a hybrid's linear layers are
+        about as large), for deciding what is too big to write."""
+        vocab = self.n_vocab or 262144
+        attention = (2 * self.q_dim + 2 * self.n_head_kv * self.head_dim) * self.n_embd
+        width = self.n_expert * self.n_ff_exp + self.n_ff_shexp if self.n_expert else self.n_ff
+        return vocab * self.n_embd * (1 if self.tied else 2) + self.n_layer * (attention + 3 * self.n_embd * width)
 
     @property
     def q_dim(self) -> int:
@@ -88,12 +115,18 @@ class Preset:
         ff_block = QK_32 if self.arch == "gemma4" else self.block
         widths = [("n_embd", self.n_embd, self.block), ("n_ff", self.n_ff, ff_block),
                   ("n_head * head_dim", self.q_dim, self.block)]
-        for what, v, block in widths + ([("n_ff_exp", self.n_ff_exp, ff_block)] if self.n_expert else []):
+        widths += [("n_ff_exp", self.n_ff_exp, ff_block)] if self.n_expert else []
+        widths += [("n_ff_shexp", self.n_ff_shexp, self.block)] if self.n_ff_shexp else []
+        widths += [("ssm_dt_rank * ssm_d_state", self.ssm_dt_rank * self.ssm_d_state, self.block)] if self.hybrid else []
+        for what, v, block in widths:
             if v % block:
                 raise ValueError(f"{self.name}: {what} = {v} must be a multiple of {block} for "
                                  f"{self.type_mix}'s rows")
         if self.n_head % self.n_head_kv:
             raise ValueError(f"{self.name}: n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
+        if self.hybrid and self.ssm_dt_rank % self.ssm_n_group:
+            raise ValueError(f"{self.name}: {self.ssm_dt_rank} value heads are not a multiple of "
+                             f"{self.ssm_n_group} key heads")
         if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
             raise ValueError(f"{self.name}: n_expert_used {self.n_expert_used} must be between 1 and "
                              f"n_expert {self.n_expert}")
@@ -150,6 +183,21 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            sliding_window=1024, n_expert=128, n_expert_used=8, n_ff_exp=704, head_dim_swa=256,
            n_head_kv_swa=8, swa_period=6, k_eq_v=True, final_logit_softcap=30.0,
            file_name="gemma4-synthetic-26b-a4b-q4_k_m.gguf"),
+    # Qwen3.5-9B: 3 of every 4 layers Gated DeltaNet (16 key heads, 32 value heads, of 128), full
+    # attention with an output gate (16 heads of 256 on 4 KV heads, a quarter of each rotated in
+    # IMRoPE sections 11/11/10); Qwen3.5's vocabulary, an untied head (its MTP block left out)
+    Preset("qwen3.5-9b", "qwen35", n_embd=4096, n_layer=32, n_head=16, n_head_kv=4, head_dim=256,
+           n_ff=12288, tokenizer="qwen35", n_vocab=248320, tied=False, context_length=262144,
+           rope_freq_base=1e7, rms_eps=1e-6, ssm_d_conv=4, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32,
+           full_attention_interval=4, n_rot=64, rope_sections=(11, 11, 10, 0),
+           file_name="qwen3.5-synthetic-9b-q4_k_m.gguf"),
+    # Qwen3.6-35B-A3B (Qwen3.5-35B-A3B's shape): 40 layers, Qwen3.5's mixers (2 KV heads) and 256
+    # experts of 512, 8 per token, with a shared expert of 512 behind a sigmoid gate
+    Preset("qwen3.6-35b-a3b", "qwen35moe", n_embd=2048, n_layer=40, n_head=16, n_head_kv=2, head_dim=256,
+           n_ff=512, tokenizer="qwen35", n_vocab=248320, tied=False, context_length=262144, rope_freq_base=1e7,
+           rms_eps=1e-6, n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512, ssm_d_conv=4,
+           ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32, full_attention_interval=4, n_rot=64,
+           rope_sections=(11, 11, 10, 0), file_name="qwen3.6-synthetic-35b-a3b-q4_k_m.gguf"),
 )}
 DEFAULT = "gemma3-1.6b"
 
@@ -166,7 +214,9 @@ def shrink(preset: Preset, n_layer: int = 2, n_ff: int = 512) -> Preset:
     """A small copy of preset: same architecture, vocabulary, tokenizer, head size, query
     heads per KV head and experts (how many, how many a token runs), with n_layer layers, the
     fewest heads whose width is whole K-quant blocks, n_embd that width (at least 256), n_ff
-    and experts one K-quant block wide (256 values, whole blocks of any type mix)."""
+    and experts one K-quant block wide (256 values, whole blocks of any type mix). A hybrid
+    has a linear layer then a full-attention one (full_attention_interval 2), its state size,
+    one key head with its value heads, and n_embd 512."""
     if preset.arch == "gemma4":
         return _shrink_gemma4(preset, n_ff)
     group = preset.n_head // preset.n_head_kv
@@ -174,10 +224,19 @@ def shrink(preset: Preset, n_layer: int = 2, n_ff: int = 512) -> Preset:
     while (n_head_kv * group * preset.head_dim) % QK_K:
         n_head_kv += 1
     n_head = n_head_kv * group
+    n_embd = max(QK_K, n_head * preset.head_dim)
+    hybrid = {}
+    if preset.hybrid:
+        # a linear layer then a full-attention one (interval 2), one key head and its value
+        # heads, and a residual stream of 512 (heads of 256 would make it 1024 or 2048 wide, and
+        # Qwen3.6's 256 experts and 248k-row embedding over that a file of most of a GB)
+        n_embd = 2 * QK_K
+        hybrid = dict(ssm_n_group=1, ssm_dt_rank=preset.ssm_dt_rank // preset.ssm_n_group,
+                      n_ff_shexp=QK_K if preset.n_ff_shexp else 0, full_attention_interval=2)
     small = dataclasses.replace(
         preset, name=f"{preset.name}-small", n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
-        n_embd=max(QK_K, n_head * preset.head_dim), n_ff=n_ff, real_params=None,
-        n_ff_exp=QK_K if preset.n_expert else 0,
+        n_embd=n_embd, n_ff=n_ff, real_params=None,
+        n_ff_exp=QK_K if preset.n_expert else 0, **hybrid,
         file_name=preset.file_name.replace("-q4_k_m", "-small-q4_k_m").replace("-mxfp4", "-small-mxfp4"))
     small.check()
     return small

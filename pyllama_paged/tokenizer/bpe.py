@@ -65,8 +65,9 @@ def bpe_text_to_bytes(text: str) -> bytes:
 
 # --- character classes ------------------------------------------------------------------------
 
-# Stand-ins for non-ASCII characters in the category text.
-_LETTER, _NUMBER, _SPACE, _PUNCT, _OTHER = "\u0100", "\u0101", "\u0102", "\u0103", "\u0104"
+# Stand-ins for non-ASCII characters in the category text (marks apart from the other
+# characters: Qwen3.5's words take them in; for the other regexes they are "other" as before).
+_LETTER, _NUMBER, _SPACE, _PUNCT, _OTHER, _MARK = "\u0100", "\u0101", "\u0102", "\u0103", "\u0104", "\u0105"
 # Unicode White_Space characters outside ASCII.
 _WIDE_SPACES = {0x85, 0xA0, 0x1680, 0x2028, 0x2029, 0x202F, 0x205F, 0x3000, *range(0x2000, 0x200B)}
 
@@ -81,7 +82,7 @@ class _CategoryTable(dict):
             value = _SPACE
         else:
             major = unicodedata.category(chr(cp))[0]
-            value = {"L": _LETTER, "N": _NUMBER, "P": _PUNCT}.get(major, _OTHER)
+            value = {"L": _LETTER, "N": _NUMBER, "P": _PUNCT, "M": _MARK}.get(major, _OTHER)
         self[cp] = value
         return value
 
@@ -95,6 +96,7 @@ _CLASS = {
     "N": "0-9" + _NUMBER,
     "S": "\\t\\n\\x0b\\x0c\\r " + _SPACE,
     "P": re.escape(_ASCII_PUNCT) + _PUNCT,
+    "M": _MARK,   # no ASCII character is a mark
 }
 
 
@@ -109,6 +111,10 @@ _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n{L}{N}]?[{L}]+|[{N}]{{1,3}}| ?[^{S}{L}{N}]+[
            r"|[{S}]*[\r\n]+|[{S}]+(?![^{S}])|[{S}]+")
 _QWEN2 = (_CONTRACTIONS + r"|[^\r\n{L}{N}]?[{L}]+|[{N}]| ?[^{S}{L}{N}]+[\r\n]*"
           r"|[{S}]*[\r\n]+|[{S}]+(?![^{S}])|[{S}]+")
+# Qwen3.5/3.6 (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35): Qwen 2.5's, but a word's letters take
+# combining marks along ([\p{L}\p{M}]+) and a symbol run stops at one
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n{L}{N}]?[{L}{M}]+|[{N}]| ?[^{S}{L}{M}{N}]+[\r\n]*"
+           r"|[{S}]*[\r\n]+|[{S}]+(?![^{S}])|[{S}]+")
 # OpenAI's o200k (GPT-4o, gpt-oss): a word is a run of upper-case letters then lower-case
 # ones (or the other way round), with an optional leading symbol and a trailing contraction;
 # numbers in groups of up to three; a symbol run takes the newlines and slashes after it.
@@ -123,6 +129,7 @@ _O200K = (rf"[^\r\n{{L}}{{N}}]?[{_UPPER}]*[{_LOWER}]+{_CONTRACTIONS}?"
 _PRE_FAMILIES = {
     "llama3": ([_LLAMA3], {"ignore_merges": True, "add_bos": True}),
     "qwen2": ([_QWEN2], {}),
+    "qwen35": ([_QWEN35], {}),
     "gpt-4o": ([_O200K], {}),
     "gpt2": ([_GPT2], {}),
     "smollm": ([r"[{N}]", _GPT2], {}),
@@ -132,7 +139,7 @@ _PRE_FAMILIES = {
 _PRE_ALIASES = {
     "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3", "falcon3": "llama3",
     "falcon-h1": "llama3", "pixtral": "llama3", "midm-2.0": "llama3", "lfm2": "llama3",
-    "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "kormo": "qwen2",
+    "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "kormo": "qwen2", "qwen35": "qwen35",
     "gpt-2": "gpt2", "gpt2": "gpt2", "phi-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2",
     "jina-es": "gpt2", "jina-de": "gpt2", "jina-v2-es": "gpt2", "jina-v2-de": "gpt2",
     "smollm": "smollm", "starcoder": "smollm", "refact": "smollm", "command-r": "smollm",

@@ -247,8 +247,28 @@ class Tokenizer:
             pos += size
         return spans
 
+    # (marker text, token id) of a vision model's images (vision/prompt_images.py): the marker is
+    # a per-process secret a message's image leaves in its text, which becomes the image's begin
+    # token wherever it is tokenized (through the chat guard too, which it does not look like)
+    media_marker: Optional[tuple[str, int]] = None
+
+    def _with_media(self, parts: Iterable[Union[str, int]]) -> Iterable[Union[str, int]]:
+        marker, token = self.media_marker
+        for frag in parts:
+            if isinstance(frag, int) or marker not in frag:
+                yield frag
+                continue
+            pieces = frag.split(marker)
+            for k, piece in enumerate(pieces):
+                if k:
+                    yield token
+                if piece:
+                    yield piece
+
     def _encode_parts(self, parts: Iterable[Union[str, int]], add_special: bool) -> list[int]:
         """Ids of text fragments and special ids in order, with BOS/EOS when add_special."""
+        if self.media_marker is not None:
+            parts = self._with_media(parts)
         out: list[int] = []
         if add_special and self.add_bos and self.bos_id is not None:
             out.append(self.bos_id)

@@ -252,14 +252,35 @@ def _json_calls(scan: CallScan, ch: str, end: str | None = None):
 # -- the formats ---------------------------------------------------------------------------------
 
 def hermes(scan: CallScan):
-    """Qwen/Hermes: <tool_call> JSON </tool_call>, one block after another."""
+    """Qwen/Hermes: <tool_call> JSON </tool_call>, one block after another; Qwen3.5's (and
+    Qwen3-Coder's) blocks hold an XML function instead of JSON."""
     ch = yield from _next_solid()
     while True:
         yield from _literal("<tool_call>", ch)
-        yield from _calls_value(scan, (yield from _next_solid()))
-        yield from _literal("</tool_call>", (yield from _next_solid()))
+        ch = yield from _next_solid()
+        if ch == "<":
+            yield from _xml_function(scan, ch)
+        else:
+            yield from _calls_value(scan, ch)
+            yield from _literal("</tool_call>", (yield from _next_solid()))
         scan.mark_complete()
         ch = yield from _next_solid()
+
+
+def _xml_function(scan: CallScan, ch: str):
+    """<function=NAME> its parameters </function> </tool_call>, its first character read as
+    ch: the name a prefix of a tool's, the rest read through to </tool_call> (the parser
+    checks the parameters when the block closes)."""
+    yield from _literal("<function=", ch)
+    name: list[str] = []
+    while (ch := (yield)) != ">":
+        name.append(ch)
+        text = "".join(name)
+        if ch == "\n" or len(text) > _MAX_CHECKED or (scan.names is not None and text not in scan.names.prefixes):
+            raise NotACall
+    end, seen = "</tool_call>", ""
+    while not seen.endswith(end):
+        seen = (seen + (yield))[-len(end):]
 
 
 def python_tag(scan: CallScan):

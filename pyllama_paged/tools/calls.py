@@ -1,5 +1,6 @@
 """Tool calls found in generated text, for the template families we ship:
-Qwen/Hermes (<tool_call>{json}</tool_call>), Llama 3.x ({"name", "parameters"},
+Qwen/Hermes (<tool_call>{json}</tool_call>; Qwen3.5's XML function in the same block),
+Llama 3.x ({"name", "parameters"},
 after <|python_tag|> or bare), Mistral ([TOOL_CALLS] [{"name", "arguments"}]),
 Gemma-style bare JSON (also inside a ``` fence), Gemma's tool_code fence of
 Python calls (```tool_code\nget_weather(city="Paris")\n```), and Gemma 4's
@@ -21,6 +22,8 @@ from .gemma4 import CALL_OPEN, parse_gemma4_calls
 # lazy body between whitespace runs: a model (or a user's grammar) can write "```"
 # and thousands of spaces, and such a regex backtracks in cubic time on it.
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*)</function>", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 _FENCE_LANG = re.compile(r"[a-zA-Z_]*")   # one greedy run: linear, nothing to backtrack into
 _BETWEEN_CALLS = re.compile(r"[ \n\t;,]*")
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -66,6 +69,35 @@ def _as_call(obj, names: set[str]) -> ToolCall | None:
     if not isinstance(name, str) or not isinstance(args, dict) or (names and name not in names):
         return None
     return ToolCall(name, args)
+
+
+def _xml_value(text: str):
+    """A parameter's value: what it reads as in JSON unless that is a string (a number, a
+    boolean, null, an object, an array), else the text itself (the tool's schema is not
+    consulted: a string parameter of digits comes back as a number)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return text if isinstance(value, str) else value
+
+
+def _calls_in_xml(body: str, names: set[str]) -> list[ToolCall] | None:
+    """Qwen3.5's (and Qwen3-Coder's) call in a <tool_call> block: <function=NAME>, then
+    <parameter=KEY> value </parameter> for each argument (the value on its own lines), then
+    </function>; None for anything else."""
+    whole = _XML_FUNCTION.fullmatch(body)
+    if whole is None:
+        return None
+    name, inner, args, pos = whole.group(1).strip(), whole.group(2), {}, 0
+    for param in _XML_PARAMETER.finditer(inner):
+        if inner[pos:param.start()].strip():
+            return None
+        args[param.group(1).strip()] = _xml_value(param.group(2))
+        pos = param.end()
+    if inner[pos:].strip() or not name or (names and name not in names):
+        return None
+    return [ToolCall(name, args)]
 
 
 def _hermes_blocks(text: str) -> list[tuple[int, int, str]]:
@@ -165,7 +197,7 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
     if _OPEN in text:
         calls, kept, pos = [], [], 0
         for start, end, body in _hermes_blocks(text):
-            found = _calls_in_json(body, names)
+            found = _calls_in_xml(body, names) if body.startswith("<function=") else _calls_in_json(body, names)
             if found is None:
                 return text, []
             calls += found

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import PagedError
+from ..errors import PagedError, RequestError
+from ..vision.prompt_images import MAX_IMAGES_PER_REQUEST, image_data
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -16,7 +17,35 @@ class MessageError(PagedError):
     """A message the templates cannot take (the request's fault: a 400)."""
 
 
-def _text_of(content: Any, where: str) -> str:
+class ImageSink:
+    """Where a chat's images go when the model reads them: their bytes in order, and the marker
+    text each leaves in its message (vision/prompt_images.py)."""
+
+    def __init__(self, marker: str, max_images: int = MAX_IMAGES_PER_REQUEST):
+        self.marker, self.max_images = marker, max_images
+        self.images: list[bytes] = []
+
+    def take(self, value: Any, where: str) -> str:
+        """One image (base64 or a data URL) kept; the marker text that stands for it."""
+        if not isinstance(value, str):
+            raise MessageError(f"{where} must be a data URL or base64 text")
+        if len(self.images) >= self.max_images:
+            raise MessageError(f"{where}: at most {self.max_images} images in one request")
+        try:
+            self.images.append(image_data(value, where))
+        except RequestError as e:
+            raise MessageError(str(e)) from None
+        return self.marker
+
+
+def _image_part(part: dict, where: str, sink: ImageSink | None) -> str:
+    if sink is None:
+        raise MessageError(f"{where}: images are not supported by this model")
+    url = part.get("image_url")
+    return sink.take(url.get("url") if isinstance(url, dict) else url, f"{where}.image_url")
+
+
+def _text_of(content: Any, where: str, sink: ImageSink | None = None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -27,7 +56,9 @@ def _text_of(content: Any, where: str) -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in ("text", "input_text") and isinstance(part.get("text"), str):
                 parts.append(part["text"])
-            elif kind in ("image_url", "input_image", "image"):
+            elif kind == "image_url":
+                parts.append(_image_part(part, f"{where}.content[{j}]", sink))
+            elif kind in ("input_image", "image"):
                 raise MessageError(f"{where}.content[{j}]: images are not supported by this model")
             elif kind in ("input_audio", "audio", "file"):
                 raise MessageError(f"{where}.content[{j}]: {kind} parts are not supported by this model")
@@ -55,8 +86,10 @@ def _call(raw: Any, where: str) -> dict:
     return call
 
 
-def normalize_messages(messages: list[Any]) -> list[dict]:
-    """The template shape of a client's messages; MessageError names the bad field."""
+def normalize_messages(messages: list[Any], images: ImageSink | None = None) -> list[dict]:
+    """The template shape of a client's messages; MessageError names the bad field. With
+    images, image parts and Ollama's images (before the message's text) go there, each
+    leaving its marker; without, they are refused."""
     out, names = [], {}
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -65,9 +98,13 @@ def normalize_messages(messages: list[Any]) -> list[dict]:
         role = "system" if m.get("role") == "developer" else m.get("role")
         if role not in ROLES:
             raise MessageError(f"{where}.role '{m.get('role')}' is not one of system, user, assistant, tool")
-        if m.get("images"):
+        given = m.get("images")
+        if given and images is None:
             raise MessageError(f"{where}.images: images are not supported by this model")
-        msg = {"role": role, "content": _text_of(m.get("content"), where)}
+        if given and not isinstance(given, list):
+            raise MessageError(f"{where}.images must be a list of base64 images")
+        markers = "".join(images.take(v, f"{where}.images[{j}]") for j, v in enumerate(given or ()))
+        msg = {"role": role, "content": markers + _text_of(m.get("content"), where, images)}
         calls = m.get("tool_calls")
         if calls:
             if role != "assistant" or not isinstance(calls, list):

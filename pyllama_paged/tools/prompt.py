@@ -18,7 +18,9 @@ from ..tokenizer.tokenizer import Tokenizer
 from .gemma4 import CALL_OPEN
 from .reasoning import speaks_harmony
 
-FAMILIES = ("hermes", "llama3", "mistral", "json", "gemma4")
+FAMILIES = ("qwen_xml", "hermes", "llama3", "mistral", "json", "gemma4")
+# Qwen3.5/3.6's (and Qwen3-Coder's) templates ask for calls as XML inside <tool_call>
+QWEN_XML_MARK = "<function="
 
 
 def tool_family(template: ChatTemplate, tokenizer: Tokenizer) -> str:
@@ -29,6 +31,8 @@ def tool_family(template: ChatTemplate, tokenizer: Tokenizer) -> str:
     source = template.source
     if CALL_OPEN in source or has(CALL_OPEN):
         return "gemma4"
+    if QWEN_XML_MARK in source:
+        return "qwen_xml"
     if "<tool_call>" in source or has("<tool_call>"):
         return "hermes"
     if "[TOOL_CALLS]" in source or has("[TOOL_CALLS]"):
@@ -40,6 +44,44 @@ def tool_family(template: ChatTemplate, tokenizer: Tokenizer) -> str:
 
 def _args_key(family: str) -> str:
     return "parameters" if family == "llama3" else "arguments"
+
+
+def _xml_value_rule(schema: dict) -> str:
+    """A lark rule body for one XML parameter's value: a line of text for a string, one of
+    the literals of a string enum, else the JSON of its schema."""
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return " | ".join(json.dumps(v) for v in enum)
+    if schema.get("type") == "string" and "const" not in schema:
+        return "/[^<\\n]+/"
+    return "%json " + json.dumps(closed_objects(schema))
+
+
+def _xml_call_lark(tools: list[dict]) -> tuple[str, list[dict]]:
+    """(lark grammar, the parameters' schemas) admitting one Qwen3.5-style XML call to one
+    of tools: its required parameters in the schema's order, each optional one or not."""
+    def literal(text: str) -> str:
+        return json.dumps(text)
+
+    nl = "\n"
+    rules, calls, schemas = [], [], []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        params = fn.get("parameters") or {}
+        required = set(params.get("required") or ())
+        items = []
+        for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            schema = schema if isinstance(schema, dict) else {}
+            schemas.append(schema)
+            rules.append(f"v{i}_{j}: {_xml_value_rule(schema)}")
+            opening, closing = literal(f"<parameter={key}>{nl}"), literal(f"{nl}</parameter>{nl}")
+            rules.append(f"p{i}_{j}: {opening} v{i}_{j} {closing}")
+            items.append(f"p{i}_{j}" + ("" if key in required else "?"))
+        name = fn["name"]
+        rules.append(f"call{i}: {literal(f'<function={name}>{nl}')} {' '.join(items)} {literal(f'</function>{nl}')}")
+        calls.append(f"call{i}")
+    start = f"start: {literal(f'<tool_call>{nl}')} ({' | '.join(calls)}) {literal('</tool_call>')}"
+    return nl.join([start, *rules]), schemas
 
 
 def _describe(tools: list[dict], family: str, escape: Escape = no_escape) -> str:
@@ -117,6 +159,9 @@ def forced_call_constraint(tokenizer: Tokenizer, family: str, tools: list[dict],
     chosen = [t for t in tools if only is None or t["function"]["name"] == only]
     if not chosen:
         raise ConstraintError(f"tool_choice names '{only}', which is not among the tools")
+    if family == "qwen_xml":
+        lark, params = _xml_call_lark(chosen)
+        return compile_constraint(tokenizer, "lark", lark, digit_bound=schema_digit_bound(params))
     schemas = [closed_objects(_call_schema(t, family)) for t in chosen]
     one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     if family == "mistral":

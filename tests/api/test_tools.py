@@ -40,6 +40,8 @@ PARIS = {"city": "Paris", "unit": "C"}
 @pytest.mark.parametrize("text,content", [
     ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>',
      "Let me look."),                                                                         # Qwen / Hermes
+    ('Let me look.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+     '<parameter=unit>\nC\n</parameter>\n</function>\n</tool_call>', "Let me look."),           # Qwen3.5 (XML)
     ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}', ""),  # Llama 3.x
     ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}', ""),             # Llama 3.x, bare
     ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}]', ""),  # Mistral
@@ -56,6 +58,34 @@ def test_calls_are_parsed_whole_and_streamed(text, content):
     rest, calls = stream.finish()
     assert (streamed + rest).strip() == content and [c.name for c in calls] == ["get_weather"]
     assert calls[0].openai()["function"]["arguments"] == json.dumps(PARIS)
+
+
+def test_qwen35_xml_calls_and_what_is_not_one():
+    """Qwen3.5's template asks for <function=NAME> with one <parameter=KEY> per argument inside
+    <tool_call>: several blocks are several calls, a value that reads as JSON (not a string)
+    is that value, a multi-line value keeps its lines; an unknown function, text between the
+    parameters or a parameter left open is content, streamed as such."""
+    text = ("<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>\n"
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nSao\nPaulo\n</parameter>\n"
+            "<parameter=days>\n[1, 2]\n</parameter>\n<parameter=unit>\nnull\n</parameter>\n</function>\n</tool_call>")
+    want = [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Sao\nPaulo", "days": [1, 2], "unit": None})]
+    left, calls = parse_tool_calls(text, NAMES)
+    assert left == "" and [(c.name, c.arguments) for c in calls] == want
+    stream = ToolCallStream(NAMES)
+    streamed = "".join(stream.feed(ch) for ch in text)
+    rest, calls = stream.finish()
+    assert (streamed + rest).strip() == "" and [(c.name, c.arguments) for c in calls] == want
+    for bad in ("<tool_call>\n<function=rm_rf>\n<parameter=path>\n/\n</parameter>\n</function>\n</tool_call>",
+                "<tool_call>\n<function=get_time>\nnow <parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>",
+                "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</function>\n</tool_call>"):
+        assert parse_tool_calls(bad, NAMES) == (bad, [])
+        stream = ToolCallStream(NAMES)
+        streamed = "".join(stream.feed(ch) for ch in bad)
+        rest, calls = stream.finish()
+        assert streamed + rest == bad and not calls
+    # a name no tool has stops holding the text as soon as it cannot be one
+    stream = ToolCallStream(NAMES)
+    assert stream.feed("<tool_call>\n<function=rm") == "<tool_call>\n<function=rm"
 
 
 def test_several_calls_and_things_that_are_not_calls():
@@ -187,13 +217,22 @@ CALL_WRAPPERS = {
 }
 
 
+# Qwen3.5's XML calls name each parameter instead of writing a JSON object: the whole call of
+# get_time(zone="CET"), and the text before count's number n.
+QWEN_XML = {"get_time": "<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>",
+            "count": "<tool_call>\n<function=count>\n<parameter=n>\n"}
+
+
 def call_text(family: str, name: str, arguments: str, whole: bool = True) -> str:
-    """A call of `name` as a `family` model writes it; without its closing text unless whole."""
+    """A call of `name` as a `family` model writes it; without its closing text unless whole
+    (qwen_xml: QWEN_XML's text of name)."""
+    if family == "qwen_xml":
+        return QWEN_XML[name]
     before, after = CALL_WRAPPERS[family]
     return before.replace("NAME", name) + arguments + (after if whole else "")
 
 
-@pytest.mark.parametrize("family", CALL_WRAPPERS)
+@pytest.mark.parametrize("family", [*CALL_WRAPPERS, "qwen_xml"])
 def test_forced_call_grammar_admits_a_call_then_the_end(llm, family):
     tok = llm._tokenizer
     answer = call_text(family, "get_time", '{"zone":"CET"}')
@@ -220,7 +259,7 @@ COUNT = {"type": "function", "function": {
 
 
 @pytest.mark.parametrize("family,numbers", [
-    ("hermes", '{"n":'), ("llama3", '{"n":1,"x":0.'), ("mistral", '{"n":'), ("json", '{"n":1,"x":')])
+    ("qwen_xml", ""), ("hermes", '{"n":'), ("llama3", '{"n":1,"x":0.'), ("mistral", '{"n":'), ("json", '{"n":1,"x":')])
 def test_a_forced_calls_numbers_take_at_most_16_digits(llm, family, numbers):
     tok = llm._tokenizer
     state = forced_call_constraint(tok, family, [COUNT]).start()

@@ -139,3 +139,71 @@ def test_mistyped_and_out_of_range_hyperparameters(tmp_path):
     # Fits neither the native int32 field nor a sane context.
     with pytest.raises(ModelLoadError, match=r"'llama.context_length' is 4294967296, outside"):
         Model(write("c.gguf", **{"llama.context_length": 2**32}))
+
+
+# Qwen3.5/3.6 hybrids: the ssm.* keys, the layer kinds and IMRoPE's sections are checked
+# before anything native is made; tensors against the layer kind each layer has.
+HYBRID_FIELD_ERRORS = [
+    ({"qwen35.ssm.conv_kernel": None}, r"missing metadata field 'qwen35.ssm.conv_kernel'"),
+    ({"qwen35.ssm.conv_kernel": 1}, r"'qwen35.ssm.conv_kernel' is 1, outside \[2, 64\]"),
+    ({"qwen35.ssm.inner_size": 100}, r"'qwen35.ssm.inner_size' is 100, but ssm.state_size 64 x "),
+    ({"qwen35.ssm.group_count": 3}, r"'qwen35.ssm.time_step_rank' is 4: the value heads must be a multiple"),
+    ({"qwen35.attention.recurrent_layers": [True] * 4}, r"needs recurrent and full-attention layers; 4 of its 4"),
+    ({"qwen35.attention.recurrent_layers": [True, False]}, r"'qwen35.attention.recurrent_layers' must be 4 booleans"),
+    ({"qwen35.full_attention_interval": 0}, r"'qwen35.full_attention_interval' is 0, outside"),
+    ({"qwen35.rope.dimension_sections": None}, r"missing metadata field 'qwen35.rope.dimension_sections'"),
+    ({"qwen35.rope.dimension_sections": [0, 0, 0, 5]}, r"the first three not all 0"),
+    ({"qwen35.rope.dimension_sections": [40, 40, 0, 0]}, r"sum at most key_length 64"),
+    ({"qwen35.nextn_predict_layers": 4}, r"'qwen35.nextn_predict_layers' is 4, outside \[0, 3\]"),
+    # the file's tensors no longer fit: layer 1 is full attention, and the linear heads' size
+    ({"qwen35.full_attention_interval": 2}, r"missing tensor 'blk.1.attn_q.weight'"),
+    ({"qwen35.ssm.state_size": 32, "qwen35.ssm.inner_size": 128},
+     r"tensor 'blk.0.attn_qkv.weight': shape \[256, 512\] but the hyper-parameters need \[256, 256\]"),
+]
+
+
+@pytest.mark.parametrize("fields,message", HYBRID_FIELD_ERRORS)
+def test_malformed_hybrid_metadata_names_the_field(tmp_path, fields, message):
+    from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
+
+    path = write_tiny_qwen35(tmp_path / "hybrid.gguf", extra_metadata=fields)
+    with pytest.raises(ModelLoadError, match=message) as e:
+        Model(path)
+    assert str(path) in str(e.value)
+
+
+def test_malformed_hybrid_tensors_name_the_tensor(tmp_path):
+    from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
+
+    # ggml_ssm_conv reads its kernel as f32, as llama.cpp's converter always writes it
+    path = write_tiny_qwen35(tmp_path / "conv.gguf", type_overrides={"blk.*.ssm_conv1d.weight": "f16"})
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk.0.ssm_conv1d.weight': type f16, but it must be f32"):
+        Model(path)
+    # qwen35moe's shared expert has a width of its own, which its file must give
+    path = write_tiny_qwen35(tmp_path / "moe.gguf", "qwen35moe",
+                             extra_metadata={"qwen35moe.expert_shared_feed_forward_length": None})
+    with pytest.raises(ModelLoadError, match=r"missing metadata field 'qwen35moe.expert_shared_feed_forward_length'"):
+        Model(path)
+
+
+def test_hybrid_files_load_with_their_mtp_block_ignored(tmp_path):
+    """The trunk's layers load (the multi-token-prediction block after them is not the model's),
+    Q4_0 projections of the linear layers go to GGML's repacked layout like any other, and a
+    hybrid refuses to be offloaded rather than run its state on the wrong side."""
+    from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
+
+    for arch in ("qwen35", "qwen35moe"):
+        path = write_tiny_qwen35(tmp_path / f"{arch}.gguf", arch, nextn_layers=1, weight_type="q4_0")
+        m = Model(path, pack_panels=False)
+        try:
+            assert m.config.n_layer == 4 and m.config.layer_recurrent == [True, True, True, False]
+            assert m.config.n_attention_layers == 1 and m.config.rope_sections == (3, 3, 2, 0)
+            if _has_avx2():
+                assert m.n_repacked > 0
+        finally:
+            m.close()
+
+
+def _has_avx2() -> bool:
+    from pyllama_paged._native import ffi, lib
+    return "avx2=1" in ffi.string(lib.pp_ggml_build_info()).decode()

@@ -75,6 +75,19 @@ def test_the_command_line_takes_a_preset_and_the_old_shape_flags(tmp_path, capsy
     assert "gemma3-1.6b, 0.07B parameters" in capsys.readouterr().out
 
 
+def test_mmproj_writes_a_projector_of_the_models_width(tmp_path):
+    from pyllama_paged.vision.projector import Projector
+
+    mmproj = tmp_path / "mmproj.gguf"
+    assert synthetic_gguf.main(["--small", "--out", str(tmp_path / "gemma.gguf"), "--n-embd", "256",
+                                "--n-ff", "512", "--mmproj", str(mmproj)]) == 0
+    with Projector(str(mmproj)) as projector:
+        assert (projector.projector_type, projector.projection_dim, projector.n_tokens) == ("gemma3", 256, 16)
+    with pytest.raises(SystemExit):   # only gemma3 presets have a projector writer
+        synthetic_gguf.main(["--preset", "llama3.2-1b", "--small", "--out", str(tmp_path / "l.gguf"),
+                             "--mmproj", str(tmp_path / "l-mm.gguf")])
+
+
 def test_llama3_rope_divisors_leave_short_wavelengths_and_stretch_long_ones():
     divisors = synthetic_gguf.llama3_rope_divisors(64, 500000.0)
     assert len(divisors) == 32 and divisors[0] == 1.0 and divisors[-1] == 32.0

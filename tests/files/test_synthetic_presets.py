@@ -17,6 +17,7 @@ MARKUP = {
     "qwen2": (["<|im_start|>", "<|im_end|>"], None),
     "source": (["<start_of_turn>", "<end_of_turn>"], "<bos>"),
     "gpt-oss": (["<|start|>", "<|message|>", "<|end|>"], None),
+    "qwen35": (["<|im_start|>", "<|im_end|>"], None),
 }
 GGML_Q4_K, GGML_Q6_K, GGML_F32, GGML_Q8_0, GGML_MXFP4 = 12, 14, 0, 8, 39
 # how long each family's chat prompt for MESSAGES may be (harmony's template says more)
@@ -42,6 +43,9 @@ def test_shrinking_keeps_what_tests_can_check(small):
     assert info["n_layer"] == (4 if full.n_kv_shared else 2) and info["n_embd"] % 256 == 0 and info["n_ff"] == 512
     assert (preset.head_dim_swa, preset.k_eq_v, bool(preset.n_kv_shared), bool(preset.n_embd_per_layer)) == \
            (full.head_dim_swa, full.k_eq_v, bool(full.n_kv_shared), bool(full.n_embd_per_layer))
+    if full.hybrid:   # a linear layer, then a full-attention one
+        assert preset.full_attention_interval == 2 and preset.ssm_d_state == full.ssm_d_state
+        assert preset.ssm_dt_rank // preset.ssm_n_group == full.ssm_dt_rank // full.ssm_n_group
     assert info["n_vocab"] == (full.n_vocab or 262144)
 
 
@@ -53,18 +57,22 @@ def test_the_type_mix_is_q4_k_m(small):
     # the head in Q6_K: the embedding when tied, else output.weight (the embedding then in Q4_K)
     head = "token_embd.weight" if preset.tied else "output.weight"
     assert ("output.weight" in types) == (not preset.tied) and types[head] == GGML_Q6_K
-    # the layers Q4_K_M gives more bits (two layers: layer 1, the last eighth) keep attn_v and
-    # ffn_down(_exps) in Q6_K; an expert router, norms, biases and scales are never quantized;
-    # rows that are not whole K-quant blocks (gemma4's per-layer projection) fall back to Q8_0
+    # the layers Q4_K_M gives more bits (two layers: layer 1, the last eighth) keep attn_v (a
+    # hybrid's attn_qkv with it) and ffn_down(_exps, _shexp) in Q6_K; an expert router, the shared
+    # expert's gate row, the linear layers' kernel, decay and bias, norms, biases and scales are
+    # never quantized; rows that are not whole K-quant blocks (gemma4's per-layer projection)
+    # fall back to Q8_0
     for name, ttype in types.items():
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
         if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", ".bias", "rope_freqs.weight",
-                          "ffn_gate_inp.weight", ".scale", "layer_output_scale.weight")):
+                          "ffn_gate_inp.weight", ".scale", "layer_output_scale.weight",
+                          "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight", ".ssm_a")):
             assert ttype == GGML_F32, name
         elif name.endswith(".proj.weight") and preset.arch == "gemma4":
             assert ttype == GGML_Q8_0, name
         elif synthetic_gguf.more_bits(layer, info["n_layer"]) and \
-                name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
+                name.endswith(("attn_v.weight", "attn_qkv.weight", "ffn_down.weight", "ffn_down_exps.weight",
+                               "ffn_down_shexp.weight")):
             assert ttype == GGML_Q6_K, name
         elif name != head:
             assert ttype == GGML_Q4_K, name

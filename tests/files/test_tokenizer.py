@@ -326,6 +326,37 @@ def test_pre_tokenizers(pre, text, words):
     assert PreTokenizer(pre_tokenizer_family(pre)).split(text) == words
 
 
+# Qwen3.5/3.6's pre-tokenizer as its tokenizer.json writes it (llama-vocab.cpp quotes it for
+# LLAMA_VOCAB_PRE_TYPE_QWEN35): Qwen 2.5's, with combining marks (\p{M}) inside words.
+QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN35_TEXTS = [
+    "Hello world's  test 12345", "I'M (x) don'T", "a\n\n b\r\n\tc  \n", "café 你好!! 🙂🙂 x",
+    "cafe\u0301 re\u0301sume\u0301", "\u0301start", "नमस्ते दुनिया", "สวัสดีครับ", "שָׁלוֹם עולם",
+    "Tiếng Việt có dấu", "x\u20dd\u20dd!", "a ,\u0301b", "def f(x):\n    return x  +  1\n\n\n\tdone",
+    "١٢٣ ٤٥", "   leading and trailing   ", "ŉ Ǆ ǅ ǆ", "...\u0300\u0300...",
+]
+
+
+def test_qwen35_keeps_combining_marks_in_words():
+    """Where Qwen 2.5's pre-tokenizer cuts a word at each combining mark, Qwen3.5's keeps it whole."""
+    split35 = PreTokenizer(pre_tokenizer_family("qwen35")).split
+    split2 = PreTokenizer(pre_tokenizer_family("qwen2")).split
+    assert split35("cafe\u0301 ok") == ["cafe\u0301", " ok"]
+    assert split2("cafe\u0301 ok") == ["cafe", "\u0301", " ok"]
+    assert split35("नमस्ते") == ["नमस्ते"]
+    assert split35("x 12345") == split2("x 12345") == ["x", " ", "1", "2", "3", "4", "5"]
+
+
+@pytest.mark.parametrize("text", QWEN35_TEXTS)
+def test_qwen35_pre_tokenizer_is_its_tokenizer_jsons(text):
+    """Our category-text regex against Hugging Face's tokenizers running the original pattern."""
+    tokenizers = pytest.importorskip("tokenizers")
+    split = tokenizers.pre_tokenizers.Split(tokenizers.Regex(QWEN35_SPLIT), behavior="isolated")
+    want = [piece for piece, _ in split.pre_tokenize_str(text)]
+    assert PreTokenizer(pre_tokenizer_family("qwen35")).split(text) == want
+
+
 # =============================================================================================
 # GGUF loading
 # =============================================================================================

@@ -5,7 +5,8 @@ the same installed libggml-python GGML as the package) into a cached build direc
 then a child Python with libasan preloaded loads it through PYLLAMA_PAGED_LIBRARY and
 drives the paths that write native result buffers at their bounds: beam search at
 the maximum width (2 x width top entries a row), a completion with 20 logprobs, n=4
-sampling and an embedding. Any ASan report fails the test.
+sampling and an embedding; and a hybrid's sequences (their state slots read and written in
+the step's graph, forked). Any ASan report fails the test.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ maps = Path("/proc/self/maps").read_text().split()
 mapped = {{Path(p).resolve() for p in maps if p.startswith("/") and ".so" in p}}
 assert Path(_native.LIBRARY_PATH).resolve() in mapped, "the ASan build is not the library loaded"
 ggml = {{p for p in mapped if p.name.startswith("libggml")}}
-assert ggml and all(p.parent == ggml_dir / "lib64" for p in ggml), f"GGML loaded from elsewhere: {{ggml}}"
+lib_dir = ggml_dir / "lib64" if (ggml_dir / "lib64").is_dir() else ggml_dir / "lib"
+assert ggml and all(p.parent == lib_dir for p in ggml), f"GGML loaded from elsewhere: {{ggml}}"
 
 beams = llm.generate_batch(["The quick brown fox", "Once upon a time"], max_tokens=6, beam_width=MAX_BEAM_WIDTH)
 assert [len(b) for b in beams] == [MAX_BEAM_WIDTH] * 2, beams
@@ -48,6 +50,14 @@ assert [len(s) for s in samples] == [4, 4], samples
 vec = llm.embed("hello", pooling="mean")
 assert len(vec) == llm.n_embd(), len(vec)
 llm.close()
+
+# a hybrid: its state pool read and written by slot in the step's graph, forks copying slots
+from pyllama_paged.testing.reference.tiny_qwen35 import write_tiny_qwen35
+hybrid = pyllama_paged.Llama(model_path=write_tiny_qwen35(model_path + ".qwen35", "qwen35moe"), n_ctx=128,
+                             n_seq_max=4, n_threads=2)
+samples = hybrid.generate_batch(["a b c", "x y z w v"], max_tokens=5, n=2, seed=7)
+assert [len(s) for s in samples] == [2, 2], samples
+hybrid.close()
 print("asan-run-ok", MAX_BEAM_WIDTH)
 """
 
@@ -69,7 +79,8 @@ def libggml_dir() -> Path:
 
 def build_asan_library(source: Path, build: Path) -> Path:
     """Configure and build source's library with -DPP_SANITIZE=address in build (incremental)."""
-    ggml_cmake = libggml_dir() / "lib64" / "cmake" / "ggml"
+    # the wheel's libraries are in lib64, a build from the sdist's in lib
+    ggml_cmake = next(libggml_dir() / d / "cmake" / "ggml" for d in ("lib64", "lib") if (libggml_dir() / d).is_dir())
     configure = ["cmake", "-S", str(source), "-B", str(build), "-DPP_SANITIZE=address",
                  "-DCMAKE_BUILD_TYPE=Release", f"-Dggml_DIR={ggml_cmake}",
                  f"-DPython_EXECUTABLE={sys.executable}", f"-DCMAKE_C_COMPILER={shutil.which('gcc')}"]

@@ -15,11 +15,15 @@ LAYERS = [
     ["errors", "_version"],
     ["flags"],   # settings that are command-line options: below everything that has some
     ["_native.library"],
-    ["_native.status", "_native.ggml_log", "_native.handle"],
+    ["_native.status", "_native.ggml_log", "_native.handle", "_native.tensors"],
     ["_native"],   # the binding's facade (_native/__init__.py) re-exports its modules
     ["gguf.config"],
     ["gguf.reader"],
     ["gguf.split"],   # a split GGUF's parts read as one
+    # images for vision models: decoding (Pillow), a projector file's encoder, encoded images by hash
+    ["vision.preprocess"],
+    ["vision.projector", "vision.image_cache"],
+    ["vision.prompt_images"],
     # model downloads: below everything that loads models, and needing none of it
     ["models.refs", "models.download", "models.progress", "models.egress", "models.store_files",
      "models.embedded"],
@@ -68,8 +72,10 @@ LAYERS = [
     ["server.scale_out.ray_app"],
     # what tests and benchmarks share (oracles, harnesses, a server runner): above all it checks
     ["testing.reference.numpy_model", "testing.reference.tiny_gguf", "testing.reference.tiny_gpt_oss",
+     "testing.reference.delta_net", "testing.reference.hybrid_model", "testing.reference.tiny_qwen35",
      "testing.reference.sampling_reference",
      "testing.reference.bert_reference", "testing.reference.tiny_bert", "testing.reference.tiny_reranker",
+     "testing.reference.tiny_mmproj", "testing.reference.vision_reference",
      "testing.agreement", "testing.invariance", "testing.attention_harness", "testing.cuda_harness", "testing.serving", "testing.loop_control",
      "testing.embedding_sentences", "testing.gguf_mutate", "testing.gguf_fuzz", "testing.synthetic_gguf",
      "testing.synthetic_blocks", "testing.synthetic_bpe", "testing.synthetic_presets", "testing.vocab_metadata",
@@ -225,7 +231,7 @@ def test_the_scheduler_keeps_books_and_never_reaches_the_model():
 # The package's folders (ARCHITECTURE.md has a row for each). The server's dialect folders
 # share only what the server's top level and the layers below hold: a new dialect is a
 # protocol file and a renderer, never an import of another dialect.
-FOLDERS = ["_native", "gguf", "models", "convert", "tokenizer", "constrain",
+FOLDERS = ["_native", "gguf", "models", "convert", "tokenizer", "constrain", "vision",
            "engine", "engine/kv", "engine/sched", "engine/worker", "engine/spec_decode", "engine/pooling",
            "tools", "calls", "api",
            "server", "server/openai", "server/anthropic", "server/ollama", "server/pooling", "server/routing",

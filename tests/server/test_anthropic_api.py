@@ -142,7 +142,7 @@ def test_errors_have_anthropics_types(client, server):
         client.messages.create(model="claude-nope", max_tokens=4, messages=HI)
     assert e.value.body["error"]["type"] == "not_found_error" and M in e.value.body["error"]["message"]
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
-    for bad, needle in [(dict(messages=[{"role": "user", "content": [image]}]), "image blocks are not supported"),
+    for bad, needle in [(dict(messages=[{"role": "user", "content": [image]}]), "images are not supported by this model"),
                         (dict(messages=HI, tools=[WEATHER], tool_choice={"type": "tool", "name": "other"}), "other"),
                         (dict(messages=HI, max_tokens=301), "max_tokens"),
                         (dict(messages=HI, thinking={"type": "enabled", "budget_tokens": 2048}), "think")]:

@@ -8,7 +8,7 @@ import pytest
 
 from pyllama_paged.errors import PagedError
 from pyllama_paged.server.app import create_app
-from pyllama_paged.server.config import Limits, ServeConfig
+from pyllama_paged.server.config import Limits, ServeConfig, TemplateLimits
 from pyllama_paged.server.registry import ModelRegistry
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 from pyllama_paged.testing.serving import Running
@@ -58,7 +58,7 @@ def test_looping_chats_do_not_hold_up_a_healthy_model(tmp_path):
     registry = ModelRegistry([loopy, healthy], ServeConfig.flat(n_ctx=256, n_threads=1, kv_budget_tokens=1024,
                                                                 max_num_seqs=4))
     before = render_pool.limits()
-    server = Running(create_app(registry, Limits(template_seconds=1.0)))
+    server = Running(create_app(registry, Limits(templates=TemplateLimits(seconds=1.0))))
     try:
         def chat(model: str) -> httpx.Response:
             return httpx.post(f"{server.url}/api/chat", timeout=120, json={

@@ -3,6 +3,7 @@
 #define PP_ENGINE_INTERNAL_H
 
 #include "pyllama_paged.h"
+#include "common/pp_internal.h"
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -36,6 +37,15 @@ typedef struct pp_layer {
     struct ggml_tensor *ffn_gate_inp_b;
     struct ggml_tensor *ffn_gate_exps_b, *ffn_up_exps_b, *ffn_down_exps_b;
     struct ggml_tensor *bo;   /* the attention output's bias (bert, gpt-oss), or NULL */
+    /* Gated DeltaNet (a hybrid's linear layers): the convolution's input projection
+     * (attn_qkv [n_embd, channels]: q, k, v), the output gate z (attn_gate [n_embd, H_v S]),
+     * the kernel [d_conv, channels] f32, dt bias and -exp(A_log) [H_v] f32, the write
+     * strength and decay projections [n_embd, H_v], the per-head norm [S] and the output
+     * projection [H_v S, n_embd] */
+    struct ggml_tensor *ssm_in, *ssm_gate, *ssm_conv1d, *ssm_dt_b, *ssm_a;
+    struct ggml_tensor *ssm_beta, *ssm_alpha, *ssm_norm, *ssm_out;
+    /* a shared expert beside the routed ones (qwen35moe): its gate row [n_embd] f32 and SwiGLU */
+    struct ggml_tensor *ffn_gate_inp_shexp, *ffn_gate_shexp, *ffn_up_shexp, *ffn_down_shexp;
     /* encoder (bert) only: post-norms with biases, FFN biases */
     struct ggml_tensor *attn_out_norm, *attn_out_norm_b;
     struct ggml_tensor *ffn_up_b, *ffn_down_b;
@@ -51,12 +61,18 @@ typedef struct pp_layer {
     struct ggml_tensor *ffn_gate_up_exps, *ffn_down_exps_s;
 } pp_layer;
 
-/* A decoder layer's matrix products, in the order of the model's panel slots. In a layer with
- * experts the GATE, UP and DOWN slots hold the experts' panels, and a dense FFN beside them
- * (gemma4's) takes the BESIDE slots: a slot's state serves one product a step (its chunk
- * counter), and GGML's product in their place is not batch invariant for every type. */
-enum pp_projection { PP_PROJ_Q, PP_PROJ_K, PP_PROJ_V, PP_PROJ_O, PP_PROJ_GATE, PP_PROJ_UP, PP_PROJ_DOWN,
-                     PP_PROJ_BESIDE_GATE, PP_PROJ_BESIDE_UP, PP_PROJ_BESIDE_DOWN, PP_N_PROJ };
+/* A decoder layer's matrix products, in the order of the model's panel slots: attention's,
+ * the dense FFN's, a Gated DeltaNet layer's, a shared expert's and a dense FFN beside experts
+ * (a layer has some of them). In a layer with experts the GATE, UP and DOWN slots hold the
+ * experts' panels, and a dense FFN beside them (gemma4's) takes the BESIDE slots: a slot's
+ * state serves one product a step (its chunk counter), and GGML's product in their place is
+ * not batch invariant for every type. */
+enum pp_projection {
+    PP_PROJ_Q, PP_PROJ_K, PP_PROJ_V, PP_PROJ_O, PP_PROJ_GATE, PP_PROJ_UP, PP_PROJ_DOWN,
+    PP_PROJ_SSM_IN, PP_PROJ_SSM_GATE, PP_PROJ_SSM_BETA, PP_PROJ_SSM_ALPHA, PP_PROJ_SSM_OUT,
+    PP_PROJ_SHEXP_GATE, PP_PROJ_SHEXP_UP, PP_PROJ_SHEXP_DOWN,
+    PP_PROJ_BESIDE_GATE, PP_PROJ_BESIDE_UP, PP_PROJ_BESIDE_DOWN, PP_N_PROJ
+};
 
 /* The slot of layer L's dense FFN gate (its up and down follow). */
 static inline int pp_dense_ffn_slot(const pp_layer *L) {
@@ -65,7 +81,10 @@ static inline int pp_dense_ffn_slot(const pp_layer *L) {
 
 /* Layer L's dense weight in panel slot proj, or NULL. */
 static inline struct ggml_tensor *pp_layer_weight(const pp_layer *L, int proj) {
-    struct ggml_tensor *w[PP_N_PROJ] = {L->wq, L->wk, L->wv, L->wo};
+    struct ggml_tensor *w[PP_N_PROJ] = {
+        L->wq, L->wk, L->wv, L->wo, NULL, NULL, NULL,
+        L->ssm_in, L->ssm_gate, L->ssm_beta, L->ssm_alpha, L->ssm_out,
+        L->ffn_gate_shexp, L->ffn_up_shexp, L->ffn_down_shexp};
     const int ffn = pp_dense_ffn_slot(L);
     w[ffn] = L->ffn_gate;
     w[ffn + 1] = L->ffn_up;
@@ -76,6 +95,8 @@ static inline struct ggml_tensor *pp_layer_weight(const pp_layer *L, int proj) {
 struct pp_model {
     pp_model_hparams    hp;
     int32_t            *layer_window;
+    int32_t            *layer_recurrent;   /* hybrids: per layer, 1 for a Gated DeltaNet layer; NULL otherwise */
+    int32_t             n_recurrent;       /* how many layers are recurrent (0: no state pool needed) */
     struct ggml_context *weights;   /* tensor metadata only; data is borrowed */
     struct ggml_tensor *tok_embd;
     struct ggml_tensor *output_norm;
@@ -167,12 +188,64 @@ struct pp_kv_cache {
     ggml_backend_buffer_t device_buffer;
     int32_t              n_groups;          /* layer groups (1: ungrouped) */
     int32_t              n_pools;           /* distinct K (and V) tensors, see pp_kv_cache_create_grouped */
-    int32_t             *layer_group;       /* per layer: its group */
+    int32_t             *layer_group;       /* per layer: its group (0 for a recurrent layer) */
     struct ggml_tensor **kt, **vt;          /* the n_pools distinct pools: [values per slot, num_slots] each */
     struct ggml_tensor **k;                 /* per layer: its rows, [n_embd_kv of the layer, num_slots]: a
-                                               pool, a view of a pool's lane, or its KV source's */
+                                               pool, a view of a pool's lane, or its KV source's; NULL for
+                                               a hybrid's recurrent layers, which keep no KV */
     struct ggml_tensor **v;
 };
+
+/* The recurrent state pool (pyllama_paged.h): per linear layer a convolution and a
+ * delta-rule tensor of num_slots rows (NULL for attention layers), in one host buffer. */
+struct pp_state_pool {
+    const pp_model      *model;
+    int32_t              num_slots;
+    int32_t              n_free;
+    int64_t              bytes_per_slot;
+    uint8_t             *taken;      /* per slot: 1 while a sequence holds it */
+    struct ggml_context *meta;
+    ggml_backend_buffer_t buffer;
+    struct ggml_tensor **conv;       /* per layer: [(d_conv - 1) channels, num_slots] f32 */
+    struct ggml_tensor **delta;      /* per layer: [S S H_v, num_slots] f32 */
+};
+
+/* A Gated DeltaNet layer's convolution channels (q, k, v) and its two states' sizes in floats. */
+static inline int64_t pp_conv_channels(const pp_model_hparams *hp) {
+    return (int64_t)(2 * hp->ssm_n_group + hp->ssm_dt_rank) * hp->ssm_d_state;
+}
+static inline int64_t pp_conv_state_floats(const pp_model_hparams *hp) {
+    return (int64_t)(hp->ssm_d_conv - 1) * pp_conv_channels(hp);
+}
+static inline int64_t pp_delta_state_floats(const pp_model_hparams *hp) {
+    return (int64_t)hp->ssm_d_state * hp->ssm_d_state * hp->ssm_dt_rank;
+}
+
+/* model/state_pool.c: zero one slot's states (no checks: the caller checked the slot). */
+PP_HIDDEN void pp_state_pool_zero_slot(pp_state_pool *pool, int32_t slot);
+
+/* A hybrid step's sequence runs (maximal spans of one sequence's tokens) cut into segments of
+ * consecutive runs of one length: each is one ggml_gated_delta_net call per linear layer. */
+#define PP_MAX_DELTA_SEGMENTS 128
+typedef struct pp_delta_plan {
+    int32_t n_runs;
+    int32_t n_segments;
+    int32_t seg_tokens[PP_MAX_DELTA_SEGMENTS];   /* tokens of each of the segment's runs */
+    int32_t seg_runs[PP_MAX_DELTA_SEGMENTS];     /* its runs */
+} pp_delta_plan;
+
+/* What a hybrid step's graph needs besides the model and the batch. */
+typedef struct pp_recurrent_step {
+    const pp_state_pool *pool;
+    const pp_delta_plan *plan;
+} pp_recurrent_step;
+
+/* model/delta_net_graph.c: the plan of batch b; PP_ERR_INVALID (naming the limit) when its
+ * runs change length more than PP_MAX_DELTA_SEGMENTS times. */
+PP_HIDDEN int32_t pp_delta_plan_make(pp_delta_plan *plan, const pp_batch *b);
+
+/* A hash of a plan's segments: equal for steps whose delta-rule nodes have equal shapes. */
+PP_HIDDEN uint64_t pp_delta_plan_shape(const pp_delta_plan *plan);
 
 /* Whether a pool of c lives on the model's device (else in host memory). */
 static inline int pp_pool_on_device(const pp_kv_cache *c, const struct ggml_tensor *pool) {
@@ -267,7 +340,9 @@ int32_t pp_check_batch(const pp_model *model, const pp_kv_cache *cache, const pp
 int32_t pp_check_token_order(const pp_batch *batch, int i);
 
 /* Build the forward graph of one step. Inputs are created with
- * ggml_set_input and named "tokens", "positions", "slots", "logit_rows",
+ * ggml_set_input and named "tokens", "positions", "slots", "logit_rows" (hybrids also
+ * "mrope_positions", I32 [4 n_tokens] for IMRoPE, and "state_slots", I32 [n_runs]; rs gives
+ * their state pool and plan, NULL for other models),
  * and, where GGML's flash attention runs (slabs, or paged with gather set),
  * the inputs pp_fill_flash_inputs fills (masks, gathered key slots); the output is named
  * "logits". gather: paged attention as GGML ops (pages gathered by slot, then
@@ -276,7 +351,7 @@ int32_t pp_check_token_order(const pp_batch *batch, int i);
 struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *model,
                                    const pp_kv_cache *cache, const pp_batch *batch,
                                    pp_attention_params *layer_params, struct pp_panel_gemm_state *gemm_states,
-                                   int n_threads, int gather, size_t max_nodes);
+                                   int n_threads, int gather, size_t max_nodes, const pp_recurrent_step *rs);
 
 /* A 1-d input tensor of a step's graph, named for its upload. */
 static inline struct ggml_tensor *pp_graph_input(struct ggml_context *ctx, enum ggml_type type, int64_t n,
@@ -290,6 +365,42 @@ static inline struct ggml_tensor *pp_graph_input(struct ggml_context *ctx, enum 
 /* graph.c: w x as every weight product of a decoder graph runs it on the CPU (columns padded so
  * a column's result does not depend on how many share the product; docs/batch-invariance.md). */
 struct ggml_tensor *pp_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x);
+
+/* The quantized columns of the last input a panel GEMM read: projections of one input (q,
+ * k and v; gate and up) share one quantize op. */
+typedef struct pp_panel_columns {
+    const struct ggml_tensor *x;
+    struct ggml_tensor *cols;
+} pp_panel_columns;
+
+/* model/graph.c: w x through the weight's panels when it has them (state non-NULL with a
+ * packed weight), else GGML's product. Returns [w->ne[1], x->ne[1]] f32. */
+PP_HIDDEN struct ggml_tensor *pp_graph_project(struct ggml_context *ctx, struct ggml_tensor *w,
+                                               struct pp_panel_gemm_state *state, struct ggml_tensor *x,
+                                               pp_panel_columns *last);
+
+/* model/graph.c: a SwiGLU FFN (gate, up, down: the states at gs[gate], gs[gate + 1],
+ * gs[gate + 2] when gs is non-NULL) on cur. */
+PP_HIDDEN struct ggml_tensor *pp_graph_swiglu_ffn(struct ggml_context *ctx, enum pp_arch arch,
+                                                  struct ggml_tensor *gate, struct ggml_tensor *up,
+                                                  struct ggml_tensor *down, struct pp_panel_gemm_state *gs,
+                                                  struct ggml_tensor *cur, pp_panel_columns *last);
+
+/* model/delta_net_graph.c: Gated DeltaNet layer il on cur [n_embd, n_tokens] (after its
+ * attn_norm): projections, the short convolution and the delta rule per segment of the plan
+ * from the states of its runs' slots (state_slots: I32 [n_runs], in run order), those slots'
+ * states after the step written back into the pool (nodes added to gf), the gated norm and
+ * the output projection. rows: the token rows wanted (NULL: all). Returns [n_embd, rows] f32. */
+struct ggml_tensor *pp_build_delta_net(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_model *m, int il,
+                                       const pp_recurrent_step *rs, struct ggml_tensor *state_slots,
+                                       struct pp_panel_gemm_state *gemm_states, struct ggml_tensor *cur,
+                                       struct ggml_tensor *rows, pp_panel_columns *last);
+
+/* model/moe_graph.c: qwen35moe's shared expert on cur: its SwiGLU scaled by
+ * sigmoid(ffn_gate_inp_shexp . cur) per token. */
+struct ggml_tensor *pp_build_shared_expert(struct ggml_context *ctx, const pp_layer *L,
+                                           struct pp_panel_gemm_state *gemm_states, struct ggml_tensor *cur,
+                                           pp_panel_columns *last);
 
 /* model/moe_graph.c: the routed experts' FFN of layer L on cur [n_embd, n_tokens]
  * (after ffn_norm): each token's n_expert_used most probable experts, their
@@ -345,6 +456,10 @@ void pp_fill_flash_inputs(struct ggml_cgraph *gf, const pp_batch *b, const pp_fl
 static inline size_t pp_graph_capacity(int n_layer, int max_batch_tokens) {
     return PP_MAX_GRAPH_NODES + (size_t)n_layer * (size_t)max_batch_tokens * PP_GRAPH_NODES_PER_RUN;
 }
+
+/* Nodes a Gated DeltaNet layer adds per segment of the plan (views, the state reads and
+ * writes, the convolution, the norms, the delta rule, the concat of the outputs). */
+#define PP_DELTA_NODES_PER_SEGMENT 40
 
 /* model/context.c: frees a compute context's allocator, backend and thread pool
  * (each may be NULL). A forked child must not join its parent's workers, so

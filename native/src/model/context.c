@@ -19,6 +19,7 @@
 /* What a step's graph depends on besides the model: equal shapes, equal graphs. */
 typedef struct step_shape {
     int32_t  n_tokens, n_logits, n_hidden, path, n_threads, argmax;
+    int32_t  n_embd_rows;  /* rows given as embeddings: their inputs are nodes of their own */
     int32_t  reusable;     /* 0: slabs, whose views move with each sequence's length */
     uint64_t attention;    /* the attention nodes' shapes (flash plan, kernel splits) */
     uint64_t lora;         /* the LoRA nodes' (pp_lora_plan_shape; 0: none) */
@@ -60,9 +61,15 @@ struct pp_context {
     /* its inputs and outputs, looked up by name once per build (a lookup compares
      * the name with every node's: hundreds of strcmp a step otherwise) */
     struct ggml_tensor  *in_tokens, *in_positions, *in_slots, *in_rows;
+    struct ggml_tensor  *in_mrope, *in_state_slots;   /* hybrids' */
     struct ggml_tensor  *out_logits, *out_argmax, *out_hidden;
     pp_step_stats        stats;
     pp_lora_plan        *lora_plan;    /* NULL until pp_context_reserve_loras */
+    /* Hybrids: the pool holding the sequences' recurrent states (borrowed), a slot mark per
+     * pool slot for the batch check, and this step's delta-rule segments. */
+    pp_state_pool       *state_pool;
+    uint8_t             *slot_seen;
+    pp_delta_plan        delta_plan;
 };
 
 /* GGML asks between graph nodes whether to stop (ggml_abort_callback). */
@@ -96,6 +103,10 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
     /* Sized for a step of single-token sequences on the flash-attention path;
      * the buffer is touched only as far as a step's graph reaches. */
     c->max_nodes = pp_graph_capacity(m->hp.n_layer, max_batch_tokens);
+    if (m->n_recurrent > 0) {
+        const int segments = max_batch_tokens < PP_MAX_DELTA_SEGMENTS ? max_batch_tokens : PP_MAX_DELTA_SEGMENTS;
+        c->max_nodes += (size_t)m->n_recurrent * (size_t)segments * PP_DELTA_NODES_PER_SEGMENT;
+    }
     c->meta_size = ggml_tensor_overhead() * c->max_nodes + ggml_graph_overhead_custom(c->max_nodes, false);
     c->meta_buf = malloc(c->meta_size);
     c->layer_params = calloc((size_t)m->hp.n_layer, sizeof *c->layer_params);
@@ -189,6 +200,7 @@ void pp_context_destroy(pp_context *c) {
     free(c->layer_params);
     free(c->gemm_states);
     pp_lora_plan_destroy(c->lora_plan);
+    free(c->slot_seen);
     pp_attention_scratch_release(&c->scratch);
     free(c);
 }
@@ -323,6 +335,12 @@ int32_t pp_check_batch(const pp_model *m, const pp_kv_cache *cache, const pp_bat
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tokens)
             return pp_fail(PP_ERR_INVALID, "logit row %d outside the batch of %d tokens",
                            b->logit_rows[i], b->n_tokens);
+    if (b->n_embd_rows < 0 || b->n_embd_rows > b->n_tokens || (b->n_embd_rows > 0 && (!b->embd_rows || !b->embd)))
+        return pp_fail(PP_ERR_INVALID, "malformed batch: %d embedding rows without their arrays", b->n_embd_rows);
+    for (int i = 0; i < b->n_embd_rows; i++)
+        if (b->embd_rows[i] < 0 || b->embd_rows[i] >= b->n_tokens || (i > 0 && b->embd_rows[i] <= b->embd_rows[i - 1]))
+            return pp_fail(PP_ERR_INVALID, "embedding row %d: %d is outside the batch of %d tokens or not increasing",
+                           i, b->embd_rows[i], b->n_tokens);
     if (b->n_hidden < 0 || (b->n_hidden > 0 && (!b->hidden_rows || !b->hidden)))
         return pp_fail(PP_ERR_INVALID, "malformed batch: %d hidden rows without their arrays", b->n_hidden);
     for (int i = 0; i < b->n_hidden; i++)
@@ -359,9 +377,12 @@ int32_t pp_context_set_attention_path(pp_context *c, int32_t path) {
  * scheduler keeps inputs on the CPU and copies what a device reads). */
 static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_batch *b, int flash, int swa_window) {
     ggml_backend_tensor_set(c->in_tokens, b->token_ids, 0, sizeof(int32_t) * b->n_tokens);
-    ggml_backend_tensor_set(c->in_positions, b->positions, 0, sizeof(int32_t) * b->n_tokens);
+    /* a hybrid's rope reads mrope_positions instead */
+    if (c->in_positions) ggml_backend_tensor_set(c->in_positions, b->positions, 0, sizeof(int32_t) * b->n_tokens);
     struct ggml_tensor *slots = c->in_slots, *rows = c->in_rows;
-    if (!ggml_backend_buffer_is_host(slots->buffer) || !ggml_backend_buffer_is_host(rows->buffer))
+    if (!ggml_backend_buffer_is_host(slots->buffer) || !ggml_backend_buffer_is_host(rows->buffer) ||
+        (c->in_mrope && !ggml_backend_buffer_is_host(c->in_mrope->buffer)) ||
+        (c->in_state_slots && !ggml_backend_buffer_is_host(c->in_state_slots->buffer)))
         return pp_fail(PP_ERR_COMPUTE, "GGML placed the step's inputs outside host memory");
     int64_t *slot_data = slots->data;
     for (int i = 0; i < b->n_tokens * c->cache->n_groups; i++) slot_data[i] = b->slot_mapping[i];
@@ -370,6 +391,27 @@ static int32_t upload_inputs(pp_context *c, struct ggml_cgraph *gf, const pp_bat
     if (b->n_hidden > 0) memcpy(out_rows + b->n_logits, b->hidden_rows, sizeof(int32_t) * b->n_hidden);
     if (flash) pp_fill_flash_inputs(gf, b, &c->plan, swa_window, c->cache);
     pp_lora_plan_upload(c->lora_plan);
+    if (b->n_embd_rows > 0) {
+        struct ggml_tensor *embd = ggml_graph_get_tensor(gf, "embd_in"), *at = ggml_graph_get_tensor(gf, "embd_rows");
+        if (!ggml_backend_buffer_is_host(at->buffer))
+            return pp_fail(PP_ERR_COMPUTE, "GGML placed the step's inputs outside host memory");
+        ggml_backend_tensor_set(embd, b->embd, 0, sizeof(float) * (size_t)b->n_embd_rows * c->model->hp.n_embd);
+        int64_t *rows = at->data;
+        for (int i = 0; i < b->n_embd_rows; i++) rows[i] = b->embd_rows[i];
+    }
+    if (c->in_mrope) {
+        /* IMRoPE's components of a text token: its position three times, then 0 (llama.cpp's) */
+        int32_t *pos = c->in_mrope->data;
+        for (int i = 0; i < b->n_tokens; i++) {
+            pos[i] = pos[b->n_tokens + i] = pos[2 * b->n_tokens + i] = b->positions[i];
+            pos[3 * b->n_tokens + i] = 0;
+        }
+    }
+    if (c->in_state_slots) {   /* each run's slot, in run order */
+        int32_t *slots = c->in_state_slots->data;
+        for (int t = 0, r = 0; t < b->n_tokens; t++)
+            if (t == 0 || b->seq_index[t] != b->seq_index[t - 1]) slots[r++] = b->state_slots[b->seq_index[t]];
+    }
     return PP_OK;
 }
 
@@ -388,12 +430,16 @@ static int graph_reads_threads(const pp_context *c, int gather) {
 static step_shape shape_of(pp_context *c, const pp_batch *b, int gather, int flash) {
     const int threads = graph_reads_threads(c, gather);
     step_shape s = {.n_tokens = b->n_tokens, .n_logits = b->n_logits, .n_hidden = b->n_hidden,
+                    .n_embd_rows = b->n_embd_rows,
                     .path = gather, .n_threads = threads ? c->n_threads : 0, .reusable = c->cache->paged,
                     .argmax = b->n_logits > 0 && computes_argmax(c)};
     uint64_t h = flash ? pp_flash_plan_shape(&c->plan) : 0;
+    if (c->model->n_recurrent > 0) h = (h ^ pp_delta_plan_shape(&c->delta_plan)) * 1099511628211ull;
     /* Our kernel's split-K choice is made per layer when the graph is built. */
+    const int32_t *recurrent = c->model->layer_recurrent;
     for (int il = 0; threads && il < c->model->hp.n_layer; il++)
-        h = (h ^ (uint64_t)pp_paged_attention_splits(&c->layer_params[il], c->n_threads)) * 1099511628211ull;
+        if (!recurrent || !recurrent[il])
+            h = (h ^ (uint64_t)pp_paged_attention_splits(&c->layer_params[il], c->n_threads)) * 1099511628211ull;
     s.attention = h;
     s.lora = pp_lora_plan_shape(c->lora_plan);
     return s;
@@ -401,16 +447,52 @@ static step_shape shape_of(pp_context *c, const pp_batch *b, int gather, int fla
 
 static int same_shape(const step_shape *a, const step_shape *b) {
     return a->reusable && b->reusable && a->n_tokens == b->n_tokens && a->n_logits == b->n_logits &&
-           a->n_hidden == b->n_hidden && a->path == b->path && a->n_threads == b->n_threads && a->argmax == b->argmax &&
-           a->attention == b->attention && a->lora == b->lora;
+           a->n_hidden == b->n_hidden && a->n_embd_rows == b->n_embd_rows && a->path == b->path &&
+           a->n_threads == b->n_threads && a->argmax == b->argmax && a->attention == b->attention && a->lora == b->lora;
 }
 
 static void forget_graph(pp_context *c) {
     if (c->graph_ctx) ggml_free(c->graph_ctx);
     c->graph_ctx = NULL;
     c->graph = NULL;
-    c->in_tokens = c->in_positions = c->in_slots = c->in_rows = NULL;
+    c->in_tokens = c->in_positions = c->in_slots = c->in_rows = c->in_mrope = c->in_state_slots = NULL;
     c->out_logits = c->out_argmax = c->out_hidden = NULL;
+}
+
+int32_t pp_context_set_state_pool(pp_context *c, pp_state_pool *pool) {
+    if (!c || !pool) return pp_fail(PP_ERR_INVALID, "pp_context_set_state_pool: NULL argument");
+    if (pool->model != c->model) return pp_fail(PP_ERR_INVALID, "the state pool was made for another model");
+    uint8_t *seen = calloc((size_t)pool->num_slots, 1);
+    if (!seen) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the state slots' marks");
+    free(c->slot_seen);
+    c->slot_seen = seen;
+    c->state_pool = pool;
+    forget_graph(c);   /* the last graph reads and writes the old pool's tensors */
+    return PP_OK;
+}
+
+/* A hybrid step's state slots: one per sequence row, in range, taken, no two alike. */
+static int32_t check_state_slots(pp_context *c, const pp_batch *b) {
+    const pp_state_pool *pool = c->state_pool;
+    if (!pool) return pp_fail(PP_ERR_INVALID, "a hybrid model's context needs a state pool (pp_context_set_state_pool)");
+    if (!b->state_slots) return pp_fail(PP_ERR_INVALID, "a hybrid model's batch needs state_slots");
+    int32_t st = PP_OK;
+    int s = 0;
+    for (; s < b->n_seqs && st == PP_OK; s++) {
+        const int32_t slot = b->state_slots[s];
+        if (slot < 0 || slot >= pool->num_slots || !pool->taken[slot])
+            st = pp_fail(PP_ERR_INVALID, "sequence %d: state slot %d is not a taken slot of the pool of %d", s, slot,
+                         pool->num_slots);
+        else if (c->slot_seen[slot])
+            st = pp_fail(PP_ERR_INVALID, "sequence %d: state slot %d is another sequence's too", s, slot);
+        else
+            c->slot_seen[slot] = 1;
+    }
+    while (s-- > 0) {   /* clear the marks set (a failing slot set none) */
+        const int32_t slot = b->state_slots[s];
+        if (slot >= 0 && slot < pool->num_slots) c->slot_seen[slot] = 0;
+    }
+    return st;
 }
 
 /* Build and allocate the step's graph, or keep the last one when the shapes match. */
@@ -422,8 +504,9 @@ static int32_t step_graph(pp_context *c, const pp_batch *b, int gather, const st
     struct ggml_context *ctx = ggml_init(params);
     if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
     pp_lora_plan_reset_inputs(c->lora_plan);
+    const pp_recurrent_step rs = {.pool = c->state_pool, .plan = &c->delta_plan};
     struct ggml_cgraph *gf = pp_build_graph(ctx, c->model, c->cache, b, c->layer_params, c->gemm_states,
-                                            c->n_threads, gather, c->max_nodes);
+                                            c->n_threads, gather, c->max_nodes, c->model->n_recurrent ? &rs : NULL);
     if (shape->argmax) {   /* each row's greedy token, beside (or, read back, instead of) its logits */
         struct ggml_tensor *ids = ggml_argmax(ctx, ggml_graph_get_tensor(gf, "logits"));
         ggml_set_name(ids, "argmax");
@@ -442,6 +525,8 @@ static int32_t step_graph(pp_context *c, const pp_batch *b, int gather, const st
     c->in_positions = ggml_graph_get_tensor(gf, "positions");
     c->in_slots = ggml_graph_get_tensor(gf, "slots");
     c->in_rows = ggml_graph_get_tensor(gf, "logit_rows");
+    c->in_mrope = ggml_graph_get_tensor(gf, "mrope_positions");
+    c->in_state_slots = ggml_graph_get_tensor(gf, "state_slots");
     c->out_logits = ggml_graph_get_tensor(gf, "logits");
     c->out_argmax = ggml_graph_get_tensor(gf, "argmax");
     c->out_hidden = ggml_graph_get_tensor(gf, "hidden");
@@ -510,12 +595,21 @@ int32_t pp_context_decode(pp_context *c, const pp_batch *b, float *logits) {
     if (b->n_tokens > c->max_batch_tokens)
         return pp_fail(PP_ERR_INVALID, "batch of %d tokens exceeds max_batch_tokens %d", b->n_tokens,
                        c->max_batch_tokens);
+    if (c->model->n_recurrent > 0) {
+        st = check_state_slots(c, b);
+        if (st == PP_OK) st = pp_delta_plan_make(&c->delta_plan, b);
+        if (st != PP_OK) return st;
+    }
     st = pp_context_set_threads(c, c->n_threads);   /* a no-op unless this is a forked child */
     if (st != PP_OK) return st;
     const pp_model *m = c->model;
     int32_t n_lora = 0;
     st = pp_lora_plan_make(c->lora_plan, m, b, &n_lora);
     if (st != PP_OK) return st;
+    /* A sequence starting at position 0 starts from zero states, whatever its slot held. */
+    for (int t = 0; m->n_recurrent > 0 && t < b->n_tokens; t++)
+        if ((t == 0 || b->seq_index[t] != b->seq_index[t - 1]) && b->positions[t] == 0)
+            pp_state_pool_zero_slot(c->state_pool, b->state_slots[b->seq_index[t]]);
     int swa_window = 0;
     for (int il = 0; il < m->hp.n_layer; il++) {
         c->layer_params[il].batch = b;

@@ -93,6 +93,9 @@ static void unwrap_mapped_weights(pp_model *m) {
 int32_t pp_model_offload(pp_model *m, int32_t device, int32_t n_layers, int32_t offload_output) {
     if (!m || !m->finalized) return pp_fail(PP_ERR_INVALID, "pp_model_offload: model missing or not finalized");
     if (m->hp.arch == PP_ARCH_BERT) return pp_fail(PP_ERR_INVALID, "an encoder-only model runs on the CPU only");
+    /* their state pool lives in host memory, and nothing here has run their layers on a device */
+    if (m->n_recurrent > 0 && (n_layers > 0 || offload_output))
+        return pp_fail(PP_ERR_INVALID, "a hybrid model (Gated DeltaNet layers) runs on the CPU only for now");
     if (m->device >= 0) return pp_fail(PP_ERR_INVALID, "the model is already offloaded");
     if (m->panels || m->repack_done)
         return pp_fail(PP_ERR_INVALID, "offload before packing panels or repacking weights (they move weights)");

@@ -2,29 +2,22 @@
  * pool of its own, a graph allocator reused across calls, the padded batch
  * upload and the pooling of each input's token states. */
 #include "common/engine_internal.h"
+#include "common/cpu_compute.h"
 #include "common/pp_internal.h"
-#include "ggml-cpu.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 struct pp_encoder {
-    pp_model          *model;
-    ggml_backend_t     backend;
-    ggml_threadpool_t  threadpool;
-    pid_t              pool_pid;     /* a forked child must not join its parent's workers */
-    ggml_gallocr_t     galloc;
-    void              *meta_buf;     /* graph metadata arena, reused each call */
-    size_t             meta_size;
-    int32_t            max_batch_tokens;
+    pp_model       *model;
+    pp_cpu_compute  compute;
+    int32_t         max_batch_tokens;
 };
 
 void pp_encoder_destroy(pp_encoder *e) {
     if (!e) return;
-    pp_compute_release(e->galloc, e->backend, e->threadpool, e->pool_pid);
-    free(e->meta_buf);
+    pp_cpu_compute_release(&e->compute);
     free(e);
 }
 
@@ -40,20 +33,11 @@ int32_t pp_encoder_create(pp_model *m, int32_t n_threads, int32_t max_batch_toke
     if (!e) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate an encoder context");
     e->model = m;
     e->max_batch_tokens = max_batch_tokens;
-    e->meta_size = ggml_tensor_overhead() * PP_MAX_GRAPH_NODES + ggml_graph_overhead_custom(PP_MAX_GRAPH_NODES, false);
-    e->meta_buf = malloc(e->meta_size);
-    e->backend = ggml_backend_cpu_init();
-    e->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
-    struct ggml_threadpool_params tpp = ggml_threadpool_params_default(n_threads);
-    tpp.poll = 0;   /* idle workers sleep: the CPU between calls belongs to others */
-    e->threadpool = ggml_threadpool_new(&tpp);
-    e->pool_pid = getpid();
-    if (!e->meta_buf || !e->backend || !e->galloc || !e->threadpool) {
-        pp_encoder_destroy(e);
-        return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the encoder's compute context");
+    const int32_t st = pp_cpu_compute_init(&e->compute, n_threads, PP_MAX_GRAPH_NODES);
+    if (st != PP_OK) {
+        free(e);
+        return st;
     }
-    ggml_backend_cpu_set_n_threads(e->backend, n_threads);
-    ggml_backend_cpu_set_threadpool(e->backend, e->threadpool);
     *out = e;
     return PP_OK;
 }
@@ -142,28 +126,17 @@ int32_t pp_encoder_embed(pp_encoder *e, const int32_t *ids, const int32_t *types
     int max_len = 0;
     int st = check_inputs(e, ids, types, lens, n_seqs, pooling, &max_len);
     if (st != PP_OK) return st;
-    if (e->threadpool && e->pool_pid != getpid()) {
-        /* after fork(): the parent's workers do not exist here; run without a pool */
-        ggml_backend_t backend = ggml_backend_cpu_init();
-        if (!backend) return pp_fail(PP_ERR_NO_MEMORY, "cannot set up the compute backend after fork");
-        ggml_backend_free(e->backend);
-        e->backend = backend;
-        e->threadpool = NULL;
-    }
-    struct ggml_init_params params = {.mem_size = e->meta_size, .mem_buffer = e->meta_buf, .no_alloc = true};
-    struct ggml_context *ctx = ggml_init(params);
-    if (!ctx) return pp_fail(PP_ERR_NO_MEMORY, "cannot create the graph context");
+    struct ggml_context *ctx = pp_cpu_compute_begin(&e->compute);
+    if (!ctx) return PP_ERR_NO_MEMORY;
     struct ggml_cgraph *gf = pp_build_encoder_graph(ctx, e->model, n_seqs, max_len);
-    if (!ggml_gallocr_alloc_graph(e->galloc, gf)) {
-        ggml_free(ctx);
-        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the compute buffer for %d inputs of %d tokens", n_seqs,
-                       max_len);
+    st = pp_cpu_compute_alloc(&e->compute, gf, "the encoder's inputs");
+    if (st == PP_OK) {
+        upload(gf, ids, types, lens, n_seqs, max_len);
+        st = pp_cpu_compute_run(&e->compute, gf, "encoder");
     }
-    upload(gf, ids, types, lens, n_seqs, max_len);
-    enum ggml_status status = ggml_backend_graph_compute(e->backend, gf);
-    if (status != GGML_STATUS_SUCCESS) {
+    if (st != PP_OK) {
         ggml_free(ctx);
-        return pp_fail(PP_ERR_COMPUTE, "encoder graph compute failed with GGML status %d", (int)status);
+        return st;
     }
     pool(ggml_graph_get_tensor(gf, "hidden")->data, lens, n_seqs, max_len, e->model->hp.n_embd, pooling, out);
     ggml_free(ctx);

@@ -63,12 +63,10 @@ struct ggml_tensor *pp_matmul(struct ggml_context *ctx, struct ggml_tensor *w, s
     return matmul(ctx, w, x);
 }
 
-typedef pp_panel_columns panel_columns;
-
 /* x as a panel product reads it: float panels the f32 columns themselves,
  * quantized ones its quantized columns (one op per x). */
 static struct ggml_tensor *panel_input(struct ggml_context *ctx, const pp_panel_gemm_state *state,
-                                       struct ggml_tensor *x, panel_columns *last) {
+                                       struct ggml_tensor *x, pp_panel_columns *last) {
     if (pp_panel_type_is_float(state->w->type)) return x->nb[0] == sizeof(float) ? x : ggml_cont(ctx, x);
     if (last->x != x) {
         last->cols = pp_panel_quantize(ctx, x, state->kernel);
@@ -77,9 +75,8 @@ static struct ggml_tensor *panel_input(struct ggml_context *ctx, const pp_panel_
     return last->cols;
 }
 
-/* w x through the weight's panels when it has them (state non-NULL), else GGML's product. */
-static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor *w, pp_panel_gemm_state *state,
-                                   struct ggml_tensor *x, panel_columns *last) {
+struct ggml_tensor *pp_graph_project(struct ggml_context *ctx, struct ggml_tensor *w, pp_panel_gemm_state *state,
+                                     struct ggml_tensor *x, pp_panel_columns *last) {
     if (!state || !state->w) return matmul(ctx, w, x);
     return pp_panel_gemm(ctx, state, panel_input(ctx, state, x, last));
 }
@@ -90,10 +87,12 @@ static struct ggml_tensor *project(struct ggml_context *ctx, struct ggml_tensor 
  * product is elementwise over contiguous gate and up, so it runs on rows of
  * PP_GLU_ROW values instead and is viewed back. */
 #define PP_GLU_ROW 128
-/* pp_panel_gated takes gate's and up's states as a pair */
-_Static_assert(PP_PROJ_UP == PP_PROJ_GATE + 1 && PP_PROJ_DOWN == PP_PROJ_GATE + 2 &&
-               PP_PROJ_BESIDE_UP == PP_PROJ_BESIDE_GATE + 1 && PP_PROJ_BESIDE_DOWN == PP_PROJ_BESIDE_GATE + 2,
-               "a dense FFN's gate, up and down states adjacent");
+/* pp_panel_gated takes gate's and up's states as a pair, and pp_graph_swiglu_ffn the down's after them */
+_Static_assert(PP_PROJ_UP == PP_PROJ_GATE + 1 && PP_PROJ_DOWN == PP_PROJ_UP + 1, "gate, up, down states adjacent");
+_Static_assert(PP_PROJ_SHEXP_UP == PP_PROJ_SHEXP_GATE + 1 && PP_PROJ_SHEXP_DOWN == PP_PROJ_SHEXP_UP + 1,
+               "the shared expert's gate, up, down states adjacent");
+_Static_assert(PP_PROJ_BESIDE_UP == PP_PROJ_BESIDE_GATE + 1 && PP_PROJ_BESIDE_DOWN == PP_PROJ_BESIDE_UP + 1,
+               "a dense FFN's beside experts gate, up, down states adjacent");
 
 /* Whether an architecture's dense FFN is GELU-gated (else SiLU-gated). */
 static int gelu_gated(enum pp_arch arch) { return arch == PP_ARCH_GEMMA3 || arch == PP_ARCH_GEMMA4; }
@@ -110,92 +109,159 @@ static struct ggml_tensor *gated_activation(struct ggml_context *ctx, enum pp_ar
     return split ? ggml_reshape_2d(ctx, y, n_ff, n_tokens) : y;
 }
 
-struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
-                                   const pp_kv_cache *cache, const pp_batch *batch,
-                                   pp_attention_params *layer_params, pp_panel_gemm_state *gemm_states,
-                                   int n_threads, int gather, size_t max_nodes) {
-    if (m->hp.arch == PP_ARCH_GEMMA4)
-        return pp_build_gemma4_graph(ctx, m, cache, batch, layer_params, gemm_states, n_threads, gather, max_nodes);
-    const pp_model_hparams *hp = &m->hp;
-    const int n_tokens = batch->n_tokens;
-    const int head_dim = hp->head_dim;
-    struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, max_nodes, false);
-    pp_graph_inputs in;
-    struct ggml_tensor *x = pp_graph_embed(ctx, m, cache, batch, gemm_states, &in);
-    struct ggml_tensor *positions = in.positions, *logit_rows = in.rows;
-    pp_panel_gemm_state *head = gemm_states ? &gemm_states[hp->n_layer * PP_N_PROJ] : NULL;
-    panel_columns last = {0};
-
-    for (int il = 0; il < hp->n_layer; il++) {
-        const pp_layer *L = &m->layers[il];
-        pp_attention_params *ap = &layer_params[il];
-        pp_panel_gemm_state *gs = gemm_states ? &gemm_states[il * PP_N_PROJ] : NULL;
-#define PROJECT(w, p, x) pp_lora_project(ctx, ap->lora, il, (p), (x), project(ctx, (w), gs ? &gs[(p)] : NULL, (x), &last))
-        struct ggml_tensor *cur = norm(ctx, x, L->attn_norm, hp->rms_eps);
-
-        struct ggml_tensor *q = PROJECT(L->wq, PP_PROJ_Q, cur);
-        struct ggml_tensor *k = PROJECT(L->wk, PP_PROJ_K, cur);
-        struct ggml_tensor *v = PROJECT(L->wv, PP_PROJ_V, cur);
-        if (L->bq) q = ggml_add(ctx, q, L->bq);
-        if (L->bk) k = ggml_add(ctx, k, L->bk);
-        if (L->bv) v = ggml_add(ctx, v, L->bv);
-        q = ggml_reshape_3d(ctx, q, head_dim, hp->n_head, n_tokens);
-        k = ggml_reshape_3d(ctx, k, head_dim, hp->n_head_kv, n_tokens);
-        if (L->q_norm) q = norm(ctx, q, L->q_norm, hp->rms_eps);
-        if (L->k_norm) k = norm(ctx, k, L->k_norm, hp->rms_eps);
-        const float base = m->layer_window[il] > 0 ? hp->rope_freq_base_swa : hp->rope_freq_base;
-        const float freq_scale = m->layer_window[il] > 0 ? hp->rope_freq_scale_swa : hp->rope_freq_scale;
-        /* YaRN on an unscaled layer would be a no-op in GGML anyway */
-        const float ext_factor = freq_scale != 1.0f ? hp->yarn_ext_factor : 0.0f;
-        q = ggml_rope_ext(ctx, q, positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_orig_yarn,
-                          base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
-        k = ggml_rope_ext(ctx, k, positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_orig_yarn,
-                          base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
-
-        /* Write this step's K/V rows to their slots before attention reads them. */
-        struct ggml_tensor *pools[2];
-        pp_graph_write_kv(ctx, gf, cache, il, ap, in.slots, k, v, pools);
-        struct ggml_tensor *attn = pp_graph_attention(ctx, cache, batch, il, q, pools, ap, n_threads, gather);
-        attn = ggml_reshape_2d(ctx, attn, head_dim * hp->n_head, n_tokens);
-        if (il == hp->n_layer - 1) {
-            /* After the last attention only the rows whose logits were asked
-             * for matter: the rest of the layer and the output head run on
-             * those alone. */
-            attn = ggml_get_rows(ctx, attn, logit_rows);
-            x = ggml_get_rows(ctx, x, logit_rows);
-        }
-        cur = PROJECT(L->wo, PP_PROJ_O, attn);
-        if (L->bo) cur = ggml_add(ctx, cur, L->bo);
-        if (L->post_attn_norm) cur = norm(ctx, cur, L->post_attn_norm, hp->rms_eps);
-        x = ggml_add(ctx, cur, x);
-
-        cur = norm(ctx, x, L->ffn_norm, hp->rms_eps);
-        if (hp->arch == PP_ARCH_GPT_OSS) {
-            cur = pp_build_gpt_oss_moe_ffn(ctx, hp, L, gs, cur);
-        } else if (L->ffn_gate_inp) {
-            cur = pp_build_moe_ffn(ctx, hp, L, gs, cur);
-        } else {
-            cur = pp_graph_dense_ffn(ctx, hp->arch, L, gs, ap->lora, il, cur, &last);
-        }
-        if (L->post_ffw_norm) cur = norm(ctx, cur, L->post_ffw_norm, hp->rms_eps);
-        x = ggml_add(ctx, cur, x);
-#undef PROJECT
+/* A gated FFN (GELU for the gemmas, else SiLU) with the step's LoRA adapters of layer il added to its products (lora NULL:
+ * none); a fused panel product cannot take an adapter's addition, so an adapted gate or up
+ * runs apart. */
+static struct ggml_tensor *adapted_swiglu_ffn(struct ggml_context *ctx, enum pp_arch arch, struct ggml_tensor *gate,
+                                              struct ggml_tensor *up, struct ggml_tensor *down,
+                                              pp_panel_gemm_state *gs, struct ggml_tensor *cur,
+                                              pp_panel_columns *last, struct pp_lora_plan *lora, int il) {
+#define PROJECT(w, i, p, x) pp_lora_project(ctx, lora, il, (p), (x), pp_graph_project(ctx, (w), gs ? gs + (i) : NULL, (x), last))
+    if (gs && pp_panel_gated_takes(gs) && !pp_lora_touches_gated(lora, il)) {
+        cur = pp_panel_gated(ctx, gs, panel_input(ctx, gs, cur, last), gelu_gated(arch));
+    } else {
+        struct ggml_tensor *g = PROJECT(gate, 0, PP_PROJ_GATE, cur);
+        struct ggml_tensor *u = PROJECT(up, 1, PP_PROJ_UP, cur);
+        cur = gated_activation(ctx, arch, g, u);
     }
-
-    return pp_graph_output(ctx, gf, m, batch, x, head, &last);
+    return PROJECT(down, 2, PP_PROJ_DOWN, cur);
+#undef PROJECT
 }
 
-/* ---- the building blocks other architectures' graphs share (graph_ops.h) ---- */
+struct ggml_tensor *pp_graph_swiglu_ffn(struct ggml_context *ctx, enum pp_arch arch, struct ggml_tensor *gate,
+                                        struct ggml_tensor *up, struct ggml_tensor *down, pp_panel_gemm_state *gs,
+                                        struct ggml_tensor *cur, pp_panel_columns *last) {
+    return adapted_swiglu_ffn(ctx, arch, gate, up, down, gs, cur, last, NULL, 0);
+}
+
+struct ggml_tensor *pp_graph_dense_ffn(struct ggml_context *ctx, enum pp_arch arch, const pp_layer *L,
+                                       pp_panel_gemm_state *gs, struct pp_lora_plan *lora, int il,
+                                       struct ggml_tensor *cur, pp_panel_columns *last) {
+    return adapted_swiglu_ffn(ctx, arch, L->ffn_gate, L->ffn_up, L->ffn_down, gs ? &gs[pp_dense_ffn_slot(L)] : NULL,
+                              cur, last, lora, il);
+}
 
 struct ggml_tensor *pp_graph_norm(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *weight,
                                   float eps) {
     return norm(ctx, x, weight, eps);
 }
 
-struct ggml_tensor *pp_graph_project(struct ggml_context *ctx, struct ggml_tensor *w, pp_panel_gemm_state *state,
-                                     struct ggml_tensor *x, pp_panel_columns *last) {
-    return project(ctx, w, state, x, last);
+typedef pp_graph_inputs step_inputs;
+
+/* Layer il's attention of cur [n_embd, n_tokens] (after attn_norm), K/V written to its pools:
+ * [head_dim n_head, n_tokens] f32, before the output projection. A hybrid's query projection
+ * holds each head's query then its output gate: the attention is scaled by sigmoid(gate). */
+static struct ggml_tensor *attention(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_model *m,
+                                     const pp_kv_cache *cache, const pp_batch *batch, pp_attention_params *ap,
+                                     pp_panel_gemm_state *gs, const step_inputs *in, int il, struct ggml_tensor *cur,
+                                     int n_threads, int gather, pp_panel_columns *last) {
+    const pp_model_hparams *hp = &m->hp;
+    const pp_layer *L = &m->layers[il];
+    const int n_tokens = batch->n_tokens, head_dim = hp->head_dim, gated = m->n_recurrent > 0;
+#define PROJECT(w, p, x) pp_lora_project(ctx, ap->lora, il, (p), (x), pp_graph_project(ctx, (w), gs ? &gs[(p)] : NULL, (x), last))
+    struct ggml_tensor *q = PROJECT(L->wq, PP_PROJ_Q, cur);
+    struct ggml_tensor *k = PROJECT(L->wk, PP_PROJ_K, cur);
+    struct ggml_tensor *v = PROJECT(L->wv, PP_PROJ_V, cur);
+#undef PROJECT
+    if (L->bq) q = ggml_add(ctx, q, L->bq);
+    if (L->bk) k = ggml_add(ctx, k, L->bk);
+    if (L->bv) v = ggml_add(ctx, v, L->bv);
+    struct ggml_tensor *gate = NULL;
+    if (gated) {
+        const size_t f = ggml_element_size(q);
+        gate = ggml_cont_2d(ctx, ggml_view_3d(ctx, q, head_dim, hp->n_head, n_tokens, 2 * head_dim * f, q->nb[1],
+                                              head_dim * f), head_dim * hp->n_head, n_tokens);
+        q = ggml_view_3d(ctx, q, head_dim, hp->n_head, n_tokens, 2 * head_dim * f, q->nb[1], 0);
+    } else {
+        q = ggml_reshape_3d(ctx, q, head_dim, hp->n_head, n_tokens);
+    }
+    k = ggml_reshape_3d(ctx, k, head_dim, hp->n_head_kv, n_tokens);
+    if (L->q_norm) q = norm(ctx, q, L->q_norm, hp->rms_eps);
+    if (L->k_norm) k = norm(ctx, k, L->k_norm, hp->rms_eps);
+    const float base = m->layer_window[il] > 0 ? hp->rope_freq_base_swa : hp->rope_freq_base;
+    const float freq_scale = m->layer_window[il] > 0 ? hp->rope_freq_scale_swa : hp->rope_freq_scale;
+    /* YaRN on an unscaled layer would be a no-op in GGML anyway */
+    const float ext_factor = freq_scale != 1.0f ? hp->yarn_ext_factor : 0.0f;
+    if (in->mrope_positions) {
+        int sections[GGML_MROPE_SECTIONS];
+        for (int i = 0; i < GGML_MROPE_SECTIONS; i++) sections[i] = hp->rope_sections[i];
+        q = ggml_rope_multi(ctx, q, in->mrope_positions, NULL, hp->n_rot, sections, hp->rope_type, hp->n_ctx_orig_yarn,
+                            base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
+        k = ggml_rope_multi(ctx, k, in->mrope_positions, NULL, hp->n_rot, sections, hp->rope_type, hp->n_ctx_orig_yarn,
+                            base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
+    } else {
+        q = ggml_rope_ext(ctx, q, in->positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_orig_yarn,
+                          base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
+        k = ggml_rope_ext(ctx, k, in->positions, m->rope_freqs, hp->n_rot, hp->rope_type, hp->n_ctx_orig_yarn,
+                          base, freq_scale, ext_factor, hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
+    }
+
+    /* Write this step's K/V rows to their slots before attention reads them. */
+    struct ggml_tensor *pools[2];
+    pp_graph_write_kv(ctx, gf, cache, il, ap, in->slots, k, v, pools);
+    struct ggml_tensor *attn = pp_graph_attention(ctx, cache, batch, il, q, pools, ap, n_threads, gather);
+    attn = ggml_reshape_2d(ctx, attn, head_dim * hp->n_head, n_tokens);
+    return gate ? ggml_mul(ctx, attn, ggml_sigmoid(ctx, gate)) : attn;
 }
+
+/* Layer il's feed-forward block on cur (after its FFN norm). */
+static struct ggml_tensor *feed_forward(struct ggml_context *ctx, const pp_model *m, int il, pp_panel_gemm_state *gs,
+                                        struct pp_lora_plan *lora, struct ggml_tensor *cur, pp_panel_columns *last) {
+    const pp_model_hparams *hp = &m->hp;
+    const pp_layer *L = &m->layers[il];
+    if (hp->arch == PP_ARCH_GPT_OSS) return pp_build_gpt_oss_moe_ffn(ctx, hp, L, gs, cur);
+    if (!L->ffn_gate_inp) return pp_graph_dense_ffn(ctx, hp->arch, L, gs, lora, il, cur, last);
+    struct ggml_tensor *routed = pp_build_moe_ffn(ctx, hp, L, gs, cur);
+    return L->ffn_gate_inp_shexp ? ggml_add(ctx, routed, pp_build_shared_expert(ctx, L, gs, cur, last)) : routed;
+}
+
+struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
+                                   const pp_kv_cache *cache, const pp_batch *batch,
+                                   pp_attention_params *layer_params, pp_panel_gemm_state *gemm_states,
+                                   int n_threads, int gather, size_t max_nodes, const pp_recurrent_step *rs) {
+    if (m->hp.arch == PP_ARCH_GEMMA4)
+        return pp_build_gemma4_graph(ctx, m, cache, batch, layer_params, gemm_states, n_threads, gather, max_nodes);
+    const pp_model_hparams *hp = &m->hp;
+    struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, max_nodes, false);
+    step_inputs in = {0};
+    struct ggml_tensor *x = pp_graph_embed(ctx, m, cache, batch, gemm_states, &in);
+    if (rs) {
+        in.mrope_positions = pp_graph_input(ctx, GGML_TYPE_I32, 4 * (int64_t)batch->n_tokens, "mrope_positions");
+        in.state_slots = pp_graph_input(ctx, GGML_TYPE_I32, rs->plan->n_runs, "state_slots");
+    }
+    pp_panel_gemm_state *head = gemm_states ? &gemm_states[hp->n_layer * PP_N_PROJ] : NULL;
+    pp_panel_columns last = {0};
+
+    for (int il = 0; il < hp->n_layer; il++) {
+        const pp_layer *L = &m->layers[il];
+        pp_panel_gemm_state *gs = gemm_states ? &gemm_states[il * PP_N_PROJ] : NULL;
+        /* After the last layer's mixer only the rows whose logits were asked for matter: the
+         * rest of the layer and the output head run on those alone. */
+        const int last_layer = il == hp->n_layer - 1;
+        struct ggml_tensor *cur = norm(ctx, x, L->attn_norm, hp->rms_eps);
+        if (m->layer_recurrent && m->layer_recurrent[il]) {
+            cur = pp_build_delta_net(ctx, gf, m, il, rs, in.state_slots, gs, cur, last_layer ? in.rows : NULL, &last);
+        } else {
+            struct ggml_tensor *attn = attention(ctx, gf, m, cache, batch, &layer_params[il], gs, &in, il, cur,
+                                                 n_threads, gather, &last);
+            if (last_layer) attn = ggml_get_rows(ctx, attn, in.rows);
+            cur = pp_lora_project(ctx, layer_params[il].lora, il, PP_PROJ_O, attn,
+                                  pp_graph_project(ctx, L->wo, gs ? &gs[PP_PROJ_O] : NULL, attn, &last));
+            if (L->bo) cur = ggml_add(ctx, cur, L->bo);
+            if (L->post_attn_norm) cur = norm(ctx, cur, L->post_attn_norm, hp->rms_eps);
+        }
+        if (last_layer) x = ggml_get_rows(ctx, x, in.rows);
+        x = ggml_add(ctx, cur, x);
+
+        cur = feed_forward(ctx, m, il, gs, layer_params[il].lora, norm(ctx, x, L->ffn_norm, hp->rms_eps), &last);
+        if (L->post_ffw_norm) cur = norm(ctx, cur, L->post_ffw_norm, hp->rms_eps);
+        x = ggml_add(ctx, cur, x);
+    }
+
+    return pp_graph_output(ctx, gf, m, batch, x, head, &last);
+}
+
+/* ---- the building blocks other architectures' graphs share (graph_ops.h) ---- */
 
 struct ggml_tensor *pp_graph_embed(struct ggml_context *ctx, const pp_model *m, const pp_kv_cache *cache,
                                    const pp_batch *batch, pp_panel_gemm_state *gemm_states, pp_graph_inputs *in) {
@@ -210,7 +276,16 @@ struct ggml_tensor *pp_graph_embed(struct ggml_context *ctx, const pp_model *m, 
     /* A tied head packed into panels is the embedding too: its rows are read from there. */
     struct ggml_tensor *x = head && head->w && !m->output ? pp_panel_embed(ctx, head->w, in->tokens)
                                                           : ggml_get_rows(ctx, m->tok_embd, in->tokens);
-    return m->hp.embd_scale != 1.0f ? ggml_scale(ctx, x, m->hp.embd_scale) : x;
+    if (m->hp.embd_scale != 1.0f) x = ggml_scale(ctx, x, m->hp.embd_scale);
+    if (batch->n_embd_rows > 0) {
+        /* given embeddings (an image's rows) overwrite their rows' lookups, unscaled, as llama.cpp
+         * feeds a Gemma 3 image */
+        struct ggml_tensor *embd = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, m->hp.n_embd, batch->n_embd_rows);
+        ggml_set_name(embd, "embd_in");
+        ggml_set_input(embd);
+        x = ggml_set_rows(ctx, x, embd, pp_graph_input(ctx, GGML_TYPE_I64, batch->n_embd_rows, "embd_rows"));
+    }
+    return x;
 }
 
 void pp_graph_write_kv(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_kv_cache *cache, int il,
@@ -236,23 +311,6 @@ struct ggml_tensor *pp_graph_attention(struct ggml_context *ctx, const pp_kv_cac
     return pp_flash_attention(ctx, cache, batch, q, pools[0], pools[1], ap);
 }
 
-struct ggml_tensor *pp_graph_dense_ffn(struct ggml_context *ctx, enum pp_arch arch, const pp_layer *L,
-                                       pp_panel_gemm_state *gs, struct pp_lora_plan *lora, int il,
-                                       struct ggml_tensor *cur, pp_panel_columns *last) {
-    pp_panel_gemm_state *ffn = gs ? &gs[pp_dense_ffn_slot(L)] : NULL;   /* gate, up, down */
-    if (ffn && pp_panel_gated_takes(ffn) && !pp_lora_touches_gated(lora, il)) {
-        cur = pp_panel_gated(ctx, ffn, panel_input(ctx, ffn, cur, last), gelu_gated(arch));
-    } else {
-        struct ggml_tensor *gate = pp_lora_project(ctx, lora, il, PP_PROJ_GATE, cur,
-                                                   project(ctx, L->ffn_gate, ffn, cur, last));
-        struct ggml_tensor *up = pp_lora_project(ctx, lora, il, PP_PROJ_UP, cur,
-                                                 project(ctx, L->ffn_up, ffn ? ffn + 1 : NULL, cur, last));
-        cur = gated_activation(ctx, arch, gate, up);
-    }
-    return pp_lora_project(ctx, lora, il, PP_PROJ_DOWN, cur,
-                           project(ctx, L->ffn_down, ffn ? ffn + 2 : NULL, cur, last));
-}
-
 struct ggml_cgraph *pp_graph_output(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_model *m,
                                     const pp_batch *batch, struct ggml_tensor *x, pp_panel_gemm_state *head,
                                     pp_panel_columns *last) {
@@ -268,7 +326,7 @@ struct ggml_cgraph *pp_graph_output(struct ggml_context *ctx, struct ggml_cgraph
         if (batch->n_logits == 0) return gf;
         x = ggml_view_2d(ctx, x, hp->n_embd, batch->n_logits, x->nb[1], 0);
     }
-    struct ggml_tensor *logits = project(ctx, m->output ? m->output : m->tok_embd, head, x, last);
+    struct ggml_tensor *logits = pp_graph_project(ctx, m->output ? m->output : m->tok_embd, head, x, last);
     if (hp->final_logit_softcap > 0.0f) {
         logits = ggml_scale(ctx, logits, 1.0f / hp->final_logit_softcap);
         logits = ggml_tanh(ctx, logits);

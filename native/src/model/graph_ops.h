@@ -8,27 +8,21 @@
 #include "common/engine_internal.h"
 #include "panels/panels.h"
 
-/* The quantized columns of the last input a panel GEMM read: q, k and v
- * (gate and up) share one quantize op. Start a graph with {0}. */
-typedef struct pp_panel_columns {
-    const struct ggml_tensor *x;
-    struct ggml_tensor *cols;
-} pp_panel_columns;
-
-/* A step's input tensors (see pp_build_graph). */
+/* A step's input tensors (see pp_build_graph); pp_panel_columns (engine_internal.h) starts a
+ * graph as {0}. */
 typedef struct pp_graph_inputs {
-    struct ggml_tensor *tokens, *positions, *slots, *rows;
+    struct ggml_tensor *tokens, *positions, *slots;
+    struct ggml_tensor *rows;              /* logit rows, then hidden rows */
+    struct ggml_tensor *mrope_positions;   /* hybrids: IMRoPE's four components per token */
+    struct ggml_tensor *state_slots;       /* hybrids: one state slot per run */
 } pp_graph_inputs;
 
 /* RMSNorm of x's rows times weight. */
 struct ggml_tensor *pp_graph_norm(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *weight,
                                   float eps);
 
-/* w x, through the weight's panels where state has them, else GGML's product. */
-struct ggml_tensor *pp_graph_project(struct ggml_context *ctx, struct ggml_tensor *w, pp_panel_gemm_state *state,
-                                     struct ggml_tensor *x, pp_panel_columns *last);
-
-/* The step's inputs (into *in) and its token embeddings times hp.embd_scale [n_embd, n_tokens]. */
+/* The step's inputs (into *in; not the hybrids' two) and its token embeddings times hp.embd_scale
+ * [n_embd, n_tokens], the batch's given embeddings (pp_batch embd) in their rows. */
 struct ggml_tensor *pp_graph_embed(struct ggml_context *ctx, const pp_model *m, const pp_kv_cache *cache,
                                    const pp_batch *batch, pp_panel_gemm_state *gemm_states, pp_graph_inputs *in);
 

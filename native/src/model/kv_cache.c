@@ -27,16 +27,22 @@ typedef struct pool_plan {
     int32_t  n_pools;
 } pool_plan;
 
-/* Check the grouping (a shared-KV layer in its source's group) and plan the pools. */
+/* Whether layer il keeps K/V (a hybrid's recurrent layers keep a state slot instead). */
+static int attends(const pp_model *m, int il) { return !m->layer_recurrent || !m->layer_recurrent[il]; }
+
+/* Check the grouping (a shared-KV layer in its source's group) and plan the pools; a recurrent
+ * layer has none (pool -1). */
 static int plan_pools(const pp_model *m, int32_t n_groups, const int32_t *layer_group, pool_plan *plan) {
-    const int n_layer = m->hp.n_layer;
-    if (n_groups < 1 || n_groups > n_layer || !layer_group)
-        return pp_fail(PP_ERR_INVALID, "KV cache: %d layer groups for %d layers", n_groups, n_layer);
+    const int n_layer = m->hp.n_layer, n_attention = n_layer - m->n_recurrent;
+    if (n_groups < 1 || n_groups > n_attention || !layer_group)
+        return pp_fail(PP_ERR_INVALID, "KV cache: %d layer groups for %d attention layers", n_groups, n_attention);
     if (n_groups > 256) return pp_fail(PP_ERR_INVALID, "KV cache: at most 256 layer groups, got %d", n_groups);
     int32_t count[256] = {0};
     int64_t used[256] = {0};
     int uniform = 1;
     for (int il = 0; il < n_layer; il++) {
+        plan->pool[il] = -1;
+        if (!attends(m, il)) continue;
         const int32_t g = layer_group[il], src = pp_layer_kv_source(m, il);
         if (g < 0 || g >= n_groups)
             return pp_fail(PP_ERR_INVALID, "KV cache: layer %d in group %d, outside [0, %d)", il, g, n_groups);
@@ -59,7 +65,7 @@ static int plan_pools(const pp_model *m, int32_t n_groups, const int32_t *layer_
     for (int32_t p = 0; p < plan->n_pools; p++) plan->width[p] = 0;
     for (int il = 0; il < n_layer; il++) {
         const int32_t src = pp_layer_kv_source(m, il);
-        if (src != il) continue;
+        if (src != il || !attends(m, il)) continue;
         if (uniform) {
             plan->offset[il] = 0;
             plan->width[plan->pool[il]] = pp_layer_n_embd_kv(m, il);
@@ -69,6 +75,7 @@ static int plan_pools(const pp_model *m, int32_t n_groups, const int32_t *layer_
         }
     }
     for (int il = 0; il < n_layer; il++) {
+        if (!attends(m, il)) continue;
         plan->pool[il] = plan->pool[pp_layer_kv_source(m, il)];
         plan->offset[il] = plan->offset[pp_layer_kv_source(m, il)];
     }
@@ -105,7 +112,7 @@ static int make_pools(pp_kv_cache *c, const pool_plan *plan, ggml_backend_dev_t 
         if (on_device[j] && !device_pool) device_pool = c->kt[j];
     }
     for (int il = 0; il < n_layer; il++) {
-        if (pp_layer_kv_source(m, il) != il) continue;
+        if (pp_layer_kv_source(m, il) != il || plan->pool[il] < 0) continue;   /* recurrent layers keep NULL */
         const int j = plan->pool[il];
         struct ggml_context *where = on_device[j] ? c->device_meta : c->meta;
         c->k[il] = layer_rows(where, c->kt[j], pp_layer_n_embd_kv(m, il), plan->offset[il]);
@@ -192,7 +199,7 @@ int32_t pp_kv_cache_create_grouped(const pp_model *m, int32_t kv_type, int32_t n
         st = pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the KV cache tables");
     if (st == PP_OK) st = plan_pools(m, n_groups, layer_group, &plan);
     if (st == PP_OK) {
-        memcpy(c->layer_group, layer_group, (size_t)n_layer * sizeof(int32_t));
+        for (int il = 0; il < n_layer; il++) c->layer_group[il] = attends(m, il) ? layer_group[il] : 0;
         st = make_pools(c, &plan, device);
     }
     free(plan.pool);
@@ -222,9 +229,9 @@ void pp_kv_cache_destroy(pp_kv_cache *c) {
 
 int64_t pp_kv_cache_bytes_per_token(const pp_kv_cache *c) {
     if (!c) return 0;
-    int64_t bytes = 0;   /* the layers that keep K/V of their own: a shared-KV layer's are its source's */
+    int64_t bytes = 0;   /* the attention layers that keep K/V of their own: a shared-KV layer's are its source's */
     for (int il = 0; il < c->model->hp.n_layer; il++)
-        if (pp_layer_kv_source(c->model, il) == il) bytes += 2 * (int64_t)ggml_row_size(c->type, pp_layer_n_embd_kv(c->model, il));
+        if (pp_layer_kv_source(c->model, il) == il && attends(c->model, il)) bytes += 2 * (int64_t)ggml_row_size(c->type, pp_layer_n_embd_kv(c->model, il));
     return bytes;
 }
 
@@ -303,6 +310,6 @@ int32_t pp_kv_cache_device_layers(const pp_kv_cache *c) {
     if (!c) return 0;
     int32_t n = 0;
     for (int il = 0; il < c->model->hp.n_layer; il++)
-        n += pp_pool_on_device(c, c->k[il]);
+        n += c->k[il] && pp_pool_on_device(c, c->k[il]);
     return n;
 }

@@ -85,7 +85,9 @@ static int parse_target(const pp_model *m, const char *name, size_t len, int *il
     const int32_t layer = pp_tensor_layer(name, m->hp.n_layer, &p);
     if (layer < 0 || (size_t)(p - name) > len) return -1;
     const size_t rest = len - (size_t)(p - name);
-    for (int k = 0; k < PP_PROJ_BESIDE_GATE; k++)   /* the BESIDE slots are panels' alone */
+    /* adapters reach attention and the dense FFN; the later slots (a delta-net layer's, a
+     * shared expert's, a dense FFN beside experts) are panels' alone */
+    for (int k = 0; k <= PP_PROJ_DOWN; k++)
         if (strlen(PROJ_NAMES[k]) == rest && !strncmp(p, PROJ_NAMES[k], rest)) {
             *il = (int)layer;
             *proj = k;

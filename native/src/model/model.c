@@ -16,7 +16,53 @@
 #define PP_MAX_EXPERTS 1024
 
 /* Whether an architecture's FFN is routed experts (else one dense FFN per layer). */
-static int arch_routes_experts(int32_t arch) { return arch == PP_ARCH_QWEN3MOE || arch == PP_ARCH_GPT_OSS; }
+static int arch_routes_experts(int32_t arch) {
+    return arch == PP_ARCH_QWEN3MOE || arch == PP_ARCH_GPT_OSS || arch == PP_ARCH_QWEN35MOE;
+}
+
+/* Whether an architecture mixes Gated DeltaNet layers with full-attention ones. */
+static int arch_is_hybrid(int32_t arch) { return arch == PP_ARCH_QWEN35 || arch == PP_ARCH_QWEN35MOE; }
+
+#define PP_ROPE_IMROPE 40   /* GGML_ROPE_TYPE_IMROPE */
+#define PP_MAX_D_CONV 64
+
+/* A hybrid's own hyper-parameters: layer kinds, the linear layers' sizes, IMRoPE's sections. */
+static int32_t check_hybrid(const pp_model_hparams *hp) {
+#define REQUIRE(cond, ...) do { if (!(cond)) return pp_fail(PP_ERR_INVALID, __VA_ARGS__); } while (0)
+    REQUIRE(hp->layer_recurrent, "a hybrid model needs its layer kinds (layer_recurrent)");
+    int n_recurrent = 0;
+    for (int il = 0; il < hp->n_layer; il++) {
+        REQUIRE(hp->layer_recurrent[il] == 0 || hp->layer_recurrent[il] == 1,
+                "layer_recurrent[%d] = %d must be 0 or 1", il, hp->layer_recurrent[il]);
+        n_recurrent += hp->layer_recurrent[il];
+    }
+    REQUIRE(n_recurrent > 0 && n_recurrent < hp->n_layer,
+            "a hybrid needs recurrent and full-attention layers (%d of %d layers recurrent)", n_recurrent,
+            hp->n_layer);
+    REQUIRE(hp->rope_type == PP_ROPE_IMROPE, "a hybrid's rope type must be IMRoPE (%d), got %d", PP_ROPE_IMROPE,
+            hp->rope_type);
+    REQUIRE(hp->ssm_d_conv >= 2 && hp->ssm_d_conv <= PP_MAX_D_CONV, "ssm.conv_kernel %d outside [2, %d]",
+            hp->ssm_d_conv, PP_MAX_D_CONV);
+    REQUIRE(hp->ssm_d_state > 0 && hp->ssm_d_state <= 1024, "ssm.state_size %d outside [1, 1024]", hp->ssm_d_state);
+    REQUIRE(hp->ssm_n_group > 0 && hp->ssm_dt_rank > 0 && hp->ssm_dt_rank % hp->ssm_n_group == 0 &&
+                hp->ssm_dt_rank <= 4096,
+            "ssm.time_step_rank %d (value heads) must be a positive multiple of ssm.group_count %d (key heads), "
+            "at most 4096", hp->ssm_dt_rank, hp->ssm_n_group);
+    int32_t sections = 0;
+    for (int i = 0; i < 4; i++) {
+        REQUIRE(hp->rope_sections[i] >= 0 && hp->rope_sections[i] <= hp->head_dim,
+                "rope section %d = %d outside [0, %d]", i, hp->rope_sections[i], hp->head_dim);
+        sections += hp->rope_sections[i];
+    }
+    /* GGML's rope asserts both */
+    REQUIRE(hp->rope_sections[0] + hp->rope_sections[1] + hp->rope_sections[2] > 0 && sections <= hp->head_dim,
+            "rope sections %d/%d/%d/%d must give the first three some pairs and sum to at most key_length %d",
+            hp->rope_sections[0], hp->rope_sections[1], hp->rope_sections[2], hp->rope_sections[3], hp->head_dim);
+    if (hp->arch == PP_ARCH_QWEN35MOE)
+        REQUIRE(hp->n_ff_shexp > 0, "expert_shared_feed_forward_length %d must be positive", hp->n_ff_shexp);
+#undef REQUIRE
+    return PP_OK;
+}
 
 /* The model's own copies of hp's per-layer arrays (one allocation, m->layer_shapes), its
  * hp pointing at them; PP_ERR_NO_MEMORY leaves m to be destroyed. */
@@ -50,7 +96,8 @@ int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
             "key_length %d must be even and at most 512", hp->head_dim);
     REQUIRE(hp->n_ff > 0, "feed_forward_length %d must be positive", hp->n_ff);
     REQUIRE(hp->n_vocab > 0, "vocabulary size %d must be positive", hp->n_vocab);
-    REQUIRE(hp->rope_type == 0 || hp->rope_type == 2, "rope type %d unsupported", hp->rope_type);
+    REQUIRE(hp->rope_type == 0 || hp->rope_type == 2 || (arch_is_hybrid(hp->arch) && hp->rope_type == PP_ROPE_IMROPE),
+            "rope type %d unsupported", hp->rope_type);
     REQUIRE(hp->n_rot >= 0 && hp->n_rot <= hp->head_dim && hp->n_rot % 2 == 0,
             "rope.dimension_count %d must be even and at most key_length %d", hp->n_rot, hp->head_dim);
     REQUIRE(hp->rms_eps > 0, "layer_norm_rms_epsilon must be positive");
@@ -80,6 +127,10 @@ int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
 #undef REQUIRE
     const int32_t shapes = pp_check_layer_shapes(hp);
     if (shapes != PP_OK) return shapes;
+    if (arch_is_hybrid(hp->arch)) {
+        const int32_t st = check_hybrid(hp);
+        if (st != PP_OK) return st;
+    }
     pp_model *m = calloc(1, sizeof *m);
     if (!m) return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the model");
     m->hp = *hp;
@@ -101,6 +152,17 @@ int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
         pp_model_destroy(m);
         return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the model's per-layer shapes");
     }
+    m->hp.layer_recurrent = NULL;
+    if (arch_is_hybrid(hp->arch)) {
+        m->layer_recurrent = malloc(sizeof(int32_t) * (size_t)hp->n_layer);
+        if (!m->layer_recurrent) {
+            pp_model_destroy(m);
+            return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the model's tables");
+        }
+        memcpy(m->layer_recurrent, hp->layer_recurrent, sizeof(int32_t) * hp->n_layer);
+        for (int il = 0; il < hp->n_layer; il++) m->n_recurrent += m->layer_recurrent[il];
+        m->hp.layer_recurrent = m->layer_recurrent;
+    }
     if (m->hp.rope_freq_scale_swa == 0) m->hp.rope_freq_scale_swa = 1.0f;
     if (m->hp.yarn_attn_factor == 0) m->hp.yarn_attn_factor = 1.0f;
     if (m->hp.n_ctx_orig_yarn == 0) m->hp.n_ctx_orig_yarn = hp->n_ctx_train;
@@ -120,13 +182,14 @@ void pp_model_destroy(pp_model *m) {
     free(m->expert_panels);
     if (m->weights) ggml_free(m->weights);
     free(m->layer_window);
+    free(m->layer_recurrent);
     free(m->layers);
     free(m->layer_shapes);
     free(m);
 }
 
-/* The decoders' tensors (llama, qwen2, qwen3, gemma3, qwen3moe; gpt-oss's layers have a table of
- * their own); see pp_tensor_table. */
+/* The decoders' tensors (llama, qwen2, qwen3, gemma3, qwen3moe; gpt-oss's and the hybrids'
+ * layers have tables of their own); see pp_tensor_table. */
 static size_t decoder_globals(pp_model *m, pp_tensor_slot *out) {
     const pp_model_hparams *hp = &m->hp;
     const pp_tensor_slot table[] = {
@@ -231,8 +294,75 @@ static size_t gpt_oss_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out)
 
 static const pp_tensor_table gpt_oss_tensors = {decoder_globals, gpt_oss_layer};
 
+/* A hybrid's Gated DeltaNet mixer (llama.cpp's qwen35 names; the kernel must be f32, as
+ * ggml_ssm_conv reads it so). */
+static size_t delta_net_mixer(const pp_model *m, pp_layer *L, pp_tensor_slot *out) {
+    const pp_model_hparams *hp = &m->hp;
+    const int64_t n_embd = hp->n_embd, key_dim = (int64_t)hp->ssm_n_group * hp->ssm_d_state,
+                  value_dim = (int64_t)hp->ssm_dt_rank * hp->ssm_d_state, channels = 2 * key_dim + value_dim;
+    const pp_tensor_slot table[] = {
+        {"attn_qkv.weight", &L->ssm_in, n_embd, channels, 1},
+        {"attn_gate.weight", &L->ssm_gate, n_embd, value_dim, 1},
+        {"ssm_conv1d.weight", &L->ssm_conv1d, hp->ssm_d_conv, channels, 1, 0, 1},
+        {"ssm_dt.bias", &L->ssm_dt_b, hp->ssm_dt_rank, 0, 1},
+        {"ssm_a", &L->ssm_a, hp->ssm_dt_rank, 0, 1},
+        {"ssm_beta.weight", &L->ssm_beta, n_embd, hp->ssm_dt_rank, 1},
+        {"ssm_alpha.weight", &L->ssm_alpha, n_embd, hp->ssm_dt_rank, 1},
+        {"ssm_norm.weight", &L->ssm_norm, hp->ssm_d_state, 0, 1},
+        {"ssm_out.weight", &L->ssm_out, value_dim, n_embd, 1},
+    };
+    memcpy(out, table, sizeof table);
+    return sizeof table / sizeof table[0];
+}
+
+/* A hybrid's full-attention mixer: attn_q gives each head's query and output gate. */
+static size_t gated_attention_mixer(const pp_model *m, pp_layer *L, pp_tensor_slot *out) {
+    const pp_model_hparams *hp = &m->hp;
+    const int64_t n_embd = hp->n_embd, q_dim = (int64_t)hp->n_head * hp->head_dim,
+                  kv_dim = (int64_t)hp->n_head_kv * hp->head_dim;
+    const pp_tensor_slot table[] = {
+        {"attn_q.weight", &L->wq, n_embd, 2 * q_dim, 1},
+        {"attn_k.weight", &L->wk, n_embd, kv_dim, 1},
+        {"attn_v.weight", &L->wv, n_embd, kv_dim, 1},
+        {"attn_output.weight", &L->wo, q_dim, n_embd, 1},
+        {"attn_q_norm.weight", &L->q_norm, hp->head_dim, 0, 1},
+        {"attn_k_norm.weight", &L->k_norm, hp->head_dim, 0, 1},
+    };
+    memcpy(out, table, sizeof table);
+    return sizeof table / sizeof table[0];
+}
+
+/* A qwen35 / qwen35moe layer: its norms, the mixer of its kind, and the FFN (qwen35moe's with
+ * a shared expert; its gate row is 1-D, so f32). post_attention_norm is the FFN's norm. */
+static size_t hybrid_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out) {
+    const pp_model_hparams *hp = &m->hp;
+    const int64_t n_embd = hp->n_embd;
+    const int recurrent = m->layer_recurrent[L - m->layers];
+    size_t n = 0;
+    out[n++] = (pp_tensor_slot){"attn_norm.weight", &L->attn_norm, n_embd, 0, 1};
+    out[n++] = (pp_tensor_slot){"post_attention_norm.weight", &L->ffn_norm, n_embd, 0, 1};
+    n += recurrent ? delta_net_mixer(m, L, out + n) : gated_attention_mixer(m, L, out + n);
+    n += decoder_ffn(m, L, out + n);
+    if (hp->arch == PP_ARCH_QWEN35MOE) {
+        const pp_tensor_slot shared[] = {
+            {"ffn_gate_inp_shexp.weight", &L->ffn_gate_inp_shexp, n_embd, 0, 1},
+            {"ffn_gate_shexp.weight", &L->ffn_gate_shexp, n_embd, hp->n_ff_shexp, 1},
+            {"ffn_up_shexp.weight", &L->ffn_up_shexp, n_embd, hp->n_ff_shexp, 1},
+            {"ffn_down_shexp.weight", &L->ffn_down_shexp, hp->n_ff_shexp, n_embd, 1},
+        };
+        memcpy(out + n, shared, sizeof shared);
+        n += sizeof shared / sizeof shared[0];
+    }
+    /* 2 norms, a mixer (at most 9), the experts (4) and the shared expert (4) */
+    _Static_assert(2 + 9 + 4 + 4 <= PP_MAX_LAYER_SLOTS, "raise PP_MAX_LAYER_SLOTS");
+    return n;
+}
+
+static const pp_tensor_table hybrid_tensors = {decoder_globals, hybrid_layer};
+
 static const pp_tensor_table *decoder_table(const pp_model *m) {
     if (m->hp.arch == PP_ARCH_GEMMA4) return &pp_gemma4_tensors;
+    if (arch_is_hybrid(m->hp.arch)) return &hybrid_tensors;
     return m->hp.arch == PP_ARCH_GPT_OSS ? &gpt_oss_tensors : &decoder_tensors;
 }
 
@@ -291,6 +421,9 @@ int32_t pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const i
     if ((!spec.ne1 || is_bias(name)) && type != GGML_TYPE_F32)
         return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s, but norm weights and biases must be f32",
                        name, ggml_type_name((enum ggml_type)type));
+    if (spec.f32 && type != GGML_TYPE_F32)
+        return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s, but it must be f32 (as llama.cpp's converter "
+                       "writes it)", name, ggml_type_name((enum ggml_type)type));
     if (spec.ne1 && !ggml_get_type_traits_cpu((enum ggml_type)type)->vec_dot)
         return pp_fail(PP_ERR_INVALID, "tensor '%s': type %s has no CPU matrix multiplication", name,
                        ggml_type_name((enum ggml_type)type));

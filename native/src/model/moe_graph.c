@@ -1,4 +1,4 @@
-/* The routed experts' feed-forward block (qwen3moe) as GGML ops: a router
+/* The routed experts' feed-forward block (qwen3moe, qwen35moe) as GGML ops: a router
  * picks each token's experts, ggml_mul_mat_id (or, for experts packed into
  * panels, pp_expert_matmul) runs every token through the
  * matrices of its own experts, and the outputs are summed with the router's
@@ -98,4 +98,18 @@ struct ggml_tensor *pp_build_gpt_oss_moe_ffn(struct ggml_context *ctx, const pp_
 #undef EXPERTS
     experts = ggml_add_id(ctx, experts, L->ffn_down_exps_b, selected);
     return pp_moe_weighted_sum(ctx, experts, weights);
+}
+
+/* ---- qwen35moe's shared expert --------------------------------------------
+ * llama.cpp's qwen35moe graph: a SwiGLU FFN beside the routed experts, run by every token,
+ * scaled per token by the sigmoid of one more router row (ffn_gate_inp_shexp, 1-D). */
+
+struct ggml_tensor *pp_build_shared_expert(struct ggml_context *ctx, const pp_layer *L,
+                                           struct pp_panel_gemm_state *gemm_states, struct ggml_tensor *cur,
+                                           pp_panel_columns *last) {
+    struct ggml_tensor *y = pp_graph_swiglu_ffn(ctx, PP_ARCH_QWEN35MOE, L->ffn_gate_shexp, L->ffn_up_shexp,
+                                                L->ffn_down_shexp,
+                                                gemm_states ? &gemm_states[PP_PROJ_SHEXP_GATE] : NULL, cur, last);
+    struct ggml_tensor *gate = ggml_sigmoid(ctx, pp_matmul(ctx, L->ffn_gate_inp_shexp, cur));   /* [1, n_tokens] */
+    return ggml_mul(ctx, y, gate);
 }

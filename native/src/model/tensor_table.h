@@ -12,13 +12,15 @@
 
 /* A GGUF tensor name, where the tensor goes in pp_model, the shape it must
  * have (ne1 = 0: 1-D; ne2 = 0: at most 2-D, else 3-D, one matrix per expert),
- * and whether finalizing fails without it. */
+ * whether finalizing fails without it, and whether it must be f32 though 2-D
+ * (1-D tensors always must). */
 typedef struct pp_tensor_slot {
     const char *name;
     struct ggml_tensor **slot;
     int64_t ne0, ne1;
     int required;
     int64_t ne2;
+    int f32;
 } pp_tensor_slot;
 
 /* The most tensors outside the layers, and in one layer, of any table. */

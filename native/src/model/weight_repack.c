@@ -115,7 +115,7 @@ int32_t pp_model_repack_weights(pp_model *m, int32_t *n_repacked) {
     ggml_backend_buffer_type_t *bufts = get_extra && dev ? get_extra(dev) : NULL;
     if (!bufts || !bufts[0]) return PP_OK;
 
-    const int max_weights = m->hp.n_layer * 7 + 1;
+    const int max_weights = m->hp.n_layer * PP_N_PROJ + 1;
     struct ggml_tensor **w = malloc(sizeof *w * (size_t)max_weights);
     int *choice = malloc(sizeof *choice * (size_t)max_weights);
     if (!w || !choice) {

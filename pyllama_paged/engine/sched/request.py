@@ -75,6 +75,9 @@ class Request:
     max_len: int | None = None
     # the (LoraAdapter, scale) its sequences run (LLMEngine resolves params.lora), or None
     lora: tuple | None = None
+    # images in the prompt: (first position, embedding rows [n, n_embd]) each, in order; their
+    # positions hold the images' negative token ids (LLMEngine.add_request)
+    images: list = field(default_factory=list)
 
     @property
     def is_prefill_only(self) -> bool:

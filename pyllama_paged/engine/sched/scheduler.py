@@ -128,6 +128,11 @@ class Scheduler:
         budget = self.config.itl_budget
         if not (budget is None or budget == "auto" or (isinstance(budget, (int, float)) and budget > 0)):
             raise ValueError(f"itl_budget must be a number of seconds > 0, 'auto' or None, got {budget!r}")
+        # a hybrid's sequences each hold a recurrent state slot (kv.states): no more run at once
+        # than it keeps for sequences (the others hold prefix-cache checkpoints)
+        self.state_slots = getattr(kv, "running_slots", None)
+        # a hybrid's prefill chunks stop where a state checkpoint is worth saving
+        self._aligned_chunk = kv.aligned_chunk if getattr(kv, "checkpoints_on", False) else None
         self.step_cost = StepCostModel()
         self._last_shape = (0, 0)   # (decode tokens, prefill tokens) of the step last scheduled
         # prefill tokens the step last scheduled could still have taken (its token budget and,
@@ -145,6 +150,10 @@ class Scheduler:
             pool = self.kv.capacity_tokens()
             request.error = (f"prompt of {n} tokens does not fit the context of {self.n_ctx} tokens"
                              + (f" (the KV pool holds {pool} per sequence)" if pool < self.n_ctx else ""))
+        elif self.state_slots is not None and self._width(request, []) > self.state_slots:
+            request.error = (f"the request runs {self._width(request, [])} sequences at once, more than the "
+                             f"{self.state_slots} recurrent state slots this hybrid model's engine holds "
+                             "(raise n_seq_max or the KV budget)")
         if request.error:
             request.status = RequestStatus.FINISHED
             return
@@ -153,11 +162,22 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    @staticmethod
-    def _width(request: Request, seqs) -> int:
+    def _width(self, request: Request, seqs) -> int:
         """Sequences of a request holding seqs now: an n>1 or beam request that has not
-        forked yet counts at the width it forks to right after its prefill."""
-        return max(len(seqs), 1 if request.is_forked else max(request.params.n, request.params.beam_width))
+        forked yet counts at the width it forks to right after its prefill. With state slots,
+        a beam search counts the 2 x width - 1 sequences it holds while it forks new beams
+        before pruning old ones."""
+        width = max(len(seqs), 1 if request.is_forked else max(request.params.n, request.params.beam_width))
+        if self.state_slots is not None and request.is_beam:
+            width = max(width, 2 * request.params.beam_width - 1)
+        return width
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences that may run at once: the configured limit, and a hybrid's state slots."""
+        if self.state_slots is None:
+            return self.config.max_num_seqs
+        return min(self.config.max_num_seqs, self.state_slots)
 
     def num_running_seqs(self) -> int:
         """Running sequences, counting a request that will still fork at its full width."""
@@ -183,7 +203,10 @@ class Scheduler:
         self.running.remove(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        host_bytes = self._swap_bytes(request) if self.config.preemption_mode == "swap" else None
+        # a hybrid recomputes: its recurrent state is not copied out with the pages (swap's
+        # host copies hold KV only), and a request started over needs only its slot back
+        swap = self.config.preemption_mode == "swap" and self.state_slots is None
+        host_bytes = self._swap_bytes(request) if swap else None
         if host_bytes is not None and self.swapped_bytes + host_bytes <= self.config.swap_space_bytes:
             for seq in request.live_seqs:
                 self._plan.swap_out += swap_out(self.kv, seq)
@@ -235,6 +258,8 @@ class Scheduler:
         (halved until their pages fit, keeping the reserve while others run); 0 if none fit."""
         kv = self.kv
         n = min(len(seq.token_ids) - seq.kv.num_computed, budget)
+        if self._aligned_chunk is not None:
+            n = self._aligned_chunk(seq.kv.num_computed, n, len(seq.token_ids), seq.kv.handle)
         reserve = self.reserve_blocks if len(self.running) > 1 else 0
         while n > 0:
             place = seq.kv.num_computed + n - seq.kv.num_tokens
@@ -402,7 +427,7 @@ class Scheduler:
     def _admission_reserve(self, step: "_StepState") -> int:
         """The part of the step's budget kept from running prefills for a waiting request
         that could be admitted now (0 when none waits or no sequence place is free)."""
-        if not self.waiting or self.num_running_seqs() >= self.config.max_num_seqs:
+        if not self.waiting or self.num_running_seqs() >= self.max_num_seqs:
             return 0
         return max(0, min(self.config.admission_reserve_tokens, step.budget // 2))
 
@@ -444,7 +469,7 @@ class Scheduler:
             request = self.waiting[0]
             seqs = request.live_seqs or request.seqs
             width = self._width(request, seqs)
-            if running_seqs + width > self.config.max_num_seqs and self.running:
+            if running_seqs + width > self.max_num_seqs and self.running:
                 break
             if step.itl_budget is not None and self.running and \
                     self.step_cost.predict(running_seqs + width) > step.itl_budget:

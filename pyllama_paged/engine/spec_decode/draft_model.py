@@ -61,6 +61,9 @@ def load_draft_runner(spec: SpeculativeConfig, target: Model, target_runner: Mod
     try:
         if model.config.is_encoder:
             raise PagedError(f"draft model {model.path} is an embedding model: it cannot draft tokens")
+        if model.config.is_hybrid:   # its drafts would pass through a recurrent state with no rollback
+            raise PagedError(f"draft model {model.path} is a hybrid (Gated DeltaNet layers): it cannot draft "
+                             "tokens yet")
         check_same_vocab(model, target)
         tokens = spec.draft_kv_tokens
         if tokens is None:   # as many tokens as the target's pool, whatever their bytes

@@ -19,7 +19,9 @@ draft too, so the same rule stays exact for it.
 
 Accepted draft tokens are placed in the pool after the step (their K/V are already
 in the right slots, worker/draft_splice.py) and committed then: only then can a block they fill
-become a prefix-cache entry."""
+become a prefix-cache entry. A hybrid model's (Qwen3.5/3.6) recurrent state has taken every
+drafted token by then: its state before the step is kept (HybridKV.hold_state) and, when a
+draft token is rejected, put back, the accepted tokens then recomputed (_roll_back)."""
 
 from __future__ import annotations
 
@@ -76,7 +78,11 @@ class Speculator:
             room -= k   # reserved whole: drafts are proposed together (a draft model batches them)
         proposed = self.drafter.propose_many([(output.seq_ids[i], seqs[output.seq_ids[i]].token_ids, k)
                                               for i, k in wanted], catch_up_budget)
-        return {i: tokens for (i, _), tokens in zip(wanted, proposed) if tokens}
+        drafts = {i: tokens for (i, _), tokens in zip(wanted, proposed) if tokens}
+        if hasattr(kv, "hold_state"):   # a hybrid: the state before the draft, for a rejection
+            for i in drafts:
+                kv.hold_state(int(output.items[i][0]))
+        return drafts
 
     @property
     def last_catch_up_tokens(self) -> int:
@@ -119,13 +125,30 @@ class Speculator:
                         still.append(entry)
             live = still
             j += 1
+        hybrid = hasattr(kv, "roll_back_state")
         for request, seq, _, draft, accepted in state:
             self.num_drafts += 1
             self.num_draft_tokens += len(draft)
             self.num_accepted_tokens += accepted
             self.lengths.observe(seq.seq_id, len(draft), accepted)
-            if accepted and not seq.is_finished and is_live(request) and seq.kv is not None:
+            going_on = not seq.is_finished and is_live(request) and seq.kv is not None
+            if hybrid and going_on and accepted < len(draft):
+                self._roll_back(kv, seq)
+                continue
+            if hybrid and seq.kv is not None:
+                kv.release_state(seq.kv.handle)
+            if accepted and going_on:
                 self._commit(kv, seq, draft[:accepted], copy_blocks)
+
+    @staticmethod
+    def _roll_back(kv, seq) -> None:
+        """A hybrid's rejected draft tokens went through its recurrent state, which has no
+        undo: the state goes back to before the step, and the step's newest token and the
+        accepted ones are computed again, the next step's prefill chunk that ends in the
+        token the verdict drew. Their rows' logits were right (causal), only the state after
+        them was not."""
+        kv.roll_back_state(seq.kv.handle)
+        seq.kv.num_computed -= 1
 
     @staticmethod
     def _commit(kv, seq, tokens: list[int], copy_blocks) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 from ..._native import Closing, check, ffi, lib
+from ..._native.tensors import attach_tensors
 from ...errors import NativeError, PagedError
 from ...gguf.split import open_gguf
 from ...gguf.config import (ARCH_IDS, YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, ModelLoadError,
@@ -96,9 +98,11 @@ class Model(Closing):
     def _create_native(self) -> None:
         cfg = self.config
         windows = ffi.new("int32_t[]", cfg.layer_window)
-        # per-layer shapes (gemma4): kept alive until pp_model_create has copied them
+        # kept alive with hp until pp_model_create has copied them: per-layer shapes (gemma4),
+        # the recurrent layers (hybrids)
         layer_shapes = {name: ffi.new("int32_t[]", values) for name in LAYER_SHAPES
                         if (values := getattr(cfg, name))}
+        recurrent = ffi.new("int32_t[]", [int(r) for r in cfg.layer_recurrent]) if cfg.is_hybrid else ffi.NULL
         hp = ffi.new("pp_model_hparams *", {
             "arch": ARCH_IDS[cfg.arch], "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
             # the largest head: the native core sizes attention's tiles by it
@@ -114,18 +118,14 @@ class Model(Closing):
             "yarn_attn_factor": cfg.yarn_attn_factor, "yarn_beta_fast": YARN_BETA_FAST,
             "yarn_beta_slow": YARN_BETA_SLOW, "n_ctx_orig_yarn": cfg.n_ctx_orig_yarn,
             "n_embd_per_layer": cfg.n_embd_per_layer, **layer_shapes,
+            "layer_recurrent": recurrent, "ssm_d_conv": cfg.ssm_d_conv, "ssm_d_state": cfg.ssm_d_state,
+            "ssm_n_group": cfg.ssm_n_group, "ssm_dt_rank": cfg.ssm_dt_rank,
+            "rope_sections": list(cfg.rope_sections), "n_ff_shexp": cfg.n_ff_shexp,
         })
         out = ffi.new("pp_model **")
         self._wrap(lib.pp_model_create(hp, out), "model")
         self._native = out[0]
-        ne = ffi.new("int64_t[4]")
-        used = ffi.new("int32_t *")
-        for t in self.gguf.tensors:
-            for i, dim in enumerate(t.shape):
-                ne[i] = dim
-            data = ffi.from_buffer(self.gguf.tensor_bytes(t))
-            self._wrap(lib.pp_model_set_tensor(self._native, t.name.encode(), t.type, ne,
-                                               len(t.shape), data, t.n_bytes, used), f"tensor '{t.name}'")
+        attach_tensors(self.gguf, functools.partial(lib.pp_model_set_tensor, self._native), self._wrap)
         self._wrap(lib.pp_model_finalize(self._native), "weights")
 
     def _offload(self, n_gpu_layers: int, main_gpu: int) -> None:

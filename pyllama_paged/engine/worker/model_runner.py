@@ -15,6 +15,7 @@ from ..._native import check, ffi, lib
 from ...errors import PagedError
 from ..kv.groups import KVGroups
 from ..kv.manager import PagedKV, SeqState, SlabKV, commit_chunks, fork_state, new_cached_sequence, place_tokens
+from ..kv.state_pool import HybridKV, StatePool, hybrid_slots, state_bytes_per_sequence
 from .model import Model
 from .draft_splice import splice_drafts
 from .lora import StepLoras
@@ -37,8 +38,8 @@ def kv_row_bytes(kv_cache_type: str, n_values: int) -> int:
 
 
 def dense_kv_bytes_per_token(config, kv_cache_type: str) -> int:
-    """K+V bytes of one token over every layer that keeps its own KV: what a cache that frees
-    nothing holds."""
+    """K+V bytes of one token over every attention layer that keeps its own KV: what a cache that
+    frees nothing holds."""
     return sum(2 * kv_row_bytes(kv_cache_type, config.kv_values(il)) for il in range(config.n_layer)
                if config.owns_kv(il))
 
@@ -63,8 +64,9 @@ class ModelRunner:
         """config: an EngineConfig (engine/config.py) whose n_ctx is the exact context per
         sequence; the pool holds num_blocks pages if given, else its KV budget
         (EngineConfig.kv_budget_bytes): pages of block_size tokens, or (paged=False) as many
-        whole n_ctx slabs. n_threads, n_batch, kv_cache_type, free_window_blocks and attention
-        shape the rest."""
+        whole n_ctx slabs; a hybrid's recurrent state slots (state_slots, or out of that budget)
+        and its prefix-cache checkpoints' (state_checkpoints) beside them. n_threads, n_batch,
+        kv_cache_type, free_window_blocks and attention shape the rest."""
         paged, n_ctx, n_batch, block_size = config.paged, config.n_ctx, config.n_batch, config.block_size
         n_threads, kv_cache_type, attention = config.n_threads, config.kv_cache_type, config.attention
         if n_ctx < 1 or n_batch < 1 or config.n_seq_max < 1:
@@ -93,13 +95,20 @@ class ModelRunner:
         dense_token_bytes = dense_kv_bytes_per_token(cfg, kv_cache_type)
         # the same KV bytes for pages and for the slab baseline, unless the pages are counted
         budget = config.kv_budget_bytes(n_ctx, dense_token_bytes)
+        if cfg.is_hybrid:   # a hybrid's recurrent state slots come out of the same budget first
+            running, checkpoints, budget = hybrid_slots(config, state_bytes_per_sequence(model.native), budget,
+                                                        n_ctx * dense_token_bytes)
         if paged:
-            kv_values = [cfg.kv_values(il) for il in range(cfg.n_layer)]
-            slot_bytes = 2 * kv_row_bytes(kv_cache_type, self.kv_groups.slot_values(kv_values, cfg.layer_kv_source))
+            # the rows the layers that keep their own KV put in a slot (not shared-KV or recurrent ones)
+            kv_values = [cfg.kv_values(il) if cfg.owns_kv(il) else 0 for il in range(cfg.n_layer)]
+            slot_bytes = 2 * kv_row_bytes(kv_cache_type, self.kv_groups.slot_values(kv_values))
             num_blocks = config.num_blocks or max(1, budget // (slot_bytes * block_size))
             self.kv = PagedKV(num_blocks, block_size, n_ctx, self.kv_groups)
         else:
             self.kv = SlabKV(max(1, budget // (n_ctx * dense_token_bytes)), n_ctx)
+        if cfg.is_hybrid:   # a slot per sequence that may run at once, and the checkpoints'
+            self.kv = HybridKV(self.kv, StatePool(model.native, running + checkpoints), checkpoints,
+                               config.state_checkpoint_every)
         out = ffi.new("pp_kv_cache **")
         layer_group = ffi.new("int32_t[]", list(self.kv_groups.layer_group))
         check(lib.pp_kv_cache_create_grouped(model.native, KV_TYPES[kv_cache_type], self.kv.num_blocks,
@@ -110,6 +119,8 @@ class ModelRunner:
         check(lib.pp_context_create(model.native, self._cache, n_threads, n_batch, ctx), "context")
         self._ctx = ctx[0]
         check(lib.pp_context_set_attention_path(self._ctx, ATTENTION_PATHS[attention]), "attention path")
+        if self.hybrid:
+            check(lib.pp_context_set_state_pool(self._ctx, self.kv.states.native), "state pool")
         self.attention = attention
         self._batch = ffi.new("pp_batch *")
         self._loras = StepLoras()
@@ -147,13 +158,15 @@ class ModelRunner:
     def kv_device_bytes(self) -> int:
         """Bytes of the KV pools on the model's GPU (0: all in host memory)."""
         on_device = lib.pp_kv_cache_device_layers(self._cache)
-        return self.kv_pool_bytes * on_device // self.model.config.n_layer
+        return self.kv_pool_bytes * on_device // self.model.config.n_attention_layers
 
     def kv_bytes_by_group(self) -> list[dict]:
         """Per layer group: its window and the KV bytes per token it costs in steady state
         (a window group's cost stops growing past its window)."""
         per_token = self.kv_slot_bytes
-        return [{"group": g, "window": w, "layers": self.kv_groups.layer_group.count(g),
+        groups = self.kv_groups.layer_group
+        return [{"group": g, "window": w,
+                 "layers": sum(1 for il in range(len(groups)) if groups[il] == g and self.model.config.attends(il)),
                  "bytes_per_token": per_token,
                  "max_tokens": (-(-(w - 1) // self.kv.block_size) + 1) * self.kv.block_size if w > 0 else None}
                 for g, w in enumerate(self.kv_groups.group_window)]
@@ -181,8 +194,19 @@ class ModelRunner:
         check(lib.pp_context_abort(self._ctx), "abort")
 
     # ---- sequences' KV -------------------------------------------------------
+    @property
+    def hybrid(self) -> bool:
+        """Whether the model keeps a recurrent state per sequence (a state slot beside its KV)."""
+        return isinstance(self.kv, HybridKV)
+
+    @property
+    def state_pool(self) -> StatePool | None:
+        """A hybrid's recurrent states, a slot per sequence (None for other models)."""
+        return self.kv.states if self.hybrid else None
+
     def add_sequence(self, token_ids: Sequence[int], lora=None) -> SeqState:
-        """Place a new sequence's tokens in the KV cache (prefix-cache hits are kept). lora:
+        """Place a new sequence's tokens in the KV cache (prefix-cache hits are kept; a hybrid
+        takes none here: add_sequence_cached finds its state checkpoints). lora:
         (LoraAdapter, scale) the sequence runs, or None; forks inherit it."""
         if len(token_ids) > self.n_ctx:
             raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
@@ -201,22 +225,31 @@ class ModelRunner:
             raise PagedError(f"prompt of {len(token_ids)} tokens exceeds the context of {self.n_ctx}")
         return SeqState(self.kv.create_uncached(token_ids, lora), 0, len(token_ids))
 
+    def state_slot(self, seq: SeqState) -> int:
+        """seq's state slot (hybrids)."""
+        return self.kv.state_slot(seq.handle)
+
+    def state_slots_of(self, seq: SeqState) -> list[int] | None:
+        """forward()'s state_slots for a step of seq alone: [its slot] (hybrids), else None."""
+        return [self.kv.state_slot(seq.handle)] if self.hybrid else None
+
     def append_tokens(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         """Reserve KV room for new tokens (copy-on-write done here)."""
         self.copy_blocks(place_tokens(self.kv, seq, token_ids))
 
     def fork(self, seq: SeqState) -> SeqState:
-        """A sequence sharing all of seq's KV pages."""
+        """A sequence sharing all of seq's KV pages (and a copy of its recurrent state)."""
         return fork_state(self.kv, seq)
 
     def free(self, seq: SeqState) -> None:
-        """Release a sequence's KV (computed full pages stay in the prefix cache)."""
+        """Release a sequence's KV (computed full pages stay in the prefix cache) and its state slot."""
         self.kv.free(seq.handle)
 
     # ---- the step ------------------------------------------------------------
     def execute(self, items: np.ndarray, hidden: Sequence[tuple[int, int] | None] | None = None,
                 all_logits: Sequence[bool] | None = None,
-                drafts: dict[int, list[int]] | None = None, argmax_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                drafts: dict[int, list[int]] | None = None, argmax_only: bool = False,
+                images: Sequence[list] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Run one step over items [(kv handle, first token, count)], whose tokens are placed in
         the KV manager. Touches no sequence state: the caller marks the tokens computed
         (Scheduler.update_from_output, or commit_chunks).
@@ -231,7 +264,9 @@ class ModelRunner:
         drafts[i]: draft tokens that follow item i's last token in this step only (never
         placed in the pool; worker/draft_splice.py), each with a logits row after the
         item's own. argmax_only: the caller reads only each row's argmax (step_argmax()); where
-        the step computed them on a device the logits are then not read back (empty rows)."""
+        the step computed them on a device the logits are then not read back (empty rows).
+        images[i]: item i's images, (first position, embedding rows) each: the item's tokens at
+        those positions take the rows as their input."""
         items = np.ascontiguousarray(items, dtype=np.int32).reshape(-1, 3)
         counts = items[:, 2].tolist()   # in Python: a few items, and numpy's reductions cost more
         total = sum(counts)
@@ -245,13 +280,16 @@ class ModelRunner:
         n_tokens, n_logits = self.kv.build_batch(items, buffers)
         self._loras.fill(self._batch, items[:, 0].tolist(), self.kv.loras.of, self._reserve_loras)
         tok, pos, slots, seqs, tables, rows = buffers.arrays(n_tokens, len(items), n_logits)
+        embd = image_rows(items, images, tok) if images and not drafts else None
+        if self.hybrid:
+            self._set_state_slots(self.kv.state_slots(items[:, 0]))
         hidden_rows = None
         hidden = hidden if hidden is not None and any(h is not None for h in hidden) else None
         all_logits = all_logits if all_logits is not None and any(all_logits) else None
         if hidden is None and all_logits is None and not drafts:
             # the arrays are the buffers' own, from their start: their pointers are cached
             self._decode(tok, pos, slots, seqs, tables, rows, None, argmax_only=argmax_only,
-                         pointers=buffers.pointers)
+                         pointers=buffers.pointers, embd=embd)
             return self._step_logits(), self._no_hidden
         if hidden is not None or all_logits is not None:
             rows, hidden_rows = _select_rows(items[:, 2].tolist(), rows, hidden, all_logits)
@@ -261,10 +299,16 @@ class ModelRunner:
                 raise PagedError(f"step of {n_tokens + n_drafted} tokens with drafts exceeds n_batch {self.n_batch}")
             tok, pos, slots, seqs, rows, hidden_rows = splice_drafts(
                 tok, pos, slots, seqs, rows, items[:, 2], drafts, self.kv.n_groups, hidden_rows)
+            embd = image_rows(items, images, tok, drafts) if images else None
         hidden_out = np.empty((0 if hidden_rows is None else len(hidden_rows), self.model.config.n_embd),
                               dtype=np.float32)
-        self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out, argmax_only)
+        self._decode(tok, pos, slots, seqs, tables, rows, None, hidden_rows, hidden_out, argmax_only, embd=embd)
         return self._step_logits(), hidden_out
+
+    def _set_state_slots(self, state_slots: np.ndarray | None) -> None:
+        """The next step's state slots, one per sequence row (kept alive until the next)."""
+        self._state_slots = state_slots
+        self._batch.state_slots = ffi.NULL if state_slots is None else _ptr(state_slots)
 
     def step_argmax(self) -> np.ndarray | None:
         """The last step's argmax id per logits row when the step computed them (a head on a
@@ -282,15 +326,16 @@ class ModelRunner:
             raise PagedError(f"argmax mode '{mode}' unknown: choose one of {', '.join(ARGMAX_MODES)}")
         check(lib.pp_context_set_argmax(self._ctx, ARGMAX_MODES[mode]), "argmax mode")
 
-    def step(self, work: Sequence[tuple[SeqState, int]]) -> np.ndarray:
+    def step(self, work: Sequence[tuple[SeqState, int]], images: Sequence[list] | None = None) -> np.ndarray:
         """Direct use without a scheduler (tests, benchmarks): compute the next n tokens of
-        each (seq, n) and mark them computed; returns execute()'s logits rows."""
+        each (seq, n) and mark them computed; returns execute()'s logits rows. images: as
+        execute's, per item."""
         for seq, n in work:
             if n < 1 or seq.num_computed + n > seq.num_tokens:
                 raise PagedError(f"cannot compute {n} tokens at {seq.num_computed} of a "
                                  f"{seq.num_tokens}-token sequence")
         items = np.array([(seq.handle, seq.num_computed, n) for seq, n in work], dtype=np.int32).reshape(-1, 3)
-        logits, _ = self.execute(items)
+        logits, _ = self.execute(items, images=images)
         buffers = self._buffers
         commit_chunks(self.kv, work, buffers.last_items, buffers.item_pointer(buffers.last_items))
         return logits
@@ -305,10 +350,15 @@ class ModelRunner:
         return logits[0].copy()
 
     def forward(self, token_ids, positions, slot_mapping, seq_index, block_tables,
-                logit_rows, out: np.ndarray | None = None) -> np.ndarray:
+                logit_rows, out: np.ndarray | None = None, state_slots=None) -> np.ndarray:
         """One native step over flat arrays; returns logits [len(logit_rows), n_vocab] as float32
         (into out when given). With layer groups, slot_mapping holds n_groups runs of the
-        tokens' slots and block_tables is [n_groups, n_seqs, max_blocks] (kv.batch_arrays)."""
+        tokens' slots and block_tables is [n_groups, n_seqs, max_blocks] (kv.batch_arrays).
+        A hybrid's step also needs each sequence row's state slot (state_slot(seq))."""
+        if self.hybrid:
+            if state_slots is None:
+                raise PagedError("a hybrid model's step needs each sequence's state slot (state_slots)")
+            self._set_state_slots(np.ascontiguousarray(state_slots, dtype=np.int32))
         arrays = [np.ascontiguousarray(a, dtype=np.int32) for a in
                   (token_ids, positions, slot_mapping, seq_index, logit_rows)]
         tables = np.ascontiguousarray(block_tables, dtype=np.int32)
@@ -346,10 +396,12 @@ class ModelRunner:
         return view
 
     def _decode(self, tok, pos, slots, seqs, tables, rows, logits: np.ndarray | None, hidden_rows=None,
-                hidden: np.ndarray | None = None, argmax_only: bool = False, pointers: tuple = ()) -> None:
+                hidden: np.ndarray | None = None, argmax_only: bool = False, pointers: tuple = (),
+                embd: tuple | None = None) -> None:
         """The native step over contiguous int32 arrays, logits into a matching float32 buffer
         (None: left in place for _step_logits), and the hidden states of hidden_rows into hidden.
-        pointers: the six arrays' data as cdata when the caller holds them (StepBuffers.pointers)."""
+        pointers: the six arrays' data as cdata when the caller holds them (StepBuffers.pointers).
+        embd: (batch rows, their input embeddings) replacing those rows' token lookups."""
         if self._ctx is None:
             raise PagedError("this model runner is closed")
         self.model.native   # raises if the model was closed under us (its weights are gone)
@@ -367,6 +419,9 @@ class ModelRunner:
         b.hidden_rows = _ptr(hidden_rows) if n_hidden else ffi.NULL
         b.hidden = _ptr(hidden, "float *") if n_hidden else ffi.NULL
         b.argmax_only = int(argmax_only)
+        b.n_embd_rows = 0 if embd is None else len(embd[0])
+        b.embd_rows = _ptr(embd[0]) if embd is not None else ffi.NULL
+        b.embd = _ptr(embd[1], "float *") if embd is not None else ffi.NULL
         policy = self.thread_policy
         if policy is not None:
             threads = policy.threads_for_step(n)
@@ -397,7 +452,7 @@ class ModelRunner:
         check(lib.pp_kv_cache_write_block(self._cache, block_id, ffi.from_buffer(data)), "write_block")
 
     def close(self) -> None:
-        """Free the compute context, the KV pools and the block pool."""
+        """Free the compute context, the KV pools and the block pool (a hybrid's state pool with it)."""
         if self._ctx is not None:
             lib.pp_context_destroy(self._ctx)
             self._ctx = None
@@ -410,6 +465,26 @@ class ModelRunner:
         if hasattr(self, "_ctx"):   # a constructor that refused its arguments made nothing to free
             self.close()
 
+
+
+def image_rows(items: np.ndarray, images: Sequence[list | None], tok: np.ndarray, drafts=None):
+    """(batch rows, their embedding rows) of the items' image positions, or None: each item's
+    tokens are consecutive batch rows from its first position (then its drafts[i], if any),
+    and where an image covers them the rows take its embeddings. Their token ids (negative)
+    become 0, a row GGML may look up before the embedding replaces it."""
+    at, rows, embd = 0, [], []
+    for i, ((_, first, count), item_images) in enumerate(zip(items.tolist(), images)):
+        for start, emb in item_images or ():
+            lo, hi = max(start, first), min(start + len(emb), first + count)
+            if lo < hi:
+                rows.append(np.arange(at + lo - first, at + hi - first, dtype=np.int32))
+                embd.append(emb[lo - start:hi - start])
+        at += count + (len(drafts.get(i, ())) if drafts else 0)
+    if not rows:
+        return None
+    rows_arr = np.concatenate(rows)
+    tok[rows_arr] = 0
+    return rows_arr, np.ascontiguousarray(np.concatenate(embd), dtype=np.float32)
 
 
 def _select_rows(counts: list[int], rows: np.ndarray, hidden, all_logits) -> tuple[np.ndarray, np.ndarray]:

@@ -50,7 +50,9 @@ class Sampler:
         p = self.params
         if p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
             return []
-        return token_ids[-p.penalty_last_n:] if p.penalty_last_n > 0 else token_ids
+        counted = token_ids[-p.penalty_last_n:] if p.penalty_last_n > 0 else token_ids
+        # an image's positions hold negative ids (no vocabulary row): nothing to penalise
+        return [t for t in counted if t >= 0] if counted and min(counted) < 0 else counted
 
 
 @dataclass

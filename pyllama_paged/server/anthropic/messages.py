@@ -16,7 +16,7 @@ from .schemas import Block, MessagesRequest
 # thinking blocks a client replays from an earlier turn: Anthropic drops them from the
 # context too, as the templates of models that think drop old thinking
 _DROPPED = ("thinking", "redacted_thinking")
-_UNSUPPORTED = ("image", "document", "search_result", "container_upload")
+_UNSUPPORTED = ("document", "search_result", "container_upload")
 
 
 def _text(block: Block, where: str) -> str:
@@ -71,6 +71,24 @@ def _tool_message(block: Block, where: str) -> dict:
     return {"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block, where)}
 
 
+def _image(block: Block, where: str) -> dict:
+    """An image block as the chat shape's image_url part (the chat path reads or refuses it)."""
+    source = getattr(block, "source", None)
+    if not isinstance(source, dict) or source.get("type") not in ("base64", "url"):
+        raise MessageError(f"{where}: an image block needs a source of type base64 or url")
+    if source["type"] == "url":
+        return {"type": "image_url", "image_url": {"url": str(source.get("url", ""))}}
+    return {"type": "image_url", "image_url": {
+        "url": f"data:{source.get('media_type', 'image')};base64,{source.get('data', '')}"}}
+
+
+def _content(parts: list[dict]) -> str | list[dict]:
+    """A turn's text and image parts: one string when all are text (the shape templates read)."""
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
 def _turn(role: str, blocks: list[Block], where: str) -> list[dict]:
     """One turn's blocks as chat messages, in the order given: a user's tool_result blocks
     become tool messages between its text; an assistant's tool_use blocks its tool calls."""
@@ -79,18 +97,20 @@ def _turn(role: str, blocks: list[Block], where: str) -> list[dict]:
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         if block.type == "text":
-            text.append(_text(block, at))
+            text.append({"type": "text", "text": _text(block, at)})
+        elif block.type == "image" and role == "user":
+            text.append(_image(block, at))
         elif block.type == own == "tool_use":
             calls.append(_tool_call(block, at))
         elif block.type == own:
             if text:
-                out.append({"role": role, "content": "".join(text)})
+                out.append({"role": role, "content": _content(text)})
                 text = []
             out.append(_tool_message(block, at))
         elif not (role == "assistant" and block.type in _DROPPED):
             _refuse(block.type, at, f"text or {own}")
     if text or calls or not out:
-        message: dict[str, Any] = {"role": role, "content": "".join(text)}
+        message: dict[str, Any] = {"role": role, "content": _content(text)}
         if calls:
             message["tool_calls"] = calls
         out.append(message)

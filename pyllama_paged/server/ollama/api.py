@@ -176,7 +176,8 @@ def _prompt_call(body: GenerateRequest) -> PromptCall:
         _refuse_think(body, served)
         options.refuse_unsupported()
         keep_alive_seconds(body.keep_alive)
-        for name, given, why in (("images", body.images, "images are not supported by this model"),
+        for name, given, why in (("images", body.images if served.vision is None else None,
+                                  "images are not supported by this model"),
                                  ("suffix", body.suffix, "suffix (fill-in-the-middle) is not supported by this model"),
                                  ("template", body.template, "a per-request template is not supported; use raw "
                                                              "with a formatted prompt")):
@@ -185,6 +186,7 @@ def _prompt_call(body: GenerateRequest) -> PromptCall:
 
     return PromptCall(
         prompts=[body.prompt or ""], templated=not body.raw, system=body.system, context=list(body.context or []),
+        images=list(body.images or []),
         structured=lambda tokenizer: from_ollama(tokenizer, body.format), structured_param="format", surface=OLLAMA,
         sampling=_sampling(options), truncate=body.truncate is not False, model=body.model,
         thinking=_think_switch(body.think), reasoning_effort=_think_level(body.think),

@@ -61,7 +61,7 @@ def _capabilities(served) -> list[str]:
     if served.config.is_encoder:
         return ["embedding"]
     thinks = served.template is not None and template_thinks(served.template.source)
-    return ["completion", "tools"] + (["thinking"] if thinks else [])
+    return ["completion", "tools"] + (["thinking"] if thinks else []) + (["vision"] if served.vision else [])
 
 
 def show_model(served) -> dict[str, Any]:

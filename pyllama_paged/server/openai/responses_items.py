@@ -15,7 +15,7 @@ from ..generation import APIError
 
 ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "refusal")
-_UNSUPPORTED_PARTS = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
+_UNSUPPORTED_PARTS = {"input_file": "files", "input_audio": "audio"}
 
 
 def new_id(prefix: str) -> str:
@@ -27,15 +27,26 @@ def _bad(where: str, message: str) -> APIError:
     return APIError(400, f"{where}{message}", "input")
 
 
-def _text(content: Any, where: str) -> str:
-    """The text of a message's content: a string, or a list of text parts."""
+def _image(part: dict, where: str) -> dict:
+    """An input_image part as the chat shape's image_url part (the chat path reads or refuses it)."""
+    if not isinstance(part.get("image_url"), str):
+        raise _bad(where, ": an input_image needs an image_url (a data URL); file ids are not supported")
+    return {"type": "image_url", "image_url": {"url": part["image_url"]}}
+
+
+def _text(content: Any, where: str) -> str | list[dict]:
+    """The text of a message's content: a string, or a list of text parts; with input_image
+    parts, the chat shape's list of text and image_url parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _bad(where, ".content must be a string or a list of content parts")
-    texts = []
+    texts, images = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            images.append((len(texts), _image(part, f"{where}.content[{j}]")))
+            continue
         if kind in _UNSUPPORTED_PARTS:
             raise _bad(f"{where}.content[{j}]", f": {_UNSUPPORTED_PARTS[kind]} are not supported by this model")
         # a refusal part carries its text under "refusal"
@@ -43,7 +54,12 @@ def _text(content: Any, where: str) -> str:
         if not isinstance(text, str):
             raise _bad(f"{where}.content[{j}]", " must be a text part {\"type\": \"input_text\", \"text\": ...}")
         texts.append(text)
-    return "".join(texts)
+    if not images:
+        return "".join(texts)
+    parts: list[dict] = [{"type": "text", "text": t} for t in texts]
+    for at, image in reversed(images):   # each where it stood among the text parts
+        parts.insert(at, image)
+    return parts
 
 
 def _string(item: dict, key: str, where: str) -> str:

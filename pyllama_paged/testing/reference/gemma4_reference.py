@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .numpy_model import (LayerInfo, ReferenceModel, attention, gelu_tanh, load_tensor, metadata_getter, read_gguf,
+from .numpy_model import (LayerInfo, ReferenceModel, attention, gelu_tanh, load_tensor, arch_fields, read_gguf,
                           rms_norm, rope, router_margin, routed_experts)
 
 # llama.cpp's hparams default for the sliding layers' rope base when the file has none
@@ -124,7 +124,7 @@ class Gemma4Reference(ReferenceModel):
     @classmethod
     def from_file_parts(cls, meta: dict[str, Any], infos, mm) -> "Gemma4Reference":
         """The reference of a gemma4 file that read_gguf parsed."""
-        hp = metadata_getter(meta, "gemma4")
+        hp = arch_fields(meta, "gemma4")
         tensors = {info.name: load_tensor(mm, info) for info in infos}
         n_layer, n_embd = int(hp("block_count")), int(hp("embedding_length"))
         layers = _layers(hp, n_layer)

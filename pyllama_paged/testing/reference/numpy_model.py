@@ -1,7 +1,8 @@
 """NumPy reference forward pass: the logits oracle for the engine (DESIGN.md §4).
 
 ``ReferenceModel.from_gguf(path)`` loads a GGUF of arch ``gemma3``, ``llama``,
-``qwen2``, ``qwen3``, ``qwen3moe`` or ``gpt-oss`` (the real default Gemma 3 270M file included), dequantizing
+``qwen2``, ``qwen3``, ``qwen3moe`` or ``gpt-oss`` (the real default Gemma 3 270M file included;
+``qwen35`` and ``qwen35moe`` load with ``hybrid_model.HybridReferenceModel``), dequantizing
 every tensor to float32 with ``gguf.quants.dequantize``; ``forward(token_ids)`` runs
 the whole sequence from position 0 with full causal attention (no KV cache, no
 batching) in float64 and returns logits ``[n_tokens, n_vocab]`` (float64).
@@ -77,6 +78,8 @@ import numpy as np
 import gguf
 
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
+# Qwen3.5/3.6's Gated DeltaNet hybrids: a model of their own (hybrid_model.HybridReferenceModel)
+HYBRID_ARCHS = ("qwen35", "qwen35moe")
 
 # llama.cpp's rope type per architecture.
 ROPE_NEOX = {"gemma3": True, "qwen2": True, "qwen3": True, "qwen3moe": True, "gpt-oss": True, "llama": False}
@@ -374,8 +377,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], list[GGUFTensorI
     return meta, infos, mm
 
 
-def metadata_getter(meta: dict[str, Any], arch: str):
-    """hp(key, default): the architecture's metadata field arch.key (KeyError without a default)."""
+def arch_fields(meta: dict[str, Any], arch: str):
+    """hp(key, default): the value of "<arch>.<key>" in meta, else default (KeyError when none is given)."""
     def hp(key: str, default: Any = KeyError) -> Any:
         full = f"{arch}.{key}"
         if full in meta:
@@ -383,7 +386,6 @@ def metadata_getter(meta: dict[str, Any], arch: str):
         if default is KeyError:
             raise KeyError(f"GGUF is missing {full}")
         return default
-
     return hp
 
 
@@ -453,10 +455,12 @@ class ReferenceModel:
     def from_gguf(cls, path: str | os.PathLike) -> "ReferenceModel":
         meta, infos, mm = read_gguf(path)
         arch = meta["general.architecture"]
+        if arch in HYBRID_ARCHS:
+            raise ValueError(f"{arch!r} is a Gated DeltaNet hybrid: load it with "
+                             "hybrid_model.HybridReferenceModel.from_gguf")
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {arch!r}")
-
-        hp = metadata_getter(meta, arch)
+        hp = arch_fields(meta, arch)
         tensors = {info.name: load_tensor(mm, info) for info in infos}
         del mm
 
@@ -582,6 +586,7 @@ class ReferenceModel:
         *,
         past_kv: list[tuple[np.ndarray, np.ndarray]] | None = None,
         return_kv: bool = False,
+        embeds: dict[int, np.ndarray] | None = None,
     ):
         """Logits [n_tokens, n_vocab] (float64) for ``token_ids`` at positions 0..n-1.
 
@@ -592,6 +597,8 @@ class ReferenceModel:
         the new tokens take positions ``n_past..`` and attend to the past keys too
         (the result equals one full forward; used for cheap greedy decoding and as the
         oracle for chunked prefill).  The returned ``kv`` then covers past + new.
+        ``embeds`` maps positions (absolute, n_past..) to input rows [n_embd] that replace those
+        tokens' embeddings, unscaled (an image's rows, as llama.cpp feeds them to Gemma 3).
         """
         ids = np.asarray(list(token_ids), dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0:
@@ -612,6 +619,9 @@ class ReferenceModel:
         self.last_router_margin = np.full(n, np.inf)
         if gemma:
             x = x * math.sqrt(self.n_embd)  # Gemma's embedding normalizer
+        for p_abs, row in (embeds or {}).items():
+            if n_past <= p_abs < n_past + n:
+                x[p_abs - n_past] = np.asarray(row, dtype=np.float64)
         kv_out = []
         for il, info in enumerate(self.layers):
             p = f"blk.{il}."

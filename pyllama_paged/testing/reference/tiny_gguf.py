@@ -256,6 +256,14 @@ def hook_tensor(tensor_hook, tname: str, data: np.ndarray) -> np.ndarray:
     return out
 
 
+def override_type(tname: str, wtype: str, overrides: Mapping[str, str] | None) -> str:
+    """wtype, or the type of the last fnmatch pattern in overrides that tname matches."""
+    for pattern, t in (overrides or {}).items():
+        if fnmatch.fnmatchcase(tname, pattern):
+            wtype = t
+    return wtype
+
+
 def _block_size(wtype: str) -> int:
     return gguf.GGML_QUANT_SIZES[WEIGHT_TYPES[wtype]][0]
 
@@ -450,13 +458,8 @@ def write_tiny_model(
     overrides = dict(type_overrides or {})
 
     def pick_type(tname: str, row_len: int) -> str:
-        wt = weight_type
-        if tname == "token_embd.weight" and embd_type is not None:
-            wt = embd_type
-        for pat, t in overrides.items():
-            if fnmatch.fnmatchcase(tname, pat):
-                wt = t
-        return resolve_type(wt, row_len, strict)
+        wt = embd_type if tname == "token_embd.weight" and embd_type is not None else weight_type
+        return resolve_type(override_type(tname, wt, overrides), row_len, strict)
 
     w = gguf.GGUFWriter(os.fspath(path), arch)
     w.add_type("model")
