@@ -107,6 +107,13 @@ class Tokenizer:
             self._vocab, types, self.eos_id, self.eot_id, self.eom_id)
         self.token_types: list[int] = types
 
+        self._choose_encoder(model, pre, merges, add_bos, add_eos, add_space_prefix, ignore_merges)
+
+        self._special = SpecialTokens(self.tokens, self.token_types)
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+
+    def _choose_encoder(self, model, pre, merges, add_bos, add_eos, add_space_prefix, ignore_merges) -> None:
+        """The tokenizer model's encoder and its BOS/EOS/space-prefix defaults (the file's flags win)."""
         if model == "llama":
             self.model = "llama"
             self.pre = pre
@@ -146,9 +153,6 @@ class Tokenizer:
         else:
             raise NotImplementedError(f"tokenizer model {model!r} is not supported (only 'llama', 'gpt2', "
                                       "'gemma4' and 'bert')")
-
-        self._special = SpecialTokens(self.tokens, self.token_types)
-        self._pieces: dict[tuple[int, bool], bytes] = {}
 
     # -- construction from GGUF -----------------------------------------------------------------
 
