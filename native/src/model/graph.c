@@ -146,14 +146,12 @@ struct ggml_tensor *pp_graph_norm(struct ggml_context *ctx, struct ggml_tensor *
     return norm(ctx, x, weight, eps);
 }
 
-typedef pp_graph_inputs step_inputs;
-
 /* Layer il's attention of cur [n_embd, n_tokens] (after attn_norm), K/V written to its pools:
  * [head_dim n_head, n_tokens] f32, before the output projection. A hybrid's query projection
  * holds each head's query then its output gate: the attention is scaled by sigmoid(gate). */
 static struct ggml_tensor *attention(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_model *m,
                                      const pp_kv_cache *cache, const pp_batch *batch, pp_attention_params *ap,
-                                     pp_panel_gemm_state *gs, const step_inputs *in, int il, struct ggml_tensor *cur,
+                                     pp_panel_gemm_state *gs, const pp_graph_inputs *in, int il, struct ggml_tensor *cur,
                                      int n_threads, int gather, pp_panel_columns *last) {
     const pp_model_hparams *hp = &m->hp;
     const pp_layer *L = &m->layers[il];
@@ -223,7 +221,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         return pp_build_gemma4_graph(ctx, m, cache, batch, layer_params, gemm_states, n_threads, gather, max_nodes);
     const pp_model_hparams *hp = &m->hp;
     struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, max_nodes, false);
-    step_inputs in = {0};
+    pp_graph_inputs in = {0};
     struct ggml_tensor *x = pp_graph_embed(ctx, m, cache, batch, gemm_states, &in);
     if (rs) {
         in.mrope_positions = pp_graph_input(ctx, GGML_TYPE_I32, 4 * (int64_t)batch->n_tokens, "mrope_positions");
