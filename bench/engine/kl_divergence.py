@@ -21,7 +21,9 @@ log-probability to 16 bits over the 16 nats below the best token and leaves out 
 likely than e^-16, so the two columns of ours show what the format changes.
 
 Models: --model PATH (repeatable; default the default model, Gemma 3 270M Q4_K_M) and tiny random
-models written by pyllama_paged/testing/reference/tiny_gguf.py (--tiny ARCH ..., into bench/.models/; gpt-oss by tiny_gpt_oss.py).
+models written by pyllama_paged/testing/reference/tiny_gguf.py (--tiny ARCH ..., into bench/.models/;
+gpt-oss by tiny_gpt_oss.py, gemma4 and gemma4-moe by tiny_gemma4.py). The reference is the one
+testing/reference/loader.py picks for the file's architecture.
 llama-perplexity comes from bench/build_llama_cpp.sh.
 Outputs: bench/results/kl_divergence/kl_divergence.{json,md,png}.
 Run: python -m bench.engine.kl_divergence
@@ -206,21 +208,31 @@ def file_digest(path: str | Path) -> str:
 
 # ---- the reference ---------------------------------------------------------------------
 
+def reference_sources(model_path: str) -> list[str]:
+    """The reference's source files that model the file at model_path: numpy_model.py, and the
+    module of its own an architecture has (loader.OWN_MODULES: gemma4)."""
+    from pyllama_paged.testing.reference import loader, numpy_model
+
+    arch = numpy_model.read_gguf(model_path)[0].get("general.architecture")
+    own = loader.OWN_MODULES.get(arch)
+    return [numpy_model.__file__] + ([sys.modules[own.__module__].__file__] if own else [])
+
+
 def reference_states(model_path: str, chunks: np.ndarray) -> tuple[np.ndarray, float]:
     """The float64 reference's final normed states at each chunk's scored positions
     [n_chunk, n_scored, n_embd], cached; and the seconds the forward passes took (0 when cached)."""
-    from pyllama_paged.testing.reference import numpy_model
+    from pyllama_paged.testing.reference.loader import load_reference
 
     ctx = chunks.shape[1]
     key = hashlib.sha256()
-    for part in (file_digest(model_path), file_digest(numpy_model.__file__), str(ctx)):
+    for part in (file_digest(model_path), *map(file_digest, reference_sources(model_path)), str(ctx)):
         key.update(part.encode())
     key.update(chunks.tobytes())
     cached = CACHE_DIR / f"{Path(model_path).stem}-{key.hexdigest()[:16]}.npy"
     if cached.is_file():
         return np.load(cached), 0.0
     started = time.perf_counter()
-    model = numpy_model.ReferenceModel.from_gguf(model_path)
+    model = load_reference(model_path)
     # the head's logits for every position are not wanted (reference_log_probs multiplies the
     # scored states in float64); if this private hook is renamed the result is unchanged, only slower
     model._head = lambda x, w: np.zeros((len(x), 1))
@@ -418,9 +430,16 @@ def measure_model(model_path: str, text: str, args, work: Path) -> dict:
     return result
 
 
+# --tiny names of gemma4's two tiny shapes (tiny_gemma4.py: sliding and full layers, shared KV,
+# per-layer embeddings; experts beside the dense FFN)
+GEMMA4_SHAPES = {"gemma4": "dense", "gemma4-moe": "moe"}
+
+
 def tiny_model(arch: str, weights: str, ctx: int) -> str:
-    """A tiny random-weight model of arch (tiny_gguf.py's defaults) in bench/.models/, written
-    again each run (a second): the file follows tiny_gguf.py, the reference's cache its bytes."""
+    """A tiny random-weight model of arch (tiny_gguf.py's defaults; gpt-oss and GEMMA4_SHAPES
+    from their own writers) in bench/.models/, written again each run (a second): the file
+    follows its writer, the reference's cache its bytes."""
+    from pyllama_paged.testing.reference.tiny_gemma4 import write_tiny_gemma4
     from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
     from pyllama_paged.testing.reference.tiny_gpt_oss import write_tiny_gpt_oss
 
@@ -428,6 +447,8 @@ def tiny_model(arch: str, weights: str, ctx: int) -> str:
     TINY_DIR.mkdir(parents=True, exist_ok=True)
     if arch == "gpt-oss":   # its own writer: MXFP4 experts, sinks, YaRN (the context is YaRN's)
         write_tiny_gpt_oss(path.with_suffix(".tmp"), weight_type=weights)
+    elif arch in GEMMA4_SHAPES:   # a context of 4096, more than any --ctx here
+        write_tiny_gemma4(path.with_suffix(".tmp"), GEMMA4_SHAPES[arch], weight_type=weights)
     else:
         write_tiny_model(path.with_suffix(".tmp"), arch, weight_type=weights, context_length=ctx)
     path.with_suffix(".tmp").rename(path)
@@ -481,8 +502,9 @@ def plot(results: Sequence[dict], path: Path) -> None:
 def main(argv=None) -> int:
     ap = script_parser(__doc__)
     ap.add_argument("--model", action="append", help="a GGUF to measure (repeatable; default: the default model)")
-    ap.add_argument("--tiny", nargs="*", default=["gemma3", "qwen3", "qwen3moe"],
-                    help="tiny_gguf.py architectures to write and measure too (none: --tiny alone)")
+    ap.add_argument("--tiny", nargs="*", default=["gemma3", "qwen3", "qwen3moe", "gemma4", "gemma4-moe"],
+                    help="tiny_gguf.py architectures, gpt-oss or GEMMA4_SHAPES' names, to write and measure too "
+                         "(none: --tiny alone)")
     ap.add_argument("--tiny-weights", default="q8_0", help="the tiny models' weight type")
     ap.add_argument("--text", action="append", help=f"text files, joined (repeatable; default {DEFAULT_TEXT})")
     ap.add_argument("--chunks", type=int, default=4)

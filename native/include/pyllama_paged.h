@@ -345,8 +345,14 @@ enum pp_arch {
                              sigmoid output gate (attn_q holds query and gate per head), q/k
                              norms and IMRoPE (rope_sections); post_attention_norm is the FFN's
                              norm; a dense SwiGLU FFN */
-    PP_ARCH_QWEN35MOE = 8 /* qwen35's layers with qwen3moe's routed experts plus a shared expert
+    PP_ARCH_QWEN35MOE = 8, /* qwen35's layers with qwen3moe's routed experts plus a shared expert
                              (n_ff_shexp) scaled by sigmoid(ffn_gate_inp_shexp . x) */
+    PP_ARCH_GEMMA4   = 9  /* Gemma 4: gemma3's layer with per-layer head sizes, KV heads and
+                             rope (layer_* below; rope_freqs on full layers only), an unweighted
+                             v norm (k standing in for a missing v), attention scale 1,
+                             shared-KV layers, per-layer embeddings (n_embd_per_layer), a
+                             per-layer output scale; with experts (n_expert > 0) a router with
+                             its scale and GELU experts beside the dense FFN */
 };
 
 /* Hyper-parameters, read from the GGUF metadata by the caller. */
@@ -385,6 +391,16 @@ typedef struct pp_model_hparams {
     float   yarn_beta_slow;      /* llama.cpp); both > 0, fast > slow, when ext_factor != 0 */
     int32_t n_ctx_orig_yarn;     /* the context YaRN stretches (rope.scaling.original_context_length);
                                     0 = n_ctx_train */
+    /* Per-layer shapes (gemma4), n_layer entries each, copied at pp_model_create; NULL: the
+     * scalar above for every layer. head_dim then gives the output of rope_freqs (n_rot / 2
+     * pairs) and must be the largest layer_head_dim. */
+    const int32_t *layer_head_dim;   /* key (and value) head size, even, <= 512 */
+    const int32_t *layer_n_head_kv;  /* divides n_head */
+    const int32_t *layer_n_rot;      /* even, <= the layer's head size */
+    const int32_t *layer_n_ff;       /* the dense FFN's width */
+    const int32_t *layer_kv_source;  /* -1: the layer computes its own K/V; else an earlier layer
+                                        that does, of the same window and shapes, whose K/V it reads */
+    int32_t n_embd_per_layer;        /* gemma4's per-layer embedding width (E2B/E4B); 0 = none */
     /* Gated DeltaNet hybrids (PP_ARCH_QWEN35, PP_ARCH_QWEN35MOE; 0 and NULL for the others).
      * rope_type is then 40 (GGML_ROPE_TYPE_IMROPE). */
     const int32_t *layer_recurrent; /* n_layer entries: 1 = a Gated DeltaNet layer, 0 = full attention;
@@ -584,18 +600,24 @@ typedef struct pp_kv_cache pp_kv_cache;
  * ggml_type: F16, Q8_0 or Q4_0), for the block pool of the same shape
  * (pp_pool_create_grouped). Layer il belongs to group layer_group[il]
  * (n_layer entries, copied; all 0 for an ungrouped pool, n_groups 1; a hybrid's
- * recurrent layers keep no K/V, and their entries are ignored), every
- * group has the same number of layers L, and the cache holds L K and L V
- * tensors of num_blocks * block_size rows: the i-th layer of every group
- * shares the i-th tensor, each physical block holding the group it was taken
- * for. So one block costs L layers' rows, whatever its group. For paged=0
+ * recurrent layers keep no K/V, and their entries are ignored). Where
+ * every group has the same number of layers L and every layer the same row
+ * width, the cache holds L K and L V tensors of num_blocks * block_size rows:
+ * the i-th layer of every group shares the i-th tensor, each physical block
+ * holding the group it was taken for, so one block costs L layers' rows,
+ * whatever its group. Otherwise (layers of different head sizes or KV heads,
+ * gemma4) one K and one V tensor hold in each slot the rows of the layers of
+ * the group that took the block, side by side: a block costs the widest
+ * group's rows. A layer that reads an earlier layer's KV (layer_kv_source)
+ * has no rows of its own; it must be in its source's group. For paged=0
  * each block is one sequence's contiguous slab (block_size = n_ctx, one
  * group) and attention uses GGML's own flash-attention op instead of the
  * paged kernel. The pools of layers offloaded to a device
  * (pp_model_offload) are allocated there. On success *out owns the cache; free it with
  * pp_kv_cache_destroy, before the model. Fails with PP_ERR_INVALID naming
- * the problem (a head size that is not whole quantization groups, groups of
- * different sizes, a group id outside [0, n_groups), a pool larger than the
+ * the problem (a head size that is not whole quantization groups, a group
+ * with no layer of KV of its own, a shared-KV layer outside its source's
+ * group, a group id outside [0, n_groups), a pool larger than the
  * model's device binds in one tensor), PP_ERR_NO_MEMORY if the pools cannot
  * be allocated (on a device: the message names it and the size). */
 int32_t pp_kv_cache_create_grouped(const pp_model *model, int32_t kv_type, int32_t num_blocks,
@@ -604,8 +626,9 @@ int32_t pp_kv_cache_create_grouped(const pp_model *model, int32_t kv_type, int32
 
 void pp_kv_cache_destroy(pp_kv_cache *cache);
 
-/* Bytes of K plus V one token occupies across all attention layers (without freeing).
- * A size, not a status: 0 for a NULL cache. */
+/* Bytes of K plus V one token occupies across all attention layers (without
+ * freeing; a layer that reads another's KV adds none). A size, not a status: 0
+ * for a NULL cache. */
 int64_t pp_kv_cache_bytes_per_token(const pp_kv_cache *cache);
 
 /* Bytes of K plus V one slot of a block holds: one token of one group

@@ -15,7 +15,8 @@ __all__ = ["ARCH_IDS", "ENCODER_ARCHS", "POOLING_TYPES", "ModelConfig", "ModelLo
 ARCH_IDS = {"llama": lib.PP_ARCH_LLAMA, "qwen2": lib.PP_ARCH_QWEN2, "qwen3": lib.PP_ARCH_QWEN3,
             "gemma3": lib.PP_ARCH_GEMMA3, "bert": lib.PP_ARCH_BERT,
             "qwen3moe": lib.PP_ARCH_QWEN3MOE, "gpt-oss": lib.PP_ARCH_GPT_OSS,
-            "qwen35": lib.PP_ARCH_QWEN35, "qwen35moe": lib.PP_ARCH_QWEN35MOE}   # enum pp_arch
+            "qwen35": lib.PP_ARCH_QWEN35, "qwen35moe": lib.PP_ARCH_QWEN35MOE,
+            "gemma4": lib.PP_ARCH_GEMMA4}   # enum pp_arch
 ENCODER_ARCHS = frozenset({"bert"})   # encoder-only: embeddings, no KV cache, no generation
 EXPERT_ARCHS = frozenset({"qwen3moe", "gpt-oss", "qwen35moe"})   # routed experts instead of the dense FFN
 # Gated DeltaNet layers beside full-attention ones: a recurrent state per sequence (hybrid_fields)
@@ -28,6 +29,8 @@ YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
 MAX_EXPERTS = 1024   # pp_model_create's limit (llama.cpp's LLAMA_MAX_EXPERTS)
 POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}   # llama.cpp's <arch>.pooling_type
 ROPE_NORMAL, ROPE_NEOX, ROPE_IMROPE = 0, 2, 40   # GGML_ROPE_TYPE_*
+# the keys gemma4 may give one value per layer; the generic reads see their largest
+PER_LAYER_KEYS = {"gemma4": ("attention.head_count_kv", "feed_forward_length")}
 
 
 @dataclass
@@ -63,6 +66,15 @@ class ModelConfig:
     yarn_ext_factor: float = field(default=0.0, repr=False)
     yarn_attn_factor: float = field(default=1.0, repr=False)   # rope.scaling.attn_factor
     n_ctx_orig_yarn: int = field(default=0, repr=False)       # rope.scaling.original_context_length
+    # per-layer shapes (gemma4; empty: head_dim, n_head_kv, n_rot, n_ff for every layer)
+    layer_head_dim: list[int] = field(default_factory=list, repr=False)
+    layer_n_head_kv: list[int] = field(default_factory=list, repr=False)
+    layer_n_rot: list[int] = field(default_factory=list, repr=False)
+    layer_n_ff: list[int] = field(default_factory=list, repr=False)
+    # the layer whose KV each layer reads: -1 its own; else an earlier one (gemma4's shared-KV
+    # layers); empty: every layer its own
+    layer_kv_source: list[int] = field(default_factory=list, repr=False)
+    n_embd_per_layer: int = field(default=0, repr=False)   # gemma4's per-layer embeddings (0: none)
     # Gated DeltaNet hybrids (HYBRID_ARCHS): per layer whether it is recurrent (linear attention),
     # the linear layers' convolution kernel, head size, key heads and value heads, IMRoPE's
     # sections and a shared expert's width (qwen35moe)
@@ -82,6 +94,20 @@ class ModelConfig:
     @property
     def n_embd_kv(self) -> int:
         return self.n_head_kv * self.head_dim
+
+    def kv_values(self, il: int) -> int:
+        """Values of one token's K (or V) row in layer il (its heads times its head size)."""
+        hd = self.layer_head_dim[il] if self.layer_head_dim else self.head_dim
+        return hd * (self.layer_n_head_kv[il] if self.layer_n_head_kv else self.n_head_kv)
+
+    def attends(self, il: int) -> bool:
+        """Whether layer il is an attention layer (not a hybrid's recurrent one)."""
+        return not self.layer_recurrent or not self.layer_recurrent[il]
+
+    def owns_kv(self, il: int) -> bool:
+        """Whether layer il computes and keeps its own K/V (else it reads an earlier layer's, or
+        it is recurrent and keeps none)."""
+        return self.attends(il) and (not self.layer_kv_source or self.layer_kv_source[il] < 0)
 
     @property
     def is_hybrid(self) -> bool:
@@ -108,11 +134,41 @@ def _describe(value) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
+def _integers(value) -> list[int] | None:
+    """value as a list of ints if it is an array of integers (not booleans), else None."""
+    if isinstance(value, (list, tuple)):
+        ok = all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in value)
+        return [int(v) for v in value] if ok else None
+    if hasattr(value, "dtype") and getattr(value, "ndim", 0) == 1 and np.issubdtype(value.dtype, np.integer):
+        return [int(v) for v in value]
+    return None
+
+
 class _Fields:
     """Typed, range-checked reads of one architecture's metadata fields."""
 
     def __init__(self, meta: dict, arch: str, path: str):
         self.meta, self.arch, self.path = meta, arch, path
+
+    def scalar_view(self) -> "_Fields":
+        """These fields with PER_LAYER_KEYS' per-layer arrays of integers read as their largest
+        entry, for the reads every architecture shares."""
+        meta = dict(self.meta)
+        for key in PER_LAYER_KEYS.get(self.arch, ()):
+            values = _integers(meta.get(f"{self.arch}.{key}"))
+            if values:
+                meta[f"{self.arch}.{key}"] = max(values)
+        return _Fields(meta, self.arch, self.path)
+
+    def per_layer(self, key: str, n_layer: int, default=_REQUIRED, lo: int = 1) -> list[int]:
+        """An integer for each layer: one for all, or an array of n_layer (llama.cpp's get_key_or_arr)."""
+        value = self._get(key, default)
+        if not isinstance(value, (list, tuple)) and not hasattr(value, "shape"):
+            return [self.integer(key, default, lo=lo)] * n_layer
+        values = _integers(value)
+        if values is None or len(values) != n_layer or not all(lo <= v <= _INT32_MAX for v in values):
+            self._fail(key, f"must be an integer or {n_layer} integers >= {lo}, got {_describe(value)}")
+        return values
 
     def _get(self, key: str, default):
         full = f"{self.arch}.{key}"
@@ -174,7 +230,7 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
     this raise anything but ModelLoadError or hand the native core a value that
     does not fit its int32/float fields."""
     arch = _architecture(meta, n_vocab, path)
-    f = _Fields(meta, arch, path)
+    f = _Fields(meta, arch, path).scalar_view()
     n_embd = f.integer("embedding_length")
     n_head = f.integer("attention.head_count")
     n_head_kv = f.integer("attention.head_count_kv", n_head)
@@ -228,23 +284,30 @@ def config_from_metadata(meta: dict, n_vocab: int | None, path: str) -> ModelCon
         _hybrid_fields(cfg, f)
     if yarn:
         _yarn_fields(cfg, f)
-    window = f.integer("attention.sliding_window", 0, lo=0)
-    if arch == "gemma3":
-        # Gemma 3 scales embeddings by sqrt(n_embd); five of every six layers
-        # use sliding-window attention with a 10k RoPE base (llama.cpp's
-        # swa pattern of 6), the sixth is global with rope.freq_base.
-        cfg.embd_scale = math.sqrt(n_embd)
-        cfg.layer_window = [window if (il % 6) < 5 else 0 for il in range(n_layer)]
-        scalar = f.number("attention.query_pre_attn_scalar", 0.0)
-        if scalar:
-            cfg.attn_scale = 1.0 / math.sqrt(scalar)
-    elif arch == "gpt-oss":
-        _gpt_oss_fields(cfg, f)
-    elif window and arch == "llama":  # Mistral v0.1 style: every layer windowed
-        cfg.layer_window = [window] * n_layer
+    _layer_fields(cfg, f, meta)
     if n_head % n_head_kv:
         raise ModelLoadError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     return cfg
+
+
+def _layer_fields(cfg: ModelConfig, f: _Fields, meta: dict) -> None:
+    """Each architecture's own layers: which slide and over what, their rope and scales."""
+    window = f.integer("attention.sliding_window", 0, lo=0)
+    if f.arch == "gemma3":
+        # Gemma 3 scales embeddings by sqrt(n_embd); five of every six layers
+        # use sliding-window attention with a 10k RoPE base (llama.cpp's
+        # swa pattern of 6), the sixth is global with rope.freq_base.
+        cfg.embd_scale = math.sqrt(cfg.n_embd)
+        cfg.layer_window = [window if (il % 6) < 5 else 0 for il in range(cfg.n_layer)]
+        scalar = f.number("attention.query_pre_attn_scalar", 0.0)
+        if scalar:
+            cfg.attn_scale = 1.0 / math.sqrt(scalar)
+    elif f.arch == "gpt-oss":
+        _gpt_oss_fields(cfg, f)
+    elif f.arch == "gemma4":
+        _gemma4_fields(cfg, _Fields(meta, f.arch, f.path))   # the per-layer arrays as they are
+    elif window and f.arch == "llama":  # Mistral v0.1 style: every layer windowed
+        cfg.layer_window = [window] * cfg.n_layer
 
 
 def _expert_fields(cfg: ModelConfig, f: _Fields) -> None:
@@ -328,18 +391,22 @@ def _gpt_oss_fields(cfg: ModelConfig, f: _Fields) -> None:
     (even layers slide; sliding_window_pattern overrides it), whose rope is the full layers' own
     (YaRN included) unless rope.freq_base_swa is given; attention scaled by 1/sqrt(n_rot)."""
     window = f.integer("attention.sliding_window")
-    pattern = f._get("attention.sliding_window_pattern", 2)
-    if isinstance(pattern, (list, tuple)) or hasattr(pattern, "shape"):   # the reader gives arrays as numpy's
-        if len(pattern) < cfg.n_layer or not all(isinstance(b, (bool, np.bool_)) for b in pattern):
-            f._fail("attention.sliding_window_pattern", f"must be {cfg.n_layer} booleans, got {_describe(pattern)}")
-        sliding = [bool(b) for b in pattern[:cfg.n_layer]]
-    else:
-        period = f.integer("attention.sliding_window_pattern", 2, lo=0, hi=MAX_LAYERS)
-        sliding = [period == 0 or il % period < period - 1 for il in range(cfg.n_layer)]
-    cfg.layer_window = [window if s else 0 for s in sliding]
+    cfg.layer_window = [window if s else 0 for s in _sliding_layers(f, cfg.n_layer, 2)]
     cfg.rope_freq_base_swa = f.number("rope.freq_base_swa", cfg.rope_freq_base, positive=True)
     cfg.rope_freq_scale_swa = cfg.rope_freq_scale
     cfg.attn_scale = 1.0 / math.sqrt(cfg.n_rot)
+
+
+def _sliding_layers(f: _Fields, n_layer: int, period) -> list[bool]:
+    """Which layers slide, from sliding_window_pattern: a boolean per layer, or a period whose
+    last layer is full (0: every layer slides); period is the default."""
+    pattern = f._get("attention.sliding_window_pattern", period)
+    if isinstance(pattern, (list, tuple)) or hasattr(pattern, "shape"):   # the reader gives arrays as numpy's
+        if len(pattern) < n_layer or not all(isinstance(b, (bool, np.bool_)) for b in pattern):
+            f._fail("attention.sliding_window_pattern", f"must be {n_layer} booleans, got {_describe(pattern)}")
+        return [bool(b) for b in pattern[:n_layer]]
+    period = f.integer("attention.sliding_window_pattern", period, lo=0, hi=MAX_LAYERS)
+    return [period == 0 or il % period < period - 1 for il in range(n_layer)]
 
 
 def _encoder_fields(cfg: ModelConfig, f: _Fields) -> None:
@@ -351,3 +418,55 @@ def _encoder_fields(cfg: ModelConfig, f: _Fields) -> None:
         raise ModelLoadError(f"{f.path}: a causal {f.arch} model is not supported")
     if cfg.pooling is None:
         cfg.pooling = "mean"
+
+
+def _gemma4_fields(cfg: ModelConfig, f: _Fields) -> None:
+    """Gemma 4 (llama.cpp's gemma4): sliding layers (sliding_window_pattern, a required window)
+    with key_length_swa heads and dimension_count_swa rotated dims at rope.freq_base_swa
+    (default 10000), unscaled; full layers with key_length / dimension_count at rope.freq_base;
+    head_count_kv and feed_forward_length once or per layer; the last shared_kv_layers layers
+    read the KV of the last earlier layer of their kind; per-layer embeddings of
+    embedding_length_per_layer_input values (required; 0: none); attention scale 1 (q and k are
+    normed), embeddings times sqrt(n_embd); experts where expert_count is given."""
+    n = cfg.n_layer
+    sliding = _sliding_layers(f, n, _REQUIRED)
+    window = f.integer("attention.sliding_window")
+    head_swa = f.integer("attention.key_length_swa", cfg.head_dim, hi=512)
+    if f.integer("attention.value_length_swa", head_swa) != head_swa:
+        raise ModelLoadError(f"{f.path}: value_length_swa != key_length_swa is not supported")
+    rot_swa = f.integer("rope.dimension_count_swa", cfg.n_rot)
+    if rot_swa > head_swa or rot_swa % 2:
+        f._fail("rope.dimension_count_swa", f"is {rot_swa}; it must be even and at most key_length_swa {head_swa}")
+    cfg.layer_window = [window if s else 0 for s in sliding]
+    cfg.layer_head_dim = [head_swa if s else cfg.head_dim for s in sliding]
+    cfg.layer_n_rot = [rot_swa if s else cfg.n_rot for s in sliding]
+    cfg.layer_n_head_kv = f.per_layer("attention.head_count_kv", n, cfg.n_head)
+    cfg.layer_n_ff = f.per_layer("feed_forward_length", n)
+    for il, kv in enumerate(cfg.layer_n_head_kv):
+        if cfg.n_head % kv:
+            raise ModelLoadError(f"{f.path}: layer {il}: head_count {cfg.n_head} is not a multiple of its "
+                                 f"head_count_kv {kv}")
+    cfg.layer_kv_source = _shared_kv_sources(f, sliding, f.integer("attention.shared_kv_layers", 0, lo=0, hi=n - 1))
+    cfg.n_embd_per_layer = f.integer("embedding_length_per_layer_input", lo=0)
+    cfg.rope_freq_base_swa = f.number("rope.freq_base_swa", 10000.0, positive=True)
+    cfg.rope_freq_scale_swa = 1.0
+    cfg.attn_scale = 1.0
+    cfg.embd_scale = math.sqrt(cfg.n_embd)
+    if f.integer("expert_count", 0, lo=0):
+        _expert_fields(cfg, f)
+
+
+def _shared_kv_sources(f: _Fields, sliding: list[bool], n_shared: int) -> list[int]:
+    """-1 for each layer with KV of its own, then for each of the last n_shared layers the last
+    earlier such layer of its kind (where Gemma 4's layers end, llama.cpp's n_kv_from_start - 2
+    for a sliding one and - 1 for a full one)."""
+    n_own = len(sliding) - n_shared
+    sources = [-1] * n_own
+    for il in range(n_own, len(sliding)):
+        same_kind = [j for j in range(n_own) if sliding[j] == sliding[il]]
+        if not same_kind:
+            kind = "sliding" if sliding[il] else "full"
+            raise ModelLoadError(f"{f.path}: layer {il} shares KV ({f.arch}.attention.shared_kv_layers = {n_shared}), "
+                                 f"but no earlier layer of its kind ({kind} attention) has KV of its own")
+        sources.append(same_kind[-1])
+    return sources

@@ -72,6 +72,17 @@ def run_to_completion(llm, prompts, params):
     return [outputs[r.request_id] for r in requests], requests
 
 
+def small_engine(model, end_ids, num_blocks: int = 200, mode: str = "recompute", budget: int = 64):
+    """An LLMEngine on model for the fork and preemption checks: a context of 128, blocks of 16
+    (num_blocks of them), two threads, budget tokens a step, preemption by mode."""
+    from ..engine import EngineConfig, LLMEngine, SchedulerConfig
+    from ..engine.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=budget, block_size=16,
+                                             num_blocks=num_blocks))
+    return LLMEngine(runner, end_ids, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
+
+
 def reference_next_logits(ref) -> Callable[[Sequence[int]], np.ndarray]:
     """logits_of(ids) for assert_greedy_agree from a float64 reference model: its last row."""
     return lambda ids: ref.forward(ids)[-1]

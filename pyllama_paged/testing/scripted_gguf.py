@@ -33,6 +33,14 @@ HARMONY_MARKUP: harmony's special tokens typed as gpt-oss's GGUF types them (all
 ``<|return|>`` the EOS). The reply is harmony (tools.harmony), read by its marker tokens: a
 reply piece that holds markup in its text (``"assistant<|channel|>"``) is an ordinary token,
 text that only spells markers, as an attacker's would.
+
+GEMMA4_MARKUP types Gemma 4's tokens as its GGUF does, for a reply in its format under the tiny
+gemma4 file's template (reference/tiny_gemma4.GEMMA4_TEMPLATE); since Gemma 4 goes on after a
+tool's result inside its own turn, ``after`` starts a script at a piece other than the generation
+prompt's last token (``<tool_response|>``). ``arch="gemma4"`` writes the script into tiny_gemma4's
+dense shape instead (the same vocabulary, read as SentencePiece): its layers add nothing either
+(``attn_output``, ``ffn_down`` and the per-layer embeddings' ``proj`` zero; the output scales only
+scale what the final RMSNorm divides out), and its soft-cap of 30 leaves the script's logit at 23.7.
 """
 
 from __future__ import annotations
@@ -48,6 +56,10 @@ import numpy as np
 from ..tokenizer.chat_template import ChatTemplate
 from ..tokenizer.spm import SPACE_MARK
 from ..tokenizer.tokenizer import Tokenizer
+from .reference.tiny_gemma4 import CONTROL_PIECES as GEMMA4_CONTROL
+from .reference.tiny_gemma4 import END_OF_TURN as GEMMA4_END_OF_TURN
+from .reference.tiny_gemma4 import USER_DEFINED_PIECES as GEMMA4_USER_DEFINED
+from .reference.tiny_gemma4 import write_tiny_gemma4
 from .reference.tiny_gguf import build_vocab, write_tiny_model
 
 ARCH = "qwen3"
@@ -77,6 +89,9 @@ QWEN3_MARKUP = Markup(CONTROL_PIECES, USER_DEFINED_PIECES, END_OF_TURN)
 # tokens user-defined and <|return|> and <|call|> the ends of generation, as llama.cpp does
 HARMONY_MARKUP = Markup(("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
                          "<|call|>"), (), "<|return|>")
+# Gemma 4's (testing/reference/tiny_gemma4.py): <turn|> ends a turn (the EOS); <|tool_response>,
+# where a call's result goes, ends the reply too (the tokenizer makes it an end of generation)
+GEMMA4_MARKUP = Markup(GEMMA4_CONTROL, GEMMA4_USER_DEFINED, GEMMA4_END_OF_TURN)
 
 # Where an assistant turn ends, and the tool results' and the other turns after it (every
 # template here but harmony's)
@@ -276,13 +291,15 @@ def scripted_tokenizer(reply: Sequence[str], chat_template: str, markup: Markup 
 
 
 def script_chain(reply: Sequence[str], chat_template: str, variables: dict | None = None,
-                 markup: Markup = QWEN3_MARKUP, end: str | None = None) -> list[int]:
-    """Token ids of the chain: the rendered generation prompt's last token, the reply's pieces,
-    then end (one of markup's pieces that ends generation; None: the EOS, <|im_end|> for
-    Qwen3). Raises ValueError when a token comes twice."""
+                 markup: Markup = QWEN3_MARKUP, end: str | None = None, after: str | None = None) -> list[int]:
+    """Token ids of the chain: the rendered generation prompt's last token (or the piece after,
+    for prompts that end elsewhere: Gemma 4's after a tool's result), the reply's pieces, then
+    end (one of markup's pieces that ends generation; None: the EOS, <|im_end|> for Qwen3).
+    Raises ValueError when a token comes twice."""
     tokenizer = scripted_tokenizer(reply, chat_template, markup)
     prompt = ChatTemplate(chat_template).render(list(PROBE_MESSAGES), variables=variables)
-    start = tokenizer.encode(prompt, add_special=True, parse_special=True)[-1]
+    start = tokenizer.encode(prompt, add_special=True, parse_special=True)[-1] if after is None \
+        else tokenizer.token_to_id(after)
     last = tokenizer.eos_id if end is None else tokenizer.token_to_id(end)
     if last not in tokenizer.eot_ids:
         raise ValueError(f"the reply must end with a token that ends generation, not {end!r}")
@@ -308,12 +325,14 @@ def script_chain(reply: Sequence[str], chat_template: str, variables: dict | Non
 
 def write_scripted_model(path: str | os.PathLike, reply: Sequence[str], chat_template: str, *,
                          variables: dict | None = None, markup: Markup = QWEN3_MARKUP, end: str | None = None,
-                         seed: int = 0, n_embd: int = 256, weight_type: str = "f16", **options: Any) -> str:
-    """Write a qwen3 GGUF whose reply to chat_template's generation prompt (rendered with
-    variables, e.g. {"enable_thinking": False}) is the pieces of reply, each one token, then
-    end (None: the EOS of markup, Qwen3's by default); returns the path. options go to
-    write_tiny_model (n_layer, name, ...)."""
-    chain = script_chain(reply, chat_template, variables, markup, end)
+                         after: str | None = None, seed: int = 0, n_embd: int = 256, weight_type: str = "f16",
+                         arch: str = ARCH, **options: Any) -> str:
+    """Write a qwen3 (or gemma4: arch) GGUF whose reply to chat_template's generation prompt
+    (rendered with variables, e.g. {"enable_thinking": False}), or to any prompt ending with the
+    piece after, is the pieces of reply, each one token, then end (None: the EOS of markup,
+    Qwen3's by default); returns the path. options go to write_tiny_model (n_layer, name, ...),
+    for gemma4 to write_tiny_gemma4 (context_length, name, ...; n_embd is its shape's 256)."""
+    chain = script_chain(reply, chat_template, variables, markup, end, after)
     if len(chain) > n_embd:
         raise ValueError(f"a chain of {len(chain)} tokens needs n_embd >= {len(chain)} (orthogonal embeddings)")
     rng = np.random.default_rng(seed)
@@ -331,10 +350,16 @@ def write_scripted_model(path: str | os.PathLike, reply: Sequence[str], chat_tem
             return head
         if name == "output_norm.weight":
             return np.ones_like(data)
-        if name.endswith((".attn_output.weight", ".ffn_down.weight")):
+        if name.endswith((".attn_output.weight", ".ffn_down.weight", ".proj.weight")):
             return np.zeros_like(data)
         return data
 
+    if arch == "gemma4":
+        vocab = build_vocab(ARCH, None, _extra_pieces(reply, markup))
+        _mark_up(vocab, chat_template, markup)
+        return write_tiny_gemma4(path, "dense", weight_type=weight_type, vocab=vocab, tokenizer="llama",
+                                 tie_embeddings=False, chat_template=None, seed=seed, tensor_hook=tensor_hook,
+                                 **options)
     return write_tiny_model(path, ARCH, weight_type=weight_type, n_embd=n_embd, tie_embeddings=False,
                             seed=seed, extra_pieces=_extra_pieces(reply, markup), tensor_hook=tensor_hook,
                             vocab_hook=lambda vocab: _mark_up(vocab, chat_template, markup),

@@ -1,6 +1,6 @@
 """A random-weight GGUF the size of a model people run (Llama 3.2 1B/3B, Qwen 2.5 1.5B,
-Gemma 3 4B, Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-9B, Qwen3.6-35B-A3B, or the 1.6B Gemma 3 the
-benchmarks have long used),
+Gemma 3 4B, Gemma 4 E4B and 26B-A4B, Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-9B, Qwen3.6-35B-A3B,
+or the 1.6B Gemma 3 the benchmarks have long used),
 quantized like Q4_K_M (gpt-oss: like its release, MXFP4 experts and Q8_0 elsewhere), for
 benchmarks where weight and KV bytes and prompt lengths must be realistic.
 
@@ -44,6 +44,7 @@ from .synthetic_blocks import (MXFP4_BYTES, Q4_K_BYTES, Q6_K_BYTES, Q8_0_BYTES, 
                                q4_k_blocks, q6_k_blocks, q8_0_blocks)
 from .reference.tiny_mmproj import write_tiny_mmproj
 from .synthetic_bpe import build_bpe_vocab
+from .synthetic_gemma4 import add_gemma4_hparams, add_gemma4_tensors
 from .vocab_metadata import add_tokenizer
 
 # Llama 3.2's long-context RoPE rule (its config's rope_scaling), which llama.cpp's converter
@@ -137,8 +138,8 @@ def _add_hparams(w, p: presets.Preset, meta: dict | None, n_vocab: int) -> None:
     if p.arch != "qwen35moe":   # Qwen3.6-35B-A3B's config has no dense width, so its file no key
         w.add_feed_forward_length(p.n_ff)
     w.add_head_count(p.n_head)
-    w.add_head_count_kv(p.n_head_kv)
-    if p.arch in ("gemma3", "qwen3moe", "gpt-oss") or p.hybrid or p.q_dim != p.n_embd:
+    w.add_head_count_kv(p.kv_heads())
+    if p.arch in ("gemma3", "qwen3moe", "gpt-oss", "gemma4") or p.hybrid or p.q_dim != p.n_embd:
         w.add_key_length(p.head_dim)
         w.add_value_length(p.head_dim)
     w.add_layer_norm_rms_eps(pick(p.rms_eps, "attention.layer_norm_rms_epsilon", float))
@@ -146,7 +147,7 @@ def _add_hparams(w, p: presets.Preset, meta: dict | None, n_vocab: int) -> None:
     if p.arch == "llama":
         w.add_vocab_size(n_vocab)
         w.add_rope_dimension_count(p.head_dim)
-    if p.arch in ("gemma3", "gpt-oss"):
+    if p.arch in ("gemma3", "gpt-oss", "gemma4"):
         w.add_sliding_window(pick(p.sliding_window, "attention.sliding_window", int))
     if p.yarn_factor is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -159,6 +160,8 @@ def _add_hparams(w, p: presets.Preset, meta: dict | None, n_vocab: int) -> None:
         w.add_expert_count(p.n_expert)
         w.add_expert_used_count(p.n_expert_used)
         w.add_expert_feed_forward_length(p.n_ff_exp)
+    if p.arch == "gemma4":
+        add_gemma4_hparams(w, p)
     if p.hybrid:
         _add_hybrid_hparams(w, p)
 
@@ -193,6 +196,8 @@ class _Tensors:
         """A weight matrix in its type of the preset's mix; n_mat > 0: that many of them (experts)
         as one 3-D tensor."""
         kind = mxfp4_mix_type(name) if self.p.type_mix == "mxfp4" else q4_k_m_type(name, self.p.n_layer, self.p.tied)
+        if n_in % _BLOCKS[kind][2]:   # rows that are not whole blocks of it: llama-quantize's fallback (as Q8_0)
+            kind = "Q8_0"
         blocks, block_bytes, block_values, qtype = _BLOCKS[kind]
         shape = ((n_mat,) if n_mat else ()) + (n_out, n_in // block_values * block_bytes)
         rows = n_out * max(n_mat, 1)
@@ -227,7 +232,7 @@ class _Tensors:
 def _add_tensors(t: _Tensors, n_vocab: int) -> None:
     """Every tensor the architecture has, in llama.cpp's names and shapes."""
     p = t.p
-    gemma = p.arch == "gemma3"
+    gemma = p.arch in ("gemma3", "gemma4")
     # gemma multiplies embeddings by sqrt(n_embd) and ties the head: small embeddings, an
     # output_norm near 4 and post-norms near 2 keep its logits from predicting the input
     # token (the scales of pyllama_paged/testing/reference/tiny_gguf.py); the others' tied or
@@ -240,6 +245,8 @@ def _add_tensors(t: _Tensors, n_vocab: int) -> None:
     if p.llama3_rope:
         t.table("rope_freqs.weight", llama3_rope_divisors(p.head_dim, p.rope_freq_base))
     kv_dim, in_std = p.n_head_kv * p.head_dim, 1.0 / np.sqrt(p.n_embd)
+    if p.arch == "gemma4":
+        return add_gemma4_tensors(t, n_vocab)
     if p.arch == "gpt-oss":
         for il in range(p.n_layer):
             _add_gpt_oss_layer(t, f"blk.{il}.", kv_dim, in_std)
@@ -296,6 +303,23 @@ def _add_gpt_oss_layer(t: _Tensors, b: str, kv_dim: int, in_std: float) -> None:
                               ("ffn_down_exps", p.n_embd, p.n_ff_exp)):
         t.matrix(b + name + ".weight", n_out, n_in, 1.0 / np.sqrt(n_in), p.n_expert)
         t.float_matrix(b + name + ".bias", p.n_expert, n_out, 0.1)
+
+
+def write_metadata(out: Path, preset: str | presets.Preset, *, source: str | None = None) -> str:
+    """The preset's file without its tensors: the metadata alone (its config, KV sizes), at once
+    for the largest preset."""
+    p = presets.get(preset) if isinstance(preset, str) else preset
+    p.check()
+    w = gguf.GGUFWriter(str(out), p.arch)
+    meta = _source_metadata(source) if p.tokenizer == "source" else None
+    model, pre, vocab = _tokenizer(p, meta)
+    _add_hparams(w, p, meta, len(vocab["tokens"]))
+    add_tokenizer(w, model, pre, vocab)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    return str(out)
 
 
 def _add_hybrid_layer(t: _Tensors, il: int, kv_dim: int, in_std: float) -> None:

@@ -48,6 +48,28 @@ class Preset:
     type_mix: str = "q4_k_m"
     yarn_factor: float | None = None       # YaRN rope scaling over yarn_original_context positions
     yarn_original_context: int = 0
+    # gemma4: the sliding layers' head size and KV heads (0: head_dim, n_head_kv: those are the
+    # full layers'), layers sliding il % swa_period < swa_period - 1, the last n_kv_shared reading
+    # earlier layers' KV, per-layer embeddings of n_embd_per_layer, no V on full layers (k_eq_v)
+    head_dim_swa: int = 0
+    n_head_kv_swa: int = 0
+    swa_period: int = 0
+    n_kv_shared: int = 0
+    n_embd_per_layer: int = 0
+    k_eq_v: bool = False
+    final_logit_softcap: float | None = None
+
+    def sliding(self) -> list[bool]:
+        """Which layers slide (gemma4's period; [] for the other architectures)."""
+        period = self.swa_period
+        return [il % period < period - 1 for il in range(self.n_layer)] if period else []
+
+    def kv_heads(self) -> int | list[int]:
+        """head_count_kv as the converter writes it: one count, or one per layer where they differ."""
+        sliding = self.sliding()
+        if not sliding or self.n_head_kv_swa in (0, self.n_head_kv):
+            return self.n_head_kv
+        return [self.n_head_kv_swa if s else self.n_head_kv for s in sliding]
     # Gated DeltaNet hybrids (qwen35, qwen35moe): every full_attention_interval-th layer attends,
     # the others are linear layers of ssm_n_group query/key heads and ssm_dt_rank value heads
     # of ssm_d_state each, with a convolution of ssm_d_conv; full attention rotates n_rot dims
@@ -87,14 +109,18 @@ class Preset:
         return self.n_head * self.head_dim
 
     def check(self) -> None:
-        """Raise ValueError if a quantized row would not be whole blocks or the heads do not group."""
-        widths = [("n_embd", self.n_embd), ("n_ff", self.n_ff), ("n_head * head_dim", self.q_dim)]
-        widths += [("n_ff_exp", self.n_ff_exp)] if self.n_expert else []
-        widths += [("n_ff_shexp", self.n_ff_shexp)] if self.n_ff_shexp else []
-        widths += [("ssm_dt_rank * ssm_d_state", self.ssm_dt_rank * self.ssm_d_state)] if self.hybrid else []
-        for what, v in widths:
-            if v % self.block:
-                raise ValueError(f"{self.name}: {what} = {v} must be a multiple of {self.block} for "
+        """Raise ValueError if a quantized row would not be whole blocks or the heads do not group.
+        (gemma4's FFN widths need only be whole Q8_0 blocks: synthetic_gguf then writes that
+        type, as llama-quantize falls back for rows that are not whole K-quant blocks.)"""
+        ff_block = QK_32 if self.arch == "gemma4" else self.block
+        widths = [("n_embd", self.n_embd, self.block), ("n_ff", self.n_ff, ff_block),
+                  ("n_head * head_dim", self.q_dim, self.block)]
+        widths += [("n_ff_exp", self.n_ff_exp, ff_block)] if self.n_expert else []
+        widths += [("n_ff_shexp", self.n_ff_shexp, self.block)] if self.n_ff_shexp else []
+        widths += [("ssm_dt_rank * ssm_d_state", self.ssm_dt_rank * self.ssm_d_state, self.block)] if self.hybrid else []
+        for what, v, block in widths:
+            if v % block:
+                raise ValueError(f"{self.name}: {what} = {v} must be a multiple of {block} for "
                                  f"{self.type_mix}'s rows")
         if self.n_head % self.n_head_kv:
             raise ValueError(f"{self.name}: n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
@@ -142,6 +168,21 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            rope_freq_base=150000.0, rms_eps=1e-5, sliding_window=128, n_expert=32, n_expert_used=4,
            n_ff_exp=2880, type_mix="mxfp4", yarn_factor=32.0, yarn_original_context=4096,
            real_params=20_914_757_184, file_name="gpt-oss-synthetic-20b-mxfp4.gguf"),
+    # Gemma 4 E4B: 42 layers, five sliding (512 positions, heads of 256) then a full one (heads of
+    # 512, proportional rope), the last 18 reading earlier layers' KV, per-layer embeddings of 256
+    # (a 10752 x 262144 table); Gemma's vocabulary (the default model's tokenizer), a tied head
+    Preset("gemma4-e4b", "gemma4", n_embd=2560, n_layer=42, n_head=8, n_head_kv=2, head_dim=512,
+           n_ff=10240, tokenizer="source", context_length=131072, rope_freq_base=1e6, rms_eps=1e-6,
+           sliding_window=512, head_dim_swa=256, swa_period=6, n_kv_shared=18, n_embd_per_layer=256,
+           final_logit_softcap=30.0, file_name="gemma4-synthetic-e4b-q4_k_m.gguf"),
+    # Gemma 4 26B-A4B: 30 layers, five sliding (1024 positions, 8 KV heads of 256) then a full one
+    # (2 KV heads of 512, no V projection: K stands in), 128 experts of 704, 8 per token, beside a
+    # dense FFN of 2112 (rows that are not whole K-quant blocks: Q8_0, see check)
+    Preset("gemma4-26b-a4b", "gemma4", n_embd=2816, n_layer=30, n_head=16, n_head_kv=2, head_dim=512,
+           n_ff=2112, tokenizer="source", context_length=262144, rope_freq_base=1e6, rms_eps=1e-6,
+           sliding_window=1024, n_expert=128, n_expert_used=8, n_ff_exp=704, head_dim_swa=256,
+           n_head_kv_swa=8, swa_period=6, k_eq_v=True, final_logit_softcap=30.0,
+           file_name="gemma4-synthetic-26b-a4b-q4_k_m.gguf"),
     # Qwen3.5-9B: 3 of every 4 layers Gated DeltaNet (16 key heads, 32 value heads, of 128), full
     # attention with an output gate (16 heads of 256 on 4 KV heads, a quarter of each rotated in
     # IMRoPE sections 11/11/10); Qwen3.5's vocabulary, an untied head (its MTP block left out)
@@ -176,6 +217,8 @@ def shrink(preset: Preset, n_layer: int = 2, n_ff: int = 512) -> Preset:
     and experts one K-quant block wide (256 values, whole blocks of any type mix). A hybrid
     has a linear layer then a full-attention one (full_attention_interval 2), its state size,
     one key head with its value heads, and n_embd 512."""
+    if preset.arch == "gemma4":
+        return _shrink_gemma4(preset, n_ff)
     group = preset.n_head // preset.n_head_kv
     n_head_kv = 1
     while (n_head_kv * group * preset.head_dim) % QK_K:
@@ -195,5 +238,23 @@ def shrink(preset: Preset, n_layer: int = 2, n_ff: int = 512) -> Preset:
         n_embd=n_embd, n_ff=n_ff, real_params=None,
         n_ff_exp=QK_K if preset.n_expert else 0, **hybrid,
         file_name=preset.file_name.replace("-q4_k_m", "-small-q4_k_m").replace("-mxfp4", "-small-mxfp4"))
+    small.check()
+    return small
+
+
+def _shrink_gemma4(preset: Preset, n_ff: int) -> Preset:
+    """gemma4's small copy: a sliding then a full layer (twice, the second pair reading the first's
+    KV, where the preset shares KV), the fewest heads of the full layers' ratio, the sliding
+    layers' ratio and both head sizes, n_embd one K-quant block, per-layer embeddings of 64 values
+    (their table's rows, 64 per layer, whole K-quant blocks over the four layers)."""
+    shares = preset.n_kv_shared > 0
+    group = preset.n_head // preset.n_head_kv
+    n_head = group
+    swa_group = preset.n_head // (preset.n_head_kv_swa or preset.n_head_kv)
+    small = dataclasses.replace(
+        preset, name=f"{preset.name}-small", n_layer=4 if shares else 2, swa_period=2, n_kv_shared=2 if shares else 0,
+        n_head=n_head, n_head_kv=1, n_head_kv_swa=n_head // swa_group if preset.n_head_kv_swa else 0, n_embd=QK_K,
+        n_ff=n_ff, n_ff_exp=QK_K if preset.n_expert else 0, n_embd_per_layer=64 if preset.n_embd_per_layer else 0,
+        real_params=None, file_name=preset.file_name.replace("-q4_k_m", "-small-q4_k_m"))
     small.check()
     return small

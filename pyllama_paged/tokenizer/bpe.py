@@ -204,16 +204,36 @@ class PreTokenizer:
         return out
 
 
+def merge_ranks(merges: Iterable[str]) -> dict[str, int]:
+    """"left right" -> rank of each merge (split at the first space after its first character;
+    the first of duplicates)."""
+    ranks: dict[str, int] = {}
+    for rank, merge in enumerate(merges):
+        if merge.find(" ", 1) > 0:
+            ranks.setdefault(merge, rank)
+    return ranks
+
+
+def merged_ids(symbols, ranks: dict[str, int], vocab_get, fallback) -> tuple[int, ...]:
+    """The ids of symbols merged by rank: each final piece's, or for a piece outside the
+    vocabulary the ids fallback(piece) gives (None entries dropped)."""
+    out = []
+    for piece in bigram_merge(symbols, ranks, " "):
+        tid = vocab_get(piece)
+        if tid is not None:
+            out.append(tid)
+        else:
+            out.extend(t for t in fallback(piece) if t is not None)
+    return tuple(out)
+
+
 class BpeEncoder:
     """Byte-level BPE with merge ranks and a per-word cache."""
 
     def __init__(self, vocab: dict[str, int], merges: Iterable[str], family: str, ignore_merges: bool):
         self._vocab = vocab
-        # "left right" -> rank (byte-level texts never contain a plain space)
-        self._ranks: dict[str, int] = {}
-        for rank, merge in enumerate(merges):
-            if merge.find(" ", 1) > 0:
-                self._ranks.setdefault(merge, rank)
+        # byte-level texts never contain a plain space
+        self._ranks = merge_ranks(merges)
         self._pre = PreTokenizer(family)
         self._ignore_merges = ignore_merges
         self._cache = WordCache()
@@ -225,20 +245,10 @@ class BpeEncoder:
             tid = vocab_get(mapped)
             if tid is not None:
                 return (tid,)
-        out = []
-        for piece in bigram_merge(mapped, self._ranks, " "):
-            tid = vocab_get(piece)
-            if tid is not None:
-                out.append(tid)
-                continue
-            # Not in the vocabulary: llama.cpp looks up each single byte of the piece's UTF-8
-            # text; only ASCII byte characters can match, anything else is dropped.
-            for ch in piece:
-                if ch < "\x80":
-                    tid = vocab_get(ch)
-                    if tid is not None:
-                        out.append(tid)
-        return tuple(out)
+        # A piece not in the vocabulary: llama.cpp looks up each single byte of its UTF-8 text;
+        # only ASCII byte characters can match, anything else is dropped.
+        return merged_ids(mapped, self._ranks, vocab_get,
+                          lambda piece: [vocab_get(ch) for ch in piece if ch < "\x80"])
 
     def encode(self, text: str) -> list[int]:
         return encode_words(self._pre.split(text), self._cache, self._encode_word)
@@ -246,5 +256,5 @@ class BpeEncoder:
 
 __all__ = [
     "BYTE_TO_CHAR", "CHAR_TO_BYTE", "bytes_to_bpe_text", "bpe_text_to_bytes", "PreTokenizer",
-    "BpeEncoder", "pre_tokenizer_family", "pre_tokenizer_flags",
+    "BpeEncoder", "pre_tokenizer_family", "pre_tokenizer_flags", "merge_ranks", "merged_ids",
 ]

@@ -1,6 +1,6 @@
 """Tokenizer built from GGUF metadata; agrees token for token with llama.cpp.
 
-Two vocabulary kinds are supported, chosen by ``tokenizer.ggml.model``:
+These vocabulary kinds are supported, chosen by ``tokenizer.ggml.model``:
 
 * ``"llama"``: SentencePiece style (Llama 2, Mistral, TinyLlama, Gemma). Spaces become ``▁``,
   pieces merge by score, unknown characters fall back to ``<0xXX>`` byte tokens. A space is put
@@ -9,6 +9,8 @@ Two vocabulary kinds are supported, chosen by ``tokenizer.ggml.model``:
   See ``spm``.
 * ``"gpt2"``: byte-level BPE (Llama 3, Qwen 2, SmolLM, GPT-2), with the pre-tokenizer regexes
   named by ``tokenizer.ggml.pre``. See ``bpe``.
+* ``"gemma4"``: Gemma 4's merge-rank BPE over SentencePiece-style text (spaces as ``▁``, byte
+  tokens ``<0xXX>``), always with a BOS. See ``gemma4_bpe``.
 
 Encoding follows llama.cpp: first, special-token texts are cut out of the text (user-defined
 tokens always; control tokens such as ``<start_of_turn>`` only with ``parse_special=True``),
@@ -39,6 +41,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from .bpe import BpeEncoder, bpe_text_to_bytes, pre_tokenizer_family, pre_tokenizer_flags
 from .chat_template import ChatPrompt, ContentGuard
+from .gemma4_bpe import Gemma4Encoder
 from .special import SpecialTokens
 from .spm import SPACE_MARK, SpmEncoder
 from .vocab import TokenType, Vocab, as_text, end_of_generation, read_tokenizer_metadata, vocab_from_metadata
@@ -104,6 +107,13 @@ class Tokenizer:
             self._vocab, types, self.eos_id, self.eot_id, self.eom_id)
         self.token_types: list[int] = types
 
+        self._choose_encoder(model, pre, merges, add_bos, add_eos, add_space_prefix, ignore_merges)
+
+        self._special = SpecialTokens(self.tokens, self.token_types)
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+
+    def _choose_encoder(self, model, pre, merges, add_bos, add_eos, add_space_prefix, ignore_merges) -> None:
+        """The tokenizer model's encoder and its BOS/EOS/space-prefix defaults (the file's flags win)."""
         if model == "llama":
             self.model = "llama"
             self.pre = pre
@@ -122,6 +132,15 @@ class Tokenizer:
             if ignore_merges is None:
                 ignore_merges = flags.get("ignore_merges", False)
             self._encoder = BpeEncoder(self._vocab, merges or [], family, ignore_merges)
+        elif model == "gemma4":
+            # SentencePiece-style text under merge ranks (gemma4_bpe); llama.cpp adds the BOS
+            # even where the file says not to
+            self.model = "gemma4"
+            self.pre = pre
+            self.add_bos = True
+            self.add_eos = False if add_eos is None else bool(add_eos)
+            self.add_space_prefix = False
+            self._encoder = Gemma4Encoder(self._vocab, merges or [])
         elif model == "bert":
             # WordPiece; [CLS] and [SEP] around every input (as BOS and EOS here: llama.cpp
             # reads CLS as BOS), see wordpiece
@@ -132,11 +151,8 @@ class Tokenizer:
             self.add_space_prefix = False
             self._encoder = WordPieceEncoder(self._vocab, self.unk_id)
         else:
-            raise NotImplementedError(f"tokenizer model {model!r} is not supported (only 'llama', 'gpt2' "
-                                      "and 'bert')")
-
-        self._special = SpecialTokens(self.tokens, self.token_types)
-        self._pieces: dict[tuple[int, bool], bytes] = {}
+            raise NotImplementedError(f"tokenizer model {model!r} is not supported (only 'llama', 'gpt2', "
+                                      "'gemma4' and 'bert')")
 
     # -- construction from GGUF -----------------------------------------------------------------
 
@@ -305,11 +321,11 @@ class Tokenizer:
         if ttype == TokenType.NORMAL:
             if self.model == "bert":
                 return self._encoder.piece_text(text).encode("utf-8", "surrogateescape")
-            if self.model == "llama":
+            if self.model in ("llama", "gemma4"):
                 return text.replace(SPACE_MARK, " ").encode("utf-8", "surrogateescape")
             return bpe_text_to_bytes(text)
         if ttype == TokenType.BYTE:
-            if self.model == "llama":
+            if self.model in ("llama", "gemma4"):
                 return bytes([int(text[3:5], 16)])
             return bpe_text_to_bytes(text)
         return b""  # unused / undefined

@@ -21,7 +21,7 @@ from ..gguf.reader import read_metadata
 
 __all__ = ["TokenType", "Vocab", "read_tokenizer_metadata", "vocab_from_metadata", "end_of_generation"]
 
-MODELS = ("llama", "gpt2", "bert")
+MODELS = ("llama", "gpt2", "bert", "gemma4")
 
 
 class TokenType(IntEnum):
@@ -177,8 +177,8 @@ def vocab_from_metadata(md: Mapping[str, Any]) -> Vocab:
     if model is None:
         raise ModelLoadError("GGUF metadata has no tokenizer.ggml.model")
     if not isinstance(model, str) or model not in MODELS:  # (an array has no `in`)
-        raise ModelLoadError(f"tokenizer model {_short(model)} is not supported (only 'llama', 'gpt2' "
-                             "and 'bert')")
+        raise ModelLoadError(f"tokenizer model {_short(model)} is not supported (only 'llama', 'gpt2', "
+                             "'gemma4' and 'bert')")
     if "tokenizer.ggml.tokens" not in md:
         raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens")
     tokens = _string_list(md, "tokenizer.ggml.tokens")

@@ -44,7 +44,8 @@ class CallScan:
         self.pos = 0               # characters fed
         self.complete_end: int | None = None
         self._since: list[str] = []   # the characters since the last whole call
-        formats = (hermes,) if hermes_only else (hermes, python_tag, mistral, bare_json, fence)
+        # after answer text, only the formats whose calls may follow it (Hermes', Gemma 4's)
+        formats = (hermes, gemma4) if hermes_only else (hermes, gemma4, python_tag, mistral, bare_json, fence)
         self._live: list[Recognizer] = []
         for fmt in formats:
             recognizer = fmt(self)
@@ -317,3 +318,47 @@ def fence(scan: CallScan):
     scan.mark_complete()
     yield from _next_solid()
     raise NotACall   # a fence holds the whole answer: anything after it is not a call
+
+
+# Gemma 4's markup (tools/gemma4.py holds the parser; the scan needs only the marks)
+_GEMMA4_OPEN, _GEMMA4_CLOSE, _GEMMA4_QUOTE = "<|tool_call>call:", "<tool_call|>", '<|"|>'
+
+
+def _gemma4_name(scan: CallScan):
+    """A Gemma 4 call's function name, up to the `{` of its arguments (read)."""
+    name = ""
+    while (ch := (yield)) != "{":
+        name += ch
+        if len(name) > _MAX_CHECKED or (scan.names is not None and name not in scan.names.prefixes):
+            raise NotACall
+    if scan.names is not None and name not in scan.names.whole:
+        raise NotACall
+
+
+def _gemma4_arguments():
+    """The rest of Gemma 4's argument object (its `{` read), followed for its extent only:
+    brackets outside its `<|"|>` strings."""
+    depth, in_string, recent = 1, False, ""
+    while depth:
+        ch = yield
+        recent = (recent + ch)[-len(_GEMMA4_QUOTE):]
+        if recent == _GEMMA4_QUOTE:
+            in_string = not in_string
+        elif not in_string and ch in "{[":
+            depth += 1
+            if depth > _MAX_DEPTH:
+                raise NotACall
+        elif not in_string and ch in "}]":
+            depth -= 1
+
+
+def gemma4(scan: CallScan):
+    """Gemma 4: <|tool_call>call:NAME{arguments}<tool_call|>, one after another."""
+    ch = yield from _next_solid()
+    while True:
+        yield from _literal(_GEMMA4_OPEN, ch)
+        yield from _gemma4_name(scan)
+        yield from _gemma4_arguments()
+        yield from _literal(_GEMMA4_CLOSE, (yield))
+        scan.mark_complete()
+        ch = yield from _next_solid()

@@ -2,8 +2,9 @@
 Qwen/Hermes (<tool_call>{json}</tool_call>; Qwen3.5's XML function in the same block),
 Llama 3.x ({"name", "parameters"},
 after <|python_tag|> or bare), Mistral ([TOOL_CALLS] [{"name", "arguments"}]),
-Gemma-style bare JSON (also inside a ``` fence), and Gemma's tool_code fence of
-Python calls (```tool_code\nget_weather(city="Paris")\n```)."""
+Gemma-style bare JSON (also inside a ``` fence), Gemma's tool_code fence of
+Python calls (```tool_code\nget_weather(city="Paris")\n```), and Gemma 4's
+<|tool_call>call:NAME{...}<tool_call|> (gemma4.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .call_scan import SEPARATORS as _SEPARATORS
 from .call_scan import CallScan, Options
+from .gemma4 import CALL_OPEN, parse_gemma4_calls
 
 # Scanning is done with str.find/strip and slices, never with a regex holding a
 # lazy body between whitespace runs: a model (or a user's grammar) can write "```"
@@ -29,6 +31,8 @@ _JSON_NAMES = {"true": True, "false": False, "null": None}
 # makes the object an answer in JSON, not a call
 _CALL_KEYS = frozenset(("name", "arguments", "parameters", "type", "function", "id"))
 _FUNCTION_KEYS = frozenset(("name", "arguments", "parameters", "description"))
+# openings of a call that may follow answer text (Hermes', Gemma 4's)
+_MID_OPENERS = (_OPEN, CALL_OPEN)
 
 
 @dataclass
@@ -187,6 +191,9 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
     """(content left, tool calls) of a whole answer; names, when given, are the only
     functions a call may name (anything else stays content)."""
     names = names or set()
+    if CALL_OPEN in text:
+        found = parse_gemma4_calls(text, names)
+        return (found[0], [ToolCall(name, args) for name, args in found[1]]) if found is not None else (text, [])
     if _OPEN in text:
         calls, kept, pos = [], [], 0
         for start, end, body in _hermes_blocks(text):
@@ -258,14 +265,15 @@ class ToolCallStream:
         return content, calls
 
     def _stream(self, text: str) -> str:
-        """Content once some has been let through: all but a <tool_call> block (held)."""
+        """Content once some has been let through: all but a <tool_call> (or Gemma 4's
+        <|tool_call>) block (held)."""
         text, self._tail = self._tail + text, ""
-        found = text.find(_OPEN)
+        found = min((at for opener in _MID_OPENERS if (at := text.find(opener)) >= 0), default=-1)
         if found >= 0:
             return text[:found] + self._begin(text[found:], hermes_only=True)
-        # what may begin "<tool_call>" waits: it starts at the last "<" (the tag holds one)
-        last = text.rfind("<", max(0, len(text) - len(_OPEN) + 1))
-        cut = last if last >= 0 and _OPEN.startswith(text[last:]) else len(text)
+        # what may begin an opener waits: it starts at the last "<" (each opener holds one, first)
+        last = text.rfind("<", max(0, len(text) - max(map(len, _MID_OPENERS)) + 1))
+        cut = last if last >= 0 and any(o.startswith(text[last:]) for o in _MID_OPENERS) else len(text)
         self._tail = text[cut:]
         return text[:cut]
 

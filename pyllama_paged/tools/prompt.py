@@ -15,9 +15,10 @@ from ..constrain.digits import schema_digit_bound
 from ..constrain.grammar import Constraint, ConstraintError, closed_objects, compile_constraint
 from ..tokenizer.chat_template import ChatPrompt, ChatTemplate, Escape, no_escape
 from ..tokenizer.tokenizer import Tokenizer
+from .gemma4 import CALL_OPEN
 from .reasoning import speaks_harmony
 
-FAMILIES = ("qwen_xml", "hermes", "llama3", "mistral", "json")
+FAMILIES = ("qwen_xml", "hermes", "llama3", "mistral", "json", "gemma4")
 # Qwen3.5/3.6's (and Qwen3-Coder's) templates ask for calls as XML inside <tool_call>
 QWEN_XML_MARK = "<function="
 
@@ -28,6 +29,8 @@ def tool_family(template: ChatTemplate, tokenizer: Tokenizer) -> str:
         return tokenizer.token_to_id(token) is not None
 
     source = template.source
+    if CALL_OPEN in source or has(CALL_OPEN):
+        return "gemma4"
     if QWEN_XML_MARK in source:
         return "qwen_xml"
     if "<tool_call>" in source or has("<tool_call>"):
@@ -206,6 +209,10 @@ def plan_tools(template: ChatTemplate, tokenizer: Tokenizer, tools: Any = None, 
             # its call is a commentary message after the analysis, which a bare JSON grammar forbids
             raise ConstraintError("a forced tool_choice ('required' or a named function) is not supported yet for "
                                   "a harmony model (gpt-oss): use tool_choice 'auto'")
+        if tool_family(template, tokenizer) == "gemma4":
+            # its calls are in Gemma 4's own notation, not JSON, which no grammar here writes yet
+            raise ConstraintError("a forced tool_choice ('required' or a named function) is not supported yet for "
+                                  "Gemma 4: use tool_choice 'auto'")
         only = None
         if isinstance(mode, dict):
             only = (mode.get("function") or {}).get("name")

@@ -1,6 +1,7 @@
 """A reasoning model's thinking apart from its answer: Qwen3's and DeepSeek-R1's
-`<think>...</think>` split out of the generated text, whole or one delta at a time (gpt-oss's
-harmony channels are read in harmony.py; which way a model writes is told here).
+`<think>...</think>` and Gemma 4's `<|channel>thought...<channel|>` (gemma4.py) split out of the
+generated text, whole or one delta at a time (gpt-oss's harmony channels are read in
+harmony.py; which way a model writes is told here).
 
 Clients look for the thinking in its own field (Ollama's `message.thinking`, OpenAI-style
 `reasoning_content`, Responses' reasoning items, Anthropic's `thinking` blocks), so the split
@@ -10,8 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .gemma4 import THOUGHT_CLOSE, THOUGHT_OPEN
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+# each way a reply opens its thinking, and what closes it: told apart by the reply itself
+THINK_BLOCKS = {THINK_OPEN: THINK_CLOSE, THOUGHT_OPEN: THOUGHT_CLOSE}
+# Gemma 4's thinking switch at the head of its system turn
+GEMMA4_THINK = "<|think|>"
 
 
 # The mark of gpt-oss's harmony format: its templates write every message's channel after it,
@@ -45,7 +52,7 @@ def template_thinks(template_source: str) -> bool:
     """Whether a chat template knows a think block (renders, strips or switches it), or
     speaks harmony, whose analysis channel is the thinking."""
     return (THINK_CLOSE in template_source or "enable_thinking" in template_source
-            or speaks_harmony(template_source))
+            or GEMMA4_THINK in template_source or speaks_harmony(template_source))
 
 
 def thinking_variables(template_source: str, thinking: bool | None, effort: str | None) -> dict | None:
@@ -92,14 +99,16 @@ def _partial_suffix(text: str, tag: str) -> int:
 class ReasoningSplitter:
     """Splits a reply, delta by delta, into thinking and answer.
 
-    A think block is recognised only at the start of the reply (after whitespace) or, when the
-    prompt opened it, from the first token: a `<think>` the model writes later in its answer is
+    A think block (`<think>`, or Gemma 4's `<|channel>thought`, each closed by its own tag) is
+    recognised only at the start of the reply (after whitespace) or, when the prompt opened a
+    `<think>`, from the first token: an opening the model writes later in its answer is
     answer text. Text that might be the start of a tag is held back until the next delta says
     which it is, so every way of cutting the reply into deltas gives the same two strings.
     Whitespace between the block and the answer, and at the block's edges, is dropped."""
 
     def __init__(self, in_thinking: bool = False):
         self._state = "thinking" if in_thinking else "start"
+        self._close = THINK_CLOSE
         self._held = ""
         self._thinking_started = False
 
@@ -115,21 +124,22 @@ class ReasoningSplitter:
         while self._held:
             if self._state == "start":
                 stripped = self._held.lstrip()
-                if stripped.startswith(THINK_OPEN):
-                    self._held = stripped[len(THINK_OPEN):]
+                opening = next((o for o in THINK_BLOCKS if stripped.startswith(o)), None)
+                if opening is not None:
+                    self._held, self._close = stripped[len(opening):], THINK_BLOCKS[opening]
                     self._state = "thinking"
-                elif stripped and THINK_OPEN.startswith(stripped) or not stripped:
-                    return out   # still could be `<think>`: wait for more
+                elif not stripped or any(o.startswith(stripped) for o in THINK_BLOCKS):
+                    return out   # still could open a think block: wait for more
                 else:
                     self._state = "answer"
             elif self._state == "thinking":
-                end = self._held.find(THINK_CLOSE)
+                end = self._held.find(self._close)
                 if end >= 0:
                     out.thinking += self._thinking_text(self._held[:end].rstrip())
-                    self._held = self._held[end + len(THINK_CLOSE):]
+                    self._held = self._held[end + len(self._close):]
                     self._state = "after"
                     continue
-                keep = _partial_suffix(self._held, THINK_CLOSE)
+                keep = _partial_suffix(self._held, self._close)
                 body = self._held[:len(self._held) - keep]
                 # trailing whitespace waits: it is dropped if the block closes right after it
                 certain = body.rstrip()

@@ -89,14 +89,21 @@ def test_the_base_file_round_trips_in_llama_perplexitys_layout(kld, tmp_path):
     assert np.array_equal(np.asarray(back.rows).reshape(-1, width), rows)
 
 
-def test_our_scored_rows_line_up_with_the_references_on_a_tiny_model(kld, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4"])
+def test_our_scored_rows_line_up_with_the_references_on_a_tiny_model(kld, tmp_path, monkeypatch, arch):
+    """gemma4 through its own reference module (loader.py), which keys the cache too."""
     from pyllama_paged.engine import EngineConfig, Model
     from pyllama_paged.engine.worker.model_runner import ModelRunner
+    from pyllama_paged.testing.reference.tiny_gemma4 import write_tiny_gemma4
     from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
     from pyllama_paged.tokenizer.tokenizer import Tokenizer
 
     monkeypatch.setattr(kld, "CACHE_DIR", tmp_path / "cache")
-    path = write_tiny_model(tmp_path / "tiny.gguf", "gemma3", context_length=64)
+    if arch == "gemma4":
+        path = write_tiny_gemma4(tmp_path / "tiny.gguf", "dense")
+        assert kld.reference_sources(path)[-1].endswith("gemma4_reference.py")
+    else:
+        path = write_tiny_model(tmp_path / "tiny.gguf", "gemma3", context_length=64)
     text = ("The licenses for most software are designed to take away your freedom to share and "
             "change it. By contrast, this license is intended to guarantee your freedom. ") * 3
     chunks = kld.text_chunks(Tokenizer.from_gguf(path), text, 64, 2)

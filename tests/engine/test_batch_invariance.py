@@ -14,6 +14,7 @@ from pyllama_paged.engine.spec_decode.verify import Speculator
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.testing.invariance import compare, random_workload, run_alone, run_workload
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
+from pyllama_paged.testing.reference.tiny_gemma4 import write_tiny_gemma4
 from pyllama_paged.testing.reference.tiny_gpt_oss import write_tiny_gpt_oss
 
 EOT = {1}
@@ -22,7 +23,8 @@ VOCAB = (4, 250)
 # (architecture, weight type, writer options): every architecture, the weight types our panel
 # GEMMs take (Q8_0, Q4_0, K-quants, F16, BF16) and those GGML's kernels run (Q4_1, Q5_1,
 # IQ4_NL, TQ2_0), and an odd GQA group (three query heads on one KV head: a tile pairs rows
-# of different tokens)
+# of different tokens); gemma4's dense file (sliding and full layers of different head sizes,
+# shared-KV layers, per-layer embeddings) and its MoE one (experts beside the dense FFN)
 CASES = [
     ("gemma3", "q8_0", {}),
     ("llama", "q4_1", dict(n_head=3, n_head_kv=1, head_dim=64, n_layer=6)),
@@ -34,6 +36,8 @@ CASES = [
     ("llama", "q5_1", {}),
     ("llama", "iq4_nl", {}),
     ("llama", "tq2_0", {}),
+    ("gemma4", "q8_0", dict(shape="dense")),
+    ("gemma4", "q4_k", dict(shape="moe")),
 ]
 
 
@@ -59,8 +63,11 @@ def engine_factory(model, *, threads=1, budget=512, blocks=400, mode="recompute"
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def model(request, tmp_path_factory):
     arch, weight_type, options = request.param
-    path = write_tiny_model(tmp_path_factory.mktemp("invariance") / f"{arch}-{weight_type}.gguf", arch,
-                            weight_type=weight_type, **options)
+    path = tmp_path_factory.mktemp("invariance") / f"{arch}-{weight_type}.gguf"
+    if arch == "gemma4":
+        path = write_tiny_gemma4(path, weight_type=weight_type, **options)
+    else:
+        path = write_tiny_model(path, arch, weight_type=weight_type, **options)
     m = Model(path)
     yield m
     m.close()
@@ -77,8 +84,8 @@ def together(make, workload):
 def test_alone_and_together_are_the_same_bits(model):
     workload = random_workload(24, VOCAB, mixed_params, seed=1)
     alone = run_alone(engine_factory(model), workload)
-    # a pool that preempts: two layer groups' blocks for gemma3's sliding window
-    blocks = 40 if model.config.arch == "gemma3" else 20
+    # a pool that preempts: two layer groups' blocks for gemma3's and gemma4's sliding windows
+    blocks = 40 if model.config.arch in ("gemma3", "gemma4") else 20
     got, stats = together(engine_factory(model, threads=2, budget=37, blocks=blocks), workload)
     assert stats["preemptions"] > 0   # the small pool did preempt
     result = compare(alone, got)

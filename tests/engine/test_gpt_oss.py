@@ -19,12 +19,13 @@ import pytest
 from pyllama_paged._native import ffi, last_error, lib
 from pyllama_paged.calls.chat_call import ChatCall, prepare_call
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
+from pyllama_paged.engine import EngineConfig, Model, SamplingParams
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.errors import ModelLoadError
 from pyllama_paged.testing import gguf_mutate, synthetic_gguf
 from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
-                                              assert_preempted_answers_agree, reference_next_logits)
+                                              assert_preempted_answers_agree, reference_next_logits,
+                                              small_engine)
 from pyllama_paged.testing.engine_runs import chunked_logits, prompt_logits
 from pyllama_paged.testing.routed_logits import TOLERANCE, assert_one_step_routes_as_alone, relative_error
 from pyllama_paged.testing.routed_logits import assert_routed_logits_match as assert_logits_match
@@ -329,12 +330,6 @@ PROMPTS = [[int(x) for x in np.random.default_rng(20 + i).integers(0, N_TEXT_TOK
 GREEDY = SamplingParams(max_tokens=40, temperature=0)
 
 
-def make_engine(model, eot, num_blocks=200, mode="recompute", budget=64):
-    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=budget, block_size=16,
-                                             num_blocks=num_blocks))
-    return LLMEngine(runner, eot, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
-
-
 @pytest.fixture(scope="module")
 def reference_answers(reference):
     return [reference["f16"].generate_greedy(p, GREEDY.max_tokens) for p in PROMPTS]
@@ -343,7 +338,7 @@ def reference_answers(reference):
 def test_parallel_samples_fork_and_copy_on_write_keep_the_reference_answer(model, reference, eot):
     """n=3 greedy samples share the prompt's pages, copy the partial last block on their first
     write, and each continues as the reference does."""
-    llm = make_engine(model, eot)
+    llm = small_engine(model, eot)
     try:
         assert_forked_samples_agree(llm, PROMPTS[2], reference["f16"], eot)   # 2 full blocks and a partial one
     finally:
@@ -352,7 +347,7 @@ def test_parallel_samples_fork_and_copy_on_write_keep_the_reference_answer(model
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_the_reference_answers(model, reference, reference_answers, eot, mode):
-    llm = make_engine(model, eot, num_blocks=12, mode=mode)
+    llm = small_engine(model, eot, num_blocks=12, mode=mode)
     try:
         assert_preempted_answers_agree(llm, PROMPTS, GREEDY, reference["f16"], reference_answers, eot)
     finally:

@@ -38,6 +38,17 @@ def setup(request, tmp_path_factory):
     model.close()
 
 
+def write_adapter(path, arch, tensors):
+    """A LoRA adapter file holding exactly these tensors (name -> numpy array)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    for name, array in tensors.items():
+        w.add_tensor(name, array)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return path
+
+
 def relative_error(got, want):
     return np.abs(got - want).max() / (want.max() - want.min())
 
@@ -108,14 +119,14 @@ def test_adapters_that_do_not_fit_are_refused(setup, tmp_path):
     for what, (path, words) in cases.items():
         with pytest.raises(ModelLoadError, match=words):
             LoraAdapter(model, path)
-    half = tmp_path / "half.gguf"   # a lora_a without its lora_b
-    w = gguf.GGUFWriter(str(half), model.config.arch)
-    w.add_type(gguf.GGUFType.ADAPTER)
-    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
-    w.add_tensor("blk.0.attn_q.weight.lora_a", np.zeros((4, model.config.n_embd), np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    a = np.zeros((4, model.config.n_embd), np.float32)
+    half = write_adapter(tmp_path / "half.gguf", model.config.arch, {"blk.0.attn_q.weight.lora_a": a})
     with pytest.raises(ModelLoadError, match="lacks its lora_b"):
         LoraAdapter(model, half)
+    # a projection slot past the dense FFN's (a delta-net layer's) has no name an adapter may use
+    ssm = write_adapter(tmp_path / "ssm.gguf", model.config.arch, {"blk.0.ssm_out.weight.lora_a": a})
+    with pytest.raises(ModelLoadError, match="not an attention or dense FFN projection"):
+        LoraAdapter(model, ssm)
     seq = runner.add_sequence_uncached(PROMPT, (adapters["all"], 1.0))   # the runner still serves
     assert np.isfinite(runner.prefill(seq)).all()
     runner.free(seq)

@@ -13,12 +13,13 @@ import pytest
 
 from pyllama_paged._native import ffi, lib
 from pyllama_paged.api.llama import Llama
-from pyllama_paged.engine import EngineConfig, LLMEngine, Model, SamplingParams, SchedulerConfig
+from pyllama_paged.engine import EngineConfig, Model, SamplingParams
 from pyllama_paged.engine.worker.model_runner import ModelRunner
 from pyllama_paged.errors import ModelLoadError
 from pyllama_paged.testing import gguf_mutate, synthetic_gguf
 from pyllama_paged.testing.agreement import (assert_forked_samples_agree, assert_greedy_agree,
-                                              assert_preempted_answers_agree, reference_next_logits)
+                                              assert_preempted_answers_agree, reference_next_logits,
+                                              small_engine)
 from pyllama_paged.testing.routed_logits import TOLERANCE, assert_one_step_routes_as_alone, relative_error
 from pyllama_paged.testing.routed_logits import assert_routed_logits_match as assert_logits_match
 from pyllama_paged.testing.routed_logits import file_logits as engine_logits
@@ -120,12 +121,6 @@ def test_the_qwen3_30b_a3b_preset_shrinks_and_takes_shape_flags(tmp_path):
         model.close()
 
 
-def make_engine(model, num_blocks=200, mode="recompute", budget=64):
-    runner = ModelRunner(model, EngineConfig(n_ctx=128, n_threads=2, n_batch=budget, block_size=16,
-                                             num_blocks=num_blocks))
-    return LLMEngine(runner, EOT, SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode))
-
-
 PROMPTS = [[int(x) for x in np.random.default_rng(20 + i).integers(4, 300, size=n)]
            for i, n in enumerate([5, 17, 33, 48, 9, 60])]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
@@ -140,7 +135,7 @@ def reference_answers(reference):
 def test_parallel_samples_fork_and_copy_on_write_keep_the_reference_answer(model, reference):
     """n=3 greedy samples share the prompt's pages, copy the partial last block on their first
     write, and each continues as the reference does."""
-    llm = make_engine(model)
+    llm = small_engine(model, EOT)
     try:
         assert_forked_samples_agree(llm, PROMPTS[2], reference["f16"], EOT)   # 2 full blocks and a partial one
     finally:
@@ -149,7 +144,7 @@ def test_parallel_samples_fork_and_copy_on_write_keep_the_reference_answer(model
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_the_reference_answers(model, reference, reference_answers, mode):
-    llm = make_engine(model, num_blocks=12, mode=mode)
+    llm = small_engine(model, EOT, num_blocks=12, mode=mode)
     try:
         assert_preempted_answers_agree(llm, PROMPTS, GREEDY, reference["f16"], reference_answers, EOT)
     finally:

@@ -145,3 +145,20 @@ def test_the_chain_starts_at_the_prompts_last_token_and_refuses_a_repeat():
     assert tokenizer.decode(no_thinking[:1]) == "\n\n"
     with pytest.raises(ValueError, match="twice"):
         script_chain(["<think>", "\n", "</think>"], THINKING_TEMPLATE)   # "\n" ends the prompt already
+
+
+def test_a_gemma4_script_is_followed_under_its_soft_cap_when_sampled(tmp_path):
+    """arch="gemma4": the script in tiny_gemma4's dense shape (shared KV, per-layer embeddings,
+    output scales, a soft-cap of 30 on the script's logit), sampled at temperature 1."""
+    from pyllama_paged.testing.reference.tiny_gemma4 import GEMMA4_TEMPLATE
+    from pyllama_paged.testing.scripted_gguf import GEMMA4_MARKUP
+
+    reply = ["<|channel>", "thought\n", "The user greets me.", "<channel|>", "Hello!", " How can I help?"]
+    path = write_scripted_model(tmp_path / "gemma4.gguf", reply, GEMMA4_TEMPLATE, markup=GEMMA4_MARKUP,
+                                context_length=512, arch="gemma4")
+    with Llama(model_path=path, n_ctx=512, n_threads=2, verbose=False) as llm:
+        assert llm.metadata["general.architecture"] == "gemma4"
+        for seed in range(3):
+            out = llm.create_chat_completion(HELLO, temperature=1.0, seed=seed, max_tokens=16)["choices"][0]
+            assert (out["message"]["reasoning_content"], out["message"]["content"]) == \
+                ("The user greets me.", "Hello! How can I help?")

@@ -39,7 +39,10 @@ def test_shrinking_keeps_what_tests_can_check(small):
     assert (preset.arch, preset.tokenizer, preset.n_vocab, preset.head_dim, preset.tied) == \
            (full.arch, full.tokenizer, full.n_vocab, full.head_dim, full.tied)
     assert preset.n_head // preset.n_head_kv == full.n_head // full.n_head_kv
-    assert info["n_layer"] == 2 and info["n_embd"] % 256 == 0 and info["n_ff"] == 512
+    # gemma4: a sliding and a full layer, twice where the second pair reads the first's KV
+    assert info["n_layer"] == (4 if full.n_kv_shared else 2) and info["n_embd"] % 256 == 0 and info["n_ff"] == 512
+    assert (preset.head_dim_swa, preset.k_eq_v, bool(preset.n_kv_shared), bool(preset.n_embd_per_layer)) == \
+           (full.head_dim_swa, full.k_eq_v, bool(full.n_kv_shared), bool(full.n_embd_per_layer))
     if full.hybrid:   # a linear layer, then a full-attention one
         assert preset.full_attention_interval == 2 and preset.ssm_d_state == full.ssm_d_state
         assert preset.ssm_dt_rank // preset.ssm_n_group == full.ssm_dt_rank // full.ssm_n_group
@@ -54,24 +57,34 @@ def test_the_type_mix_is_q4_k_m(small):
     # the head in Q6_K: the embedding when tied, else output.weight (the embedding then in Q4_K)
     head = "token_embd.weight" if preset.tied else "output.weight"
     assert ("output.weight" in types) == (not preset.tied) and types[head] == GGML_Q6_K
-    # two layers: only layer 1 (the last eighth) keeps attn_v and ffn_down(_exps, _shexp) in
-    # Q6_K; an expert router, the shared expert's gate row and the linear layers' kernel, decay
-    # and bias are never quantized
-    more_bits = ("blk.1.",)
+    # the layers Q4_K_M gives more bits (two layers: layer 1, the last eighth) keep attn_v (a
+    # hybrid's attn_qkv with it) and ffn_down(_exps, _shexp) in Q6_K; an expert router, the shared
+    # expert's gate row, the linear layers' kernel, decay and bias, norms, biases and scales are
+    # never quantized; rows that are not whole K-quant blocks (gemma4's per-layer projection)
+    # fall back to Q8_0
     for name, ttype in types.items():
-        if name.endswith(("norm.weight", ".bias", "rope_freqs.weight", "ffn_gate_inp.weight",
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+        if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", ".bias", "rope_freqs.weight",
+                          "ffn_gate_inp.weight", ".scale", "layer_output_scale.weight",
                           "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight", ".ssm_a")):
             assert ttype == GGML_F32, name
-        elif name.startswith(more_bits) and name.endswith(("attn_v.weight", "attn_qkv.weight", "ffn_down.weight",
-                                                           "ffn_down_exps.weight", "ffn_down_shexp.weight")):
+        elif name.endswith(".proj.weight") and preset.arch == "gemma4":
+            assert ttype == GGML_Q8_0, name
+        elif synthetic_gguf.more_bits(layer, info["n_layer"]) and \
+                name.endswith(("attn_v.weight", "attn_qkv.weight", "ffn_down.weight", "ffn_down_exps.weight",
+                               "ffn_down_shexp.weight")):
             assert ttype == GGML_Q6_K, name
         elif name != head:
             assert ttype == GGML_Q4_K, name
+    gemma = preset.arch in ("gemma3", "gemma4")
     assert ("blk.0.attn_q.bias" in types) == (preset.arch == "qwen2")
-    assert ("blk.0.attn_q_norm.weight" in types) == (preset.arch in ("gemma3", "qwen3moe"))
-    assert ("blk.0.post_ffw_norm.weight" in types) == (preset.arch == "gemma3")
-    assert ("blk.0.ffn_up_exps.weight" in types) == ("blk.0.ffn_up.weight" not in types) == (preset.n_expert > 0)
-    assert ("rope_freqs.weight" in types) == preset.llama3_rope
+    assert ("blk.0.attn_q_norm.weight" in types) == (gemma or preset.arch == "qwen3moe")
+    assert ("blk.0.post_ffw_norm.weight" in types) == gemma
+    # gemma4 runs its dense FFN beside the experts, whose gate and up are one tensor
+    experts = "blk.0.ffn_gate_up_exps.weight" if preset.arch == "gemma4" else "blk.0.ffn_up_exps.weight"
+    assert (experts in types) == (preset.n_expert > 0)
+    assert ("blk.0.ffn_up.weight" not in types) == (preset.n_expert > 0 and preset.arch != "gemma4")
+    assert ("rope_freqs.weight" in types) == (preset.llama3_rope or preset.arch == "gemma4")
 
 
 def _check_the_mxfp4_mix(types):

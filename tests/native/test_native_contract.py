@@ -81,7 +81,7 @@ def test_python_enums_come_from_the_library():
     assert ARCH_IDS == {"llama": lib.PP_ARCH_LLAMA, "qwen2": lib.PP_ARCH_QWEN2, "qwen3": lib.PP_ARCH_QWEN3,
                         "gemma3": lib.PP_ARCH_GEMMA3, "bert": lib.PP_ARCH_BERT, "qwen3moe": lib.PP_ARCH_QWEN3MOE,
                         "gpt-oss": lib.PP_ARCH_GPT_OSS, "qwen35": lib.PP_ARCH_QWEN35,
-                        "qwen35moe": lib.PP_ARCH_QWEN35MOE}
+                        "qwen35moe": lib.PP_ARCH_QWEN35MOE, "gemma4": lib.PP_ARCH_GEMMA4}
     assert ATTENTION_PATHS == {"kernel": lib.PP_ATTENTION_KERNEL, "gather": lib.PP_ATTENTION_GATHER}
     assert _POOLING_IDS == {"mean": lib.PP_POOLING_MEAN, "cls": lib.PP_POOLING_CLS, "last": lib.PP_POOLING_LAST}
     assert sorted(PANEL_KERNELS) == sorted([lib.PP_PANEL_KERNEL_NONE, lib.PP_PANEL_KERNEL_SCALAR,

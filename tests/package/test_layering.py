@@ -35,14 +35,14 @@ LAYERS = [
     ["convert.bert_gguf"],
     ["tokenizer.vocab", "tokenizer.render_budget", "tokenizer.template_sandbox", "tokenizer.render_pool"],
     ["tokenizer.spm"],
-    ["tokenizer.bpe", "tokenizer.wordpiece", "tokenizer.special"],
+    ["tokenizer.bpe", "tokenizer.wordpiece", "tokenizer.special", "tokenizer.gemma4_bpe"],
     ["tokenizer.tokenizer", "tokenizer.chat_template"],
     ["constrain.digits", "constrain.thinking_budget"],
     ["constrain.vocab"],
     ["constrain.grammar"],
     ["constrain.masks", "constrain.formats"],
     ["engine"],   # the engine: its districts below (ENGINE), reached from outside only through its front door
-    ["tools.call_scan"],
+    ["tools.gemma4", "tools.call_scan"],
     ["calls.text_stream", "calls.sampling_options", "tools.calls", "tools.messages", "tools.reasoning", "calls.embeddings"],
     ["tools.prompt", "tools.harmony", "calls.rerank_inputs", "calls.rerank_head"],
     ["calls.chat_call"],
@@ -82,7 +82,9 @@ LAYERS = [
      "testing.synthetic_blocks", "testing.synthetic_bpe", "testing.synthetic_presets", "testing.vocab_metadata",
      "testing.device_checks", "testing.model_sources", "testing.scripted_gguf",
      "testing.ray_cluster", "testing.engine_runs", "testing.routed_logits", "testing.deltas",
-     "testing.cuda_graph_replay", "testing.reference.tiny_lora", "testing.split_gguf"],
+     "testing.cuda_graph_replay", "testing.reference.tiny_lora", "testing.split_gguf",
+     "testing.reference.gemma4_reference", "testing.reference.loader", "testing.reference.tiny_gemma4",
+     "testing.synthetic_gemma4", "testing.chat_replies"],
     ["cli"],
     ["__init__"],   # the public facade re-exports from every layer
     # llama-cpp-python's submodule names (llama_cpp.llama_speculative, ...) over ours

@@ -20,6 +20,7 @@ from pyllama_paged.calls.chat_call import ChatCall, prepare_call
 from pyllama_paged.server.config import Limits
 from pyllama_paged.testing.scripted_gguf import (HARMONY_MARKUP, HARMONY_TEMPLATE, THINKING_TEMPLATE,
                                                  scripted_tokenizer, write_scripted_model)
+from pyllama_paged.testing.chat_replies import llama_reply
 from pyllama_paged.testing.serving import model_server
 from pyllama_paged.tokenizer.chat_template import ChatTemplate
 from pyllama_paged.tokenizer.tokenizer import IncrementalDecoder
@@ -264,11 +265,8 @@ def test_responses_reasoning_item_and_the_python_api(oai, models):
     assert [o.type for o in out.output] == ["reasoning", "message"]
     assert (out.output[0].content[0].text, out.output_text) == (THINKING, ANSWER)
     with Llama(model_path=models["harmony"], n_ctx=1024, n_threads=2, verbose=False) as llm:
-        message = llm.create_chat_completion(HELLO, temperature=0)["choices"][0]["message"]
-        assert (message["reasoning_content"], message["content"]) == (THINKING, ANSWER)
-        deltas = [c["choices"][0]["delta"] for c in llm.create_chat_completion(HELLO, temperature=0, stream=True)]
-        assert ("".join(d.get("reasoning_content", "") for d in deltas),
-                "".join(d.get("content") or "" for d in deltas)) == (THINKING, ANSWER)
+        for stream in (False, True):
+            assert llama_reply(llm, HELLO, stream, temperature=0) == (THINKING, ANSWER)
 
 
 def test_the_effort_reaches_the_template(oai, oll):

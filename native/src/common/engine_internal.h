@@ -50,21 +50,45 @@ typedef struct pp_layer {
     struct ggml_tensor *attn_out_norm, *attn_out_norm_b;
     struct ggml_tensor *ffn_up_b, *ffn_down_b;
     struct ggml_tensor *layer_out_norm, *layer_out_norm_b;
+    /* gemma4 (model/gemma4_model.c): the layer's output scale [1]; its per-layer embedding's
+     * gate [n_embd, n_embd_per_layer], projection [n_embd_per_layer, n_embd] and norm; beside
+     * the experts, the router's input scale [n_embd], the experts' input norm and the norms of
+     * the dense and expert outputs; the experts' gate and up as one [n_embd, 2 n_ff_exp,
+     * n_expert] (or NULL: ffn_gate_exps and ffn_up_exps) and their output scales [n_expert] */
+    struct ggml_tensor *out_scale;
+    struct ggml_tensor *per_layer_inp_gate, *per_layer_proj, *per_layer_post_norm;
+    struct ggml_tensor *ffn_gate_inp_s, *ffn_pre_norm_2, *ffn_post_norm_1, *ffn_post_norm_2;
+    struct ggml_tensor *ffn_gate_up_exps, *ffn_down_exps_s;
 } pp_layer;
 
 /* A decoder layer's matrix products, in the order of the model's panel slots: attention's,
- * the dense FFN's, a Gated DeltaNet layer's and a shared expert's (a layer has some of them). */
+ * the dense FFN's, a Gated DeltaNet layer's, a shared expert's and a dense FFN beside experts
+ * (a layer has some of them). In a layer with experts the GATE, UP and DOWN slots hold the
+ * experts' panels, and a dense FFN beside them (gemma4's) takes the BESIDE slots: a slot's
+ * state serves one product a step (its chunk counter), and GGML's product in their place is
+ * not batch invariant for every type. */
 enum pp_projection {
     PP_PROJ_Q, PP_PROJ_K, PP_PROJ_V, PP_PROJ_O, PP_PROJ_GATE, PP_PROJ_UP, PP_PROJ_DOWN,
     PP_PROJ_SSM_IN, PP_PROJ_SSM_GATE, PP_PROJ_SSM_BETA, PP_PROJ_SSM_ALPHA, PP_PROJ_SSM_OUT,
-    PP_PROJ_SHEXP_GATE, PP_PROJ_SHEXP_UP, PP_PROJ_SHEXP_DOWN, PP_N_PROJ
+    PP_PROJ_SHEXP_GATE, PP_PROJ_SHEXP_UP, PP_PROJ_SHEXP_DOWN,
+    PP_PROJ_BESIDE_GATE, PP_PROJ_BESIDE_UP, PP_PROJ_BESIDE_DOWN, PP_N_PROJ
 };
 
+/* The slot of layer L's dense FFN gate (its up and down follow). */
+static inline int pp_dense_ffn_slot(const pp_layer *L) {
+    return L->ffn_gate_inp ? PP_PROJ_BESIDE_GATE : PP_PROJ_GATE;
+}
+
+/* Layer L's dense weight in panel slot proj, or NULL. */
 static inline struct ggml_tensor *pp_layer_weight(const pp_layer *L, int proj) {
-    struct ggml_tensor *const w[PP_N_PROJ] = {
-        L->wq, L->wk, L->wv, L->wo, L->ffn_gate, L->ffn_up, L->ffn_down,
+    struct ggml_tensor *w[PP_N_PROJ] = {
+        L->wq, L->wk, L->wv, L->wo, NULL, NULL, NULL,
         L->ssm_in, L->ssm_gate, L->ssm_beta, L->ssm_alpha, L->ssm_out,
         L->ffn_gate_shexp, L->ffn_up_shexp, L->ffn_down_shexp};
+    const int ffn = pp_dense_ffn_slot(L);
+    w[ffn] = L->ffn_gate;
+    w[ffn + 1] = L->ffn_up;
+    w[ffn + 2] = L->ffn_down;
     return w[proj];
 }
 
@@ -107,7 +131,34 @@ struct pp_model {
     /* With a device: a CPU buffer over the mapping, the home of the weights
      * left there (it owns nothing). */
     ggml_backend_buffer_t mapped_buffer;
+    /* gemma4: the per-layer shapes (hp's layer_* arrays, owned copies; NULL: uniform) and the
+     * per-layer embeddings' token table [n_embd_per_layer * n_layer, n_vocab], projection
+     * [n_embd, n_embd_per_layer * n_layer] and norm [n_embd_per_layer] */
+    int32_t            *layer_shapes;   /* one allocation: head_dim, n_head_kv, n_rot, n_ff, kv_source */
+    struct ggml_tensor *per_layer_tok_embd, *per_layer_model_proj, *per_layer_proj_norm;
 };
+
+/* Layer il's shapes: the per-layer arrays where the model has them, else the hyper-parameters'. */
+static inline int32_t pp_layer_head_dim(const pp_model *m, int il) {
+    return m->hp.layer_head_dim ? m->hp.layer_head_dim[il] : m->hp.head_dim;
+}
+static inline int32_t pp_layer_n_head_kv(const pp_model *m, int il) {
+    return m->hp.layer_n_head_kv ? m->hp.layer_n_head_kv[il] : m->hp.n_head_kv;
+}
+static inline int32_t pp_layer_n_rot(const pp_model *m, int il) {
+    return m->hp.layer_n_rot ? m->hp.layer_n_rot[il] : m->hp.n_rot;
+}
+static inline int32_t pp_layer_n_ff(const pp_model *m, int il) {
+    return m->hp.layer_n_ff ? m->hp.layer_n_ff[il] : m->hp.n_ff;
+}
+/* The layer whose K/V pools layer il reads (il itself unless it shares an earlier layer's). */
+static inline int32_t pp_layer_kv_source(const pp_model *m, int il) {
+    return m->hp.layer_kv_source && m->hp.layer_kv_source[il] >= 0 ? m->hp.layer_kv_source[il] : il;
+}
+/* Values of one token's K (or V) row in layer il's pool. */
+static inline int64_t pp_layer_n_embd_kv(const pp_model *m, int il) {
+    return (int64_t)pp_layer_head_dim(m, il) * pp_layer_n_head_kv(m, il);
+}
 
 /* model/device.c: the model's device (NULL: none). */
 ggml_backend_dev_t pp_model_device(const pp_model *m);
@@ -136,12 +187,12 @@ struct pp_kv_cache {
     struct ggml_context *device_meta;       /* the pools on the model's device (NULL: none) */
     ggml_backend_buffer_t device_buffer;
     int32_t              n_groups;          /* layer groups (1: ungrouped) */
-    int32_t              layers_per_group;  /* L: every group has as many attention layers */
+    int32_t              n_pools;           /* distinct K (and V) tensors, see pp_kv_cache_create_grouped */
     int32_t             *layer_group;       /* per layer: its group (0 for a recurrent layer) */
-    size_t               row_bytes;         /* one token's K (or V) row of one layer */
-    struct ggml_tensor **kt, **vt;          /* the L distinct pools: [n_embd_kv, num_slots] each */
-    struct ggml_tensor **k;                 /* per layer: the pool it shares (kt[index in its group]);
-                                               NULL for a hybrid's recurrent layers, which keep no KV */
+    struct ggml_tensor **kt, **vt;          /* the n_pools distinct pools: [values per slot, num_slots] each */
+    struct ggml_tensor **k;                 /* per layer: its rows, [n_embd_kv of the layer, num_slots]: a
+                                               pool, a view of a pool's lane, or its KV source's; NULL for
+                                               a hybrid's recurrent layers, which keep no KV */
     struct ggml_tensor **v;
 };
 

@@ -152,8 +152,8 @@ int32_t pp_context_create(pp_model *m, pp_kv_cache *cache, int32_t n_threads,
         ap->group = cache->layer_group[il];
         ap->scale = m->hp.attn_scale;
         ap->n_head = m->hp.n_head;
-        ap->n_head_kv = m->hp.n_head_kv;
-        ap->head_dim = m->hp.head_dim;
+        ap->n_head_kv = pp_layer_n_head_kv(m, il);
+        ap->head_dim = pp_layer_head_dim(m, il);   /* at most hp.head_dim, which sizes the scratch */
         ap->scratch = &c->scratch;
         ap->plan = &c->plan;
         const struct ggml_tensor *sinks = m->layers[il].attn_sinks;

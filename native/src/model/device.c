@@ -51,13 +51,16 @@ static int layer_tensors(pp_layer *L, struct ggml_tensor ***out) {
                                     &L->ffn_up, &L->ffn_down, &L->post_ffw_norm, &L->ffn_gate_inp,
                                     &L->ffn_gate_exps, &L->ffn_up_exps, &L->ffn_down_exps, &L->bo,
                                     &L->attn_sinks, &L->ffn_gate_inp_b, &L->ffn_gate_exps_b, &L->ffn_up_exps_b,
-                                    &L->ffn_down_exps_b};
+                                    &L->ffn_down_exps_b, &L->out_scale, &L->per_layer_inp_gate, &L->per_layer_proj,
+                                    &L->per_layer_post_norm, &L->ffn_gate_inp_s, &L->ffn_pre_norm_2,
+                                    &L->ffn_post_norm_1, &L->ffn_post_norm_2, &L->ffn_gate_up_exps,
+                                    &L->ffn_down_exps_s};
     const int n = (int)(sizeof slots / sizeof slots[0]);
     memcpy(out, slots, sizeof slots);
     return n;
 }
 
-#define MAX_LAYER_TENSORS 26
+#define MAX_LAYER_TENSORS 36
 #define MAPPED_ALIGNMENT 64   /* GGML asks a host pointer wrapped in a buffer to be aligned */
 
 /* The weights left in the caller's mapping get a CPU buffer over it: GGML's

@@ -2,6 +2,7 @@
  * GGML ops for everything but attention, which is our paged operator (paged
  * caches on the CPU) or GGML's flash attention (attention_graph.c). */
 #include "common/engine_internal.h"
+#include "model/graph_ops.h"
 #include "panels/panels.h"
 #include "model/lora.h"
 #include "ggml-cpu.h"
@@ -90,6 +91,11 @@ struct ggml_tensor *pp_graph_project(struct ggml_context *ctx, struct ggml_tenso
 _Static_assert(PP_PROJ_UP == PP_PROJ_GATE + 1 && PP_PROJ_DOWN == PP_PROJ_UP + 1, "gate, up, down states adjacent");
 _Static_assert(PP_PROJ_SHEXP_UP == PP_PROJ_SHEXP_GATE + 1 && PP_PROJ_SHEXP_DOWN == PP_PROJ_SHEXP_UP + 1,
                "the shared expert's gate, up, down states adjacent");
+_Static_assert(PP_PROJ_BESIDE_UP == PP_PROJ_BESIDE_GATE + 1 && PP_PROJ_BESIDE_DOWN == PP_PROJ_BESIDE_UP + 1,
+               "a dense FFN's beside experts gate, up, down states adjacent");
+
+/* Whether an architecture's dense FFN is GELU-gated (else SiLU-gated). */
+static int gelu_gated(enum pp_arch arch) { return arch == PP_ARCH_GEMMA3 || arch == PP_ARCH_GEMMA4; }
 
 static struct ggml_tensor *gated_activation(struct ggml_context *ctx, enum pp_arch arch, struct ggml_tensor *gate,
                                             struct ggml_tensor *up) {
@@ -99,11 +105,11 @@ static struct ggml_tensor *gated_activation(struct ggml_context *ctx, enum pp_ar
         gate = ggml_reshape_2d(ctx, gate, PP_GLU_ROW, n_ff / PP_GLU_ROW * n_tokens);
         up = ggml_reshape_2d(ctx, up, PP_GLU_ROW, n_ff / PP_GLU_ROW * n_tokens);
     }
-    struct ggml_tensor *y = arch == PP_ARCH_GEMMA3 ? ggml_geglu_split(ctx, gate, up) : ggml_swiglu_split(ctx, gate, up);
+    struct ggml_tensor *y = gelu_gated(arch) ? ggml_geglu_split(ctx, gate, up) : ggml_swiglu_split(ctx, gate, up);
     return split ? ggml_reshape_2d(ctx, y, n_ff, n_tokens) : y;
 }
 
-/* A SwiGLU FFN with the step's LoRA adapters of layer il added to its products (lora NULL:
+/* A gated FFN (GELU for the gemmas, else SiLU) with the step's LoRA adapters of layer il added to its products (lora NULL:
  * none); a fused panel product cannot take an adapter's addition, so an adapted gate or up
  * runs apart. */
 static struct ggml_tensor *adapted_swiglu_ffn(struct ggml_context *ctx, enum pp_arch arch, struct ggml_tensor *gate,
@@ -112,7 +118,7 @@ static struct ggml_tensor *adapted_swiglu_ffn(struct ggml_context *ctx, enum pp_
                                               pp_panel_columns *last, struct pp_lora_plan *lora, int il) {
 #define PROJECT(w, i, p, x) pp_lora_project(ctx, lora, il, (p), (x), pp_graph_project(ctx, (w), gs ? gs + (i) : NULL, (x), last))
     if (gs && pp_panel_gated_takes(gs) && !pp_lora_touches_gated(lora, il)) {
-        cur = pp_panel_gated(ctx, gs, panel_input(ctx, gs, cur, last), arch == PP_ARCH_GEMMA3);
+        cur = pp_panel_gated(ctx, gs, panel_input(ctx, gs, cur, last), gelu_gated(arch));
     } else {
         struct ggml_tensor *g = PROJECT(gate, 0, PP_PROJ_GATE, cur);
         struct ggml_tensor *u = PROJECT(up, 1, PP_PROJ_UP, cur);
@@ -128,21 +134,24 @@ struct ggml_tensor *pp_graph_swiglu_ffn(struct ggml_context *ctx, enum pp_arch a
     return adapted_swiglu_ffn(ctx, arch, gate, up, down, gs, cur, last, NULL, 0);
 }
 
-/* The step's inputs every layer reads. */
-typedef struct step_inputs {
-    struct ggml_tensor *positions;
-    struct ggml_tensor *mrope_positions;   /* hybrids: IMRoPE's four components per token */
-    struct ggml_tensor *slots;
-    struct ggml_tensor *state_slots;       /* hybrids: one state slot per run */
-    struct ggml_tensor *rows;              /* logit rows, then hidden rows */
-} step_inputs;
+struct ggml_tensor *pp_graph_dense_ffn(struct ggml_context *ctx, enum pp_arch arch, const pp_layer *L,
+                                       pp_panel_gemm_state *gs, struct pp_lora_plan *lora, int il,
+                                       struct ggml_tensor *cur, pp_panel_columns *last) {
+    return adapted_swiglu_ffn(ctx, arch, L->ffn_gate, L->ffn_up, L->ffn_down, gs ? &gs[pp_dense_ffn_slot(L)] : NULL,
+                              cur, last, lora, il);
+}
+
+struct ggml_tensor *pp_graph_norm(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *weight,
+                                  float eps) {
+    return norm(ctx, x, weight, eps);
+}
 
 /* Layer il's attention of cur [n_embd, n_tokens] (after attn_norm), K/V written to its pools:
  * [head_dim n_head, n_tokens] f32, before the output projection. A hybrid's query projection
  * holds each head's query then its output gate: the attention is scaled by sigmoid(gate). */
 static struct ggml_tensor *attention(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_model *m,
                                      const pp_kv_cache *cache, const pp_batch *batch, pp_attention_params *ap,
-                                     pp_panel_gemm_state *gs, const step_inputs *in, int il, struct ggml_tensor *cur,
+                                     pp_panel_gemm_state *gs, const pp_graph_inputs *in, int il, struct ggml_tensor *cur,
                                      int n_threads, int gather, pp_panel_columns *last) {
     const pp_model_hparams *hp = &m->hp;
     const pp_layer *L = &m->layers[il];
@@ -186,23 +195,9 @@ static struct ggml_tensor *attention(struct ggml_context *ctx, struct ggml_cgrap
     }
 
     /* Write this step's K/V rows to their slots before attention reads them. */
-    struct ggml_tensor *k_rows = ggml_reshape_2d(ctx, k, head_dim * hp->n_head_kv, n_tokens);
-    struct ggml_tensor *v_rows = ggml_reshape_2d(ctx, ggml_is_contiguous(v) ? v : ggml_cont(ctx, v),
-                                                 head_dim * hp->n_head_kv, n_tokens);
-    struct ggml_tensor *layer_slots = ggml_view_1d(ctx, in->slots, n_tokens,
-                                                   (size_t)ap->group * n_tokens * in->slots->nb[0]);
-    struct ggml_tensor *k_pool = ggml_set_rows(ctx, cache->k[il], k_rows, layer_slots);
-    struct ggml_tensor *v_pool = ggml_set_rows(ctx, cache->v[il], v_rows, layer_slots);
-    ggml_build_forward_expand(gf, k_pool);
-    ggml_build_forward_expand(gf, v_pool);
-
-    struct ggml_tensor *attn;
-    /* Our operator reads host pools; a pool on a device takes the gather path there. */
-    if (cache->paged && !gather && !pp_pool_on_device(cache, cache->k[il])) {
-        attn = pp_paged_attention(ctx, q, k_pool, v_pool, ap, n_threads);
-    } else {
-        attn = pp_flash_attention(ctx, cache, batch, q, k_pool, v_pool, ap);
-    }
+    struct ggml_tensor *pools[2];
+    pp_graph_write_kv(ctx, gf, cache, il, ap, in->slots, k, v, pools);
+    struct ggml_tensor *attn = pp_graph_attention(ctx, cache, batch, il, q, pools, ap, n_threads, gather);
     attn = ggml_reshape_2d(ctx, attn, head_dim * hp->n_head, n_tokens);
     return gate ? ggml_mul(ctx, attn, ggml_sigmoid(ctx, gate)) : attn;
 }
@@ -213,9 +208,7 @@ static struct ggml_tensor *feed_forward(struct ggml_context *ctx, const pp_model
     const pp_model_hparams *hp = &m->hp;
     const pp_layer *L = &m->layers[il];
     if (hp->arch == PP_ARCH_GPT_OSS) return pp_build_gpt_oss_moe_ffn(ctx, hp, L, gs, cur);
-    if (!L->ffn_gate_inp)
-        return adapted_swiglu_ffn(ctx, hp->arch, L->ffn_gate, L->ffn_up, L->ffn_down, gs ? &gs[PP_PROJ_GATE] : NULL,
-                                  cur, last, lora, il);
+    if (!L->ffn_gate_inp) return pp_graph_dense_ffn(ctx, hp->arch, L, gs, lora, il, cur, last);
     struct ggml_tensor *routed = pp_build_moe_ffn(ctx, hp, L, gs, cur);
     return L->ffn_gate_inp_shexp ? ggml_add(ctx, routed, pp_build_shared_expert(ctx, L, gs, cur, last)) : routed;
 }
@@ -224,36 +217,18 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
                                    const pp_kv_cache *cache, const pp_batch *batch,
                                    pp_attention_params *layer_params, pp_panel_gemm_state *gemm_states,
                                    int n_threads, int gather, size_t max_nodes, const pp_recurrent_step *rs) {
+    if (m->hp.arch == PP_ARCH_GEMMA4)
+        return pp_build_gemma4_graph(ctx, m, cache, batch, layer_params, gemm_states, n_threads, gather, max_nodes);
     const pp_model_hparams *hp = &m->hp;
-    const int n_tokens = batch->n_tokens;
     struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, max_nodes, false);
-
-    struct ggml_tensor *tokens = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "tokens");
-    step_inputs in = {0};
-    in.positions = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "positions");
-    /* One run of slots per layer group (see pp_batch). */
-    in.slots = pp_graph_input(ctx, GGML_TYPE_I64, (int64_t)n_tokens * cache->n_groups, "slots");
-    /* logit rows, then hidden rows (embeddings): the rows the last layer computes */
-    in.rows = pp_graph_input(ctx, GGML_TYPE_I32, batch->n_logits + batch->n_hidden, "logit_rows");
+    pp_graph_inputs in = {0};
+    struct ggml_tensor *x = pp_graph_embed(ctx, m, cache, batch, gemm_states, &in);
     if (rs) {
-        in.mrope_positions = pp_graph_input(ctx, GGML_TYPE_I32, 4 * (int64_t)n_tokens, "mrope_positions");
+        in.mrope_positions = pp_graph_input(ctx, GGML_TYPE_I32, 4 * (int64_t)batch->n_tokens, "mrope_positions");
         in.state_slots = pp_graph_input(ctx, GGML_TYPE_I32, rs->plan->n_runs, "state_slots");
     }
-
     pp_panel_gemm_state *head = gemm_states ? &gemm_states[hp->n_layer * PP_N_PROJ] : NULL;
     pp_panel_columns last = {0};
-    /* A tied head packed into panels is the embedding too: its rows are read from there. */
-    struct ggml_tensor *x = head && head->w && !m->output ? pp_panel_embed(ctx, head->w, tokens)
-                                                          : ggml_get_rows(ctx, m->tok_embd, tokens);
-    if (hp->embd_scale != 1.0f) x = ggml_scale(ctx, x, hp->embd_scale);
-    if (batch->n_embd_rows > 0) {
-        /* given embeddings (an image's rows) overwrite their rows' lookups, unscaled, as llama.cpp
-         * feeds a Gemma 3 image */
-        struct ggml_tensor *embd = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hp->n_embd, batch->n_embd_rows);
-        ggml_set_name(embd, "embd_in");
-        ggml_set_input(embd);
-        x = ggml_set_rows(ctx, x, embd, pp_graph_input(ctx, GGML_TYPE_I64, batch->n_embd_rows, "embd_rows"));
-    }
 
     for (int il = 0; il < hp->n_layer; il++) {
         const pp_layer *L = &m->layers[il];
@@ -281,6 +256,63 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         x = ggml_add(ctx, cur, x);
     }
 
+    return pp_graph_output(ctx, gf, m, batch, x, head, &last);
+}
+
+/* ---- the building blocks other architectures' graphs share (graph_ops.h) ---- */
+
+struct ggml_tensor *pp_graph_embed(struct ggml_context *ctx, const pp_model *m, const pp_kv_cache *cache,
+                                   const pp_batch *batch, pp_panel_gemm_state *gemm_states, pp_graph_inputs *in) {
+    const int n_tokens = batch->n_tokens;
+    in->tokens = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "tokens");
+    in->positions = pp_graph_input(ctx, GGML_TYPE_I32, n_tokens, "positions");
+    /* One run of slots per layer group (see pp_batch). */
+    in->slots = pp_graph_input(ctx, GGML_TYPE_I64, (int64_t)n_tokens * cache->n_groups, "slots");
+    /* logit rows, then hidden rows (embeddings): the rows the last layer computes */
+    in->rows = pp_graph_input(ctx, GGML_TYPE_I32, batch->n_logits + batch->n_hidden, "logit_rows");
+    const pp_panel_gemm_state *head = gemm_states ? &gemm_states[m->hp.n_layer * PP_N_PROJ] : NULL;
+    /* A tied head packed into panels is the embedding too: its rows are read from there. */
+    struct ggml_tensor *x = head && head->w && !m->output ? pp_panel_embed(ctx, head->w, in->tokens)
+                                                          : ggml_get_rows(ctx, m->tok_embd, in->tokens);
+    if (m->hp.embd_scale != 1.0f) x = ggml_scale(ctx, x, m->hp.embd_scale);
+    if (batch->n_embd_rows > 0) {
+        /* given embeddings (an image's rows) overwrite their rows' lookups, unscaled, as llama.cpp
+         * feeds a Gemma 3 image */
+        struct ggml_tensor *embd = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, m->hp.n_embd, batch->n_embd_rows);
+        ggml_set_name(embd, "embd_in");
+        ggml_set_input(embd);
+        x = ggml_set_rows(ctx, x, embd, pp_graph_input(ctx, GGML_TYPE_I64, batch->n_embd_rows, "embd_rows"));
+    }
+    return x;
+}
+
+void pp_graph_write_kv(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_kv_cache *cache, int il,
+                       const pp_attention_params *ap, struct ggml_tensor *slots, struct ggml_tensor *k,
+                       struct ggml_tensor *v, struct ggml_tensor *pools[2]) {
+    const int64_t n_tokens = k->ne[2], n_embd_kv = k->ne[0] * k->ne[1];
+    struct ggml_tensor *layer_slots = ggml_view_1d(ctx, slots, n_tokens, (size_t)ap->group * n_tokens * slots->nb[0]);
+    struct ggml_tensor *rows[2] = {ggml_reshape_2d(ctx, ggml_is_contiguous(k) ? k : ggml_cont(ctx, k), n_embd_kv, n_tokens),
+                                   ggml_reshape_2d(ctx, ggml_is_contiguous(v) ? v : ggml_cont(ctx, v), n_embd_kv, n_tokens)};
+    struct ggml_tensor *dst[2] = {cache->k[il], cache->v[il]};
+    for (int i = 0; i < 2; i++) {
+        pools[i] = ggml_set_rows(ctx, dst[i], rows[i], layer_slots);
+        ggml_build_forward_expand(gf, pools[i]);
+    }
+}
+
+struct ggml_tensor *pp_graph_attention(struct ggml_context *ctx, const pp_kv_cache *cache, const pp_batch *batch,
+                                       int il, struct ggml_tensor *q, struct ggml_tensor *pools[2],
+                                       pp_attention_params *ap, int n_threads, int gather) {
+    /* Our operator reads host pools; a pool on a device takes the gather path there. */
+    if (cache->paged && !gather && !pp_pool_on_device(cache, cache->k[il]))
+        return pp_paged_attention(ctx, q, pools[0], pools[1], ap, n_threads);
+    return pp_flash_attention(ctx, cache, batch, q, pools[0], pools[1], ap);
+}
+
+struct ggml_cgraph *pp_graph_output(struct ggml_context *ctx, struct ggml_cgraph *gf, const pp_model *m,
+                                    const pp_batch *batch, struct ggml_tensor *x, pp_panel_gemm_state *head,
+                                    pp_panel_columns *last) {
+    const pp_model_hparams *hp = &m->hp;
     x = norm(ctx, x, m->output_norm, hp->rms_eps);
     if (batch->n_hidden > 0) {
         ggml_set_output(x);   /* the allocator keeps the rows the hidden view reads */
@@ -292,7 +324,7 @@ struct ggml_cgraph *pp_build_graph(struct ggml_context *ctx, const pp_model *m,
         if (batch->n_logits == 0) return gf;
         x = ggml_view_2d(ctx, x, hp->n_embd, batch->n_logits, x->nb[1], 0);
     }
-    struct ggml_tensor *logits = pp_graph_project(ctx, m->output ? m->output : m->tok_embd, head, x, &last);
+    struct ggml_tensor *logits = pp_graph_project(ctx, m->output ? m->output : m->tok_embd, head, x, last);
     if (hp->final_logit_softcap > 0.0f) {
         logits = ggml_scale(ctx, logits, 1.0f / hp->final_logit_softcap);
         logits = ggml_tanh(ctx, logits);

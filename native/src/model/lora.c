@@ -42,6 +42,8 @@ int32_t pp_lora_create(const pp_model *model, float alpha, pp_lora **out) {
     if (!model->finalized) return pp_fail(PP_ERR_INVALID, "pp_lora_create: the base model is not finalized");
     if (model->hp.arch == PP_ARCH_BERT)
         return pp_fail(PP_ERR_INVALID, "LoRA adapters apply to decoder models, not to an encoder");
+    if (model->hp.arch == PP_ARCH_GEMMA4)   /* its graph (gemma4_graph.c) adds no adapter's products */
+        return pp_fail(PP_ERR_INVALID, "LoRA adapters are not supported for gemma4 models yet");
     if (!isfinite(alpha)) return pp_fail(PP_ERR_INVALID, "adapter.lora.alpha %g is not finite", (double)alpha);
     const size_t n_slots = (size_t)model->hp.n_layer * PP_N_PROJ;
     pp_lora *l = calloc(1, sizeof *l);
@@ -83,7 +85,9 @@ static int parse_target(const pp_model *m, const char *name, size_t len, int *il
     const int32_t layer = pp_tensor_layer(name, m->hp.n_layer, &p);
     if (layer < 0 || (size_t)(p - name) > len) return -1;
     const size_t rest = len - (size_t)(p - name);
-    for (int k = 0; k < PP_N_PROJ; k++)
+    /* adapters reach attention and the dense FFN; the later slots (a delta-net layer's, a
+     * shared expert's, a dense FFN beside experts) are panels' alone */
+    for (int k = 0; k <= PP_PROJ_DOWN; k++)
         if (strlen(PROJ_NAMES[k]) == rest && !strncmp(p, PROJ_NAMES[k], rest)) {
             *il = (int)layer;
             *proj = k;

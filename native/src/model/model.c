@@ -64,11 +64,29 @@ static int32_t check_hybrid(const pp_model_hparams *hp) {
     return PP_OK;
 }
 
+/* The model's own copies of hp's per-layer arrays (one allocation, m->layer_shapes), its
+ * hp pointing at them; PP_ERR_NO_MEMORY leaves m to be destroyed. */
+static int32_t copy_layer_shapes(pp_model *m, const pp_model_hparams *hp) {
+    const int32_t *src[] = {hp->layer_head_dim, hp->layer_n_head_kv, hp->layer_n_rot, hp->layer_n_ff,
+                            hp->layer_kv_source};
+    const int32_t **dst[] = {&m->hp.layer_head_dim, &m->hp.layer_n_head_kv, &m->hp.layer_n_rot, &m->hp.layer_n_ff,
+                             &m->hp.layer_kv_source};
+    const size_t n_arrays = sizeof src / sizeof src[0], n = (size_t)hp->n_layer;
+    m->layer_shapes = malloc(n_arrays * n * sizeof(int32_t));
+    if (!m->layer_shapes) return PP_ERR_NO_MEMORY;
+    for (size_t a = 0; a < n_arrays; a++) {
+        int32_t *copy = m->layer_shapes + a * n;
+        if (src[a]) memcpy(copy, src[a], n * sizeof(int32_t));
+        *dst[a] = src[a] ? copy : NULL;
+    }
+    return PP_OK;
+}
+
 int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
     if (!hp || !out) return pp_fail(PP_ERR_INVALID, "pp_model_create: NULL argument");
     *out = NULL;
 #define REQUIRE(cond, ...) do { if (!(cond)) return pp_fail(PP_ERR_INVALID, __VA_ARGS__); } while (0)
-    REQUIRE(hp->arch >= PP_ARCH_LLAMA && hp->arch <= PP_ARCH_QWEN35MOE, "unknown architecture id %d", hp->arch);
+    REQUIRE(hp->arch >= PP_ARCH_LLAMA && hp->arch <= PP_ARCH_GEMMA4, "unknown architecture id %d", hp->arch);
     REQUIRE(hp->n_layer > 0 && hp->n_layer <= 512, "block_count %d out of range", hp->n_layer);
     REQUIRE(hp->n_embd > 0, "embedding_length %d must be positive", hp->n_embd);
     REQUIRE(hp->n_head > 0 && hp->n_head_kv > 0 && hp->n_head % hp->n_head_kv == 0,
@@ -95,7 +113,7 @@ int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
         REQUIRE(hp->yarn_beta_slow > 0 && hp->yarn_beta_fast > hp->yarn_beta_slow && hp->yarn_beta_fast <= 1e6f,
                 "yarn_beta_fast %g must be above yarn_beta_slow %g, both positive", (double)hp->yarn_beta_fast,
                 (double)hp->yarn_beta_slow);
-    if (arch_routes_experts(hp->arch)) {
+    if (arch_routes_experts(hp->arch) || (hp->arch == PP_ARCH_GEMMA4 && hp->n_expert > 0)) {
         REQUIRE(hp->n_expert > 0 && hp->n_expert <= PP_MAX_EXPERTS, "expert_count %d must be between 1 and %d",
                 hp->n_expert, PP_MAX_EXPERTS);
         REQUIRE(hp->n_expert_used > 0 && hp->n_expert_used <= hp->n_expert,
@@ -107,6 +125,8 @@ int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
                 hp->n_expert, hp->n_expert_used);
     }
 #undef REQUIRE
+    const int32_t shapes = pp_check_layer_shapes(hp);
+    if (shapes != PP_OK) return shapes;
     if (arch_is_hybrid(hp->arch)) {
         const int32_t st = check_hybrid(hp);
         if (st != PP_OK) return st;
@@ -128,6 +148,10 @@ int32_t pp_model_create(const pp_model_hparams *hp, pp_model **out) {
     }
     if (hp->layer_window) memcpy(m->layer_window, hp->layer_window, sizeof(int32_t) * hp->n_layer);
     m->hp.layer_window = m->layer_window;
+    if (copy_layer_shapes(m, hp) != PP_OK) {
+        pp_model_destroy(m);
+        return pp_fail(PP_ERR_NO_MEMORY, "cannot allocate the model's per-layer shapes");
+    }
     m->hp.layer_recurrent = NULL;
     if (arch_is_hybrid(hp->arch)) {
         m->layer_recurrent = malloc(sizeof(int32_t) * (size_t)hp->n_layer);
@@ -160,6 +184,7 @@ void pp_model_destroy(pp_model *m) {
     free(m->layer_window);
     free(m->layer_recurrent);
     free(m->layers);
+    free(m->layer_shapes);
     free(m);
 }
 
@@ -336,6 +361,7 @@ static size_t hybrid_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out) 
 static const pp_tensor_table hybrid_tensors = {decoder_globals, hybrid_layer};
 
 static const pp_tensor_table *decoder_table(const pp_model *m) {
+    if (m->hp.arch == PP_ARCH_GEMMA4) return &pp_gemma4_tensors;
     if (arch_is_hybrid(m->hp.arch)) return &hybrid_tensors;
     return m->hp.arch == PP_ARCH_GPT_OSS ? &gpt_oss_tensors : &decoder_tensors;
 }
@@ -419,7 +445,9 @@ int32_t pp_model_set_tensor(pp_model *m, const char *name, int32_t type, const i
 
 int32_t pp_model_finalize(pp_model *m) {
     if (!m) return pp_fail(PP_ERR_INVALID, "pp_model_finalize: model is NULL");
-    const int32_t st = m->hp.arch == PP_ARCH_BERT ? pp_encoder_finalize(m) : pp_check_tensors(m, decoder_table(m));
+    const int32_t st = m->hp.arch == PP_ARCH_BERT     ? pp_encoder_finalize(m)
+                     : m->hp.arch == PP_ARCH_GEMMA4 ? pp_gemma4_finalize(m)
+                                                    : pp_check_tensors(m, decoder_table(m));
     if (st == PP_OK) m->finalized = 1;
     return st;
 }

@@ -6,6 +6,7 @@
  * all experts, the n_expert_used most probable kept, their probabilities
  * renormalised to sum to 1. */
 #include "common/engine_internal.h"
+#include "model/graph_ops.h"
 #include "panels/panels.h"
 
 #include <math.h>
@@ -17,15 +18,11 @@
 struct ggml_tensor *pp_build_moe_ffn(struct ggml_context *ctx, const pp_model_hparams *hp, const pp_layer *L,
                                      struct pp_panel_gemm_state *gemm_states, struct ggml_tensor *cur) {
     const int64_t n_embd = cur->ne[0], n_tokens = cur->ne[1];
-    const int64_t n_expert = hp->n_expert, n_used = hp->n_expert_used;
+    const int64_t n_used = hp->n_expert_used;
 
-    struct ggml_tensor *probs = ggml_soft_max(ctx, pp_matmul(ctx, L->ffn_gate_inp, cur));   /* [n_expert, n_tokens] */
-    /* I32 [n_used, n_tokens], each token's experts by falling probability */
-    struct ggml_tensor *selected = ggml_argsort_top_k(ctx, probs, (int)n_used);
-    struct ggml_tensor *weights = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens), selected);
-    weights = ggml_reshape_2d(ctx, weights, n_used, n_tokens);
-    struct ggml_tensor *weight_sum = ggml_clamp(ctx, ggml_sum_rows(ctx, weights), PP_MOE_MIN_WEIGHT_SUM, INFINITY);
-    weights = ggml_reshape_3d(ctx, ggml_div(ctx, weights, weight_sum), 1, n_used, n_tokens);
+    struct ggml_tensor *weights;
+    struct ggml_tensor *selected = pp_moe_softmax_route(ctx, pp_matmul(ctx, L->ffn_gate_inp, cur), (int)n_used,
+                                                        &weights);
 
     /* one input column per token, broadcast over its n_used experts */
     struct ggml_tensor *x = ggml_reshape_3d(ctx, cur, n_embd, 1, n_tokens);
@@ -37,8 +34,26 @@ struct ggml_tensor *pp_build_moe_ffn(struct ggml_context *ctx, const pp_model_hp
     struct ggml_tensor *h = ggml_swiglu_split(ctx, gate, up);
     struct ggml_tensor *experts = EXPERTS(L->ffn_down_exps, PP_PROJ_DOWN, h);   /* [n_embd, n_used, n_tokens] */
 #undef EXPERTS
-    experts = ggml_mul(ctx, experts, weights);
+    return pp_moe_weighted_sum(ctx, experts, weights);
+}
 
+struct ggml_tensor *pp_moe_softmax_route(struct ggml_context *ctx, struct ggml_tensor *logits, int n_used,
+                                         struct ggml_tensor **weights) {
+    const int64_t n_expert = logits->ne[0], n_tokens = logits->ne[1];
+    struct ggml_tensor *probs = ggml_soft_max(ctx, logits);   /* [n_expert, n_tokens] */
+    /* I32 [n_used, n_tokens], each token's experts by falling probability */
+    struct ggml_tensor *selected = ggml_argsort_top_k(ctx, probs, n_used);
+    struct ggml_tensor *w = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens), selected);
+    w = ggml_reshape_2d(ctx, w, n_used, n_tokens);
+    struct ggml_tensor *weight_sum = ggml_clamp(ctx, ggml_sum_rows(ctx, w), PP_MOE_MIN_WEIGHT_SUM, INFINITY);
+    *weights = ggml_reshape_3d(ctx, ggml_div(ctx, w, weight_sum), 1, n_used, n_tokens);
+    return selected;
+}
+
+struct ggml_tensor *pp_moe_weighted_sum(struct ggml_context *ctx, struct ggml_tensor *experts,
+                                        struct ggml_tensor *weights) {
+    const int64_t n_embd = experts->ne[0], n_used = experts->ne[1], n_tokens = experts->ne[2];
+    experts = ggml_mul(ctx, experts, weights);
     /* The sum over a token's experts, as adds of strided views: a reduction
      * along the middle axis would need a transposed copy first. */
     struct ggml_tensor *out = ggml_view_2d(ctx, experts, n_embd, n_tokens, experts->nb[2], 0);
@@ -82,13 +97,7 @@ struct ggml_tensor *pp_build_gpt_oss_moe_ffn(struct ggml_context *ctx, const pp_
     struct ggml_tensor *experts = EXPERTS(L->ffn_down_exps, PP_PROJ_DOWN, h);   /* [n_embd, n_used, n_tokens] */
 #undef EXPERTS
     experts = ggml_add_id(ctx, experts, L->ffn_down_exps_b, selected);
-    experts = ggml_mul(ctx, experts, weights);
-
-    /* summed over a token's experts as adds of strided views, as pp_build_moe_ffn does */
-    struct ggml_tensor *out = ggml_view_2d(ctx, experts, n_embd, n_tokens, experts->nb[2], 0);
-    for (int64_t i = 1; i < n_used; i++)
-        out = ggml_add(ctx, out, ggml_view_2d(ctx, experts, n_embd, n_tokens, experts->nb[2], i * experts->nb[1]));
-    return n_used == 1 ? ggml_cont(ctx, out) : out;
+    return pp_moe_weighted_sum(ctx, experts, weights);
 }
 
 /* ---- qwen35moe's shared expert --------------------------------------------

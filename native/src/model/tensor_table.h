@@ -25,7 +25,7 @@ typedef struct pp_tensor_slot {
 
 /* The most tensors outside the layers, and in one layer, of any table. */
 #define PP_MAX_GLOBAL_SLOTS 8
-#define PP_MAX_LAYER_SLOTS 24
+#define PP_MAX_LAYER_SLOTS 32
 
 /* An architecture's tables: each writes its slots to out (room for
  * PP_MAX_GLOBAL_SLOTS or PP_MAX_LAYER_SLOTS) and returns how many it wrote;
@@ -53,5 +53,15 @@ PP_HIDDEN int32_t pp_check_tensors(pp_model *m, const pp_tensor_table *table);
  * there. Call only for PP_ARCH_BERT models. */
 int pp_encoder_resolve(pp_model *m, const char *name, pp_tensor_slot *spec);
 int32_t pp_encoder_finalize(pp_model *m);
+
+/* gemma4_model.c: Gemma 4's tensor table; the check that a model's per-layer
+ * shapes (pp_model_hparams' layer_* arrays, where given) fit and that each
+ * shared-KV layer reads an earlier layer of its window and shapes with KV of
+ * its own (PP_ERR_INVALID naming the layer); and the check that a gemma4
+ * model has every tensor it needs, an expert layer its gate and up in one of
+ * the two forms. */
+extern const pp_tensor_table pp_gemma4_tensors;
+int32_t pp_check_layer_shapes(const pp_model_hparams *hp);
+int32_t pp_gemma4_finalize(pp_model *m);
 
 #endif

@@ -203,10 +203,10 @@ static void pack_in_parallel(pack_work *work) {
         if (started[t]) pthread_join(threads[t], NULL);
 }
 
-/* Layer L's expert tensor in panel slot proj (gate, up, down), or NULL. */
+/* Layer L's expert tensor in panel slot proj (gate, or gemma4's gate and up in one; up; down), or NULL. */
 static struct ggml_tensor *expert_weight(const pp_layer *L, int proj) {
-    return proj == PP_PROJ_GATE ? L->ffn_gate_exps : proj == PP_PROJ_UP ? L->ffn_up_exps
-         : proj == PP_PROJ_DOWN ? L->ffn_down_exps : NULL;
+    return proj == PP_PROJ_GATE ? (L->ffn_gate_up_exps ? L->ffn_gate_up_exps : L->ffn_gate_exps)
+         : proj == PP_PROJ_UP ? L->ffn_up_exps : proj == PP_PROJ_DOWN ? L->ffn_down_exps : NULL;
 }
 
 int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int32_t *n_packed) {
@@ -241,7 +241,8 @@ int32_t pp_model_pack_panels(pp_model *m, int32_t any_cpu, int32_t *kernel, int3
         struct ggml_tensor *w = slot < n_slots - 1 ? pp_layer_weight(&m->layers[slot / PP_N_PROJ], slot % PP_N_PROJ)
                                                    : (m->output ? m->output : m->tok_embd);
         /* a weight on a device runs GGML's product there */
-        if (!w || pp_layer_on_device(m, slot / PP_N_PROJ) || !pp_q8_panels_fit(w->type, w->ne[0], w->ne[1], chosen)) continue;
+        if (!w || pp_layer_on_device(m, slot / PP_N_PROJ) || !pp_q8_panels_fit(w->type, w->ne[0], w->ne[1], chosen))
+            continue;
         panels[slot] = pp_q8_panels_alloc(w->type, w->ne[0], w->ne[1]);
         weights[slot] = w;
         if (!panels[slot])

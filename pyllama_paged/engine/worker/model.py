@@ -24,6 +24,10 @@ def default_model_path() -> str:
     return str(assemble())
 
 
+# ModelConfig's per-layer lists that pp_model_hparams takes as arrays of the same names
+LAYER_SHAPES = ("layer_head_dim", "layer_n_head_kv", "layer_n_rot", "layer_n_ff", "layer_kv_source")
+
+
 # pp_model_pack_panels' kernel ids, as `pyllama-paged info` names them ("ggml": nothing packed).
 PANEL_KERNELS = {lib.PP_PANEL_KERNEL_NONE: "ggml", lib.PP_PANEL_KERNEL_SCALAR: "portable",
                  lib.PP_PANEL_KERNEL_AVXVNNI: "avx-vnni", lib.PP_PANEL_KERNEL_AVX512VNNI: "avx512-vnni",
@@ -94,11 +98,15 @@ class Model(Closing):
     def _create_native(self) -> None:
         cfg = self.config
         windows = ffi.new("int32_t[]", cfg.layer_window)
-        # kept alive with hp until pp_model_create has copied it
+        # kept alive with hp until pp_model_create has copied them: per-layer shapes (gemma4),
+        # the recurrent layers (hybrids)
+        layer_shapes = {name: ffi.new("int32_t[]", values) for name in LAYER_SHAPES
+                        if (values := getattr(cfg, name))}
         recurrent = ffi.new("int32_t[]", [int(r) for r in cfg.layer_recurrent]) if cfg.is_hybrid else ffi.NULL
         hp = ffi.new("pp_model_hparams *", {
             "arch": ARCH_IDS[cfg.arch], "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
-            "n_head": cfg.n_head, "n_head_kv": cfg.n_head_kv, "head_dim": cfg.head_dim,
+            # the largest head: the native core sizes attention's tiles by it
+            "n_head": cfg.n_head, "n_head_kv": cfg.n_head_kv, "head_dim": max(cfg.layer_head_dim or [cfg.head_dim]),
             "n_ff": cfg.n_ff, "n_vocab": cfg.n_vocab, "n_ctx_train": cfg.n_ctx_train,
             "rope_type": cfg.rope_type, "rope_freq_base": cfg.rope_freq_base,
             "rope_freq_scale": cfg.rope_freq_scale, "rope_freq_base_swa": cfg.rope_freq_base_swa,
@@ -109,6 +117,7 @@ class Model(Closing):
             "rope_freq_scale_swa": cfg.rope_freq_scale_swa, "yarn_ext_factor": cfg.yarn_ext_factor,
             "yarn_attn_factor": cfg.yarn_attn_factor, "yarn_beta_fast": YARN_BETA_FAST,
             "yarn_beta_slow": YARN_BETA_SLOW, "n_ctx_orig_yarn": cfg.n_ctx_orig_yarn,
+            "n_embd_per_layer": cfg.n_embd_per_layer, **layer_shapes,
             "layer_recurrent": recurrent, "ssm_d_conv": cfg.ssm_d_conv, "ssm_d_state": cfg.ssm_d_state,
             "ssm_n_group": cfg.ssm_n_group, "ssm_dt_rank": cfg.ssm_dt_rank,
             "rope_sections": list(cfg.rope_sections), "n_ff_shexp": cfg.n_ff_shexp,

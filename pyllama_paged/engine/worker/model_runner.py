@@ -38,8 +38,19 @@ def kv_row_bytes(kv_cache_type: str, n_values: int) -> int:
 
 
 def dense_kv_bytes_per_token(config, kv_cache_type: str) -> int:
-    """K+V bytes of one token over every attention layer: what a cache that frees nothing holds."""
-    return 2 * config.n_attention_layers * kv_row_bytes(kv_cache_type, config.head_dim * config.n_head_kv)
+    """K+V bytes of one token over every attention layer that keeps its own KV: what a cache that
+    frees nothing holds."""
+    return sum(2 * kv_row_bytes(kv_cache_type, config.kv_values(il)) for il in range(config.n_layer)
+               if config.owns_kv(il))
+
+
+def kv_groups_for(config, paged: bool, free_window_blocks: bool) -> KVGroups:
+    """The model's layer groups: sliding-window layers apart (their blocks given back) when
+    paged and freeing, else one group; layers reading another's KV in their source's."""
+    if not (paged and free_window_blocks):
+        return KVGroups.single(config.n_layer)
+    return KVGroups.for_layers(config.layer_window, [config.kv_values(il) for il in range(config.n_layer)],
+                               config.layer_kv_source)
 
 
 def _ptr(arr: np.ndarray, ctype: str = "int32_t *"):
@@ -80,8 +91,7 @@ class ModelRunner:
         cfg = model.config
         # Sliding-window layers get their own block tables and give pages back
         # (kv_groups.py); free_window_blocks=False keeps every layer's KV.
-        self.kv_groups = KVGroups.for_windows(cfg.layer_window) if paged and config.free_window_blocks \
-            else KVGroups.single(cfg.n_layer)
+        self.kv_groups = kv_groups_for(cfg, paged, config.free_window_blocks)
         dense_token_bytes = dense_kv_bytes_per_token(cfg, kv_cache_type)
         # the same KV bytes for pages and for the slab baseline, unless the pages are counted
         budget = config.kv_budget_bytes(n_ctx, dense_token_bytes)
@@ -89,7 +99,9 @@ class ModelRunner:
             running, checkpoints, budget = hybrid_slots(config, state_bytes_per_sequence(model.native), budget,
                                                         n_ctx * dense_token_bytes)
         if paged:
-            slot_bytes = dense_token_bytes // self.kv_groups.n_groups
+            # the rows the layers that keep their own KV put in a slot (not shared-KV or recurrent ones)
+            kv_values = [cfg.kv_values(il) if cfg.owns_kv(il) else 0 for il in range(cfg.n_layer)]
+            slot_bytes = 2 * kv_row_bytes(kv_cache_type, self.kv_groups.slot_values(kv_values))
             num_blocks = config.num_blocks or max(1, budget // (slot_bytes * block_size))
             self.kv = PagedKV(num_blocks, block_size, n_ctx, self.kv_groups)
         else:
@@ -152,8 +164,9 @@ class ModelRunner:
         """Per layer group: its window and the KV bytes per token it costs in steady state
         (a window group's cost stops growing past its window)."""
         per_token = self.kv_slot_bytes
-        layers = self.model.config.n_attention_layers // self.kv_groups.n_groups
-        return [{"group": g, "window": w, "layers": layers,
+        groups = self.kv_groups.layer_group
+        return [{"group": g, "window": w,
+                 "layers": sum(1 for il in range(len(groups)) if groups[il] == g and self.model.config.attends(il)),
                  "bytes_per_token": per_token,
                  "max_tokens": (-(-(w - 1) // self.kv.block_size) + 1) * self.kv.block_size if w > 0 else None}
                 for g, w in enumerate(self.kv_groups.group_window)]

@@ -122,10 +122,13 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def routed_experts(h: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
-                   n_used: int) -> np.ndarray:
+                   n_used: int, *, act=silu, router_input: np.ndarray | None = None,
+                   expert_scale: np.ndarray | None = None) -> np.ndarray:
     """The routed experts' FFN of rows h [n, n_embd]: router [n_expert, n_embd], gate and up
-    [n_expert, n_ff_exp, n_embd], down [n_expert, n_embd, n_ff_exp] (numpy shapes)."""
-    probs = softmax(h @ router.T.astype(np.float64))
+    [n_expert, n_ff_exp, n_embd], down [n_expert, n_embd, n_ff_exp] (numpy shapes). The router
+    reads router_input where given (gemma4's differs from the experts' input), else h; act is
+    the gate's activation; expert_scale [n_expert] multiplies each expert's output (gemma4)."""
+    probs = softmax((h if router_input is None else router_input) @ router.T.astype(np.float64))
     chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :n_used]   # [n, n_used]
     weights = np.take_along_axis(probs, chosen, axis=-1)
     weights /= weights.sum(axis=-1, keepdims=True)
@@ -133,8 +136,8 @@ def routed_experts(h: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.n
     for e in np.unique(chosen):
         rows, slot = np.nonzero(chosen == e)
         x = h[rows]
-        act = silu(x @ gate[e].T.astype(np.float64)) * (x @ up[e].T.astype(np.float64))
-        out[rows] += weights[rows, slot][:, None] * (act @ down[e].T.astype(np.float64))
+        y = (act(x @ gate[e].T.astype(np.float64)) * (x @ up[e].T.astype(np.float64))) @ down[e].T.astype(np.float64)
+        out[rows] += weights[rows, slot][:, None] * (y if expert_scale is None else y * expert_scale[e])
     return out
 
 
