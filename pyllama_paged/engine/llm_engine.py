@@ -150,6 +150,12 @@ class LLMEngine:
         self.kv_moves.tiers = self.scheduler.tiers = self.tiers
         return self.tiers
 
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         """Free the runner (KV pools, compute context) and a model from_config loaded; queued
         disk-tier writes are finished first."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -285,6 +286,11 @@ def _op_tensor(doc: Doc, name: str, what: str, value) -> None:
         t.offset = value
     elif what == "offset_add":
         t.offset += value
+
+
+def missing_tensor_case(name: str) -> tuple[list, str]:
+    """A malformed-file case: the ops that drop tensor name, and the error they must bring."""
+    return [["tensor_drop", name]], rf"missing tensor '{re.escape(name)}'"
 
 
 def _op_tensor_drop(doc: Doc, name: str) -> None:

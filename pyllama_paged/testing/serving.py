@@ -189,3 +189,20 @@ def model_server(paths, limits=None, **options):
             server.close()
     finally:
         registry.close()
+
+
+def assert_served_completion(path, prompt: str, text: str, max_tokens: int = 8) -> None:
+    """The file at path, served, continues prompt greedily with text (what Llama gave), through
+    the openai client's completions and Ollama's raw /api/generate alike."""
+    import httpx
+    import openai
+
+    with model_server([str(path)], n_ctx=128, n_threads=2, n_batch=64) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        name = client.models.list().data[0].id
+        r = client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        assert r.choices[0].text == text
+        body = httpx.post(f"{server.url}/api/generate", timeout=60, json={
+            "model": name, "prompt": prompt, "raw": True, "stream": False,
+            "options": {"temperature": 0, "num_predict": max_tokens}}).json()
+        assert body["response"] == text

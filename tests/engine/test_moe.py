@@ -6,9 +6,7 @@ server on a tiny model; and the errors of a broken expert file."""
 import itertools
 from pathlib import Path
 
-import httpx
 import numpy as np
-import openai
 import pytest
 
 from pyllama_paged._native import ffi, lib
@@ -25,7 +23,7 @@ from pyllama_paged.testing.routed_logits import assert_routed_logits_match as as
 from pyllama_paged.testing.routed_logits import file_logits as engine_logits
 from pyllama_paged.testing.reference.numpy_model import ReferenceModel
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
-from pyllama_paged.testing.serving import model_server
+from pyllama_paged.testing.serving import assert_served_completion
 from pyllama_paged.testing.engine_runs import prompt_logits
 
 EOT = {2}   # the tiny vocabulary's </s>
@@ -135,11 +133,8 @@ def reference_answers(reference):
 def test_parallel_samples_fork_and_copy_on_write_keep_the_reference_answer(model, reference):
     """n=3 greedy samples share the prompt's pages, copy the partial last block on their first
     write, and each continues as the reference does."""
-    llm = small_engine(model, EOT)
-    try:
-        assert_forked_samples_agree(llm, PROMPTS[2], reference["f16"], EOT)   # 2 full blocks and a partial one
-    finally:
-        llm.runner.close()
+    with small_engine(model, EOT) as llm:   # 2 full blocks and a partial one
+        assert_forked_samples_agree(llm, PROMPTS[2], reference["f16"], EOT)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -167,15 +162,7 @@ def test_llama_api_and_http_server_answer_as_the_reference(tiny, reference):
         assert text == llm.detokenize(answer, prev_tokens=ids).decode("utf-8", "replace")
     finally:
         llm.close()
-    with model_server([str(path)], n_ctx=128, n_threads=2, n_batch=64) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-        name = client.models.list().data[0].id
-        r = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
-        assert r.choices[0].text == text
-        body = httpx.post(f"{server.url}/api/generate", timeout=60, json={
-            "model": name, "prompt": prompt, "raw": True, "stream": False,
-            "options": {"temperature": 0, "num_predict": 8}}).json()
-        assert body["response"] == text
+    assert_served_completion(path, prompt, text)
 
 
 # ---- broken files -----------------------------------------------------------------------
@@ -188,8 +175,8 @@ def mutated(tmp_path, source, ops):
 
 
 @pytest.mark.parametrize("ops,message", [
-    ([["tensor_drop", "blk.1.ffn_up_exps.weight"]], r"missing tensor 'blk\.1\.ffn_up_exps\.weight'"),
-    ([["tensor_drop", "blk.0.ffn_gate_inp.weight"]], r"missing tensor 'blk\.0\.ffn_gate_inp\.weight'"),
+    gguf_mutate.missing_tensor_case("blk.1.ffn_up_exps.weight"),
+    gguf_mutate.missing_tensor_case("blk.0.ffn_gate_inp.weight"),
     ([["kv", "qwen3moe.expert_used_count", gguf_mutate.U32, 9]],
      r"'qwen3moe\.expert_used_count' is 9, more than the 8 experts of 'qwen3moe\.expert_count'"),
     ([["kv", "qwen3moe.expert_count", gguf_mutate.U32, 0]], r"'qwen3moe\.expert_count' is 0, outside \[1, 1024\]"),

@@ -212,11 +212,8 @@ def test_llama_api_and_http_server_answer_as_the_reference(tiny_hybrid):
     real server."""
     import itertools
 
-    import httpx
-    import openai
-
     from pyllama_paged.api.llama import Llama
-    from pyllama_paged.testing.serving import model_server
+    from pyllama_paged.testing.serving import assert_served_completion
 
     model, ref, eot = tiny_hybrid
     prompt = "The capital of France is"
@@ -230,15 +227,7 @@ def test_llama_api_and_http_server_answer_as_the_reference(tiny_hybrid):
         assert text == llm.detokenize(answer, prev_tokens=ids).decode("utf-8", "replace")
     finally:
         llm.close()
-    with model_server([model.path], n_ctx=128, n_threads=2, n_batch=64) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-        name = client.models.list().data[0].id
-        r = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
-        assert r.choices[0].text == text
-        body = httpx.post(f"{server.url}/api/generate", timeout=60, json={
-            "model": name, "prompt": prompt, "raw": True, "stream": False,
-            "options": {"temperature": 0, "num_predict": 8}}).json()
-        assert body["response"] == text
+    assert_served_completion(model.path, prompt, text)
 
 
 @pytest.mark.parametrize("weight_type", ["q8_0", "f16"])

@@ -17,9 +17,7 @@ static size_t encoder_globals(pp_model *m, pp_tensor_slot *out) {
         {"token_embd_norm.weight", &m->embd_norm, n_embd, 0, 1},
         {"token_embd_norm.bias", &m->embd_norm_b, n_embd, 0, 1},
     };
-    _Static_assert(sizeof table <= PP_MAX_GLOBAL_SLOTS * sizeof table[0], "raise PP_MAX_GLOBAL_SLOTS");
-    memcpy(out, table, sizeof table);
-    return sizeof table / sizeof table[0];
+    PP_RETURN_GLOBAL_SLOTS(table);
 }
 
 /* bert's layer tensors, every one required. */

@@ -198,9 +198,7 @@ static size_t decoder_globals(pp_model *m, pp_tensor_slot *out) {
         {"output.weight", &m->output, hp->n_embd, hp->n_vocab, 0},   /* absent: tied to the embedding */
         {"rope_freqs.weight", &m->rope_freqs, hp->n_rot / 2, 0, 0},
     };
-    _Static_assert(sizeof table <= PP_MAX_GLOBAL_SLOTS * sizeof table[0], "raise PP_MAX_GLOBAL_SLOTS");
-    memcpy(out, table, sizeof table);
-    return sizeof table / sizeof table[0];
+    PP_RETURN_GLOBAL_SLOTS(table);
 }
 
 /* A layer's feed-forward tensors: one dense FFN, or a router and its experts
@@ -228,6 +226,21 @@ static size_t decoder_ffn(const pp_model *m, pp_layer *L, pp_tensor_slot *out) {
     return sizeof experts / sizeof experts[0];
 }
 
+/* A layer's own slots, then its FFN's (at most 4 more): out holds both; their count. */
+#define TABLE_THEN_FFN(table)                                                                      \
+    do {                                                                                           \
+        _Static_assert(sizeof(table) + 4 * sizeof(table)[0] <= PP_MAX_LAYER_SLOTS * sizeof(table)[0], \
+                       "raise PP_MAX_LAYER_SLOTS");                                               \
+        memcpy(out, (table), sizeof(table));                                                       \
+        return sizeof(table) / sizeof(table)[0] + decoder_ffn(m, L, out + sizeof(table) / sizeof(table)[0]); \
+    } while (0)
+
+/* A decoder layer's attention norm and projections (n_embd, q_dim, kv_dim in scope). */
+#define ATTENTION_SLOTS                                                                            \
+    {"attn_norm.weight", &L->attn_norm, n_embd, 0, 1}, {"attn_q.weight", &L->wq, n_embd, q_dim, 1}, \
+        {"attn_k.weight", &L->wk, n_embd, kv_dim, 1}, {"attn_v.weight", &L->wv, n_embd, kv_dim, 1}, \
+        {"attn_output.weight", &L->wo, q_dim, n_embd, 1}
+
 static size_t decoder_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out) {
     const pp_model_hparams *hp = &m->hp;
     const int64_t n_embd = hp->n_embd, q_dim = (int64_t)hp->n_head * hp->head_dim,
@@ -235,11 +248,7 @@ static size_t decoder_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out)
     const int arch = hp->arch,
               qk_norm = arch == PP_ARCH_QWEN3 || arch == PP_ARCH_GEMMA3 || arch == PP_ARCH_QWEN3MOE;
     const pp_tensor_slot table[] = {
-        {"attn_norm.weight", &L->attn_norm, n_embd, 0, 1},
-        {"attn_q.weight", &L->wq, n_embd, q_dim, 1},
-        {"attn_k.weight", &L->wk, n_embd, kv_dim, 1},
-        {"attn_v.weight", &L->wv, n_embd, kv_dim, 1},
-        {"attn_output.weight", &L->wo, q_dim, n_embd, 1},
+        ATTENTION_SLOTS,
         {"ffn_norm.weight", &L->ffn_norm, n_embd, 0, 1},
         {"attn_q.bias", &L->bq, q_dim, 0, arch == PP_ARCH_QWEN2},
         {"attn_k.bias", &L->bk, kv_dim, 0, arch == PP_ARCH_QWEN2},
@@ -250,11 +259,7 @@ static size_t decoder_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out)
         {"post_ffw_norm.weight", &L->post_ffw_norm, n_embd, 0, arch == PP_ARCH_GEMMA3},
     };
     /* the FFN's slots (at most 4) follow */
-    _Static_assert(sizeof table + 4 * sizeof table[0] <= PP_MAX_LAYER_SLOTS * sizeof table[0],
-                   "raise PP_MAX_LAYER_SLOTS");
-    memcpy(out, table, sizeof table);
-    const size_t n = sizeof table / sizeof table[0];
-    return n + decoder_ffn(m, L, out + n);
+    TABLE_THEN_FFN(table);
 }
 
 static const pp_tensor_table decoder_tensors = {decoder_globals, decoder_layer};
@@ -268,11 +273,7 @@ static size_t gpt_oss_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out)
     const int64_t n_embd = hp->n_embd, q_dim = (int64_t)hp->n_head * hp->head_dim,
                   kv_dim = (int64_t)hp->n_head_kv * hp->head_dim, n_ff = hp->n_ff_exp, n_expert = hp->n_expert;
     const pp_tensor_slot table[] = {
-        {"attn_norm.weight", &L->attn_norm, n_embd, 0, 1},
-        {"attn_q.weight", &L->wq, n_embd, q_dim, 1},
-        {"attn_k.weight", &L->wk, n_embd, kv_dim, 1},
-        {"attn_v.weight", &L->wv, n_embd, kv_dim, 1},
-        {"attn_output.weight", &L->wo, q_dim, n_embd, 1},
+        ATTENTION_SLOTS,
         {"attn_q.bias", &L->bq, q_dim, 0, 1},
         {"attn_k.bias", &L->bk, kv_dim, 0, 1},
         {"attn_v.bias", &L->bv, kv_dim, 0, 1},
@@ -285,11 +286,7 @@ static size_t gpt_oss_layer(const pp_model *m, pp_layer *L, pp_tensor_slot *out)
         {"ffn_down_exps.bias", &L->ffn_down_exps_b, n_embd, n_expert, 1},
     };
     /* the experts' slots (4) follow */
-    _Static_assert(sizeof table + 4 * sizeof table[0] <= PP_MAX_LAYER_SLOTS * sizeof table[0],
-                   "raise PP_MAX_LAYER_SLOTS");
-    memcpy(out, table, sizeof table);
-    const size_t n = sizeof table / sizeof table[0];
-    return n + decoder_ffn(m, L, out + n);
+    TABLE_THEN_FFN(table);
 }
 
 static const pp_tensor_table gpt_oss_tensors = {decoder_globals, gpt_oss_layer};

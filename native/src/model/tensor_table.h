@@ -27,6 +27,14 @@ typedef struct pp_tensor_slot {
 #define PP_MAX_GLOBAL_SLOTS 8
 #define PP_MAX_LAYER_SLOTS 32
 
+/* A globals table's end: table (an array in scope) copied to out, its count returned. */
+#define PP_RETURN_GLOBAL_SLOTS(table)                                                                   \
+    do {                                                                                                \
+        _Static_assert(sizeof(table) <= PP_MAX_GLOBAL_SLOTS * sizeof(table)[0], "raise PP_MAX_GLOBAL_SLOTS"); \
+        memcpy(out, (table), sizeof(table));                                                            \
+        return sizeof(table) / sizeof(table)[0];                                                        \
+    } while (0)
+
 /* An architecture's tables: each writes its slots to out (room for
  * PP_MAX_GLOBAL_SLOTS or PP_MAX_LAYER_SLOTS) and returns how many it wrote;
  * a layer's are keyed by the name's suffix after "blk.<il>.". */
