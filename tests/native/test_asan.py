@@ -28,7 +28,7 @@ from pathlib import Path
 from pyllama_paged.testing.reference.tiny_gguf import write_tiny_model
 import pyllama_paged
 from pyllama_paged import _native
-from pyllama_paged.engine.worker.sampler import MAX_BEAM_WIDTH
+from pyllama_paged.engine import MAX_BEAM_WIDTH
 
 model_path, ggml_dir = sys.argv[1], Path(sys.argv[2]).resolve()
 write_tiny_model(model_path, "gemma3", weight_type="q8_0")
