@@ -32,11 +32,19 @@ def unpack_carry(carry: Path, into: Path) -> Path:
     return into
 
 
+def ggml_lib_dir(site: Path) -> Path:
+    """The carried GGML's library folder under site: lib64 as PyPI's wheel lays it out, else
+    lib as a build from the sdist does."""
+    ggml = site / "libggml"
+    return ggml / "lib64" if (ggml / "lib64").is_dir() else ggml / "lib"
+
+
 def carry_env(root: Path, env: dict | None = None) -> dict:
     """env (default os.environ) with the carry's site first on PYTHONPATH and its GGML first on
     LD_LIBRARY_PATH (llama.cpp's tools find it by their rpath too)."""
     env = dict(os.environ if env is None else env)
-    site, libs = root / "site", root / "site" / "libggml" / "lib"
+    site = root / "site"
+    libs = ggml_lib_dir(site)
     env["PYTHONPATH"] = os.pathsep.join([str(site)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["LD_LIBRARY_PATH"] = ":".join([str(libs)] + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p])
     env[CARRY_ENV] = str(root)
@@ -49,8 +57,9 @@ def carry_problems(root: Path, need_cuda: bool = True) -> list[str]:
     problems = []
     if not (site / "pyllama_paged" / "libpyllama_paged.so").is_file():
         problems.append("site/pyllama_paged/libpyllama_paged.so is missing (our library)")
-    if need_cuda and not (site / "libggml" / "lib" / "libggml-cuda.so").exists():
-        problems.append("site/libggml/lib/libggml-cuda.so is missing: the carried GGML has no CUDA backend")
+    cuda = ggml_lib_dir(site) / "libggml-cuda.so"
+    if need_cuda and not cuda.exists():
+        problems.append(f"{cuda.relative_to(root)} is missing: the carried GGML has no CUDA backend")
     for tool in LLAMA_CPP_TOOLS:
         if not os.access(root / "llama.cpp" / "bin" / tool, os.X_OK):
             problems.append(f"llama.cpp/bin/{tool} is missing")

@@ -55,8 +55,9 @@ def _site_from_this_install(root: Path, with_cuda: bool, loan=None) -> None:
     shutil.copytree(Path(libggml.__file__).parent, site / "libggml")
     for module in loan.CARRIED_MODULES if loan else ():
         shutil.copytree(Path(importlib.import_module(module).__file__).parent, site / module)
-    if with_cuda:
-        shutil.copy(site / "libggml" / "lib" / "libggml.so.0", site / "libggml" / "lib" / "libggml-cuda.so")
+    if with_cuda:   # the wheel's libraries are in lib64, a build from the sdist's in lib
+        libs = next(site / "libggml" / d for d in ("lib64", "lib") if (site / "libggml" / d).is_dir())
+        shutil.copy(libs / "libggml.so.0", libs / "libggml-cuda.so")
     (root / "llama.cpp" / "bin").mkdir(parents=True)
 
 
@@ -83,7 +84,8 @@ def test_a_complete_carry_is_unpacked_and_run_on(loan, tmp_path):
     assert problems == []
     env = loan.carry_env(root, {"PYTHONPATH": "/x", "LD_LIBRARY_PATH": "/y"})
     assert env["PYTHONPATH"].split(os.pathsep) == [str(root / "site"), "/x"]
-    assert env["LD_LIBRARY_PATH"].split(":") == [str(root / "site" / "libggml" / "lib"), "/y"]
+    assert env["LD_LIBRARY_PATH"].split(":") == [str(loan.ggml_lib_dir(root / "site")), "/y"]
+    assert (loan.ggml_lib_dir(root / "site") / "libggml.so.0").exists()
 
 
 def test_results_come_back_as_one_file_and_never_as_more_than_a_loan_returns(loan, tmp_path):
